@@ -1,0 +1,74 @@
+"""Audio encoding for the wire: resampling with per-stream state, sample formats, WAV files."""
+
+from __future__ import annotations
+
+import io
+import wave
+
+import numpy as np
+import soxr
+
+
+class StreamEncoder:
+    """Turns a stream's float32 chunks at the engine rate into wire bytes at the client's rate.
+
+    The resampler keeps its filter state across chunks, so chunk boundaries leave no seams;
+    `flush()` returns the tail the filter still holds at the end of the stream.
+    """
+
+    def __init__(self, in_rate: int, out_rate: int, fmt: str) -> None:
+        self.in_rate = in_rate
+        self.out_rate = out_rate
+        self.format = fmt
+        self._resampler = (
+            soxr.ResampleStream(in_rate, out_rate, 1, dtype="float32", quality="HQ") if in_rate != out_rate else None
+        )
+        self.samples_out = 0
+
+    def encode(self, pcm: np.ndarray) -> bytes:
+        pcm = np.asarray(pcm, dtype=np.float32).reshape(-1)
+        if self._resampler is not None:
+            pcm = self._resampler.resample_chunk(pcm, last=False)
+        return self._pack(pcm)
+
+    def flush(self) -> bytes:
+        if self._resampler is None:
+            return b""
+        return self._pack(self._resampler.resample_chunk(np.zeros(0, np.float32), last=True))
+
+    def _pack(self, pcm: np.ndarray) -> bytes:
+        self.samples_out += pcm.shape[0]
+        return pcm_to_bytes(pcm, self.format)
+
+
+def pcm_to_bytes(pcm: np.ndarray, fmt: str) -> bytes:
+    """float32 [-1, 1] samples to little-endian bytes in the wire format."""
+    if fmt == "f32":
+        return np.asarray(pcm, dtype="<f4").tobytes()
+    if fmt == "s16":
+        return (np.clip(pcm, -1.0, 1.0) * 32767.0).round().astype("<i2").tobytes()
+    raise ValueError(f"unknown format {fmt!r}")
+
+
+def bytes_to_pcm(data: bytes, fmt: str) -> np.ndarray:
+    """Inverse of pcm_to_bytes (for clients and tests)."""
+    if fmt == "f32":
+        return np.frombuffer(data, dtype="<f4").astype(np.float32)
+    if fmt == "s16":
+        return np.frombuffer(data, dtype="<i2").astype(np.float32) / 32767.0
+    raise ValueError(f"unknown format {fmt!r}")
+
+
+def bytes_per_sample(fmt: str) -> int:
+    return {"f32": 4, "s16": 2}[fmt]
+
+
+def wav_bytes(pcm: np.ndarray, sample_rate: int) -> bytes:
+    """A 16-bit mono WAV file in memory."""
+    buf = io.BytesIO()
+    with wave.open(buf, "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(sample_rate)
+        w.writeframes(pcm_to_bytes(pcm, "s16"))
+    return buf.getvalue()

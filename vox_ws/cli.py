@@ -1,0 +1,114 @@
+"""`vox-ws` command line. Every `serve` option can also be set as VOX_WS_<OPTION> in the environment."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import logging
+import os
+import sys
+from typing import Any, Callable, Sequence
+
+from .config import ServerConfig
+from .engines import ENGINES
+from .protocol import Limits
+
+
+def _bool(text: str) -> bool:
+    value = text.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off", ""):
+        return False
+    raise argparse.ArgumentTypeError(f"not a boolean: {text!r}")
+
+
+# (option, type, default, help); the destination is the option name with '-' -> '_'.
+_SERVE_OPTIONS: list[tuple[str, Callable[[str], Any], Any, str]] = [
+    ("host", str, "127.0.0.1", "address to listen on"),
+    ("port", int, 8765, "port for WebSocket and HTTP (0: any free port)"),
+    ("engine", str, "auto", f"one of {', '.join(ENGINES)}; auto picks VoxCPM2 with a GPU and weights, else Piper"),
+    ("model", str, None, "VoxCPM checkpoint directory or hub id (offline: from the local HF cache)"),
+    ("device", str, "auto", "auto, cuda, cpu or mps (VoxCPM engine)"),
+    ("threads", int, 1, "CPU threads for the model (torch / ONNX Runtime)"),
+    ("optimize", _bool, False, "torch.compile the model where it works (CUDA)"),
+    ("load-denoiser", _bool, False, "load the ZipEnhancer denoiser (needs modelscope and its weights)"),
+    ("max-batch", int, 8, "streams generated together in one step"),
+    ("max-queue", int, Limits.max_queue, "streams that may wait for a slot; beyond it, `busy`"),
+    ("max-streams", int, Limits.max_streams, "open streams per connection"),
+    ("max-text-chars", int, Limits.max_text_chars, "characters per text"),
+    ("max-frame-bytes", int, Limits.max_frame_bytes, "bytes per client frame"),
+    ("idle-timeout", float, Limits.idle_timeout_s, "seconds before a connection with no stream and no message is closed"),
+    ("max-buffered-audio", float, Limits.max_buffered_audio_s, "audio seconds a stream may have unsent before generation pauses"),
+    ("write-stall-timeout", float, Limits.write_stall_timeout_s, "seconds a paused stream may wait on its reader before `slow_consumer`"),
+    ("drain-timeout", float, 10.0, "seconds streams may finish after SIGTERM"),
+    ("ping-interval", float, 10.0, "seconds between keepalive pings"),
+    ("log-level", str, "info", "debug, info, warning or error"),
+]
+
+
+def _env_name(option: str) -> str:
+    return "VOX_WS_" + option.upper().replace("-", "_")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="vox-ws", description="Streaming text-to-speech over WebSocket.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    serve = commands.add_parser("serve", help="run the server",
+                                description="Run the server. Each option may also come from VOX_WS_<OPTION>.")
+    for option, kind, default, text in _SERVE_OPTIONS:
+        env = _env_name(option)
+        raw = os.environ.get(env)
+        value = default
+        if raw is not None:
+            try:
+                value = kind(raw)
+            except (ValueError, argparse.ArgumentTypeError) as exc:
+                parser.error(f"{env}={raw!r}: {exc}")
+        serve.add_argument(f"--{option}", type=kind, default=value, help=f"{text} [env {env}; default {default}]")
+    return parser
+
+
+def config_from_args(args: argparse.Namespace) -> ServerConfig:
+    limits = Limits(
+        max_frame_bytes=args.max_frame_bytes,
+        max_text_chars=args.max_text_chars,
+        max_streams=args.max_streams,
+        idle_timeout_s=args.idle_timeout,
+        max_queue=args.max_queue,
+        max_buffered_audio_s=args.max_buffered_audio,
+        write_stall_timeout_s=args.write_stall_timeout,
+    )
+    fields = {f.name for f in dataclasses.fields(ServerConfig)}
+    values = {k: v for k, v in vars(args).items() if k in fields}
+    return ServerConfig(**values, ping_timeout=max(args.ping_interval * 2, 5.0), limits=limits)
+
+
+async def _serve(config: ServerConfig) -> int:
+    from .engines import create_engine
+    from .server import VoxServer
+
+    engine = create_engine(config.engine, **config.engine_options())
+    server = VoxServer(config, engine)
+    await server.start()
+    server.install_signal_handlers()
+    await server.wait_stopped()
+    return server.exit_code
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=getattr(logging, str(getattr(args, "log_level", "info")).upper(), logging.INFO),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    if args.command == "serve":
+        config = config_from_args(args)
+        try:
+            import uvloop
+        except ImportError:
+            return asyncio.run(_serve(config))
+        return uvloop.run(_serve(config))
+    return 2

@@ -1,0 +1,33 @@
+"""Server configuration: one dataclass, filled from the command line or VOX_WS_* variables."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .protocol import Limits
+
+
+@dataclass
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8765
+    engine: str = "auto"
+    model: str | None = None
+    device: str = "auto"
+    threads: int = 1
+    optimize: bool = False
+    load_denoiser: bool = False
+    max_batch: int = 8
+    drain_timeout: float = 10.0
+    ping_interval: float = 10.0
+    ping_timeout: float = 20.0
+    limits: Limits = field(default_factory=Limits)
+
+    def engine_options(self) -> dict:
+        return {
+            "model": self.model,
+            "device": self.device,
+            "threads": self.threads,
+            "optimize": self.optimize,
+            "load_denoiser": self.load_denoiser,
+        }

@@ -1,0 +1,309 @@
+"""The wire format, in one place: decoding, validation, encoding and error codes.
+
+Pure functions and plain data only (no sockets, no asyncio), so that every rule here can be
+tested exhaustively and cheaply. ``docs/PROTOCOL.md`` is the prose version of this module;
+the two must agree.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+
+PROTOCOL_VERSION = 1
+
+# Error codes (the `code` of an `error` message).
+BAD_FRAME = "bad_frame"
+BAD_REQUEST = "bad_request"
+UNKNOWN_STREAM = "unknown_stream"
+DUPLICATE_STREAM = "duplicate_stream"
+TOO_LARGE = "too_large"
+TOO_MANY_STREAMS = "too_many_streams"
+BUSY = "busy"
+NOT_READY = "not_ready"
+TIMEOUT = "timeout"
+INTERNAL = "internal"
+SLOW_CONSUMER = "slow_consumer"
+UNSUPPORTED = "unsupported"
+UNAUTHORIZED = "unauthorized"
+ERROR_CODES = (
+    BAD_FRAME, BAD_REQUEST, UNKNOWN_STREAM, DUPLICATE_STREAM, TOO_LARGE, TOO_MANY_STREAMS,
+    BUSY, NOT_READY, TIMEOUT, INTERNAL, SLOW_CONSUMER, UNSUPPORTED, UNAUTHORIZED,
+)
+# A client may retry these later with the same request and expect it to work.
+RETRYABLE = frozenset({BUSY, NOT_READY, TIMEOUT, SLOW_CONSUMER})
+
+# WebSocket close codes used by the server.
+CLOSE_NORMAL = 1000
+CLOSE_GOING_AWAY = 1001          # server shutting down
+CLOSE_POLICY = 1008              # policy violation (e.g. flooding after errors)
+CLOSE_TOO_BIG = 1009             # frame beyond the hard transport limit
+CLOSE_INTERNAL = 1011            # engine failure that ends the connection
+CLOSE_TRY_AGAIN_LATER = 1013     # server at its connection limit
+CLOSE_IDLE = 4000                # idle timeout: no open stream and no message
+
+# Stream end reasons.
+END_DONE = "done"
+END_CANCELLED = "cancelled"
+END_MAX_LEN = "max_len"
+
+FORMATS = ("f32", "s16")
+MIN_SAMPLE_RATE = 8000
+MAX_SAMPLE_RATE = 48000
+MAX_ID_CHARS = 128
+
+
+class ProtocolError(Exception):
+    """A request the server refuses; becomes one `error` message on the wire."""
+
+    def __init__(self, code: str, message: str, stream_id: str | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.stream_id = stream_id
+
+    @property
+    def retryable(self) -> bool:
+        return self.code in RETRYABLE
+
+
+# --------------------------------------------------------------------------- options
+
+
+@dataclass(frozen=True)
+class OptionSpec:
+    kind: type            # bool, int or float
+    low: float | None = None
+    high: float | None = None
+
+
+# Generation options and their accepted ranges. Engines list which of these they honour;
+# the rest are validated all the same and reported back as ignored in `start`.
+OPTION_SPECS: dict[str, OptionSpec] = {
+    "cfg_value": OptionSpec(float, 0.0, 10.0),
+    "inference_timesteps": OptionSpec(int, 1, 100),
+    "min_len": OptionSpec(int, 0, 4096),
+    "max_len": OptionSpec(int, 1, 8192),
+    "normalize": OptionSpec(bool),
+    "denoise": OptionSpec(bool),
+    "seed": OptionSpec(int, 0, 2**63 - 1),
+}
+
+
+# --------------------------------------------------------------------------- messages
+
+
+@dataclass(frozen=True)
+class Start:
+    id: str | None
+    text: str
+    voice: str | None
+    format: str
+    sample_rate: int | None
+    options: dict[str, Any] = field(default_factory=dict)
+    stream_input: bool = False
+
+
+@dataclass(frozen=True)
+class Chunk:
+    id: str
+    text: str
+
+
+@dataclass(frozen=True)
+class End:
+    id: str
+
+
+@dataclass(frozen=True)
+class Flush:
+    id: str
+
+
+@dataclass(frozen=True)
+class Cancel:
+    id: str
+
+
+ClientMessage = Start | Chunk | End | Flush | Cancel
+
+
+@dataclass(frozen=True)
+class Limits:
+    """The limits a server publishes in `hello` and enforces."""
+
+    max_frame_bytes: int = 1 << 20
+    max_text_chars: int = 5000
+    max_streams: int = 8
+    idle_timeout_s: float = 60.0
+    max_queue: int = 64
+    max_buffered_audio_s: float = 10.0
+    write_stall_timeout_s: float = 20.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+# --------------------------------------------------------------------------- decoding
+
+
+def decode_frame(data: bytes | str, limits: Limits) -> dict[str, Any]:
+    """Turn one WebSocket message into a msgpack map with a string `type`.
+
+    Raises ProtocolError(bad_frame | too_large).
+    """
+    if isinstance(data, str):
+        raise ProtocolError(BAD_FRAME, "text frames are not accepted: send one msgpack map per binary frame")
+    if len(data) > limits.max_frame_bytes:
+        raise ProtocolError(TOO_LARGE, f"frame of {len(data)} bytes exceeds max_frame_bytes={limits.max_frame_bytes}")
+    try:
+        # The frame length is already bounded, which bounds every string, array and map in it.
+        obj = msgpack.unpackb(data, raw=False, strict_map_key=True)
+    except Exception as exc:  # msgpack raises many unrelated types (ValueError, StackError, ...)
+        raise ProtocolError(BAD_FRAME, f"not a msgpack message: {type(exc).__name__}") from None
+    if not isinstance(obj, dict):
+        raise ProtocolError(BAD_FRAME, f"a message must be a msgpack map, got {_kind(obj)}")
+    kind = obj.get("type")
+    if not isinstance(kind, str):
+        raise ProtocolError(BAD_REQUEST, "field 'type' must be a string")
+    return obj
+
+
+def parse_message(obj: dict[str, Any], limits: Limits) -> ClientMessage:
+    """Validate a decoded map into a typed client message. Raises ProtocolError(bad_request)."""
+    kind = obj["type"]
+    raw_id = obj.get("id")
+    # Echo the id on errors only when it is a valid id, so clients can route the error.
+    sid = raw_id if isinstance(raw_id, str) and 0 < len(raw_id) <= MAX_ID_CHARS else None
+    try:
+        if kind == "start":
+            return _parse_start(obj, limits)
+        if kind == "chunk":
+            return Chunk(id=_stream_id(obj), text=_text(obj, "text", limits, allow_empty=True))
+        if kind == "end":
+            return End(id=_stream_id(obj))
+        if kind == "flush":
+            return Flush(id=_stream_id(obj))
+        if kind == "cancel":
+            return Cancel(id=_stream_id(obj))
+    except ProtocolError as err:
+        err.stream_id = err.stream_id or sid
+        raise
+    raise ProtocolError(BAD_REQUEST, f"unknown message type {kind!r}", sid)
+
+
+def _parse_start(obj: dict[str, Any], limits: Limits) -> Start:
+    sid = _stream_id(obj) if obj.get("id") is not None else None
+    stream_input = _optional(obj, "stream_input", bool, False)
+    # With input streaming the text arrives in `chunk` messages; an initial `text` is optional.
+    has_text = obj.get("text") is not None
+    text = _text(obj, "text", limits, allow_empty=stream_input) if has_text or not stream_input else ""
+    voice = _optional(obj, "voice", str, None)
+    fmt = _optional(obj, "format", str, "f32")
+    if fmt not in FORMATS:
+        raise ProtocolError(BAD_REQUEST, f"field 'format' must be one of {list(FORMATS)}, got {fmt!r}", sid)
+    rate = _optional(obj, "sample_rate", int, None)
+    if rate is not None and not MIN_SAMPLE_RATE <= rate <= MAX_SAMPLE_RATE:
+        raise ProtocolError(
+            BAD_REQUEST, f"field 'sample_rate' must be in [{MIN_SAMPLE_RATE}, {MAX_SAMPLE_RATE}], got {rate}", sid
+        )
+    options = parse_options(obj.get("options"), sid)
+    return Start(id=sid, text=text, voice=voice, format=fmt, sample_rate=rate, options=options,
+                 stream_input=stream_input)
+
+
+def parse_options(raw: Any, sid: str | None = None) -> dict[str, Any]:
+    """Validate the `options` map of a start message; unknown keys and bad values are refused."""
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise ProtocolError(BAD_REQUEST, f"field 'options' must be a map, got {_kind(raw)}", sid)
+    out: dict[str, Any] = {}
+    for name, value in raw.items():
+        spec = OPTION_SPECS.get(name)
+        if spec is None:
+            raise ProtocolError(
+                BAD_REQUEST, f"unknown option 'options.{name}' (known: {sorted(OPTION_SPECS)})", sid
+            )
+        out[name] = _check_option(name, value, spec, sid)
+    if "min_len" in out and "max_len" in out and out["min_len"] > out["max_len"]:
+        raise ProtocolError(BAD_REQUEST, "option 'options.min_len' must not exceed 'options.max_len'", sid)
+    return out
+
+
+def _check_option(name: str, value: Any, spec: OptionSpec, sid: str | None) -> Any:
+    where = f"option 'options.{name}'"
+    if spec.kind is bool:
+        if not isinstance(value, bool):
+            raise ProtocolError(BAD_REQUEST, f"{where} must be a boolean, got {_kind(value)}", sid)
+        return value
+    # bool is an int subclass in Python; a client sending true for a number is a bug.
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ProtocolError(BAD_REQUEST, f"{where} must be a number, got {_kind(value)}", sid)
+    if spec.kind is int:
+        if isinstance(value, float):
+            if not value.is_integer():
+                raise ProtocolError(BAD_REQUEST, f"{where} must be an integer, got {value}", sid)
+            value = int(value)
+    else:
+        value = float(value)
+        if not math.isfinite(value):
+            raise ProtocolError(BAD_REQUEST, f"{where} must be finite", sid)
+    if (spec.low is not None and value < spec.low) or (spec.high is not None and value > spec.high):
+        raise ProtocolError(BAD_REQUEST, f"{where} must be in [{spec.low}, {spec.high}], got {value}", sid)
+    return value
+
+
+def _stream_id(obj: dict[str, Any]) -> str:
+    value = obj.get("id")
+    if not isinstance(value, str) or not value:
+        raise ProtocolError(BAD_REQUEST, f"field 'id' must be a non-empty string, got {_kind(value)}")
+    if len(value) > MAX_ID_CHARS:
+        raise ProtocolError(BAD_REQUEST, f"field 'id' must be at most {MAX_ID_CHARS} characters")
+    return value
+
+
+def _text(obj: dict[str, Any], name: str, limits: Limits, allow_empty: bool = False) -> str:
+    value = obj.get(name)
+    if not isinstance(value, str):
+        raise ProtocolError(BAD_REQUEST, f"field '{name}' must be a string, got {_kind(value)}")
+    if not allow_empty and not value.strip():
+        raise ProtocolError(BAD_REQUEST, f"field '{name}' must not be empty")
+    if len(value) > limits.max_text_chars:
+        raise ProtocolError(
+            TOO_LARGE, f"field '{name}' has {len(value)} characters, over max_text_chars={limits.max_text_chars}"
+        )
+    return value
+
+
+def _optional(obj: dict[str, Any], name: str, kind: type, default: Any) -> Any:
+    value = obj.get(name)
+    if value is None:
+        return default
+    if kind is int and isinstance(value, bool) or not isinstance(value, kind):
+        raise ProtocolError(BAD_REQUEST, f"field '{name}' must be {kind.__name__}, got {_kind(value)}")
+    return value
+
+
+def _kind(value: Any) -> str:
+    return {dict: "map", list: "array", str: "string", bytes: "binary", type(None): "nil"}.get(
+        type(value), type(value).__name__
+    )
+
+
+# --------------------------------------------------------------------------- encoding
+
+
+def encode(message: dict[str, Any]) -> bytes:
+    """One server message as one binary frame. Audio stays raw msgpack `bin`."""
+    return msgpack.packb(message, use_bin_type=True)
+
+
+def error_message(err: ProtocolError) -> dict[str, Any]:
+    msg: dict[str, Any] = {"type": "error", "code": err.code, "message": err.message, "retryable": err.retryable}
+    if err.stream_id is not None:
+        msg["id"] = err.stream_id
+    return msg

@@ -1,0 +1,318 @@
+"""One WebSocket connection's life: receive loop, its streams, its send path, its timers.
+
+Threading: the scheduler thread calls a stream's `deliver`/`finish`/`fail` (the RequestSink).
+Those encode audio there (resampling, packing: off the event loop) and hand finished frames to
+the loop with `call_soon_threadsafe`. Everything else here runs on the event loop.
+
+One writer task per connection sends frames in FIFO order, so a stream's `start` precedes its
+chunks, which precede its `end`. Egress is bounded twice: per stream in audio seconds (the
+scheduler skips stepping a stream whose client has not read enough), and per connection in
+queued frames (a client that floods requests without reading answers is disconnected).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from websockets.asyncio.server import ServerConnection
+from websockets.exceptions import ConnectionClosed
+
+from . import protocol as p
+from .audio import StreamEncoder
+from .engine import Engine, GenerationRequest, Scheduler
+
+log = logging.getLogger("vox_ws.session")
+
+# Frames (mostly control replies) a connection may have queued before it is judged not to read.
+MAX_QUEUED_FRAMES = 1024
+
+
+@dataclass
+class _Outgoing:
+    frame: bytes
+    stream: "Stream | None" = None
+    audio_s: float = 0.0     # audio carried by this frame (0 for control frames)
+
+
+class Stream:
+    """One stream of a session; also the scheduler's RequestSink for its request."""
+
+    def __init__(self, session: "Session", sid: str, start: p.Start, encoder: StreamEncoder) -> None:
+        self.session = session
+        self.id = sid
+        self.start = start
+        self.encoder = encoder
+        self.request: GenerationRequest | None = None
+        self.closed = False            # loop side: its end or error has been queued
+        self.started_at = time.monotonic()
+        self.first_audio_at: float | None = None
+        self.chunks = 0                # chunks handed to the send path
+        self.audio_s = 0.0
+        self.buffered_s = 0.0          # audio queued but not yet written to the socket
+        self.backlog_since: float | None = None
+        self._seq = itertools.count()  # scheduler thread only
+
+    # -------------------------------------------------------------- RequestSink (scheduler thread)
+
+    def deliver(self, pcm: np.ndarray) -> None:
+        self._post_audio(self.encoder.encode(pcm))
+
+    def finish(self, reason: str) -> None:
+        if reason != p.END_CANCELLED:
+            self._post_audio(self.encoder.flush())
+        self.session.call_soon(self.session.stream_finished, self, reason)
+
+    def fail(self, code: str, message: str) -> None:
+        self.session.call_soon(self.session.stream_failed, self, code, message)
+
+    def backlogged(self) -> bool:
+        return self.buffered_s >= self.session.limits.max_buffered_audio_s
+
+    def _post_audio(self, data: bytes) -> None:
+        if not data:
+            return
+        frame = p.encode({"type": "chunk", "id": self.id, "seq": next(self._seq), "audio": data})
+        audio_s = len(data) / (self.encoder.out_rate * (4 if self.encoder.format == "f32" else 2))
+        self.session.call_soon(self.session.stream_audio, self, frame, audio_s)
+
+    # -------------------------------------------------------------- loop side
+
+    def end_stats(self) -> dict[str, Any]:
+        now = time.monotonic()
+        ttfa = None if self.first_audio_at is None else round((self.first_audio_at - self.started_at) * 1000, 1)
+        wall = now - self.started_at
+        return {
+            "chunks": self.chunks,
+            "audio_s": round(self.audio_s, 4),
+            "ttfa_ms": ttfa,
+            "rtf": round(wall / self.audio_s, 4) if self.audio_s > 0 else None,
+        }
+
+
+class Session:
+    """Serves one connection until it closes, is reaped, or the server shuts down."""
+
+    _ids = itertools.count(1)
+
+    def __init__(self, ws: ServerConnection, scheduler: Scheduler, limits: p.Limits,
+                 hello: dict[str, Any]) -> None:
+        self.ws = ws
+        self.scheduler = scheduler
+        self.engine: Engine = scheduler.engine
+        self.limits = limits
+        self.hello = hello
+        self.number = next(self._ids)
+        self.streams: dict[str, Stream] = {}
+        self.last_activity = time.monotonic()
+        self._loop = asyncio.get_running_loop()
+        self._outbox: asyncio.Queue[_Outgoing] = asyncio.Queue()
+        self._auto_ids = itertools.count(1)
+        self._closing = False
+
+    # -------------------------------------------------------------- life
+
+    async def run(self) -> None:
+        self._send(p.encode(self.hello))
+        writer = asyncio.create_task(self._write_loop(), name=f"session-{self.number}-writer")
+        watchdog = asyncio.create_task(self._watchdog(), name=f"session-{self.number}-watchdog")
+        try:
+            async for message in self.ws:
+                self.last_activity = time.monotonic()
+                self._handle(message)
+        except ConnectionClosed:
+            pass
+        finally:
+            self._closing = True
+            for stream in list(self.streams.values()):
+                self._abandon(stream)
+            watchdog.cancel()
+            # Let the writer flush what is queued if the socket is still open (e.g. we closed it).
+            writer.cancel()
+            await asyncio.gather(writer, watchdog, return_exceptions=True)
+
+    async def close(self, code: int, reason: str) -> None:
+        self._closing = True
+        await self.ws.close(code, reason)
+
+    def call_soon(self, callback: Any, *args: Any) -> None:
+        """Thread-safe hand-off from the scheduler thread; dropped once the loop is gone."""
+        try:
+            self._loop.call_soon_threadsafe(callback, *args)
+        except RuntimeError:
+            pass  # loop closed: the server is exiting
+
+    # -------------------------------------------------------------- receiving
+
+    def _handle(self, data: bytes | str) -> None:
+        try:
+            obj = p.decode_frame(data, self.limits)
+            message = p.parse_message(obj, self.limits)
+            if isinstance(message, p.Start):
+                self._on_start(message)
+            elif isinstance(message, p.Cancel):
+                self._on_cancel(message)
+            else:
+                self._stream(message.id)
+                raise p.ProtocolError(
+                    p.BAD_REQUEST, f"'{obj['type']}' needs a stream started with stream_input: true", message.id
+                )
+        except p.ProtocolError as err:
+            self._send(p.encode(p.error_message(err)))
+
+    def _stream(self, sid: str) -> Stream:
+        stream = self.streams.get(sid)
+        if stream is None:
+            raise p.ProtocolError(p.UNKNOWN_STREAM, f"no open stream with id {sid!r}", sid)
+        return stream
+
+    def _on_start(self, start: p.Start) -> None:
+        sid = start.id
+        if sid is None:
+            sid = f"s{next(self._auto_ids)}"
+            while sid in self.streams:
+                sid = f"s{next(self._auto_ids)}"
+        if sid in self.streams:
+            raise p.ProtocolError(p.DUPLICATE_STREAM, f"stream {sid!r} is already open on this connection", sid)
+        if len(self.streams) >= self.limits.max_streams:
+            raise p.ProtocolError(
+                p.TOO_MANY_STREAMS, f"{len(self.streams)} streams open, max_streams={self.limits.max_streams}", sid
+            )
+        if start.stream_input:
+            raise p.ProtocolError(p.UNSUPPORTED, "input streaming (stream_input: true) is not available yet", sid)
+        if self.scheduler.status != "ready":
+            raise p.ProtocolError(p.NOT_READY, f"engine is {self.scheduler.status}", sid)
+        rate = start.sample_rate or self.engine.sample_rate
+        stream = Stream(self, sid, start, StreamEncoder(self.engine.sample_rate, rate, start.format))
+        request = GenerationRequest(text=start.text, sink=stream, voice=start.voice, options=start.options)
+        try:
+            self.engine.check(request)
+            position = self.scheduler.submit(request)
+        except p.ProtocolError as err:
+            err.stream_id = sid
+            raise
+        stream.request = request
+        self.streams[sid] = stream
+        reply: dict[str, Any] = {"type": "start", "id": sid, "sample_rate": rate, "format": start.format,
+                                 "channels": 1}
+        if position:
+            reply["queued"] = position
+        ignored = sorted(set(start.options) - self.engine.supported_options)
+        if ignored:
+            reply["ignored_options"] = ignored
+        # Queued before any chunk: chunks reach the loop through call_soon, after this returns.
+        self._send(p.encode(reply))
+
+    def _on_cancel(self, cancel: p.Cancel) -> None:
+        stream = self._stream(cancel.id)
+        self._end(stream, p.END_CANCELLED)
+
+    # -------------------------------------------------------------- from the scheduler
+
+    def stream_audio(self, stream: Stream, frame: bytes, audio_s: float) -> None:
+        if stream.closed:
+            return
+        if stream.first_audio_at is None:
+            stream.first_audio_at = time.monotonic()
+        stream.chunks += 1
+        stream.audio_s += audio_s
+        stream.buffered_s += audio_s
+        if stream.backlogged() and stream.backlog_since is None:
+            stream.backlog_since = time.monotonic()
+        self._send(frame, stream, audio_s)
+
+    def stream_finished(self, stream: Stream, reason: str) -> None:
+        if not stream.closed:
+            self._end(stream, reason)
+
+    def stream_failed(self, stream: Stream, code: str, message: str) -> None:
+        if stream.closed:
+            return
+        self._close_stream(stream)
+        self._send(p.encode(p.error_message(p.ProtocolError(code, message, stream.id))))
+        log.warning("stream error session=%d id=%s code=%s message=%s", self.number, stream.id, code, message)
+
+    # -------------------------------------------------------------- stream endings
+
+    def _end(self, stream: Stream, reason: str) -> None:
+        self._close_stream(stream)
+        if reason == p.END_CANCELLED:
+            self._drop_queued_audio(stream)
+        stats = stream.end_stats()
+        self._send(p.encode({"type": "end", "id": stream.id, "reason": reason, **stats}))
+        log.info("stream end session=%d id=%s reason=%s chunks=%d audio_s=%.3f ttfa_ms=%s rtf=%s",
+                 self.number, stream.id, reason, stats["chunks"], stats["audio_s"], stats["ttfa_ms"], stats["rtf"])
+
+    def _close_stream(self, stream: Stream) -> None:
+        stream.closed = True
+        self.streams.pop(stream.id, None)
+        self.last_activity = time.monotonic()
+        if stream.request is not None and not stream.request.cancelled:
+            self.scheduler.cancel(stream.request)
+
+    def _abandon(self, stream: Stream) -> None:
+        """The client is gone: free the slot, send nothing."""
+        self._close_stream(stream)
+
+    def _drop_queued_audio(self, stream: Stream) -> None:
+        """Barge-in: audio of a cancelled stream that is still queued is never sent."""
+        kept: list[_Outgoing] = []
+        while not self._outbox.empty():
+            item = self._outbox.get_nowait()
+            if item.stream is stream:
+                stream.chunks -= 1
+                stream.audio_s -= item.audio_s
+            else:
+                kept.append(item)
+        for item in kept:
+            self._outbox.put_nowait(item)
+        stream.buffered_s = 0.0
+
+    # -------------------------------------------------------------- sending
+
+    def _send(self, frame: bytes, stream: Stream | None = None, audio_s: float = 0.0) -> None:
+        if self._closing:
+            return
+        if self._outbox.qsize() >= MAX_QUEUED_FRAMES:
+            log.warning("session %d: %d frames unsent, client is not reading; closing", self.number,
+                        self._outbox.qsize())
+            self._closing = True
+            asyncio.ensure_future(self.ws.close(p.CLOSE_POLICY, "client is not reading"))
+            return
+        self._outbox.put_nowait(_Outgoing(frame, stream, audio_s))
+
+    async def _write_loop(self) -> None:
+        while True:
+            item = await self._outbox.get()
+            try:
+                await self.ws.send(item.frame)
+            except ConnectionClosed:
+                return
+            if item.stream is not None:
+                stream = item.stream
+                stream.buffered_s = max(0.0, stream.buffered_s - item.audio_s)
+                if not stream.backlogged() and stream.backlog_since is not None:
+                    stream.backlog_since = None
+                    self.scheduler.wake()
+
+    # -------------------------------------------------------------- timers
+
+    async def _watchdog(self) -> None:
+        """Reaps the idle connection and cancels streams whose client stopped reading."""
+        tick = min(1.0, self.limits.idle_timeout_s / 4, self.limits.write_stall_timeout_s / 4)
+        while True:
+            await asyncio.sleep(tick)
+            now = time.monotonic()
+            for stream in list(self.streams.values()):
+                if stream.backlog_since is not None and now - stream.backlog_since > self.limits.write_stall_timeout_s:
+                    self.stream_failed(stream, p.SLOW_CONSUMER,
+                                       f"client read no audio for {self.limits.write_stall_timeout_s:g}s")
+            if not self.streams and now - self.last_activity > self.limits.idle_timeout_s:
+                log.info("session %d idle for %.0fs: closing", self.number, self.limits.idle_timeout_s)
+                await self.close(p.CLOSE_IDLE, "idle timeout")
+                return
