@@ -14,6 +14,8 @@ STREAM_PATH = "/v1/stream"
 
 def json_response(conn: ServerConnection, status: HTTPStatus, body: Any) -> Response:
     response = conn.respond(status, json.dumps(body) + "\n")
+    # websockets' Headers is a multi-map: replace the text/plain type rather than add a second.
+    del response.headers["Content-Type"]
     response.headers["Content-Type"] = "application/json"
     response.headers["Cache-Control"] = "no-store"
     return response

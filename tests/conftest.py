@@ -1,0 +1,208 @@
+"""Fixtures: a real vox-ws server on a loopback port (its own thread and event loop) and a real
+WebSocket client speaking the msgpack protocol."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import threading
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable
+
+import msgpack
+import numpy as np
+import pytest
+from websockets.asyncio.client import ClientConnection, connect
+
+from vox_ws.audio import bytes_to_pcm
+from vox_ws.config import ServerConfig
+from vox_ws.engine import Engine
+from vox_ws.protocol import Limits
+from vox_ws.server import VoxServer
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TQDM_DISABLE", "1")
+
+RECV_TIMEOUT = 60.0
+
+
+class RunningServer:
+    """A VoxServer running on a background thread's event loop, as in production."""
+
+    def __init__(self, engine: Engine, config: ServerConfig) -> None:
+        self.engine = engine
+        self.config = config
+        self.loop = asyncio.new_event_loop()
+        self.server = VoxServer(config, engine)
+        self._thread = threading.Thread(target=self.loop.run_forever, name="test-server", daemon=True)
+        self._thread.start()
+        asyncio.run_coroutine_threadsafe(self.server.start(), self.loop).result(30)
+        self.port = self.server.port
+        self.url = f"ws://127.0.0.1:{self.port}/v1/stream"
+        self.http = f"http://127.0.0.1:{self.port}"
+
+    @property
+    def scheduler(self):
+        return self.server.scheduler
+
+    def wait_ready(self, timeout: float = 120.0) -> None:
+        assert self.scheduler.ready_event.wait(timeout), "engine did not load in time"
+        assert self.scheduler.status == "ready", self.scheduler.error
+
+    def get(self, path: str) -> tuple[int, Any]:
+        try:
+            with urllib.request.urlopen(self.http + path, timeout=10) as response:
+                body = response.read()
+                status = response.status
+                kind = response.headers.get("Content-Type", "")
+        except urllib.error.HTTPError as err:
+            body, status, kind = err.read(), err.code, err.headers.get("Content-Type", "")
+        return status, json.loads(body) if "json" in kind else body.decode()
+
+    def stop(self) -> None:
+        if self.server._ws is not None:
+            asyncio.run_coroutine_threadsafe(self.server.shutdown(), self.loop).result(30)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(10)
+
+
+def make_config(**overrides: Any) -> ServerConfig:
+    limit_fields = set(Limits.__dataclass_fields__)
+    limits = Limits(**{k: v for k, v in overrides.items() if k in limit_fields})
+    rest = {k: v for k, v in overrides.items() if k not in limit_fields}
+    return replace(ServerConfig(port=0, ping_interval=5.0, ping_timeout=10.0), limits=limits, **rest)
+
+
+@pytest.fixture(scope="session")
+def start_server() -> Callable[..., RunningServer]:
+    """Factory: start_server(engine, **config_or_limits) -> a ready server, stopped at the end."""
+    servers: list[RunningServer] = []
+
+    def start(engine: Engine, wait: bool = True, **overrides: Any) -> RunningServer:
+        running = RunningServer(engine, make_config(**overrides))
+        servers.append(running)
+        if wait:
+            running.wait_ready()
+        return running
+
+    yield start
+    for running in servers:
+        running.stop()
+
+
+@pytest.fixture(scope="session")
+def piper_server(start_server) -> RunningServer:
+    from vox_ws.engines.piper import PiperEngine
+
+    return start_server(PiperEngine(), max_batch=4, max_streams=4)
+
+
+# ------------------------------------------------------------------------------ client
+
+
+@dataclass
+class StreamResult:
+    id: str
+    start: dict[str, Any] | None = None
+    chunks: list[dict[str, Any]] = field(default_factory=list)
+    end: dict[str, Any] | None = None
+    error: dict[str, Any] | None = None
+
+    def pcm(self) -> np.ndarray:
+        fmt = self.start["format"]
+        return np.concatenate([bytes_to_pcm(c["audio"], fmt) for c in self.chunks]) if self.chunks else np.zeros(0)
+
+    @property
+    def seconds(self) -> float:
+        return len(self.pcm()) / self.start["sample_rate"]
+
+
+class Client:
+    """A real WebSocket client; keeps messages for other streams while waiting on one."""
+
+    def __init__(self, ws: ClientConnection, hello: dict[str, Any]) -> None:
+        self.ws = ws
+        self.hello = hello
+        self.pending: list[dict[str, Any]] = []
+        self.log: list[tuple[str, Any]] = []   # (type, id) of every message, in arrival order
+
+    async def send(self, message: dict[str, Any] | bytes | str) -> None:
+        await self.ws.send(message if isinstance(message, (bytes, str)) else msgpack.packb(message, use_bin_type=True))
+
+    async def _read(self, timeout: float) -> dict[str, Any]:
+        message = msgpack.unpackb(await asyncio.wait_for(self.ws.recv(), timeout), raw=False)
+        self.log.append((message.get("type"), message.get("id")))
+        return message
+
+    async def recv(self, timeout: float = RECV_TIMEOUT) -> dict[str, Any]:
+        if self.pending:
+            return self.pending.pop(0)
+        return await self._read(timeout)
+
+    async def recv_where(self, match: Callable[[dict[str, Any]], bool], timeout: float = RECV_TIMEOUT) -> dict[str, Any]:
+        """The next message that matches; others are kept for later calls."""
+        for i, message in enumerate(self.pending):
+            if match(message):
+                return self.pending.pop(i)
+        while True:
+            message = await self._read(timeout)
+            if match(message):
+                return message
+            self.pending.append(message)
+
+    async def error(self, stream_id: str | None = None) -> dict[str, Any]:
+        return await self.recv_where(lambda m: m["type"] == "error" and m.get("id") == stream_id)
+
+    async def collect(self, stream_id: str, timeout: float = RECV_TIMEOUT) -> StreamResult:
+        """Everything for one stream, from its `start` reply to its `end` or `error`."""
+        result = StreamResult(stream_id)
+        while True:
+            message = await self.recv_where(lambda m: m.get("id") == stream_id, timeout)
+            kind = message["type"]
+            if kind == "start":
+                result.start = message
+            elif kind == "chunk":
+                result.chunks.append(message)
+            elif kind == "end":
+                result.end = message
+                return result
+            elif kind == "error":
+                result.error = message
+                return result
+
+    async def speak(self, text: str, stream_id: str = "s", **fields: Any) -> StreamResult:
+        await self.send({"type": "start", "id": stream_id, "text": text, **fields})
+        return await self.collect(stream_id)
+
+
+class connect_client:
+    """`async with connect_client(server) as client:` -> a Client that has read `hello`."""
+
+    def __init__(self, server: RunningServer, **kwargs: Any) -> None:
+        self._cm = connect(server.url, max_size=None, **kwargs)
+
+    async def __aenter__(self) -> Client:
+        ws = await self._cm.__aenter__()
+        hello = msgpack.unpackb(await asyncio.wait_for(ws.recv(), RECV_TIMEOUT), raw=False)
+        assert hello["type"] == "hello", hello
+        return Client(ws, hello)
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self._cm.__aexit__(*exc)
+
+
+def assert_good_stream(result: StreamResult, min_seconds: float = 0.3) -> None:
+    assert result.error is None, result.error
+    assert result.start is not None and result.end is not None
+    assert result.end["reason"] == "done"
+    assert [c["seq"] for c in result.chunks] == list(range(len(result.chunks)))
+    assert result.end["chunks"] == len(result.chunks)
+    pcm = result.pcm()
+    assert abs(result.end["audio_s"] - len(pcm) / result.start["sample_rate"]) < 1e-3
+    assert result.seconds >= min_seconds, result.seconds
+    assert float(np.sqrt(np.mean(pcm.astype(np.float64) ** 2))) > 0.01, "audio is silent"
+    assert np.all(np.isfinite(pcm))

@@ -1,0 +1,110 @@
+"""The pure protocol module: every rule of decoding and validation, without a socket."""
+
+import msgpack
+import pytest
+
+from vox_ws import protocol as p
+
+LIMITS = p.Limits(max_frame_bytes=1000, max_text_chars=50)
+
+
+def parse(obj):
+    return p.parse_message(p.decode_frame(msgpack.packb(obj), LIMITS), LIMITS)
+
+
+def refused(obj_or_bytes) -> p.ProtocolError:
+    with pytest.raises(p.ProtocolError) as info:
+        if isinstance(obj_or_bytes, (bytes, str)):
+            p.parse_message(p.decode_frame(obj_or_bytes, LIMITS), LIMITS)
+        else:
+            parse(obj_or_bytes)
+    return info.value
+
+
+def test_start_defaults():
+    start = parse({"type": "start", "text": "hi"})
+    assert start == p.Start(id=None, text="hi", voice=None, format="f32", sample_rate=None, options={})
+
+
+def test_start_with_everything():
+    start = parse({"type": "start", "id": "a", "text": "hi", "voice": "joe", "format": "s16", "sample_rate": 8000,
+                   "options": {"cfg_value": 2, "inference_timesteps": 10.0, "seed": 7, "normalize": True}})
+    assert start.options == {"cfg_value": 2.0, "inference_timesteps": 10, "seed": 7, "normalize": True}
+    assert isinstance(start.options["cfg_value"], float) and isinstance(start.options["inference_timesteps"], int)
+
+
+@pytest.mark.parametrize("frame, code", [
+    ("text frame", p.BAD_FRAME),
+    (b"\xc1", p.BAD_FRAME),                          # reserved msgpack byte
+    (msgpack.packb([1, 2]), p.BAD_FRAME),            # not a map
+    (msgpack.packb({"a": 1}) + b"\x00", p.BAD_FRAME),  # trailing data
+    (msgpack.packb({1: "int key"}), p.BAD_FRAME),
+    (b"\x92" * 2000, p.TOO_LARGE),
+    (msgpack.packb({"type": 3}), p.BAD_REQUEST),
+    (msgpack.packb({"no": "type"}), p.BAD_REQUEST),
+])
+def test_bad_frames(frame, code):
+    assert refused(frame).code == code
+
+
+@pytest.mark.parametrize("message, field", [
+    ({"type": "nope"}, "unknown message type"),
+    ({"type": "start"}, "'text'"),
+    ({"type": "start", "text": "  "}, "'text' must not be empty"),
+    ({"type": "start", "text": 5}, "'text'"),
+    ({"type": "start", "text": "hi", "id": 5}, "'id'"),
+    ({"type": "start", "text": "hi", "id": ""}, "'id'"),
+    ({"type": "start", "text": "hi", "id": "x" * 200}, "'id'"),
+    ({"type": "start", "text": "hi", "format": "mp3"}, "'format'"),
+    ({"type": "start", "text": "hi", "sample_rate": 7999}, "'sample_rate'"),
+    ({"type": "start", "text": "hi", "sample_rate": 44100.5}, "'sample_rate'"),
+    ({"type": "start", "text": "hi", "sample_rate": True}, "'sample_rate'"),
+    ({"type": "start", "text": "hi", "voice": 1}, "'voice'"),
+    ({"type": "start", "text": "hi", "stream_input": "yes"}, "'stream_input'"),
+    ({"type": "start", "text": "hi", "options": [1]}, "'options'"),
+    ({"type": "start", "text": "hi", "options": {"bogus": 1}}, "options.bogus"),
+    ({"type": "start", "text": "hi", "options": {"cfg_value": 11}}, "options.cfg_value"),
+    ({"type": "start", "text": "hi", "options": {"cfg_value": float("nan")}}, "options.cfg_value"),
+    ({"type": "start", "text": "hi", "options": {"cfg_value": "2"}}, "options.cfg_value"),
+    ({"type": "start", "text": "hi", "options": {"inference_timesteps": 0}}, "options.inference_timesteps"),
+    ({"type": "start", "text": "hi", "options": {"inference_timesteps": 2.5}}, "options.inference_timesteps"),
+    ({"type": "start", "text": "hi", "options": {"max_len": True}}, "options.max_len"),
+    ({"type": "start", "text": "hi", "options": {"min_len": 9, "max_len": 3}}, "options.min_len"),
+    ({"type": "start", "text": "hi", "options": {"normalize": 1}}, "options.normalize"),
+    ({"type": "start", "text": "hi", "options": {"seed": -1}}, "options.seed"),
+    ({"type": "cancel"}, "'id'"),
+    ({"type": "chunk", "id": "a"}, "'text'"),
+])
+def test_bad_requests_name_the_field(message, field):
+    err = refused(message)
+    assert err.code == p.BAD_REQUEST
+    assert field in err.message
+
+
+def test_text_over_limit_is_too_large():
+    err = refused({"type": "start", "id": "a", "text": "x" * 51})
+    assert err.code == p.TOO_LARGE and err.stream_id == "a"
+
+
+def test_errors_carry_a_valid_stream_id_only():
+    assert refused({"type": "start", "id": "a", "text": 1}).stream_id == "a"
+    assert refused({"type": "start", "id": 7, "text": 1}).stream_id is None
+
+
+def test_stream_input_start_needs_no_text():
+    start = parse({"type": "start", "id": "a", "stream_input": True})
+    assert start.stream_input and start.text == ""
+
+
+def test_other_messages():
+    assert parse({"type": "cancel", "id": "a"}) == p.Cancel("a")
+    assert parse({"type": "end", "id": "a"}) == p.End("a")
+    assert parse({"type": "flush", "id": "a"}) == p.Flush("a")
+    assert parse({"type": "chunk", "id": "a", "text": "more"}) == p.Chunk("a", "more")
+
+
+def test_error_message_shape():
+    msg = p.error_message(p.ProtocolError(p.BUSY, "full", "a"))
+    assert msg == {"type": "error", "code": "busy", "message": "full", "retryable": True, "id": "a"}
+    assert "id" not in p.error_message(p.ProtocolError(p.BAD_FRAME, "x"))
+    assert msgpack.unpackb(p.encode({"type": "chunk", "audio": b"\x00\x01"}))["audio"] == b"\x00\x01"

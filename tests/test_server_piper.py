@@ -1,0 +1,301 @@
+"""End to end over a real WebSocket against a real server with the real Piper voice."""
+
+import asyncio
+import time
+
+import msgpack
+import numpy as np
+import pytest
+from websockets.exceptions import ConnectionClosed
+
+from conftest import RECV_TIMEOUT, assert_good_stream, connect_client
+from vox_ws.engines.piper import PiperEngine
+
+SENTENCE = "The quick brown fox jumps over the lazy dog."
+LONG = " ".join(
+    f"This is sentence number {i}, which keeps the voice busy for a while." for i in range(1, 13)
+)
+
+
+async def wait_for(predicate, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError("condition not reached in time")
+
+
+async def test_hello_publishes_engine_formats_and_limits(piper_server):
+    async with connect_client(piper_server) as c:
+        hello = c.hello
+    assert hello["protocol"] == 1 and hello["engine"] == "piper" and hello["status"] == "ready"
+    assert hello["sample_rate"] == 22050 and hello["voices"] == ["joe"]
+    assert set(hello["formats"]) >= {"f32", "s16"}
+    assert {"max_frame_bytes", "max_text_chars", "max_streams", "idle_timeout_s"} <= set(hello["limits"])
+
+
+async def test_one_shot_synthesis_streams_real_audio(piper_server):
+    async with connect_client(piper_server) as c:
+        result = await c.speak(SENTENCE + " " + SENTENCE, "one")
+    assert_good_stream(result, min_seconds=2.0)
+    assert result.start == {"type": "start", "id": "one", "sample_rate": 22050, "format": "f32", "channels": 1}
+    # ~18 words at a normal speaking rate: between 2 and 12 seconds of audio.
+    assert 2.0 < result.seconds < 12.0
+    assert result.end["ttfa_ms"] > 0 and result.end["rtf"] > 0
+    assert len(result.chunks) >= 2, "two sentences should arrive as at least two chunks"
+
+
+@pytest.mark.parametrize("fmt, rate", [("s16", 22050), ("s16", 16000), ("f32", 48000), ("s16", 8000)])
+async def test_formats_and_resampled_rates(piper_server, fmt, rate):
+    async with connect_client(piper_server) as c:
+        result = await c.speak(SENTENCE, f"{fmt}-{rate}", format=fmt, sample_rate=rate)
+        reference = await c.speak(SENTENCE, "ref")
+    assert_good_stream(result)
+    assert result.start["sample_rate"] == rate and result.start["format"] == fmt
+    bytes_per_sample = 2 if fmt == "s16" else 4
+    assert all(len(ch["audio"]) % bytes_per_sample == 0 for ch in result.chunks)
+    # Same text at another rate: same duration (Piper is stochastic, so within 20%).
+    assert result.seconds == pytest.approx(reference.seconds, rel=0.2)
+
+
+async def test_two_streams_on_one_connection_interleave(piper_server):
+    async with connect_client(piper_server) as c:
+        await c.send({"type": "start", "id": "a", "text": LONG[:300]})
+        await c.send({"type": "start", "id": "b", "text": LONG[:300]})
+        a = await c.collect("a")
+        b = await c.collect("b")
+    assert_good_stream(a, 3.0)
+    assert_good_stream(b, 3.0)
+    # Round-robin: b's audio starts before a is finished, and a's before b is finished.
+    assert c.log.index(("chunk", "b")) < c.log.index(("end", "a"))
+    assert c.log.index(("chunk", "a")) < c.log.index(("end", "b"))
+
+
+async def test_eight_connections_at_once_all_complete(piper_server):
+    async def one(i):
+        async with connect_client(piper_server) as c:
+            return await c.speak(f"Connection number {i} says hello. {SENTENCE}", f"c{i}", format="s16")
+
+    results = await asyncio.gather(*(one(i) for i in range(8)))
+    for result in results:
+        assert_good_stream(result, 1.0)
+
+
+async def test_stream_id_is_assigned_when_absent(piper_server):
+    async with connect_client(piper_server) as c:
+        await c.send({"type": "start", "text": "Hi."})
+        start = await c.recv_where(lambda m: m["type"] == "start")
+        result = await c.collect(start["id"])
+    assert start["id"] and result.end["reason"] == "done"
+
+
+async def test_cancel_mid_stream_ends_with_cancelled_and_no_chunk_after(piper_server):
+    async with connect_client(piper_server) as c:
+        await c.send({"type": "start", "id": "long", "text": LONG})
+        await c.recv_where(lambda m: m["type"] == "chunk" and m["id"] == "long")
+        await c.send({"type": "cancel", "id": "long"})
+        end = await c.recv_where(lambda m: m["type"] in ("end", "error") and m["id"] == "long")
+        assert end["type"] == "end" and end["reason"] == "cancelled"
+        # Nothing more for that stream: the next stream's messages come, none of `long`.
+        good = await c.speak("Still here.", "after")
+        assert_good_stream(good)
+        after_end = c.log[c.log.index(("end", "long")) + 1:]
+        assert ("end", "after") in after_end
+        assert not [entry for entry in after_end if entry[1] == "long"]
+    await wait_for(lambda: piper_server.scheduler.stats()["active"] == 0)
+
+
+async def test_cancel_of_queued_stream_and_of_unknown_stream(piper_server):
+    async with connect_client(piper_server) as c:
+        await c.send({"type": "cancel", "id": "ghost"})
+        err = await c.error("ghost")
+        assert err["code"] == "unknown_stream" and err["retryable"] is False
+        assert_good_stream(await c.speak("Good after a bad cancel.", "ok"))
+
+
+async def test_disconnect_mid_stream_frees_the_slot(piper_server):
+    async with connect_client(piper_server) as c:
+        await c.send({"type": "start", "id": "gone", "text": LONG})
+        await c.recv_where(lambda m: m["type"] == "chunk")
+        assert piper_server.scheduler.stats()["active"] == 1
+    await wait_for(lambda: piper_server.scheduler.stats()["active"] == 0
+                   and piper_server.get("/v1/info")[1]["streams_open"] == 0)
+
+
+async def test_max_len_option_ends_with_reason_max_len(piper_server):
+    async with connect_client(piper_server) as c:
+        result = await c.speak(LONG, "short", options={"max_len": 1, "cfg_value": 2.5})
+    assert result.end["reason"] == "max_len" and len(result.chunks) >= 1
+    assert result.start["ignored_options"] == ["cfg_value"]
+
+
+BAD_INPUTS = [
+    ("text frame", "hello", None, "bad_frame"),
+    ("not msgpack", b"\xc1\xc1", None, "bad_frame"),
+    ("not a map", msgpack.packb([1, 2, 3]), None, "bad_frame"),
+    ("no type", {"text": "x"}, None, "bad_request"),
+    ("unknown type", {"type": "sing", "id": "x"}, "x", "bad_request"),
+    ("missing text", {"type": "start", "id": "x"}, "x", "bad_request"),
+    ("ill-typed text", {"type": "start", "id": "x", "text": 42}, "x", "bad_request"),
+    ("bad format", {"type": "start", "id": "x", "text": "hi", "format": "mp3"}, "x", "bad_request"),
+    ("bad rate", {"type": "start", "id": "x", "text": "hi", "sample_rate": 96000}, "x", "bad_request"),
+    ("option out of range", {"type": "start", "id": "x", "text": "hi", "options": {"cfg_value": 99}}, "x",
+     "bad_request"),
+    ("unknown option", {"type": "start", "id": "x", "text": "hi", "options": {"speed": 2}}, "x", "bad_request"),
+    ("unknown voice", {"type": "start", "id": "x", "text": "hi", "voice": "nobody"}, "x", "bad_request"),
+    ("text too long", {"type": "start", "id": "x", "text": "a" * 5001}, "x", "too_large"),
+    ("frame too large", msgpack.packb({"type": "start", "id": "x", "text": "b" * 2_000_000}), None, "too_large"),
+    ("unknown stream cancel", {"type": "cancel", "id": "nope"}, "nope", "unknown_stream"),
+    ("chunk without stream", {"type": "chunk", "id": "nope", "text": "x"}, "nope", "unknown_stream"),
+    ("input streaming", {"type": "start", "id": "x", "stream_input": True}, "x", "unsupported"),
+]
+
+
+@pytest.mark.parametrize("name, frame, sid, code", BAD_INPUTS, ids=[b[0] for b in BAD_INPUTS])
+async def test_bad_input_gets_typed_error_and_session_keeps_working(piper_server, name, frame, sid, code):
+    async with connect_client(piper_server) as c:
+        await c.send(frame)
+        err = await c.recv()
+        assert err["type"] == "error", err
+        assert err["code"] == code, err
+        assert err.get("id") == sid
+        assert err["message"]
+        assert_good_stream(await c.speak("Still working.", "good"))
+
+
+async def test_duplicate_id_and_chunk_on_plain_stream(piper_server):
+    async with connect_client(piper_server) as c:
+        await c.send({"type": "start", "id": "d", "text": LONG})
+        await c.send({"type": "start", "id": "d", "text": "again"})
+        err = await c.error("d")
+        assert err["code"] == "duplicate_stream"
+        await c.send({"type": "chunk", "id": "d", "text": "more"})
+        err = await c.error("d")
+        assert err["code"] == "bad_request" and "stream_input" in err["message"]
+        await c.send({"type": "cancel", "id": "d"})
+        assert (await c.collect("d")).end["reason"] == "cancelled"
+        assert_good_stream(await c.speak("Fine.", "d"))   # the id is free again
+
+
+async def test_too_many_streams(piper_server):
+    limit = piper_server.config.limits.max_streams
+    async with connect_client(piper_server) as c:
+        for i in range(limit):
+            await c.send({"type": "start", "id": f"m{i}", "text": LONG})
+        await c.send({"type": "start", "id": "over", "text": "hi"})
+        err = await c.error("over")
+        assert err["code"] == "too_many_streams"
+        for i in range(limit):
+            await c.send({"type": "cancel", "id": f"m{i}"})
+        for i in range(limit):
+            assert (await c.collect(f"m{i}")).end["reason"] == "cancelled"
+        assert_good_stream(await c.speak("Room again.", "over"))
+
+
+async def test_http_endpoints(piper_server):
+    assert piper_server.get("/healthz") == (200, "ok\n")
+    assert piper_server.get("/readyz") == (200, {"status": "ready"})
+    status, info = piper_server.get("/v1/info")
+    assert status == 200
+    assert info["engine"] == "piper" and info["device"] == "cpu" and info["sample_rate"] == 22050
+    assert info["max_batch"] == 4 and {"sessions", "active", "queued", "streams_open"} <= set(info)
+    assert piper_server.get("/nope")[0] == 404
+
+
+# ------------------------------------------------------------------ dedicated servers
+
+
+class GatedPiper(PiperEngine):
+    """The real Piper voice, whose load waits until the test opens a gate (or fails on demand)."""
+
+    def __init__(self, fail: bool = False):
+        super().__init__()
+        import threading
+
+        self.gate = threading.Event()
+        self.fail = fail
+
+    def load(self):
+        assert self.gate.wait(60)
+        if self.fail:
+            raise RuntimeError("weights are corrupt")
+        super().load()
+
+
+async def test_readiness_before_and_after_load(start_server):
+    engine = GatedPiper()
+    server = start_server(engine, wait=False)
+    status, body = server.get("/readyz")
+    assert status == 503 and body["status"] == "loading"
+    async with connect_client(server) as c:
+        assert c.hello["status"] == "loading"
+        await c.send({"type": "start", "id": "early", "text": "hi"})
+        err = await c.error("early")
+        assert err["code"] == "not_ready" and err["retryable"] is True
+        engine.gate.set()
+        server.wait_ready()
+        assert server.get("/readyz")[0] == 200
+        assert_good_stream(await c.speak("Now I am ready.", "late"))
+
+
+async def test_failed_load_reports_503_with_reason(start_server):
+    engine = GatedPiper(fail=True)
+    engine.gate.set()
+    server = start_server(engine, wait=False)
+    await wait_for(lambda: server.scheduler.status == "failed")
+    status, body = server.get("/readyz")
+    assert status == 503 and body["status"] == "failed" and "weights are corrupt" in body["error"]
+
+
+class FaultyPiper(PiperEngine):
+    """The real Piper voice with a fault injected into any request whose text asks for one."""
+
+    def step(self, batch):
+        if "#fail" in batch[0].text:
+            raise RuntimeError("injected fault")
+        return super().step(batch)
+
+
+async def test_engine_exception_in_one_stream_leaves_others_intact(start_server):
+    server = start_server(FaultyPiper(), max_batch=4)
+    async with connect_client(server) as c:
+        await c.send({"type": "start", "id": "ok1", "text": LONG[:200]})
+        await c.send({"type": "start", "id": "bad", "text": "This one will #fail now."})
+        await c.send({"type": "start", "id": "ok2", "text": LONG[:200]})
+        ok1, bad, ok2 = [await c.collect(sid) for sid in ("ok1", "bad", "ok2")]
+        assert bad.error["code"] == "internal" and "injected fault" in bad.error["message"]
+        assert bad.end is None
+        assert_good_stream(ok1, 2.0)
+        assert_good_stream(ok2, 2.0)
+        assert_good_stream(await c.speak("And the next one works.", "next"))
+    assert server.scheduler.status == "ready"
+
+
+async def test_queue_position_and_busy(start_server):
+    server = start_server(PiperEngine(), max_batch=1, max_queue=1)
+    async with connect_client(server) as c:
+        await c.send({"type": "start", "id": "a", "text": LONG})
+        await c.recv_where(lambda m: m["type"] == "chunk" and m["id"] == "a")
+        await c.send({"type": "start", "id": "b", "text": "Second."})
+        start_b = await c.recv_where(lambda m: m["type"] == "start" and m["id"] == "b")
+        assert start_b["queued"] == 1
+        await c.send({"type": "start", "id": "c", "text": "Third."})
+        err = await c.error("c")
+        assert err["code"] == "busy" and err["retryable"] is True
+        await c.send({"type": "cancel", "id": "a"})
+        b = await c.collect("b")
+        b.start = start_b
+        assert_good_stream(b)
+
+
+async def test_idle_connection_is_reaped_with_documented_code(start_server):
+    server = start_server(PiperEngine(), idle_timeout_s=0.6)
+    async with connect_client(server) as c:
+        # A stream keeps the connection alive past the idle timeout...
+        assert_good_stream(await c.speak(SENTENCE, "busy"))
+        started = time.monotonic()
+        with pytest.raises(ConnectionClosed):
+            await c.recv(timeout=10)
+        assert c.ws.close_code == 4000 and c.ws.close_reason == "idle timeout"
+        assert time.monotonic() - started < 5
