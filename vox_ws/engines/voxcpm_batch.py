@@ -1,0 +1,409 @@
+"""A batched VoxCPM2 generation loop written over the model's own modules.
+
+The voxcpm package generates one request at a time: its KV caches live on the modules with
+batch 1, its stop test reads row 0, and its streaming VAE decoder keeps state in patched module
+forwards. This runner keeps every piece of per-request state apart so that any set of requests,
+admitted at different times, advances together:
+
+- KV caches: one slot per request in per-layer tensors; each row has its own position and
+  attends to its own prefix through a mask (`_lm_step`).
+- CFM: one Euler solve per group of requests sharing `inference_timesteps`, each row with its
+  own `cfg_value` and its own noise drawn from the request's generator (`_cfm_solve`).
+- Stop head, LocEnc, projections: plain batched calls.
+- VAE: the package's causal streaming decode, with each request's carried convolution state
+  stacked into the batch for one call and split back after (`BatchedStreamingVAE`).
+
+Every formula mirrors `VoxCPM2Model._inference` and `UnifiedCFM`, so one request's audio equals
+what the package produces alone for it (same weights, same noise); tests/test_voxcpm_equivalence.py
+checks it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# Same sway-sampling and CFG-zero* settings as UnifiedCFM.forward's defaults.
+SWAY_SAMPLING_COEF = 1.0
+# The package caps generation at this many steps per target-text token (+10).
+STEPS_PER_TOKEN = 6.0
+
+
+@dataclass(eq=False)
+class RowState:
+    """One request's generation state between steps."""
+
+    slot: int
+    position: int                  # next KV position (same for the base and residual LM)
+    lm_hidden: torch.Tensor        # [H]
+    residual_hidden: torch.Tensor  # [H]
+    prefix_cond: torch.Tensor      # [P, D]: the previous patch, the CFM's condition
+    generator: torch.Generator
+    cfg_value: float
+    timesteps: int
+    min_len: int
+    max_steps: int
+    step: int = 0
+    vae_state: dict[int, torch.Tensor] = field(default_factory=dict)
+
+
+@dataclass
+class Prompt:
+    """Model inputs for one request, as `_generate_with_prompt_cache` builds them."""
+
+    text_tokens: torch.Tensor   # [T] int
+    text_mask: torch.Tensor     # [T] int
+    audio_feat: torch.Tensor    # [T, P, D]
+    audio_mask: torch.Tensor    # [T] int
+    target_tokens: int          # tokens of the target text alone (the length cap counts these)
+
+
+class SlotKV:
+    """Per-layer K and V for `slots` requests of up to `max_len` positions each."""
+
+    def __init__(self, lm: nn.Module, slots: int, max_len: int, device: Any, dtype: torch.dtype) -> None:
+        cfg = lm.config
+        head_dim = cfg.kv_channels or cfg.hidden_size // cfg.num_attention_heads
+        shape = (cfg.num_hidden_layers, slots, cfg.num_key_value_heads, max_len, head_dim)
+        self.k = torch.zeros(shape, device=device, dtype=dtype)
+        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self.max_len = max_len
+
+    def fill(self, slot: int, caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        # Zero the whole slot first: masked-out positions must hold finite values.
+        self.k[:, slot].zero_()
+        self.v[:, slot].zero_()
+        length = caches[0][0].size(2)
+        for layer, (k, v) in enumerate(caches):
+            self.k[layer, slot, :, :length] = k[0]
+            self.v[layer, slot, :, :length] = v[0]
+
+
+def build_prompt(model: Any, target_text: str, cache: dict | None) -> Prompt:
+    """The token/feature sequence for one request (mirrors `_generate_with_prompt_cache`)."""
+    tokenize = model.text_tokenizer
+    mode = "zero_shot" if cache is None else cache.get("mode", "continuation")
+    text = target_text
+    if mode in ("continuation", "ref_continuation"):
+        text = cache.get("prompt_text", "") + target_text
+    tokens = torch.cat([torch.LongTensor(tokenize(text)), torch.tensor([model.audio_start_token], dtype=torch.int32)])
+    n_text = tokens.shape[0]
+    zeros_feat = torch.zeros((n_text, model.patch_size, model.audio_vae.latent_dim), dtype=torch.float32)
+    ones_text = torch.ones(n_text, dtype=torch.int32)
+    zeros_text = torch.zeros(n_text, dtype=torch.int32)
+    seq_tokens, seq_feat, seq_tmask, seq_amask = [], [], [], []
+    if mode in ("reference", "ref_continuation"):
+        ref_tokens, ref_feats, ref_t_mask, ref_a_mask = model._make_ref_prefix(cache["ref_audio_feat"], tokens.device)
+        seq_tokens.append(ref_tokens)
+        seq_feat.append(ref_feats)
+        seq_tmask.append(ref_t_mask)
+        seq_amask.append(ref_a_mask)
+    seq_tokens.append(tokens)
+    seq_feat.append(zeros_feat)
+    seq_tmask.append(ones_text)
+    seq_amask.append(zeros_text)
+    if mode in ("continuation", "ref_continuation"):
+        prompt_feat = cache["audio_feat"]
+        n_audio = prompt_feat.size(0)
+        seq_tokens.append(torch.zeros(n_audio, dtype=torch.int32))
+        seq_feat.append(prompt_feat)
+        seq_tmask.append(torch.zeros(n_audio, dtype=torch.int32))
+        seq_amask.append(torch.ones(n_audio, dtype=torch.int32))
+    return Prompt(
+        text_tokens=torch.cat(seq_tokens),
+        text_mask=torch.cat(seq_tmask),
+        audio_feat=torch.cat(seq_feat, dim=0),
+        audio_mask=torch.cat(seq_amask),
+        target_tokens=len(tokenize(target_text)),
+    )
+
+
+class BatchedStreamingVAE:
+    """The package's stateful causal streaming decode, for a batch of independent streams.
+
+    Each request keeps its own carried state (a dict: conv module id -> last input samples).
+    For one call the states are stacked along the batch dimension; afterwards they are split
+    back. The convolution forwards are patched only for the duration of the call, so the
+    package's own decode paths are untouched between calls.
+    """
+
+    def __init__(self, vae: nn.Module) -> None:
+        from voxcpm.modules.audiovae.audio_vae_v2 import CausalConv1d, CausalTransposeConv1d
+
+        self.vae = vae
+        self._convs: list[tuple[nn.Module, str, int, int]] = []   # (module, kind, context, trim)
+        for mod in vae.decoder.modules():
+            if isinstance(mod, CausalConv1d):
+                pad = mod._CausalConv1d__padding * 2 - mod._CausalConv1d__output_padding
+                if pad > 0:
+                    self._convs.append((mod, "conv", pad, 0))
+            elif isinstance(mod, CausalTransposeConv1d):
+                trim = mod._CausalTransposeConv1d__padding * 2 - mod._CausalTransposeConv1d__output_padding
+                ctx = (mod.kernel_size[0] - 1) // mod.stride[0]
+                if ctx > 0:
+                    self._convs.append((mod, "transpose", ctx, trim))
+
+    def decode(self, latents: torch.Tensor, states: list[dict[int, torch.Tensor]]) -> torch.Tensor:
+        """latents [B, D, P] -> audio [B, samples]; updates each request's state in place."""
+        batch: dict[int, torch.Tensor] = {}
+        originals = []
+        for mod, kind, ctx, trim in self._convs:
+            key = id(mod)
+            rows = [s.get(key) for s in states]
+            if any(r is not None for r in rows):
+                zeros = torch.zeros(1, mod.in_channels, ctx, device=latents.device, dtype=latents.dtype)
+                batch[key] = torch.cat([r if r is not None else zeros for r in rows], dim=0)
+            originals.append((mod, mod.forward))
+            mod.forward = self._conv_forward(mod, key, ctx, batch) if kind == "conv" else \
+                self._transpose_forward(mod, key, ctx, trim, batch)
+        try:
+            audio = self.vae.decode(latents)
+        finally:
+            for mod, forward in originals:
+                mod.forward = forward
+        for key, stacked in batch.items():
+            for row, state in enumerate(states):
+                state[key] = stacked[row:row + 1]
+        return audio.squeeze(1)
+
+    @staticmethod
+    def _conv_forward(mod: nn.Module, key: int, pad: int, batch: dict[int, torch.Tensor]):
+        def forward(x: torch.Tensor) -> torch.Tensor:
+            carried = batch.get(key)
+            x_pad = torch.cat([carried, x], dim=-1) if carried is not None else F.pad(x, (pad, 0))
+            batch[key] = x_pad[:, :, -pad:].detach()
+            return nn.Conv1d.forward(mod, x_pad)
+        return forward
+
+    @staticmethod
+    def _transpose_forward(mod: nn.Module, key: int, ctx: int, trim: int, batch: dict[int, torch.Tensor]):
+        def forward(x: torch.Tensor) -> torch.Tensor:
+            carried = batch.get(key)
+            x_full = torch.cat([carried, x], dim=-1) if carried is not None else F.pad(x, (ctx, 0))
+            batch[key] = x[:, :, -ctx:].detach()
+            out = nn.ConvTranspose1d.forward(mod, x_full)
+            left = ctx * mod.stride[0]
+            return out[..., left:-trim] if trim > 0 else out[..., left:]
+        return forward
+
+
+class BatchedVoxCPM2:
+    """Runs prefill per request and one batched generation step for any set of requests."""
+
+    def __init__(self, model: Any, max_batch: int) -> None:
+        self.model = model
+        self.device = next(model.parameters()).device
+        self.dtype = model._dtype()
+        self.max_batch = max_batch
+        self.max_len = model.config.max_length
+        self.base_kv = SlotKV(model.base_lm, max_batch, self.max_len, self.device, self.dtype)
+        self.residual_kv = SlotKV(model.residual_lm, max_batch, self.max_len, self.device, self.dtype)
+        self.vae = BatchedStreamingVAE(model.audio_vae)
+        self._free_slots = list(range(max_batch))
+        cfg = model.config.lm_config
+        self.scale_emb = cfg.scale_emb if cfg.use_mup else 1.0
+        self.samples_per_step = model.patch_size * model._decode_chunk_size
+
+    # ------------------------------------------------------------------ capacity
+
+    def max_steps(self, prompt: Prompt, max_len: int) -> int:
+        return min(int(prompt.target_tokens * STEPS_PER_TOKEN + 10), max_len)
+
+    def fits(self, prompt: Prompt, max_len: int) -> bool:
+        return prompt.text_tokens.shape[0] + self.max_steps(prompt, max_len) <= self.max_len
+
+    # ------------------------------------------------------------------ prefill
+
+    @torch.inference_mode()
+    def prefill(self, prompt: Prompt, *, seed: int, cfg_value: float, timesteps: int, min_len: int,
+                max_len: int) -> RowState:
+        if not self._free_slots:
+            raise RuntimeError("no free KV slot")
+        m = self.model
+        slot = self._free_slots.pop(0)
+        try:
+            text = prompt.text_tokens.unsqueeze(0).to(self.device)
+            text_mask = prompt.text_mask.unsqueeze(0).to(self.device)
+            feat = prompt.audio_feat.unsqueeze(0).to(self.device).to(self.dtype)
+            feat_mask = prompt.audio_mask.unsqueeze(0).to(self.device)
+
+            encoder = getattr(m, "_feat_encoder_raw", m.feat_encoder)
+            feat_embed = m.enc_to_lm_proj(encoder(feat))
+            text_embed = m.base_lm.embed_tokens(text) * self.scale_emb
+            combined = text_mask.unsqueeze(-1) * text_embed + feat_mask.unsqueeze(-1) * feat_embed
+
+            enc_outputs, kv = m.base_lm(inputs_embeds=combined, is_causal=True)
+            self.base_kv.fill(slot, kv)
+            enc_outputs = m.fsq_layer(enc_outputs) * feat_mask.unsqueeze(-1) + enc_outputs * text_mask.unsqueeze(-1)
+            residual_in = m.fusion_concat_proj(torch.cat((enc_outputs, feat_mask.unsqueeze(-1) * feat_embed), dim=-1))
+            residual_out, residual_kv = m.residual_lm(inputs_embeds=residual_in, is_causal=True)
+            self.residual_kv.fill(slot, residual_kv)
+        except BaseException:
+            self._free_slots.append(slot)
+            raise
+        generator = torch.Generator(device=self.device)
+        generator.manual_seed(seed)
+        return RowState(
+            slot=slot,
+            position=text.shape[1],
+            lm_hidden=enc_outputs[0, -1, :].clone(),
+            residual_hidden=residual_out[0, -1, :].clone(),
+            prefix_cond=feat[0, -1].clone(),
+            generator=generator,
+            cfg_value=cfg_value,
+            timesteps=timesteps,
+            min_len=min_len,
+            max_steps=self.max_steps(prompt, max_len),
+        )
+
+    def release(self, row: RowState) -> None:
+        if row.slot not in self._free_slots:
+            self._free_slots.append(row.slot)
+            self._free_slots.sort()
+
+    # ------------------------------------------------------------------ one step
+
+    @torch.inference_mode()
+    def step(self, rows: list[RowState]) -> list[tuple[torch.Tensor, str | None]]:
+        """Advance every row by one patch. Returns (audio [samples] float32 on CPU, end reason)."""
+        m = self.model
+        lm_hidden = torch.stack([r.lm_hidden for r in rows])
+        residual_hidden = torch.stack([r.residual_hidden for r in rows])
+        cond = torch.stack([r.prefix_cond for r in rows])                     # [B, P, D]
+
+        dit_hidden = torch.cat((m.lm_to_dit_proj(lm_hidden), m.res_to_dit_proj(residual_hidden)), dim=-1)
+        pred_feat = torch.empty_like(cond)
+        for timesteps, index in _groups(rows, lambda r: r.timesteps):
+            idx = torch.tensor(index, device=self.device)
+            noise = torch.cat([
+                torch.randn((1, m.feat_dim, m.patch_size), generator=rows[i].generator, device=self.device,
+                            dtype=self.dtype) for i in index
+            ])
+            cfg = torch.tensor([rows[i].cfg_value for i in index], device=self.device, dtype=self.dtype)
+            solved = _cfm_solve(m.feat_decoder, dit_hidden[idx], cond[idx].transpose(1, 2).contiguous(), noise,
+                                timesteps, cfg)
+            pred_feat[idx] = solved.transpose(1, 2)                            # [b, P, D]
+
+        curr_embed = m.enc_to_lm_proj(m.feat_encoder(pred_feat.unsqueeze(1)))[:, 0, :]   # [B, H]
+        latents = pred_feat.transpose(1, 2).to(torch.float32)                  # b d p  (t = 1)
+        audio = self.vae.decode(latents, [r.vae_state for r in rows]).cpu()
+
+        stop = m.stop_head(m.stop_actn(m.stop_proj(lm_hidden))).argmax(dim=-1).cpu().tolist()
+        results: list[tuple[torch.Tensor, str | None]] = []
+        going: list[int] = []
+        for i, row in enumerate(rows):
+            reason = None
+            if row.step > row.min_len and stop[i] == 1:
+                reason = "done"
+            elif row.step + 1 >= row.max_steps:
+                reason = "max_len"
+            row.step += 1
+            row.prefix_cond = pred_feat[i]
+            results.append((audio[i], reason))
+            if reason is None:
+                going.append(i)
+        if going:
+            self._advance([rows[i] for i in going], curr_embed[going])
+        return results
+
+    def _advance(self, rows: list[RowState], curr_embed: torch.Tensor) -> None:
+        """Feed the new patch through the base and residual LMs (one decode step each)."""
+        m = self.model
+        slots = torch.tensor([r.slot for r in rows], device=self.device)
+        positions = torch.tensor([r.position for r in rows], device=self.device)
+        lm_hidden = _lm_step(m.base_lm, self.base_kv, curr_embed, slots, positions)
+        lm_hidden = m.fsq_layer(lm_hidden)
+        residual_in = m.fusion_concat_proj(torch.cat((lm_hidden, curr_embed), dim=-1))
+        residual_hidden = _lm_step(m.residual_lm, self.residual_kv, residual_in, slots, positions)
+        for i, row in enumerate(rows):
+            row.lm_hidden = lm_hidden[i]
+            row.residual_hidden = residual_hidden[i]
+            row.position += 1
+
+
+def _groups(rows: list[RowState], key) -> list[tuple[Any, list[int]]]:
+    groups: dict[Any, list[int]] = {}
+    for i, row in enumerate(rows):
+        groups.setdefault(key(row), []).append(i)
+    return list(groups.items())
+
+
+def _lm_step(lm: nn.Module, kv: SlotKV, x: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """MiniCPMModel.forward_step for a batch whose rows sit at different positions in their own
+    KV slots. x: [B, H] -> [B, H]."""
+    from voxcpm.modules.minicpm4.model import apply_rotary_pos_emb
+
+    batch = x.shape[0]
+    length = int(positions.max().item()) + 1
+    if lm.rope_emb is not None:
+        cos = lm.rope_emb.cos_cached[positions].view(batch, 1, 1, -1)
+        sin = lm.rope_emb.sin_cached[positions].view(batch, 1, 1, -1)
+    mask = (torch.arange(length, device=x.device).view(1, -1) <= positions.view(-1, 1)).view(batch, 1, 1, length)
+    contiguous = bool(torch.equal(slots, torch.arange(batch, device=slots.device)))
+    hidden = x
+    for index, layer in enumerate(lm.layers):
+        attn = layer.self_attn
+        residual = hidden
+        h = layer.input_layernorm(hidden)
+        q = attn.q_proj(h).view(batch, 1, attn.num_heads, attn.head_dim).transpose(1, 2)
+        k = attn.k_proj(h).view(batch, 1, attn.num_key_value_heads, attn.head_dim).transpose(1, 2)
+        v = attn.v_proj(h).view(batch, 1, attn.num_key_value_heads, attn.head_dim).transpose(1, 2)
+        if lm.rope_emb is not None:
+            q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        layer_k, layer_v = kv.k[index], kv.v[index]
+        layer_k[slots, :, positions] = k[:, :, 0]
+        layer_v[slots, :, positions] = v[:, :, 0]
+        if contiguous:
+            keys, values = layer_k[:batch, :, :length], layer_v[:batch, :, :length]
+        else:
+            keys, values = layer_k[slots, :, :length], layer_v[slots, :, :length]
+        out = F.scaled_dot_product_attention(q.contiguous(), keys.contiguous(), values.contiguous(), attn_mask=mask,
+                                             enable_gqa=True)
+        out = attn.o_proj(out.transpose(1, 2).reshape(batch, attn.num_heads * attn.head_dim))
+        hidden = residual + _depth_scaled(layer, out)
+        residual = hidden
+        hidden = residual + _depth_scaled(layer, layer.mlp(layer.post_attention_layernorm(hidden)))
+    return lm.norm(hidden)
+
+
+def _depth_scaled(layer: nn.Module, h: torch.Tensor) -> torch.Tensor:
+    if layer.use_mup:
+        return h * (layer.scale_depth / math.sqrt(layer.num_hidden_layers))
+    return h
+
+
+def _cfm_solve(cfm: nn.Module, mu: torch.Tensor, cond: torch.Tensor, noise: torch.Tensor, n_timesteps: int,
+               cfg_value: torch.Tensor) -> torch.Tensor:
+    """UnifiedCFM.forward + solve_euler with a per-row cfg_value and caller-drawn noise.
+
+    mu [b, H_dit*2], cond [b, D, P], noise [b, D, P], cfg_value [b] -> x [b, D, P].
+    """
+    b = mu.shape[0]
+    t_span = torch.linspace(1, 0, n_timesteps + 1, device=mu.device, dtype=mu.dtype)
+    t_span = t_span + SWAY_SAMPLING_COEF * (torch.cos(torch.pi / 2 * t_span) - 1 + t_span)
+    x = noise
+    t, dt = t_span[0], t_span[0] - t_span[1]
+    zero_init_steps = max(1, int(len(t_span) * 0.04))
+    mu_in = torch.cat([mu, torch.zeros_like(mu)])
+    cond_in = torch.cat([cond, cond])
+    cfg = cfg_value.view(b, 1, 1)
+    for step in range(1, len(t_span)):
+        if step <= zero_init_steps:
+            dphi_dt = torch.zeros_like(x)
+        else:
+            t_in = t.expand(2 * b)
+            dt_in = dt.expand(2 * b) if cfm.mean_mode else torch.zeros(2 * b, device=x.device, dtype=x.dtype)
+            out = cfm.estimator(torch.cat([x, x]), mu_in, t_in, cond_in, dt_in)
+            positive, negative = out[:b], out[b:]
+            st_star = cfm.optimized_scale(positive.reshape(b, -1), negative.reshape(b, -1)).view(b, 1, 1)
+            dphi_dt = negative * st_star + cfg * (positive - negative * st_star)
+        x = x - dt * dphi_dt
+        t = t - dt
+        if step < len(t_span) - 1:
+            dt = t - t_span[step + 1]
+    return x
