@@ -6,6 +6,7 @@ import time
 import msgpack
 import numpy as np
 import pytest
+from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 
 from conftest import RECV_TIMEOUT, assert_good_stream, connect_client
@@ -145,7 +146,7 @@ BAD_INPUTS = [
     ("unknown option", {"type": "start", "id": "x", "text": "hi", "options": {"speed": 2}}, "x", "bad_request"),
     ("unknown voice", {"type": "start", "id": "x", "text": "hi", "voice": "nobody"}, "x", "bad_request"),
     ("text too long", {"type": "start", "id": "x", "text": "a" * 5001}, "x", "too_large"),
-    ("frame too large", msgpack.packb({"type": "start", "id": "x", "text": "b" * 2_000_000}), None, "too_large"),
+    ("frame too large", msgpack.packb({"type": "start", "id": "x", "text": "b" * 3_000_000}), None, "too_large"),
     ("unknown stream cancel", {"type": "cancel", "id": "nope"}, "nope", "unknown_stream"),
     ("chunk without stream", {"type": "chunk", "id": "nope", "text": "x"}, "nope", "unknown_stream"),
     ("input streaming", {"type": "start", "id": "x", "stream_input": True}, "x", "unsupported"),
@@ -299,3 +300,27 @@ async def test_idle_connection_is_reaped_with_documented_code(start_server):
             await c.recv(timeout=10)
         assert c.ws.close_code == 4000 and c.ws.close_reason == "idle timeout"
         assert time.monotonic() - started < 5
+
+
+async def test_frame_beyond_transport_limit_closes_with_1009(piper_server):
+    # A bare connection: the server drops it mid-frame, which the client's context manager
+    # exit does not expect.
+    ws = await connect(piper_server.url, max_size=None)
+    await ws.recv()
+    await ws.send(b"\x00" * (piper_server.config.limits.max_frame_bytes * 4 + 1))
+    with pytest.raises(ConnectionClosed):
+        await asyncio.wait_for(ws.recv(), 10)
+    assert ws.close_code == 1009
+    async with connect_client(piper_server) as c:
+        assert_good_stream(await c.speak("The server is fine.", "after"))
+
+
+async def test_voice_and_lora_are_refused_clearly_by_piper(piper_server):
+    async with connect_client(piper_server) as c:
+        await c.send({"type": "voice", "id": "v1", "audio": b"RIFF....", "transcript": "hi"})
+        err = await c.error("v1")
+        assert err["code"] == "unsupported"
+        await c.send({"type": "lora", "id": "l1", "op": "load", "name": "x"})
+        err = await c.error("l1")
+        assert err["code"] == "unauthorized"
+        assert_good_stream(await c.speak("Still fine.", "after"))

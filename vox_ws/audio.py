@@ -72,3 +72,19 @@ def wav_bytes(pcm: np.ndarray, sample_rate: int) -> bytes:
         w.setframerate(sample_rate)
         w.writeframes(pcm_to_bytes(pcm, "s16"))
     return buf.getvalue()
+
+
+def decode_audio_file(data: bytes) -> tuple[np.ndarray, int]:
+    """WAV/FLAC/OGG bytes to mono float32 samples and their rate. Raises ValueError."""
+    import soundfile
+
+    try:
+        audio, rate = soundfile.read(io.BytesIO(data), dtype="float32", always_2d=True)
+    except Exception as exc:  # soundfile raises LibsndfileError, RuntimeError, TypeError...
+        raise ValueError(f"audio could not be decoded as WAV or FLAC ({type(exc).__name__})") from None
+    if audio.shape[0] == 0:
+        raise ValueError("audio has no samples")
+    mono = audio.mean(axis=1).astype(np.float32)
+    if not np.all(np.isfinite(mono)):
+        raise ValueError("audio has non-finite samples")
+    return mono, int(rate)

@@ -34,11 +34,18 @@ _SERVE_OPTIONS: list[tuple[str, Callable[[str], Any], Any, str]] = [
     ("threads", int, 1, "CPU threads for the model (torch / ONNX Runtime)"),
     ("optimize", _bool, False, "torch.compile the model where it works (CUDA)"),
     ("load-denoiser", _bool, False, "load the ZipEnhancer denoiser (needs modelscope and its weights)"),
+    ("voices-dir", str, None, "built-in voices: NAME.wav (+ optional NAME.txt transcript) per voice (VoxCPM)"),
+    ("lora-rank", int, 0, "build the model with LoRA layers of this rank so adapters can load at run time"),
+    ("lora-alpha", int, None, "LoRA alpha (default: 2 x rank)"),
+    ("lora-dir", str, None, "directory of LoRA adapters that admin `lora` requests may load by name"),
+    ("admin-token", str, None, "token for admin operations (LoRA); comma-separated for several"),
+    ("warm-normalizer", _bool, False, "load the text normalizer at start-up (first use costs seconds)"),
     ("max-batch", int, 8, "streams generated together in one step"),
     ("max-queue", int, Limits.max_queue, "streams that may wait for a slot; beyond it, `busy`"),
     ("max-streams", int, Limits.max_streams, "open streams per connection"),
     ("max-text-chars", int, Limits.max_text_chars, "characters per text"),
     ("max-frame-bytes", int, Limits.max_frame_bytes, "bytes per client frame"),
+    ("max-voice-seconds", float, Limits.max_voice_audio_s, "seconds of reference audio per voice"),
     ("idle-timeout", float, Limits.idle_timeout_s, "seconds before a connection with no stream and no message is closed"),
     ("max-buffered-audio", float, Limits.max_buffered_audio_s, "audio seconds a stream may have unsent before generation pauses"),
     ("write-stall-timeout", float, Limits.write_stall_timeout_s, "seconds a paused stream may wait on its reader before `slow_consumer`"),
@@ -79,10 +86,13 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         max_queue=args.max_queue,
         max_buffered_audio_s=args.max_buffered_audio,
         write_stall_timeout_s=args.write_stall_timeout,
+        max_voice_audio_s=args.max_voice_seconds,
     )
     fields = {f.name for f in dataclasses.fields(ServerConfig)}
     values = {k: v for k, v in vars(args).items() if k in fields}
-    return ServerConfig(**values, ping_timeout=max(args.ping_interval * 2, 5.0), limits=limits)
+    admin_tokens = [t.strip() for t in (args.admin_token or "").split(",") if t.strip()]
+    return ServerConfig(**values, ping_timeout=max(args.ping_interval * 2, 5.0), limits=limits,
+                        admin_tokens=admin_tokens)
 
 
 async def _serve(config: ServerConfig) -> int:

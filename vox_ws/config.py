@@ -21,6 +21,12 @@ class ServerConfig:
     drain_timeout: float = 10.0
     ping_interval: float = 10.0
     ping_timeout: float = 20.0
+    voices_dir: str | None = None
+    lora_rank: int = 0
+    lora_alpha: int | None = None
+    lora_dir: str | None = None
+    warm_normalizer: bool = False
+    admin_tokens: list[str] = field(default_factory=list)
     limits: Limits = field(default_factory=Limits)
 
     def engine_options(self) -> dict:
@@ -30,4 +36,10 @@ class ServerConfig:
             "threads": self.threads,
             "optimize": self.optimize,
             "load_denoiser": self.load_denoiser,
+            "max_batch": self.max_batch,
+            "voices_dir": self.voices_dir,
+            "lora_rank": self.lora_rank,
+            "lora_alpha": self.lora_alpha,
+            "lora_dir": self.lora_dir,
+            "warm_normalizer": self.warm_normalizer,
         }

@@ -18,12 +18,13 @@ import threading
 import time
 from abc import ABC, abstractmethod
 from collections import deque
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
 import numpy as np
 
-from .protocol import BUSY, END_CANCELLED, INTERNAL, NOT_READY, ProtocolError
+from .protocol import BUSY, END_CANCELLED, INTERNAL, NOT_READY, UNSUPPORTED, ProtocolError
 
 log = logging.getLogger("vox_ws.engine")
 
@@ -87,6 +88,19 @@ class Engine(ABC):
     def voices(self) -> list[str]:
         return []
 
+    # Whether `register_voice` can clone a voice from reference audio.
+    supports_voices: bool = False
+
+    def register_voice(self, audio: np.ndarray, sample_rate: int, transcript: str | None, mode: str) -> dict[str, Any]:
+        """Build a reusable voice prompt from reference audio; returns {voice, mode, audio_s}."""
+        raise ProtocolError(UNSUPPORTED, f"engine {self.name} cannot clone voices")
+
+    def delete_voice(self, voice_id: str) -> bool:
+        return False
+
+    def lora_op(self, op: str, name: str | None) -> dict[str, Any]:
+        raise ProtocolError(UNSUPPORTED, f"engine {self.name} has no LoRA support")
+
     def check(self, request: GenerationRequest) -> None:
         """Refuse a request the engine cannot serve (unknown voice, ...) with a ProtocolError.
 
@@ -129,6 +143,7 @@ class Scheduler:
         self._on_fatal = on_fatal
         self._cond = threading.Condition()
         self._waiting: deque[GenerationRequest] = deque()
+        self._calls: deque[tuple[Callable[[], Any], Future]] = deque()
         self._active: list[GenerationRequest] = []
         self._rr = 0                      # round-robin start for engines that cannot batch
         self._stopping = False
@@ -157,6 +172,18 @@ class Scheduler:
             self._waiting.append(request)
             self._cond.notify()
             return max(0, ahead + 1)
+
+    def call(self, fn: Callable[[], Any]) -> Future:
+        """Run `fn` on the scheduler thread between two steps (voice encoding, LoRA swaps):
+        the model is never used by two threads, and no step sees half-changed weights."""
+        future: Future = Future()
+        with self._cond:
+            if self.status != "ready":
+                future.set_exception(ProtocolError(NOT_READY, f"engine is {self.status}"))
+                return future
+            self._calls.append((fn, future))
+            self._cond.notify()
+        return future
 
     def cancel(self, request: GenerationRequest) -> None:
         """Stop a request; its slot is freed before the next step."""
@@ -210,10 +237,12 @@ class Scheduler:
     def _turn(self) -> bool:
         """One turn of the loop; False when the scheduler is stopping."""
         with self._cond:
-            while not self._stopping and not self._active and not self._waiting:
+            while not self._stopping and not self._active and not self._waiting and not self._calls:
                 self._cond.wait()
             if self._stopping:
                 return False
+            calls = list(self._calls)
+            self._calls.clear()
             waiting = [r for r in self._waiting if r.cancelled]
             for request in waiting:
                 self._waiting.remove(request)
@@ -222,6 +251,12 @@ class Scheduler:
                 admitted.append(self._waiting.popleft())
         for request in waiting:
             request.sink.finish(END_CANCELLED)
+        for fn, future in calls:
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn())
+                except BaseException as exc:  # noqa: BLE001 - the caller gets the error
+                    future.set_exception(exc)
         self._retire_cancelled()
         for request in admitted:
             self._admit(request)
@@ -323,6 +358,11 @@ class Scheduler:
             orphans = list(self._active) + list(self._waiting)
             self._active.clear()
             self._waiting.clear()
+            calls = list(self._calls)
+            self._calls.clear()
+        for _, future in calls:
+            if future.set_running_or_notify_cancel():
+                future.set_exception(ProtocolError(INTERNAL, self.error))
         self.ready_event.set()
         for request in orphans:
             request.sink.fail(INTERNAL, self.error)

@@ -128,20 +128,48 @@ class Cancel:
     id: str
 
 
-ClientMessage = Start | Chunk | End | Flush | Cancel
+VOICE_MODES = ("reference", "continuation", "both")
+LORA_OPS = ("load", "unload", "enable", "disable")
+
+
+@dataclass(frozen=True)
+class Voice:
+    """Register a voice from reference audio (WAV or FLAC bytes), optionally with its transcript."""
+
+    id: str | None
+    audio: bytes
+    transcript: str | None
+    mode: str
+
+
+@dataclass(frozen=True)
+class VoiceDelete:
+    id: str | None
+    voice: str
+
+
+@dataclass(frozen=True)
+class Lora:
+    id: str | None
+    op: str
+    name: str | None
+
+
+ClientMessage = Start | Chunk | End | Flush | Cancel | Voice | VoiceDelete | Lora
 
 
 @dataclass(frozen=True)
 class Limits:
     """The limits a server publishes in `hello` and enforces."""
 
-    max_frame_bytes: int = 1 << 20
+    max_frame_bytes: int = 2 << 20
     max_text_chars: int = 5000
     max_streams: int = 8
     idle_timeout_s: float = 60.0
     max_queue: int = 64
     max_buffered_audio_s: float = 10.0
     write_stall_timeout_s: float = 20.0
+    max_voice_audio_s: float = 30.0
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -189,6 +217,15 @@ def parse_message(obj: dict[str, Any], limits: Limits) -> ClientMessage:
             return Flush(id=_stream_id(obj))
         if kind == "cancel":
             return Cancel(id=_stream_id(obj))
+        if kind == "voice":
+            return _parse_voice(obj, limits)
+        if kind == "voice_delete":
+            return VoiceDelete(id=_request_id(obj), voice=_required_str(obj, "voice"))
+        if kind == "lora":
+            op = _required_str(obj, "op")
+            if op not in LORA_OPS:
+                raise ProtocolError(BAD_REQUEST, f"field 'op' must be one of {list(LORA_OPS)}, got {op!r}")
+            return Lora(id=_request_id(obj), op=op, name=_optional(obj, "name", str, None))
     except ProtocolError as err:
         err.stream_id = err.stream_id or sid
         raise
@@ -213,6 +250,22 @@ def _parse_start(obj: dict[str, Any], limits: Limits) -> Start:
     options = parse_options(obj.get("options"), sid)
     return Start(id=sid, text=text, voice=voice, format=fmt, sample_rate=rate, options=options,
                  stream_input=stream_input)
+
+
+def _parse_voice(obj: dict[str, Any], limits: Limits) -> Voice:
+    audio = obj.get("audio")
+    if not isinstance(audio, bytes) or not audio:
+        raise ProtocolError(BAD_REQUEST, f"field 'audio' must be non-empty binary (WAV or FLAC), got {_kind(audio)}")
+    transcript = _optional(obj, "transcript", str, None)
+    if transcript is not None and len(transcript) > limits.max_text_chars:
+        raise ProtocolError(TOO_LARGE, f"field 'transcript' is over max_text_chars={limits.max_text_chars}")
+    default_mode = "both" if transcript and transcript.strip() else "reference"
+    mode = _optional(obj, "mode", str, default_mode)
+    if mode not in VOICE_MODES:
+        raise ProtocolError(BAD_REQUEST, f"field 'mode' must be one of {list(VOICE_MODES)}, got {mode!r}")
+    if mode != "reference" and not (transcript and transcript.strip()):
+        raise ProtocolError(BAD_REQUEST, f"field 'transcript' is required for mode {mode!r}")
+    return Voice(id=_request_id(obj), audio=audio, transcript=transcript, mode=mode)
 
 
 def parse_options(raw: Any, sid: str | None = None) -> dict[str, Any]:
@@ -263,6 +316,18 @@ def _stream_id(obj: dict[str, Any]) -> str:
         raise ProtocolError(BAD_REQUEST, f"field 'id' must be a non-empty string, got {_kind(value)}")
     if len(value) > MAX_ID_CHARS:
         raise ProtocolError(BAD_REQUEST, f"field 'id' must be at most {MAX_ID_CHARS} characters")
+    return value
+
+
+def _request_id(obj: dict[str, Any]) -> str | None:
+    """The optional id of a non-stream request, echoed in its reply."""
+    return _stream_id(obj) if obj.get("id") is not None else None
+
+
+def _required_str(obj: dict[str, Any], name: str) -> str:
+    value = obj.get(name)
+    if not isinstance(value, str) or not value:
+        raise ProtocolError(BAD_REQUEST, f"field '{name}' must be a non-empty string, got {_kind(value)}")
     return value
 
 

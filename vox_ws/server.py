@@ -13,6 +13,7 @@ from websockets.asyncio.server import ServerConnection, serve
 
 from . import __version__
 from . import protocol as p
+from .auth import presented_tokens, token_matches
 from .config import ServerConfig
 from .engine import Engine, Scheduler
 from .http import HttpRoutes
@@ -100,7 +101,9 @@ class VoxServer:
     # ------------------------------------------------------------------ sessions
 
     async def _handle(self, ws: ServerConnection) -> None:
-        session = Session(ws, self.scheduler, self.config.limits, self.hello())
+        is_admin = bool(self.config.admin_tokens) and token_matches(presented_tokens(ws.request),
+                                                                    self.config.admin_tokens)
+        session = Session(ws, self.scheduler, self.config.limits, self.hello(), is_admin=is_admin)
         self.sessions.add(session)
         log.info("session %d open from %s", session.number, ws.remote_address)
         try:

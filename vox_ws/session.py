@@ -24,7 +24,7 @@ from websockets.asyncio.server import ServerConnection
 from websockets.exceptions import ConnectionClosed
 
 from . import protocol as p
-from .audio import StreamEncoder
+from .audio import StreamEncoder, decode_audio_file
 from .engine import Engine, GenerationRequest, Scheduler
 
 log = logging.getLogger("vox_ws.session")
@@ -101,7 +101,7 @@ class Session:
     _ids = itertools.count(1)
 
     def __init__(self, ws: ServerConnection, scheduler: Scheduler, limits: p.Limits,
-                 hello: dict[str, Any]) -> None:
+                 hello: dict[str, Any], is_admin: bool = False) -> None:
         self.ws = ws
         self.scheduler = scheduler
         self.engine: Engine = scheduler.engine
@@ -114,6 +114,8 @@ class Session:
         self._outbox: asyncio.Queue[_Outgoing] = asyncio.Queue()
         self._auto_ids = itertools.count(1)
         self._closing = False
+        self.is_admin = is_admin
+        self._requests: set[asyncio.Task] = set()   # voice / lora requests in flight
 
     # -------------------------------------------------------------- life
 
@@ -132,6 +134,8 @@ class Session:
             for stream in list(self.streams.values()):
                 self._abandon(stream)
             watchdog.cancel()
+            for task in self._requests:
+                task.cancel()
             # Let the writer flush what is queued if the socket is still open (e.g. we closed it).
             writer.cancel()
             await asyncio.gather(writer, watchdog, return_exceptions=True)
@@ -157,6 +161,8 @@ class Session:
                 self._on_start(message)
             elif isinstance(message, p.Cancel):
                 self._on_cancel(message)
+            elif isinstance(message, (p.Voice, p.VoiceDelete, p.Lora)):
+                self._on_request(message)
             else:
                 self._stream(message.id)
                 raise p.ProtocolError(
@@ -211,6 +217,69 @@ class Session:
     def _on_cancel(self, cancel: p.Cancel) -> None:
         stream = self._stream(cancel.id)
         self._end(stream, p.END_CANCELLED)
+
+    def _on_request(self, message: p.Voice | p.VoiceDelete | p.Lora) -> None:
+        """Requests that run on the engine thread between steps and answer later."""
+        if isinstance(message, p.Voice):
+            if not self.engine.supports_voices:
+                raise p.ProtocolError(p.UNSUPPORTED, f"engine {self.engine.name} cannot clone voices", message.id)
+            if any(getattr(t, "kind", "") == "voice" for t in self._requests):
+                raise p.ProtocolError(p.BUSY, "one voice registration at a time per connection", message.id)
+            work = self._register_voice(message)
+        elif isinstance(message, p.VoiceDelete):
+            work = self._engine_call(message.id, "voice_delete",
+                                     lambda: {"voice": message.voice, "deleted": self.engine.delete_voice(message.voice)})
+        else:
+            if not self.is_admin:
+                raise p.ProtocolError(p.UNAUTHORIZED, "LoRA operations need a connection opened with the admin token",
+                                      message.id)
+            work = self._lora(message)
+        task = asyncio.ensure_future(work)
+        task.kind = "voice" if isinstance(message, p.Voice) else "other"  # type: ignore[attr-defined]
+        self._requests.add(task)
+        task.add_done_callback(self._requests.discard)
+
+    async def _register_voice(self, message: p.Voice) -> None:
+        try:
+            # Decoding a file is CPU work: never on the event loop.
+            audio, rate = await asyncio.to_thread(decode_audio_file, message.audio)
+        except ValueError as exc:
+            self._send(p.encode(p.error_message(p.ProtocolError(p.BAD_REQUEST, f"field 'audio': {exc}", message.id))))
+            return
+        seconds = len(audio) / rate
+        if seconds > self.limits.max_voice_audio_s:
+            self._send(p.encode(p.error_message(p.ProtocolError(
+                p.TOO_LARGE, f"reference audio is {seconds:.1f}s, over max_voice_audio_s="
+                             f"{self.limits.max_voice_audio_s:g}", message.id))))
+            return
+        if seconds < 0.2:
+            self._send(p.encode(p.error_message(p.ProtocolError(
+                p.BAD_REQUEST, f"reference audio is {seconds:.2f}s; at least 0.2s is needed", message.id))))
+            return
+        await self._engine_call(message.id, "voice",
+                                lambda: self.engine.register_voice(audio, rate, message.transcript, message.mode))
+
+    async def _lora(self, message: p.Lora) -> None:
+        active = self.scheduler.stats()["active"]
+        await self._engine_call(message.id, "lora",
+                                lambda: {**self.engine.lora_op(message.op, message.name), "streams_in_flight": active})
+
+    async def _engine_call(self, request_id: str | None, kind: str, fn: Any) -> None:
+        try:
+            result = await asyncio.wrap_future(self.scheduler.call(fn))
+        except p.ProtocolError as err:
+            err.stream_id = request_id
+            self._send(p.encode(p.error_message(err)))
+            return
+        except Exception as exc:  # noqa: BLE001 - report, keep the session
+            log.exception("%s request failed", kind)
+            self._send(p.encode(p.error_message(
+                p.ProtocolError(p.INTERNAL, f"{kind} failed: {type(exc).__name__}: {exc}", request_id))))
+            return
+        reply = {"type": kind, **result}
+        if request_id is not None:
+            reply["id"] = request_id
+        self._send(p.encode(reply))
 
     # -------------------------------------------------------------- from the scheduler
 

@@ -34,13 +34,14 @@ def _choose_auto(options: dict[str, Any]) -> tuple[str, str]:
         from .voxcpm import weights_available
     except ImportError as exc:
         return "piper", f"voxcpm engine unavailable: {exc}"
-    if options.get("device") in (None, "auto", "cuda"):
-        try:
-            import torch
-        except ImportError:
-            return "piper", "torch is not installed"
-        if not torch.cuda.is_available():
-            return "piper", "no CUDA GPU"
+    if str(options.get("device") or "auto") not in ("auto",) and not str(options["device"]).startswith("cuda"):
+        return "piper", f"device {options['device']!r} is not a GPU"
+    try:
+        import torch
+    except ImportError:
+        return "piper", "torch is not installed"
+    if not torch.cuda.is_available():
+        return "piper", "no CUDA GPU"
     model = options.get("model") or "openbmb/VoxCPM2"
     if not weights_available(model):
         return "piper", f"VoxCPM2 weights for {model!r} not found locally"
