@@ -195,10 +195,10 @@ class connect_client:
         await self._cm.__aexit__(*exc)
 
 
-def assert_good_stream(result: StreamResult, min_seconds: float = 0.3) -> None:
+def assert_good_stream(result: StreamResult, min_seconds: float = 0.3, reason: str = "done") -> None:
     assert result.error is None, result.error
     assert result.start is not None and result.end is not None
-    assert result.end["reason"] == "done"
+    assert result.end["reason"] == reason
     assert [c["seq"] for c in result.chunks] == list(range(len(result.chunks)))
     assert result.end["chunks"] == len(result.chunks)
     pcm = result.pcm()
@@ -206,3 +206,23 @@ def assert_good_stream(result: StreamResult, min_seconds: float = 0.3) -> None:
     assert result.seconds >= min_seconds, result.seconds
     assert float(np.sqrt(np.mean(pcm.astype(np.float64) ** 2))) > 0.01, "audio is silent"
     assert np.all(np.isfinite(pcm))
+
+
+# ------------------------------------------------------------------------------ tiny VoxCPM2
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory):
+    """A random-weight VoxCPM2 in the real checkpoint layout; its stop head never stops, so
+    every request runs to its length cap and lengths are deterministic."""
+    from vox_ws.testing.tiny_voxcpm import build
+
+    return build(tmp_path_factory.mktemp("tiny-voxcpm"), stop="never")
+
+
+@pytest.fixture(scope="session")
+def tiny_model_stops(tmp_path_factory):
+    """The same, with a stop head that stops as soon as min_len allows."""
+    from vox_ws.testing.tiny_voxcpm import build
+
+    return build(tmp_path_factory.mktemp("tiny-voxcpm-stop"), stop="always")

@@ -370,17 +370,17 @@ def verify_weights(model: Any, path: Path) -> None:
     import torch
     from safetensors import safe_open
 
+    def read(safetensors_file: Path, torch_file: Path) -> dict[str, torch.Tensor]:
+        if safetensors_file.exists():
+            with safe_open(str(safetensors_file), framework="pt") as f:
+                return {key: f.get_tensor(key) for key in f.keys()}
+        loaded = torch.load(torch_file, map_location="cpu", weights_only=True)
+        return loaded.get("state_dict", loaded)
+
     live = model.state_dict()
-    expected = {k for k in live if "lora_" not in k and not k.startswith("audio_vae.")}
-    files = [path / "model.safetensors"] if (path / "model.safetensors").exists() else []
-    saved: dict[str, torch.Tensor] = {}
-    if files:
-        with safe_open(str(files[0]), framework="pt") as f:
-            for key in f.keys():
-                saved[key] = f.get_tensor(key)
-    else:
-        saved = torch.load(path / "pytorch_model.bin", map_location="cpu", weights_only=True)
-        saved = saved.get("state_dict", saved)
+    expected = {k for k in live if "lora_" not in k}
+    saved = read(path / "model.safetensors", path / "pytorch_model.bin")
+    saved.update({f"audio_vae.{k}": v for k, v in read(path / "audiovae.safetensors", path / "audiovae.pth").items()})
     # Buffers that the model computes itself (rope tables) are not in checkpoints.
     missing = sorted(k for k in expected - set(saved) if not k.endswith(("cos_cached", "sin_cached", "inv_freq")))
     unexpected = sorted(set(saved) - set(live))

@@ -1,0 +1,314 @@
+"""VoxCPM2 end to end over WebSocket: the tiny random-weight model through voxcpm's real
+loading path (hub switched off), the batched scheduler, voices, options and LoRA."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import shutil
+
+import numpy as np
+import pytest
+import soundfile
+import torch
+
+from conftest import assert_good_stream as _assert_good_stream
+from conftest import connect_client
+from vox_ws.engines.voxcpm import VoxCPMEngine, import_voxcpm
+
+ADMIN = "admin-secret"
+
+
+def assert_good_stream(result, min_seconds: float = 0.1, reason: str = "max_len"):
+    """The tiny model's stop head never stops: a complete stream ends at its length cap."""
+    _assert_good_stream(result, min_seconds, reason)
+CHUNK_SAMPLES = 7680          # 4 latent frames x 1920 = 160 ms at 48 kHz
+
+
+def tone_wav(seconds: float, rate: int = 16000, pitch: float = 200.0, fmt: str = "WAV") -> bytes:
+    t = np.arange(int(seconds * rate)) / rate
+    buf = io.BytesIO()
+    soundfile.write(buf, (0.3 * np.sin(2 * np.pi * pitch * t)).astype(np.float32), rate, format=fmt,
+                    subtype="PCM_16")
+    return buf.getvalue()
+
+
+@pytest.fixture(scope="module")
+def voxcpm_server(start_server, tiny_model, tmp_path_factory):
+    voices = tmp_path_factory.mktemp("builtin-voices")
+    (voices / "narrator.wav").write_bytes(tone_wav(1.0, pitch=150))
+    (voices / "narrator.txt").write_text("This is the narrator.")
+    lora_dir = tmp_path_factory.mktemp("lora")
+    engine = VoxCPMEngine(model=str(tiny_model), device="cpu", max_batch=4, voices_dir=str(voices), lora_rank=4,
+                          lora_dir=str(lora_dir))
+    server = start_server(engine, max_batch=4, max_streams=8, admin_tokens=[ADMIN])
+    # An adapter with the model's own LoRA parameter names, and one that matches nothing.
+    from safetensors.torch import save_file
+
+    state = engine.tts.tts_model.get_lora_state_dict()
+    save_file({k: torch.randn_like(v) * 0.05 for k, v in state.items()}, str(lora_dir / "bright.safetensors"))
+    save_file({"nothing.here": torch.zeros(2)}, str(lora_dir / "empty.safetensors"))
+    return server
+
+
+def reference(tiny_model, text: str, seed: int, **options) -> np.ndarray:
+    tts = import_voxcpm().VoxCPM.from_pretrained(str(tiny_model), load_denoiser=False, optimize=False, device="cpu")
+    torch.manual_seed(seed)
+    return np.concatenate(list(tts.generate_streaming(text=text, retry_badcase=False, **options)))
+
+
+async def test_hello_and_info_describe_the_model(voxcpm_server):
+    async with connect_client(voxcpm_server) as c:
+        hello = c.hello
+    assert hello["engine"] == "voxcpm" and hello["sample_rate"] == 48000 and hello["voices"] == ["narrator"]
+    assert set(hello["options"]) == {"cfg_value", "inference_timesteps", "min_len", "max_len", "normalize", "seed"}
+    status, info = voxcpm_server.get("/v1/info")
+    assert info["device"] == "cpu" and info["dtype"] == "float32" and info["max_batch"] == 4
+    assert info["lora"] == {"configured": True, "loaded": None, "enabled": False}
+
+
+async def test_streams_160ms_chunks_at_48khz(voxcpm_server):
+    async with connect_client(voxcpm_server) as c:
+        result = await c.speak("Hello from the tiny model.", "a", options={"max_len": 8, "seed": 1})
+    assert_good_stream(result, min_seconds=1.0)
+    assert [len(ch["audio"]) // 4 for ch in result.chunks] == [CHUNK_SAMPLES] * 8
+
+
+async def test_concurrent_streams_are_batched_and_match_the_package(voxcpm_server, tiny_model):
+    """Several streams on several connections, joining at different times: every step batches
+    them, and each stream's audio equals the package's output for that request alone."""
+    scheduler = voxcpm_server.scheduler
+    batch_sizes: list[int] = []
+    scheduler.on_step = lambda size, seconds: batch_sizes.append(size)
+    plan = [("First stream, longest text of all of them.", 101, 20, 0.0),
+            ("Second one.", 202, 14, 0.15),
+            ("Third stream joins later.", 303, 10, 0.3)]
+
+    async def one(i, text, seed, max_len, delay):
+        await asyncio.sleep(delay)
+        async with connect_client(voxcpm_server) as c:
+            return await c.speak(text, f"s{i}", options={"seed": seed, "max_len": max_len})
+
+    try:
+        results = await asyncio.gather(*(one(i, *p) for i, p in enumerate(plan)))
+    finally:
+        scheduler.on_step = None
+    assert max(batch_sizes) >= 2, batch_sizes
+    for (text, seed, max_len, _), result in zip(plan, results):
+        assert_good_stream(result)
+        want = reference(tiny_model, text, seed, max_len=max_len)
+        got = result.pcm()
+        assert got.shape == want.shape
+        assert np.max(np.abs(got - want)) < 1e-4
+
+
+async def test_same_seed_same_audio_other_seed_other_audio(voxcpm_server):
+    async with connect_client(voxcpm_server) as c:
+        one = await c.speak("Reproducible.", "a", options={"seed": 7, "max_len": 4})
+        two = await c.speak("Reproducible.", "b", options={"seed": 7, "max_len": 4})
+        three = await c.speak("Reproducible.", "c", options={"seed": 8, "max_len": 4})
+    assert np.array_equal(one.pcm(), two.pcm())
+    assert not np.allclose(one.pcm(), three.pcm())
+
+
+async def test_options_map_onto_the_model(voxcpm_server, tiny_model_stops):
+    async with connect_client(voxcpm_server) as c:
+        capped = await c.speak("Capped by max_len.", "cap", options={"max_len": 3, "cfg_value": 1.0,
+                                                                       "inference_timesteps": 2})
+        assert capped.end["reason"] == "max_len" and len(capped.chunks) == 3
+        # The package's text-length cap: 6 steps per token + 10.
+        tiny = await c.speak("Hi", "textcap")
+        tokens = len(voxcpm_server.engine.tts.tts_model.text_tokenizer("Hi"))
+        assert tiny.end["reason"] == "max_len" and len(tiny.chunks) == 6 * tokens + 10
+        rates = await c.speak("Resampled for telephony.", "rate", format="s16", sample_rate=8000,
+                              options={"max_len": 5})
+        assert_good_stream(rates)
+        assert rates.seconds == pytest.approx(5 * 0.16, abs=0.01)
+
+
+async def test_stop_head_ends_with_done_after_min_len(start_server, tiny_model_stops):
+    server = start_server(VoxCPMEngine(model=str(tiny_model_stops), device="cpu", max_batch=2), max_batch=2)
+    async with connect_client(server) as c:
+        result = await c.speak("The stop head says stop.", "s", options={"min_len": 4})
+    assert result.end["reason"] == "done"
+    assert len(result.chunks) == 6          # the package stops at the first step past min_len
+
+
+async def test_cancel_frees_the_slot_before_the_next_step(voxcpm_server):
+    async with connect_client(voxcpm_server) as c:
+        await c.send({"type": "start", "id": "long", "text": "A long request that we interrupt.",
+                      "options": {"max_len": 400}})
+        await c.recv_where(lambda m: m["type"] == "chunk" and m["id"] == "long")
+        await c.send({"type": "cancel", "id": "long"})
+        end = await c.recv_where(lambda m: m["type"] == "end" and m["id"] == "long")
+        assert end["reason"] == "cancelled"
+        for _ in range(200):
+            if voxcpm_server.scheduler.stats()["active"] == 0:
+                break
+            await asyncio.sleep(0.01)
+        assert voxcpm_server.scheduler.stats()["active"] == 0
+        assert sorted(voxcpm_server.engine.runner._free_slots) == [0, 1, 2, 3]
+        assert_good_stream(await c.speak("Next.", "next", options={"max_len": 3}))
+
+
+@pytest.mark.parametrize("mode, transcript, fmt", [
+    ("reference", None, "WAV"),
+    ("continuation", "this is my voice", "FLAC"),
+    ("both", "this is my voice", "WAV"),
+])
+async def test_register_a_voice_and_speak_with_it(voxcpm_server, mode, transcript, fmt):
+    async with connect_client(voxcpm_server) as c:
+        message = {"type": "voice", "id": "v", "audio": tone_wav(1.2, rate=22050, fmt=fmt), "mode": mode}
+        if transcript:
+            message["transcript"] = transcript
+        await c.send(message)
+        reply = await c.recv_where(lambda m: m.get("id") == "v")
+        assert reply["type"] == "voice", reply
+        assert reply["mode"] == mode and reply["audio_s"] == pytest.approx(1.2, abs=0.01)
+        voice = reply["voice"]
+        assert voice.startswith("v_") and len(voice) > 10
+        cloned = await c.speak("Speaking in the new voice.", "s", voice=voice, options={"max_len": 4, "seed": 3})
+        plain = await c.speak("Speaking in the new voice.", "p", options={"max_len": 4, "seed": 3})
+        assert_good_stream(cloned)
+        assert not np.allclose(cloned.pcm(), plain.pcm()), "the voice prompt must change the audio"
+    # The voice id works from another connection too, until it is deleted.
+    async with connect_client(voxcpm_server) as c:
+        assert_good_stream(await c.speak("Same voice elsewhere.", "s", voice=voice, options={"max_len": 2}))
+        await c.send({"type": "voice_delete", "id": "d", "voice": voice})
+        assert (await c.recv_where(lambda m: m.get("id") == "d"))["deleted"] is True
+        await c.send({"type": "start", "id": "gone", "text": "Hi", "voice": voice})
+        assert (await c.error("gone"))["code"] == "bad_request"
+
+
+async def test_builtin_voice_from_the_voices_dir(voxcpm_server):
+    async with connect_client(voxcpm_server) as c:
+        assert_good_stream(await c.speak("Narrated.", "n", voice="narrator", options={"max_len": 3}))
+
+
+@pytest.mark.parametrize("message, code", [
+    ({"type": "voice", "id": "x", "audio": b"definitely not audio"}, "bad_request"),
+    ({"type": "voice", "id": "x", "audio": "text, not bytes"}, "bad_request"),
+    ({"type": "voice", "id": "x", "audio": b"RIFF", "mode": "continuation"}, "bad_request"),  # no transcript
+    ({"type": "voice", "id": "x", "audio": b"RIFF", "mode": "karaoke"}, "bad_request"),
+    ({"type": "voice", "id": "x", "audio": tone_wav(0.05)}, "bad_request"),                  # too short
+    ({"type": "voice", "id": "x", "audio": tone_wav(31.0, rate=8000)}, "too_large"),
+    ({"type": "start", "id": "x", "text": "Hi", "voice": "v_doesnotexist"}, "bad_request"),
+    ({"type": "start", "id": "x", "text": "Hi", "options": {"denoise": True}}, "bad_request"),
+    ({"type": "start", "id": "x", "text": "x" * 300}, "too_large"),                          # beyond context
+    ({"type": "start", "id": "x", "text": "Hi", "options": {"inference_timesteps": 500}}, "bad_request"),
+    ({"type": "start", "id": "x", "text": "Hi", "options": {"cfg_value": -1}}, "bad_request"),
+    ({"type": "start", "id": "x", "text": " \n\t "}, "bad_request"),
+])
+async def test_bad_voice_and_option_requests(voxcpm_server, message, code):
+    async with connect_client(voxcpm_server) as c:
+        await c.send(message)
+        err = await c.error("x")
+        assert err["code"] == code, err
+        assert_good_stream(await c.speak("Still serving.", "ok", options={"max_len": 2}))
+
+
+async def test_long_text_fits_with_a_small_max_len(voxcpm_server):
+    async with connect_client(voxcpm_server) as c:
+        assert_good_stream(await c.speak("x" * 300, "ok", options={"max_len": 2}))
+
+
+async def test_lora_needs_the_admin_token(voxcpm_server):
+    async with connect_client(voxcpm_server) as c:
+        await c.send({"type": "lora", "id": "l", "op": "load", "name": "bright"})
+        assert (await c.error("l"))["code"] == "unauthorized"
+    async with connect_client(voxcpm_server, additional_headers={"Authorization": "Bearer wrong"}) as c:
+        await c.send({"type": "lora", "id": "l", "op": "load", "name": "bright"})
+        assert (await c.error("l"))["code"] == "unauthorized"
+
+
+async def test_lora_load_unload_with_a_stream_in_flight(voxcpm_server):
+    headers = {"Authorization": f"Bearer {ADMIN}"}
+    async with connect_client(voxcpm_server, additional_headers=headers) as admin, \
+            connect_client(voxcpm_server) as user:
+        before = await user.speak("Adapter test.", "before", options={"seed": 5, "max_len": 4})
+        await user.send({"type": "start", "id": "flight", "text": "In flight.", "options": {"max_len": 60}})
+        await user.recv_where(lambda m: m["type"] == "chunk" and m["id"] == "flight")
+
+        await admin.send({"type": "lora", "id": "l1", "op": "load", "name": "bright"})
+        loaded = await admin.recv_where(lambda m: m.get("id") == "l1")
+        assert loaded["type"] == "lora", loaded
+        assert loaded["loaded"] > 0 and loaded["skipped"] == 0 and loaded["lora"]["enabled"] is True
+        assert loaded["streams_in_flight"] >= 1
+        # The stream in flight goes on (with the adapter from its next step) and ends normally.
+        flight = await user.collect("flight")
+        assert flight.end["reason"] == "max_len"
+        assert [c["seq"] for c in flight.chunks] == list(range(1, 60))   # chunk 0 was read above
+        with_lora = await user.speak("Adapter test.", "with", options={"seed": 5, "max_len": 4})
+        assert not np.allclose(with_lora.pcm(), before.pcm()), "the adapter must change the audio"
+
+        await admin.send({"type": "lora", "id": "l2", "op": "disable"})
+        assert (await admin.recv_where(lambda m: m.get("id") == "l2"))["lora"]["enabled"] is False
+        disabled = await user.speak("Adapter test.", "off", options={"seed": 5, "max_len": 4})
+        assert np.allclose(disabled.pcm(), before.pcm(), atol=1e-5)
+
+        await admin.send({"type": "lora", "id": "l3", "op": "unload"})
+        assert (await admin.recv_where(lambda m: m.get("id") == "l3"))["lora"]["loaded"] is None
+        after = await user.speak("Adapter test.", "after", options={"seed": 5, "max_len": 4})
+        assert np.allclose(after.pcm(), before.pcm(), atol=1e-5)
+
+        for name, code in (("missing", "bad_request"), ("../etc/passwd", "bad_request"), ("empty", "bad_request")):
+            await admin.send({"type": "lora", "id": "bad", "op": "load", "name": name})
+            assert (await admin.error("bad"))["code"] == code
+
+
+# ------------------------------------------------------------------ loading
+
+
+async def test_hub_id_not_in_the_local_cache_fails_load_clearly(start_server, monkeypatch, tmp_path):
+    monkeypatch.setenv("HF_HOME", str(tmp_path))
+    server = start_server(VoxCPMEngine(model="openbmb/VoxCPM2", device="cpu"), wait=False)
+    assert server.scheduler.ready_event.wait(60)
+    status, body = server.get("/readyz")
+    assert status == 503 and body["status"] == "failed"
+    assert "local Hugging Face cache" in body["error"]
+
+
+async def test_hub_id_resolves_from_the_local_cache_offline(start_server, tiny_model, monkeypatch, tmp_path):
+    """A hub id is served from a prepared HF cache with HF_HUB_OFFLINE=1."""
+    cache = tmp_path / "hub" / "models--openbmb--VoxCPM2"
+    snapshot = cache / "snapshots" / "0123456789abcdef0123456789abcdef01234567"
+    shutil.copytree(tiny_model, snapshot)
+    (cache / "refs").mkdir()
+    (cache / "refs" / "main").write_text(snapshot.name)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(tmp_path / "hub"))
+    server = start_server(VoxCPMEngine(model="openbmb/VoxCPM2", device="cpu", max_batch=1), max_batch=1)
+    async with connect_client(server) as c:
+        assert_good_stream(await c.speak("From the cache.", "a", options={"max_len": 2}))
+
+
+async def test_a_misnamed_tensor_is_caught_at_load(start_server, tiny_model, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_model, broken)
+    weights = load_file(str(broken / "model.safetensors"))
+    weights["stop_head.weight_renamed"] = weights.pop("stop_head.weight")
+    save_file(weights, str(broken / "model.safetensors"))
+    server = start_server(VoxCPMEngine(model=str(broken), device="cpu"), wait=False)
+    assert server.scheduler.ready_event.wait(60)
+    status, body = server.get("/readyz")
+    assert status == 503 and "did not load cleanly" in body["error"] and "stop_head.weight" in body["error"]
+
+
+async def test_denoiser_without_its_dependencies_fails_load_clearly(start_server, tiny_model):
+    server = start_server(VoxCPMEngine(model=str(tiny_model), device="cpu", load_denoiser=True), wait=False)
+    assert server.scheduler.ready_event.wait(60)
+    status, body = server.get("/readyz")
+    assert status == 503 and "modelscope" in body["error"]
+
+
+def test_voxcpm_1_checkpoints_are_refused_clearly(tiny_model, tmp_path):
+    v1 = tmp_path / "v1"
+    shutil.copytree(tiny_model, v1)
+    config = json.loads((v1 / "config.json").read_text())
+    config["architecture"] = "voxcpm"
+    (v1 / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="VoxCPM2 only"):
+        VoxCPMEngine(model=str(v1), device="cpu").load()
