@@ -258,9 +258,11 @@ class Scheduler:
                 except BaseException as exc:  # noqa: BLE001 - the caller gets the error
                     future.set_exception(exc)
         self._retire_cancelled()
-        for request in admitted:
-            self._admit(request)
-        runnable = [r for r in self._active if not r.cancelled and not r.sink.backlogged()]
+        fresh = [r for r in admitted if self._admit(r)]
+        # New requests go first: for an engine stepped one request at a time, that is the
+        # order of the round-robin, and first audio matters most.
+        runnable = fresh + [r for r in self._active
+                            if r not in fresh and not r.cancelled and not r.sink.backlogged()]
         if not runnable:
             if self._active:
                 # Every active stream waits on its client; sleep until one drains (wake) or briefly.
@@ -270,19 +272,21 @@ class Scheduler:
         self._step(runnable)
         return True
 
-    def _admit(self, request: GenerationRequest) -> None:
+    def _admit(self, request: GenerationRequest) -> bool:
+        """Prefill a request into the active set; False if it did not get there."""
         if request.cancelled:
             request.sink.finish(END_CANCELLED)
-            return
+            return False
         try:
             self.engine.prefill(request)
         except Exception as exc:  # noqa: BLE001 - one bad request must not stop the others
             log.exception("prefill failed for request %s", request.id)
             self._release(request)
             request.sink.fail(INTERNAL, f"prefill failed: {type(exc).__name__}: {exc}")
-            return
+            return False
         with self._cond:
             self._active.append(request)
+        return True
 
     def _retire_cancelled(self) -> None:
         gone = [r for r in self._active if r.cancelled]
@@ -299,9 +303,12 @@ class Scheduler:
             groups = [runnable[i:i + self.engine.max_step_batch]
                       for i in range(0, len(runnable), self.engine.max_step_batch)]
         else:
-            # Rotate the start so that, under backpressure or cancellation, no request is favoured.
-            self._rr = (self._rr + 1) % len(runnable)
-            groups = [[r] for r in runnable[self._rr:] + runnable[:self._rr]]
+            # Rotate the start of the running ones so that, under backpressure or cancellation,
+            # none is favoured; new requests stay in front.
+            new = [r for r in runnable if r.steps == 0]
+            old = [r for r in runnable if r.steps > 0]
+            self._rr = (self._rr + 1) % max(1, len(old))
+            groups = [[r] for r in new + old[self._rr:] + old[:self._rr]]
         for group in groups:
             group = [r for r in group if not r.cancelled]
             if not group:

@@ -229,7 +229,8 @@ class VoxCPMEngine(Engine):
 
     def step(self, batch: list[GenerationRequest]) -> list[StepResult]:
         results = self.runner.step([r.state for r in batch])
-        return [StepResult(audio=audio.numpy(), finished=reason) for audio, reason in results]
+        return [StepResult(audio=None if audio is None else audio.numpy(), finished=reason)
+                for audio, reason in results]
 
     def release(self, request: GenerationRequest) -> None:
         if request.state is not None:

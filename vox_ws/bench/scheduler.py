@@ -1,0 +1,314 @@
+"""Benchmark: the voxcpm package serialised under a lock vs vox-ws's batched scheduler.
+
+Same process, same checkpoint, same traffic for both arms: N clients start at staggered times and
+each sends `--rounds` requests back to back (random texts and lengths, fixed seeds):
+
+  (a) serial:  the package's own `generate_streaming`, one request at a time in arrival order,
+               as any server without a batching scheduler must run it;
+  (b) batched: vox-ws's Scheduler + VoxCPMEngine, every active request advancing each step.
+
+Per concurrency N it prints aggregate audio seconds per wall second, first-audio p50/p95
+(arrival -> first chunk), playback underruns per stream (a chunk arriving after the audio
+before it would have finished playing; playback starts at the first chunk and re-buffers
+after each underrun), and the throughput ratio (b)/(a). `--profile` also times the parts of
+one batched step at several batch sizes.
+
+    python -m vox_ws.bench.scheduler [--model DIR] [--concurrency 1,2,4,8,16] [--profile]
+
+Without --model it builds the tiny random-weight VoxCPM2 in a temporary directory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import queue
+import random
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TQDM_DISABLE", "1")
+
+TEXTS = [
+    "Hello there.",
+    "The weather today is mild, with a light breeze from the west.",
+    "Please hold while I transfer your call.",
+    "Your order has shipped and should arrive on Thursday afternoon.",
+    "Yes.",
+    "I can help with that, just give me a moment to look it up.",
+    "The meeting moved to three o'clock.",
+    "Thanks for waiting; here is what I found about your account balance.",
+]
+
+
+@dataclass
+class Job:
+    client: int
+    text: str
+    seed: int
+    max_len: int
+    ready: float = 0.0            # when the client sent it (relative to the run's start)
+    chunks: list[tuple[float, float]] = field(default_factory=list)   # (arrival time, seconds of audio)
+    done_at: float = 0.0
+
+
+def make_clients(n: int, rounds: int, min_steps: int, max_steps: int, seed: int) -> list[list[Job]]:
+    """N clients, each with `rounds` requests of random text and length, sent back to back."""
+    rng = random.Random(seed * 1000 + n)
+    return [[Job(client=c, text=rng.choice(TEXTS), seed=rng.randrange(1 << 31),
+                 max_len=rng.randint(min_steps, max_steps)) for _ in range(rounds)] for c in range(n)]
+
+
+def start_offsets(n: int, stagger: float, seed: int) -> list[float]:
+    rng = random.Random(seed)
+    offsets, t = [], 0.0
+    for _ in range(n):
+        offsets.append(t)
+        t += rng.expovariate(1.0 / stagger) if stagger > 0 else 0.0
+    return offsets
+
+
+def underruns(job: Job, jitter_s: float = 0.0) -> int:
+    """Count stalls of a player that starts `jitter_s` after the first chunk."""
+    if not job.chunks:
+        return 0
+    count = 0
+    play_clock = job.chunks[0][0] + jitter_s      # when the next chunk's audio is due
+    for arrived, seconds in job.chunks:
+        if arrived > play_clock + 1e-9:
+            count += 1
+            play_clock = arrived                  # the player re-buffers and resumes
+        play_clock += seconds
+    return count
+
+
+def summarise(clients: list[list[Job]], t0: float) -> dict:
+    jobs = [j for c in clients for j in c]
+    audio = sum(s for j in jobs for _, s in j.chunks)
+    wall = max(j.done_at for j in jobs) - t0
+    first = sorted((j.chunks[0][0] - (t0 + j.ready)) * 1000 for j in jobs)
+    return {
+        "requests": len(jobs),
+        "audio_s": round(audio, 2),
+        "wall_s": round(wall, 2),
+        "throughput": round(audio / wall, 3),
+        "ttfa_p50_ms": round(_pct(first, 50), 1),
+        "ttfa_p95_ms": round(_pct(first, 95), 1),
+        "underruns_per_stream": round(sum(underruns(j) for j in jobs) / len(jobs), 3),
+    }
+
+
+def _pct(values: list[float], q: float) -> float:
+    return values[0] if len(values) == 1 else float(np.percentile(values, q))
+
+
+def run_serial(tts, clients: list[list[Job]], offsets: list[float], sample_rate: int) -> dict:
+    """One request at a time in the order clients sent them: a lock around the package."""
+    import heapq
+
+    import torch
+
+    ready = [(offsets[c], c, 0) for c in range(len(clients))]
+    heapq.heapify(ready)
+    t0 = time.perf_counter()
+    while ready:
+        at, c, k = heapq.heappop(ready)
+        job = clients[c][k]
+        job.ready = at
+        delay = t0 + at - time.perf_counter()
+        if delay > 0:
+            time.sleep(delay)
+        torch.manual_seed(job.seed)
+        for chunk in tts.generate_streaming(text=job.text, max_len=job.max_len, retry_badcase=False):
+            job.chunks.append((time.perf_counter(), len(chunk) / sample_rate))
+        job.done_at = time.perf_counter()
+        if k + 1 < len(clients[c]):
+            heapq.heappush(ready, (job.done_at - t0, c, k + 1))
+    return summarise(clients, t0)
+
+
+class _Sink:
+    def __init__(self, job: Job, rate: int, events: queue.Queue) -> None:
+        self.job, self.rate, self.events = job, rate, events
+
+    def deliver(self, pcm: np.ndarray) -> None:
+        self.job.chunks.append((time.perf_counter(), len(pcm) / self.rate))
+
+    def finish(self, reason: str) -> None:
+        self.job.done_at = time.perf_counter()
+        self.events.put(self.job)
+
+    def fail(self, code: str, message: str) -> None:
+        print(f"request failed: {code}: {message}", file=sys.stderr)
+        self.finish("error")
+
+    def backlogged(self) -> bool:
+        return False
+
+
+def run_batched(model_dir: str, device: str, clients: list[list[Job]], offsets: list[float], threads: int) -> dict:
+    from vox_ws.engine import GenerationRequest, Scheduler
+    from vox_ws.engines.voxcpm import VoxCPMEngine
+
+    n = len(clients)
+    engine = VoxCPMEngine(model=model_dir, device=device, threads=threads, max_batch=n)
+    scheduler = Scheduler(engine, max_batch=n, max_queue=n)
+    scheduler.start()
+    scheduler.ready_event.wait()
+    if scheduler.status != "ready":
+        raise RuntimeError(scheduler.error)
+    events: queue.Queue = queue.Queue()
+
+    def send(job: Job, at: float) -> None:
+        job.ready = at
+        request = GenerationRequest(text=job.text, sink=_Sink(job, engine.sample_rate, events),
+                                    options={"seed": job.seed, "max_len": job.max_len})
+        engine.check(request)
+        scheduler.submit(request)
+
+    t0 = time.perf_counter()
+    for c in sorted(range(n), key=lambda c: offsets[c]):
+        delay = t0 + offsets[c] - time.perf_counter()
+        if delay > 0:
+            time.sleep(delay)
+        send(clients[c][0], offsets[c])
+    remaining = sum(len(c) for c in clients)
+    while remaining:
+        job = events.get()
+        remaining -= 1
+        k = clients[job.client].index(job)
+        if k + 1 < len(clients[job.client]):
+            send(clients[job.client][k + 1], job.done_at - t0)
+    scheduler.stop()
+    return summarise(clients, t0)
+
+
+def profile_step(model_dir: str, device: str, threads: int, batch_sizes: list[int], steps: int = 20) -> list[dict]:
+    """Time the parts of one batched step (wrapping the runner's own functions)."""
+    import torch
+
+    from vox_ws.engines import voxcpm_batch as vb
+    from vox_ws.engines.voxcpm import VoxCPMEngine
+
+    timings: dict[str, float] = {}
+
+    def timed(name, fn):
+        def wrapper(*args, **kwargs):
+            if device.startswith("cuda"):
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            out = fn(*args, **kwargs)
+            if device.startswith("cuda"):
+                torch.cuda.synchronize()
+            timings[name] = timings.get(name, 0.0) + time.perf_counter() - start
+            return out
+        return wrapper
+
+    engine = VoxCPMEngine(model=model_dir, device=device, threads=threads, max_batch=max(batch_sizes))
+    engine.load()
+    # Without the decode pipeline, so that the parts add up to the step (pipelined, the VAE
+    # overlaps the next step; the benchmark table above measures that).
+    runner = engine.runner = vb.BatchedVoxCPM2(engine.tts.tts_model, max(batch_sizes), pipeline=False)
+    encoder = runner.model.feat_encoder
+    originals = (vb._cfm_solve, vb._lm_step, runner.vae.decode, encoder.forward)
+    vb._cfm_solve = timed("cfm", vb._cfm_solve)
+    vb._lm_step = timed("lm+residual", vb._lm_step)
+    runner.vae.decode = timed("vae", runner.vae.decode)
+    encoder.forward = timed("locenc", encoder.forward)
+    rows_out = []
+    try:
+        for b in batch_sizes:
+            rows = [runner.prefill(engine._prompt(TEXTS[i % len(TEXTS)] * 4, None), seed=i, cfg_value=2.0,
+                                   timesteps=10, min_len=2, max_len=4096) for i in range(b)]
+            runner.step(rows)                    # warm-up
+            timings.clear()
+            start = time.perf_counter()
+            for _ in range(steps):
+                runner.step(rows)
+            total = (time.perf_counter() - start) / steps * 1000
+            parts = {k: round(v / steps * 1000, 2) for k, v in timings.items()}
+            parts["other"] = round(total - sum(parts.values()), 2)
+            rows_out.append({"batch": b, "step_ms": round(total, 2), **parts,
+                             "audio_x_realtime": round(b * 0.16 / (total / 1000), 2)})
+            for row in rows:
+                runner.release(row)
+    finally:
+        vb._cfm_solve, vb._lm_step, runner.vae.decode, encoder.forward = originals
+    return rows_out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", help="VoxCPM2 checkpoint directory (default: build the tiny model)")
+    ap.add_argument("--size", choices=["tiny", "real"], default="tiny", help="random model to build without --model")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--concurrency", default="1,2,4,8,16")
+    ap.add_argument("--stagger", type=float, default=0.1, help="mean seconds between clients' first requests")
+    ap.add_argument("--rounds", type=int, default=4, help="requests each client sends, back to back")
+    ap.add_argument("--min-steps", type=int, default=20, help="shortest request, in 160 ms chunks")
+    ap.add_argument("--max-steps", type=int, default=60, help="longest request, in 160 ms chunks")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--profile", action="store_true", help="also time the parts of one step")
+    ap.add_argument("--json", help="write all results to this file")
+    args = ap.parse_args(argv)
+
+    import torch
+
+    torch.set_num_threads(args.threads)
+    from vox_ws.engines.voxcpm import import_voxcpm
+
+    model_dir = args.model
+    if model_dir is None:
+        from vox_ws.testing.tiny_voxcpm import build
+
+        model_dir = str(build(tempfile.mkdtemp(prefix="vox-ws-bench-"), size=args.size))
+    voxcpm = import_voxcpm()
+    tts = voxcpm.VoxCPM.from_pretrained(model_dir, load_denoiser=False, optimize=False, device=args.device)
+    rate = tts.tts_model.sample_rate
+    # Warm both paths once so neither arm pays first-call costs.
+    list(tts.generate_streaming(text="Warm up.", max_len=3, retry_badcase=False))
+
+    print(f"# vox-ws scheduler benchmark: model={model_dir} device={args.device} threads={args.threads} "
+          f"lengths={args.min_steps}-{args.max_steps} steps, {args.rounds} requests per client, "
+          f"client starts {args.stagger}s apart on average", flush=True)
+    header = (f"{'N':>3} {'arm':>8} {'audio s':>8} {'wall s':>7} {'audio s/s':>9} {'ttfa p50':>9} "
+              f"{'ttfa p95':>9} {'underruns':>9} {'(b)/(a)':>8}")
+    print(header)
+    results = []
+    for n in [int(x) for x in args.concurrency.split(",")]:
+        offsets = start_offsets(n, args.stagger, args.seed)
+
+        def traffic():
+            return make_clients(n, args.rounds, args.min_steps, args.max_steps, args.seed)
+
+        serial = run_serial(tts, traffic(), offsets, rate)
+        batched = run_batched(model_dir, args.device, traffic(), offsets, args.threads)
+        ratio = batched["throughput"] / serial["throughput"]
+        for arm, r in (("serial", serial), ("batched", batched)):
+            print(f"{n:>3} {arm:>8} {r['audio_s']:>8.1f} {r['wall_s']:>7.2f} {r['throughput']:>9.2f} "
+                  f"{r['ttfa_p50_ms']:>7.0f}ms {r['ttfa_p95_ms']:>7.0f}ms {r['underruns_per_stream']:>9.2f} "
+                  f"{ratio if arm == 'batched' else float('nan'):>8.2f}", flush=True)
+        results.append({"n": n, "serial": serial, "batched": batched, "ratio": round(ratio, 2)})
+    profile = None
+    if args.profile:
+        profile = profile_step(model_dir, args.device, args.threads, [1, 4, 8, 16])
+        print("\n# one batched step without the decode pipeline, ms (mean of 20)")
+        keys = [k for k in profile[0] if k != "batch"]
+        print(" ".join(f"{k:>14}" for k in ["batch", *keys]))
+        for row in profile:
+            print(" ".join(f"{row[k]:>14}" for k in ["batch", *keys]))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "results": results, "profile": profile}, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
