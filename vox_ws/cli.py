@@ -38,7 +38,13 @@ _SERVE_OPTIONS: list[tuple[str, Callable[[str], Any], Any, str]] = [
     ("lora-rank", int, 0, "build the model with LoRA layers of this rank so adapters can load at run time"),
     ("lora-alpha", int, None, "LoRA alpha (default: 2 x rank)"),
     ("lora-dir", str, None, "directory of LoRA adapters that admin `lora` requests may load by name"),
+    ("token", str, None, "client tokens (comma-separated); when set, connections must present one"),
     ("admin-token", str, None, "token for admin operations (LoRA); comma-separated for several"),
+    ("allow-origin", str, None, "browser origins allowed to connect (comma-separated); default any"),
+    ("max-connections", int, Limits.max_connections, "open connections in total (then close 1013)"),
+    ("max-connections-per-address", int, Limits.max_connections_per_address,
+     "open connections per client address (then close 4029)"),
+    ("max-messages-per-second", float, Limits.max_messages_per_s, "client messages per second per connection"),
     ("warm-normalizer", _bool, False, "load the text normalizer at start-up (first use costs seconds)"),
     ("max-batch", int, 8, "streams generated together in one step"),
     ("max-queue", int, Limits.max_queue, "streams that may wait for a slot; beyond it, `busy`"),
@@ -87,12 +93,19 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         max_buffered_audio_s=args.max_buffered_audio,
         write_stall_timeout_s=args.write_stall_timeout,
         max_voice_audio_s=args.max_voice_seconds,
+        max_connections=args.max_connections,
+        max_connections_per_address=args.max_connections_per_address,
+        max_messages_per_s=args.max_messages_per_second,
     )
     fields = {f.name for f in dataclasses.fields(ServerConfig)}
     values = {k: v for k, v in vars(args).items() if k in fields}
-    admin_tokens = [t.strip() for t in (args.admin_token or "").split(",") if t.strip()]
     return ServerConfig(**values, ping_timeout=max(args.ping_interval * 2, 5.0), limits=limits,
-                        admin_tokens=admin_tokens)
+                        tokens=_list(args.token), admin_tokens=_list(args.admin_token),
+                        allow_origins=_list(args.allow_origin))
+
+
+def _list(text: str | None) -> list[str]:
+    return [item.strip() for item in (text or "").split(",") if item.strip()]
 
 
 async def _serve(config: ServerConfig) -> int:

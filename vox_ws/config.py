@@ -27,6 +27,11 @@ class ServerConfig:
     lora_dir: str | None = None
     warm_normalizer: bool = False
     admin_tokens: list[str] = field(default_factory=list)
+    # Client tokens: when any is set, every connection must present one (or an admin token).
+    tokens: list[str] = field(default_factory=list)
+    # Browser origins allowed to connect; empty allows any. Clients that send no Origin
+    # header (servers, not browsers) are not affected.
+    allow_origins: list[str] = field(default_factory=list)
     limits: Limits = field(default_factory=Limits)
 
     def engine_options(self) -> dict:

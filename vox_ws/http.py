@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from http import HTTPStatus
 from typing import Any, Callable
 
 from websockets.asyncio.server import ServerConnection
 from websockets.http11 import Request, Response
+
+from .metrics import CONTENT_TYPE, Metrics
 
 STREAM_PATH = "/v1/stream"
 
@@ -24,9 +27,10 @@ def json_response(conn: ServerConnection, status: HTTPStatus, body: Any) -> Resp
 class HttpRoutes:
     """Answers GET requests that are not WebSocket upgrades to the stream endpoint."""
 
-    def __init__(self, info: Callable[[], dict[str, Any]], ready: Callable[[], bool]) -> None:
+    def __init__(self, info: Callable[[], dict[str, Any]], ready: Callable[[], bool], metrics: Metrics) -> None:
         self._info = info
         self._ready = ready
+        self._metrics = metrics
 
     def __call__(self, conn: ServerConnection, request: Request) -> Response | None:
         path = request.path.split("?", 1)[0]
@@ -37,9 +41,17 @@ class HttpRoutes:
         if path == "/readyz":
             info = self._info()
             if self._ready():
-                return json_response(conn, HTTPStatus.OK, {"status": info["status"]})
+                return json_response(conn, HTTPStatus.OK, {"status": "ready"})
             return json_response(conn, HTTPStatus.SERVICE_UNAVAILABLE,
                                  {"status": info["status"], "error": info.get("error")})
         if path == "/v1/info":
             return json_response(conn, HTTPStatus.OK, self._info())
+        if path == "/metrics":
+            response = conn.respond(HTTPStatus.OK, "")
+            body = self._metrics.exposition()
+            del response.headers["Content-Type"]
+            del response.headers["Content-Length"]
+            response.headers["Content-Type"] = CONTENT_TYPE
+            response.headers["Content-Length"] = str(len(body))
+            return dataclasses.replace(response, body=body)
         return conn.respond(HTTPStatus.NOT_FOUND, f"no such path: {path}\n")

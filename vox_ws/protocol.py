@@ -29,21 +29,25 @@ INTERNAL = "internal"
 SLOW_CONSUMER = "slow_consumer"
 UNSUPPORTED = "unsupported"
 UNAUTHORIZED = "unauthorized"
+RATE_LIMITED = "rate_limited"
+GOING_AWAY = "going_away"
 ERROR_CODES = (
     BAD_FRAME, BAD_REQUEST, UNKNOWN_STREAM, DUPLICATE_STREAM, TOO_LARGE, TOO_MANY_STREAMS,
-    BUSY, NOT_READY, TIMEOUT, INTERNAL, SLOW_CONSUMER, UNSUPPORTED, UNAUTHORIZED,
+    BUSY, NOT_READY, TIMEOUT, INTERNAL, SLOW_CONSUMER, UNSUPPORTED, UNAUTHORIZED, RATE_LIMITED, GOING_AWAY,
 )
 # A client may retry these later with the same request and expect it to work.
-RETRYABLE = frozenset({BUSY, NOT_READY, TIMEOUT, SLOW_CONSUMER})
+RETRYABLE = frozenset({BUSY, NOT_READY, TIMEOUT, SLOW_CONSUMER, RATE_LIMITED, GOING_AWAY})
 
 # WebSocket close codes used by the server.
 CLOSE_NORMAL = 1000
 CLOSE_GOING_AWAY = 1001          # server shutting down
-CLOSE_POLICY = 1008              # policy violation (e.g. flooding after errors)
+CLOSE_POLICY = 1008              # policy violation: flooding, or not reading while sending
 CLOSE_TOO_BIG = 1009             # frame beyond the hard transport limit
-CLOSE_INTERNAL = 1011            # engine failure that ends the connection
+CLOSE_INTERNAL = 1011            # the engine died
 CLOSE_TRY_AGAIN_LATER = 1013     # server at its connection limit
 CLOSE_IDLE = 4000                # idle timeout: no open stream and no message
+CLOSE_UNAUTHORIZED = 4001        # no valid token presented
+CLOSE_TOO_MANY_FROM_ADDRESS = 4029  # too many connections from this client address
 
 # Stream end reasons.
 END_DONE = "done"
@@ -170,6 +174,9 @@ class Limits:
     max_buffered_audio_s: float = 10.0
     write_stall_timeout_s: float = 20.0
     max_voice_audio_s: float = 30.0
+    max_connections: int = 256
+    max_connections_per_address: int = 32
+    max_messages_per_s: float = 50.0
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)

@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 from websockets.asyncio.server import ServerConnection
@@ -26,11 +27,34 @@ from websockets.exceptions import ConnectionClosed
 from . import protocol as p
 from .audio import StreamEncoder, decode_audio_file
 from .engine import Engine, GenerationRequest, Scheduler
+from .metrics import Metrics
 
 log = logging.getLogger("vox_ws.session")
+stream_log = logging.getLogger("vox_ws.stream")
 
 # Frames (mostly control replies) a connection may have queued before it is judged not to read.
 MAX_QUEUED_FRAMES = 1024
+# Messages over the rate limit in a row after which the connection is closed (1008).
+RATE_LIMIT_CLOSE_AFTER = 200
+
+
+class TokenBucket:
+    """`rate` messages per second on average, bursts up to `burst`."""
+
+    def __init__(self, rate: float, burst: float) -> None:
+        self.rate = rate
+        self.burst = burst
+        self._tokens = burst
+        self._at = time.monotonic()
+
+    def take(self) -> bool:
+        now = time.monotonic()
+        self._tokens = min(self.burst, self._tokens + (now - self._at) * self.rate)
+        self._at = now
+        if self._tokens >= 1.0:
+            self._tokens -= 1.0
+            return True
+        return False
 
 
 @dataclass
@@ -56,6 +80,7 @@ class Stream:
         self.audio_s = 0.0
         self.buffered_s = 0.0          # audio queued but not yet written to the socket
         self.backlog_since: float | None = None
+        self.last_chunk_at = 0.0
         self._seq = itertools.count()  # scheduler thread only
 
     # -------------------------------------------------------------- RequestSink (scheduler thread)
@@ -101,7 +126,8 @@ class Session:
     _ids = itertools.count(1)
 
     def __init__(self, ws: ServerConnection, scheduler: Scheduler, limits: p.Limits,
-                 hello: dict[str, Any], is_admin: bool = False) -> None:
+                 hello: dict[str, Any], is_admin: bool = False, metrics: Metrics | None = None,
+                 accepting: Callable[[], bool] = lambda: True) -> None:
         self.ws = ws
         self.scheduler = scheduler
         self.engine: Engine = scheduler.engine
@@ -115,7 +141,11 @@ class Session:
         self._auto_ids = itertools.count(1)
         self._closing = False
         self.is_admin = is_admin
+        self.metrics = metrics or Metrics()
+        self._accepting = accepting
         self._requests: set[asyncio.Task] = set()   # voice / lora requests in flight
+        self._bucket = TokenBucket(limits.max_messages_per_s, burst=max(1.0, 2 * limits.max_messages_per_s))
+        self._refused_in_a_row = 0
 
     # -------------------------------------------------------------- life
 
@@ -126,7 +156,11 @@ class Session:
         try:
             async for message in self.ws:
                 self.last_activity = time.monotonic()
-                self._handle(message)
+                if self._bucket.take():
+                    self._refused_in_a_row = 0
+                    self._handle(message)
+                else:
+                    self._rate_limited()
         except ConnectionClosed:
             pass
         finally:
@@ -153,6 +187,27 @@ class Session:
 
     # -------------------------------------------------------------- receiving
 
+    def _rate_limited(self) -> None:
+        self._refused_in_a_row += 1
+        if self._refused_in_a_row > RATE_LIMIT_CLOSE_AFTER:
+            if not self._closing:
+                log.warning("session %d: flooding (%d messages over the rate limit); closing", self.number,
+                            self._refused_in_a_row)
+                self._closing = True
+                asyncio.ensure_future(self.ws.close(p.CLOSE_POLICY, "message rate limit exceeded"))
+            return
+        self._error(p.ProtocolError(p.RATE_LIMITED, f"more than {self.limits.max_messages_per_s:g} messages per "
+                                                   "second: message dropped"))
+
+    def _error(self, err: p.ProtocolError) -> None:
+        self.metrics.errors.labels(err.code).inc()
+        self._send(p.encode(p.error_message(err)))
+
+    def abort_streams(self, code: str, message: str) -> None:
+        """End every open stream with an error (server shutdown)."""
+        for stream in list(self.streams.values()):
+            self.stream_failed(stream, code, message)
+
     def _handle(self, data: bytes | str) -> None:
         try:
             obj = p.decode_frame(data, self.limits)
@@ -169,7 +224,7 @@ class Session:
                     p.BAD_REQUEST, f"'{obj['type']}' needs a stream started with stream_input: true", message.id
                 )
         except p.ProtocolError as err:
-            self._send(p.encode(p.error_message(err)))
+            self._error(err)
 
     def _stream(self, sid: str) -> Stream:
         stream = self.streams.get(sid)
@@ -191,6 +246,8 @@ class Session:
             )
         if start.stream_input:
             raise p.ProtocolError(p.UNSUPPORTED, "input streaming (stream_input: true) is not available yet", sid)
+        if not self._accepting():
+            raise p.ProtocolError(p.GOING_AWAY, "server shutting down: no new streams", sid)
         if self.scheduler.status != "ready":
             raise p.ProtocolError(p.NOT_READY, f"engine is {self.scheduler.status}", sid)
         rate = start.sample_rate or self.engine.sample_rate
@@ -244,17 +301,16 @@ class Session:
             # Decoding a file is CPU work: never on the event loop.
             audio, rate = await asyncio.to_thread(decode_audio_file, message.audio)
         except ValueError as exc:
-            self._send(p.encode(p.error_message(p.ProtocolError(p.BAD_REQUEST, f"field 'audio': {exc}", message.id))))
+            self._error(p.ProtocolError(p.BAD_REQUEST, f"field 'audio': {exc}", message.id))
             return
         seconds = len(audio) / rate
         if seconds > self.limits.max_voice_audio_s:
-            self._send(p.encode(p.error_message(p.ProtocolError(
-                p.TOO_LARGE, f"reference audio is {seconds:.1f}s, over max_voice_audio_s="
-                             f"{self.limits.max_voice_audio_s:g}", message.id))))
+            self._error(p.ProtocolError(p.TOO_LARGE, f"reference audio is {seconds:.1f}s, over max_voice_audio_s="
+                                                     f"{self.limits.max_voice_audio_s:g}", message.id))
             return
         if seconds < 0.2:
-            self._send(p.encode(p.error_message(p.ProtocolError(
-                p.BAD_REQUEST, f"reference audio is {seconds:.2f}s; at least 0.2s is needed", message.id))))
+            self._error(p.ProtocolError(p.BAD_REQUEST, f"reference audio is {seconds:.2f}s; at least 0.2s is needed",
+                                        message.id))
             return
         await self._engine_call(message.id, "voice",
                                 lambda: self.engine.register_voice(audio, rate, message.transcript, message.mode))
@@ -269,12 +325,11 @@ class Session:
             result = await asyncio.wrap_future(self.scheduler.call(fn))
         except p.ProtocolError as err:
             err.stream_id = request_id
-            self._send(p.encode(p.error_message(err)))
+            self._error(err)
             return
         except Exception as exc:  # noqa: BLE001 - report, keep the session
             log.exception("%s request failed", kind)
-            self._send(p.encode(p.error_message(
-                p.ProtocolError(p.INTERNAL, f"{kind} failed: {type(exc).__name__}: {exc}", request_id))))
+            self._error(p.ProtocolError(p.INTERNAL, f"{kind} failed: {type(exc).__name__}: {exc}", request_id))
             return
         reply = {"type": kind, **result}
         if request_id is not None:
@@ -286,8 +341,14 @@ class Session:
     def stream_audio(self, stream: Stream, frame: bytes, audio_s: float) -> None:
         if stream.closed:
             return
+        now = time.monotonic()
         if stream.first_audio_at is None:
-            stream.first_audio_at = time.monotonic()
+            stream.first_audio_at = now
+            self.metrics.first_audio.observe(now - stream.started_at)
+        else:
+            self.metrics.chunk_gap.observe(now - stream.last_chunk_at)
+        stream.last_chunk_at = now
+        self.metrics.audio_seconds.inc(audio_s)
         stream.chunks += 1
         stream.audio_s += audio_s
         stream.buffered_s += audio_s
@@ -303,8 +364,9 @@ class Session:
         if stream.closed:
             return
         self._close_stream(stream)
-        self._send(p.encode(p.error_message(p.ProtocolError(code, message, stream.id))))
-        log.warning("stream error session=%d id=%s code=%s message=%s", self.number, stream.id, code, message)
+        self._error(p.ProtocolError(code, message, stream.id))
+        self.metrics.streams.labels(code).inc()
+        self._log_stream(stream, {"error": code, "message": message})
 
     # -------------------------------------------------------------- stream endings
 
@@ -314,8 +376,17 @@ class Session:
             self._drop_queued_audio(stream)
         stats = stream.end_stats()
         self._send(p.encode({"type": "end", "id": stream.id, "reason": reason, **stats}))
-        log.info("stream end session=%d id=%s reason=%s chunks=%d audio_s=%.3f ttfa_ms=%s rtf=%s",
-                 self.number, stream.id, reason, stats["chunks"], stats["audio_s"], stats["ttfa_ms"], stats["rtf"])
+        self.metrics.streams.labels(reason).inc()
+        if reason == p.END_CANCELLED:
+            self.metrics.cancellations.inc()
+        self._log_stream(stream, {"reason": reason, **stats})
+
+    def _log_stream(self, stream: Stream, outcome: dict[str, Any]) -> None:
+        """One structured line per stream, for log pipelines."""
+        record = {"event": "stream", "session": self.number, "id": stream.id, "engine": self.engine.name,
+                  "voice": stream.start.voice, "format": stream.start.format,
+                  "sample_rate": stream.encoder.out_rate, "text_chars": len(stream.start.text), **outcome}
+        stream_log.info(json.dumps(record, separators=(",", ":")))
 
     def _close_stream(self, stream: Stream) -> None:
         stream.closed = True
@@ -383,5 +454,6 @@ class Session:
                                        f"client read no audio for {self.limits.write_stall_timeout_s:g}s")
             if not self.streams and now - self.last_activity > self.limits.idle_timeout_s:
                 log.info("session %d idle for %.0fs: closing", self.number, self.limits.idle_timeout_s)
+                self.metrics.reaped.inc()
                 await self.close(p.CLOSE_IDLE, "idle timeout")
                 return

@@ -1,0 +1,53 @@
+"""Prometheus metrics for one server, in its own registry (no global state)."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0, 5.0, 10.0)
+_STEP_BUCKETS = (0.002, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.2, 0.5, 1.0, 2.0)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.first_audio = Histogram("voxws_first_audio_seconds", "Stream start to first chunk queued",
+                                     buckets=_LATENCY_BUCKETS, registry=r)
+        self.chunk_gap = Histogram("voxws_chunk_interarrival_seconds", "Time between consecutive chunks of a stream",
+                                   buckets=_LATENCY_BUCKETS, registry=r)
+        self.step_time = Histogram("voxws_step_seconds", "One engine step (all requests in its batch)",
+                                   buckets=_STEP_BUCKETS, registry=r)
+        self.batch_size = Histogram("voxws_batch_size", "Requests advanced by one engine step",
+                                    buckets=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64), registry=r)
+        self.audio_seconds = Counter("voxws_audio_seconds", "Seconds of audio sent to clients", registry=r)
+        self.streams = Counter("voxws_streams", "Streams ended, by reason", ["reason"], registry=r)
+        self.errors = Counter("voxws_errors", "Error messages sent, by code", ["code"], registry=r)
+        self.cancellations = Counter("voxws_cancellations", "Streams cancelled by their client", registry=r)
+        self.reaped = Counter("voxws_sessions_reaped", "Connections closed for idleness", registry=r)
+        self.rejected = Counter("voxws_connections_rejected", "Connections refused, by reason", ["reason"],
+                                registry=r)
+        self.active = Gauge("voxws_active_streams", "Streams holding a generation slot", registry=r)
+        self.queued = Gauge("voxws_queued_streams", "Streams waiting for a slot", registry=r)
+        self.sessions = Gauge("voxws_open_sessions", "Open WebSocket sessions", registry=r)
+        self.ready = Gauge("voxws_ready", "1 when the engine is loaded and the server accepts streams", registry=r)
+
+    def bind(self, active: Callable[[], float], queued: Callable[[], float], sessions: Callable[[], float],
+             ready: Callable[[], float]) -> None:
+        """Gauges read live state at scrape time."""
+        self.active.set_function(active)
+        self.queued.set_function(queued)
+        self.sessions.set_function(sessions)
+        self.ready.set_function(ready)
+
+    def observe_step(self, batch: int, seconds: float) -> None:
+        self.step_time.observe(seconds)
+        self.batch_size.observe(batch)
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)
