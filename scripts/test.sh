@@ -2,6 +2,19 @@
 # Install everything the tests need (system packages, the venv with every extra) and run them all.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+
+# System packages: Debian's Chromium for the browser test (Playwright drives it; it never
+# downloads a browser of its own) and Node.js for the demo's JavaScript unit tests.
+missing=()
+command -v chromium >/dev/null 2>&1 || missing+=(chromium)
+command -v node >/dev/null 2>&1 || missing+=(nodejs)
+if [ ${#missing[@]} -gt 0 ]; then
+  sudo=""
+  [ "$(id -u)" -eq 0 ] || sudo="sudo"
+  $sudo apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}"
+fi
+
 VOX_WS_EXTRAS=piper,voxcpm,test scripts/setup.sh
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TQDM_DISABLE=1
 exec .venv/bin/python -m pytest "$@"

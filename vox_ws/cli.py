@@ -56,6 +56,7 @@ _SERVE_OPTIONS: list[tuple[str, Callable[[str], Any], Any, str]] = [
     ("max-buffered-audio", float, Limits.max_buffered_audio_s, "audio seconds a stream may have unsent before generation pauses"),
     ("write-stall-timeout", float, Limits.write_stall_timeout_s, "seconds a paused stream may wait on its reader before `slow_consumer`"),
     ("drain-timeout", float, 10.0, "seconds streams may finish after SIGTERM"),
+    ("demo-dir", str, None, "directory of the browser demo served at / (default: web/demo of the source tree)"),
     ("ping-interval", float, 10.0, "seconds between keepalive pings"),
     ("log-level", str, "info", "debug, info, warning or error"),
 ]

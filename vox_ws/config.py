@@ -32,6 +32,8 @@ class ServerConfig:
     # Browser origins allowed to connect; empty allows any. Clients that send no Origin
     # header (servers, not browsers) are not affected.
     allow_origins: list[str] = field(default_factory=list)
+    # The browser demo served at `/` (default: web/demo of the source tree when present).
+    demo_dir: str | None = None
     limits: Limits = field(default_factory=Limits)
 
     def engine_options(self) -> dict:

@@ -7,6 +7,7 @@ import logging
 import signal
 import time
 from collections import Counter
+from pathlib import Path
 from typing import Any
 
 from websockets.asyncio.server import Server as WsServer
@@ -17,7 +18,7 @@ from . import protocol as p
 from .auth import presented_tokens, token_matches
 from .config import ServerConfig
 from .engine import Engine, Scheduler
-from .http import HttpRoutes
+from .http import HttpRoutes, default_demo_dir
 from .metrics import Metrics
 from .session import Session
 
@@ -61,7 +62,8 @@ class VoxServer:
             self._handle,
             self.config.host,
             self.config.port,
-            process_request=HttpRoutes(self.info, self.ready, self.metrics),
+            process_request=HttpRoutes(self.info, self.ready, self.metrics,
+                                       Path(self.config.demo_dir) if self.config.demo_dir else default_demo_dir()),
             # Browsers always send Origin; None admits clients that send none (servers).
             origins=[None, *self.config.allow_origins] if self.config.allow_origins else None,
             # Frames up to 4x the published limit are read and answered with `too_large`; beyond
@@ -195,6 +197,7 @@ class VoxServer:
             "formats": list(p.FORMATS),
             "voices": engine.voices() if self.scheduler.status == "ready" else [],
             "options": sorted(engine.supported_options),
+            "features": ["voice_cloning"] if engine.supports_voices else [],
             "limits": self.config.limits.as_dict(),
         }
 

@@ -1,0 +1,132 @@
+"""The browser demo in a real browser: headless Chromium (Debian's package) driven by Playwright,
+against a real server with the Piper voice. Assertions come from the page's own state."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+CHROMIUM = os.environ.get("VOX_WS_CHROMIUM", "/usr/bin/chromium")
+ARTIFACTS = Path(__file__).resolve().parent.parent / "artifacts"
+LAUNCH_ARGS = [
+    "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+    "--disable-background-networking", "--disable-component-update", "--disable-sync",
+    "--autoplay-policy=no-user-gesture-required",
+]
+
+pytestmark = pytest.mark.skipif(not Path(CHROMIUM).exists(), reason=f"{CHROMIUM} is not installed")
+
+LONG = " ".join(f"Sentence number {i} keeps the voice talking for a little while." for i in range(1, 10))
+
+
+@pytest.fixture(scope="module")
+def browser():
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True, args=LAUNCH_ARGS)
+        yield browser
+        browser.close()
+
+
+@pytest.fixture
+def page(browser, piper_server):
+    context = browser.new_context(viewport={"width": 1100, "height": 760})
+    page = context.new_page()
+    messages = []
+    page.on("console", lambda m: messages.append(f"{m.type}: {m.text}"))
+    page.on("pageerror", lambda e: messages.append(f"pageerror: {e}"))
+    page.goto(piper_server.http + "/")
+    page.wait_for_function("window.voxDemo && window.voxDemo.state.connected", timeout=30_000)
+    yield page
+    errors = [m for m in messages if m.startswith(("pageerror", "error"))]
+    context.close()
+    assert not errors, errors
+
+
+def state(page):
+    return page.evaluate("""() => {
+        const s = window.voxDemo.state;
+        return {
+          stream: s.stream, lastEnd: s.lastEnd, lastError: s.lastError, player: s.player,
+          contextRate: s.contextRate, drained: s.drained, hello: s.hello,
+        };
+    }""")
+
+
+def test_page_plays_the_audio_live_without_underruns(page):
+    page.fill("#text", "Hello from the browser. This audio plays while it is being generated, "
+                       "one sentence after another.")
+    page.click("#speak")
+    page.wait_for_function("window.voxDemo.state.player.played > 24000 && window.voxDemo.state.player.playing",
+                           timeout=60_000)
+    ARTIFACTS.mkdir(exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / "demo-playing.png"), full_page=True)
+    page.wait_for_function("window.voxDemo.state.stream && window.voxDemo.state.stream.ended", timeout=60_000)
+    page.wait_for_function("window.voxDemo.state.drained", timeout=60_000)
+    s = state(page)
+    assert s["lastEnd"]["reason"] == "done", s["lastEnd"]
+    received_s = s["stream"]["samples"] / s["stream"]["rate"]
+    played_s = s["player"]["played"] / s["contextRate"]
+    assert received_s > 2.0
+    assert received_s == pytest.approx(s["lastEnd"]["audio_s"], rel=0.01)
+    # Every sample the server sent was played: nothing dropped, nothing repeated.
+    assert played_s == pytest.approx(received_s, abs=0.02)
+    rms = (s["player"]["sumSquares"] / max(1, s["player"]["played"])) ** 0.5
+    assert rms > 0.01, "the worklet played silence"
+    assert s["player"]["underruns"] == 0
+    page.screenshot(path=str(ARTIFACTS / "demo.png"), full_page=True)
+
+
+def test_a_rate_other_than_the_context_is_resampled_in_the_page(page):
+    page.select_option("#rate", "16000")
+    page.select_option("#format", "s16")
+    page.fill("#text", "Sixteen kilohertz, resampled in the browser.")
+    page.click("#speak")
+    page.wait_for_function("window.voxDemo.state.drained && window.voxDemo.state.stream.ended", timeout=60_000)
+    s = state(page)
+    assert s["stream"]["rate"] == 16000 and s["contextRate"] != 16000
+    received_s = s["stream"]["samples"] / 16000
+    assert s["player"]["played"] / s["contextRate"] == pytest.approx(received_s, abs=0.02)
+    assert s["player"]["underruns"] == 0
+
+
+def test_stop_cancels_at_once(page):
+    page.fill("#text", LONG)
+    page.click("#speak")
+    page.wait_for_function("window.voxDemo.state.player.played > 4000", timeout=60_000)
+    page.click("#stop")
+    page.wait_for_function("window.voxDemo.state.lastEnd !== null", timeout=30_000)
+    s = state(page)
+    assert s["lastEnd"]["reason"] == "cancelled"
+    assert s["player"]["buffered"] == 0 or page.evaluate("window.voxDemo.state.player.buffered") == 0
+    assert "Stopped" in page.inner_text("#message")
+
+
+def test_errors_are_shown_in_words(page):
+    page.fill("#text", "x" * 6000)          # over the server's max_text_chars
+    page.click("#speak")
+    page.wait_for_function("window.voxDemo.state.lastError !== null", timeout=30_000)
+    assert "too long" in page.inner_text("#message")
+    assert state(page)["lastError"]["code"] == "too_large"
+
+
+def test_page_reconnects_after_the_server_restarts(browser, start_server):
+    from vox_ws.engines.piper import PiperEngine
+
+    server = start_server(PiperEngine())
+    context = browser.new_context()
+    page = context.new_page()
+    page.goto(server.http + "/")
+    page.wait_for_function("window.voxDemo.state.connected", timeout=30_000)
+    for session in list(server.server.sessions):     # the server drops every connection
+        server.loop.call_soon_threadsafe(lambda s=session: __import__("asyncio").ensure_future(
+            s.close(1001, "restart")))
+    page.wait_for_function("!window.voxDemo.state.connected", timeout=10_000)
+    page.wait_for_function("window.voxDemo.state.connected", timeout=15_000)
+    assert "connected" in page.inner_text("#connection-text")
+    context.close()

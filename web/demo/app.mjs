@@ -1,0 +1,395 @@
+// vox-ws demo: speaks what you type while it is being generated.
+//
+// WebSocket + msgpack (protocol v1) in, an AudioWorklet ring buffer out. The AudioContext is
+// created or resumed inside the click, before any await, as browsers require.
+
+import { decode, encode } from "./vendor/msgpack/index.mjs";
+import { Resampler } from "./resampler.mjs";
+import { encodeWav } from "./wav.mjs";
+
+const $ = (id) => document.getElementById(id);
+const params = new URLSearchParams(location.search);
+const LITTLE_ENDIAN = new Uint8Array(new Uint16Array([1]).buffer)[0] === 1;
+
+const ERROR_WORDS = {
+  bad_frame: "The server could not read a message.",
+  bad_request: "The request was not valid.",
+  unknown_stream: "That stream has already ended.",
+  duplicate_stream: "A stream with that id is already playing.",
+  too_large: "That is too long.",
+  too_many_streams: "Too many streams are open on this connection.",
+  busy: "The server is busy right now; try again in a moment.",
+  not_ready: "The model is still loading; try again in a moment.",
+  timeout: "The stream timed out.",
+  internal: "The server failed while generating this audio.",
+  slow_consumer: "Audio could not be delivered fast enough.",
+  unsupported: "The server cannot do that.",
+  unauthorized: "Not authorised.",
+  rate_limited: "Too many requests; slow down a little.",
+  going_away: "The server is restarting.",
+};
+
+// Everything a person or a test may want to know about the page, in one place.
+const state = {
+  connected: false,
+  hello: null,
+  contextRate: null,
+  stream: null,          // the stream being spoken: {id, rate, format, sentAt, firstAudioAt, chunks, samples, ended}
+  lastEnd: null,
+  lastError: null,
+  player: { played: 0, underruns: 0, buffered: 0, sumSquares: 0, peak: 0, playing: false },
+  drained: true,
+  voiceIds: [],
+};
+window.voxDemo = { state };
+
+let ws = null;
+let reconnectDelay = 500;
+let ctx = null;
+let player = null;
+let playerReady = null;
+let resampler = null;
+let streamCounter = 0;
+let requestCounter = 0;
+let pendingVoiceAudio = null;
+
+// ------------------------------------------------------------------ connection
+
+function streamUrl() {
+  const scheme = location.protocol === "https:" ? "wss:" : "ws:";
+  const token = params.get("token");
+  return `${scheme}//${location.host}/v1/stream${token ? `?token=${encodeURIComponent(token)}` : ""}`;
+}
+
+function connect() {
+  setConnection("connecting", "connecting…");
+  ws = new WebSocket(streamUrl());
+  ws.binaryType = "arraybuffer";
+  ws.onopen = () => { reconnectDelay = 500; };
+  ws.onmessage = (event) => {
+    if (!(event.data instanceof ArrayBuffer)) return;
+    let msg;
+    try { msg = decode(new Uint8Array(event.data)); } catch (err) { say(`Unreadable message from the server: ${err}`, "error"); return; }
+    handle(msg);
+  };
+  ws.onclose = (event) => {
+    state.connected = false;
+    $("speak").disabled = true;
+    if (state.stream && !state.stream.ended) endLocally("the connection closed");
+    const why = event.code === 4001 ? "not authorised (add ?token=… to the address)" :
+      event.code === 1001 ? "server restarting" : event.code === 4000 ? "idle" : `code ${event.code}`;
+    setConnection("closed", `disconnected (${why}); retrying…`);
+    setTimeout(connect, reconnectDelay);
+    reconnectDelay = Math.min(reconnectDelay * 2, 5000);
+  };
+}
+
+function send(message) {
+  ws.send(encode(message));
+}
+
+function handle(msg) {
+  switch (msg.type) {
+    case "hello": return onHello(msg);
+    case "start": return onStart(msg);
+    case "chunk": return onChunk(msg);
+    case "end": return onEnd(msg);
+    case "error": return onError(msg);
+    case "voice": return onVoice(msg);
+    default: return undefined;
+  }
+}
+
+function onHello(hello) {
+  state.hello = hello;
+  state.connected = true;
+  const ready = hello.status === "ready";
+  setConnection(ready ? "open" : "connecting", ready ? `connected · ${hello.engine}` : `model ${hello.status}…`);
+  $("server-info").textContent = `${hello.server} · engine ${hello.engine} · ${hello.model} · ${hello.sample_rate} Hz`;
+  const select = $("voice");
+  const current = select.value;
+  select.replaceChildren(new Option("default voice", ""));
+  for (const name of hello.voices) select.add(new Option(name, name));
+  for (const v of state.voiceIds) select.add(new Option(`my voice (${v.slice(0, 8)}…)`, v));
+  if ([...select.options].some((o) => o.value === current)) select.value = current;
+  const canClone = (hello.features || []).includes("voice_cloning");
+  $("clone").classList.toggle("disabled", !canClone);
+  $("record").disabled = !canClone;
+  $("clone-file").disabled = !canClone;
+  if (!canClone) $("clone-note").textContent = `The ${hello.engine} engine cannot clone voices; VoxCPM2 can.`;
+  $("speak").disabled = !ready;
+  if (!ready) {
+    say("The model is loading; this page will connect again when it is ready.");
+    setTimeout(() => ws.close(), 1500);
+  }
+}
+
+// ------------------------------------------------------------------ audio
+
+// Must run synchronously inside the click handler: no await before the AudioContext exists.
+function ensureAudio() {
+  if (!ctx) {
+    ctx = new AudioContext({ latencyHint: "interactive" });
+    state.contextRate = ctx.sampleRate;   // browsers may not honour a requested rate: read it back
+    playerReady = ctx.audioWorklet.addModule("player-worklet.js").then(() => {
+      player = new AudioWorkletNode(ctx, "vox-player", {
+        numberOfInputs: 0, outputChannelCount: [1],
+        processorOptions: { jitterMs: 80, initialSeconds: 30 },
+      });
+      player.port.onmessage = (event) => onPlayerMessage(event.data);
+      player.connect(ctx.destination);
+    });
+  }
+  if (ctx.state !== "running") ctx.resume();
+  return playerReady;
+}
+
+function onPlayerMessage(m) {
+  if (m.type === "stats") {
+    Object.assign(state.player, {
+      played: m.played, underruns: m.underruns, buffered: m.buffered, sumSquares: m.sumSquares,
+      peak: m.peak, playing: m.playing, blockRms: m.blockRms,
+    });
+    if (m.scope) drawScope(m.scope);
+    $("level-bar").style.width = `${Math.min(100, m.blockRms * 300).toFixed(1)}%`;
+  } else if (m.type === "drained") {
+    state.player.played = m.played;
+    if (state.stream && state.stream.ended) state.drained = true;
+  }
+}
+
+function pcmFromBytes(bytes, format) {
+  const copy = bytes.slice();          // own, aligned buffer
+  if (format === "f32") {
+    if (LITTLE_ENDIAN) return new Float32Array(copy.buffer);
+    const view = new DataView(copy.buffer);
+    return Float32Array.from({ length: copy.length / 4 }, (_, i) => view.getFloat32(i * 4, true));
+  }
+  const view = new DataView(copy.buffer);
+  const out = new Float32Array(copy.length / 2);
+  for (let i = 0; i < out.length; i++) out[i] = view.getInt16(i * 2, true) / 32768;
+  return out;
+}
+
+function toPlayer(samples) {
+  if (samples.length) player.port.postMessage({ type: "samples", samples }, [samples.buffer]);
+}
+
+// ------------------------------------------------------------------ streams
+
+async function speak() {
+  const audioReady = ensureAudio();       // inside the click, before any await
+  const text = $("text").value.trim();
+  if (!text) { say("Type something to say first.", "error"); return; }
+  if (state.stream && !state.stream.ended) stop();
+  await audioReady;
+  const choice = $("rate").value;
+  let rate = null;
+  if (choice === "auto") rate = Math.round(Math.min(48000, Math.max(8000, ctx.sampleRate)));
+  else if (choice !== "native") rate = Number(choice);
+  const id = `d${++streamCounter}`;
+  const message = { type: "start", id, text, format: $("format").value };
+  if (rate) message.sample_rate = rate;
+  if ($("voice").value) message.voice = $("voice").value;
+  state.stream = { id, rate: rate || state.hello.sample_rate, format: message.format, sentAt: performance.now(),
+                   firstAudioAt: null, chunks: 0, samples: 0, ended: false };
+  state.lastEnd = null;
+  state.lastError = null;
+  state.drained = false;
+  player.port.postMessage({ type: "begin" });
+  send(message);
+  $("stop").disabled = false;
+  say("Speaking…");
+}
+
+function onStart(msg) {
+  const s = state.stream;
+  if (!s || msg.id !== s.id) return;
+  s.rate = msg.sample_rate;
+  s.format = msg.format;
+  resampler = s.rate === ctx.sampleRate ? null : new Resampler(s.rate, ctx.sampleRate);
+  if (msg.queued) say(`Waiting for a free slot (position ${msg.queued})…`);
+}
+
+function onChunk(msg) {
+  const s = state.stream;
+  if (!s || msg.id !== s.id || s.ended) return;   // audio of a stopped stream is never played
+  if (s.firstAudioAt === null) s.firstAudioAt = performance.now();
+  const pcm = pcmFromBytes(msg.audio, s.format);
+  s.chunks += 1;
+  s.samples += pcm.length;
+  toPlayer(resampler ? resampler.process(pcm) : pcm);
+}
+
+function onEnd(msg) {
+  const s = state.stream;
+  if (!s || msg.id !== s.id) return;
+  if (resampler && msg.reason !== "cancelled") toPlayer(resampler.flush());
+  s.ended = true;
+  state.lastEnd = msg;
+  player.port.postMessage({ type: "end" });
+  $("stop").disabled = true;
+  const words = { done: "Done.", cancelled: "Stopped.", max_len: "Stopped at the length limit." }[msg.reason] || msg.reason;
+  say(`${words} ${msg.audio_s.toFixed(2)} s of audio, first audio after ${msg.ttfa_ms ?? "–"} ms (server).`,
+      msg.reason === "done" ? "ok" : "");
+}
+
+function onError(msg) {
+  state.lastError = msg;
+  const words = ERROR_WORDS[msg.code] || "Something went wrong";
+  say(`${words.replace(/\.$/, "")}. (${msg.code}: ${msg.message})`, "error");
+  if (state.stream && msg.id === state.stream.id) endLocally(msg.code);
+  if (msg.id && msg.id.startsWith("voice-")) $("clone-status").textContent = msg.message;
+}
+
+function endLocally(reason) {
+  state.stream.ended = true;
+  state.lastEnd = { id: state.stream.id, reason, local: true };
+  player.port.postMessage({ type: "end" });
+  $("stop").disabled = true;
+}
+
+function stop() {
+  if (!state.stream || state.stream.ended) return;
+  player.port.postMessage({ type: "clear" });      // silence what is queued here at once
+  send({ type: "cancel", id: state.stream.id });   // and free the server's slot
+  say("Stopping…");
+}
+
+// ------------------------------------------------------------------ clone my voice
+
+let recording = null;
+
+async function toggleRecord() {
+  const audioReady = ensureAudio();
+  if (recording) {
+    recording.stop();
+    return;
+  }
+  await audioReady;
+  try {
+    const mic = await navigator.mediaDevices.getUserMedia({ audio: { channelCount: 1, echoCancellation: true } });
+    await ctx.audioWorklet.addModule("recorder-worklet.js");
+    const source = ctx.createMediaStreamSource(mic);
+    const node = new AudioWorkletNode(ctx, "vox-recorder");
+    const parts = [];
+    node.port.onmessage = (event) => parts.push(event.data);
+    source.connect(node);
+    $("record").textContent = "■ Stop recording";
+    $("clone-status").textContent = "Recording…";
+    recording = {
+      stop() {
+        source.disconnect();
+        node.disconnect();
+        mic.getTracks().forEach((t) => t.stop());
+        const length = parts.reduce((n, p) => n + p.length, 0);
+        const samples = new Float32Array(length);
+        let offset = 0;
+        for (const p of parts) { samples.set(p, offset); offset += p.length; }
+        pendingVoiceAudio = encodeWav(samples, ctx.sampleRate);
+        recording = null;
+        $("record").textContent = "● Record";
+        $("clone-status").textContent = `Recorded ${(length / ctx.sampleRate).toFixed(1)} s.`;
+        $("clone-upload").disabled = false;
+      },
+    };
+  } catch (err) {
+    $("clone-status").textContent = `No microphone: ${err.message}`;
+  }
+}
+
+async function pickFile(event) {
+  const file = event.target.files[0];
+  if (!file) return;
+  const bytes = new Uint8Array(await file.arrayBuffer());
+  const magic = String.fromCharCode(...bytes.slice(0, 4));
+  if (magic === "RIFF" || magic === "fLaC") {
+    pendingVoiceAudio = bytes;
+  } else {
+    // Other formats: let the browser decode them, then send WAV.
+    await ensureAudio();
+    const audio = await ctx.decodeAudioData(bytes.buffer.slice(0));
+    pendingVoiceAudio = encodeWav(audio.getChannelData(0), audio.sampleRate);
+  }
+  $("clone-status").textContent = `${file.name} ready.`;
+  $("clone-upload").disabled = false;
+}
+
+function uploadVoice() {
+  if (!pendingVoiceAudio) return;
+  const message = { type: "voice", id: `voice-${++requestCounter}`, audio: pendingVoiceAudio };
+  const transcript = $("clone-transcript").value.trim();
+  if (transcript) message.transcript = transcript;
+  send(message);
+  $("clone-status").textContent = "Building the voice…";
+}
+
+function onVoice(msg) {
+  state.voiceIds.push(msg.voice);
+  const option = new Option(`my voice (${msg.audio_s.toFixed(1)} s, ${msg.mode})`, msg.voice);
+  $("voice").add(option);
+  $("voice").value = msg.voice;
+  $("clone-status").textContent = "Your voice is selected.";
+}
+
+// ------------------------------------------------------------------ display
+
+function say(text, kind = "") {
+  const el = $("message");
+  el.textContent = text;
+  el.className = `message ${kind}`;
+}
+
+function setConnection(kind, text) {
+  $("connection").dataset.state = kind;
+  $("connection-text").textContent = text;
+}
+
+function drawScope(block) {
+  const canvas = $("scope");
+  const g = canvas.getContext("2d");
+  const { width, height } = canvas;
+  g.fillStyle = "#0d1322";
+  g.fillRect(0, 0, width, height);
+  g.strokeStyle = "#5b8cff";
+  g.lineWidth = 2;
+  g.beginPath();
+  for (let i = 0; i < block.length; i++) {
+    const x = (i / (block.length - 1)) * width;
+    const y = height / 2 - block[i] * (height / 2) * 0.9;
+    if (i === 0) g.moveTo(x, y); else g.lineTo(x, y);
+  }
+  g.stroke();
+}
+
+function refreshStats() {
+  const s = state.stream;
+  const fmt = (v, unit, digits = 2) => (v === null || v === undefined ? "–" : `${v.toFixed(digits)} ${unit}`);
+  if (s) {
+    const received = s.samples / s.rate;
+    const elapsed = ((s.ended && state.lastEnd && !state.lastEnd.local ? (s.firstAudioAt ?? performance.now()) : performance.now()) - s.sentAt) / 1000;
+    $("stat-ttfa").textContent = s.firstAudioAt === null ? "–" : `${Math.round(s.firstAudioAt - s.sentAt)} ms`;
+    $("stat-chunks").textContent = String(s.chunks);
+    $("stat-audio").textContent = fmt(received, "s");
+    $("stat-rtf").textContent = state.lastEnd && state.lastEnd.rtf ? state.lastEnd.rtf.toFixed(3)
+      : received > 0 ? (elapsed / received).toFixed(3) : "–";
+    $("stat-state").textContent = s.ended ? (state.lastEnd ? state.lastEnd.reason : "ended")
+      : s.firstAudioAt === null ? "waiting" : "playing";
+  }
+  if (ctx) {
+    $("stat-played").textContent = fmt(state.player.played / ctx.sampleRate, "s");
+    $("stat-buffer").textContent = `${Math.round((state.player.buffered / ctx.sampleRate) * 1000)} ms`;
+    $("stat-underruns").textContent = String(state.player.underruns);
+  }
+  requestAnimationFrame(refreshStats);
+}
+
+$("speak").addEventListener("click", speak);
+$("stop").addEventListener("click", stop);
+$("record").addEventListener("click", toggleRecord);
+$("clone-file").addEventListener("change", pickFile);
+$("clone-upload").addEventListener("click", uploadVoice);
+$("text").addEventListener("keydown", (e) => { if (e.key === "Enter" && (e.ctrlKey || e.metaKey)) speak(); });
+drawScope(new Float32Array(128));
+requestAnimationFrame(refreshStats);
+connect();

@@ -1,0 +1,121 @@
+// The playback end of the demo: a ring buffer read by the audio clock.
+//
+// Samples arrive (already at the AudioContext's rate) through the port and are played in order:
+// never dropped, never repeated. Playback of a stream starts once `startFrames` are buffered
+// (a small jitter buffer); if the buffer runs dry before the stream has ended, that is an
+// underrun: silence is played and playback resumes when `startFrames` are buffered again.
+// The ring grows instead of overwriting when a fast server gets far ahead of the player.
+
+class PlayerProcessor extends AudioWorkletProcessor {
+  constructor(options) {
+    super();
+    const seconds = (options.processorOptions && options.processorOptions.initialSeconds) || 30;
+    this.ring = new Float32Array(Math.ceil(sampleRate * seconds));
+    this.read = 0;           // total frames read (monotonic)
+    this.written = 0;        // total frames written (monotonic)
+    this.startFrames = Math.round(sampleRate * ((options.processorOptions && options.processorOptions.jitterMs) || 80) / 1000);
+    this.playing = false;    // inside a stream, past the jitter buffer
+    this.streamOpen = false; // chunks may still come
+    this.started = false;    // this stream has started playing at least once
+    this.underruns = 0;
+    this.played = 0;         // frames of stream audio played (silence excluded)
+    this.sumSquares = 0;
+    this.peak = 0;
+    this.blocks = 0;
+    this.port.onmessage = (event) => this.onMessage(event.data);
+  }
+
+  onMessage(msg) {
+    if (msg.type === "begin") {
+      this.streamOpen = true;
+      this.playing = false;
+      this.started = false;
+      this.underruns = 0;
+      this.played = 0;
+      this.sumSquares = 0;
+      this.peak = 0;
+    } else if (msg.type === "samples") {
+      this.write(msg.samples);
+    } else if (msg.type === "end") {
+      this.streamOpen = false;     // what is buffered plays out; running dry now is no underrun
+    } else if (msg.type === "clear") {
+      this.read = this.written;    // barge-in: silence everything queued locally
+      this.streamOpen = false;
+      this.playing = false;
+      this.report(true);
+    }
+  }
+
+  write(samples) {
+    const buffered = this.written - this.read;
+    if (buffered + samples.length > this.ring.length) {
+      // Grow (in the message handler, not in process()) rather than drop anything.
+      let size = this.ring.length * 2;
+      while (size < buffered + samples.length) size *= 2;
+      const next = new Float32Array(size);
+      for (let i = 0; i < buffered; i++) next[i] = this.ring[(this.read + i) % this.ring.length];
+      this.ring = next;
+      this.written = buffered;
+      this.read = 0;
+    }
+    for (let i = 0; i < samples.length; i++) this.ring[(this.written + i) % this.ring.length] = samples[i];
+    this.written += samples.length;
+  }
+
+  process(inputs, outputs) {
+    const out = outputs[0][0];
+    const frames = out.length;
+    let buffered = this.written - this.read;
+    if (!this.playing && buffered >= this.startFrames) {
+      this.playing = true;
+      this.started = true;
+    }
+    if (!this.playing && !this.streamOpen && buffered > 0) this.playing = true;  // the tail of an ended stream
+    let n = 0;
+    if (this.playing) {
+      n = Math.min(frames, buffered);
+      for (let i = 0; i < n; i++) {
+        const s = this.ring[(this.read + i) % this.ring.length];
+        out[i] = s;
+        this.sumSquares += s * s;
+        const a = s < 0 ? -s : s;
+        if (a > this.peak) this.peak = a;
+      }
+      this.read += n;
+      this.played += n;
+      if (n < frames) {
+        this.playing = false;
+        if (this.streamOpen && this.started) this.underruns += 1;
+        if (!this.streamOpen) this.port.postMessage({ type: "drained", played: this.played });
+      }
+    }
+    for (let i = n; i < frames; i++) out[i] = 0;
+    for (let c = 1; c < outputs[0].length; c++) outputs[0][c].set(out);
+    if (++this.blocks % 8 === 0) this.report(false, out);
+    return true;
+  }
+
+  report(cleared, block) {
+    let rms = 0;
+    if (block) {
+      let s = 0;
+      for (let i = 0; i < block.length; i++) s += block[i] * block[i];
+      rms = Math.sqrt(s / block.length);
+    }
+    this.port.postMessage({
+      type: "stats",
+      cleared: !!cleared,
+      buffered: this.written - this.read,
+      played: this.played,
+      underruns: this.underruns,
+      playing: this.playing,
+      streamOpen: this.streamOpen,
+      blockRms: rms,
+      sumSquares: this.sumSquares,
+      peak: this.peak,
+      scope: block ? Array.from(block) : null,
+    });
+  }
+}
+
+registerProcessor("vox-player", PlayerProcessor);
