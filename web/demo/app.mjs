@@ -150,8 +150,10 @@ function onPlayerMessage(m) {
       played: m.played, underruns: m.underruns, buffered: m.buffered, sumSquares: m.sumSquares,
       peak: m.peak, playing: m.playing, blockRms: m.blockRms,
     });
-    if (m.scope) drawScope(m.scope);
-    $("level-bar").style.width = `${Math.min(100, m.blockRms * 300).toFixed(1)}%`;
+    envelope.push(m.windowPeak);
+    if (envelope.length > ENVELOPE_POINTS) envelope.shift();
+    drawEnvelope();
+    $("level-bar").style.width = `${Math.min(100, m.windowPeak * 140).toFixed(1)}%`;
   } else if (m.type === "drained") {
     state.player.played = m.played;
     if (state.stream && state.stream.ended) state.drained = true;
@@ -345,21 +347,29 @@ function setConnection(kind, text) {
   $("connection-text").textContent = text;
 }
 
-function drawScope(block) {
+// The last few seconds of what was played: one bar per ~21 ms (8 render quanta), scrolling left.
+const ENVELOPE_POINTS = 160;
+const envelope = [];
+
+function drawEnvelope() {
   const canvas = $("scope");
   const g = canvas.getContext("2d");
   const { width, height } = canvas;
   g.fillStyle = "#0d1322";
   g.fillRect(0, 0, width, height);
-  g.strokeStyle = "#5b8cff";
-  g.lineWidth = 2;
-  g.beginPath();
-  for (let i = 0; i < block.length; i++) {
-    const x = (i / (block.length - 1)) * width;
-    const y = height / 2 - block[i] * (height / 2) * 0.9;
-    if (i === 0) g.moveTo(x, y); else g.lineTo(x, y);
+  const scale = 1 / Math.max(0.25, ...envelope);      // speech rarely peaks at full scale
+  const barWidth = width / ENVELOPE_POINTS;
+  const offset = ENVELOPE_POINTS - envelope.length;
+  const gradient = g.createLinearGradient(0, 0, width, 0);
+  gradient.addColorStop(0, "#2f4c8f");
+  gradient.addColorStop(1, "#5b8cff");
+  g.fillStyle = gradient;
+  for (let i = 0; i < envelope.length; i++) {
+    const h = Math.max(1, envelope[i] * scale * (height / 2 - 6));
+    g.fillRect((offset + i) * barWidth + 1, height / 2 - h, Math.max(1, barWidth - 2), 2 * h);
   }
-  g.stroke();
+  g.fillStyle = "#24304a";
+  g.fillRect(0, height / 2, width, 1);
 }
 
 function refreshStats() {
@@ -373,8 +383,9 @@ function refreshStats() {
     $("stat-audio").textContent = fmt(received, "s");
     $("stat-rtf").textContent = state.lastEnd && state.lastEnd.rtf ? state.lastEnd.rtf.toFixed(3)
       : received > 0 ? (elapsed / received).toFixed(3) : "–";
-    $("stat-state").textContent = s.ended ? (state.lastEnd ? state.lastEnd.reason : "ended")
-      : s.firstAudioAt === null ? "waiting" : "playing";
+    const reason = state.lastEnd ? state.lastEnd.reason : "ended";
+    $("stat-state").textContent = !s.ended ? (s.firstAudioAt === null ? "waiting" : "playing")
+      : state.drained || reason !== "done" ? reason : "playing · generated";
   }
   if (ctx) {
     $("stat-played").textContent = fmt(state.player.played / ctx.sampleRate, "s");
@@ -390,6 +401,6 @@ $("record").addEventListener("click", toggleRecord);
 $("clone-file").addEventListener("change", pickFile);
 $("clone-upload").addEventListener("click", uploadVoice);
 $("text").addEventListener("keydown", (e) => { if (e.key === "Enter" && (e.ctrlKey || e.metaKey)) speak(); });
-drawScope(new Float32Array(128));
+drawEnvelope();
 requestAnimationFrame(refreshStats);
 connect();

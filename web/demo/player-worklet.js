@@ -22,6 +22,7 @@ class PlayerProcessor extends AudioWorkletProcessor {
     this.sumSquares = 0;
     this.peak = 0;
     this.blocks = 0;
+    this.windowPeak = 0;     // peak since the last report, for the page's level display
     this.port.onmessage = (event) => this.onMessage(event.data);
   }
 
@@ -80,6 +81,7 @@ class PlayerProcessor extends AudioWorkletProcessor {
         this.sumSquares += s * s;
         const a = s < 0 ? -s : s;
         if (a > this.peak) this.peak = a;
+        if (a > this.windowPeak) this.windowPeak = a;
       }
       this.read += n;
       this.played += n;
@@ -111,10 +113,11 @@ class PlayerProcessor extends AudioWorkletProcessor {
       playing: this.playing,
       streamOpen: this.streamOpen,
       blockRms: rms,
+      windowPeak: this.windowPeak,
       sumSquares: this.sumSquares,
       peak: this.peak,
-      scope: block ? Array.from(block) : null,
     });
+    this.windowPeak = 0;
   }
 }
 
