@@ -149,7 +149,8 @@ BAD_INPUTS = [
     ("frame too large", msgpack.packb({"type": "start", "id": "x", "text": "b" * 3_000_000}), None, "too_large"),
     ("unknown stream cancel", {"type": "cancel", "id": "nope"}, "nope", "unknown_stream"),
     ("chunk without stream", {"type": "chunk", "id": "nope", "text": "x"}, "nope", "unknown_stream"),
-    ("input streaming", {"type": "start", "id": "x", "stream_input": True}, "x", "unsupported"),
+    ("ill-typed segment_events", {"type": "start", "id": "x", "text": "hi", "segment_events": "yes"}, "x",
+     "bad_request"),
 ]
 
 

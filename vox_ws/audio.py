@@ -42,11 +42,13 @@ class StreamEncoder:
 
 
 def pcm_to_bytes(pcm: np.ndarray, fmt: str) -> bytes:
-    """float32 [-1, 1] samples to little-endian bytes in the wire format."""
+    """float32 [-1, 1] samples to bytes in the wire format (little-endian PCM, or G.711 mu-law)."""
     if fmt == "f32":
         return np.asarray(pcm, dtype="<f4").tobytes()
     if fmt == "s16":
-        return (np.clip(pcm, -1.0, 1.0) * 32767.0).round().astype("<i2").tobytes()
+        return _to_int16(pcm).astype("<i2").tobytes()
+    if fmt == "mulaw":
+        return mulaw_encode(_to_int16(pcm)).tobytes()
     raise ValueError(f"unknown format {fmt!r}")
 
 
@@ -56,11 +58,41 @@ def bytes_to_pcm(data: bytes, fmt: str) -> np.ndarray:
         return np.frombuffer(data, dtype="<f4").astype(np.float32)
     if fmt == "s16":
         return np.frombuffer(data, dtype="<i2").astype(np.float32) / 32767.0
+    if fmt == "mulaw":
+        return mulaw_decode(np.frombuffer(data, dtype=np.uint8)).astype(np.float32) / 32767.0
     raise ValueError(f"unknown format {fmt!r}")
 
 
 def bytes_per_sample(fmt: str) -> int:
-    return {"f32": 4, "s16": 2}[fmt]
+    return {"f32": 4, "s16": 2, "mulaw": 1}[fmt]
+
+
+def _to_int16(pcm: np.ndarray) -> np.ndarray:
+    return (np.clip(np.asarray(pcm, dtype=np.float32), -1.0, 1.0) * 32767.0).round().astype(np.int16)
+
+
+_MULAW_BIAS = 0x84
+_MULAW_CLIP = 32635
+
+
+def mulaw_encode(samples: np.ndarray) -> np.ndarray:
+    """16-bit linear PCM to 8-bit G.711 mu-law (the telephony encoding)."""
+    x = samples.astype(np.int32)
+    sign = np.where(x < 0, 0x80, 0)
+    magnitude = np.minimum(np.abs(x), _MULAW_CLIP) + _MULAW_BIAS
+    exponent = np.clip(np.floor(np.log2(magnitude)).astype(np.int32) - 7, 0, 7)
+    mantissa = (magnitude >> (exponent + 3)) & 0x0F
+    return (~(sign | (exponent << 4) | mantissa) & 0xFF).astype(np.uint8)
+
+
+def mulaw_decode(codes: np.ndarray) -> np.ndarray:
+    """8-bit G.711 mu-law to 16-bit linear PCM."""
+    u = ~codes.astype(np.int32) & 0xFF
+    sign = u & 0x80
+    exponent = (u >> 4) & 0x07
+    mantissa = u & 0x0F
+    magnitude = (((mantissa << 3) + _MULAW_BIAS) << exponent) - _MULAW_BIAS
+    return np.where(sign != 0, -magnitude, magnitude).astype(np.int16)
 
 
 def wav_bytes(pcm: np.ndarray, sample_rate: int) -> bytes:

@@ -56,6 +56,11 @@ class GenerationRequest:
     cancelled: bool = False
     # Engine-private per-request state, created by Engine.prefill.
     state: Any = None
+    # Input streaming: what the previous segment left for this one to continue from (prosody),
+    # and whether the engine should leave such a continuation for the next segment.
+    context: Any = None
+    keep_continuation: bool = False
+    continuation: Any = None
     steps: int = 0
     submitted_at: float = field(default_factory=time.monotonic)
 

@@ -54,7 +54,7 @@ END_DONE = "done"
 END_CANCELLED = "cancelled"
 END_MAX_LEN = "max_len"
 
-FORMATS = ("f32", "s16")
+FORMATS = ("f32", "s16", "mulaw")
 MIN_SAMPLE_RATE = 8000
 MAX_SAMPLE_RATE = 48000
 MAX_ID_CHARS = 128
@@ -109,6 +109,7 @@ class Start:
     sample_rate: int | None
     options: dict[str, Any] = field(default_factory=dict)
     stream_input: bool = False
+    segment_events: bool = False
 
 
 @dataclass(frozen=True)
@@ -173,6 +174,7 @@ class Limits:
     max_queue: int = 64
     max_buffered_audio_s: float = 10.0
     write_stall_timeout_s: float = 20.0
+    stream_timeout_s: float = 30.0
     max_voice_audio_s: float = 30.0
     max_connections: int = 256
     max_connections_per_address: int = 32
@@ -255,8 +257,9 @@ def _parse_start(obj: dict[str, Any], limits: Limits) -> Start:
             BAD_REQUEST, f"field 'sample_rate' must be in [{MIN_SAMPLE_RATE}, {MAX_SAMPLE_RATE}], got {rate}", sid
         )
     options = parse_options(obj.get("options"), sid)
+    segment_events = _optional(obj, "segment_events", bool, False)
     return Start(id=sid, text=text, voice=voice, format=fmt, sample_rate=rate, options=options,
-                 stream_input=stream_input)
+                 stream_input=stream_input, segment_events=segment_events)
 
 
 def _parse_voice(obj: dict[str, Any], limits: Limits) -> Voice:

@@ -17,6 +17,7 @@ import itertools
 import json
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -25,9 +26,10 @@ from websockets.asyncio.server import ServerConnection
 from websockets.exceptions import ConnectionClosed
 
 from . import protocol as p
-from .audio import StreamEncoder, decode_audio_file
+from .audio import StreamEncoder, bytes_per_sample, decode_audio_file
 from .engine import Engine, GenerationRequest, Scheduler
 from .metrics import Metrics
+from .text import StreamSegmenter
 
 log = logging.getLogger("vox_ws.session")
 stream_log = logging.getLogger("vox_ws.stream")
@@ -36,6 +38,9 @@ stream_log = logging.getLogger("vox_ws.stream")
 MAX_QUEUED_FRAMES = 1024
 # Messages over the rate limit in a row after which the connection is closed (1008).
 RATE_LIMIT_CLOSE_AFTER = 200
+# Input streaming: buffered text with no sentence or clause end yet is spoken once the input has
+# paused this long (whole words only), so a reply without punctuation still starts promptly.
+SEGMENT_DELAY_S = 0.4
 
 
 class TokenBucket:
@@ -65,14 +70,19 @@ class _Outgoing:
 
 
 class Stream:
-    """One stream of a session; also the scheduler's RequestSink for its request."""
+    """One stream of a session; also the scheduler's RequestSink for its requests.
+
+    A plain stream has one generation request. An input-streaming stream (`stream_input`) has
+    one per text segment, generated one after another on the same stream: the same resampler,
+    the same `seq` counter, so segments join without a seam.
+    """
 
     def __init__(self, session: "Session", sid: str, start: p.Start, encoder: StreamEncoder) -> None:
         self.session = session
         self.id = sid
         self.start = start
         self.encoder = encoder
-        self.request: GenerationRequest | None = None
+        self.request: GenerationRequest | None = None   # the request generating now
         self.closed = False            # loop side: its end or error has been queued
         self.started_at = time.monotonic()
         self.first_audio_at: float | None = None
@@ -81,7 +91,18 @@ class Stream:
         self.buffered_s = 0.0          # audio queued but not yet written to the socket
         self.backlog_since: float | None = None
         self.last_chunk_at = 0.0
-        self._seq = itertools.count()  # scheduler thread only
+        self._seq = itertools.count()  # scheduler thread while generating; loop for the final tail
+        # Segments: texts waiting, and those spoken ({text, start_s, end_s} in the output audio).
+        self.segmenter = StreamSegmenter()
+        self.pending: deque[str] = deque()
+        self.segments: list[dict[str, Any]] = []
+        self.segment_start_s = 0.0
+        self.input_closed = not start.stream_input
+        self.flush_marks: deque[int] = deque()   # segments that must be spoken before a `flushed`
+        self.last_input_at = time.monotonic()
+        self.delay_timer: asyncio.TimerHandle | None = None
+        self.context: Any = None                 # the previous segment's continuation
+        self.capped = False                      # a segment hit max_len
 
     # -------------------------------------------------------------- RequestSink (scheduler thread)
 
@@ -89,9 +110,7 @@ class Stream:
         self._post_audio(self.encoder.encode(pcm))
 
     def finish(self, reason: str) -> None:
-        if reason != p.END_CANCELLED:
-            self._post_audio(self.encoder.flush())
-        self.session.call_soon(self.session.stream_finished, self, reason)
+        self.session.call_soon(self.session.request_finished, self, self.request, reason)
 
     def fail(self, code: str, message: str) -> None:
         self.session.call_soon(self.session.stream_failed, self, code, message)
@@ -103,10 +122,18 @@ class Stream:
         if not data:
             return
         frame = p.encode({"type": "chunk", "id": self.id, "seq": next(self._seq), "audio": data})
-        audio_s = len(data) / (self.encoder.out_rate * (4 if self.encoder.format == "f32" else 2))
+        audio_s = len(data) / (self.encoder.out_rate * bytes_per_sample(self.encoder.format))
         self.session.call_soon(self.session.stream_audio, self, frame, audio_s)
 
     # -------------------------------------------------------------- loop side
+
+    def tail_frame(self) -> tuple[bytes, float] | None:
+        """The resampler's last samples, at the very end of the stream (no request is running)."""
+        data = self.encoder.flush()
+        if not data:
+            return None
+        frame = p.encode({"type": "chunk", "id": self.id, "seq": next(self._seq), "audio": data})
+        return frame, len(data) / (self.encoder.out_rate * bytes_per_sample(self.encoder.format))
 
     def end_stats(self) -> dict[str, Any]:
         now = time.monotonic()
@@ -117,6 +144,7 @@ class Stream:
             "audio_s": round(self.audio_s, 4),
             "ttfa_ms": ttfa,
             "rtf": round(wall / self.audio_s, 4) if self.audio_s > 0 else None,
+            "segments": self.segments,
         }
 
 
@@ -219,10 +247,7 @@ class Session:
             elif isinstance(message, (p.Voice, p.VoiceDelete, p.Lora)):
                 self._on_request(message)
             else:
-                self._stream(message.id)
-                raise p.ProtocolError(
-                    p.BAD_REQUEST, f"'{obj['type']}' needs a stream started with stream_input: true", message.id
-                )
+                self._on_input(message, obj["type"])
         except p.ProtocolError as err:
             self._error(err)
 
@@ -244,22 +269,21 @@ class Session:
             raise p.ProtocolError(
                 p.TOO_MANY_STREAMS, f"{len(self.streams)} streams open, max_streams={self.limits.max_streams}", sid
             )
-        if start.stream_input:
-            raise p.ProtocolError(p.UNSUPPORTED, "input streaming (stream_input: true) is not available yet", sid)
         if not self._accepting():
             raise p.ProtocolError(p.GOING_AWAY, "server shutting down: no new streams", sid)
         if self.scheduler.status != "ready":
             raise p.ProtocolError(p.NOT_READY, f"engine is {self.scheduler.status}", sid)
         rate = start.sample_rate or self.engine.sample_rate
         stream = Stream(self, sid, start, StreamEncoder(self.engine.sample_rate, rate, start.format))
-        request = GenerationRequest(text=start.text, sink=stream, voice=start.voice, options=start.options)
-        try:
-            self.engine.check(request)
-            position = self.scheduler.submit(request)
-        except p.ProtocolError as err:
-            err.stream_id = sid
-            raise
-        stream.request = request
+        position = 0
+        if start.stream_input:
+            if start.voice is not None:
+                # Refuse an unknown voice now, not at the first segment.
+                self.engine.check(GenerationRequest(text="check", sink=stream, voice=start.voice,
+                                                    options=dict(start.options)))
+            stream.pending.extend(stream.segmenter.push(start.text))
+        else:
+            position = self._submit(stream, start.text)
         self.streams[sid] = stream
         reply: dict[str, Any] = {"type": "start", "id": sid, "sample_rate": rate, "format": start.format,
                                  "channels": 1}
@@ -270,6 +294,78 @@ class Session:
             reply["ignored_options"] = ignored
         # Queued before any chunk: chunks reach the loop through call_soon, after this returns.
         self._send(p.encode(reply))
+        if start.stream_input:
+            self._pump(stream)
+
+    def _submit(self, stream: Stream, text: str) -> int:
+        """Queue a generation request for (the next segment of) a stream; its queue position."""
+        request = GenerationRequest(text=text, sink=stream, voice=stream.start.voice,
+                                    options=dict(stream.start.options), context=stream.context,
+                                    keep_continuation=stream.start.stream_input)
+        try:
+            self.engine.check(request)
+            position = self.scheduler.submit(request)
+        except p.ProtocolError as err:
+            err.stream_id = stream.id
+            raise
+        stream.request = request
+        stream.segment_start_s = stream.audio_s
+        return position
+
+    # -------------------------------------------------------------- input streaming
+
+    def _on_input(self, message: p.Chunk | p.End | p.Flush, kind: str) -> None:
+        stream = self._stream(message.id)
+        if not stream.start.stream_input:
+            raise p.ProtocolError(p.BAD_REQUEST, f"'{kind}' needs a stream started with stream_input: true",
+                                  message.id)
+        if stream.input_closed:
+            raise p.ProtocolError(p.BAD_REQUEST, f"the input of stream {message.id!r} has already ended", message.id)
+        stream.last_input_at = time.monotonic()
+        if isinstance(message, p.Chunk):
+            buffered = len(stream.segmenter.buffer) + sum(len(t) for t in stream.pending)
+            if buffered + len(message.text) > self.limits.max_text_chars:
+                raise p.ProtocolError(p.TOO_LARGE, f"more than max_text_chars={self.limits.max_text_chars} "
+                                                   "characters waiting to be spoken", message.id)
+            stream.pending.extend(stream.segmenter.push(message.text))
+            self._arm_delay(stream)
+        elif isinstance(message, p.Flush):
+            stream.pending.extend(stream.segmenter.flush_all())
+            stream.flush_marks.append(len(stream.segments) + len(stream.pending) + (stream.request is not None))
+        else:
+            stream.pending.extend(stream.segmenter.flush_all())
+            stream.input_closed = True
+        self._pump(stream)
+
+    def _arm_delay(self, stream: Stream) -> None:
+        """Text with no boundary yet is spoken anyway once the input pauses (whole words only)."""
+        if stream.delay_timer is not None:
+            stream.delay_timer.cancel()
+        if stream.segmenter.buffer.strip():
+            stream.delay_timer = self._loop.call_later(SEGMENT_DELAY_S, self._delay_elapsed, stream)
+
+    def _delay_elapsed(self, stream: Stream) -> None:
+        stream.delay_timer = None
+        if not stream.closed:
+            stream.pending.extend(stream.segmenter.flush_words())
+            self._pump(stream)
+
+    def _pump(self, stream: Stream) -> None:
+        """Start the next segment when none is generating; acknowledge flushes; end when done."""
+        if stream.closed:
+            return
+        while stream.flush_marks and stream.flush_marks[0] <= len(stream.segments):
+            stream.flush_marks.popleft()
+            self._send(p.encode({"type": "flushed", "id": stream.id, "audio_s": round(stream.audio_s, 4)}))
+        if stream.request is not None:
+            return
+        if stream.pending:
+            try:
+                self._submit(stream, stream.pending.popleft())
+            except p.ProtocolError as err:
+                self.stream_failed(stream, err.code, err.message)
+        elif stream.input_closed:
+            self._end(stream, p.END_MAX_LEN if stream.capped else p.END_DONE)
 
     def _on_cancel(self, cancel: p.Cancel) -> None:
         stream = self._stream(cancel.id)
@@ -356,8 +452,24 @@ class Session:
             stream.backlog_since = time.monotonic()
         self._send(frame, stream, audio_s)
 
-    def stream_finished(self, stream: Stream, reason: str) -> None:
-        if not stream.closed:
+    def request_finished(self, stream: Stream, request: GenerationRequest | None, reason: str) -> None:
+        if stream.closed or request is not stream.request:
+            return
+        stream.request = None
+        if reason == p.END_CANCELLED:
+            self._end(stream, reason)
+            return
+        segment = {"text": request.text, "start_s": round(stream.segment_start_s, 4),
+                   "end_s": round(stream.audio_s, 4)}
+        stream.segments.append(segment)
+        stream.capped |= reason == p.END_MAX_LEN
+        if stream.start.stream_input:
+            stream.context = request.continuation
+            if stream.start.segment_events:
+                self._send(p.encode({"type": "segment", "id": stream.id, "index": len(stream.segments) - 1,
+                                     **segment}))
+            self._pump(stream)
+        else:
             self._end(stream, reason)
 
     def stream_failed(self, stream: Stream, code: str, message: str) -> None:
@@ -371,6 +483,10 @@ class Session:
     # -------------------------------------------------------------- stream endings
 
     def _end(self, stream: Stream, reason: str) -> None:
+        if reason != p.END_CANCELLED:
+            tail = stream.tail_frame()
+            if tail is not None:
+                self.stream_audio(stream, *tail)
         self._close_stream(stream)
         if reason == p.END_CANCELLED:
             self._drop_queued_audio(stream)
@@ -383,15 +499,20 @@ class Session:
 
     def _log_stream(self, stream: Stream, outcome: dict[str, Any]) -> None:
         """One structured line per stream, for log pipelines."""
+        outcome = {k: v for k, v in outcome.items() if k != "segments"}
         record = {"event": "stream", "session": self.number, "id": stream.id, "engine": self.engine.name,
-                  "voice": stream.start.voice, "format": stream.start.format,
-                  "sample_rate": stream.encoder.out_rate, "text_chars": len(stream.start.text), **outcome}
+                  "voice": stream.start.voice, "format": stream.start.format, "input": stream.start.stream_input,
+                  "sample_rate": stream.encoder.out_rate, "segments": len(stream.segments),
+                  "text_chars": sum(len(s["text"]) for s in stream.segments) or len(stream.start.text), **outcome}
         stream_log.info(json.dumps(record, separators=(",", ":")))
 
     def _close_stream(self, stream: Stream) -> None:
         stream.closed = True
         self.streams.pop(stream.id, None)
         self.last_activity = time.monotonic()
+        if stream.delay_timer is not None:
+            stream.delay_timer.cancel()
+        stream.pending.clear()
         if stream.request is not None and not stream.request.cancelled:
             self.scheduler.cancel(stream.request)
 
@@ -444,7 +565,8 @@ class Session:
 
     async def _watchdog(self) -> None:
         """Reaps the idle connection and cancels streams whose client stopped reading."""
-        tick = min(1.0, self.limits.idle_timeout_s / 4, self.limits.write_stall_timeout_s / 4)
+        tick = min(1.0, self.limits.idle_timeout_s / 4, self.limits.write_stall_timeout_s / 4,
+                   self.limits.stream_timeout_s / 4)
         while True:
             await asyncio.sleep(tick)
             now = time.monotonic()
@@ -452,6 +574,10 @@ class Session:
                 if stream.backlog_since is not None and now - stream.backlog_since > self.limits.write_stall_timeout_s:
                     self.stream_failed(stream, p.SLOW_CONSUMER,
                                        f"client read no audio for {self.limits.write_stall_timeout_s:g}s")
+                elif (not stream.input_closed and stream.request is None and not stream.pending
+                      and now - stream.last_input_at > self.limits.stream_timeout_s):
+                    self.stream_failed(stream, p.TIMEOUT, f"no input for {self.limits.stream_timeout_s:g}s and "
+                                                          "no `end`: the stream is closed")
             if not self.streams and now - self.last_activity > self.limits.idle_timeout_s:
                 log.info("session %d idle for %.0fs: closing", self.number, self.limits.idle_timeout_s)
                 self.metrics.reaped.inc()

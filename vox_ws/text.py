@@ -57,3 +57,67 @@ def _cut_at_space(text: str, limit: int) -> tuple[str, str]:
     if cut <= 0:
         cut = limit  # no space at all (e.g. CJK without punctuation): cut at the limit
     return text[:cut].strip(), text[cut:].strip()
+
+
+# A sentence ends at ASCII punctuation followed by whitespace (the next chunk may still continue
+# "3." into "3.14", so punctuation at the very end of the buffer waits), or at CJK punctuation.
+_STREAM_SENTENCE_END = re.compile(r"[.!?…][\"')\]]*\s+|[。！？；]")
+_STREAM_CLAUSE_END = re.compile(r"[,;:—][\"')\]]*\s+|[，、：]")
+
+
+class StreamSegmenter:
+    """Cuts text that arrives in pieces (an LLM's tokens) into speakable segments.
+
+    A segment is emitted as soon as it is complete (a sentence end), or earlier at a clause when
+    the text runs long without one (the first segment sooner, for fast first audio). Nothing is
+    ever cut inside a word unless the caller says the input is over (`flush_all`).
+    """
+
+    def __init__(self, first_max_chars: int = 60, max_chars: int = 240) -> None:
+        self.buffer = ""
+        self.emitted = 0
+        self.first_max_chars = first_max_chars
+        self.max_chars = max_chars
+
+    def push(self, text: str) -> list[str]:
+        self.buffer += text
+        out: list[str] = []
+        while True:
+            limit = self.first_max_chars if self.emitted + len(out) == 0 else self.max_chars
+            match = _STREAM_SENTENCE_END.search(self.buffer)
+            if match and (match.end() <= limit or not self._clause_cut(limit)):
+                out += self._take(match.end())
+                continue
+            if len(self.buffer) > limit:
+                cut = self._clause_cut(limit) or self._space_cut(limit)
+                if cut:
+                    out += self._take(cut)
+                    continue
+            break
+        return out
+
+    def flush_words(self) -> list[str]:
+        """Everything buffered up to the last whole word (a pause in the input)."""
+        cut = self.buffer.rstrip().rfind(" ")
+        if self.buffer[-1:].isspace():
+            cut = len(self.buffer)
+        return self._take(cut) if cut > 0 else []
+
+    def flush_all(self) -> list[str]:
+        """Everything buffered (the input ended, or the client asked to flush)."""
+        return self._take(len(self.buffer))
+
+    def _clause_cut(self, limit: int) -> int:
+        cuts = [m.end() for m in _STREAM_CLAUSE_END.finditer(self.buffer[:limit + 1])]
+        return cuts[-1] if cuts else 0
+
+    def _space_cut(self, limit: int) -> int:
+        cut = self.buffer.rfind(" ", 0, limit)
+        return cut if cut > 0 else 0
+
+    def _take(self, end: int) -> list[str]:
+        piece, self.buffer = self.buffer[:end].strip(), self.buffer[end:].lstrip()
+        if not piece:
+            return []
+        self.emitted += 1
+        return [piece]

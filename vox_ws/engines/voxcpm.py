@@ -220,12 +220,24 @@ class VoxCPMEngine(Engine):
         text = clean_text(request.text)
         if options.get("normalize"):
             text = self._normalize(text)
-        prompt = self._prompt(text, self._voice_cache(request.voice))
+        voice = self._voice_cache(request.voice)
+        prompt = self._prompt(text, voice)
+        if request.context is not None:
+            # Continue from the previous segment of the same stream: its text and generated audio
+            # become the prompt (after the voice's own), so prosody carries over.
+            merged = self.tts.tts_model.merge_prompt_cache(voice, request.context["text"],
+                                                           request.context["audio_feat"])
+            continued = self._prompt(text, merged)
+            if self.runner.fits(continued, options["max_len"]):
+                prompt = continued
         if not self.runner.fits(prompt, options["max_len"]):
             raise ValueError("text too long for the model's context after normalization")
         request.state = self.runner.prefill(prompt, seed=options["seed"], cfg_value=options["cfg_value"],
                                             timesteps=options["inference_timesteps"], min_len=options["min_len"],
                                             max_len=options["max_len"])
+        if request.keep_continuation:
+            request.state.patches = []
+            request.state.text = text
 
     def step(self, batch: list[GenerationRequest]) -> list[StepResult]:
         results = self.runner.step([r.state for r in batch])
@@ -233,8 +245,13 @@ class VoxCPMEngine(Engine):
                 for audio, reason in results]
 
     def release(self, request: GenerationRequest) -> None:
-        if request.state is not None:
-            self.runner.release(request.state)
+        row = request.state
+        if row is not None:
+            self.runner.release(row)
+            if row.patches:
+                import torch
+
+                request.continuation = {"text": row.text, "audio_feat": torch.stack(row.patches)}
         request.state = None
 
     def _prompt(self, text: str, cache: dict | None):

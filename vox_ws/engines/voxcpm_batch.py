@@ -57,6 +57,8 @@ class RowState:
     step: int = 0
     vae_state: dict[int, torch.Tensor] = field(default_factory=dict)
     end_reason: str | None = None    # generation has ended; the last audio may still be decoding
+    patches: list[torch.Tensor] | None = None   # generated latents, kept to continue from
+    text: str = ""                              # the text these latents say
     pending: tuple[Future, int] | None = None   # (decode job, row in it) still in flight
 
 
@@ -384,6 +386,8 @@ class BatchedVoxCPM2:
                 row.end_reason = "max_len"
             row.step += 1
             row.prefix_cond = pred_feat[i]
+            if row.patches is not None:
+                row.patches.append(pred_feat[i].detach().to("cpu", torch.float32))
             if row.end_reason is None:
                 going.append(i)
         if going:
