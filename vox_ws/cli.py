@@ -81,6 +81,21 @@ def build_parser() -> argparse.ArgumentParser:
             except (ValueError, argparse.ArgumentTypeError) as exc:
                 parser.error(f"{env}={raw!r}: {exc}")
         serve.add_argument(f"--{option}", type=kind, default=value, help=f"{text} [env {env}; default {default}]")
+
+    say = commands.add_parser("say", help="speak a text through a running server into a WAV file or the speakers")
+    say.add_argument("text")
+    say.add_argument("-o", "--output", help="WAV file to write")
+    say.add_argument("--play", action="store_true", help="play it as it arrives (needs an audio device)")
+    say.add_argument("--url", default=os.environ.get("VOX_WS_URL", "ws://127.0.0.1:8765/v1/stream"))
+    say.add_argument("--token", default=os.environ.get("VOX_WS_TOKEN"))
+    say.add_argument("--voice")
+    say.add_argument("--sample-rate", type=int)
+
+    from . import loadtest
+
+    bench = commands.add_parser("bench", help="load a running server and report first audio, RTF, underruns",
+                                description=loadtest.__doc__)
+    loadtest.add_arguments(bench)
     return parser
 
 
@@ -135,4 +150,107 @@ def main(argv: Sequence[str] | None = None) -> int:
         except ImportError:
             return asyncio.run(_serve(config))
         return uvloop.run(_serve(config))
+    if args.command == "say":
+        if not args.output and not args.play:
+            print("vox-ws say: give -o FILE.wav and/or --play", file=sys.stderr)
+            return 2
+        return asyncio.run(_say(args))
+    if args.command == "bench":
+        from . import loadtest
+
+        return loadtest.main(args)
     return 2
+
+
+async def _say(args: argparse.Namespace) -> int:
+    from .audio import bytes_to_pcm, pcm_to_bytes, wav_bytes
+    from .client import VoxError, connect
+
+    player = _player() if args.play else None
+    if args.play and player is None:
+        print("vox-ws say --play: no audio output found (install `sounddevice`, or aplay/paplay/ffplay)",
+              file=sys.stderr)
+        return 2
+    pieces = []
+    try:
+        async with connect(args.url, token=args.token) as client:
+            rate = args.sample_rate or client.sample_rate
+            if player is not None:
+                player.open(rate)
+            async for chunk in client.stream(args.text, voice=args.voice, format="f32", sample_rate=rate):
+                pcm = bytes_to_pcm(chunk, "f32")
+                pieces.append(pcm)
+                if player is not None:
+                    player.write(pcm_to_bytes(pcm, "s16"))
+    except VoxError as err:
+        print(f"vox-ws say: {err.code}: {err.message}", file=sys.stderr)
+        return 1
+    except OSError as err:
+        print(f"vox-ws say: cannot reach {args.url}: {err}", file=sys.stderr)
+        return 1
+    finally:
+        if player is not None:
+            player.close()
+    import numpy as np
+
+    audio = np.concatenate(pieces) if pieces else np.zeros(0, np.float32)
+    if args.output:
+        with open(args.output, "wb") as f:
+            f.write(wav_bytes(audio, rate))
+        print(f"{args.output}: {len(audio) / rate:.2f} s at {rate} Hz", file=sys.stderr)
+    return 0
+
+
+class _Player:
+    """Plays 16-bit mono PCM as it arrives, through the first audio output found."""
+
+    def __init__(self, command: list[str] | None) -> None:
+        self.command = command
+        self.proc = None
+        self.stream = None
+
+    def open(self, rate: int) -> None:
+        import subprocess
+
+        if self.command is None:
+            import sounddevice
+
+            self.stream = sounddevice.RawOutputStream(samplerate=rate, channels=1, dtype="int16")
+            self.stream.start()
+        else:
+            argv = [part.replace("{rate}", str(rate)) for part in self.command]
+            self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE)
+
+    def write(self, data: bytes) -> None:
+        if self.stream is not None:
+            self.stream.write(data)
+        else:
+            self.proc.stdin.write(data)
+            self.proc.stdin.flush()
+
+    def close(self) -> None:
+        if self.stream is not None:
+            self.stream.stop()
+            self.stream.close()
+        if self.proc is not None:
+            self.proc.stdin.close()
+            self.proc.wait()
+
+
+def _player() -> _Player | None:
+    import shutil
+
+    try:
+        import sounddevice
+
+        sounddevice.query_devices(kind="output")
+        return _Player(None)
+    except Exception:  # noqa: BLE001 - not installed, or no device: try the command-line players
+        pass
+    for tool, argv in (("paplay", ["paplay", "--raw", "--rate={rate}", "--channels=1", "--format=s16le"]),
+                       ("aplay", ["aplay", "-q", "-f", "S16_LE", "-c", "1", "-r", "{rate}"]),
+                       ("ffplay", ["ffplay", "-loglevel", "quiet", "-autoexit", "-nodisp", "-f", "s16le",
+                                   "-ar", "{rate}", "-ac", "1", "-"])):
+        if shutil.which(tool):
+            return _Player(argv)
+    return None

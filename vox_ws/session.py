@@ -279,8 +279,12 @@ class Session:
         if start.stream_input:
             if start.voice is not None:
                 # Refuse an unknown voice now, not at the first segment.
-                self.engine.check(GenerationRequest(text="check", sink=stream, voice=start.voice,
-                                                    options=dict(start.options)))
+                try:
+                    self.engine.check(GenerationRequest(text="check", sink=stream, voice=start.voice,
+                                                        options=dict(start.options)))
+                except p.ProtocolError as err:
+                    err.stream_id = sid
+                    raise
             stream.pending.extend(stream.segmenter.push(start.text))
         else:
             position = self._submit(stream, start.text)

@@ -73,17 +73,27 @@ class StreamSegmenter:
     ever cut inside a word unless the caller says the input is over (`flush_all`).
     """
 
-    def __init__(self, first_max_chars: int = 60, max_chars: int = 240) -> None:
+    def __init__(self, first_max_chars: int = 60, max_chars: int = 240, first_clause_words: int = 4) -> None:
         self.buffer = ""
         self.emitted = 0
         self.first_max_chars = first_max_chars
         self.max_chars = max_chars
+        self.first_clause_words = first_clause_words
 
     def push(self, text: str) -> list[str]:
         self.buffer += text
         out: list[str] = []
         while True:
-            limit = self.first_max_chars if self.emitted + len(out) == 0 else self.max_chars
+            first = self.emitted + len(out) == 0
+            limit = self.first_max_chars if first else self.max_chars
+            if first:
+                # First audio matters most: the first clause of a few words may go on its own.
+                clause = _STREAM_CLAUSE_END.search(self.buffer)
+                sentence = _STREAM_SENTENCE_END.search(self.buffer)
+                if clause and (not sentence or clause.end() < sentence.end()) \
+                        and len(self.buffer[:clause.end()].split()) >= self.first_clause_words:
+                    out += self._take(clause.end())
+                    continue
             match = _STREAM_SENTENCE_END.search(self.buffer)
             if match and (match.end() <= limit or not self._clause_cut(limit)):
                 out += self._take(match.end())

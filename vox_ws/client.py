@@ -1,0 +1,322 @@
+"""An asyncio client for vox-ws.
+
+    from vox_ws.client import connect
+
+    async with connect("ws://127.0.0.1:8765/v1/stream", token="...") as c:
+        async for pcm in c.stream("Hello!", format="s16"):      # bytes, as they are generated
+            play(pcm)
+
+        wav = await c.synthesize("Hello again.")                # a whole WAV file
+
+        s = await c.open_stream(format="mulaw", sample_rate=8000)   # text streamed in (an LLM's tokens)
+        await s.send_text("Hello ")
+        await s.send_text("there.")
+        await s.end()
+        async for pcm in s:
+            forward_to_phone_line(pcm)
+
+One connection carries any number of streams at once; every protocol error arrives as a typed
+exception (`Busy`, `BadRequest`, ...), all subclasses of `VoxError`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import AsyncIterator
+from types import TracebackType
+from typing import Any
+
+import msgpack
+import numpy as np
+from websockets.asyncio.client import ClientConnection
+from websockets.asyncio.client import connect as ws_connect
+
+from . import protocol as p
+from .audio import bytes_to_pcm, wav_bytes
+
+
+class VoxError(Exception):
+    """A protocol error from the server. `code` is the protocol's error code."""
+
+    code = "error"
+
+    def __init__(self, message: str, stream_id: str | None = None, retryable: bool = False) -> None:
+        super().__init__(message)
+        self.message = message
+        self.stream_id = stream_id
+        self.retryable = retryable
+
+
+def _error_class(code: str) -> type[VoxError]:
+    name = "".join(part.capitalize() for part in code.split("_"))
+    return type(name, (VoxError,), {"code": code, "__doc__": f"The server answered `{code}`."})
+
+
+# One exception class per protocol error code: BadFrame, BadRequest, UnknownStream, ...
+ERRORS: dict[str, type[VoxError]] = {code: _error_class(code) for code in p.ERROR_CODES}
+BadFrame = ERRORS[p.BAD_FRAME]
+BadRequest = ERRORS[p.BAD_REQUEST]
+UnknownStream = ERRORS[p.UNKNOWN_STREAM]
+DuplicateStream = ERRORS[p.DUPLICATE_STREAM]
+TooLarge = ERRORS[p.TOO_LARGE]
+TooManyStreams = ERRORS[p.TOO_MANY_STREAMS]
+Busy = ERRORS[p.BUSY]
+NotReady = ERRORS[p.NOT_READY]
+Timeout = ERRORS[p.TIMEOUT]
+Internal = ERRORS[p.INTERNAL]
+SlowConsumer = ERRORS[p.SLOW_CONSUMER]
+Unsupported = ERRORS[p.UNSUPPORTED]
+Unauthorized = ERRORS[p.UNAUTHORIZED]
+RateLimited = ERRORS[p.RATE_LIMITED]
+GoingAway = ERRORS[p.GOING_AWAY]
+
+
+class ConnectionLost(VoxError):
+    """The connection closed while a request was waiting for its answer."""
+
+    code = "connection_lost"
+
+
+def error_from(message: dict[str, Any]) -> VoxError:
+    cls = ERRORS.get(message.get("code", ""), VoxError)
+    return cls(message.get("message", ""), message.get("id"), bool(message.get("retryable")))
+
+
+class Stream:
+    """One stream's audio as it arrives. Iterate for the audio bytes (in the stream's format);
+    `ended` holds the server's `end` message once the stream is over."""
+
+    def __init__(self, client: "Client", stream_id: str) -> None:
+        self.client = client
+        self.id = stream_id
+        self.started: dict[str, Any] | None = None
+        self.ended: dict[str, Any] | None = None
+        self.segments: list[dict[str, Any]] = []
+        self._queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+        self._start_reply: asyncio.Future = asyncio.get_running_loop().create_future()
+        self._flushed: list[asyncio.Future] = []
+
+    @property
+    def sample_rate(self) -> int:
+        return self.started["sample_rate"] if self.started else 0
+
+    @property
+    def format(self) -> str:
+        return self.started["format"] if self.started else "f32"
+
+    # -------------------------------------------------------------- input streaming
+
+    async def send_text(self, text: str) -> None:
+        await self.client._send({"type": "chunk", "id": self.id, "text": text})
+
+    async def flush(self) -> dict[str, Any]:
+        """Speak what is buffered now; returns when that audio has been generated (`flushed`)."""
+        done = asyncio.get_running_loop().create_future()
+        self._flushed.append(done)
+        await self.client._send({"type": "flush", "id": self.id})
+        return await done
+
+    async def end(self) -> None:
+        """No more text: the stream ends once everything sent has been spoken."""
+        await self.client._send({"type": "end", "id": self.id})
+
+    async def cancel(self) -> None:
+        """Barge-in: stop now. Iteration ends once the server confirms."""
+        if self.ended is None:
+            await self.client._send({"type": "cancel", "id": self.id})
+
+    # -------------------------------------------------------------- audio
+
+    def __aiter__(self) -> AsyncIterator[bytes]:
+        return self._audio()
+
+    async def _audio(self) -> AsyncIterator[bytes]:
+        while True:
+            message = await self._queue.get()
+            kind = message["type"]
+            if kind == "chunk":
+                yield message["audio"]
+            elif kind == "end":
+                return
+            elif kind == "error":
+                raise error_from(message)
+
+    async def read_all(self) -> bytes:
+        return b"".join([chunk async for chunk in self])
+
+    def _deliver(self, message: dict[str, Any]) -> None:
+        kind = message["type"]
+        if kind == "start":
+            self.started = message
+            if not self._start_reply.done():
+                self._start_reply.set_result(message)
+            return
+        if kind == "segment":
+            self.segments.append(message)
+            return
+        if kind == "flushed":
+            if self._flushed:
+                self._flushed.pop(0).set_result(message)
+            return
+        if kind == "end":
+            self.ended = message
+        if kind == "error" and not self._start_reply.done():
+            self._start_reply.set_exception(error_from(message))
+        if kind in ("end", "error"):
+            for waiter in self._flushed:
+                if not waiter.done():
+                    waiter.set_exception(error_from(message) if kind == "error" else
+                                         ConnectionLost("the stream ended before the flush completed", self.id))
+        self._queue.put_nowait(message)
+
+
+class Client:
+    """One connection. Use `connect()` to make one."""
+
+    def __init__(self, ws: ClientConnection, hello: dict[str, Any]) -> None:
+        self.ws = ws
+        self.hello = hello
+        self._streams: dict[str, Stream] = {}
+        self._requests: dict[str, asyncio.Future] = {}
+        self._ids = itertools.count(1)
+        self._reader = asyncio.create_task(self._read())
+
+    @property
+    def sample_rate(self) -> int:
+        return self.hello["sample_rate"]
+
+    async def stream(self, text: str, *, voice: str | None = None, format: str = "f32",
+                     sample_rate: int | None = None, options: dict[str, Any] | None = None) -> AsyncIterator[bytes]:
+        """Speak `text`; yields audio bytes in `format` as they are generated. Leaving the loop
+        early cancels the stream on the server."""
+        s = await self._start({"text": text}, voice, format, sample_rate, options)
+        try:
+            async for chunk in s:
+                yield chunk
+        finally:
+            if s.ended is None and not self.ws.close_code:
+                await s.cancel()
+
+    async def open_stream(self, *, voice: str | None = None, format: str = "f32", sample_rate: int | None = None,
+                          options: dict[str, Any] | None = None, segment_events: bool = False) -> Stream:
+        """A stream whose text arrives piece by piece (`send_text`, `flush`, `end`)."""
+        extra: dict[str, Any] = {"stream_input": True}
+        if segment_events:
+            extra["segment_events"] = True
+        return await self._start(extra, voice, format, sample_rate, options)
+
+    async def synthesize(self, text: str, *, voice: str | None = None, sample_rate: int | None = None,
+                         options: dict[str, Any] | None = None) -> bytes:
+        """The whole utterance as a 16-bit WAV file."""
+        s = await self._start({"text": text}, voice, "f32", sample_rate, options)
+        pcm = bytes_to_pcm(await s.read_all(), "f32")
+        return wav_bytes(pcm, s.sample_rate)
+
+    async def register_voice(self, audio: bytes, transcript: str | None = None, mode: str | None = None) -> str:
+        """Clone a voice from WAV/FLAC bytes; returns its id for `voice=`."""
+        message: dict[str, Any] = {"type": "voice", "audio": audio}
+        if transcript:
+            message["transcript"] = transcript
+        if mode:
+            message["mode"] = mode
+        return (await self._request(message))["voice"]
+
+    async def delete_voice(self, voice: str) -> bool:
+        return (await self._request({"type": "voice_delete", "voice": voice}))["deleted"]
+
+    async def lora(self, op: str, name: str | None = None) -> dict[str, Any]:
+        """Admin: load / unload / enable / disable a LoRA adapter (needs the admin token)."""
+        message: dict[str, Any] = {"type": "lora", "op": op}
+        if name:
+            message["name"] = name
+        return await self._request(message)
+
+    async def close(self) -> None:
+        await self.ws.close()
+        self._reader.cancel()
+
+    # -------------------------------------------------------------- internals
+
+    async def _start(self, fields: dict[str, Any], voice: str | None, fmt: str, sample_rate: int | None,
+                     options: dict[str, Any] | None) -> Stream:
+        sid = f"c{next(self._ids)}"
+        stream = Stream(self, sid)
+        self._streams[sid] = stream
+        message: dict[str, Any] = {"type": "start", "id": sid, "format": fmt, **fields}
+        if voice:
+            message["voice"] = voice
+        if sample_rate:
+            message["sample_rate"] = sample_rate
+        if options:
+            message["options"] = options
+        await self._send(message)
+        await stream._start_reply
+        return stream
+
+    async def _request(self, message: dict[str, Any]) -> dict[str, Any]:
+        rid = f"r{next(self._ids)}"
+        future = asyncio.get_running_loop().create_future()
+        self._requests[rid] = future
+        await self._send({**message, "id": rid})
+        return await future
+
+    async def _send(self, message: dict[str, Any]) -> None:
+        await self.ws.send(msgpack.packb(message, use_bin_type=True))
+
+    async def _read(self) -> None:
+        try:
+            async for data in self.ws:
+                message = msgpack.unpackb(data, raw=False)
+                target = message.get("id")
+                if target in self._requests:
+                    future = self._requests.pop(target)
+                    if message["type"] == "error":
+                        future.set_exception(error_from(message))
+                    else:
+                        future.set_result(message)
+                elif target in self._streams:
+                    stream = self._streams[target]
+                    stream._deliver(message)
+                    if message["type"] in ("end", "error"):
+                        del self._streams[target]
+        finally:
+            lost = {"type": "error", "code": "connection_lost", "retryable": True,
+                    "message": f"connection closed ({self.ws.close_code} {self.ws.close_reason})"}
+            for stream in self._streams.values():
+                stream._deliver({**lost, "id": stream.id})
+            for future in self._requests.values():
+                if not future.done():
+                    future.set_exception(ConnectionLost(lost["message"]))
+
+
+ERRORS["connection_lost"] = ConnectionLost
+
+
+class connect:
+    """`async with connect(url, token=...) as client:`; `token` goes in an Authorization header."""
+
+    def __init__(self, url: str = "ws://127.0.0.1:8765/v1/stream", *, token: str | None = None,
+                 **kwargs: Any) -> None:
+        headers = dict(kwargs.pop("additional_headers", {}) or {})
+        if token:
+            headers["Authorization"] = f"Bearer {token}"
+        self._connect = ws_connect(url, additional_headers=headers, max_size=None, **kwargs)
+        self.client: Client | None = None
+
+    async def __aenter__(self) -> Client:
+        ws = await self._connect.__aenter__()
+        hello = msgpack.unpackb(await ws.recv(), raw=False)
+        self.client = Client(ws, hello)
+        return self.client
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                        tb: TracebackType | None) -> None:
+        if self.client is not None:
+            self.client._reader.cancel()
+        await self._connect.__aexit__(exc_type, exc, tb)
+
+
+def decode_audio(data: bytes, fmt: str) -> np.ndarray:
+    """Audio bytes from a stream as float32 samples."""
+    return bytes_to_pcm(data, fmt)
