@@ -87,7 +87,7 @@ def test_a_rate_other_than_the_context_is_resampled_in_the_page(page):
     page.select_option("#format", "s16")
     page.fill("#text", "Sixteen kilohertz, resampled in the browser.")
     page.click("#speak")
-    page.wait_for_function("window.voxDemo.state.drained && window.voxDemo.state.stream.ended", timeout=60_000)
+    page.wait_for_function("window.voxDemo.state.stream && window.voxDemo.state.stream.ended && window.voxDemo.state.drained", timeout=60_000)
     s = state(page)
     assert s["stream"]["rate"] == 16000 and s["contextRate"] != 16000
     received_s = s["stream"]["samples"] / 16000
