@@ -193,19 +193,21 @@ class BatchedStreamingVAE:
         return audio.squeeze(1)
 
     def _conv_forward(self, mod: nn.Module, pad: int):
-        local, key, plain = self._local, id(mod), type(mod).forward
-
-        def forward(x: torch.Tensor) -> torch.Tensor:
-            batch = getattr(local, "batch", None)
-            if batch is None:
-                return plain(mod, x)
-            carried = batch.get(key)
-            x_pad = torch.cat([carried, x], dim=-1) if carried is not None else F.pad(x, (pad, 0))
-            batch[key] = x_pad[:, :, -pad:].detach()
-            return nn.Conv1d.forward(mod, x_pad)
-        return forward
+        # Causal convolution: carry the last `pad` input samples.
+        return self._stateful(mod, pad, lambda x, x_pad: (x_pad[:, :, -pad:], nn.Conv1d.forward(mod, x_pad)))
 
     def _transpose_forward(self, mod: nn.Module, ctx: int, trim: int):
+        # Causal transposed convolution: carry `ctx` input samples, drop what they re-produce.
+        left = ctx * mod.stride[0]
+
+        def run(x: torch.Tensor, x_full: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            out = nn.ConvTranspose1d.forward(mod, x_full)
+            return x[:, :, -ctx:], (out[..., left:-trim] if trim > 0 else out[..., left:])
+        return self._stateful(mod, ctx, run)
+
+    def _stateful(self, mod: nn.Module, ctx: int, run):
+        """A forward that prepends the carried input (zeros at a stream's start) and lets `run`
+        return the next carried input and the output; outside `decode`, the plain forward."""
         local, key, plain = self._local, id(mod), type(mod).forward
 
         def forward(x: torch.Tensor) -> torch.Tensor:
@@ -214,10 +216,9 @@ class BatchedStreamingVAE:
                 return plain(mod, x)
             carried = batch.get(key)
             x_full = torch.cat([carried, x], dim=-1) if carried is not None else F.pad(x, (ctx, 0))
-            batch[key] = x[:, :, -ctx:].detach()
-            out = nn.ConvTranspose1d.forward(mod, x_full)
-            left = ctx * mod.stride[0]
-            return out[..., left:-trim] if trim > 0 else out[..., left:]
+            state, out = run(x, x_full)
+            batch[key] = state.detach()
+            return out
         return forward
 
 
