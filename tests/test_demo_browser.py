@@ -130,3 +130,36 @@ def test_page_reconnects_after_the_server_restarts(browser, start_server):
     page.wait_for_function("window.voxDemo.state.connected", timeout=15_000)
     assert "connected" in page.inner_text("#connection-text")
     context.close()
+
+
+def test_clone_my_voice_from_a_file_then_speak_with_it(browser, start_server, tiny_model, tmp_path):
+    """With VoxCPM2 the page registers a voice from a picked file and speaks with it."""
+    import numpy as np
+    import soundfile
+
+    from vox_ws.engines.voxcpm import VoxCPMEngine
+
+    server = start_server(VoxCPMEngine(model=str(tiny_model), device="cpu", max_batch=2), max_batch=2)
+    wav = tmp_path / "me.wav"
+    t = np.arange(int(1.5 * 22050)) / 22050
+    soundfile.write(wav, (0.3 * np.sin(2 * np.pi * 180 * t)).astype(np.float32), 22050)
+    context = browser.new_context()
+    page = context.new_page()
+    page.goto(server.http + "/")
+    page.wait_for_function("window.voxDemo.state.connected", timeout=30_000)
+    page.click("#clone summary")
+    page.set_input_files("#clone-file", str(wav))
+    page.fill("#clone-transcript", "this is my voice")
+    page.wait_for_selector("#clone-upload:not([disabled])")
+    page.click("#clone-upload")
+    page.wait_for_function("document.getElementById('voice').value.startsWith('v_')", timeout=30_000)
+    assert "Your voice is selected" in page.inner_text("#clone-status")
+    page.fill("#text", "Hi.")
+    page.click("#speak")
+    page.wait_for_function("window.voxDemo.state.stream && window.voxDemo.state.stream.ended "
+                           "&& window.voxDemo.state.drained", timeout=60_000)
+    s = state(page)
+    assert s["lastEnd"]["reason"] == "max_len"          # the tiny model speaks to its length cap
+    assert s["stream"]["rate"] == s["contextRate"] or s["stream"]["rate"] <= 48000
+    assert s["player"]["played"] / s["contextRate"] == pytest.approx(s["lastEnd"]["audio_s"], abs=0.02)
+    context.close()

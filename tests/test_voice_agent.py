@@ -250,6 +250,10 @@ async def test_client_stream_synthesize_and_input_streaming(piper_server):
             break
         rest = [c async for c in s2]
         assert s2.ended["reason"] == "cancelled" and isinstance(rest, list)
+        await client.close()
+        assert client.ws.close_code == 1000
+        with pytest.raises(vc.VoxError):
+            await client.synthesize("After close.")
 
 
 async def test_client_typed_exceptions(piper_server):

@@ -31,6 +31,7 @@ import msgpack
 import numpy as np
 from websockets.asyncio.client import ClientConnection
 from websockets.asyncio.client import connect as ws_connect
+from websockets.exceptions import ConnectionClosed
 
 from . import protocol as p
 from .audio import bytes_to_pcm, wav_bytes
@@ -262,7 +263,10 @@ class Client:
         return await future
 
     async def _send(self, message: dict[str, Any]) -> None:
-        await self.ws.send(msgpack.packb(message, use_bin_type=True))
+        try:
+            await self.ws.send(msgpack.packb(message, use_bin_type=True))
+        except ConnectionClosed as exc:
+            raise ConnectionLost(f"connection closed ({exc.rcvd.code if exc.rcvd else 'no close frame'})") from None
 
     async def _read(self) -> None:
         try:

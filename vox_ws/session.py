@@ -36,6 +36,8 @@ stream_log = logging.getLogger("vox_ws.stream")
 
 # Frames (mostly control replies) a connection may have queued before it is judged not to read.
 MAX_QUEUED_FRAMES = 1024
+# Seconds a closing session waits for its queued frames to be sent.
+CLOSE_FLUSH_TIMEOUT_S = 2.0
 # Messages over the rate limit in a row after which the connection is closed (1008).
 RATE_LIMIT_CLOSE_AFTER = 200
 # Input streaming: buffered text with no sentence or clause end yet is spoken once the input has
@@ -198,12 +200,18 @@ class Session:
             watchdog.cancel()
             for task in self._requests:
                 task.cancel()
-            # Let the writer flush what is queued if the socket is still open (e.g. we closed it).
+            # The socket is closed: nothing queued can be sent any more.
             writer.cancel()
             await asyncio.gather(writer, watchdog, return_exceptions=True)
 
     async def close(self, code: int, reason: str) -> None:
+        """Close after sending what is already queued (e.g. the `going_away` errors of a shutdown),
+        waiting at most a few seconds for a slow reader."""
         self._closing = True
+        try:
+            await asyncio.wait_for(self._outbox.join(), CLOSE_FLUSH_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            pass
         await self.ws.close(code, reason)
 
     def call_soon(self, callback: Any, *args: Any) -> None:
@@ -529,6 +537,7 @@ class Session:
         kept: list[_Outgoing] = []
         while not self._outbox.empty():
             item = self._outbox.get_nowait()
+            self._outbox.task_done()
             if item.stream is stream:
                 stream.chunks -= 1
                 stream.audio_s -= item.audio_s
@@ -558,6 +567,8 @@ class Session:
                 await self.ws.send(item.frame)
             except ConnectionClosed:
                 return
+            finally:
+                self._outbox.task_done()
             if item.stream is not None:
                 stream = item.stream
                 stream.buffered_s = max(0.0, stream.buffered_s - item.audio_s)
