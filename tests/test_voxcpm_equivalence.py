@@ -107,3 +107,21 @@ def test_batched_loop_matches_the_package_request_by_request(tiny_model, voice_w
         assert np.sqrt(np.mean(want ** 2)) > 1e-4, "reference audio should not be silent"
     # Every KV slot was returned.
     assert sorted(runner._free_slots) == list(range(runner.max_batch))
+
+
+def test_prompt_positions_count_what_build_prompt_builds(tiny_model, voice_wavs):
+    from vox_ws.engines.voxcpm_batch import prompt_positions
+
+    model = import_voxcpm().VoxCPM.from_pretrained(str(tiny_model), load_denoiser=False, optimize=False,
+                                                   device="cpu").tts_model
+    path = str(voice_wavs["a"])
+    caches = [
+        None,
+        model.build_prompt_cache(reference_wav_path=path),
+        model.build_prompt_cache(prompt_text="hello there", prompt_wav_path=path),
+        model.build_prompt_cache(prompt_text="hello there", prompt_wav_path=path, reference_wav_path=path),
+    ]
+    for cache in caches:
+        for text in ("Hi.", "A longer sentence, with a clause.", "你好，世界。"):
+            prompt = build_prompt(model, text, cache)
+            assert prompt_positions(model, text, cache) == (prompt.text_tokens.shape[0], prompt.target_tokens)

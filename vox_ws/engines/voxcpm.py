@@ -21,6 +21,7 @@ import numpy as np
 
 from ..engine import Engine, GenerationRequest, StepResult
 from ..protocol import BAD_REQUEST, OPTION_SPECS, TOO_LARGE, UNSUPPORTED, ProtocolError
+from .voxcpm_batch import build_prompt, prompt_positions
 
 log = logging.getLogger("vox_ws.engines.voxcpm")
 
@@ -205,12 +206,11 @@ class VoxCPMEngine(Engine):
         if not text:
             raise ProtocolError(BAD_REQUEST, "field 'text' has nothing to say after whitespace cleanup")
         if self.runner is not None and not request.options.get("normalize"):
-            prompt = self._prompt(text, self._voice_cache(request.voice))
-            max_len = request.options.get("max_len", DEFAULTS["max_len"])
-            if not self.runner.fits(prompt, max_len):
-                raise ProtocolError(TOO_LARGE, f"text and voice prompt take {prompt.text_tokens.shape[0]} positions; "
-                                               f"with the audio they need the model's {self.runner.max_len} are "
-                                               "not enough: send a shorter text")
+            positions, tokens = prompt_positions(self.tts.tts_model, text, self._voice_cache(request.voice))
+            if not self.runner.fits(positions, tokens, request.options.get("max_len", DEFAULTS["max_len"])):
+                raise ProtocolError(TOO_LARGE, f"text and voice prompt take {positions} positions; with the audio "
+                                               f"they need, the model's {self.runner.max_len} are not enough: "
+                                               "send a shorter text")
         if "seed" not in request.options:
             # A fixed seed per request keeps its audio reproducible; the client may choose it.
             request.options = {**request.options, "seed": secrets.randbits(63)}
@@ -220,18 +220,17 @@ class VoxCPMEngine(Engine):
         text = clean_text(request.text)
         if options.get("normalize"):
             text = self._normalize(text)
-        voice = self._voice_cache(request.voice)
-        prompt = self._prompt(text, voice)
+        model = self.tts.tts_model
+        cache = self._voice_cache(request.voice)
         if request.context is not None:
             # Continue from the previous segment of the same stream: its text and generated audio
             # become the prompt (after the voice's own), so prosody carries over.
-            merged = self.tts.tts_model.merge_prompt_cache(voice, request.context["text"],
-                                                           request.context["audio_feat"])
-            continued = self._prompt(text, merged)
-            if self.runner.fits(continued, options["max_len"]):
-                prompt = continued
-        if not self.runner.fits(prompt, options["max_len"]):
+            merged = model.merge_prompt_cache(cache, request.context["text"], request.context["audio_feat"])
+            if self.runner.fits(*prompt_positions(model, text, merged), options["max_len"]):
+                cache = merged
+        if not self.runner.fits(*prompt_positions(model, text, cache), options["max_len"]):
             raise ValueError("text too long for the model's context after normalization")
+        prompt = self._prompt(text, cache)
         request.state = self.runner.prefill(prompt, seed=options["seed"], cfg_value=options["cfg_value"],
                                             timesteps=options["inference_timesteps"], min_len=options["min_len"],
                                             max_len=options["max_len"])
@@ -255,8 +254,6 @@ class VoxCPMEngine(Engine):
         request.state = None
 
     def _prompt(self, text: str, cache: dict | None):
-        from .voxcpm_batch import build_prompt
-
         return build_prompt(self.tts.tts_model, text, cache)
 
     def _normalize(self, text: str) -> str:

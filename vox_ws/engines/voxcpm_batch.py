@@ -73,6 +73,22 @@ class Prompt:
     target_tokens: int          # tokens of the target text alone (the length cap counts these)
 
 
+def prompt_positions(model: Any, target_text: str, cache: dict | None) -> tuple[int, int]:
+    """(positions the prompt of `build_prompt` takes, tokens of the target text), counted
+    without building it: cheap enough for the event loop, and no torch."""
+    tokenize = model.text_tokenizer
+    mode = "zero_shot" if cache is None else cache.get("mode", "continuation")
+    text = target_text
+    if mode in ("continuation", "ref_continuation"):
+        text = cache.get("prompt_text", "") + target_text
+    positions = len(tokenize(text)) + 1                      # + audio_start
+    if mode in ("reference", "ref_continuation"):
+        positions += cache["ref_audio_feat"].shape[0] + 2    # ref_start ... ref_end
+    if mode in ("continuation", "ref_continuation"):
+        positions += cache["audio_feat"].shape[0]
+    return positions, len(tokenize(target_text))
+
+
 class SlotKV:
     """Per-layer K and V for `slots` requests of up to `max_len` positions each."""
 
@@ -251,11 +267,13 @@ class BatchedVoxCPM2:
 
     # ------------------------------------------------------------------ capacity
 
-    def max_steps(self, prompt: Prompt, max_len: int) -> int:
-        return min(int(prompt.target_tokens * STEPS_PER_TOKEN + 10), max_len)
+    @staticmethod
+    def max_steps(target_tokens: int, max_len: int) -> int:
+        return min(int(target_tokens * STEPS_PER_TOKEN + 10), max_len)
 
-    def fits(self, prompt: Prompt, max_len: int) -> bool:
-        return prompt.text_tokens.shape[0] + self.max_steps(prompt, max_len) <= self.max_len
+    def fits(self, positions: int, target_tokens: int, max_len: int) -> bool:
+        """Whether a prompt and its longest generation fit a KV slot."""
+        return positions + self.max_steps(target_tokens, max_len) <= self.max_len
 
     # ------------------------------------------------------------------ prefill
 
@@ -298,7 +316,7 @@ class BatchedVoxCPM2:
             cfg_value=cfg_value,
             timesteps=timesteps,
             min_len=min_len,
-            max_steps=self.max_steps(prompt, max_len),
+            max_steps=self.max_steps(prompt.target_tokens, max_len),
         )
 
     def release(self, row: RowState) -> None:
