@@ -4,8 +4,6 @@ against a real server with the Piper voice. Assertions come from the page's own 
 from __future__ import annotations
 
 import os
-import shutil
-import subprocess
 from pathlib import Path
 
 import pytest

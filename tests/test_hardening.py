@@ -109,7 +109,7 @@ async def test_message_rate_limit_then_flood_close(start_server):
         await asyncio.sleep(1.0)            # the bucket refills
         assert_good_stream(await c.speak("After a pause.", "ok"))
     async with connect_client(server) as c:
-        for i in range(400):
+        for _ in range(400):
             await c.send({"type": "cancel", "id": "y"})
         with pytest.raises(ConnectionClosed):
             for _ in range(1000):

@@ -4,12 +4,11 @@ import asyncio
 import time
 
 import msgpack
-import numpy as np
 import pytest
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 
-from conftest import RECV_TIMEOUT, assert_good_stream, connect_client
+from conftest import assert_good_stream, connect_client
 from vox_ws.engines.piper import PiperEngine
 
 SENTENCE = "The quick brown fox jumps over the lazy dog."

@@ -248,13 +248,13 @@ class Scheduler:
                 return False
             calls = list(self._calls)
             self._calls.clear()
-            waiting = [r for r in self._waiting if r.cancelled]
-            for request in waiting:
+            dropped = [r for r in self._waiting if r.cancelled]   # cancelled before they got a slot
+            for request in dropped:
                 self._waiting.remove(request)
             admitted = []
             while self._waiting and len(self._active) + len(admitted) < self.max_batch:
                 admitted.append(self._waiting.popleft())
-        for request in waiting:
+        for request in dropped:
             request.sink.finish(END_CANCELLED)
         for fn, future in calls:
             if future.set_running_or_notify_cancel():

@@ -285,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
     for n in [int(x) for x in args.concurrency.split(",")]:
         offsets = start_offsets(n, args.stagger, args.seed)
 
-        def traffic():
+        def traffic(n: int = n) -> list[list[Job]]:
             return make_clients(n, args.rounds, args.min_steps, args.max_steps, args.seed)
 
         serial = run_serial(tts, traffic(), offsets, rate)
