@@ -64,10 +64,11 @@ class RunningServer:
         return status, json.loads(body) if "json" in kind else body.decode()
 
     def stop(self) -> None:
-        if self.server._ws is not None:
-            asyncio.run_coroutine_threadsafe(self.server.shutdown(), self.loop).result(30)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self._thread.join(10)
+        if self._thread.is_alive():
+            if self.server._ws is not None:
+                asyncio.run_coroutine_threadsafe(self.server.shutdown(), self.loop).result(30)
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(10)
 
 
 def make_config(**overrides: Any) -> ServerConfig:

@@ -114,19 +114,29 @@ def test_errors_are_shown_in_words(page):
 
 
 def test_page_reconnects_after_the_server_restarts(browser, start_server):
+    import socket
+
     from vox_ws.engines.piper import PiperEngine
 
-    server = start_server(PiperEngine())
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    server = start_server(PiperEngine(), port=port)
     context = browser.new_context()
     page = context.new_page()
     page.goto(server.http + "/")
     page.wait_for_function("window.voxDemo.state.connected", timeout=30_000)
-    for session in list(server.server.sessions):     # the server drops every connection
-        server.loop.call_soon_threadsafe(lambda s=session: __import__("asyncio").ensure_future(
-            s.close(1001, "restart")))
+    server.stop()                                       # the server goes away...
     page.wait_for_function("!window.voxDemo.state.connected", timeout=10_000)
-    page.wait_for_function("window.voxDemo.state.connected", timeout=15_000)
+    assert "retrying" in page.inner_text("#connection-text")
+    restarted = start_server(PiperEngine(), port=port)  # ...and comes back on the same port
+    page.wait_for_function("window.voxDemo.state.connected", timeout=20_000)
     assert "connected" in page.inner_text("#connection-text")
+    page.fill("#text", "Back again.")
+    page.click("#speak")
+    page.wait_for_function("window.voxDemo.state.lastEnd && window.voxDemo.state.lastEnd.reason === 'done'",
+                           timeout=60_000)
+    assert restarted.port == port
     context.close()
 
 
