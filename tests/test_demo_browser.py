@@ -39,7 +39,7 @@ def page(browser, piper_server):
     page.on("console", lambda m: messages.append(f"{m.type}: {m.text}"))
     page.on("pageerror", lambda e: messages.append(f"pageerror: {e}"))
     page.goto(piper_server.http + "/")
-    page.wait_for_function("window.voxDemo && window.voxDemo.state.connected", timeout=30_000)
+    page.wait_for_function("window.voxDemo && window.voxDemo.state.ready", timeout=30_000)
     yield page
     errors = [m for m in messages if m.startswith(("pageerror", "error"))]
     context.close()
@@ -125,12 +125,12 @@ def test_page_reconnects_after_the_server_restarts(browser, start_server):
     context = browser.new_context()
     page = context.new_page()
     page.goto(server.http + "/")
-    page.wait_for_function("window.voxDemo.state.connected", timeout=30_000)
+    page.wait_for_function("window.voxDemo.state.ready", timeout=30_000)
     server.stop()                                       # the server goes away...
     page.wait_for_function("!window.voxDemo.state.connected", timeout=10_000)
     assert "retrying" in page.inner_text("#connection-text")
     restarted = start_server(PiperEngine(), port=port)  # ...and comes back on the same port
-    page.wait_for_function("window.voxDemo.state.connected", timeout=20_000)
+    page.wait_for_function("window.voxDemo.state.ready", timeout=30_000)
     assert "connected" in page.inner_text("#connection-text")
     page.fill("#text", "Back again.")
     page.click("#speak")
@@ -154,7 +154,7 @@ def test_clone_my_voice_from_a_file_then_speak_with_it(browser, start_server, ti
     context = browser.new_context()
     page = context.new_page()
     page.goto(server.http + "/")
-    page.wait_for_function("window.voxDemo.state.connected", timeout=30_000)
+    page.wait_for_function("window.voxDemo.state.ready", timeout=30_000)
     page.click("#clone summary")
     page.set_input_files("#clone-file", str(wav))
     page.fill("#clone-transcript", "this is my voice")

@@ -31,7 +31,8 @@ const ERROR_WORDS = {
 
 // Everything a person or a test may want to know about the page, in one place.
 const state = {
-  connected: false,
+  connected: false,      // the socket is open and `hello` has arrived
+  ready: false,          // ... and the server's engine is loaded
   hello: null,
   contextRate: null,
   stream: null,          // the stream being spoken: {id, rate, format, sentAt, firstAudioAt, chunks, samples, ended}
@@ -74,6 +75,7 @@ function connect() {
   };
   ws.onclose = (event) => {
     state.connected = false;
+    state.ready = false;
     $("speak").disabled = true;
     if (state.stream && !state.stream.ended) endLocally("the connection closed");
     const why = event.code === 4001 ? "not authorised (add ?token=… to the address)" :
@@ -104,6 +106,7 @@ function onHello(hello) {
   state.hello = hello;
   state.connected = true;
   const ready = hello.status === "ready";
+  state.ready = ready;
   setConnection(ready ? "open" : "connecting", ready ? `connected · ${hello.engine}` : `model ${hello.status}…`);
   $("server-info").textContent = `${hello.server} · engine ${hello.engine} · ${hello.model} · ${hello.sample_rate} Hz`;
   const select = $("voice");
