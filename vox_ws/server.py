@@ -197,7 +197,7 @@ class VoxServer:
             "formats": list(p.FORMATS),
             "voices": engine.voices() if self.scheduler.status == "ready" else [],
             "options": sorted(engine.supported_options),
-            "features": ["voice_cloning"] if engine.supports_voices else [],
+            "features": ["input_streaming", "segment_events"] + (["voice_cloning"] if engine.supports_voices else []),
             "limits": self.config.limits.as_dict(),
         }
 
