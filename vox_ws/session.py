@@ -1,8 +1,8 @@
 """One WebSocket connection's life: receive loop, its streams, its send path, its timers.
 
-Threading: the scheduler thread calls a stream's `deliver`/`finish`/`fail` (the RequestSink).
-Those encode audio there (resampling, packing: off the event loop) and hand finished frames to
-the loop with `call_soon_threadsafe`. Everything else here runs on the event loop.
+Threading: the scheduler thread calls a stream's `deliver`/`finish`/`fail` (see stream.py),
+which hand finished frames to the loop with `call_soon_threadsafe`. Everything here runs on the
+event loop.
 
 One writer task per connection sends frames in FIFO order, so a stream's `start` precedes its
 chunks, which precede its `end`. Egress is bounded twice: per stream in audio seconds (the
@@ -17,19 +17,17 @@ import itertools
 import json
 import logging
 import time
-from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable
 
-import numpy as np
 from websockets.asyncio.server import ServerConnection
 from websockets.exceptions import ConnectionClosed
 
 from . import protocol as p
-from .audio import StreamEncoder, bytes_per_sample, decode_audio_file
+from .audio import StreamEncoder, decode_audio_file
 from .engine import Engine, GenerationRequest, Scheduler
 from .metrics import Metrics
-from .text import StreamSegmenter
+from .stream import Stream
 
 log = logging.getLogger("vox_ws.session")
 stream_log = logging.getLogger("vox_ws.stream")
@@ -69,85 +67,6 @@ class _Outgoing:
     frame: bytes
     stream: "Stream | None" = None
     audio_s: float = 0.0     # audio carried by this frame (0 for control frames)
-
-
-class Stream:
-    """One stream of a session; also the scheduler's RequestSink for its requests.
-
-    A plain stream has one generation request. An input-streaming stream (`stream_input`) has
-    one per text segment, generated one after another on the same stream: the same resampler,
-    the same `seq` counter, so segments join without a seam.
-    """
-
-    def __init__(self, session: "Session", sid: str, start: p.Start, encoder: StreamEncoder) -> None:
-        self.session = session
-        self.id = sid
-        self.start = start
-        self.encoder = encoder
-        self.request: GenerationRequest | None = None   # the request generating now
-        self.closed = False            # loop side: its end or error has been queued
-        self.started_at = time.monotonic()
-        self.first_audio_at: float | None = None
-        self.chunks = 0                # chunks handed to the send path
-        self.audio_s = 0.0
-        self.buffered_s = 0.0          # audio queued but not yet written to the socket
-        self.backlog_since: float | None = None
-        self.last_chunk_at = 0.0
-        self._seq = itertools.count()  # scheduler thread while generating; loop for the final tail
-        # Segments: texts waiting, and those spoken ({text, start_s, end_s} in the output audio).
-        self.segmenter = StreamSegmenter()
-        self.pending: deque[str] = deque()
-        self.segments: list[dict[str, Any]] = []
-        self.segment_start_s = 0.0
-        self.input_closed = not start.stream_input
-        self.flush_marks: deque[int] = deque()   # segments that must be spoken before a `flushed`
-        self.last_input_at = time.monotonic()
-        self.delay_timer: asyncio.TimerHandle | None = None
-        self.context: Any = None                 # the previous segment's continuation
-        self.capped = False                      # a segment hit max_len
-
-    # -------------------------------------------------------------- RequestSink (scheduler thread)
-
-    def deliver(self, pcm: np.ndarray) -> None:
-        self._post_audio(self.encoder.encode(pcm))
-
-    def finish(self, reason: str) -> None:
-        self.session.call_soon(self.session.request_finished, self, self.request, reason)
-
-    def fail(self, code: str, message: str) -> None:
-        self.session.call_soon(self.session.stream_failed, self, code, message)
-
-    def backlogged(self) -> bool:
-        return self.buffered_s >= self.session.limits.max_buffered_audio_s
-
-    def _post_audio(self, data: bytes) -> None:
-        if not data:
-            return
-        frame = p.encode({"type": "chunk", "id": self.id, "seq": next(self._seq), "audio": data})
-        audio_s = len(data) / (self.encoder.out_rate * bytes_per_sample(self.encoder.format))
-        self.session.call_soon(self.session.stream_audio, self, frame, audio_s)
-
-    # -------------------------------------------------------------- loop side
-
-    def tail_frame(self) -> tuple[bytes, float] | None:
-        """The resampler's last samples, at the very end of the stream (no request is running)."""
-        data = self.encoder.flush()
-        if not data:
-            return None
-        frame = p.encode({"type": "chunk", "id": self.id, "seq": next(self._seq), "audio": data})
-        return frame, len(data) / (self.encoder.out_rate * bytes_per_sample(self.encoder.format))
-
-    def end_stats(self) -> dict[str, Any]:
-        now = time.monotonic()
-        ttfa = None if self.first_audio_at is None else round((self.first_audio_at - self.started_at) * 1000, 1)
-        wall = now - self.started_at
-        return {
-            "chunks": self.chunks,
-            "audio_s": round(self.audio_s, 4),
-            "ttfa_ms": ttfa,
-            "rtf": round(wall / self.audio_s, 4) if self.audio_s > 0 else None,
-            "segments": self.segments,
-        }
 
 
 class Session:
