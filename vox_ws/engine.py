@@ -24,7 +24,7 @@ from typing import Any, Callable, Protocol
 
 import numpy as np
 
-from .protocol import BUSY, END_CANCELLED, INTERNAL, NOT_READY, UNSUPPORTED, ProtocolError
+from .protocol import BAD_REQUEST, BUSY, END_CANCELLED, INTERNAL, NOT_READY, UNSUPPORTED, ProtocolError
 
 log = logging.getLogger("vox_ws.engine")
 
@@ -106,13 +106,22 @@ class Engine(ABC):
     def lora_op(self, op: str, name: str | None) -> dict[str, Any]:
         raise ProtocolError(UNSUPPORTED, f"engine {self.name} has no LoRA support")
 
+    def has_voice(self, voice: str) -> bool:
+        return voice in self.voices()
+
+    def check_voice(self, voice: str | None) -> None:
+        """Refuse an unknown voice with a ProtocolError (bad_request). Cheap: the event loop calls it."""
+        if voice is not None and not self.has_voice(voice):
+            raise ProtocolError(BAD_REQUEST, f"unknown voice {voice!r} (built-in: {self.voices()}"
+                                               + ("; or register one with a `voice` message)" if self.supports_voices
+                                                  else ")"))
+
     def check(self, request: GenerationRequest) -> None:
         """Refuse a request the engine cannot serve (unknown voice, ...) with a ProtocolError.
 
         Called on the event loop before the request is queued, so it must be cheap.
         """
-        if request.voice is not None and request.voice not in self.voices():
-            raise ProtocolError("bad_request", f"unknown voice {request.voice!r} (known: {self.voices()})")
+        self.check_voice(request.voice)
 
     @abstractmethod
     def prefill(self, request: GenerationRequest) -> None:

@@ -93,6 +93,7 @@ class Session:
         self.metrics = metrics or Metrics()
         self._accepting = accepting
         self._requests: set[asyncio.Task] = set()   # voice / lora requests in flight
+        self._voice_task: asyncio.Task | None = None
         self._bucket = TokenBucket(limits.max_messages_per_s, burst=max(1.0, 2 * limits.max_messages_per_s))
         self._refused_in_a_row = 0
 
@@ -115,7 +116,7 @@ class Session:
         finally:
             self._closing = True
             for stream in list(self.streams.values()):
-                self._abandon(stream)
+                self._close_stream(stream)      # the client is gone: free the slot, send nothing
             watchdog.cancel()
             for task in self._requests:
                 task.cancel()
@@ -145,11 +146,7 @@ class Session:
     def _rate_limited(self) -> None:
         self._refused_in_a_row += 1
         if self._refused_in_a_row > RATE_LIMIT_CLOSE_AFTER:
-            if not self._closing:
-                log.warning("session %d: flooding (%d messages over the rate limit); closing", self.number,
-                            self._refused_in_a_row)
-                self._closing = True
-                asyncio.ensure_future(self.ws.close(p.CLOSE_POLICY, "message rate limit exceeded"))
+            self._close_for_policy("message rate limit exceeded")
             return
         self._error(p.ProtocolError(p.RATE_LIMITED, f"more than {self.limits.max_messages_per_s:g} messages per "
                                                    "second: message dropped"))
@@ -204,14 +201,12 @@ class Session:
         stream = Stream(self, sid, start, StreamEncoder(self.engine.sample_rate, rate, start.format))
         position = 0
         if start.stream_input:
-            if start.voice is not None:
-                # Refuse an unknown voice now, not at the first segment.
-                try:
-                    self.engine.check(GenerationRequest(text="check", sink=stream, voice=start.voice,
-                                                        options=dict(start.options)))
-                except p.ProtocolError as err:
-                    err.stream_id = sid
-                    raise
+            # Refuse an unknown voice now, not at the first segment.
+            try:
+                self.engine.check_voice(start.voice)
+            except p.ProtocolError as err:
+                err.stream_id = sid
+                raise
             stream.pending.extend(stream.segmenter.push(start.text))
         else:
             position = self._submit(stream, start.text)
@@ -307,7 +302,7 @@ class Session:
         if isinstance(message, p.Voice):
             if not self.engine.supports_voices:
                 raise p.ProtocolError(p.UNSUPPORTED, f"engine {self.engine.name} cannot clone voices", message.id)
-            if any(getattr(t, "kind", "") == "voice" for t in self._requests):
+            if self._voice_task is not None and not self._voice_task.done():
                 raise p.ProtocolError(p.BUSY, "one voice registration at a time per connection", message.id)
             work = self._register_voice(message)
         elif isinstance(message, p.VoiceDelete):
@@ -319,7 +314,8 @@ class Session:
                                       message.id)
             work = self._lora(message)
         task = asyncio.ensure_future(work)
-        task.kind = "voice" if isinstance(message, p.Voice) else "other"  # type: ignore[attr-defined]
+        if isinstance(message, p.Voice):
+            self._voice_task = task
         self._requests.add(task)
         task.add_done_callback(self._requests.discard)
 
@@ -380,7 +376,7 @@ class Session:
         stream.audio_s += audio_s
         stream.buffered_s += audio_s
         if stream.backlogged() and stream.backlog_since is None:
-            stream.backlog_since = time.monotonic()
+            stream.backlog_since = now
         self._send(frame, stream, audio_s)
 
     def request_finished(self, stream: Stream, request: GenerationRequest | None, reason: str) -> None:
@@ -447,10 +443,6 @@ class Session:
         if stream.request is not None and not stream.request.cancelled:
             self.scheduler.cancel(stream.request)
 
-    def _abandon(self, stream: Stream) -> None:
-        """The client is gone: free the slot, send nothing."""
-        self._close_stream(stream)
-
     def _drop_queued_audio(self, stream: Stream) -> None:
         """Barge-in: audio of a cancelled stream that is still queued is never sent."""
         kept: list[_Outgoing] = []
@@ -472,12 +464,16 @@ class Session:
         if self._closing:
             return
         if self._outbox.qsize() >= MAX_QUEUED_FRAMES:
-            log.warning("session %d: %d frames unsent, client is not reading; closing", self.number,
-                        self._outbox.qsize())
-            self._closing = True
-            asyncio.ensure_future(self.ws.close(p.CLOSE_POLICY, "client is not reading"))
+            self._close_for_policy("client is not reading")
             return
         self._outbox.put_nowait(_Outgoing(frame, stream, audio_s))
+
+    def _close_for_policy(self, reason: str) -> None:
+        """Close at once with 1008, without flushing: the client is misbehaving."""
+        if not self._closing:
+            log.warning("session %d: %s; closing", self.number, reason)
+            self._closing = True
+            asyncio.ensure_future(self.ws.close(p.CLOSE_POLICY, reason))
 
     async def _write_loop(self) -> None:
         while True:

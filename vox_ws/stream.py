@@ -74,21 +74,20 @@ class Stream:
         return self.buffered_s >= self.session.limits.max_buffered_audio_s
 
     def _post_audio(self, data: bytes) -> None:
-        if not data:
-            return
+        if data:
+            self.session.call_soon(self.session.stream_audio, self, *self._chunk(data))
+
+    def _chunk(self, data: bytes) -> tuple[bytes, float]:
+        """The next `chunk` frame of this stream, and the seconds of audio it carries."""
         frame = p.encode({"type": "chunk", "id": self.id, "seq": next(self._seq), "audio": data})
-        audio_s = len(data) / (self.encoder.out_rate * bytes_per_sample(self.encoder.format))
-        self.session.call_soon(self.session.stream_audio, self, frame, audio_s)
+        return frame, len(data) / (self.encoder.out_rate * bytes_per_sample(self.encoder.format))
 
     # -------------------------------------------------------------- loop side
 
     def tail_frame(self) -> tuple[bytes, float] | None:
         """The resampler's last samples, at the very end of the stream (no request is running)."""
         data = self.encoder.flush()
-        if not data:
-            return None
-        frame = p.encode({"type": "chunk", "id": self.id, "seq": next(self._seq), "audio": data})
-        return frame, len(data) / (self.encoder.out_rate * bytes_per_sample(self.encoder.format))
+        return self._chunk(data) if data else None
 
     def end_stats(self) -> dict[str, Any]:
         now = time.monotonic()

@@ -32,6 +32,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from vox_ws.loadtest import count_underruns
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TQDM_DISABLE", "1")
 
@@ -74,20 +76,6 @@ def start_offsets(n: int, stagger: float, seed: int) -> list[float]:
     return offsets
 
 
-def underruns(job: Job, jitter_s: float = 0.0) -> int:
-    """Count stalls of a player that starts `jitter_s` after the first chunk."""
-    if not job.chunks:
-        return 0
-    count = 0
-    play_clock = job.chunks[0][0] + jitter_s      # when the next chunk's audio is due
-    for arrived, seconds in job.chunks:
-        if arrived > play_clock + 1e-9:
-            count += 1
-            play_clock = arrived                  # the player re-buffers and resumes
-        play_clock += seconds
-    return count
-
-
 def summarise(clients: list[list[Job]], t0: float) -> dict:
     jobs = [j for c in clients for j in c]
     audio = sum(s for j in jobs for _, s in j.chunks)
@@ -100,7 +88,7 @@ def summarise(clients: list[list[Job]], t0: float) -> dict:
         "throughput": round(audio / wall, 3),
         "ttfa_p50_ms": round(_pct(first, 50), 1),
         "ttfa_p95_ms": round(_pct(first, 95), 1),
-        "underruns_per_stream": round(sum(underruns(j) for j in jobs) / len(jobs), 3),
+        "underruns_per_stream": round(sum(count_underruns(j.chunks) for j in jobs) / len(jobs), 3),
     }
 
 

@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from ..audio import decode_audio_file
 from ..engine import Engine, GenerationRequest, StepResult
 from ..protocol import BAD_REQUEST, OPTION_SPECS, TOO_LARGE, UNSUPPORTED, ProtocolError
 from .voxcpm_batch import build_prompt, prompt_positions
@@ -196,10 +197,11 @@ class VoxCPMEngine(Engine):
                 self._registered.move_to_end(voice)
         return cache
 
+    def has_voice(self, voice: str) -> bool:
+        return self._voice_cache(voice) is not None
+
     def check(self, request: GenerationRequest) -> None:
-        if request.voice is not None and self._voice_cache(request.voice) is None:
-            raise ProtocolError(BAD_REQUEST, f"unknown voice {request.voice!r}: register it with a `voice` message "
-                                             f"or use one of {self.voices()}")
+        self.check_voice(request.voice)
         if request.options.get("denoise") and self.tts is not None and self.tts.denoiser is None:
             raise ProtocolError(BAD_REQUEST, "option 'options.denoise' needs a server started with --load-denoiser")
         text = clean_text(request.text)
@@ -314,14 +316,12 @@ class VoxCPMEngine(Engine):
         return cache
 
     def _load_builtin_voices(self, folder: Path) -> None:
-        import soundfile
-
         for wav in sorted(folder.glob("*.wav")) + sorted(folder.glob("*.flac")):
             transcript_file = wav.with_suffix(".txt")
             transcript = transcript_file.read_text(encoding="utf-8").strip() if transcript_file.exists() else None
-            audio, rate = soundfile.read(str(wav), dtype="float32", always_2d=True)
+            audio, rate = decode_audio_file(wav.read_bytes())
             mode = "both" if transcript else "reference"
-            self.register_voice(audio.mean(axis=1), rate, transcript, mode, name=wav.stem)
+            self.register_voice(audio, rate, transcript, mode, name=wav.stem)
             log.info("built-in voice %r from %s (%s)", wav.stem, wav, mode)
 
     # ------------------------------------------------------------------ LoRA (scheduler thread)
