@@ -6,15 +6,19 @@ from __future__ import annotations
 import asyncio
 import io
 import json
+import os
 import shutil
+import signal
 
 import numpy as np
 import pytest
 import soundfile
 import torch
+from websockets.exceptions import ConnectionClosed
 
 from conftest import assert_good_stream as _assert_good_stream
 from conftest import connect_client
+from vox_ws.engine import Scheduler
 from vox_ws.engines.voxcpm import VoxCPMEngine, import_voxcpm
 
 ADMIN = "admin-secret"
@@ -312,3 +316,37 @@ def test_voxcpm_1_checkpoints_are_refused_clearly(tiny_model, tmp_path):
     (v1 / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="VoxCPM2 only"):
         VoxCPMEngine(model=str(v1), device="cpu").load()
+
+
+# ------------------------------------------------------------------ the decoder process
+
+
+def test_the_decoder_process_starts_with_the_engine_and_ends_with_the_scheduler(tiny_model):
+    engine = VoxCPMEngine(model=str(tiny_model), device="cpu", max_batch=2)
+    scheduler = Scheduler(engine, max_batch=2)
+    scheduler.start()
+    assert scheduler.ready_event.wait(60) and scheduler.status == "ready"
+    process = engine.runner._decoder._proc
+    assert process.poll() is None, "ready means the decoder process is up and warm"
+    scheduler.stop()
+    assert process.wait(10) == 0
+
+
+async def test_decoder_process_death_fails_every_stream_and_stops_the_server(start_server, tiny_model):
+    """The engine cannot decode without it: like any death of the engine thread, every stream
+    gets `internal`, connections close with 1011 and the server exits with code 3."""
+    engine = VoxCPMEngine(model=str(tiny_model), device="cpu", max_batch=2)
+    server = start_server(engine, max_batch=2)
+    async with connect_client(server) as c:
+        await c.send({"type": "start", "id": "victim", "text": "A long text that takes many steps to say."})
+        await c.recv_where(lambda m: m["type"] == "chunk" and m["id"] == "victim")
+        os.kill(engine.runner._decoder.pid, signal.SIGKILL)
+        error = await c.recv_where(lambda m: m["type"] == "error")
+        assert error["id"] == "victim" and error["code"] == "internal"
+        assert "decoder process" in error["message"], error
+        with pytest.raises(ConnectionClosed):
+            while True:
+                await c.recv(timeout=20)
+        assert c.ws.close_code == 1011
+    assert server.scheduler.status == "failed"
+    assert server.server.exit_code == 3

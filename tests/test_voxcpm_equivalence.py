@@ -43,7 +43,10 @@ def reference_audio(tts, text, seed, voice=None, **options) -> np.ndarray:
     return np.concatenate(chunks)
 
 
-def test_batched_loop_matches_the_package_request_by_request(tiny_model, voice_wavs):
+@pytest.mark.parametrize("decode_process", [True, False], ids=["decoder-process", "decode-inline"])
+def test_batched_loop_matches_the_package_request_by_request(tiny_model, voice_wavs, decode_process):
+    """Both ways of decoding: in the decoder process, a row's first patch here and the rest
+    there, a step late (CPUs); every patch here, at once (GPUs)."""
     voxcpm = import_voxcpm()
     torch.set_num_threads(1)
     reference_model = voxcpm.VoxCPM.from_pretrained(str(tiny_model), load_denoiser=False, optimize=False,
@@ -75,7 +78,7 @@ def test_batched_loop_matches_the_package_request_by_request(tiny_model, voice_w
                 prompt_wav_path=str(path) if mode != "reference" else None,
                 reference_wav_path=str(path) if mode != "continuation" else None,
             )
-    runner = BatchedVoxCPM2(model, max_batch=4)
+    runner = BatchedVoxCPM2(model, max_batch=4, decode_process=decode_process)
     outputs = {i: [] for i in range(len(requests))}
     rows = {}
     pending = sorted(range(len(requests)), key=lambda i: requests[i][2])
@@ -93,11 +96,12 @@ def test_batched_loop_matches_the_package_request_by_request(tiny_model, voice_w
             ids = list(rows)
             batch_sizes.append(len(ids))
             for i, (audio, reason) in zip(ids, runner.step([rows[i] for i in ids])):
-                if audio is not None:    # pipelined: a step's audio may come with the next step
+                if audio is not None:    # with the decoder process, a step's audio comes with the next
                     outputs[i].append(audio.numpy())
                 if reason is not None:
                     runner.release(rows.pop(i))
         step += 1
+    runner.close()
 
     assert max(batch_sizes) == 4, "the scenario must exercise a full batch"
     for i, want in enumerate(expected):

@@ -43,6 +43,13 @@ class RequestSink(Protocol):
         ...
 
 
+class EngineFailure(Exception):
+    """The engine can no longer serve anyone (a helper process died, the device is gone).
+
+    Raised from `step`, it ends the scheduler thread like any crash of it would, instead of
+    failing one batch and stepping a broken engine again."""
+
+
 @dataclass(eq=False)
 class GenerationRequest:
     """One stream's generation job: what to say, how, and where the audio goes."""
@@ -134,6 +141,11 @@ class Engine(ABC):
     def release(self, request: GenerationRequest) -> None:
         """Free what `prefill` allocated. Called once for every prefilled request."""
         request.state = None
+
+    def close(self) -> None:
+        """Free what `load` started (helper processes, threads). Called once, on the scheduler
+        thread, when it stops or dies."""
+        return None
 
     def describe(self) -> dict[str, Any]:
         return {"engine": self.name, "model": self.model, "device": self.device, "sample_rate": self.sample_rate}
@@ -241,12 +253,21 @@ class Scheduler:
             self.ready_event.set()
         except BaseException as exc:  # noqa: BLE001 - a failed load must be reported, not raised into nothing
             self._die(exc, "load failed", during_load=True)
+            self._close_engine()
             return
         try:
             while self._turn():
                 pass
         except BaseException as exc:  # noqa: BLE001 - the engine thread died: tell everyone
             self._die(exc, "engine thread died", during_load=False)
+        finally:
+            self._close_engine()
+
+    def _close_engine(self) -> None:
+        try:
+            self.engine.close()
+        except Exception:  # noqa: BLE001 - nothing is left to tell
+            log.exception("closing engine %s failed", self.engine.name)
 
     def _turn(self) -> bool:
         """One turn of the loop; False when the scheduler is stopping."""
@@ -332,6 +353,8 @@ class Scheduler:
                 results = self.engine.step(group)
                 if len(results) != len(group):
                     raise RuntimeError(f"engine returned {len(results)} results for {len(group)} requests")
+            except EngineFailure:
+                raise
             except Exception as exc:  # noqa: BLE001 - fail this step's requests, keep serving the rest
                 log.exception("step failed for requests %s", [r.id for r in group])
                 self._remove(group)

@@ -168,6 +168,7 @@ class VoxCPMEngine(Engine):
             self.runner.step([row])
         finally:
             self.runner.release(row)
+        self.runner.wait_ready()
 
     def _check_denoiser_dependencies(self) -> None:
         try:
@@ -178,6 +179,10 @@ class VoxCPMEngine(Engine):
                 "(iic/speech_zipenhancer_ans_multiloss_16k_base) in the local ModelScope cache; "
                 "neither is installed by vox-ws"
             ) from None
+
+    def close(self) -> None:
+        if self.runner is not None:
+            self.runner.close()
 
     def describe(self) -> dict[str, Any]:
         return {**super().describe(), "dtype": self.dtype, "lora": dict(self.lora),

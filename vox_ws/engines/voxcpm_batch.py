@@ -11,7 +11,8 @@ admitted at different times, advances together:
   own `cfg_value` and its own noise drawn from the request's generator (`_cfm_solve`).
 - Stop head, LocEnc, projections: plain batched calls.
 - VAE: the package's causal streaming decode, with each request's carried convolution state
-  stacked into the batch for one call and split back after (`BatchedStreamingVAE`).
+  stacked into the batch for one call and split back after (`BatchedStreamingVAE`); on a CPU
+  it runs in the decoder process (`vae_process.py`), overlapped with the next step.
 
 Every formula mirrors `VoxCPM2Model._inference` and `UnifiedCFM`, so one request's audio equals
 what the package produces alone for it (same weights, same noise); tests/test_voxcpm_equivalence.py
@@ -20,24 +21,25 @@ checks it.
 
 from __future__ import annotations
 
+import itertools
 import math
+import os
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .vae_process import DecoderProcess
+
 # Same sway-sampling and CFG-zero* settings as UnifiedCFM.forward's defaults.
 SWAY_SAMPLING_COEF = 1.0
 # The package caps generation at this many steps per target-text token (+10).
 STEPS_PER_TOKEN = 6.0
-# Batches at least this large decode their audio on the worker thread, overlapped with the next
-# step. Smaller ones gain nothing: their two threads mostly trade the GIL (tiny model, 2 cores:
-# B=1 11.9 -> 14.9 ms/step pipelined; B=8 27.5 -> 22.8).
-PIPELINE_MIN_ROWS = 4
 
 
 @dataclass(eq=False)
@@ -55,7 +57,8 @@ class RowState:
     min_len: int
     max_steps: int
     step: int = 0
-    vae_state: dict[int, torch.Tensor] = field(default_factory=dict)
+    key: int = 0                     # the row's name in the decoder process
+    vae_state: dict[int, torch.Tensor] | None = field(default_factory=dict)   # None: the decoder process has it
     end_reason: str | None = None    # generation has ended; the last audio may still be decoding
     patches: list[torch.Tensor] | None = None   # generated latents, kept to continue from
     text: str = ""                              # the text these latents say
@@ -152,35 +155,46 @@ def build_prompt(model: Any, target_text: str, cache: dict | None) -> Prompt:
 class BatchedStreamingVAE:
     """The package's stateful causal streaming decode, for a batch of independent streams.
 
-    Each request keeps its own carried state (a dict: conv module id -> last input samples).
+    Each request keeps its own carried state (a dict: convolution index -> last input samples;
+    indices, unlike module ids, mean the same in the decoder process).
     For one call the states are stacked along the batch dimension; afterwards they are split
     back. The convolutions' forwards are replaced once by ones that read the carried state
-    from a thread-local context: outside a `decode` call they behave exactly as before (the
-    package's own decode paths are untouched), and two threads may decode disjoint streams at
-    the same time.
+    from a thread-local context: outside a `decode` call (and in any other thread) they behave
+    exactly as before, so the package's own decode paths are untouched.
     """
 
-    def __init__(self, vae: nn.Module, rows_per_call: int | None = None) -> None:
+    def __init__(self, vae: nn.Module, rows_per_call: int | None = None, fold_depthwise: bool = False) -> None:
         from voxcpm.modules.audiovae.audio_vae_v2 import CausalConv1d, CausalTransposeConv1d
 
         self.vae = vae
         # On a CPU, decoding more than ~8 rows in one call falls out of cache (B=16 took 54 ms
         # in one call, 32 ms in two); a GPU wants every row in one call.
         self.rows_per_call = rows_per_call
+        self.fold_depthwise = fold_depthwise
         self._local = threading.local()
         self._convs: list[tuple[nn.Module, int]] = []   # (module, context samples)
         for mod in vae.decoder.modules():
             if isinstance(mod, CausalConv1d):
                 pad = mod._CausalConv1d__padding * 2 - mod._CausalConv1d__output_padding
                 if pad > 0:
+                    mod.forward = self._conv_forward(mod, len(self._convs), pad)
                     self._convs.append((mod, pad))
-                    mod.forward = self._conv_forward(mod, pad)
             elif isinstance(mod, CausalTransposeConv1d):
                 trim = mod._CausalTransposeConv1d__padding * 2 - mod._CausalTransposeConv1d__output_padding
                 ctx = (mod.kernel_size[0] - 1) // mod.stride[0]
                 if ctx > 0:
+                    mod.forward = self._transpose_forward(mod, len(self._convs), ctx, trim)
                     self._convs.append((mod, ctx))
-                    mod.forward = self._transpose_forward(mod, ctx, trim)
+
+    @torch.inference_mode()
+    def warm_up(self, patch_size: int, max_rows: int) -> None:
+        """Decode silence once for every row count up to `max_rows` (or `rows_per_call`): on a CPU
+        the first call with a new batch shape builds its convolution kernels (30-40 ms each for
+        the tiny model), which must not land on a live stream."""
+        params = next(self.vae.parameters())
+        for rows in range(1, min(max_rows, self.rows_per_call or max_rows) + 1):
+            latents = torch.zeros(rows, self.vae.latent_dim, patch_size, device=params.device, dtype=params.dtype)
+            self.decode(latents, [{} for _ in range(rows)])
 
     def decode(self, latents: torch.Tensor, states: list[dict[int, torch.Tensor]]) -> torch.Tensor:
         """latents [B, D, P] -> audio [B, samples]; updates each request's state in place."""
@@ -192,8 +206,7 @@ class BatchedStreamingVAE:
 
     def _decode(self, latents: torch.Tensor, states: list[dict[int, torch.Tensor]]) -> torch.Tensor:
         batch: dict[int, torch.Tensor] = {}
-        for mod, ctx in self._convs:
-            key = id(mod)
+        for key, (mod, ctx) in enumerate(self._convs):
             rows = [s.get(key) for s in states]
             if any(r is not None for r in rows):
                 zeros = torch.zeros(1, mod.in_channels, ctx, device=latents.device, dtype=latents.dtype)
@@ -208,23 +221,25 @@ class BatchedStreamingVAE:
                 state[key] = stacked[row:row + 1]
         return audio.squeeze(1)
 
-    def _conv_forward(self, mod: nn.Module, pad: int):
+    def _conv_forward(self, mod: nn.Module, key: int, pad: int):
         # Causal convolution: carry the last `pad` input samples.
-        return self._stateful(mod, pad, lambda x, x_pad: (x_pad[:, :, -pad:], nn.Conv1d.forward(mod, x_pad)))
+        depthwise = mod.groups == mod.in_channels == mod.out_channels and mod.groups > 1
+        conv = _DepthwiseAsOneRow(mod) if depthwise and self.fold_depthwise else partial(nn.Conv1d.forward, mod)
+        return self._stateful(mod, key, pad, lambda x, x_pad: (x_pad[:, :, -pad:], conv(x_pad)))
 
-    def _transpose_forward(self, mod: nn.Module, ctx: int, trim: int):
+    def _transpose_forward(self, mod: nn.Module, key: int, ctx: int, trim: int):
         # Causal transposed convolution: carry `ctx` input samples, drop what they re-produce.
         left = ctx * mod.stride[0]
 
         def run(x: torch.Tensor, x_full: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             out = nn.ConvTranspose1d.forward(mod, x_full)
             return x[:, :, -ctx:], (out[..., left:-trim] if trim > 0 else out[..., left:])
-        return self._stateful(mod, ctx, run)
+        return self._stateful(mod, key, ctx, run)
 
-    def _stateful(self, mod: nn.Module, ctx: int, run):
+    def _stateful(self, mod: nn.Module, key: int, ctx: int, run):
         """A forward that prepends the carried input (zeros at a stream's start) and lets `run`
         return the next carried input and the output; outside `decode`, the plain forward."""
-        local, key, plain = self._local, id(mod), type(mod).forward
+        local, plain = self._local, type(mod).forward
 
         def forward(x: torch.Tensor) -> torch.Tensor:
             batch = getattr(local, "batch", None)
@@ -238,10 +253,36 @@ class BatchedStreamingVAE:
         return forward
 
 
+class _DepthwiseAsOneRow:
+    """A depthwise convolution over B rows run as one row of B x C channels.
+
+    Same arithmetic, another kernel: oneDNN's depthwise kernel is slow on CPUs for batches of
+    few-channel rows (B=8, 1 channel x 7686 samples: 400 us, as one row of 8 channels: 150 us),
+    and those are the VAE's last, highest-rate layers."""
+
+    def __init__(self, mod: nn.Conv1d) -> None:
+        self.mod = mod
+        self._repeated: tuple[Any, torch.Tensor, torch.Tensor | None] | None = None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        mod, rows = self.mod, x.shape[0]
+        if rows == 1:
+            return nn.Conv1d.forward(mod, x)
+        # The weights repeated per row, kept while the weights and the row count stay the same.
+        key = (rows, mod.weight.data_ptr(), mod.weight._version)
+        if self._repeated is None or self._repeated[0] != key:
+            bias = mod.bias.repeat(rows) if mod.bias is not None else None
+            self._repeated = (key, mod.weight.repeat(rows, 1, 1), bias)
+        _, weight, bias = self._repeated
+        out = F.conv1d(x.reshape(1, rows * mod.in_channels, x.shape[-1]), weight, bias, mod.stride, mod.padding,
+                       mod.dilation, mod.groups * rows)
+        return out.view(rows, mod.out_channels, -1)
+
+
 class BatchedVoxCPM2:
     """Runs prefill per request and one batched generation step for any set of requests."""
 
-    def __init__(self, model: Any, max_batch: int, pipeline: bool | None = None) -> None:
+    def __init__(self, model: Any, max_batch: int, decode_process: bool | None = None) -> None:
         self.model = model
         self.device = next(model.parameters()).device
         self.dtype = model._dtype()
@@ -250,20 +291,39 @@ class BatchedVoxCPM2:
         self.base_kv = SlotKV(model.base_lm, max_batch, self.max_len, self.device, self.dtype)
         self.residual_kv = SlotKV(model.residual_lm, max_batch, self.max_len, self.device, self.dtype)
         fold_weight_norm(model.audio_vae)
-        self.vae = BatchedStreamingVAE(model.audio_vae, rows_per_call=None if self.device.type == "cuda" else 8)
+        on_cpu = self.device.type == "cpu"
+        # On a CPU, decoding more than ~8 rows in one call falls out of cache (B=16 took 54 ms
+        # in one call, 32 ms in two); a GPU wants every row in one call.
+        rows_per_call = 8 if on_cpu else None
+        self.vae = BatchedStreamingVAE(model.audio_vae, rows_per_call=rows_per_call, fold_depthwise=on_cpu)
+        if on_cpu:
+            self.vae.warm_up(model.patch_size, max_batch)
         self._free_slots = list(range(max_batch))
+        self._row_keys = itertools.count(1)
         cfg = model.config.lm_config
         self.scale_emb = cfg.scale_emb if cfg.use_mup else 1.0
         self.samples_per_step = model.patch_size * model._decode_chunk_size
-        # Pipelining: the VAE decode of step k runs on a worker thread while the main thread
-        # computes step k+1 (the next patch depends on the latents, never on the audio). On a
-        # CPU this puts the second core to work; each row's audio arrives one step later.
-        if pipeline is None:
-            pipeline = self.device.type == "cpu" and torch.get_num_threads() == 1
-        # OpenMP's thread count is per thread: the worker must take the engine thread's setting.
-        threads = torch.get_num_threads()
-        self._decoder = ThreadPoolExecutor(1, thread_name_prefix="vox-ws-vae",
-                                           initializer=torch.set_num_threads, initargs=(threads,)) if pipeline else None
+        # On a CPU with a core to spare, the decode of step k runs in the decoder process while
+        # this thread generates step k+1 (each row's audio comes one step later, except its first
+        # patch, decoded here at once). On a GPU the kernels are asynchronous already.
+        if decode_process is None:
+            decode_process = on_cpu and len(os.sched_getaffinity(0)) >= 2
+        self._decoder: DecoderProcess | None = None
+        if decode_process:
+            vae = model.audio_vae
+            self._decoder = DecoderProcess(type(vae), getattr(model.config, "audio_vae_config", None),
+                                           vae.state_dict(), threads=torch.get_num_threads(),
+                                           rows_per_call=rows_per_call, warm_up=(model.patch_size, max_batch))
+
+    def wait_ready(self) -> None:
+        """Block until the decoder process, if there is one, can take work."""
+        if self._decoder is not None:
+            self._decoder.wait_ready()
+
+    def close(self) -> None:
+        """Stop the decoder process, if there is one."""
+        if self._decoder is not None:
+            self._decoder.close()
 
     # ------------------------------------------------------------------ capacity
 
@@ -308,6 +368,7 @@ class BatchedVoxCPM2:
         generator.manual_seed(seed)
         return RowState(
             slot=slot,
+            key=next(self._row_keys),
             position=text.shape[1],
             lm_hidden=enc_outputs[0, -1, :].clone(),
             residual_hidden=residual_out[0, -1, :].clone(),
@@ -323,6 +384,9 @@ class BatchedVoxCPM2:
         if row.slot not in self._free_slots:
             self._free_slots.append(row.slot)
             self._free_slots.sort()
+        if row.vae_state is None and self._decoder is not None:
+            row.vae_state = {}
+            self._decoder.forget([row.key])
 
     # ------------------------------------------------------------------ one step
 
@@ -330,39 +394,41 @@ class BatchedVoxCPM2:
         """Advance every row by one patch. Returns, per row, (audio [samples] float32 on CPU or
         None, end reason or None). A row reports its end reason only with its last audio.
 
-        Rows in their first step, and every row of a small batch, get this step's audio now.
-        In a larger batch the other rows' audio is decoded on the worker thread while the next
-        step is generated, and comes back with that step."""
+        Without a decoder process every row gets this step's audio now. With one, a row's first
+        patch is decoded here at once (first audio never waits for the pipeline) and every
+        later patch in the decoder process while the next step is generated: its audio comes
+        back with the next step."""
         generating = [r for r in rows if r.end_reason is None]
         earlier = {id(r): r.pending for r in rows if r.pending is not None}
         for row in rows:
             row.pending = None
-        now: dict[int, tuple[Future, int]] = {}
+        now: dict[int, tuple[torch.Tensor, int]] = {}   # audio decoded here: (batch audio, row in it)
         if generating:
             first = [r.step == 0 for r in generating]
             latents = self._generate(generating)
-            pipelined = self._decoder is not None and len(generating) >= PIPELINE_MIN_ROWS
-            immediate = [i for i, is_first in enumerate(first) if is_first or not pipelined]
-            deferred = [i for i in range(len(generating)) if i not in immediate]
-            if deferred:
-                job = self._decoder.submit(self._decode, latents[deferred],
-                                           [generating[i].vae_state for i in deferred])
-                for j, i in enumerate(deferred):
+            here = [i for i in range(len(generating)) if first[i] or self._decoder is None]
+            there = [i for i in range(len(generating)) if i not in here]
+            if there:
+                # Rows new to the process take along the state their first patch left here.
+                new_states = {generating[i].key: generating[i].vae_state for i in there
+                              if generating[i].vae_state is not None}
+                job = self._decoder.submit(latents[there], [generating[i].key for i in there], new_states)
+                for j, i in enumerate(there):
+                    generating[i].vae_state = None
                     generating[i].pending = (job, j)
-            if immediate:
-                # On this thread, alongside the worker. A row's patches must decode in order:
-                # first wait for any of its earlier patch still on the worker.
-                for i in immediate:
-                    pending = earlier.get(id(generating[i]))
-                    if pending is not None:
-                        pending[0].result()
-                done: Future = Future()
-                done.set_result(self._decode(latents[immediate], [generating[i].vae_state for i in immediate]))
-                for j, i in enumerate(immediate):
-                    now[id(generating[i])] = (done, j)
+            if here:
+                audio = self._decode(latents[here], [generating[i].vae_state for i in here])
+                for j, i in enumerate(here):
+                    now[id(generating[i])] = (audio, j)
         results: list[tuple[torch.Tensor | None, str | None]] = []
         for row in rows:
-            parts = [job.result()[j] for job, j in filter(None, (earlier.get(id(row)), now.get(id(row))))]
+            parts = []
+            if id(row) in earlier:
+                job, j = earlier[id(row)]
+                parts.append(torch.from_numpy(self._decoder.wait(job)[j]))
+            if id(row) in now:
+                audio, j = now[id(row)]
+                parts.append(audio[j])
             audio = parts[0] if len(parts) == 1 else (torch.cat(parts) if parts else None)
             results.append((audio, row.end_reason if row.pending is None else None))
         return results

@@ -1,0 +1,208 @@
+"""The streaming VAE decode in a process of its own, overlapped with generation.
+
+On a CPU the VAE decode is most of a batched step, and the next patch never depends on the
+audio, so the decode of step k can run while step k+1 is generated. A thread cannot do that
+well: both halves are hundreds of small torch calls, and two threads hand one GIL back and
+forth at every call (tiny model, B=8: generating a step took 10 ms alone and 21 ms beside a
+decoding thread). A process has its own interpreter and its own core.
+
+The parent sends each decode job (latents, row ids, and the carried convolution state of rows
+that are new to the process) over a socket and reads the audio back in order; the process keeps
+every row's carried state until told to forget it. Messages are pickled numpy arrays, never
+tensors: torch would pickle tensors as shared-memory handles.
+
+    parent                                   decoder process
+    submit(latents k, rows) ── decode ──▶    decode, keep state
+    (generates step k+1)                     ...
+    job k.result()          ◀── audio ───    reply
+    forget(row)             ── forget ──▶    drop state
+
+If the process dies the engine cannot go on: every job's result raises `EngineFailure`.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import signal
+import socket
+import subprocess
+import sys
+import threading
+from collections import deque
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from multiprocessing.connection import Connection
+from typing import Any
+
+from ..engine import EngineFailure
+
+# How long one decode may take before the process is presumed hung (a real-size decode of 16
+# rows on a slow CPU takes seconds, not minutes).
+REPLY_TIMEOUT_S = 120.0
+
+
+class DecoderProcess:
+    """The parent's handle on the decoder process. `submit`/`forget`/`close` come from one thread
+    (the engine's); a reader thread takes the replies as they come, so neither side can block
+    the other on a full socket buffer."""
+
+    def __init__(self, vae_class: type, vae_config: Any, state_dict: dict[str, Any], *, threads: int,
+                 rows_per_call: int | None, warm_up: tuple[int, int]) -> None:
+        """Start the process with a copy of the VAE (class, config, weights); it warms up for
+        `warm_up` = (patch size, max rows) while the parent goes on loading."""
+        parent, child = socket.socketpair()
+        env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+        self._proc = subprocess.Popen([sys.executable, "-m", __name__, str(child.fileno())], pass_fds=(child.fileno(),),
+                                      env=env, stdin=subprocess.DEVNULL)
+        child.close()
+        self._conn = Connection(parent.detach())
+        self._outstanding: deque[Future] = deque()
+        self._lock = threading.Lock()
+        self._failed: EngineFailure | None = None
+        self._closed = False
+        weights = {name: tensor.detach().cpu().numpy() for name, tensor in state_dict.items()}
+        self._ready: Future = Future()
+        self._send(("init", vae_class, vae_config, weights, threads, rows_per_call, warm_up))
+        self._reader = threading.Thread(target=self._read_replies, name="vox-ws-vae-replies", daemon=True)
+        self._reader.start()
+
+    @property
+    def pid(self) -> int:
+        return self._proc.pid
+
+    def submit(self, latents: Any, rows: list[int], new_states: dict[int, dict[int, Any]]) -> Future:
+        """Decode latents [B, D, P] for `rows` (ids); `new_states` seeds rows the process has not
+        seen yet with the state their earlier audio left (decoded in the parent). The future's
+        result is the audio, [B, samples] float32 numpy."""
+        states = {row: {k: v.numpy() for k, v in state.items()} for row, state in new_states.items()}
+        job: Future = Future()
+        with self._lock:
+            if self._failed is not None:
+                raise self._failed
+            self._outstanding.append(job)
+        self._send(("decode", latents.numpy(), rows, states))
+        return job
+
+    def wait_ready(self, timeout: float = REPLY_TIMEOUT_S) -> None:
+        """Block until the process has built and warmed its VAE."""
+        self.wait(self._ready, timeout)
+
+    def wait(self, job: Future, timeout: float = REPLY_TIMEOUT_S) -> Any:
+        """A job's audio, once it is back."""
+        try:
+            return job.result(timeout)
+        except FutureTimeout:
+            raise self._fail(f"no reply in {timeout:.0f} s") from None
+
+    def forget(self, rows: list[int]) -> None:
+        """Drop the carried state of rows that have ended."""
+        if rows and not self._closed and self._failed is None:
+            self._send(("forget", rows))
+
+    def close(self, timeout: float = 5.0) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._conn.send_bytes(pickle.dumps(("stop",)))
+        except OSError:
+            pass
+        try:
+            self._proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            self._proc.wait()
+        self._reader.join(timeout)
+        self._conn.close()
+
+    def _send(self, message: tuple) -> None:
+        try:
+            self._conn.send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
+        except OSError as exc:
+            raise self._fail(f"cannot reach it: {exc}") from exc
+
+    def _read_replies(self) -> None:
+        while True:
+            try:
+                kind, payload = pickle.loads(self._conn.recv_bytes())
+            except (EOFError, OSError):
+                self._fail("it exited" if not self._closed else "closed")
+                return
+            if kind == "ready":
+                self._ready.set_result(None)
+                continue
+            with self._lock:
+                job = self._outstanding.popleft()
+            if kind == "audio":
+                job.set_result(payload)
+            else:
+                job.set_exception(RuntimeError(f"VAE decode failed in the decoder process: {payload}"))
+
+    def _fail(self, what: str) -> EngineFailure:
+        code = self._proc.poll()
+        failure = EngineFailure(f"VAE decoder process (pid {self._proc.pid}): {what}"
+                                + (f" (exit code {code})" if code is not None else ""))
+        with self._lock:
+            self._failed = self._failed or failure
+            orphans = list(self._outstanding) + ([self._ready] if not self._ready.done() else [])
+            self._outstanding.clear()
+        for job in orphans:
+            job.set_exception(self._failed)
+        return self._failed
+
+
+def serve(conn: Connection) -> None:
+    """The decoder process: build the VAE, then decode until told to stop or the parent goes."""
+    import torch
+
+    from .voxcpm import import_voxcpm
+    from .voxcpm_batch import BatchedStreamingVAE, fold_weight_norm
+
+    import_voxcpm()   # the VAE's module imports voxcpm; mind the torchaudio placeholder
+    _, vae_class, vae_config, weights, threads, rows_per_call, warm_up = pickle.loads(conn.recv_bytes())
+    torch.set_num_threads(threads)
+    vae = vae_class(config=vae_config) if vae_config is not None else vae_class()
+    fold_weight_norm(vae)
+    vae.load_state_dict({name: torch.from_numpy(array) for name, array in weights.items()}, strict=True)
+    vae.eval()
+    decoder = BatchedStreamingVAE(vae, rows_per_call=rows_per_call, fold_depthwise=True)
+    del weights
+    decoder.warm_up(*warm_up)
+    conn.send_bytes(pickle.dumps(("ready", None)))
+    states: dict[int, dict[int, torch.Tensor]] = {}
+    with torch.inference_mode():
+        while True:
+            try:
+                message = pickle.loads(conn.recv_bytes())
+            except EOFError:
+                return            # the parent is gone
+            if message[0] == "stop":
+                return
+            if message[0] == "forget":
+                for row in message[1]:
+                    states.pop(row, None)
+                continue
+            _, latents, rows, new_states = message
+            try:
+                for row, state in new_states.items():
+                    states[row] = {k: torch.from_numpy(v) for k, v in state.items()}
+                row_states = [states.setdefault(row, {}) for row in rows]
+                audio = decoder.decode(torch.from_numpy(latents), row_states)
+                reply = ("audio", audio.numpy())
+            except Exception as exc:  # noqa: BLE001 - the parent fails those rows and goes on
+                reply = ("error", f"{type(exc).__name__}: {exc}")
+            conn.send_bytes(pickle.dumps(reply, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def main() -> None:
+    # The server drains on SIGINT/SIGTERM and then closes the socket; this process must outlive
+    # the signal that reaches the whole process group and leave on EOF.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    os.environ.setdefault("TQDM_DISABLE", "1")
+    serve(Connection(int(sys.argv[1])))
+
+
+if __name__ == "__main__":
+    main()
