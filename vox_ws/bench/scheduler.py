@@ -181,8 +181,9 @@ def run_batched(model_dir: str, device: str, clients: list[list[Job]], offsets: 
     return summarise(clients, t0)
 
 
-def profile_step(model_dir: str, device: str, threads: int, batch_sizes: list[int], steps: int = 20) -> list[dict]:
-    """Time the parts of one batched step (wrapping the runner's own functions)."""
+def profile_step(model_dir: str, device: str, threads: int, batch_sizes: list[int], steps: int = 20) -> dict:
+    """Time one batched step at several batch sizes: as served (on a CPU, with the decoder
+    process), then with the VAE inline and its parts timed by wrapping the runner's functions."""
     import torch
 
     from vox_ws.engines import voxcpm_batch as vb
@@ -202,24 +203,13 @@ def profile_step(model_dir: str, device: str, threads: int, batch_sizes: list[in
             return out
         return wrapper
 
-    engine = VoxCPMEngine(model=model_dir, device=device, threads=threads, max_batch=max(batch_sizes))
-    engine.load()
-    # Without the decoder process, so that the parts add up to the step (with it, the VAE runs
-    # beside the next step; the benchmark table above measures that).
-    engine.close()
-    runner = engine.runner = vb.BatchedVoxCPM2(engine.tts.tts_model, max(batch_sizes), decode_process=False)
-    encoder = runner.model.feat_encoder
-    originals = (vb._cfm_solve, vb._lm_step, runner.vae.decode, encoder.forward)
-    vb._cfm_solve = timed("cfm", vb._cfm_solve)
-    vb._lm_step = timed("lm+residual", vb._lm_step)
-    runner.vae.decode = timed("vae", runner.vae.decode)
-    encoder.forward = timed("locenc", encoder.forward)
-    rows_out = []
-    try:
+    def run(runner) -> list[dict]:
+        rows_out = []
         for b in batch_sizes:
             rows = [runner.prefill(engine._prompt(TEXTS[i % len(TEXTS)] * 4, None), seed=i, cfg_value=2.0,
                                    timesteps=10, min_len=2, max_len=4096) for i in range(b)]
-            runner.step(rows)                    # warm-up
+            for _ in range(3):                   # warm-up, and the decoder process's pipeline filled
+                runner.step(rows)
             timings.clear()
             start = time.perf_counter()
             for _ in range(steps):
@@ -231,9 +221,46 @@ def profile_step(model_dir: str, device: str, threads: int, batch_sizes: list[in
                              "audio_x_realtime": round(b * 0.16 / (total / 1000), 2)})
             for row in rows:
                 runner.release(row)
+        return rows_out
+
+    engine = VoxCPMEngine(model=model_dir, device=device, threads=threads, max_batch=max(batch_sizes))
+    engine.load()
+    runner = engine.runner
+    generate, decoder = runner._generate, runner._decoder
+    runner._generate = timed("generate", generate)
+    if decoder is not None:
+        decoder.wait = timed("waiting_for_decoder", decoder.wait)
+    try:
+        served = run(runner)
+    finally:
+        runner._generate = generate
+        engine.close()
+    # Inline, so that the parts add up to the step.
+    runner = engine.runner = vb.BatchedVoxCPM2(engine.tts.tts_model, max(batch_sizes), decode_process=False)
+    encoder = runner.model.feat_encoder
+    originals = (vb._cfm_solve, vb._lm_step, runner.vae.decode, encoder.forward)
+    vb._cfm_solve = timed("cfm", vb._cfm_solve)
+    vb._lm_step = timed("lm+residual", vb._lm_step)
+    runner.vae.decode = timed("vae", runner.vae.decode)
+    encoder.forward = timed("locenc", encoder.forward)
+    try:
+        inline = run(runner)
     finally:
         vb._cfm_solve, vb._lm_step, runner.vae.decode, encoder.forward = originals
-    return rows_out
+    return {"as_served": served, "decoder_process": decoder is not None, "inline": inline}
+
+
+def print_profile(profile: dict) -> None:
+    titles = {"as_served": "one batched step as served" + (", VAE in the decoder process" if profile["decoder_process"]
+                                                           else ""),
+              "inline": "one batched step with the VAE inline"}
+    for key, title in titles.items():
+        rows = profile[key]
+        print(f"\n# {title}, ms (mean of 20)")
+        keys = [k for k in rows[0] if k != "batch"]
+        print(" ".join(f"{k:>19}" for k in ["batch", *keys]))
+        for row in rows:
+            print(" ".join(f"{row[k]:>19}" for k in ["batch", *keys]))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -292,11 +319,7 @@ def main(argv: list[str] | None = None) -> int:
     profile = None
     if args.profile:
         profile = profile_step(model_dir, args.device, args.threads, [1, 4, 8, 16])
-        print("\n# one batched step with the VAE decoded inline, ms (mean of 20)")
-        keys = [k for k in profile[0] if k != "batch"]
-        print(" ".join(f"{k:>14}" for k in ["batch", *keys]))
-        for row in profile:
-            print(" ".join(f"{row[k]:>14}" for k in ["batch", *keys]))
+        print_profile(profile)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "results": results, "profile": profile}, f, indent=2)

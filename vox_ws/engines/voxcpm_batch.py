@@ -25,6 +25,7 @@ import itertools
 import math
 import os
 import threading
+import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from functools import partial
@@ -36,6 +37,8 @@ from torch import nn
 
 from .vae_process import DecoderProcess
 
+# Warming the VAE up for more rows stops once one decode takes this long.
+WARM_UP_ENOUGH_S = 0.5
 # Same sway-sampling and CFG-zero* settings as UnifiedCFM.forward's defaults.
 SWAY_SAMPLING_COEF = 1.0
 # The package caps generation at this many steps per target-text token (+10).
@@ -194,7 +197,10 @@ class BatchedStreamingVAE:
         params = next(self.vae.parameters())
         for rows in range(1, min(max_rows, self.rows_per_call or max_rows) + 1):
             latents = torch.zeros(rows, self.vae.latent_dim, patch_size, device=params.device, dtype=params.dtype)
+            started = time.perf_counter()
             self.decode(latents, [{} for _ in range(rows)])
+            if time.perf_counter() - started > WARM_UP_ENOUGH_S:
+                break   # decodes this slow (a real-size VAE on a CPU) dwarf a kernel build
 
     def decode(self, latents: torch.Tensor, states: list[dict[int, torch.Tensor]]) -> torch.Tensor:
         """latents [B, D, P] -> audio [B, samples]; updates each request's state in place."""
@@ -307,7 +313,7 @@ class BatchedVoxCPM2:
         # this thread generates step k+1 (each row's audio comes one step later, except its first
         # patch, decoded here at once). On a GPU the kernels are asynchronous already.
         if decode_process is None:
-            decode_process = on_cpu and len(os.sched_getaffinity(0)) >= 2
+            decode_process = on_cpu and _usable_cpus() >= 2
         self._decoder: DecoderProcess | None = None
         if decode_process:
             vae = model.audio_vae
@@ -509,6 +515,12 @@ def fold_weight_norm(module: nn.Module) -> int:
         except ValueError:
             pass   # not weight-normalised
     return folded
+
+
+def _usable_cpus() -> int:
+    if hasattr(os, "sched_getaffinity"):   # Linux: the CPUs this process may run on
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
 
 
 def _groups(rows: list[RowState], key) -> list[tuple[Any, list[int]]]:
