@@ -4,13 +4,15 @@ package's own `generate_streaming` produces for it alone (same weights, same noi
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 import soundfile
 import torch
 
 from vox_ws.engines.voxcpm import import_voxcpm
-from vox_ws.engines.voxcpm_batch import BatchedVoxCPM2, build_prompt
+from vox_ws.engines.voxcpm_batch import BatchedVoxCPM2, DecodeBalance, build_prompt
 
 TOLERANCE = 1e-4   # fp32 round-off between batched and single-row kernels; audio is in [-1, 1]
 
@@ -43,10 +45,14 @@ def reference_audio(tts, text, seed, voice=None, **options) -> np.ndarray:
     return np.concatenate(chunks)
 
 
-@pytest.mark.parametrize("decode_process", [True, False], ids=["decoder-process", "decode-inline"])
-def test_batched_loop_matches_the_package_request_by_request(tiny_model, voice_wavs, decode_process):
-    """Both ways of decoding: in the decoder process, a row's first patch here and the rest
-    there, a step late (CPUs); every patch here, at once (GPUs)."""
+@pytest.mark.parametrize("decode", ["process", "split", "inline"])
+def test_batched_loop_matches_the_package_request_by_request(tiny_model, voice_wavs, decode, monkeypatch):
+    """Every way of decoding: in the decoder process, a row's first patch here and the rest
+    there, a step late (CPUs); some rows kept here by the balance (forced: every other row);
+    every patch here, at once (GPUs)."""
+    if decode == "split":
+        turns = itertools.count()
+        monkeypatch.setattr(DecodeBalance, "take_one", lambda self: next(turns) % 2 == 0)
     voxcpm = import_voxcpm()
     torch.set_num_threads(1)
     reference_model = voxcpm.VoxCPM.from_pretrained(str(tiny_model), load_denoiser=False, optimize=False,
@@ -78,7 +84,7 @@ def test_batched_loop_matches_the_package_request_by_request(tiny_model, voice_w
                 prompt_wav_path=str(path) if mode != "reference" else None,
                 reference_wav_path=str(path) if mode != "continuation" else None,
             )
-    runner = BatchedVoxCPM2(model, max_batch=4, decode_process=decode_process)
+    runner = BatchedVoxCPM2(model, max_batch=4, decode_process=decode != "inline")
     outputs = {i: [] for i in range(len(requests))}
     rows = {}
     pending = sorted(range(len(requests)), key=lambda i: requests[i][2])
@@ -102,6 +108,8 @@ def test_batched_loop_matches_the_package_request_by_request(tiny_model, voice_w
                     runner.release(rows.pop(i))
         step += 1
     runner.close()
+    if decode == "split":
+        assert next(turns) > 2, "the balance must have placed several rows"
 
     assert max(batch_sizes) == 4, "the scenario must exercise a full batch"
     for i, want in enumerate(expected):

@@ -29,6 +29,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from collections import deque
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -74,7 +75,7 @@ class DecoderProcess:
     def submit(self, latents: Any, rows: list[int], new_states: dict[int, dict[int, Any]]) -> Future:
         """Decode latents [B, D, P] for `rows` (ids); `new_states` seeds rows the process has not
         seen yet with the state their earlier audio left (decoded in the parent). The future's
-        result is the audio, [B, samples] float32 numpy."""
+        result is the audio, [B, samples] float32 numpy; its `decode_s`, the decode's time."""
         states = {row: {k: v.numpy() for k, v in state.items()} for row, state in new_states.items()}
         job: Future = Future()
         with self._lock:
@@ -135,7 +136,8 @@ class DecoderProcess:
             with self._lock:
                 job = self._outstanding.popleft()
             if kind == "audio":
-                job.set_result(payload)
+                audio, job.decode_s = payload     # the decode's own time, without the transfers
+                job.set_result(audio)
             else:
                 job.set_exception(RuntimeError(f"VAE decode failed in the decoder process: {payload}"))
 
@@ -188,8 +190,9 @@ def serve(conn: Connection) -> None:
                 for row, state in new_states.items():
                     states[row] = {k: torch.from_numpy(v) for k, v in state.items()}
                 row_states = [states.setdefault(row, {}) for row in rows]
+                started = time.perf_counter()
                 audio = decoder.decode(torch.from_numpy(latents), row_states)
-                reply = ("audio", audio.numpy())
+                reply = ("audio", (audio.numpy(), time.perf_counter() - started))
             except Exception as exc:  # noqa: BLE001 - the parent fails those rows and goes on
                 reply = ("error", f"{type(exc).__name__}: {exc}")
             conn.send_bytes(pickle.dumps(reply, protocol=pickle.HIGHEST_PROTOCOL))

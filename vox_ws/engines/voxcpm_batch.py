@@ -62,6 +62,7 @@ class RowState:
     step: int = 0
     key: int = 0                     # the row's name in the decoder process
     vae_state: dict[int, torch.Tensor] | None = field(default_factory=dict)   # None: the decoder process has it
+    decoded_here: bool | None = None  # where patches after the first are decoded; None: not yet decided
     end_reason: str | None = None    # generation has ended; the last audio may still be decoding
     patches: list[torch.Tensor] | None = None   # generated latents, kept to continue from
     text: str = ""                              # the text these latents say
@@ -315,6 +316,7 @@ class BatchedVoxCPM2:
         if decode_process is None:
             decode_process = on_cpu and _usable_cpus() >= 2
         self._decoder: DecoderProcess | None = None
+        self._balance = DecodeBalance()
         if decode_process:
             vae = model.audio_vae
             self._decoder = DecoderProcess(type(vae), getattr(model.config, "audio_vae_config", None),
@@ -401,43 +403,72 @@ class BatchedVoxCPM2:
         None, end reason or None). A row reports its end reason only with its last audio.
 
         Without a decoder process every row gets this step's audio now. With one, a row's first
-        patch is decoded here at once (first audio never waits for the pipeline) and every
-        later patch in the decoder process while the next step is generated: its audio comes
-        back with the next step."""
+        patch is decoded here at once (first audio never waits for the pipeline) and its later
+        patches in the decoder process while the next step is generated, their audio coming
+        back with the next step; or here, if the balance keeps the row here."""
         generating = [r for r in rows if r.end_reason is None]
         earlier = {id(r): r.pending for r in rows if r.pending is not None}
         for row in rows:
             row.pending = None
-        now: dict[int, tuple[torch.Tensor, int]] = {}   # audio decoded here: (batch audio, row in it)
-        if generating:
-            first = [r.step == 0 for r in generating]
-            latents = self._generate(generating)
-            here = [i for i in range(len(generating)) if first[i] or self._decoder is None]
-            there = [i for i in range(len(generating)) if i not in here]
-            if there:
-                # Rows new to the process take along the state their first patch left here.
-                new_states = {generating[i].key: generating[i].vae_state for i in there
-                              if generating[i].vae_state is not None}
-                job = self._decoder.submit(latents[there], [generating[i].key for i in there], new_states)
-                for j, i in enumerate(there):
-                    generating[i].vae_state = None
-                    generating[i].pending = (job, j)
-            if here:
-                audio = self._decode(latents[here], [generating[i].vae_state for i in here])
-                for j, i in enumerate(here):
-                    now[id(generating[i])] = (audio, j)
+        now = self._generate_and_decode(generating) if generating else {}
+        return self._gather(rows, earlier, now, stepped=bool(generating))
+
+    def _generate_and_decode(self, rows: list[RowState]) -> dict[int, tuple[torch.Tensor, int]]:
+        """Generate a patch for every row and start its decode; returns the audio decoded here,
+        by row: (batch audio, row in it)."""
+        first = [r.step == 0 for r in rows]
+        latents = self._generate(rows)
+        here = [i for i, row in enumerate(rows) if first[i] or self._decodes_here(row)]
+        there = [i for i in range(len(rows)) if i not in here]
+        if there:
+            # Rows new to the process take along the state their first patch left here.
+            new_states = {rows[i].key: rows[i].vae_state for i in there if rows[i].vae_state is not None}
+            job = self._decoder.submit(latents[there], [rows[i].key for i in there], new_states)
+            for j, i in enumerate(there):
+                rows[i].vae_state = None
+                rows[i].pending = (job, j)
+        now: dict[int, tuple[torch.Tensor, int]] = {}
+        if here:
+            audio = self._decode(latents[here], [rows[i].vae_state for i in here])
+            for j, i in enumerate(here):
+                now[id(rows[i])] = (audio, j)
+        return now
+
+    def _gather(self, rows: list[RowState], earlier: dict[int, tuple[Future, int]],
+                now: dict[int, tuple[torch.Tensor, int]], stepped: bool) -> list[tuple[torch.Tensor | None, str | None]]:
+        """Each row's audio: what the decoder process made of its previous patch, then what was
+        decoded here in this step."""
         results: list[tuple[torch.Tensor | None, str | None]] = []
+        waited, jobs = 0.0, {}
         for row in rows:
             parts = []
             if id(row) in earlier:
                 job, j = earlier[id(row)]
-                parts.append(torch.from_numpy(self._decoder.wait(job)[j]))
+                started = time.perf_counter()
+                decoded = self._decoder.wait(job)
+                waited += time.perf_counter() - started
+                parts.append(torch.from_numpy(decoded[j]))
+                jobs[id(job)] = job
             if id(row) in now:
                 audio, j = now[id(row)]
                 parts.append(audio[j])
             audio = parts[0] if len(parts) == 1 else (torch.cat(parts) if parts else None)
             results.append((audio, row.end_reason if row.pending is None else None))
+        for job in jobs.values():
+            self._balance.decoded_there(len(job.result()), job.decode_s)
+        if self._decoder is not None and stepped:
+            self._balance.waited(waited)
         return results
+
+    def _decodes_here(self, row: RowState) -> bool:
+        """Where a row's audio is decoded after its first patch: in the decoder process, unless
+        this thread has been idling on the decoder long enough to take the row on itself. A row
+        stays where it is first put: its carried state lives there."""
+        if self._decoder is None:
+            return True
+        if row.decoded_here is None:
+            row.decoded_here = self._balance.take_one()
+        return row.decoded_here
 
     @torch.inference_mode()
     def _decode(self, latents: torch.Tensor, states: list[dict[int, torch.Tensor]]) -> torch.Tensor:
@@ -498,6 +529,33 @@ class BatchedVoxCPM2:
             row.lm_hidden = lm_hidden[i]
             row.residual_hidden = residual_hidden[i]
             row.position += 1
+
+
+class DecodeBalance:
+    """When the decoder process is the slower side of a step, the engine thread waits on it; a
+    row decoded here instead moves its share of the decode from one side of that wait to the
+    other. Tracks moving averages of the wait per step and of the decoder's time per row."""
+
+    def __init__(self, smoothing: float = 0.2) -> None:
+        self.smoothing = smoothing
+        self.wait_s = 0.0
+        self.row_s: float | None = None
+        self._taken = 0.0
+
+    def waited(self, seconds: float) -> None:
+        self.wait_s += self.smoothing * (seconds - self.wait_s)
+        self._taken = 0.0
+
+    def decoded_there(self, rows: int, seconds: float) -> None:
+        per_row = seconds / rows
+        self.row_s = per_row if self.row_s is None else self.row_s + self.smoothing * (per_row - self.row_s)
+
+    def take_one(self) -> bool:
+        """Whether one more row should be decoded here; counts it against this step's slack."""
+        if self.row_s is None or self.wait_s - self._taken < 2 * self.row_s:
+            return False
+        self._taken += 2 * self.row_s
+        return True
 
 
 def fold_weight_norm(module: nn.Module) -> int:
