@@ -156,13 +156,17 @@ class DecoderProcess:
 
 def serve(conn: Connection) -> None:
     """The decoder process: build the VAE, then decode until told to stop or the parent goes."""
+    # Take the weights off the socket before the slow imports, so that the parent, blocked on
+    # sending them, goes on loading while this process imports torch and voxcpm.
+    init = conn.recv_bytes()
     import torch
 
     from .voxcpm import import_voxcpm
     from .voxcpm_batch import BatchedStreamingVAE, fold_weight_norm
 
     import_voxcpm()   # the VAE's module imports voxcpm; mind the torchaudio placeholder
-    _, vae_class, vae_config, weights, threads, rows_per_call, warm_up = pickle.loads(conn.recv_bytes())
+    _, vae_class, vae_config, weights, threads, rows_per_call, warm_up = pickle.loads(init)
+    del init
     torch.set_num_threads(threads)
     vae = vae_class(config=vae_config) if vae_config is not None else vae_class()
     fold_weight_norm(vae)

@@ -171,9 +171,7 @@ class BatchedStreamingVAE:
         from voxcpm.modules.audiovae.audio_vae_v2 import CausalConv1d, CausalTransposeConv1d
 
         self.vae = vae
-        # On a CPU, decoding more than ~8 rows in one call falls out of cache (B=16 took 54 ms
-        # in one call, 32 ms in two); a GPU wants every row in one call.
-        self.rows_per_call = rows_per_call
+        self.rows_per_call = rows_per_call   # None: every row in one call
         self.fold_depthwise = fold_depthwise
         self._local = threading.local()
         self._convs: list[tuple[nn.Module, int]] = []   # (module, context samples)
@@ -302,17 +300,10 @@ class BatchedVoxCPM2:
         # On a CPU, decoding more than ~8 rows in one call falls out of cache (B=16 took 54 ms
         # in one call, 32 ms in two); a GPU wants every row in one call.
         rows_per_call = 8 if on_cpu else None
-        self.vae = BatchedStreamingVAE(model.audio_vae, rows_per_call=rows_per_call, fold_depthwise=on_cpu)
-        if on_cpu:
-            self.vae.warm_up(model.patch_size, max_batch)
-        self._free_slots = list(range(max_batch))
-        self._row_keys = itertools.count(1)
-        cfg = model.config.lm_config
-        self.scale_emb = cfg.scale_emb if cfg.use_mup else 1.0
-        self.samples_per_step = model.patch_size * model._decode_chunk_size
         # On a CPU with a core to spare, the decode of step k runs in the decoder process while
         # this thread generates step k+1 (each row's audio comes one step later, except its first
-        # patch, decoded here at once). On a GPU the kernels are asynchronous already.
+        # patch, decoded here at once). On a GPU the kernels are asynchronous already. Started
+        # first: it loads and warms up while this process does.
         if decode_process is None:
             decode_process = on_cpu and _usable_cpus() >= 2
         self._decoder: DecoderProcess | None = None
@@ -322,6 +313,14 @@ class BatchedVoxCPM2:
             self._decoder = DecoderProcess(type(vae), getattr(model.config, "audio_vae_config", None),
                                            vae.state_dict(), threads=torch.get_num_threads(),
                                            rows_per_call=rows_per_call, warm_up=(model.patch_size, max_batch))
+        self.vae = BatchedStreamingVAE(model.audio_vae, rows_per_call=rows_per_call, fold_depthwise=on_cpu)
+        if on_cpu:
+            self.vae.warm_up(model.patch_size, max_batch)
+        self._free_slots = list(range(max_batch))
+        self._row_keys = itertools.count(1)
+        cfg = model.config.lm_config
+        self.scale_emb = cfg.scale_emb if cfg.use_mup else 1.0
+        self.samples_per_step = model.patch_size * model._decode_chunk_size
 
     def wait_ready(self) -> None:
         """Block until the decoder process, if there is one, can take work."""
@@ -448,14 +447,14 @@ class BatchedVoxCPM2:
                 decoded = self._decoder.wait(job)
                 waited += time.perf_counter() - started
                 parts.append(torch.from_numpy(decoded[j]))
-                jobs[id(job)] = job
+                jobs[id(job)] = (len(decoded), job.decode_s)
             if id(row) in now:
                 audio, j = now[id(row)]
                 parts.append(audio[j])
             audio = parts[0] if len(parts) == 1 else (torch.cat(parts) if parts else None)
             results.append((audio, row.end_reason if row.pending is None else None))
-        for job in jobs.values():
-            self._balance.decoded_there(len(job.result()), job.decode_s)
+        for job_rows, job_seconds in jobs.values():
+            self._balance.decoded_there(job_rows, job_seconds)
         if self._decoder is not None and stepped:
             self._balance.waited(waited)
         return results
