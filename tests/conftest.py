@@ -18,9 +18,8 @@ import pytest
 from websockets.asyncio.client import ClientConnection, connect
 
 from vox_ws.audio import bytes_to_pcm
-from vox_ws.config import ServerConfig
+from vox_ws.config import Limits, ServerConfig
 from vox_ws.engine import Engine
-from vox_ws.protocol import Limits
 from vox_ws.server import VoxServer
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -65,7 +64,7 @@ class RunningServer:
 
     def stop(self) -> None:
         if self._thread.is_alive():
-            if self.server._ws is not None:
+            if self.server.running:
                 asyncio.run_coroutine_threadsafe(self.server.shutdown(), self.loop).result(30)
             self.loop.call_soon_threadsafe(self.loop.stop)
             self._thread.join(10)

@@ -145,7 +145,7 @@ def test_clone_my_voice_from_a_file_then_speak_with_it(browser, start_server, ti
     import numpy as np
     import soundfile
 
-    from vox_ws.engines.voxcpm import VoxCPMEngine
+    from vox_ws.engines.voxcpm.engine import VoxCPMEngine
 
     server = start_server(VoxCPMEngine(model=str(tiny_model), device="cpu", max_batch=2), max_batch=2)
     wav = tmp_path / "me.wav"

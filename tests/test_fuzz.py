@@ -12,10 +12,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from conftest import assert_good_stream, connect_client
-from vox_ws import protocol as p
+from vox_ws.transports import protocol as p
+from vox_ws.engines import option_vocabulary
 from vox_ws.engines.piper import PiperEngine
 
 LIMITS = p.Limits(max_frame_bytes=4096, max_text_chars=200)
+OPTIONS = option_vocabulary()
 TYPES = ["start", "chunk", "end", "flush", "cancel", "voice", "voice_delete", "lora", "nope", "", "START"]
 
 scalars = st.one_of(
@@ -30,7 +32,7 @@ field_values = {
     "voice": st.one_of(st.sampled_from(["joe", "v_x"]), values),
     "format": st.one_of(st.sampled_from(["f32", "s16", "mulaw"]), values),
     "sample_rate": st.one_of(st.integers(0, 100_000), values),
-    "options": st.one_of(st.dictionaries(st.sampled_from(sorted(p.OPTION_SPECS) + ["x"]), values, max_size=4),
+    "options": st.one_of(st.dictionaries(st.sampled_from(sorted(OPTIONS) + ["x"]), values, max_size=4),
                          values),
     "stream_input": values,
     "audio": st.one_of(st.binary(max_size=100), values),
@@ -62,7 +64,7 @@ frames = st.one_of(
 
 
 def decode_and_parse(frame):
-    return p.parse_message(p.decode_frame(frame, LIMITS), LIMITS)
+    return p.parse_message(p.decode_frame(frame, LIMITS), LIMITS, OPTIONS)
 
 
 @settings(max_examples=4000, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -3,19 +3,21 @@
 import msgpack
 import pytest
 
-from vox_ws import protocol as p
+from vox_ws.engines import option_vocabulary
+from vox_ws.transports import protocol as p
 
 LIMITS = p.Limits(max_frame_bytes=1000, max_text_chars=50)
+OPTIONS = option_vocabulary()
 
 
 def parse(obj):
-    return p.parse_message(p.decode_frame(msgpack.packb(obj), LIMITS), LIMITS)
+    return p.parse_message(p.decode_frame(msgpack.packb(obj), LIMITS), LIMITS, OPTIONS)
 
 
 def refused(obj_or_bytes) -> p.ProtocolError:
     with pytest.raises(p.ProtocolError) as info:
         if isinstance(obj_or_bytes, (bytes, str)):
-            p.parse_message(p.decode_frame(obj_or_bytes, LIMITS), LIMITS)
+            p.parse_message(p.decode_frame(obj_or_bytes, LIMITS), LIMITS, OPTIONS)
         else:
             parse(obj_or_bytes)
     return info.value

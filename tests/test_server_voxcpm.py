@@ -18,8 +18,9 @@ from websockets.exceptions import ConnectionClosed
 
 from conftest import assert_good_stream as _assert_good_stream
 from conftest import connect_client
-from vox_ws.engine import Scheduler
-from vox_ws.engines.voxcpm import VoxCPMEngine, import_voxcpm
+from vox_ws.scheduler import Scheduler
+from vox_ws.engines.voxcpm.engine import VoxCPMEngine
+from vox_ws.engines.voxcpm.loading import import_voxcpm
 
 ADMIN = "admin-secret"
 

@@ -19,7 +19,7 @@ from test_server_piper import wait_for
 from vox_ws import client as vc
 from vox_ws.audio import bytes_to_pcm, mulaw_decode, mulaw_encode
 from vox_ws.engines.piper import PiperEngine
-from vox_ws.engines.voxcpm import VoxCPMEngine
+from vox_ws.engines.voxcpm.engine import VoxCPMEngine
 from vox_ws.text import StreamSegmenter
 
 REPLY = ("Sure, I can help with that. Your order shipped yesterday, and it should arrive on Thursday. "

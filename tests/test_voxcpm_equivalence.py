@@ -11,8 +11,9 @@ import pytest
 import soundfile
 import torch
 
-from vox_ws.engines.voxcpm import import_voxcpm
-from vox_ws.engines.voxcpm_batch import BatchedVoxCPM2, DecodeBalance, build_prompt
+from vox_ws.engines.voxcpm.loading import import_voxcpm
+from vox_ws.engines.voxcpm.prompt import build_prompt
+from vox_ws.engines.voxcpm.runner import BatchedVoxCPM2, DecodeBalance
 
 TOLERANCE = 1e-4   # fp32 round-off between batched and single-row kernels; audio is in [-1, 1]
 
@@ -122,7 +123,7 @@ def test_batched_loop_matches_the_package_request_by_request(tiny_model, voice_w
 
 
 def test_prompt_positions_count_what_build_prompt_builds(tiny_model, voice_wavs):
-    from vox_ws.engines.voxcpm_batch import prompt_positions
+    from vox_ws.engines.voxcpm.prompt import prompt_positions
 
     model = import_voxcpm().VoxCPM.from_pretrained(str(tiny_model), load_denoiser=False, optimize=False,
                                                    device="cpu").tts_model

@@ -8,6 +8,9 @@ import wave
 import numpy as np
 import soxr
 
+# Sample formats of a stream's audio: 32-bit float, 16-bit signed, 8-bit G.711 mu-law.
+FORMATS = ("f32", "s16", "mulaw")
+
 
 class StreamEncoder:
     """Turns a stream's float32 chunks at the engine rate into wire bytes at the client's rate.
@@ -24,6 +27,7 @@ class StreamEncoder:
             soxr.ResampleStream(in_rate, out_rate, 1, dtype="float32", quality="HQ") if in_rate != out_rate else None
         )
         self.samples_out = 0
+        self.bytes_per_sample = bytes_per_sample(fmt)
 
     def encode(self, pcm: np.ndarray) -> bytes:
         pcm = np.asarray(pcm, dtype=np.float32).reshape(-1)

@@ -10,34 +10,17 @@ import os
 import sys
 from typing import Any, Callable, Sequence
 
-from .config import ServerConfig
-from .engines import ENGINES
-from .protocol import Limits
+from . import engines
+from .config import Limits, ServerConfig
 
 
-def _bool(text: str) -> bool:
-    value = text.strip().lower()
-    if value in ("1", "true", "yes", "on"):
-        return True
-    if value in ("0", "false", "no", "off", ""):
-        return False
-    raise argparse.ArgumentTypeError(f"not a boolean: {text!r}")
-
-
-# (option, type, default, help); the destination is the option name with '-' -> '_'.
+# (option, type, default, help); the destination is the option name with '-' -> '_'. The engines'
+# own settings come from the engine registry (see `_engine_options`).
 _SERVE_OPTIONS: list[tuple[str, Callable[[str], Any], Any, str]] = [
     ("host", str, "127.0.0.1", "address to listen on"),
     ("port", int, 8765, "port for WebSocket and HTTP (0: any free port)"),
-    ("engine", str, "auto", f"one of {', '.join(ENGINES)}; auto picks VoxCPM2 with a GPU and weights, else Piper"),
-    ("model", str, None, "VoxCPM checkpoint directory or hub id (offline: from the local HF cache)"),
-    ("device", str, "auto", "auto, cuda, cpu or mps (VoxCPM engine)"),
-    ("threads", int, 1, "CPU threads for the model (torch / ONNX Runtime)"),
-    ("optimize", _bool, False, "torch.compile the model where it works (CUDA)"),
-    ("load-denoiser", _bool, False, "load the ZipEnhancer denoiser (needs modelscope and its weights)"),
-    ("voices-dir", str, None, "built-in voices: NAME.wav (+ optional NAME.txt transcript) per voice (VoxCPM)"),
-    ("lora-rank", int, 0, "build the model with LoRA layers of this rank so adapters can load at run time"),
-    ("lora-alpha", int, None, "LoRA alpha (default: 2 x rank)"),
-    ("lora-dir", str, None, "directory of LoRA adapters that admin `lora` requests may load by name"),
+    ("engine", str, "auto", "engine to serve (see the list below); auto picks VoxCPM2 with a GPU and weights, "
+                            "else Piper"),
     ("token", str, None, "client tokens (comma-separated); when set, connections must present one"),
     ("admin-token", str, None, "token for admin operations (LoRA); comma-separated for several"),
     ("allow-origin", str, None, "browser origins allowed to connect (comma-separated); default any"),
@@ -45,12 +28,11 @@ _SERVE_OPTIONS: list[tuple[str, Callable[[str], Any], Any, str]] = [
     ("max-connections-per-address", int, Limits.max_connections_per_address,
      "open connections per client address (then close 4029)"),
     ("max-messages-per-second", float, Limits.max_messages_per_s, "client messages per second per connection"),
-    ("warm-normalizer", _bool, False, "load the text normalizer at start-up (first use costs seconds)"),
     ("max-batch", int, 8, "streams generated together in one step"),
     ("max-queue", int, Limits.max_queue, "streams that may wait for a slot; beyond it, `busy`"),
     ("max-streams", int, Limits.max_streams, "open streams per connection"),
     ("max-text-chars", int, Limits.max_text_chars, "characters per text"),
-    ("max-frame-bytes", int, Limits.max_frame_bytes, "bytes per client frame"),
+    ("max-frame-bytes", int, Limits.max_frame_bytes, "bytes per client frame (and per HTTP upload)"),
     ("max-voice-seconds", float, Limits.max_voice_audio_s, "seconds of reference audio per voice"),
     ("idle-timeout", float, Limits.idle_timeout_s, "seconds before a connection with no stream and no message is closed"),
     ("max-buffered-audio", float, Limits.max_buffered_audio_s, "audio seconds a stream may have unsent before generation pauses"),
@@ -62,6 +44,15 @@ _SERVE_OPTIONS: list[tuple[str, Callable[[str], Any], Any, str]] = [
 ]
 
 
+def _engine_options() -> list[tuple[str, list[engines.Setting]]]:
+    """(group title, settings): the settings every engine takes, then each engine's own."""
+    groups = [("engine settings", list(engines.COMMON_SETTINGS))]
+    for plugin in engines.plugins().values():
+        if plugin.settings:
+            groups.append((f"{plugin.name} engine: {plugin.summary}", list(plugin.settings)))
+    return groups
+
+
 def _env_name(option: str) -> str:
     return "VOX_WS_" + option.upper().replace("-", "_")
 
@@ -71,7 +62,10 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     serve = commands.add_parser("serve", help="run the server",
                                 description="Run the server. Each option may also come from VOX_WS_<OPTION>.")
-    for option, kind, default, text in _SERVE_OPTIONS:
+    choices = ", ".join(["auto", *sorted(engines.plugins())])
+    serve.epilog = f"engines: {choices}"
+
+    def add(group: Any, option: str, kind: Callable[[str], Any], default: Any, text: str) -> None:
         env = _env_name(option)
         raw = os.environ.get(env)
         value = default
@@ -80,7 +74,14 @@ def build_parser() -> argparse.ArgumentParser:
                 value = kind(raw)
             except (ValueError, argparse.ArgumentTypeError) as exc:
                 parser.error(f"{env}={raw!r}: {exc}")
-        serve.add_argument(f"--{option}", type=kind, default=value, help=f"{text} [env {env}; default {default}]")
+        group.add_argument(f"--{option}", type=kind, default=value, help=f"{text} [env {env}; default {default}]")
+
+    for option, kind, default, text in _SERVE_OPTIONS:
+        add(serve, option, kind, default, text)
+    for title, settings in _engine_options():
+        group = serve.add_argument_group(title)
+        for setting in settings:
+            add(group, setting.name, setting.kind, setting.default, setting.help)
 
     say = commands.add_parser("say", help="speak a text through a running server into a WAV file or the speakers")
     say.add_argument("text")
@@ -115,9 +116,11 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
     )
     fields = {f.name for f in dataclasses.fields(ServerConfig)}
     values = {k: v for k, v in vars(args).items() if k in fields}
+    engine_keys = {s.key for _, group in _engine_options()[1:] for s in group}
+    engine_settings = {k: v for k, v in vars(args).items() if k in engine_keys}
     return ServerConfig(**values, ping_timeout=max(args.ping_interval * 2, 5.0), limits=limits,
                         tokens=_list(args.token), admin_tokens=_list(args.admin_token),
-                        allow_origins=_list(args.allow_origin))
+                        allow_origins=_list(args.allow_origin), engine_settings=engine_settings)
 
 
 def _list(text: str | None) -> list[str]:
@@ -125,10 +128,9 @@ def _list(text: str | None) -> list[str]:
 
 
 async def _serve(config: ServerConfig) -> int:
-    from .engines import create_engine
     from .server import VoxServer
 
-    engine = create_engine(config.engine, **config.engine_options())
+    engine = engines.create_engine(config.engine, config.engine_options())
     server = VoxServer(config, engine)
     await server.start()
     server.install_signal_handlers()
@@ -143,6 +145,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
+    # uvicorn logs every connection at info; vox-ws logs its own sessions.
+    logging.getLogger("uvicorn.error").setLevel(logging.WARNING)
     if args.command == "serve":
         config = config_from_args(args)
         try:

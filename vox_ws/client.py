@@ -33,7 +33,7 @@ from websockets.asyncio.client import ClientConnection
 from websockets.asyncio.client import connect as ws_connect
 from websockets.exceptions import ConnectionClosed
 
-from . import protocol as p
+from .transports import protocol as p
 from .audio import bytes_to_pcm, wav_bytes
 
 

@@ -1,10 +1,30 @@
-"""Server configuration: one dataclass, filled from the command line or VOX_WS_* variables."""
+"""Server configuration: plain dataclasses, filled from the command line or VOX_WS_* variables."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
-from .protocol import Limits
+
+@dataclass(frozen=True)
+class Limits:
+    """The limits a server publishes (protocol v1's `hello`) and enforces on every front door."""
+
+    max_frame_bytes: int = 2 << 20
+    max_text_chars: int = 5000
+    max_streams: int = 8
+    idle_timeout_s: float = 60.0
+    max_queue: int = 64
+    max_buffered_audio_s: float = 10.0
+    write_stall_timeout_s: float = 20.0
+    stream_timeout_s: float = 30.0
+    max_voice_audio_s: float = 30.0
+    max_connections: int = 256
+    max_connections_per_address: int = 32
+    max_messages_per_s: float = 50.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
 
 
 @dataclass
@@ -12,20 +32,14 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8765
     engine: str = "auto"
-    model: str | None = None
     device: str = "auto"
     threads: int = 1
-    optimize: bool = False
-    load_denoiser: bool = False
     max_batch: int = 8
+    # The chosen engine's own settings (by key, e.g. "lora_rank"); see vox_ws.engines.
+    engine_settings: dict[str, Any] = field(default_factory=dict)
     drain_timeout: float = 10.0
     ping_interval: float = 10.0
     ping_timeout: float = 20.0
-    voices_dir: str | None = None
-    lora_rank: int = 0
-    lora_alpha: int | None = None
-    lora_dir: str | None = None
-    warm_normalizer: bool = False
     admin_tokens: list[str] = field(default_factory=list)
     # Client tokens: when any is set, every connection must present one (or an admin token).
     tokens: list[str] = field(default_factory=list)
@@ -36,17 +50,6 @@ class ServerConfig:
     demo_dir: str | None = None
     limits: Limits = field(default_factory=Limits)
 
-    def engine_options(self) -> dict:
-        return {
-            "model": self.model,
-            "device": self.device,
-            "threads": self.threads,
-            "optimize": self.optimize,
-            "load_denoiser": self.load_denoiser,
-            "max_batch": self.max_batch,
-            "voices_dir": self.voices_dir,
-            "lora_rank": self.lora_rank,
-            "lora_alpha": self.lora_alpha,
-            "lora_dir": self.lora_dir,
-            "warm_normalizer": self.warm_normalizer,
-        }
+    def engine_options(self) -> dict[str, Any]:
+        """What the engine registry's `create` receives: the common settings and the engine's own."""
+        return {"device": self.device, "threads": self.threads, "max_batch": self.max_batch, **self.engine_settings}

@@ -1,46 +1,64 @@
-"""The engine interface and the shared scheduler that serves every session from one model.
+"""The engine interface: what a speech model must do to be served, in the engine layer's words.
 
-Data flows one way per turn of the scheduler thread:
+An engine is driven by the scheduler (`vox_ws.scheduler`) on one thread: `prefill` a newly
+admitted request, `step` a batch of active requests (each step yields a piece of audio per
+request and says when one is finished), `release` what a request held. It knows no socket, no
+stream and no wire format: it refuses work with `Refused(kind, message)` and ends requests with
+an `EndReason`; each front door maps those to its own codes and statuses.
 
-    retire (cancelled) -> admit (waiting -> active, per-request prefill) -> step -> hand off
-
-An engine says how many requests one `step` call may advance (`max_step_batch`): a batching
-engine advances all active requests in one call; an engine that cannot batch gets one call per
-request, round-robin, so no stream waits for another to finish. The scheduler never touches
-asyncio: results go to each request's `RequestSink`, which is the session's thread-safe hand-off.
+An engine also declares the generation options it honours (`options`: ranges and defaults),
+so that front doors can validate requests against the engine actually served.
 """
 
 from __future__ import annotations
 
+import enum
 import itertools
-import logging
-import threading
+import math
 import time
 from abc import ABC, abstractmethod
-from collections import deque
-from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol
+from typing import Any, Mapping, Protocol
 
 import numpy as np
 
-from .protocol import BAD_REQUEST, BUSY, END_CANCELLED, INTERNAL, NOT_READY, UNSUPPORTED, ProtocolError
 
-log = logging.getLogger("vox_ws.engine")
+class ErrorKind(str, enum.Enum):
+    """Why a request or stream was refused or failed. Front doors map these to wire codes."""
+
+    INVALID = "invalid"              # the request is malformed or names what does not exist
+    TOO_LARGE = "too_large"          # over a limit (text, audio, context)
+    UNSUPPORTED = "unsupported"      # this engine or server cannot do it
+    BUSY = "busy"                    # every slot taken and the queue full
+    NOT_READY = "not_ready"          # still loading, or failed to load
+    INTERNAL = "internal"            # the engine failed
+    # Raised by the stream service, never by an engine:
+    TIMEOUT = "timeout"              # an input stream received nothing for too long
+    SLOW_CONSUMER = "slow_consumer"  # the consumer stopped taking audio
+    GOING_AWAY = "going_away"        # the server is draining
+
+    @property
+    def retryable(self) -> bool:
+        return self in _RETRYABLE
 
 
-class RequestSink(Protocol):
-    """Where a request's results go. Called from the scheduler thread; must not block."""
+_RETRYABLE = frozenset({ErrorKind.BUSY, ErrorKind.NOT_READY, ErrorKind.TIMEOUT, ErrorKind.SLOW_CONSUMER,
+                        ErrorKind.GOING_AWAY})
 
-    def deliver(self, pcm: np.ndarray) -> None: ...
 
-    def finish(self, reason: str) -> None: ...
+class Refused(Exception):
+    """Work the engine (or the stream service) will not do, and why."""
 
-    def fail(self, code: str, message: str) -> None: ...
+    def __init__(self, kind: ErrorKind, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+        self.message = message
 
-    def backlogged(self) -> bool:
-        """True while the client has not read enough of what was already sent: skip stepping."""
-        ...
+
+class EndReason(str, enum.Enum):
+    DONE = "done"              # the model finished
+    CANCELLED = "cancelled"    # the consumer cancelled
+    MAX_LEN = "max_len"        # a length cap was reached
 
 
 class EngineFailure(Exception):
@@ -50,9 +68,73 @@ class EngineFailure(Exception):
     failing one batch and stepping a broken engine again."""
 
 
+# Voice-cloning modes and LoRA operations, as engines understand them.
+VOICE_MODES = ("reference", "continuation", "both")
+LORA_OPS = ("load", "unload", "enable", "disable")
+
+
+# --------------------------------------------------------------------------- options
+
+
+@dataclass(frozen=True)
+class OptionSpec:
+    """One generation option: its type, accepted range, default and meaning."""
+
+    kind: type                 # bool, int or float
+    low: float | None = None
+    high: float | None = None
+    default: Any = None
+    help: str = ""
+
+    def check(self, value: Any) -> Any:
+        """The value in this option's type; raises ValueError saying what is wrong."""
+        if self.kind is bool:
+            if not isinstance(value, bool):
+                raise ValueError(f"must be a boolean, got {type_name(value)}")
+            return value
+        # bool is an int subclass in Python; a client sending true for a number is a bug.
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"must be a number, got {type_name(value)}")
+        if self.kind is int:
+            if isinstance(value, float):
+                if not value.is_integer():
+                    raise ValueError(f"must be an integer, got {value}")
+                value = int(value)
+        else:
+            value = float(value)
+            if not math.isfinite(value):
+                raise ValueError("must be finite")
+        if (self.low is not None and value < self.low) or (self.high is not None and value > self.high):
+            raise ValueError(f"must be in [{self.low}, {self.high}], got {value}")
+        return value
+
+
+def type_name(value: Any) -> str:
+    """A value's type in the words of msgpack and JSON."""
+    return {dict: "map", list: "array", str: "string", bytes: "binary", type(None): "nil"}.get(
+        type(value), type(value).__name__)
+
+
+# --------------------------------------------------------------------------- requests
+
+
+class RequestSink(Protocol):
+    """Where a request's results go. Called from the scheduler thread; must not block."""
+
+    def deliver(self, pcm: np.ndarray) -> None: ...
+
+    def finish(self, reason: EndReason) -> None: ...
+
+    def fail(self, kind: ErrorKind, message: str) -> None: ...
+
+    def backlogged(self) -> bool:
+        """True while the consumer has not taken enough of what was already delivered: skip stepping."""
+        ...
+
+
 @dataclass(eq=False)
 class GenerationRequest:
-    """One stream's generation job: what to say, how, and where the audio goes."""
+    """One generation job: what to say, how, and where the audio goes."""
 
     text: str
     sink: RequestSink
@@ -74,15 +156,18 @@ class GenerationRequest:
 
 @dataclass
 class StepResult:
-    """What one step produced for one request. `finished` is an end reason when it is done."""
+    """What one step produced for one request. `finished` is set when the request is done."""
 
     audio: np.ndarray | None = None
-    finished: str | None = None
+    finished: EndReason | None = None
+
+
+# --------------------------------------------------------------------------- the interface
 
 
 class Engine(ABC):
     """A speech model behind the scheduler. Everything here runs on the scheduler thread,
-    except `describe`, `voices` and `check`, which the event loop may call at any time."""
+    except `describe`, `voices`, `has_voice` and `check`, which the event loop may call at any time."""
 
     name: str = "engine"
     model: str = ""
@@ -90,45 +175,47 @@ class Engine(ABC):
     sample_rate: int = 0
     # How many requests one `step` call may advance together; 1 means it cannot batch.
     max_step_batch: int = 1
-    # Which generation options this engine honours; others are accepted and reported ignored.
-    supported_options: frozenset[str] = frozenset()
+    # The generation options this engine honours, with ranges and defaults.
+    options: Mapping[str, OptionSpec] = {}
+    # Whether `register_voice` can clone a voice from reference audio.
+    supports_voices: bool = False
 
     @abstractmethod
     def load(self) -> None:
         """Load weights; slow; runs on the scheduler thread before any request."""
 
+    @property
+    def honoured_options(self) -> frozenset[str]:
+        """The options that change this engine's output as it is loaded now."""
+        return frozenset(self.options)
+
     def voices(self) -> list[str]:
+        """Built-in voice names."""
         return []
-
-    # Whether `register_voice` can clone a voice from reference audio.
-    supports_voices: bool = False
-
-    def register_voice(self, audio: np.ndarray, sample_rate: int, transcript: str | None, mode: str) -> dict[str, Any]:
-        """Build a reusable voice prompt from reference audio; returns {voice, mode, audio_s}."""
-        raise ProtocolError(UNSUPPORTED, f"engine {self.name} cannot clone voices")
-
-    def delete_voice(self, voice_id: str) -> bool:
-        return False
-
-    def lora_op(self, op: str, name: str | None) -> dict[str, Any]:
-        raise ProtocolError(UNSUPPORTED, f"engine {self.name} has no LoRA support")
 
     def has_voice(self, voice: str) -> bool:
         return voice in self.voices()
 
     def check_voice(self, voice: str | None) -> None:
-        """Refuse an unknown voice with a ProtocolError (bad_request). Cheap: the event loop calls it."""
+        """Refuse an unknown voice. Cheap: the event loop calls it."""
         if voice is not None and not self.has_voice(voice):
-            raise ProtocolError(BAD_REQUEST, f"unknown voice {voice!r} (built-in: {self.voices()}"
-                                               + ("; or register one with a `voice` message)" if self.supports_voices
-                                                  else ")"))
+            hint = "; or register one" if self.supports_voices else ""
+            raise Refused(ErrorKind.INVALID, f"unknown voice {voice!r} (built-in: {self.voices()}{hint})")
 
     def check(self, request: GenerationRequest) -> None:
-        """Refuse a request the engine cannot serve (unknown voice, ...) with a ProtocolError.
-
-        Called on the event loop before the request is queued, so it must be cheap.
-        """
+        """Refuse a request the engine cannot serve. Called on the event loop before the
+        request is queued, so it must be cheap."""
         self.check_voice(request.voice)
+
+    def register_voice(self, audio: np.ndarray, sample_rate: int, transcript: str | None, mode: str) -> dict[str, Any]:
+        """Build a reusable voice prompt from reference audio; returns {voice, mode, audio_s}."""
+        raise Refused(ErrorKind.UNSUPPORTED, f"engine {self.name} cannot clone voices")
+
+    def delete_voice(self, voice_id: str) -> bool:
+        return False
+
+    def lora_op(self, op: str, name: str | None) -> dict[str, Any]:
+        raise Refused(ErrorKind.UNSUPPORTED, f"engine {self.name} has no LoRA support")
 
     @abstractmethod
     def prefill(self, request: GenerationRequest) -> None:
@@ -149,266 +236,3 @@ class Engine(ABC):
 
     def describe(self) -> dict[str, Any]:
         return {"engine": self.name, "model": self.model, "device": self.device, "sample_rate": self.sample_rate}
-
-
-class Scheduler:
-    """Owns the engine thread. Thread-safe entry points: submit, cancel, wake, stats, stop."""
-
-    def __init__(
-        self,
-        engine: Engine,
-        max_batch: int = 8,
-        max_queue: int = 64,
-        on_fatal: Callable[[BaseException, bool], None] | None = None,
-    ) -> None:
-        self.engine = engine
-        self.max_batch = max_batch
-        self.max_queue = max_queue
-        self.status = "loading"          # loading -> ready | failed; ready -> failed
-        self.error: str | None = None
-        self._on_fatal = on_fatal
-        self._cond = threading.Condition()
-        self._waiting: deque[GenerationRequest] = deque()
-        self._calls: deque[tuple[Callable[[], Any], Future]] = deque()
-        self._active: list[GenerationRequest] = []
-        self._rr = 0                      # round-robin start for engines that cannot batch
-        self._stopping = False
-        self._thread = threading.Thread(target=self._run, name="vox-ws-scheduler", daemon=True)
-        self.ready_event = threading.Event()
-        self.steps_total = 0
-        self.last_step_s = 0.0
-        self.last_batch_size = 0
-        # Optional observer of each step (batch size, seconds); used by metrics.
-        self.on_step: Callable[[int, float], None] | None = None
-
-    # ------------------------------------------------------------------ public API
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def submit(self, request: GenerationRequest) -> int:
-        """Queue a request. Returns its queue position (0: it gets a slot at the next turn)."""
-        with self._cond:
-            if self.status != "ready":
-                raise ProtocolError(NOT_READY, f"engine is {self.status}" + (f": {self.error}" if self.error else ""))
-            # Requests already waiting beyond the slots that the next turn frees.
-            ahead = len(self._waiting) - (self.max_batch - len(self._active))
-            if ahead >= self.max_queue:
-                raise ProtocolError(BUSY, f"all {self.max_batch} slots busy and {self.max_queue} requests queued")
-            self._waiting.append(request)
-            self._cond.notify()
-            return max(0, ahead + 1)
-
-    def call(self, fn: Callable[[], Any]) -> Future:
-        """Run `fn` on the scheduler thread between two steps (voice encoding, LoRA swaps):
-        the model is never used by two threads, and no step sees half-changed weights."""
-        future: Future = Future()
-        with self._cond:
-            if self.status != "ready":
-                future.set_exception(ProtocolError(NOT_READY, f"engine is {self.status}"))
-                return future
-            self._calls.append((fn, future))
-            self._cond.notify()
-        return future
-
-    def cancel(self, request: GenerationRequest) -> None:
-        """Stop a request; its slot is freed before the next step."""
-        request.cancelled = True
-        self.wake()
-
-    def wake(self) -> None:
-        with self._cond:
-            self._cond.notify()
-
-    def stats(self) -> dict[str, Any]:
-        with self._cond:
-            return {
-                "status": self.status,
-                "active": len(self._active),
-                "queued": len(self._waiting),
-                "max_batch": self.max_batch,
-                "max_queue": self.max_queue,
-                "steps_total": self.steps_total,
-                "last_step_ms": round(self.last_step_s * 1000, 3),
-                "last_batch_size": self.last_batch_size,
-            }
-
-    def stop(self, timeout: float = 5.0) -> None:
-        with self._cond:
-            self._stopping = True
-            self._cond.notify()
-        if self._thread.is_alive():
-            self._thread.join(timeout)
-
-    # ------------------------------------------------------------------ the thread
-
-    def _run(self) -> None:
-        try:
-            started = time.monotonic()
-            self.engine.load()
-            log.info("engine %s loaded in %.2fs: %s", self.engine.name, time.monotonic() - started,
-                     self.engine.describe())
-            with self._cond:
-                self.status = "ready"
-            self.ready_event.set()
-        except BaseException as exc:  # noqa: BLE001 - a failed load must be reported, not raised into nothing
-            self._die(exc, "load failed", during_load=True)
-            self._close_engine()
-            return
-        try:
-            while self._turn():
-                pass
-        except BaseException as exc:  # noqa: BLE001 - the engine thread died: tell everyone
-            self._die(exc, "engine thread died", during_load=False)
-        finally:
-            self._close_engine()
-
-    def _close_engine(self) -> None:
-        try:
-            self.engine.close()
-        except Exception:  # noqa: BLE001 - nothing is left to tell
-            log.exception("closing engine %s failed", self.engine.name)
-
-    def _turn(self) -> bool:
-        """One turn of the loop; False when the scheduler is stopping."""
-        with self._cond:
-            while not self._stopping and not self._active and not self._waiting and not self._calls:
-                self._cond.wait()
-            if self._stopping:
-                return False
-            calls = list(self._calls)
-            self._calls.clear()
-            dropped = [r for r in self._waiting if r.cancelled]   # cancelled before they got a slot
-            for request in dropped:
-                self._waiting.remove(request)
-            admitted = []
-            while self._waiting and len(self._active) + len(admitted) < self.max_batch:
-                admitted.append(self._waiting.popleft())
-        for request in dropped:
-            request.sink.finish(END_CANCELLED)
-        for fn, future in calls:
-            if future.set_running_or_notify_cancel():
-                try:
-                    future.set_result(fn())
-                except BaseException as exc:  # noqa: BLE001 - the caller gets the error
-                    future.set_exception(exc)
-        self._retire_cancelled()
-        fresh = [r for r in admitted if self._admit(r)]
-        # New requests go first: for an engine stepped one request at a time, that is the
-        # order of the round-robin, and first audio matters most.
-        runnable = fresh + [r for r in self._active
-                            if r not in fresh and not r.cancelled and not r.sink.backlogged()]
-        if not runnable:
-            if self._active:
-                # Every active stream waits on its client; sleep until one drains (wake) or briefly.
-                with self._cond:
-                    self._cond.wait(0.02)
-            return True
-        self._step(runnable)
-        return True
-
-    def _admit(self, request: GenerationRequest) -> bool:
-        """Prefill a request into the active set; False if it did not get there."""
-        if request.cancelled:
-            request.sink.finish(END_CANCELLED)
-            return False
-        try:
-            self.engine.prefill(request)
-        except Exception as exc:  # noqa: BLE001 - one bad request must not stop the others
-            log.exception("prefill failed for request %s", request.id)
-            self._release(request)
-            request.sink.fail(INTERNAL, f"prefill failed: {type(exc).__name__}: {exc}")
-            return False
-        with self._cond:
-            self._active.append(request)
-        return True
-
-    def _retire_cancelled(self) -> None:
-        gone = [r for r in self._active if r.cancelled]
-        if not gone:
-            return
-        with self._cond:
-            self._active = [r for r in self._active if not r.cancelled]
-        for request in gone:
-            self._release(request)
-            request.sink.finish(END_CANCELLED)
-
-    def _step(self, runnable: list[GenerationRequest]) -> None:
-        if self.engine.max_step_batch > 1:
-            groups = [runnable[i:i + self.engine.max_step_batch]
-                      for i in range(0, len(runnable), self.engine.max_step_batch)]
-        else:
-            # Rotate the start of the running ones so that, under backpressure or cancellation,
-            # none is favoured; new requests stay in front.
-            new = [r for r in runnable if r.steps == 0]
-            old = [r for r in runnable if r.steps > 0]
-            self._rr = (self._rr + 1) % max(1, len(old))
-            groups = [[r] for r in new + old[self._rr:] + old[:self._rr]]
-        for group in groups:
-            group = [r for r in group if not r.cancelled]
-            if not group:
-                continue
-            started = time.perf_counter()
-            try:
-                results = self.engine.step(group)
-                if len(results) != len(group):
-                    raise RuntimeError(f"engine returned {len(results)} results for {len(group)} requests")
-            except EngineFailure:
-                raise
-            except Exception as exc:  # noqa: BLE001 - fail this step's requests, keep serving the rest
-                log.exception("step failed for requests %s", [r.id for r in group])
-                self._remove(group)
-                for request in group:
-                    request.sink.fail(INTERNAL, f"generation failed: {type(exc).__name__}: {exc}")
-                continue
-            elapsed = time.perf_counter() - started
-            self.steps_total += 1
-            self.last_step_s = elapsed
-            self.last_batch_size = len(group)
-            if self.on_step is not None:
-                self.on_step(len(group), elapsed)
-            finished = []
-            for request, result in zip(group, results):
-                request.steps += 1
-                if request.cancelled:
-                    continue
-                if result.audio is not None and result.audio.size:
-                    request.sink.deliver(result.audio)
-                if result.finished is not None:
-                    finished.append((request, result.finished))
-            if finished:
-                self._remove([r for r, _ in finished])
-                for request, reason in finished:
-                    request.sink.finish(reason)
-        self._retire_cancelled()
-
-    def _remove(self, requests: list[GenerationRequest]) -> None:
-        with self._cond:
-            self._active = [r for r in self._active if r not in requests]
-        for request in requests:
-            self._release(request)
-
-    def _release(self, request: GenerationRequest) -> None:
-        try:
-            self.engine.release(request)
-        except Exception:  # noqa: BLE001
-            log.exception("release failed for request %s", request.id)
-
-    def _die(self, exc: BaseException, what: str, during_load: bool) -> None:
-        log.error("%s: %s: %s", what, type(exc).__name__, exc, exc_info=exc)
-        with self._cond:
-            self.status = "failed"
-            self.error = f"{what}: {type(exc).__name__}: {exc}"
-            orphans = list(self._active) + list(self._waiting)
-            self._active.clear()
-            self._waiting.clear()
-            calls = list(self._calls)
-            self._calls.clear()
-        for _, future in calls:
-            if future.set_running_or_notify_cancel():
-                future.set_exception(ProtocolError(INTERNAL, self.error))
-        self.ready_event.set()
-        for request in orphans:
-            request.sink.fail(INTERNAL, self.error)
-        if self._on_fatal is not None:
-            self._on_fatal(exc, during_load)

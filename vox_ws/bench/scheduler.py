@@ -128,12 +128,12 @@ class _Sink:
     def deliver(self, pcm: np.ndarray) -> None:
         self.job.chunks.append((time.perf_counter(), len(pcm) / self.rate))
 
-    def finish(self, reason: str) -> None:
+    def finish(self, reason) -> None:
         self.job.done_at = time.perf_counter()
         self.events.put(self.job)
 
-    def fail(self, code: str, message: str) -> None:
-        print(f"request failed: {code}: {message}", file=sys.stderr)
+    def fail(self, kind, message: str) -> None:
+        print(f"request failed: {kind.value}: {message}", file=sys.stderr)
         self.finish("error")
 
     def backlogged(self) -> bool:
@@ -141,8 +141,9 @@ class _Sink:
 
 
 def run_batched(model_dir: str, device: str, clients: list[list[Job]], offsets: list[float], threads: int) -> dict:
-    from vox_ws.engine import GenerationRequest, Scheduler
-    from vox_ws.engines.voxcpm import VoxCPMEngine
+    from vox_ws.engine import GenerationRequest
+    from vox_ws.scheduler import Scheduler
+    from vox_ws.engines.voxcpm.engine import VoxCPMEngine
 
     n = len(clients)
     engine = VoxCPMEngine(model=model_dir, device=device, threads=threads, max_batch=n)
@@ -186,8 +187,8 @@ def profile_step(model_dir: str, device: str, threads: int, batch_sizes: list[in
     process), then with the VAE inline and its parts timed by wrapping the runner's functions."""
     import torch
 
-    from vox_ws.engines import voxcpm_batch as vb
-    from vox_ws.engines.voxcpm import VoxCPMEngine
+    from vox_ws.engines.voxcpm import runner as vb
+    from vox_ws.engines.voxcpm.engine import VoxCPMEngine
 
     timings: dict[str, float] = {}
 
@@ -238,15 +239,15 @@ def profile_step(model_dir: str, device: str, threads: int, batch_sizes: list[in
     # Inline, so that the parts add up to the step.
     runner = engine.runner = vb.BatchedVoxCPM2(engine.tts.tts_model, max(batch_sizes), decode_process=False)
     encoder = runner.model.feat_encoder
-    originals = (vb._cfm_solve, vb._lm_step, runner.vae.decode, encoder.forward)
+    originals = (vb._cfm_solve, vb.lm_step, runner.vae.decode, encoder.forward)
     vb._cfm_solve = timed("cfm", vb._cfm_solve)
-    vb._lm_step = timed("lm+residual", vb._lm_step)
+    vb.lm_step = timed("lm+residual", vb.lm_step)
     runner.vae.decode = timed("vae", runner.vae.decode)
     encoder.forward = timed("locenc", encoder.forward)
     try:
         inline = run(runner)
     finally:
-        vb._cfm_solve, vb._lm_step, runner.vae.decode, encoder.forward = originals
+        vb._cfm_solve, vb.lm_step, runner.vae.decode, encoder.forward = originals
     return {"as_served": served, "decoder_process": decoder is not None, "inline": inline}
 
 
@@ -282,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     torch.set_num_threads(args.threads)
-    from vox_ws.engines.voxcpm import import_voxcpm
+    from vox_ws.engines.voxcpm.loading import import_voxcpm
 
     model_dir = args.model
     if model_dir is None:

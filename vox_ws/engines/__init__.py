@@ -1,48 +1,140 @@
-"""Engine back-ends, one module each, and the choice between them."""
+"""The engine registry: which engines exist, how each is built, and which `auto` picks.
+
+An engine is one module that defines `PLUGIN = EnginePlugin(...)`, plus its line in `BUILT_IN`.
+The command line's `--engine` choices and engine settings, `auto`, and the option vocabulary
+that front doors validate against all come from here. Plugin modules must import cheaply (no
+torch, no model libraries at module level): the registry imports every one of them.
+"""
 
 from __future__ import annotations
 
+import importlib
 import logging
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
 
-from ..engine import Engine
+from ..engine import Engine, OptionSpec
 
 log = logging.getLogger("vox_ws.engines")
 
-ENGINES = ("auto", "voxcpm", "piper")
+# The engines a plain install offers, by module.
+BUILT_IN = (
+    "vox_ws.engines.piper",
+    "vox_ws.engines.voxcpm",
+)
 
 
-def create_engine(name: str, **options: Any) -> Engine:
-    """Build the named engine (not loaded yet). `auto` picks VoxCPM2 when a GPU and its
-    weights are available, else the CPU voice, and logs why."""
+def parse_bool(text: str) -> bool:
+    """A boolean setting from the command line or the environment."""
+    value = str(text).strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError(f"not a boolean: {text!r}")
+
+
+@dataclass(frozen=True)
+class Setting:
+    """A server setting that belongs to one engine: `--NAME` on the command line, VOX_WS_NAME."""
+
+    name: str                       # with dashes, e.g. "lora-rank"
+    kind: Callable[[str], Any]
+    default: Any
+    help: str
+
+    @property
+    def key(self) -> str:
+        return self.name.replace("-", "_")
+
+
+@dataclass(frozen=True)
+class EnginePlugin:
+    name: str
+    summary: str
+    # Builds the engine (not loaded) from the common settings (device, threads, max_batch) and
+    # the plugin's own, by key.
+    create: Callable[[dict[str, Any]], Engine]
+    # The generation options the engine honours (for validation before it is even loaded).
+    options: Mapping[str, OptionSpec] = field(default_factory=dict)
+    settings: tuple[Setting, ...] = ()
+    # `auto` tries plugins with a priority, highest first, and takes the first whose probe says
+    # yes; None: never chosen by `auto`.
+    auto_priority: int | None = None
+    probe: Callable[[dict[str, Any]], tuple[bool, str]] | None = None
+
+
+COMMON_SETTINGS = (
+    Setting("device", str, "auto", "auto, cuda, cuda:N, cpu or mps (engines that run on a device)"),
+    Setting("threads", int, 1, "CPU threads for the model (torch / ONNX Runtime)"),
+)
+
+_plugins: dict[str, EnginePlugin] = {}
+_unavailable: dict[str, str] = {}
+_loaded = False
+
+
+def register(plugin: EnginePlugin) -> None:
+    """Add (or replace) an engine. Tests and benchmarks register their own this way."""
+    _plugins[plugin.name] = plugin
+
+
+def plugins() -> dict[str, EnginePlugin]:
+    _load_built_in()
+    return dict(_plugins)
+
+
+def unavailable() -> dict[str, str]:
+    """Built-in engine modules that could not be imported here, and why."""
+    _load_built_in()
+    return dict(_unavailable)
+
+
+def option_vocabulary(engine: Engine | None = None) -> dict[str, OptionSpec]:
+    """Every generation option some registered engine honours (a served engine's own specs win):
+    the options a front door validates, then reports ignored where the engine does not use them."""
+    vocabulary: dict[str, OptionSpec] = {}
+    for plugin in plugins().values():
+        for name, spec in plugin.options.items():
+            vocabulary.setdefault(name, spec)
+    if engine is not None:
+        vocabulary.update(engine.options)
+    return vocabulary
+
+
+def create_engine(name: str, settings: dict[str, Any]) -> Engine:
+    """Build the named engine (not loaded yet); `auto` picks one and logs why."""
+    available = plugins()
     if name == "auto":
-        name, why = _choose_auto(options)
+        name, why = choose_auto(settings)
         log.info("engine auto -> %s (%s)", name, why)
-    if name == "piper":
-        from .piper import PiperEngine
-
-        return PiperEngine(threads=options.get("threads") or 1)
-    if name == "voxcpm":
-        from .voxcpm import VoxCPMEngine
-
-        return VoxCPMEngine(**{k: v for k, v in options.items() if k in VoxCPMEngine.OPTION_NAMES})
-    raise ValueError(f"unknown engine {name!r} (choose from {', '.join(ENGINES)})")
+    plugin = available.get(name)
+    if plugin is None:
+        why = f": {_unavailable[name]}" if name in _unavailable else ""
+        raise ValueError(f"unknown engine {name!r}{why} (choose from auto, {', '.join(sorted(available))})")
+    return plugin.create(settings)
 
 
-def _choose_auto(options: dict[str, Any]) -> tuple[str, str]:
-    try:
-        from .voxcpm import weights_available
-    except ImportError as exc:
-        return "piper", f"voxcpm engine unavailable: {exc}"
-    if str(options.get("device") or "auto") not in ("auto",) and not str(options["device"]).startswith("cuda"):
-        return "piper", f"device {options['device']!r} is not a GPU"
-    try:
-        import torch
-    except ImportError:
-        return "piper", "torch is not installed"
-    if not torch.cuda.is_available():
-        return "piper", "no CUDA GPU"
-    model = options.get("model") or "openbmb/VoxCPM2"
-    if not weights_available(model):
-        return "piper", f"VoxCPM2 weights for {model!r} not found locally"
-    return "voxcpm", f"GPU and weights for {model!r} available"
+def choose_auto(settings: dict[str, Any]) -> tuple[str, str]:
+    reasons = []
+    candidates = [p for p in plugins().values() if p.auto_priority is not None]
+    for plugin in sorted(candidates, key=lambda p: -p.auto_priority):
+        ok, why = plugin.probe(settings) if plugin.probe else (True, "available")
+        if ok:
+            return plugin.name, "; ".join(reasons + [why])
+        reasons.append(f"not {plugin.name}: {why}")
+    raise ValueError("no engine can run here: " + "; ".join(reasons))
+
+
+def _load_built_in() -> None:
+    global _loaded
+    if _loaded:
+        return
+    _loaded = True
+    for module_name in BUILT_IN:
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError as exc:
+            _unavailable[module_name.rsplit(".", 1)[-1]] = f"{type(exc).__name__}: {exc}"
+            continue
+        _plugins.setdefault(module.PLUGIN.name, module.PLUGIN)

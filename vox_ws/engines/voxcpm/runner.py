@@ -6,13 +6,13 @@ forwards. This runner keeps every piece of per-request state apart so that any s
 admitted at different times, advances together:
 
 - KV caches: one slot per request in per-layer tensors; each row has its own position and
-  attends to its own prefix through a mask (`_lm_step`).
+  attends to its own prefix through a mask (`kv.lm_step`).
 - CFM: one Euler solve per group of requests sharing `inference_timesteps`, each row with its
   own `cfg_value` and its own noise drawn from the request's generator (`_cfm_solve`).
 - Stop head, LocEnc, projections: plain batched calls.
 - VAE: the package's causal streaming decode, with each request's carried convolution state
-  stacked into the batch for one call and split back after (`BatchedStreamingVAE`); on a CPU
-  it runs in the decoder process (`vae_process.py`), overlapped with the next step.
+  stacked into the batch for one call and split back after (`vae.BatchedStreamingVAE`); on a
+  CPU it runs in the decoder process (`decoder_process.py`), overlapped with the next step.
 
 Every formula mirrors `VoxCPM2Model._inference` and `UnifiedCFM`, so one request's audio equals
 what the package produces alone for it (same weights, same noise); tests/test_voxcpm_equivalence.py
@@ -22,23 +22,21 @@ checks it.
 from __future__ import annotations
 
 import itertools
-import math
 import os
-import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from functools import partial
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from .vae_process import DecoderProcess
+from ...engine import EndReason
+from .decoder_process import DecoderProcess
+from .kv import SlotKV, lm_step
+from .prompt import Prompt
+from .vae import BatchedStreamingVAE, fold_weight_norm
 
-# Warming the VAE up for more rows stops once one decode takes this long.
-WARM_UP_ENOUGH_S = 0.5
 # Same sway-sampling and CFG-zero* settings as UnifiedCFM.forward's defaults.
 SWAY_SAMPLING_COEF = 1.0
 # The package caps generation at this many steps per target-text token (+10).
@@ -63,225 +61,11 @@ class RowState:
     key: int = 0                     # the row's name in the decoder process
     vae_state: dict[int, torch.Tensor] | None = field(default_factory=dict)   # None: the decoder process has it
     decoded_here: bool | None = None  # where patches after the first are decoded; None: not yet decided
-    end_reason: str | None = None    # generation has ended; the last audio may still be decoding
+    end_reason: EndReason | None = None    # generation has ended; the last audio may still be decoding
     patches: list[torch.Tensor] | None = None   # generated latents, kept to continue from
     text: str = ""                              # the text these latents say
     pending: tuple[Future, int] | None = None   # (decode job, row in it) still in flight
 
-
-@dataclass
-class Prompt:
-    """Model inputs for one request, as `_generate_with_prompt_cache` builds them."""
-
-    text_tokens: torch.Tensor   # [T] int
-    text_mask: torch.Tensor     # [T] int
-    audio_feat: torch.Tensor    # [T, P, D]
-    audio_mask: torch.Tensor    # [T] int
-    target_tokens: int          # tokens of the target text alone (the length cap counts these)
-
-
-def prompt_positions(model: Any, target_text: str, cache: dict | None) -> tuple[int, int]:
-    """(positions the prompt of `build_prompt` takes, tokens of the target text), counted
-    without building it: cheap enough for the event loop, and no torch."""
-    tokenize = model.text_tokenizer
-    mode = "zero_shot" if cache is None else cache.get("mode", "continuation")
-    text = target_text
-    if mode in ("continuation", "ref_continuation"):
-        text = cache.get("prompt_text", "") + target_text
-    positions = len(tokenize(text)) + 1                      # + audio_start
-    if mode in ("reference", "ref_continuation"):
-        positions += cache["ref_audio_feat"].shape[0] + 2    # ref_start ... ref_end
-    if mode in ("continuation", "ref_continuation"):
-        positions += cache["audio_feat"].shape[0]
-    return positions, len(tokenize(target_text))
-
-
-class SlotKV:
-    """Per-layer K and V for `slots` requests of up to `max_len` positions each."""
-
-    def __init__(self, lm: nn.Module, slots: int, max_len: int, device: Any, dtype: torch.dtype) -> None:
-        cfg = lm.config
-        head_dim = cfg.kv_channels or cfg.hidden_size // cfg.num_attention_heads
-        shape = (cfg.num_hidden_layers, slots, cfg.num_key_value_heads, max_len, head_dim)
-        self.k = torch.zeros(shape, device=device, dtype=dtype)
-        self.v = torch.zeros(shape, device=device, dtype=dtype)
-        self.max_len = max_len
-
-    def fill(self, slot: int, caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        # Zero the whole slot first: masked-out positions must hold finite values.
-        self.k[:, slot].zero_()
-        self.v[:, slot].zero_()
-        length = caches[0][0].size(2)
-        for layer, (k, v) in enumerate(caches):
-            self.k[layer, slot, :, :length] = k[0]
-            self.v[layer, slot, :, :length] = v[0]
-
-
-def build_prompt(model: Any, target_text: str, cache: dict | None) -> Prompt:
-    """The token/feature sequence for one request (mirrors `_generate_with_prompt_cache`)."""
-    tokenize = model.text_tokenizer
-    mode = "zero_shot" if cache is None else cache.get("mode", "continuation")
-    text = target_text
-    if mode in ("continuation", "ref_continuation"):
-        text = cache.get("prompt_text", "") + target_text
-    tokens = torch.cat([torch.LongTensor(tokenize(text)), torch.tensor([model.audio_start_token], dtype=torch.int32)])
-    n_text = tokens.shape[0]
-    zeros_feat = torch.zeros((n_text, model.patch_size, model.audio_vae.latent_dim), dtype=torch.float32)
-    ones_text = torch.ones(n_text, dtype=torch.int32)
-    zeros_text = torch.zeros(n_text, dtype=torch.int32)
-    seq_tokens, seq_feat, seq_tmask, seq_amask = [], [], [], []
-    if mode in ("reference", "ref_continuation"):
-        ref_tokens, ref_feats, ref_t_mask, ref_a_mask = model._make_ref_prefix(cache["ref_audio_feat"], tokens.device)
-        seq_tokens.append(ref_tokens)
-        seq_feat.append(ref_feats)
-        seq_tmask.append(ref_t_mask)
-        seq_amask.append(ref_a_mask)
-    seq_tokens.append(tokens)
-    seq_feat.append(zeros_feat)
-    seq_tmask.append(ones_text)
-    seq_amask.append(zeros_text)
-    if mode in ("continuation", "ref_continuation"):
-        prompt_feat = cache["audio_feat"]
-        n_audio = prompt_feat.size(0)
-        seq_tokens.append(torch.zeros(n_audio, dtype=torch.int32))
-        seq_feat.append(prompt_feat)
-        seq_tmask.append(torch.zeros(n_audio, dtype=torch.int32))
-        seq_amask.append(torch.ones(n_audio, dtype=torch.int32))
-    return Prompt(
-        text_tokens=torch.cat(seq_tokens),
-        text_mask=torch.cat(seq_tmask),
-        audio_feat=torch.cat(seq_feat, dim=0),
-        audio_mask=torch.cat(seq_amask),
-        target_tokens=len(tokenize(target_text)),
-    )
-
-
-class BatchedStreamingVAE:
-    """The package's stateful causal streaming decode, for a batch of independent streams.
-
-    Each request keeps its own carried state (a dict: convolution index -> last input samples;
-    indices, unlike module ids, mean the same in the decoder process).
-    For one call the states are stacked along the batch dimension; afterwards they are split
-    back. The convolutions' forwards are replaced once by ones that read the carried state
-    from a thread-local context: outside a `decode` call (and in any other thread) they behave
-    exactly as before, so the package's own decode paths are untouched.
-    """
-
-    def __init__(self, vae: nn.Module, rows_per_call: int | None = None, fold_depthwise: bool = False) -> None:
-        from voxcpm.modules.audiovae.audio_vae_v2 import CausalConv1d, CausalTransposeConv1d
-
-        self.vae = vae
-        self.rows_per_call = rows_per_call   # None: every row in one call
-        self.fold_depthwise = fold_depthwise
-        self._local = threading.local()
-        self._convs: list[tuple[nn.Module, int]] = []   # (module, context samples)
-        for mod in vae.decoder.modules():
-            if isinstance(mod, CausalConv1d):
-                pad = mod._CausalConv1d__padding * 2 - mod._CausalConv1d__output_padding
-                if pad > 0:
-                    mod.forward = self._conv_forward(mod, len(self._convs), pad)
-                    self._convs.append((mod, pad))
-            elif isinstance(mod, CausalTransposeConv1d):
-                trim = mod._CausalTransposeConv1d__padding * 2 - mod._CausalTransposeConv1d__output_padding
-                ctx = (mod.kernel_size[0] - 1) // mod.stride[0]
-                if ctx > 0:
-                    mod.forward = self._transpose_forward(mod, len(self._convs), ctx, trim)
-                    self._convs.append((mod, ctx))
-
-    @torch.inference_mode()
-    def warm_up(self, patch_size: int, max_rows: int) -> None:
-        """Decode silence once for every row count up to `max_rows` (or `rows_per_call`): on a CPU
-        the first call with a new batch shape builds its convolution kernels (30-40 ms each for
-        the tiny model), which must not land on a live stream."""
-        params = next(self.vae.parameters())
-        for rows in range(1, min(max_rows, self.rows_per_call or max_rows) + 1):
-            latents = torch.zeros(rows, self.vae.latent_dim, patch_size, device=params.device, dtype=params.dtype)
-            started = time.perf_counter()
-            self.decode(latents, [{} for _ in range(rows)])
-            if time.perf_counter() - started > WARM_UP_ENOUGH_S:
-                break   # decodes this slow (a real-size VAE on a CPU) dwarf a kernel build
-
-    def decode(self, latents: torch.Tensor, states: list[dict[int, torch.Tensor]]) -> torch.Tensor:
-        """latents [B, D, P] -> audio [B, samples]; updates each request's state in place."""
-        step = self.rows_per_call
-        if step and latents.shape[0] > step:
-            return torch.cat([self._decode(latents[i:i + step], states[i:i + step])
-                              for i in range(0, latents.shape[0], step)])
-        return self._decode(latents, states)
-
-    def _decode(self, latents: torch.Tensor, states: list[dict[int, torch.Tensor]]) -> torch.Tensor:
-        batch: dict[int, torch.Tensor] = {}
-        for key, (mod, ctx) in enumerate(self._convs):
-            rows = [s.get(key) for s in states]
-            if any(r is not None for r in rows):
-                zeros = torch.zeros(1, mod.in_channels, ctx, device=latents.device, dtype=latents.dtype)
-                batch[key] = torch.cat([r if r is not None else zeros for r in rows], dim=0)
-        self._local.batch = batch
-        try:
-            audio = self.vae.decode(latents)
-        finally:
-            self._local.batch = None
-        for key, stacked in batch.items():
-            for row, state in enumerate(states):
-                state[key] = stacked[row:row + 1]
-        return audio.squeeze(1)
-
-    def _conv_forward(self, mod: nn.Module, key: int, pad: int):
-        # Causal convolution: carry the last `pad` input samples.
-        depthwise = mod.groups == mod.in_channels == mod.out_channels and mod.groups > 1
-        conv = _DepthwiseAsOneRow(mod) if depthwise and self.fold_depthwise else partial(nn.Conv1d.forward, mod)
-        return self._stateful(mod, key, pad, lambda x, x_pad: (x_pad[:, :, -pad:], conv(x_pad)))
-
-    def _transpose_forward(self, mod: nn.Module, key: int, ctx: int, trim: int):
-        # Causal transposed convolution: carry `ctx` input samples, drop what they re-produce.
-        left = ctx * mod.stride[0]
-
-        def run(x: torch.Tensor, x_full: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            out = nn.ConvTranspose1d.forward(mod, x_full)
-            return x[:, :, -ctx:], (out[..., left:-trim] if trim > 0 else out[..., left:])
-        return self._stateful(mod, key, ctx, run)
-
-    def _stateful(self, mod: nn.Module, key: int, ctx: int, run):
-        """A forward that prepends the carried input (zeros at a stream's start) and lets `run`
-        return the next carried input and the output; outside `decode`, the plain forward."""
-        local, plain = self._local, type(mod).forward
-
-        def forward(x: torch.Tensor) -> torch.Tensor:
-            batch = getattr(local, "batch", None)
-            if batch is None:
-                return plain(mod, x)
-            carried = batch.get(key)
-            x_full = torch.cat([carried, x], dim=-1) if carried is not None else F.pad(x, (ctx, 0))
-            state, out = run(x, x_full)
-            batch[key] = state.detach()
-            return out
-        return forward
-
-
-class _DepthwiseAsOneRow:
-    """A depthwise convolution over B rows run as one row of B x C channels.
-
-    Same arithmetic, another kernel: oneDNN's depthwise kernel is slow on CPUs for batches of
-    few-channel rows (B=8, 1 channel x 7686 samples: 400 us, as one row of 8 channels: 150 us),
-    and those are the VAE's last, highest-rate layers."""
-
-    def __init__(self, mod: nn.Conv1d) -> None:
-        self.mod = mod
-        self._repeated: tuple[Any, torch.Tensor, torch.Tensor | None] | None = None
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        mod, rows = self.mod, x.shape[0]
-        if rows == 1:
-            return nn.Conv1d.forward(mod, x)
-        # The weights repeated per row, kept while the weights and the row count stay the same.
-        key = (rows, mod.weight.data_ptr(), mod.weight._version)
-        if self._repeated is None or self._repeated[0] != key:
-            bias = mod.bias.repeat(rows) if mod.bias is not None else None
-            self._repeated = (key, mod.weight.repeat(rows, 1, 1), bias)
-        _, weight, bias = self._repeated
-        out = F.conv1d(x.reshape(1, rows * mod.in_channels, x.shape[-1]), weight, bias, mod.stride, mod.padding,
-                       mod.dilation, mod.groups * rows)
-        return out.view(rows, mod.out_channels, -1)
 
 
 class BatchedVoxCPM2:
@@ -502,9 +286,9 @@ class BatchedVoxCPM2:
         going: list[int] = []
         for i, row in enumerate(rows):
             if row.step > row.min_len and stop[i] == 1:
-                row.end_reason = "done"
+                row.end_reason = EndReason.DONE
             elif row.step + 1 >= row.max_steps:
-                row.end_reason = "max_len"
+                row.end_reason = EndReason.MAX_LEN
             row.step += 1
             row.prefix_cond = pred_feat[i]
             if row.patches is not None:
@@ -520,10 +304,10 @@ class BatchedVoxCPM2:
         m = self.model
         slots = torch.tensor([r.slot for r in rows], device=self.device)
         positions = torch.tensor([r.position for r in rows], device=self.device)
-        lm_hidden = _lm_step(m.base_lm, self.base_kv, curr_embed, slots, positions)
+        lm_hidden = lm_step(m.base_lm, self.base_kv, curr_embed, slots, positions)
         lm_hidden = m.fsq_layer(lm_hidden)
         residual_in = m.fusion_concat_proj(torch.cat((lm_hidden, curr_embed), dim=-1))
-        residual_hidden = _lm_step(m.residual_lm, self.residual_kv, residual_in, slots, positions)
+        residual_hidden = lm_step(m.residual_lm, self.residual_kv, residual_in, slots, positions)
         for i, row in enumerate(rows):
             row.lm_hidden = lm_hidden[i]
             row.residual_hidden = residual_hidden[i]
@@ -557,22 +341,6 @@ class DecodeBalance:
         return True
 
 
-def fold_weight_norm(module: nn.Module) -> int:
-    """Replace weight-normalised convolutions by plain ones holding the same weight.
-
-    The VAE recomputes g * v / |v| for every convolution on every call; the result never
-    changes at inference, so computing it once gives the same numbers for less work."""
-    from torch.nn.utils import remove_weight_norm
-
-    folded = 0
-    for mod in module.modules():
-        try:
-            remove_weight_norm(mod)
-            folded += 1
-        except ValueError:
-            pass   # not weight-normalised
-    return folded
-
 
 def _usable_cpus() -> int:
     if hasattr(os, "sched_getaffinity"):   # Linux: the CPUs this process may run on
@@ -586,49 +354,6 @@ def _groups(rows: list[RowState], key) -> list[tuple[Any, list[int]]]:
         groups.setdefault(key(row), []).append(i)
     return list(groups.items())
 
-
-def _lm_step(lm: nn.Module, kv: SlotKV, x: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """MiniCPMModel.forward_step for a batch whose rows sit at different positions in their own
-    KV slots. x: [B, H] -> [B, H]."""
-    from voxcpm.modules.minicpm4.model import apply_rotary_pos_emb
-
-    batch = x.shape[0]
-    length = int(positions.max().item()) + 1
-    if lm.rope_emb is not None:
-        cos = lm.rope_emb.cos_cached[positions].view(batch, 1, 1, -1)
-        sin = lm.rope_emb.sin_cached[positions].view(batch, 1, 1, -1)
-    mask = (torch.arange(length, device=x.device).view(1, -1) <= positions.view(-1, 1)).view(batch, 1, 1, length)
-    contiguous = bool(torch.equal(slots, torch.arange(batch, device=slots.device)))
-    hidden = x
-    for index, layer in enumerate(lm.layers):
-        attn = layer.self_attn
-        residual = hidden
-        h = layer.input_layernorm(hidden)
-        q = attn.q_proj(h).view(batch, 1, attn.num_heads, attn.head_dim).transpose(1, 2)
-        k = attn.k_proj(h).view(batch, 1, attn.num_key_value_heads, attn.head_dim).transpose(1, 2)
-        v = attn.v_proj(h).view(batch, 1, attn.num_key_value_heads, attn.head_dim).transpose(1, 2)
-        if lm.rope_emb is not None:
-            q, k = apply_rotary_pos_emb(q, k, cos, sin)
-        layer_k, layer_v = kv.k[index], kv.v[index]
-        layer_k[slots, :, positions] = k[:, :, 0]
-        layer_v[slots, :, positions] = v[:, :, 0]
-        if contiguous:
-            keys, values = layer_k[:batch, :, :length], layer_v[:batch, :, :length]
-        else:
-            keys, values = layer_k[slots, :, :length], layer_v[slots, :, :length]
-        out = F.scaled_dot_product_attention(q.contiguous(), keys.contiguous(), values.contiguous(), attn_mask=mask,
-                                             enable_gqa=True)
-        out = attn.o_proj(out.transpose(1, 2).reshape(batch, attn.num_heads * attn.head_dim))
-        hidden = residual + _depth_scaled(layer, out)
-        residual = hidden
-        hidden = residual + _depth_scaled(layer, layer.mlp(layer.post_attention_layernorm(hidden)))
-    return lm.norm(hidden)
-
-
-def _depth_scaled(layer: nn.Module, h: torch.Tensor) -> torch.Tensor:
-    if layer.use_mup:
-        return h * (layer.scale_depth / math.sqrt(layer.num_hidden_layers))
-    return h
 
 
 def _cfm_solve(cfm: nn.Module, mu: torch.Tensor, cond: torch.Tensor, noise: torch.Tensor, n_timesteps: int,

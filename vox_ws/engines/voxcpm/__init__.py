@@ -1,0 +1,77 @@
+"""VoxCPM2, batched: every active stream advances in one generation step.
+
+    loading.py          the package's own loading path, offline, and a check that it loaded
+    options.py          the generation options it honours
+    prompt.py           one request's model inputs (text, voice prompt, continuation)
+    voices.py           voice prompts from reference audio, kept by id
+    kv.py               KV caches in slots; one LM decode step over rows at different positions
+    runner.py           prefill and the batched step (CFM, stop head, LMs, VAE hand-off)
+    vae.py              the causal streaming VAE decode for a batch of streams
+    decoder_process.py  the VAE decode in a process of its own (CPU), overlapped with generation
+    decoder_main.py     that process's entry point
+    lora.py             LoRA adapters
+    engine.py           the Engine the scheduler drives
+
+This module registers the engine and must import cheaply: no torch here.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .. import EnginePlugin, Setting, parse_bool
+from .loading import DEFAULT_MODEL, weights_available
+from .options import OPTIONS
+
+SETTINGS = (
+    Setting("model", str, None, "VoxCPM checkpoint directory or hub id (offline: from the local HF cache)"),
+    Setting("optimize", parse_bool, False, "torch.compile the model where it works (CUDA)"),
+    Setting("load-denoiser", parse_bool, False,
+            "load the ZipEnhancer denoiser (needs modelscope and its weights)"),
+    Setting("voices-dir", str, None, "built-in voices: NAME.wav (+ optional NAME.txt transcript) per voice"),
+    Setting("lora-rank", int, 0, "build the model with LoRA layers of this rank so adapters can load at run time"),
+    Setting("lora-alpha", int, None, "LoRA alpha (default: 2 x rank)"),
+    Setting("lora-dir", str, None, "directory of LoRA adapters that admin `lora` requests may load by name"),
+    Setting("warm-normalizer", parse_bool, False,
+            "load the text normalizer at start-up (first use costs seconds)"),
+)
+
+
+def _create(settings: dict[str, Any]):
+    from .engine import VoxCPMEngine
+
+    names = {"device", "threads", "max_batch"} | {s.key for s in SETTINGS}
+    return VoxCPMEngine(**{k: v for k, v in settings.items() if k in names})
+
+
+def _probe(settings: dict[str, Any]) -> tuple[bool, str]:
+    device = str(settings.get("device") or "auto")
+    if device != "auto" and not device.startswith("cuda"):
+        return False, f"device {device!r} is not a GPU"
+    try:
+        import torch
+    except ImportError:
+        return False, "torch is not installed"
+    if not torch.cuda.is_available():
+        return False, "no CUDA GPU"
+    model = settings.get("model") or DEFAULT_MODEL
+    if not weights_available(model):
+        return False, f"VoxCPM2 weights for {model!r} not found locally"
+    try:
+        from .loading import import_voxcpm
+
+        import_voxcpm()
+    except Exception as exc:  # noqa: BLE001 - ImportError, or a broken native dependency
+        return False, f"the voxcpm package cannot be imported ({type(exc).__name__}: {exc})"
+    return True, f"GPU and weights for {model!r} available"
+
+
+PLUGIN = EnginePlugin(
+    name="voxcpm",
+    summary="OpenBMB VoxCPM2 (48 kHz, voice cloning, LoRA), batched across streams",
+    create=_create,
+    options=OPTIONS,
+    settings=SETTINGS,
+    auto_priority=10,
+    probe=_probe,
+)

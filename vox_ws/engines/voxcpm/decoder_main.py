@@ -1,0 +1,75 @@
+"""The decoder process's entry point: `python -m vox_ws.engines.voxcpm.decoder_main FD`.
+
+It receives a copy of the VAE over the socket FD, warms it up, then decodes jobs until the
+parent says stop or goes away (see `decoder_process.py` for the parent's side).
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import signal
+import sys
+import time
+from multiprocessing.connection import Connection
+
+
+def serve(conn: Connection) -> None:
+    """The decoder process: build the VAE, then decode until told to stop or the parent goes."""
+    # Take the weights off the socket before the slow imports, so that the parent, blocked on
+    # sending them, goes on loading while this process imports torch and voxcpm.
+    init = conn.recv_bytes()
+    import torch
+
+    from .loading import import_voxcpm
+    from .vae import BatchedStreamingVAE, fold_weight_norm
+
+    import_voxcpm()   # the VAE's module imports voxcpm; mind the torchaudio placeholder
+    _, vae_class, vae_config, weights, threads, rows_per_call, warm_up = pickle.loads(init)
+    del init
+    torch.set_num_threads(threads)
+    vae = vae_class(config=vae_config) if vae_config is not None else vae_class()
+    fold_weight_norm(vae)
+    vae.load_state_dict({name: torch.from_numpy(array) for name, array in weights.items()}, strict=True)
+    vae.eval()
+    decoder = BatchedStreamingVAE(vae, rows_per_call=rows_per_call, fold_depthwise=True)
+    del weights
+    decoder.warm_up(*warm_up)
+    conn.send_bytes(pickle.dumps(("ready", None)))
+    states: dict[int, dict[int, torch.Tensor]] = {}
+    with torch.inference_mode():
+        while True:
+            try:
+                message = pickle.loads(conn.recv_bytes())
+            except EOFError:
+                return            # the parent is gone
+            if message[0] == "stop":
+                return
+            if message[0] == "forget":
+                for row in message[1]:
+                    states.pop(row, None)
+                continue
+            _, latents, rows, new_states = message
+            try:
+                for row, state in new_states.items():
+                    states[row] = {k: torch.from_numpy(v) for k, v in state.items()}
+                row_states = [states.setdefault(row, {}) for row in rows]
+                started = time.perf_counter()
+                audio = decoder.decode(torch.from_numpy(latents), row_states)
+                reply = ("audio", (audio.numpy(), time.perf_counter() - started))
+            except Exception as exc:  # noqa: BLE001 - the parent fails those rows and goes on
+                reply = ("error", f"{type(exc).__name__}: {exc}")
+            conn.send_bytes(pickle.dumps(reply, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def main() -> None:
+    # The server drains on SIGINT/SIGTERM and then closes the socket; this process must outlive
+    # the signal that reaches the whole process group and leave on EOF.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    os.environ.setdefault("TQDM_DISABLE", "1")
+    serve(Connection(int(sys.argv[1])))
+
+
+if __name__ == "__main__":
+    main()

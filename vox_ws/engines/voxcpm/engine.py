@@ -1,0 +1,214 @@
+"""VoxCPM2 behind the shared scheduler: loading, request checks, prefill, the batched step.
+
+Loading goes through the package's own `VoxCPM.from_pretrained` (`loading.py`); generation goes
+through `runner.BatchedVoxCPM2`, which advances every active stream in one batched step.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ...engine import Engine, ErrorKind, GenerationRequest, Refused, StepResult
+from .loading import DEFAULT_MODEL, architecture, import_voxcpm, resolve_model_path, verify_weights
+from .lora import LoraControl
+from .options import DEFAULTS, OPTIONS
+from .prompt import build_prompt, clean_text, prompt_positions
+from .voices import VoiceBook, builtin_voice_files, encode_voice
+
+log = logging.getLogger("vox_ws.engines.voxcpm")
+
+
+class VoxCPMEngine(Engine):
+    name = "voxcpm"
+    options = OPTIONS
+    supports_voices = True
+
+    def __init__(self, model: str | None = None, device: str = "auto", threads: int = 1, optimize: bool = False,
+                 load_denoiser: bool = False, max_batch: int = 8, voices_dir: str | None = None,
+                 lora_rank: int = 0, lora_alpha: int | None = None, lora_dir: str | None = None,
+                 warm_normalizer: bool = False) -> None:
+        self.model = model or DEFAULT_MODEL
+        self.device = device or "auto"
+        self.max_step_batch = max_batch
+        self._threads = threads
+        self._optimize = optimize
+        self._load_denoiser = load_denoiser
+        self._voices_dir = Path(voices_dir) if voices_dir else None
+        self._lora_rank = lora_rank
+        self._lora_alpha = lora_alpha if lora_alpha is not None else 2 * lora_rank
+        self._warm_normalizer = warm_normalizer
+        self._lora = LoraControl(lora_rank, lora_dir)
+        self.tts = None            # voxcpm.VoxCPM
+        self.runner = None         # runner.BatchedVoxCPM2
+        self._voices = VoiceBook()
+        self._normalizer = None
+        self.dtype = ""
+        self.architecture = ""
+
+    @property
+    def lora(self) -> dict[str, Any]:
+        return self._lora.state
+
+    @property
+    def honoured_options(self) -> frozenset[str]:
+        # `denoise` is checked (it needs `--load-denoiser`) but changes nothing in generation:
+        # the package applies it to prompt files, and voices here are encoded from samples.
+        return frozenset(OPTIONS) - {"denoise"}
+
+    # ------------------------------------------------------------------ loading
+
+    def load(self) -> None:
+        import torch
+
+        from .runner import BatchedVoxCPM2
+
+        if self._threads:
+            torch.set_num_threads(self._threads)
+        os.environ.setdefault("TQDM_DISABLE", "1")
+        path = resolve_model_path(self.model)
+        voxcpm = import_voxcpm()
+        lora_config = None
+        if self._lora_rank > 0:
+            from voxcpm.model.voxcpm2 import LoRAConfig
+
+            lora_config = LoRAConfig(enable_lm=True, enable_dit=True, enable_proj=False, r=self._lora_rank,
+                                     alpha=self._lora_alpha)
+        if self._load_denoiser:
+            _check_denoiser_dependencies()
+        self.architecture = architecture(path)
+        if self.architecture != "voxcpm2":
+            raise ValueError(f"{path} is a {self.architecture!r} checkpoint; the batched engine serves VoxCPM2 only")
+        self.tts = voxcpm.VoxCPM.from_pretrained(
+            str(path), load_denoiser=self._load_denoiser, optimize=self._optimize,
+            device=None if self.device == "auto" else self.device, lora_config=lora_config,
+        )
+        model = self.tts.tts_model
+        verify_weights(model, path)
+        self.device = str(model.device)
+        self.dtype = str(model.config.dtype)
+        self.sample_rate = int(model.sample_rate)
+        self.runner = BatchedVoxCPM2(model, self.max_step_batch)
+        if self._warm_normalizer:
+            self._normalize("Warm up 123.")
+        if self._voices_dir is not None:
+            for name, audio, rate, transcript in builtin_voice_files(self._voices_dir):
+                mode = "both" if transcript else "reference"
+                self.register_voice(audio, rate, transcript, mode, name=name)
+                log.info("built-in voice %r from %s (%s)", name, self._voices_dir, mode)
+        # One short generation warms every code path before the first user arrives.
+        row = self.runner.prefill(build_prompt(model, "Hello.", None), seed=0, cfg_value=2.0, timesteps=2,
+                                  min_len=0, max_len=1)
+        try:
+            self.runner.step([row])
+        finally:
+            self.runner.release(row)
+        self.runner.wait_ready()
+
+    def close(self) -> None:
+        if self.runner is not None:
+            self.runner.close()
+
+    def describe(self) -> dict[str, Any]:
+        return {**super().describe(), "dtype": self.dtype, "lora": dict(self.lora),
+                "max_batch": self.max_step_batch}
+
+    # ------------------------------------------------------------------ requests
+
+    def voices(self) -> list[str]:
+        return self._voices.builtin()
+
+    def has_voice(self, voice: str) -> bool:
+        return self._voices.get(voice) is not None
+
+    def check(self, request: GenerationRequest) -> None:
+        self.check_voice(request.voice)
+        if request.options.get("denoise") and self.tts is not None and self.tts.denoiser is None:
+            raise Refused(ErrorKind.INVALID, "option 'options.denoise' needs a server started with --load-denoiser")
+        text = clean_text(request.text)
+        if not text:
+            raise Refused(ErrorKind.INVALID, "field 'text' has nothing to say after whitespace cleanup")
+        if self.runner is not None and not request.options.get("normalize"):
+            positions, tokens = prompt_positions(self.tts.tts_model, text, self._voices.get(request.voice))
+            if not self.runner.fits(positions, tokens, request.options.get("max_len", DEFAULTS["max_len"])):
+                raise Refused(ErrorKind.TOO_LARGE, f"text and voice prompt take {positions} positions; with the "
+                                                   f"audio they need, the model's {self.runner.max_len} are not "
+                                                   "enough: send a shorter text")
+        if "seed" not in request.options:
+            # A fixed seed per request keeps its audio reproducible; the client may choose it.
+            request.options = {**request.options, "seed": secrets.randbits(63)}
+
+    def prefill(self, request: GenerationRequest) -> None:
+        options = {**DEFAULTS, **request.options}
+        text = clean_text(request.text)
+        if options.get("normalize"):
+            text = self._normalize(text)
+        model = self.tts.tts_model
+        cache = self._voices.get(request.voice)
+        if request.context is not None:
+            # Continue from the previous segment of the same stream: its text and generated audio
+            # become the prompt (after the voice's own), so prosody carries over.
+            merged = model.merge_prompt_cache(cache, request.context["text"], request.context["audio_feat"])
+            if self.runner.fits(*prompt_positions(model, text, merged), options["max_len"]):
+                cache = merged
+        if not self.runner.fits(*prompt_positions(model, text, cache), options["max_len"]):
+            raise Refused(ErrorKind.TOO_LARGE, "text too long for the model's context after normalization")
+        request.state = self.runner.prefill(build_prompt(model, text, cache), seed=options["seed"],
+                                            cfg_value=options["cfg_value"], timesteps=options["inference_timesteps"],
+                                            min_len=options["min_len"], max_len=options["max_len"])
+        if request.keep_continuation:
+            request.state.patches = []
+            request.state.text = text
+
+    def step(self, batch: list[GenerationRequest]) -> list[StepResult]:
+        results = self.runner.step([r.state for r in batch])
+        return [StepResult(audio=None if audio is None else audio.numpy(), finished=reason)
+                for audio, reason in results]
+
+    def release(self, request: GenerationRequest) -> None:
+        row = request.state
+        if row is not None:
+            self.runner.release(row)
+            if row.patches:
+                import torch
+
+                request.continuation = {"text": row.text, "audio_feat": torch.stack(row.patches)}
+        request.state = None
+
+    def _normalize(self, text: str) -> str:
+        if self._normalizer is None:
+            from voxcpm.utils.text_normalize import TextNormalizer
+
+            self._normalizer = TextNormalizer()
+        return self._normalizer.normalize(text)
+
+    # ------------------------------------------------------------------ voices and LoRA (scheduler thread)
+
+    def register_voice(self, audio: np.ndarray, sample_rate: int, transcript: str | None, mode: str,
+                       name: str | None = None) -> dict[str, Any]:
+        """Build a voice's prompt cache once; returns its id."""
+        cache = encode_voice(self.tts.tts_model, audio, sample_rate, transcript, mode)
+        voice_id = self._voices.add(cache, name)
+        return {"voice": voice_id, "mode": mode, "audio_s": round(len(audio) / sample_rate, 3)}
+
+    def delete_voice(self, voice_id: str) -> bool:
+        return self._voices.delete(voice_id)
+
+    def lora_op(self, op: str, name: str | None) -> dict[str, Any]:
+        return self._lora.apply(self.tts.tts_model, op, name)
+
+
+def _check_denoiser_dependencies() -> None:
+    try:
+        import modelscope  # noqa: F401
+    except ImportError:
+        raise RuntimeError(
+            "--load-denoiser needs the `modelscope` package and the ZipEnhancer weights "
+            "(iic/speech_zipenhancer_ans_multiloss_16k_base) in the local ModelScope cache; "
+            "neither is installed by vox-ws"
+        ) from None

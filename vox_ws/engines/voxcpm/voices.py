@@ -1,0 +1,101 @@
+"""Voice prompts: built from reference audio once, kept by id, used by every stream that names them.
+
+A voice is the package's prompt cache (reference features, continuation features and their
+transcript). Built-in voices come from `--voices-dir`; registered ones are kept most recently
+used first, up to `MAX_VOICES`. The event loop reads the book (`get`); the scheduler thread
+writes it.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import threading
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ...audio import decode_audio_file
+from .prompt import clean_text
+
+log = logging.getLogger("vox_ws.engines.voxcpm")
+
+MAX_VOICES = 256
+_CACHE_MODES = {"reference": "reference", "continuation": "continuation", "both": "ref_continuation"}
+
+
+class VoiceBook:
+    def __init__(self) -> None:
+        self._builtin: dict[str, dict] = {}
+        self._registered: OrderedDict[str, dict] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def builtin(self) -> list[str]:
+        return sorted(self._builtin)
+
+    def get(self, voice: str | None) -> dict | None:
+        """A voice's prompt cache (None for the model's own voice or an unknown id)."""
+        if voice is None:
+            return None
+        with self._lock:
+            cache = self._builtin.get(voice) or self._registered.get(voice)
+            if voice in self._registered:
+                self._registered.move_to_end(voice)
+        return cache
+
+    def add(self, cache: dict, name: str | None = None) -> str:
+        """Keep a voice; a name makes it built-in, else it gets an unguessable id."""
+        voice_id = name or "v_" + secrets.token_urlsafe(12)
+        with self._lock:
+            (self._builtin if name else self._registered)[voice_id] = cache
+            while len(self._registered) > MAX_VOICES:
+                self._registered.popitem(last=False)
+        return voice_id
+
+    def delete(self, voice_id: str) -> bool:
+        with self._lock:
+            return self._registered.pop(voice_id, None) is not None
+
+
+def encode_voice(model: Any, audio: np.ndarray, sample_rate: int, transcript: str | None, mode: str) -> dict:
+    """The prompt cache of a voice, from its reference audio (runs the VAE encoder)."""
+    import soxr
+    import torch
+
+    rate = model._encode_sample_rate
+    pcm = np.asarray(audio, dtype=np.float32)
+    if sample_rate != rate:
+        pcm = soxr.resample(pcm, sample_rate, rate, quality="HQ").astype(np.float32)
+
+    def encode(padding: str) -> torch.Tensor:
+        # VoxCPM2Model._encode_wav, from samples instead of a file path.
+        wav = torch.from_numpy(pcm).unsqueeze(0)
+        patch_len = model.patch_size * model.chunk_size
+        if wav.size(1) % patch_len:
+            pad = patch_len - wav.size(1) % patch_len
+            wav = torch.nn.functional.pad(wav, (pad, 0) if padding == "left" else (0, pad))
+        with torch.inference_mode():
+            feat = model.audio_vae.encode(wav.to(model.device), rate).cpu()
+        return feat.view(model.audio_vae.latent_dim, -1, model.patch_size).permute(1, 2, 0)
+
+    cache: dict[str, Any] = {}
+    if mode in ("reference", "both"):
+        cache["ref_audio_feat"] = encode("right")
+    if mode in ("continuation", "both"):
+        cache["prompt_text"] = clean_text(transcript or "")
+        cache["audio_feat"] = encode("left")
+    cache["mode"] = _CACHE_MODES[mode]
+    return cache
+
+
+def builtin_voice_files(folder: Path) -> list[tuple[str, np.ndarray, int, str | None]]:
+    """(name, audio, rate, transcript) for every NAME.wav / NAME.flac (+ NAME.txt) in a folder."""
+    voices = []
+    for path in sorted(folder.glob("*.wav")) + sorted(folder.glob("*.flac")):
+        transcript_file = path.with_suffix(".txt")
+        transcript = transcript_file.read_text(encoding="utf-8").strip() if transcript_file.exists() else None
+        audio, rate = decode_audio_file(path.read_bytes())
+        voices.append((path.stem, audio, rate, transcript))
+    return voices

@@ -1,0 +1,291 @@
+"""The shared scheduler: one thread serves every stream's requests on one engine.
+
+Data flows one way per turn of the scheduler thread:
+
+    retire (cancelled) -> admit (waiting -> active, per-request prefill) -> step -> hand off
+
+An engine says how many requests one `step` call may advance (`max_step_batch`): a batching
+engine advances all active requests in one call; an engine that cannot batch gets one call per
+request, round-robin, so no stream waits for another to finish. The scheduler never touches
+asyncio: results go to each request's `RequestSink` (the stream service's thread-safe hand-off).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from concurrent.futures import Future
+from typing import Any, Callable
+
+from .engine import Engine, EndReason, EngineFailure, ErrorKind, GenerationRequest, Refused
+
+log = logging.getLogger("vox_ws.scheduler")
+
+
+class Scheduler:
+    """Owns the engine thread. Thread-safe entry points: submit, cancel, wake, stats, stop."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        max_batch: int = 8,
+        max_queue: int = 64,
+        on_fatal: Callable[[BaseException, bool], None] | None = None,
+    ) -> None:
+        self.engine = engine
+        self.max_batch = max_batch
+        self.max_queue = max_queue
+        self.status = "loading"          # loading -> ready | failed; ready -> failed
+        self.error: str | None = None
+        self._on_fatal = on_fatal
+        self._cond = threading.Condition()
+        self._waiting: deque[GenerationRequest] = deque()
+        self._calls: deque[tuple[Callable[[], Any], Future]] = deque()
+        self._active: list[GenerationRequest] = []
+        self._rr = 0                      # round-robin start for engines that cannot batch
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="vox-ws-scheduler", daemon=True)
+        self.ready_event = threading.Event()
+        self.steps_total = 0
+        self.last_step_s = 0.0
+        self.last_batch_size = 0
+        # Optional observer of each step (batch size, seconds); used by metrics.
+        self.on_step: Callable[[int, float], None] | None = None
+
+    # ------------------------------------------------------------------ public API
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(self, request: GenerationRequest) -> int:
+        """Queue a request. Returns its queue position (0: it gets a slot at the next turn)."""
+        with self._cond:
+            if self.status != "ready":
+                raise Refused(ErrorKind.NOT_READY, f"engine is {self.status}" + (f": {self.error}" if self.error else ""))
+            # Requests already waiting beyond the slots that the next turn frees.
+            ahead = len(self._waiting) - (self.max_batch - len(self._active))
+            if ahead >= self.max_queue:
+                raise Refused(ErrorKind.BUSY, f"all {self.max_batch} slots busy and {self.max_queue} requests queued")
+            self._waiting.append(request)
+            self._cond.notify()
+            return max(0, ahead + 1)
+
+    def call(self, fn: Callable[[], Any]) -> Future:
+        """Run `fn` on the scheduler thread between two steps (voice encoding, LoRA swaps):
+        the model is never used by two threads, and no step sees half-changed weights."""
+        future: Future = Future()
+        with self._cond:
+            if self.status != "ready":
+                future.set_exception(Refused(ErrorKind.NOT_READY, f"engine is {self.status}"))
+                return future
+            self._calls.append((fn, future))
+            self._cond.notify()
+        return future
+
+    def cancel(self, request: GenerationRequest) -> None:
+        """Stop a request; its slot is freed before the next step."""
+        request.cancelled = True
+        self.wake()
+
+    def wake(self) -> None:
+        with self._cond:
+            self._cond.notify()
+
+    def stats(self) -> dict[str, Any]:
+        with self._cond:
+            return {
+                "status": self.status,
+                "active": len(self._active),
+                "queued": len(self._waiting),
+                "max_batch": self.max_batch,
+                "max_queue": self.max_queue,
+                "steps_total": self.steps_total,
+                "last_step_ms": round(self.last_step_s * 1000, 3),
+                "last_batch_size": self.last_batch_size,
+            }
+
+    def stop(self, timeout: float = 5.0) -> None:
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    # ------------------------------------------------------------------ the thread
+
+    def _run(self) -> None:
+        try:
+            started = time.monotonic()
+            self.engine.load()
+            log.info("engine %s loaded in %.2fs: %s", self.engine.name, time.monotonic() - started,
+                     self.engine.describe())
+            with self._cond:
+                self.status = "ready"
+            self.ready_event.set()
+        except BaseException as exc:  # noqa: BLE001 - a failed load must be reported, not raised into nothing
+            self._die(exc, "load failed", during_load=True)
+            self._close_engine()
+            return
+        try:
+            while self._turn():
+                pass
+        except BaseException as exc:  # noqa: BLE001 - the engine thread died: tell everyone
+            self._die(exc, "engine thread died", during_load=False)
+        finally:
+            self._close_engine()
+
+    def _close_engine(self) -> None:
+        try:
+            self.engine.close()
+        except Exception:  # noqa: BLE001 - nothing is left to tell
+            log.exception("closing engine %s failed", self.engine.name)
+
+    def _turn(self) -> bool:
+        """One turn of the loop; False when the scheduler is stopping."""
+        with self._cond:
+            while not self._stopping and not self._active and not self._waiting and not self._calls:
+                self._cond.wait()
+            if self._stopping:
+                return False
+            calls = list(self._calls)
+            self._calls.clear()
+            dropped = [r for r in self._waiting if r.cancelled]   # cancelled before they got a slot
+            for request in dropped:
+                self._waiting.remove(request)
+            admitted = []
+            while self._waiting and len(self._active) + len(admitted) < self.max_batch:
+                admitted.append(self._waiting.popleft())
+        for request in dropped:
+            request.sink.finish(EndReason.CANCELLED)
+        for fn, future in calls:
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn())
+                except BaseException as exc:  # noqa: BLE001 - the caller gets the error
+                    future.set_exception(exc)
+        self._retire_cancelled()
+        fresh = [r for r in admitted if self._admit(r)]
+        # New requests go first: for an engine stepped one request at a time, that is the
+        # order of the round-robin, and first audio matters most.
+        runnable = fresh + [r for r in self._active
+                            if r not in fresh and not r.cancelled and not r.sink.backlogged()]
+        if not runnable:
+            if self._active:
+                # Every active stream waits on its client; sleep until one drains (wake) or briefly.
+                with self._cond:
+                    self._cond.wait(0.02)
+            return True
+        self._step(runnable)
+        return True
+
+    def _admit(self, request: GenerationRequest) -> bool:
+        """Prefill a request into the active set; False if it did not get there."""
+        if request.cancelled:
+            request.sink.finish(EndReason.CANCELLED)
+            return False
+        try:
+            self.engine.prefill(request)
+        except Refused as exc:     # the engine found, late, that it cannot serve this one
+            self._release(request)
+            request.sink.fail(exc.kind, exc.message)
+            return False
+        except Exception as exc:  # noqa: BLE001 - one bad request must not stop the others
+            log.exception("prefill failed for request %s", request.id)
+            self._release(request)
+            request.sink.fail(ErrorKind.INTERNAL, f"prefill failed: {type(exc).__name__}: {exc}")
+            return False
+        with self._cond:
+            self._active.append(request)
+        return True
+
+    def _retire_cancelled(self) -> None:
+        gone = [r for r in self._active if r.cancelled]
+        if not gone:
+            return
+        with self._cond:
+            self._active = [r for r in self._active if not r.cancelled]
+        for request in gone:
+            self._release(request)
+            request.sink.finish(EndReason.CANCELLED)
+
+    def _step(self, runnable: list[GenerationRequest]) -> None:
+        if self.engine.max_step_batch > 1:
+            groups = [runnable[i:i + self.engine.max_step_batch]
+                      for i in range(0, len(runnable), self.engine.max_step_batch)]
+        else:
+            # Rotate the start of the running ones so that, under backpressure or cancellation,
+            # none is favoured; new requests stay in front.
+            new = [r for r in runnable if r.steps == 0]
+            old = [r for r in runnable if r.steps > 0]
+            self._rr = (self._rr + 1) % max(1, len(old))
+            groups = [[r] for r in new + old[self._rr:] + old[:self._rr]]
+        for group in groups:
+            group = [r for r in group if not r.cancelled]
+            if not group:
+                continue
+            started = time.perf_counter()
+            try:
+                results = self.engine.step(group)
+                if len(results) != len(group):
+                    raise RuntimeError(f"engine returned {len(results)} results for {len(group)} requests")
+            except EngineFailure:
+                raise
+            except Exception as exc:  # noqa: BLE001 - fail this step's requests, keep serving the rest
+                log.exception("step failed for requests %s", [r.id for r in group])
+                self._remove(group)
+                for request in group:
+                    request.sink.fail(ErrorKind.INTERNAL, f"generation failed: {type(exc).__name__}: {exc}")
+                continue
+            elapsed = time.perf_counter() - started
+            self.steps_total += 1
+            self.last_step_s = elapsed
+            self.last_batch_size = len(group)
+            if self.on_step is not None:
+                self.on_step(len(group), elapsed)
+            finished = []
+            for request, result in zip(group, results):
+                request.steps += 1
+                if request.cancelled:
+                    continue
+                if result.audio is not None and result.audio.size:
+                    request.sink.deliver(result.audio)
+                if result.finished is not None:
+                    finished.append((request, result.finished))
+            if finished:
+                self._remove([r for r, _ in finished])
+                for request, reason in finished:
+                    request.sink.finish(reason)
+        self._retire_cancelled()
+
+    def _remove(self, requests: list[GenerationRequest]) -> None:
+        with self._cond:
+            self._active = [r for r in self._active if r not in requests]
+        for request in requests:
+            self._release(request)
+
+    def _release(self, request: GenerationRequest) -> None:
+        try:
+            self.engine.release(request)
+        except Exception:  # noqa: BLE001
+            log.exception("release failed for request %s", request.id)
+
+    def _die(self, exc: BaseException, what: str, during_load: bool) -> None:
+        log.error("%s: %s: %s", what, type(exc).__name__, exc, exc_info=exc)
+        with self._cond:
+            self.status = "failed"
+            self.error = f"{what}: {type(exc).__name__}: {exc}"
+            orphans = list(self._active) + list(self._waiting)
+            self._active.clear()
+            self._waiting.clear()
+            calls = list(self._calls)
+            self._calls.clear()
+        for _, future in calls:
+            if future.set_running_or_notify_cancel():
+                future.set_exception(Refused(ErrorKind.INTERNAL, self.error))
+        self.ready_event.set()
+        for request in orphans:
+            request.sink.fail(ErrorKind.INTERNAL, self.error)
+        if self._on_fatal is not None:
+            self._on_fatal(exc, during_load)

@@ -1,0 +1,13 @@
+"""The transport-neutral stream service: every front door opens its streams here.
+
+    service.py   StreamService: open streams, voices, LoRA; readiness and draining; timers
+    stream.py    Stream: one stream's state machine, consumed as an async iterator of events
+    events.py    the events a stream yields (Audio, Segment, Flushed, Ended, Failed)
+    handoff.py   the scheduler thread's way onto the event loop
+"""
+
+from .events import Audio, Ended, Event, Failed, Flushed, Segment
+from .service import StreamService
+from .stream import AudioOutput, Stream
+
+__all__ = ["Audio", "AudioOutput", "Ended", "Event", "Failed", "Flushed", "Segment", "Stream", "StreamService"]

@@ -1,0 +1,55 @@
+"""What a stream yields to its consumer, in order. Plain data: no wire format, no socket."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Union
+
+from ..engine import EndReason, ErrorKind
+
+
+@dataclass(frozen=True, slots=True)
+class Audio:
+    """One piece of audio, encoded in the stream's output format and rate."""
+
+    data: bytes
+    seq: int            # 0, 1, 2, ... per stream
+    samples: int
+    seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class Segment:
+    """A segment of the input text has all been spoken: where it lies in the output audio."""
+
+    index: int
+    text: str
+    start_s: float
+    end_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class Flushed:
+    """The audio of all the text sent before a `flush()` has been yielded."""
+
+    audio_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class Ended:
+    """The last event of a stream that ended normally (or was cancelled)."""
+
+    reason: EndReason
+    stats: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class Failed:
+    """The last event of a stream that failed."""
+
+    kind: ErrorKind
+    message: str
+    stats: dict[str, Any] = field(default_factory=dict)
+
+
+Event = Union[Audio, Segment, Flushed, Ended, Failed]

@@ -1,0 +1,164 @@
+"""The stream service: the one way into the scheduler for every front door.
+
+A front door (protocol v1 over WebSocket, HTTP, a framework adapter) opens streams here and
+consumes their events; registers and deletes voices; asks for LoRA changes. The service checks
+what it can before any engine work (readiness, draining, voice, limits), runs engine work on the
+scheduler thread, and watches every live stream's timers. It knows no socket and no wire format:
+refusals are `Refused(kind, message)`, and each front door words them its own way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from typing import Any, AsyncIterator
+
+from ..audio import decode_audio_file
+from ..config import Limits
+from ..engine import Engine, ErrorKind, Refused, VOICE_MODES
+from ..metrics import Metrics
+from ..scheduler import Scheduler
+from .handoff import LoopMailbox
+from .stream import AudioOutput, Stream
+
+# Reference audio shorter than this cannot carry a voice.
+MIN_VOICE_AUDIO_S = 0.2
+
+
+class StreamService:
+    """Serves streams on one scheduler. Create it, `await start()` on the loop that will use it."""
+
+    def __init__(self, scheduler: Scheduler, limits: Limits | None = None, metrics: Metrics | None = None) -> None:
+        self.scheduler = scheduler
+        self.engine: Engine = scheduler.engine
+        self.limits = limits or Limits()
+        self.metrics = metrics or Metrics()
+        self.accepting = True                   # False while draining: no new streams
+        self.mailbox: LoopMailbox | None = None
+        self._streams: set[Stream] = set()
+        self._numbers = itertools.count(1)
+        self._watchdog: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        self.mailbox = LoopMailbox(asyncio.get_running_loop())
+        self._watchdog = asyncio.create_task(self._watch(), name="vox-ws-stream-watchdog")
+
+    async def close(self) -> None:
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+            await asyncio.gather(self._watchdog, return_exceptions=True)
+
+    # ------------------------------------------------------------------ streams
+
+    @property
+    def open_streams(self) -> int:
+        return len(self._streams)
+
+    def open_stream(self, text: str | AsyncIterator[str] | None = None, *, voice: str | None = None,
+                    options: dict[str, Any] | None = None, output: AudioOutput = AudioOutput(),
+                    input_streaming: bool = False, log_fields: dict[str, Any] | None = None) -> Stream:
+        """Open a stream and start generating.
+
+        `text` a string: say it (with `input_streaming`, it is the first piece and more may
+        follow through `send_text`); an async iterator of strings: read the input from it;
+        None with `input_streaming`: the input comes through `send_text`. Raises `Refused`.
+        """
+        if not self.accepting:
+            raise Refused(ErrorKind.GOING_AWAY, "server shutting down: no new streams")
+        if self.scheduler.status != "ready":
+            raise Refused(ErrorKind.NOT_READY, f"engine is {self.scheduler.status}")
+        if self.mailbox is None:
+            raise RuntimeError("StreamService.start() was not awaited")
+        streamed_text = text is not None and not isinstance(text, str)
+        input_streaming = input_streaming or streamed_text
+        if isinstance(text, str) and len(text) > self.limits.max_text_chars:
+            raise Refused(ErrorKind.TOO_LARGE, f"text has {len(text)} characters, over "
+                                               f"max_text_chars={self.limits.max_text_chars}")
+        stream = Stream(self, next(self._numbers), voice, dict(options or {}), output, input_streaming,
+                        dict(log_fields or {}))
+        if input_streaming:
+            # Refuse an unknown voice now, not at the first segment.
+            self.engine.check_voice(voice)
+        else:
+            if not isinstance(text, str) or not text.strip():
+                raise Refused(ErrorKind.INVALID, "nothing to say: the text is empty")
+            stream._text_chars = len(text)
+            stream.queued = stream.submit(text)
+        self._streams.add(stream)
+        if isinstance(text, str) and input_streaming:
+            stream._text_chars = len(text)
+            if text:
+                stream.send_text(text)
+        elif streamed_text:
+            stream.feed(text)
+        return stream
+
+    def forget(self, stream: Stream) -> None:
+        """A stream has stopped producing (called by the stream itself)."""
+        self._streams.discard(stream)
+
+    def abort_all(self, kind: ErrorKind, message: str) -> None:
+        """End every live stream with an error (the drain time ran out)."""
+        for stream in list(self._streams):
+            stream._fail(kind, message)
+
+    async def _watch(self) -> None:
+        limits = self.limits
+        tick = min(1.0, limits.write_stall_timeout_s / 4, limits.stream_timeout_s / 4)
+        while True:
+            await asyncio.sleep(tick)
+            now = time.monotonic()
+            for stream in list(self._streams):
+                stream.check_timers(now)
+
+    # ------------------------------------------------------------------ voices and LoRA
+
+    def voices(self) -> list[str]:
+        return self.engine.voices() if self.scheduler.status == "ready" else []
+
+    async def register_voice(self, audio: bytes, transcript: str | None = None, mode: str | None = None) -> dict:
+        """Clone a voice from reference audio (WAV, FLAC or OGG bytes); returns {voice, mode, audio_s}."""
+        if not self.engine.supports_voices:
+            raise Refused(ErrorKind.UNSUPPORTED, f"engine {self.engine.name} cannot clone voices")
+        has_transcript = bool(transcript and transcript.strip())
+        mode = mode or ("both" if has_transcript else "reference")
+        if mode not in VOICE_MODES:
+            raise Refused(ErrorKind.INVALID, f"field 'mode' must be one of {list(VOICE_MODES)}, got {mode!r}")
+        if mode != "reference" and not has_transcript:
+            raise Refused(ErrorKind.INVALID, f"field 'transcript' is required for mode {mode!r}")
+        if transcript is not None and len(transcript) > self.limits.max_text_chars:
+            raise Refused(ErrorKind.TOO_LARGE, f"field 'transcript' is over max_text_chars={self.limits.max_text_chars}")
+        try:
+            # Decoding a file is CPU work: never on the event loop.
+            pcm, rate = await asyncio.to_thread(decode_audio_file, audio)
+        except ValueError as exc:
+            raise Refused(ErrorKind.INVALID, f"field 'audio': {exc}") from None
+        seconds = len(pcm) / rate
+        if seconds > self.limits.max_voice_audio_s:
+            raise Refused(ErrorKind.TOO_LARGE, f"reference audio is {seconds:.1f}s, over max_voice_audio_s="
+                                               f"{self.limits.max_voice_audio_s:g}")
+        if seconds < MIN_VOICE_AUDIO_S:
+            raise Refused(ErrorKind.INVALID, f"reference audio is {seconds:.2f}s; at least {MIN_VOICE_AUDIO_S}s "
+                                             "is needed")
+        return await self._on_engine_thread(lambda: self.engine.register_voice(pcm, rate, transcript, mode))
+
+    async def delete_voice(self, voice: str) -> bool:
+        return await self._on_engine_thread(lambda: self.engine.delete_voice(voice))
+
+    def has_voice(self, voice: str) -> bool:
+        return self.scheduler.status == "ready" and self.engine.has_voice(voice)
+
+    async def lora(self, op: str, name: str | None) -> dict[str, Any]:
+        active = self.scheduler.stats()["active"]
+        result = await self._on_engine_thread(lambda: self.engine.lora_op(op, name))
+        return {**result, "streams_in_flight": active}
+
+    async def _on_engine_thread(self, fn: Any) -> Any:
+        """Run engine work between two steps; engine errors other than refusals become INTERNAL."""
+        try:
+            return await asyncio.wrap_future(self.scheduler.call(fn))
+        except Refused:
+            raise
+        except Exception as exc:  # noqa: BLE001 - report it; the service goes on
+            raise Refused(ErrorKind.INTERNAL, f"{type(exc).__name__}: {exc}") from exc

@@ -1,0 +1,401 @@
+"""One stream: text in, audio events out, and everything in between that is not the model.
+
+A stream owns its state machine: its text segments and their continuation, flush marks, the
+input time-out, the encoder (resampling and sample format), back-pressure by its consumer's
+pace, its statistics and its log line. It is consumed as an async iterator of events
+(`events.py`); it never calls back into whoever consumes it.
+
+Threading: the scheduler thread calls the `RequestSink` methods (`deliver`, `finish`, `fail`,
+`backlogged`). `deliver` encodes there (resampling and packing stay off the event loop) and
+posts the bytes to the loop through the service's mailbox. Everything else runs on the loop.
+
+    scheduler thread                      event loop
+    deliver(pcm) -> encode -> post  ───▶  _on_audio -> events queue -> consumer (__anext__)
+    finish(reason)           -> post  ───▶  next segment, or _end -> Ended
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, AsyncIterator
+
+import numpy as np
+
+from ..audio import StreamEncoder
+from ..engine import EndReason, ErrorKind, GenerationRequest, Refused
+from ..text import StreamSegmenter
+from .events import Audio, Ended, Event, Failed, Flushed, Segment
+
+if TYPE_CHECKING:
+    from .service import StreamService
+
+stream_log = logging.getLogger("vox_ws.stream")
+
+# Input streaming: buffered text with no sentence or clause end yet is spoken once the input has
+# paused this long (whole words only), so a reply without punctuation still starts promptly.
+SEGMENT_DELAY_S = 0.4
+
+
+@dataclass(frozen=True)
+class AudioOutput:
+    """How a stream's audio is delivered: sample format and rate (None: the engine's own)."""
+
+    format: str = "f32"
+    sample_rate: int | None = None
+
+
+class Stream:
+    """Created by `StreamService.open_stream`; see the module docstring."""
+
+    def __init__(self, service: "StreamService", number: int, voice: str | None, options: dict[str, Any],
+                 output: AudioOutput, input_streaming: bool, log_fields: dict[str, Any]) -> None:
+        engine = service.engine
+        self._service = service
+        self.number = number
+        self.voice = voice
+        self.options = options
+        self.input_streaming = input_streaming
+        self.format = output.format
+        self.sample_rate = output.sample_rate or engine.sample_rate
+        self.encoder = StreamEncoder(engine.sample_rate, self.sample_rate, output.format)
+        self.queued = 0                          # queue position when opened (0: a slot at once)
+        self.ignored_options = sorted(set(options) - engine.honoured_options)
+        self._log_fields = log_fields
+        self._limits = service.limits
+        # Events for the consumer, and audio among them not yet taken (back-pressure).
+        self._events: deque[Event] = deque()
+        self._waiter: asyncio.Future | None = None
+        self._queued_audio_s = 0.0
+        self._backlog_since: float | None = None
+        self._last_taken_at = time.monotonic()
+        self._finished = False                   # Ended or Failed queued: nothing more is produced
+        self._drained = False                    # ... and the consumer has taken it
+        # Statistics, counted as audio is produced (what a cancel drops is taken back out).
+        self.started_at = time.monotonic()
+        self.first_audio_at: float | None = None
+        self._last_audio_at = 0.0
+        self.chunks = 0
+        self.audio_s = 0.0
+        self._seq = 0
+        # Text: segments waiting, the one generating, those spoken, flush marks.
+        self._request: GenerationRequest | None = None
+        self._segmenter = StreamSegmenter()
+        self._pending: deque[str] = deque()
+        self.segments: list[dict[str, Any]] = []
+        self._segment_start_s = 0.0
+        self._input_closed = not input_streaming
+        self._flush_marks: deque[int] = deque()
+        self._last_input_at = time.monotonic()
+        self._delay_timer: asyncio.TimerHandle | None = None
+        self._context: Any = None                # the previous segment's continuation
+        self._capped = False                     # a segment hit its length cap
+        self._feeder: asyncio.Task | None = None
+
+    # ------------------------------------------------------------------ the consumer's side
+
+    @property
+    def done(self) -> bool:
+        """No more events will come (the last one may still be waiting to be taken)."""
+        return self._finished
+
+    @property
+    def input_closed(self) -> bool:
+        """No more text will be accepted (always so for a stream opened with all its text)."""
+        return self._input_closed
+
+    def __aiter__(self) -> "Stream":
+        return self
+
+    async def __anext__(self) -> Event:
+        while not self._events:
+            if self._drained or (self._finished and not self._events):
+                raise StopAsyncIteration
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        return self._take()
+
+    def take_nowait(self) -> Event | None:
+        """The next event if one is ready, else None (for consumers that poll)."""
+        return self._take() if self._events else None
+
+    def _take(self) -> Event:
+        event = self._events.popleft()
+        if isinstance(event, Audio):
+            self._last_taken_at = time.monotonic()
+            was_backlogged = self.backlogged()
+            self._queued_audio_s = max(0.0, self._queued_audio_s - event.seconds)
+            if not self.backlogged():
+                self._backlog_since = None
+                if was_backlogged:
+                    self._service.scheduler.wake()
+        elif isinstance(event, (Ended, Failed)):
+            self._drained = True
+        return event
+
+    def send_text(self, text: str) -> None:
+        """Append text to a stream opened for text input."""
+        self._check_input()
+        buffered = len(self._segmenter.buffer) + sum(len(t) for t in self._pending)
+        if buffered + len(text) > self._limits.max_text_chars:
+            raise Refused(ErrorKind.TOO_LARGE, f"more than max_text_chars={self._limits.max_text_chars} "
+                                               "characters waiting to be spoken")
+        self._last_input_at = time.monotonic()
+        self._pending.extend(self._segmenter.push(text))
+        self._arm_delay()
+        self._pump()
+
+    def flush(self) -> None:
+        """Speak what is buffered now; a `Flushed` event follows once its audio is yielded."""
+        self._check_input()
+        self._last_input_at = time.monotonic()
+        self._pending.extend(self._segmenter.flush_all())
+        self._flush_marks.append(len(self.segments) + len(self._pending) + (self._request is not None))
+        self._pump()
+
+    def end_input(self) -> None:
+        """No more text: the rest is spoken, then the stream ends."""
+        self._check_input()
+        self._last_input_at = time.monotonic()
+        self._pending.extend(self._segmenter.flush_all())
+        self._input_closed = True
+        self._pump()
+
+    def cancel(self) -> None:
+        """Stop now (barge-in): the slot is freed before the next step, audio not yet taken is
+        dropped, and the stream ends with `Ended(CANCELLED)`."""
+        if not self._finished:
+            self._end(EndReason.CANCELLED)
+
+    def close(self) -> None:
+        """The consumer is gone: stop at once, yield nothing more, log nothing."""
+        if not self._finished:
+            self._stop_producing()
+            self._events.clear()
+            self._queued_audio_s = 0.0
+            self._drained = True
+            self._wake()
+
+    async def aclose(self) -> None:
+        """Leaving the iterator early cancels the stream."""
+        self.cancel()
+
+    def feed(self, text: AsyncIterator[str]) -> None:
+        """Read the input from an async iterator of text pieces, then end it."""
+        async def run() -> None:
+            try:
+                async for piece in text:
+                    if self._finished:
+                        return
+                    self.send_text(piece)
+                if not self._finished:
+                    self.end_input()
+            except Refused as err:
+                self._fail(err.kind, err.message)
+        self._feeder = asyncio.ensure_future(run())
+
+    def _check_input(self) -> None:
+        if not self.input_streaming:
+            raise Refused(ErrorKind.INVALID, "this stream was not opened for text input")
+        if self._input_closed:
+            raise Refused(ErrorKind.INVALID, "the input of this stream has already ended")
+
+    # ------------------------------------------------------------------ RequestSink (scheduler thread)
+
+    def deliver(self, pcm: np.ndarray) -> None:
+        data = self.encoder.encode(pcm)
+        if data:
+            self._service.mailbox.post(self._on_audio, data)
+
+    def finish(self, reason: EndReason) -> None:
+        self._service.mailbox.post(self._on_request_finished, self._request, reason)
+
+    def fail(self, kind: ErrorKind, message: str) -> None:
+        self._service.mailbox.post(self._fail, kind, message)
+
+    def backlogged(self) -> bool:
+        return self._queued_audio_s >= self._limits.max_buffered_audio_s
+
+    # ------------------------------------------------------------------ generation (loop)
+
+    def submit(self, text: str) -> int:
+        """Queue a generation request for (the next segment of) this stream; its queue position."""
+        request = GenerationRequest(text=text, sink=self, voice=self.voice, options=dict(self.options),
+                                    context=self._context, keep_continuation=self.input_streaming)
+        self._service.engine.check(request)
+        position = self._service.scheduler.submit(request)
+        self._request = request
+        self._segment_start_s = self.audio_s
+        return position
+
+    def _on_audio(self, data: bytes) -> None:
+        if self._finished:
+            return
+        samples = len(data) // self.encoder.bytes_per_sample
+        seconds = samples / self.sample_rate
+        now = time.monotonic()
+        metrics = self._service.metrics
+        if self.first_audio_at is None:
+            self.first_audio_at = now
+            metrics.first_audio.observe(now - self.started_at)
+        else:
+            metrics.chunk_gap.observe(now - self._last_audio_at)
+        self._last_audio_at = now
+        metrics.audio_seconds.inc(seconds)
+        self.chunks += 1
+        self.audio_s += seconds
+        self._queued_audio_s += seconds
+        if self._backlog_since is None and self.backlogged():
+            self._backlog_since = now
+        self._emit(Audio(data, self._seq, samples, seconds))
+        self._seq += 1
+
+    def _on_request_finished(self, request: GenerationRequest | None, reason: EndReason) -> None:
+        if self._finished or request is not self._request:
+            return
+        self._request = None
+        if reason == EndReason.CANCELLED:
+            self._end(reason)
+            return
+        segment = {"text": request.text, "start_s": round(self._segment_start_s, 4), "end_s": round(self.audio_s, 4)}
+        self.segments.append(segment)
+        self._capped |= reason == EndReason.MAX_LEN
+        if self.input_streaming:
+            self._context = request.continuation
+            self._emit(Segment(len(self.segments) - 1, **segment))
+            self._pump()
+        else:
+            self._end(reason)
+
+    def _pump(self) -> None:
+        """Start the next segment when none is generating; mark flushes; end when all is said."""
+        if self._finished:
+            return
+        while self._flush_marks and self._flush_marks[0] <= len(self.segments):
+            self._flush_marks.popleft()
+            self._emit(Flushed(round(self.audio_s, 4)))
+        if self._request is not None:
+            return
+        if self._pending:
+            try:
+                self.submit(self._pending.popleft())
+            except Refused as err:
+                self._fail(err.kind, err.message)
+        elif self._input_closed:
+            self._end(EndReason.MAX_LEN if self._capped else EndReason.DONE)
+
+    def _arm_delay(self) -> None:
+        """Text with no boundary yet is spoken anyway once the input pauses (whole words only)."""
+        if self._delay_timer is not None:
+            self._delay_timer.cancel()
+        if self._segmenter.buffer.strip():
+            self._delay_timer = asyncio.get_running_loop().call_later(SEGMENT_DELAY_S, self._delay_elapsed)
+
+    def _delay_elapsed(self) -> None:
+        self._delay_timer = None
+        if not self._finished:
+            self._pending.extend(self._segmenter.flush_words())
+            self._pump()
+
+    # ------------------------------------------------------------------ timers (the service's watchdog)
+
+    def check_timers(self, now: float) -> None:
+        limits = self._limits
+        if self._finished:
+            return
+        if self._backlog_since is not None and self.backlogged():
+            stalled = now - max(self._backlog_since, self._last_taken_at)
+            if stalled > limits.write_stall_timeout_s:
+                self._fail(ErrorKind.SLOW_CONSUMER, f"client read no audio for {limits.write_stall_timeout_s:g}s")
+                return
+        if (not self._input_closed and self._request is None and not self._pending
+                and now - self._last_input_at > limits.stream_timeout_s):
+            self._fail(ErrorKind.TIMEOUT, f"no input for {limits.stream_timeout_s:g}s and no end of input: "
+                                          "the stream is closed")
+
+    # ------------------------------------------------------------------ endings
+
+    def _end(self, reason: EndReason) -> None:
+        if reason != EndReason.CANCELLED:
+            tail = self.encoder.flush()
+            if tail:
+                self._on_audio(tail)
+        else:
+            self._drop_queued_audio()
+        self._stop_producing()
+        stats = self.stats()
+        self._emit(Ended(reason, stats))
+        metrics = self._service.metrics
+        metrics.streams.labels(reason.value).inc()
+        if reason == EndReason.CANCELLED:
+            metrics.cancellations.inc()
+        self._log({"reason": reason.value, **stats})
+
+    def _fail(self, kind: ErrorKind, message: str) -> None:
+        if self._finished:
+            return
+        self._stop_producing()
+        stats = self.stats()
+        self._emit(Failed(kind, message, stats))
+        self._service.metrics.streams.labels(kind.value).inc()
+        self._log({"error": kind.value, "message": message})
+
+    def _stop_producing(self) -> None:
+        self._finished = True
+        if self._delay_timer is not None:
+            self._delay_timer.cancel()
+        self._pending.clear()
+        if self._feeder is not None and self._feeder is not asyncio.current_task():
+            self._feeder.cancel()
+        if self._request is not None and not self._request.cancelled:
+            self._service.scheduler.cancel(self._request)
+        self._service.forget(self)
+
+    def _drop_queued_audio(self) -> None:
+        """Barge-in: audio not yet taken is never yielded, nor counted."""
+        kept: deque[Event] = deque()
+        for event in self._events:
+            if isinstance(event, Audio):
+                self.chunks -= 1
+                self.audio_s -= event.seconds
+            else:
+                kept.append(event)
+        self._events = kept
+        self._queued_audio_s = 0.0
+
+    def _emit(self, event: Event) -> None:
+        self._events.append(event)
+        self._wake()
+
+    def _wake(self) -> None:
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    def stats(self) -> dict[str, Any]:
+        ttfa = None if self.first_audio_at is None else round((self.first_audio_at - self.started_at) * 1000, 1)
+        wall = time.monotonic() - self.started_at
+        return {
+            "chunks": self.chunks,
+            "audio_s": round(max(self.audio_s, 0.0), 4),
+            "ttfa_ms": ttfa,
+            "rtf": round(wall / self.audio_s, 4) if self.audio_s > 0 else None,
+            "segments": list(self.segments),
+        }
+
+    def _log(self, outcome: dict[str, Any]) -> None:
+        """One structured line per stream, for log pipelines."""
+        outcome = {k: v for k, v in outcome.items() if k != "segments"}
+        record = {"event": "stream", "id": self.number, **self._log_fields, "engine": self._service.engine.name,
+                  "voice": self.voice, "format": self.format, "input": self.input_streaming,
+                  "sample_rate": self.sample_rate, "segments": len(self.segments),
+                  "text_chars": sum(len(s["text"]) for s in self.segments) or self._text_chars, **outcome}
+        stream_log.info(json.dumps(record, separators=(",", ":")))
+
+    _text_chars = 0

@@ -1,0 +1,79 @@
+"""The one ASGI app of a server: protocol v1's WebSocket and every HTTP route, on one port.
+
+    /v1/stream          protocol v1 (WebSocket; `vox_ws/session.py`)
+    /v1/voices...       voices over REST (`voices_api.py`)
+    /healthz /readyz /v1/info /metrics   operations (`http_routes.py`)
+    /                   the browser demo
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from starlette.applications import Starlette
+from starlette.routing import WebSocketRoute
+from starlette.websockets import WebSocket
+
+from ..session import Session
+from . import http_routes, voices_api
+from . import protocol as p
+from .auth import is_admin, is_authorized, origin_allowed
+from .state import ServerState
+
+log = logging.getLogger("vox_ws.server")
+
+STREAM_PATH = "/v1/stream"
+
+
+def build_app(state: ServerState, demo_dir: Path | None = None) -> Starlette:
+    async def stream_endpoint(ws: WebSocket) -> None:
+        if not origin_allowed(ws, state.config.allow_origins):
+            state.metrics.rejected.labels("origin").inc()
+            await ws.close()               # before the handshake: HTTP 403
+            return
+        await ws.accept()
+        refusal = _admission(state, ws)
+        if refusal is not None:
+            code, reason, label = refusal
+            state.metrics.rejected.labels(label).inc()
+            log.info("connection from %s refused: %s", _address(ws), reason)
+            await ws.close(code, reason)
+            return
+        address = _address(ws)
+        session = Session(ws, state, is_admin=is_admin(ws, state.config.admin_tokens))
+        state.sessions.add(session)
+        state.per_address[address] += 1
+        log.info("session %d open from %s", session.number, address)
+        try:
+            await session.run()
+        finally:
+            state.sessions.discard(session)
+            state.per_address[address] -= 1
+            if state.per_address[address] <= 0:
+                del state.per_address[address]
+            log.info("session %d closed (code %s)", session.number, session.close_code)
+
+    routes = [WebSocketRoute(STREAM_PATH, stream_endpoint), *voices_api.routes(state),
+              *http_routes.routes(state, demo_dir)]
+    return Starlette(routes=routes)
+
+
+def _admission(state: ServerState, ws: WebSocket) -> tuple[int, str, str] | None:
+    """Why this connection may not open a session (close code, reason, metric label), if so.
+    Decided before any engine work."""
+    config = state.config
+    if not is_authorized(ws, config.tokens, config.admin_tokens):
+        return p.CLOSE_UNAUTHORIZED, "unauthorized: present a valid token", "unauthorized"
+    if state.draining:
+        return p.CLOSE_GOING_AWAY, "server shutting down", "draining"
+    limits = config.limits
+    if len(state.sessions) >= limits.max_connections:
+        return p.CLOSE_TRY_AGAIN_LATER, "try again later: server at its connection limit", "capacity"
+    if state.per_address[_address(ws)] >= limits.max_connections_per_address:
+        return p.CLOSE_TOO_MANY_FROM_ADDRESS, "too many connections from your address", "per_address"
+    return None
+
+
+def _address(ws: WebSocket) -> str:
+    return ws.client.host if ws.client is not None else "unknown"

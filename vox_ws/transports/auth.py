@@ -1,0 +1,42 @@
+"""Who may do what: tokens and browser origins, the same rules for HTTP and WebSocket."""
+
+from __future__ import annotations
+
+import hmac
+
+from starlette.requests import HTTPConnection
+
+
+def presented_tokens(conn: HTTPConnection) -> list[str]:
+    """Tokens from `Authorization: Bearer <t>` (servers) or `?token=<t>` (browsers, which
+    cannot set headers on a WebSocket)."""
+    tokens = []
+    header = conn.headers.get("authorization", "")
+    if header.lower().startswith("bearer "):
+        tokens.append(header[7:].strip())
+    tokens += conn.query_params.getlist("token")
+    return [t for t in tokens if t]
+
+
+def token_matches(presented: list[str], accepted: list[str]) -> bool:
+    # Compare against every accepted token without stopping early, so timing reveals nothing.
+    found = False
+    for candidate in presented:
+        for token in accepted:
+            found |= hmac.compare_digest(candidate.encode(), token.encode())
+    return found
+
+
+def is_authorized(conn: HTTPConnection, tokens: list[str], admin_tokens: list[str]) -> bool:
+    """With client tokens configured, a request must present one (or an admin token)."""
+    return not tokens or token_matches(presented_tokens(conn), tokens + admin_tokens)
+
+
+def is_admin(conn: HTTPConnection, admin_tokens: list[str]) -> bool:
+    return bool(admin_tokens) and token_matches(presented_tokens(conn), admin_tokens)
+
+
+def origin_allowed(conn: HTTPConnection, allow_origins: list[str]) -> bool:
+    """Browsers always send Origin; requests without one (servers) are not affected."""
+    origin = conn.headers.get("origin")
+    return not allow_origins or origin is None or origin in allow_origins

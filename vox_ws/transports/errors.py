@@ -1,0 +1,30 @@
+"""HTTP's words for the engine's and the stream service's refusals."""
+
+from __future__ import annotations
+
+from starlette.responses import JSONResponse
+
+from ..engine import ErrorKind, Refused
+from . import protocol as p
+
+HTTP_STATUS = {
+    ErrorKind.INVALID: 400,
+    ErrorKind.TOO_LARGE: 413,
+    ErrorKind.UNSUPPORTED: 501,
+    ErrorKind.BUSY: 429,
+    ErrorKind.NOT_READY: 503,
+    ErrorKind.INTERNAL: 500,
+    ErrorKind.TIMEOUT: 408,
+    ErrorKind.SLOW_CONSUMER: 408,
+    ErrorKind.GOING_AWAY: 503,
+}
+
+
+def error_response(status: int, code: str, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
+    """`{"error": {"code", "message"}}`, with protocol v1's error codes."""
+    return JSONResponse({"error": {"code": code, "message": message}}, status_code=status, headers=headers)
+
+
+def refused_response(err: Refused) -> JSONResponse:
+    headers = {"Retry-After": "1"} if err.kind.retryable else None
+    return error_response(HTTP_STATUS[err.kind], p.code_for(err.kind), err.message, headers)

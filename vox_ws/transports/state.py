@@ -1,0 +1,70 @@
+"""What every front door of one server shares: configuration, the stream service, metrics,
+open sessions, and whether the server is draining."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections import Counter
+from typing import Any
+
+from .. import __version__
+from ..config import ServerConfig
+from ..engines import option_vocabulary
+from ..metrics import Metrics
+from ..service import StreamService
+
+
+class ServerState:
+    def __init__(self, config: ServerConfig, service: StreamService, metrics: Metrics) -> None:
+        self.config = config
+        self.service = service
+        self.metrics = metrics
+        self.sessions: set[Any] = set()          # protocol v1 sessions (vox_ws.session.Session)
+        self.per_address: Counter[str] = Counter()
+        self.started_at = time.monotonic()
+        self.draining = False
+        self.listening = False
+        self.server_name = f"vox-ws/{__version__}"
+        # Every option some engine knows is validated; the served engine's specs win.
+        self.option_specs = option_vocabulary(service.engine)
+
+    @property
+    def limits(self):
+        return self.config.limits
+
+    def ready(self) -> bool:
+        return self.service.scheduler.status == "ready" and self.listening and not self.draining
+
+    def status(self) -> str:
+        status = self.service.scheduler.status
+        if status == "ready" and (not self.listening or self.draining):
+            return "draining"
+        return status
+
+    def info(self) -> dict[str, Any]:
+        scheduler = self.service.scheduler
+        stats = scheduler.stats()
+        stats.pop("status")
+        status = self.status()
+        return {
+            "status": status,
+            "error": scheduler.error,
+            **self.service.engine.describe(),
+            "voices": self.service.voices() if status == "ready" else [],
+            "sessions": len(self.sessions),
+            "streams_open": self.service.open_streams,
+            **stats,
+            "rss_mb": rss_mb(),
+            "uptime_s": round(time.monotonic() - self.started_at, 1),
+            "version": __version__,
+        }
+
+
+def rss_mb() -> float | None:
+    try:
+        with open("/proc/self/statm") as f:
+            pages = int(f.read().split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+    return round(pages * os.sysconf("SC_PAGE_SIZE") / 2**20, 1)

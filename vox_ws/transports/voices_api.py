@@ -1,0 +1,119 @@
+"""REST for voices: list, register (reference audio as the body or multipart), delete.
+
+The same limits and errors as protocol v1's `voice` and `voice_delete` messages; a voice
+registered here is usable from every front door (`voice` in a `start`, the HTTP endpoints).
+
+    GET    /v1/voices            {"voices": [{"id", "kind": "builtin"}], "cloning": bool}
+    POST   /v1/voices            201 {"voice", "mode", "audio_s"}
+    DELETE /v1/voices/{id}       200 {"voice", "deleted": true} | 404
+"""
+
+from __future__ import annotations
+
+from starlette.datastructures import UploadFile
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import BaseRoute, Route
+
+from ..engine import Refused
+from . import protocol as p
+from .auth import is_authorized, origin_allowed
+from .errors import error_response, refused_response
+from .state import ServerState
+
+AUDIO_TYPES = ("audio/wav", "audio/x-wav", "audio/wave", "audio/vnd.wave", "audio/flac", "audio/x-flac",
+               "audio/ogg", "application/octet-stream")
+
+
+class _TooLarge(Exception):
+    pass
+
+
+def routes(state: ServerState) -> list[BaseRoute]:
+    def guard(request: Request) -> Response | None:
+        config = state.config
+        if not origin_allowed(request, config.allow_origins):
+            return error_response(403, p.UNAUTHORIZED, "origin not allowed")
+        if not is_authorized(request, config.tokens, config.admin_tokens):
+            return error_response(401, p.UNAUTHORIZED, "unauthorized: present a valid token",
+                                  {"WWW-Authenticate": "Bearer"})
+        return None
+
+    async def list_voices(request: Request) -> Response:
+        if (refusal := guard(request)) is not None:
+            return refusal
+        # Registered voice ids are capabilities (unguessable, handed to whoever registered
+        # them): they are never listed.
+        voices = [{"id": v, "kind": "builtin"} for v in state.service.voices()]
+        return JSONResponse({"voices": voices, "cloning": state.service.engine.supports_voices})
+
+    async def register(request: Request) -> Response:
+        if (refusal := guard(request)) is not None:
+            return refusal
+        limit = state.limits.max_frame_bytes
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            return error_response(413, p.TOO_LARGE, f"body of {declared} bytes exceeds {limit} bytes")
+        kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
+        transcript = request.query_params.get("transcript")
+        mode = request.query_params.get("mode")
+        try:
+            if kind == "multipart/form-data":
+                if declared is None:
+                    return error_response(411, p.BAD_REQUEST, "multipart uploads need a Content-Length")
+                form = await request.form(max_files=1, max_fields=8, max_part_size=limit)
+                upload = form.get("audio")
+                if not isinstance(upload, UploadFile):
+                    return error_response(400, p.BAD_REQUEST, "multipart field 'audio' (a file) is required")
+                audio = await upload.read(limit + 1)
+                transcript = _text_field(form.get("transcript")) or transcript
+                mode = _text_field(form.get("mode")) or mode
+            elif kind in AUDIO_TYPES:
+                audio = await _read_body(request, limit)
+            else:
+                return error_response(415, p.BAD_REQUEST, f"content type {kind or 'none'!r} is not accepted: send "
+                                                          "WAV, FLAC or OGG audio, or multipart/form-data")
+        except _TooLarge:
+            return error_response(413, p.TOO_LARGE, f"body exceeds {limit} bytes")
+        except ClientDisconnect:
+            return Response(status_code=400)
+        if len(audio) > limit:
+            return error_response(413, p.TOO_LARGE, f"audio exceeds {limit} bytes")
+        if not audio:
+            return error_response(400, p.BAD_REQUEST, "no audio in the request")
+        try:
+            result = await state.service.register_voice(audio, transcript, mode)
+        except Refused as err:
+            return refused_response(err)
+        return JSONResponse(result, status_code=201)
+
+    async def delete(request: Request) -> Response:
+        if (refusal := guard(request)) is not None:
+            return refusal
+        voice = request.path_params["voice_id"]
+        try:
+            deleted = await state.service.delete_voice(voice)
+        except Refused as err:
+            return refused_response(err)
+        if not deleted:
+            return error_response(404, p.BAD_REQUEST, f"no registered voice {voice!r}")
+        return JSONResponse({"voice": voice, "deleted": True})
+
+    return [
+        Route("/v1/voices", list_voices, methods=["GET"]),
+        Route("/v1/voices", register, methods=["POST"]),
+        Route("/v1/voices/{voice_id}", delete, methods=["DELETE"]),
+    ]
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    body = bytearray()
+    async for piece in request.stream():
+        body += piece
+        if len(body) > limit:
+            raise _TooLarge()
+    return bytes(body)
+
+
+def _text_field(value: object) -> str | None:
+    return value if isinstance(value, str) and value else None
