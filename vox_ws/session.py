@@ -92,6 +92,9 @@ class Session:
         self._bucket = TokenBucket(self.limits.max_messages_per_s, burst=max(1.0, 2 * self.limits.max_messages_per_s))
         self._refused_in_a_row = 0
         self.close_code: int | None = None
+        # The ASGI send callable under Starlette's WebSocket: frames of an accepted connection
+        # need none of its state checks, and a chunk's path to the socket is the hot one.
+        self._asgi_send = ws._send
 
     # -------------------------------------------------------------- life
 
@@ -307,7 +310,7 @@ class Session:
         if self._closing:
             return False
         try:
-            await self.ws.send({"type": "websocket.send", "bytes": frame})
+            await self._asgi_send({"type": "websocket.send", "bytes": frame})
             return True
         except _SEND_CLOSED:
             self._closing = True

@@ -25,7 +25,7 @@ from typing import Any
 import msgpack
 import numpy as np
 
-from ..testing.tone import read_stamp
+from ..testing.tone import STAMP_SAMPLES, read_stamp
 
 TEXT = "A stream of tone that lasts for a few seconds, paced like a model would pace it."   # 81 chars
 
@@ -59,6 +59,8 @@ class Level:
 
 
 def _cpu_seconds(pid: int) -> float:
+    if not pid:
+        return 0.0
     with open(f"/proc/{pid}/stat") as f:
         fields = f.read().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
@@ -81,14 +83,14 @@ async def _client(url: str, level: Level, until: float, measuring: list[bool]) -
                 now_ns = time.time_ns()
                 kind = message["type"]
                 if kind == "chunk":
-                    samples = np.frombuffer(message["audio"], dtype="<f4")
-                    stamp = read_stamp(samples)
+                    audio = message["audio"]
                     if measuring[0]:
+                        stamp = read_stamp(np.frombuffer(audio, dtype="<f4", count=STAMP_SAMPLES))
                         if stamp is not None:
                             level.handoff_ms.append((now_ns - stamp) / 1e6)
                         if first:
                             level.first_audio_ms.append((time.monotonic() - sent) * 1000)
-                        level.audio_s += samples.shape[0] / 24000
+                        level.audio_s += len(audio) / 4 / 24000
                     first = False
                 elif kind == "end":
                     level.streams += measuring[0]
@@ -130,20 +132,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--chunk", type=float, default=0.08, help="seconds of audio per chunk")
     parser.add_argument("--interval", type=float, default=0.08, help="seconds between engine steps")
     parser.add_argument("--json", help="write the figures here")
+    parser.add_argument("--url", help="measure a server already running on the tone engine (stamped chunks)")
+    parser.add_argument("--pid", type=int, help="with --url: the server's process id, for its CPU time")
     parser.add_argument("--serve", type=int, metavar="PORT", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.serve is not None:
         serve(args.serve, args.chunk, args.interval)
         return 0
-    proc = subprocess.Popen([sys.executable, "-m", "vox_ws.bench.transport", "--serve", "0", "--chunk",
-                             str(args.chunk), "--interval", str(args.interval)], stdout=subprocess.PIPE, text=True)
-    try:
+    proc = None
+    if args.url:
+        url, pid = args.url, args.pid or 0
+    else:
+        proc = subprocess.Popen([sys.executable, "-m", "vox_ws.bench.transport", "--serve", "0", "--chunk",
+                                 str(args.chunk), "--interval", str(args.interval)], stdout=subprocess.PIPE, text=True)
         line = proc.stdout.readline()
-        port = int(line.split()[1])
-        url = f"ws://127.0.0.1:{port}/v1/stream"
+        url, pid = f"ws://127.0.0.1:{int(line.split()[1])}/v1/stream", proc.pid
+    try:
         results = []
         for n in (int(x) for x in args.concurrency.split(",")):
-            level = _loop_run(_run_level(url, proc.pid, n, args.duration, args.warm_up))
+            level = _loop_run(_run_level(url, pid, n, args.duration, args.warm_up))
             summary = level.summary()
             results.append(summary)
             h, f = summary["handoff_to_receipt_ms"], summary["first_audio_ms"]
@@ -155,8 +162,9 @@ def main(argv: list[str] | None = None) -> int:
             with open(args.json, "w") as out:
                 json.dump({"chunk_s": args.chunk, "interval_s": args.interval, "levels": results}, out, indent=1)
     finally:
-        proc.terminate()
-        proc.wait(30)
+        if proc is not None:
+            proc.terminate()
+            proc.wait(30)
     return 0
 
 

@@ -79,6 +79,10 @@ def register(plugin: EnginePlugin) -> None:
     _plugins[plugin.name] = plugin
 
 
+def unregister(name: str) -> None:
+    _plugins.pop(name, None)
+
+
 def plugins() -> dict[str, EnginePlugin]:
     _load_built_in()
     return dict(_plugins)

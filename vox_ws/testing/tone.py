@@ -92,9 +92,12 @@ class ToneEngine(Engine):
             chunk = (0.3 * np.sin(2 * np.pi * tone.frequency * t)).astype(np.float32)
             tone.phase += n
             tone.remaining -= n
-            if self._stamp:
-                _write_stamp(chunk, time.time_ns())
             results.append(StepResult(audio=chunk, finished=EndReason.DONE if tone.remaining <= 0 else None))
+        if self._stamp:
+            # The step's hand-off: every chunk of it leaves the engine now.
+            handed_off = time.time_ns()
+            for result in results:
+                _write_stamp(result.audio, handed_off)
         return results
 
 

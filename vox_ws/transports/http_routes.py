@@ -6,13 +6,21 @@ from pathlib import Path
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
-from starlette.routing import BaseRoute, Mount, Route
-from starlette.staticfiles import StaticFiles
+from starlette.routing import BaseRoute, Route
 
 from ..metrics import CONTENT_TYPE
 from .state import ServerState
 
 NO_STORE = {"Cache-Control": "no-store"}
+CONTENT_TYPES = {
+    ".html": "text/html; charset=utf-8",
+    ".mjs": "text/javascript; charset=utf-8",
+    ".js": "text/javascript; charset=utf-8",
+    ".css": "text/css; charset=utf-8",
+    ".svg": "image/svg+xml",
+    ".png": "image/png",
+    ".json": "application/json",
+}
 
 
 def default_demo_dir() -> Path | None:
@@ -43,7 +51,25 @@ def routes(state: ServerState, demo_dir: Path | None) -> list[BaseRoute]:
         Route("/v1/info", info, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
     ]
-    if demo_dir is not None:
-        # Files are read on a worker thread (StaticFiles), never on the event loop.
-        found.append(Mount("/", StaticFiles(directory=str(demo_dir), html=True), name="demo"))
+    return found + _demo_routes(demo_dir) if demo_dir is not None else found
+
+
+def _demo_routes(demo_dir: Path) -> list[BaseRoute]:
+    """One route per file of the demo, read once at start: it is small, and the event loop must
+    not wait on disk per request. Exact paths keep 404 and 405 right for every other path."""
+    found: list[BaseRoute] = []
+    root = demo_dir.resolve()
+    for path in sorted(root.rglob("*")):
+        if path.is_file() and path.suffix in CONTENT_TYPES:
+            body, kind = path.read_bytes(), CONTENT_TYPES[path.suffix]
+            url = "/" + path.relative_to(root).as_posix()
+            urls = [url, "/"] if url == "/index.html" else [url]
+            for each in urls:
+                found.append(Route(each, _file(body, kind), methods=["GET"]))
     return found
+
+
+def _file(body: bytes, kind: str):
+    async def serve(request: Request) -> Response:
+        return Response(body, media_type=kind, headers={"Cache-Control": "no-cache"})
+    return serve

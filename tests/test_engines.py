@@ -1,0 +1,76 @@
+"""The engine registry: plug-ins, `auto`, the command line built from it, the option vocabulary."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from conftest import assert_good_stream, connect_client
+from vox_ws import engines
+from vox_ws.cli import build_parser, config_from_args
+from vox_ws.engine import ErrorKind, OptionSpec, Refused
+from vox_ws.testing import tone
+
+
+@pytest.fixture
+def tone_registered():
+    engines.register(tone.PLUGIN)
+    yield
+    engines.unregister("tone")
+
+
+def test_built_in_engines_and_their_declarations():
+    plugins = engines.plugins()
+    assert {"piper", "voxcpm"} <= set(plugins)
+    assert set(plugins["voxcpm"].options) == {"cfg_value", "inference_timesteps", "min_len", "max_len", "normalize",
+                                              "denoise", "seed"}
+    assert set(plugins["piper"].options) == {"max_len"}
+    assert {s.name for s in plugins["voxcpm"].settings} >= {"model", "lora-rank", "voices-dir"}
+    vocabulary = engines.option_vocabulary()
+    assert vocabulary["cfg_value"].check(2) == 2.0
+    with pytest.raises(ValueError, match=r"must be in \[0.0, 10.0\]"):
+        vocabulary["cfg_value"].check(11)
+    with pytest.raises(ValueError, match="must be a number"):
+        OptionSpec(int, 0, 5).check(True)
+
+
+def test_auto_never_picks_a_plugin_without_priority_and_falls_back_to_the_cpu_voice(tone_registered):
+    name, why = engines.choose_auto({"device": "auto"})
+    assert name == "piper" and "not voxcpm" in why
+    assert engines.choose_auto({"device": "cpu"})[0] == "piper"
+    with pytest.raises(ValueError, match="unknown engine 'nope'"):
+        engines.create_engine("nope", {})
+
+
+async def test_a_registered_engine_is_served_end_to_end(tone_registered, start_server):
+    engine = engines.create_engine("tone", {"max_batch": 8})
+    assert isinstance(engine, tone.ToneEngine)
+    server = start_server(engine, max_batch=8)
+    async with connect_client(server) as c:
+        assert c.hello["engine"] == "tone" and c.hello["options"] == []
+        result = await c.speak("A tone of some length.", "t", options={"cfg_value": 3})
+        assert result.start["ignored_options"] == ["cfg_value"]
+        assert_good_stream(result, 0.5)
+        bad = await c.speak("Hi.", "u", options={"nope": 1})
+        assert bad.error["code"] == "bad_request" and "options.nope" in bad.error["message"]
+
+
+def test_command_line_offers_each_engines_settings_and_reads_the_environment(monkeypatch):
+    monkeypatch.setenv("VOX_WS_LORA_RANK", "8")
+    args = build_parser().parse_args(["serve", "--engine", "voxcpm", "--model", "/m", "--max-batch", "4"])
+    config = config_from_args(args)
+    assert config.engine == "voxcpm" and config.max_batch == 4
+    assert config.engine_settings["lora_rank"] == 8 and config.engine_settings["model"] == "/m"
+    assert config.engine_options()["max_batch"] == 4 and config.engine_options()["device"] == "auto"
+    text = subprocess.run([sys.executable, "-m", "vox_ws", "serve", "--help"], capture_output=True, text=True).stdout
+    assert "engines: auto, piper, voxcpm" in text and "voxcpm engine:" in text and "--lora-rank" in text
+
+
+def test_engines_refuse_in_their_own_vocabulary():
+    from vox_ws.engines.piper import PiperEngine
+
+    with pytest.raises(Refused) as info:
+        PiperEngine().register_voice(None, 16000, None, "reference")
+    assert info.value.kind == ErrorKind.UNSUPPORTED and not info.value.kind.retryable

@@ -1,0 +1,138 @@
+"""HTTP on the WebSocket's port, through a real HTTP client: methods, statuses, limits, access,
+and voices over REST usable from protocol v1."""
+
+from __future__ import annotations
+
+import io
+
+import httpx
+import numpy as np
+import pytest
+import soundfile
+
+from conftest import connect_client
+from vox_ws.engines.piper import PiperEngine
+
+TOKEN = "http-secret"
+
+
+def wav(seconds: float, rate: int = 16000, fmt: str = "WAV") -> bytes:
+    t = np.arange(int(seconds * rate)) / rate
+    buf = io.BytesIO()
+    soundfile.write(buf, (0.3 * np.sin(2 * np.pi * 170 * t)).astype(np.float32), rate, format=fmt, subtype="PCM_16")
+    return buf.getvalue()
+
+
+@pytest.fixture(scope="module")
+def voxcpm_http(start_server, tiny_model):
+    from vox_ws.engines.voxcpm.engine import VoxCPMEngine
+
+    engine = VoxCPMEngine(model=str(tiny_model), device="cpu", max_batch=2)
+    return start_server(engine, max_batch=2, max_frame_bytes=256 * 1024, max_voice_audio_s=5.0)
+
+
+@pytest.fixture(scope="module")
+def guarded(start_server):
+    return start_server(PiperEngine(), tokens=[TOKEN], allow_origins=["https://app.example"])
+
+
+async def test_methods_and_unknown_paths(piper_server):
+    async with httpx.AsyncClient(base_url=piper_server.http) as http:
+        head = await http.head("/healthz")
+        assert head.status_code == 200 and head.content == b""
+        assert (await http.head("/readyz")).status_code == 200
+        assert (await http.get("/nope")).status_code == 404
+        wrong = await http.post("/healthz", content=b"x")
+        assert wrong.status_code == 405 and "GET" in wrong.headers["allow"]
+        assert (await http.delete("/v1/voices")).status_code == 405
+        assert (await http.get("/v1/voices/anything")).status_code == 405
+        demo = await http.get("/")
+        assert demo.status_code == 200 and demo.headers["content-type"].startswith("text/html")
+        assert (await http.get("/app.mjs")).headers["content-type"].startswith("text/javascript")
+        assert (await http.get("/healthz")).headers["server"].startswith("vox-ws/")
+
+
+async def test_voices_rest_on_an_engine_that_cannot_clone(piper_server):
+    async with httpx.AsyncClient(base_url=piper_server.http) as http:
+        listed = await http.get("/v1/voices")
+        assert listed.json() == {"voices": [{"id": "joe", "kind": "builtin"}], "cloning": False}
+        refused = await http.post("/v1/voices", content=wav(1.0), headers={"content-type": "audio/wav"})
+        assert refused.status_code == 501 and refused.json()["error"]["code"] == "unsupported"
+
+
+async def test_register_use_and_delete_a_voice_over_rest(voxcpm_http):
+    async with httpx.AsyncClient(base_url=voxcpm_http.http) as http:
+        created = await http.post("/v1/voices", content=wav(1.0), headers={"content-type": "audio/wav"})
+        assert created.status_code == 201, created.text
+        voice = created.json()
+        assert voice["voice"].startswith("v_") and voice["mode"] == "reference" and voice["audio_s"] == 1.0
+        # Multipart, with a transcript: the continuation prompt too.
+        form = await http.post("/v1/voices", files={"audio": ("ref.flac", wav(1.0, fmt="FLAC"), "audio/flac")},
+                               data={"transcript": "A short reference."})
+        assert form.status_code == 201 and form.json()["mode"] == "both", form.text
+        # Usable from protocol v1.
+        async with connect_client(voxcpm_http) as c:
+            result = await c.speak("Hello.", "a", voice=voice["voice"], options={"max_len": 3})
+            assert result.end["reason"] == "max_len" and result.end["chunks"] >= 1
+        deleted = await http.delete(f"/v1/voices/{voice['voice']}")
+        assert deleted.status_code == 200 and deleted.json() == {"voice": voice["voice"], "deleted": True}
+        again = await http.delete(f"/v1/voices/{voice['voice']}")
+        assert again.status_code == 404
+        async with connect_client(voxcpm_http) as c:
+            result = await c.speak("Hello.", "b", voice=voice["voice"])
+            assert result.error["code"] == "bad_request" and "unknown voice" in result.error["message"]
+
+
+@pytest.mark.parametrize("name, request_kwargs, status, code", [
+    ("wrong type", {"content": b"hello", "headers": {"content-type": "text/plain"}}, 415, "bad_request"),
+    ("no type", {"content": b"hello"}, 415, "bad_request"),
+    ("not audio", {"content": b"RIFF0000WAVEjunk", "headers": {"content-type": "audio/wav"}}, 400, "bad_request"),
+    ("empty", {"content": b"", "headers": {"content-type": "audio/wav"}}, 400, "bad_request"),
+    ("too long", {"content": wav(6.0, rate=8000), "headers": {"content-type": "audio/wav"}}, 413, "too_large"),
+    ("too short", {"content": wav(0.1), "headers": {"content-type": "audio/wav"}}, 400, "bad_request"),
+    ("bad mode", {"content": wav(1.0), "headers": {"content-type": "audio/wav"}, "params": {"mode": "x"}}, 400,
+     "bad_request"),
+    ("needs transcript", {"content": wav(1.0), "headers": {"content-type": "audio/wav"},
+                          "params": {"mode": "continuation"}}, 400, "bad_request"),
+    ("multipart without audio", {"files": {"other": ("a.txt", b"x", "text/plain")}}, 400, "bad_request"),
+])
+async def test_voice_upload_errors(voxcpm_http, name, request_kwargs, status, code):
+    async with httpx.AsyncClient(base_url=voxcpm_http.http) as http:
+        response = await http.post("/v1/voices", **request_kwargs)
+        assert response.status_code == status, (name, response.text)
+        assert response.json()["error"]["code"] == code and response.json()["error"]["message"]
+
+
+async def test_bodies_over_the_limit_are_refused_without_reading_them_whole(voxcpm_http):
+    limit = voxcpm_http.config.limits.max_frame_bytes
+    async with httpx.AsyncClient(base_url=voxcpm_http.http) as http:
+        declared = await http.post("/v1/voices", content=b"\0" * (limit + 1), headers={"content-type": "audio/wav"})
+        assert declared.status_code == 413 and declared.json()["error"]["code"] == "too_large"
+
+        async def chunked():
+            for _ in range(limit // 65536 + 2):
+                yield b"\0" * 65536
+
+        streamed = await http.post("/v1/voices", content=chunked(), headers={"content-type": "audio/wav"})
+        assert streamed.status_code == 413
+        big_form = await http.post("/v1/voices", files={"audio": ("a.wav", b"\0" * (limit + 10), "audio/wav")})
+        assert big_form.status_code == 413
+    # The server is fine afterwards.
+    async with connect_client(voxcpm_http) as c:
+        assert (await c.speak("Still here.", "ok", options={"max_len": 2})).end["reason"] == "max_len"
+
+
+async def test_tokens_and_origins_apply_to_http_as_to_the_websocket(guarded):
+    async with httpx.AsyncClient(base_url=guarded.http) as http:
+        assert (await http.get("/healthz")).status_code == 200          # probes stay open
+        assert (await http.get("/readyz")).status_code == 200
+        refused = await http.get("/v1/voices")
+        assert refused.status_code == 401 and refused.json()["error"]["code"] == "unauthorized"
+        assert refused.headers["www-authenticate"] == "Bearer"
+        assert (await http.get("/v1/voices", headers={"authorization": "Bearer wrong"})).status_code == 401
+        assert (await http.get("/v1/voices", headers={"authorization": f"Bearer {TOKEN}"})).status_code == 200
+        assert (await http.get("/v1/voices", params={"token": TOKEN})).status_code == 200
+        evil = await http.get("/v1/voices", params={"token": TOKEN}, headers={"origin": "https://evil.example"})
+        assert evil.status_code == 403
+        good = await http.get("/v1/voices", params={"token": TOKEN}, headers={"origin": "https://app.example"})
+        assert good.status_code == 200
