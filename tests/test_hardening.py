@@ -16,11 +16,11 @@ import urllib.request
 
 import msgpack
 import pytest
+from conftest import assert_good_stream, connect_client
+from test_server_piper import LONG, SENTENCE, wait_for
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
-from conftest import assert_good_stream, connect_client
-from test_server_piper import LONG, SENTENCE, wait_for
 from vox_ws.engines.piper import PiperEngine
 
 

@@ -9,8 +9,8 @@ import httpx
 import numpy as np
 import pytest
 import soundfile
-
 from conftest import connect_client
+
 from vox_ws.engines.piper import PiperEngine
 
 TOKEN = "http-secret"

@@ -5,10 +5,10 @@ import time
 
 import msgpack
 import pytest
+from conftest import assert_good_stream, connect_client
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 
-from conftest import assert_good_stream, connect_client
 from vox_ws.engines.piper import PiperEngine
 
 SENTENCE = "The quick brown fox jumps over the lazy dog."

@@ -14,13 +14,13 @@ import numpy as np
 import pytest
 import soundfile
 import torch
-from websockets.exceptions import ConnectionClosed
-
 from conftest import assert_good_stream as _assert_good_stream
 from conftest import connect_client
-from vox_ws.scheduler import Scheduler
+from websockets.exceptions import ConnectionClosed
+
 from vox_ws.engines.voxcpm.engine import VoxCPMEngine
 from vox_ws.engines.voxcpm.loading import import_voxcpm
+from vox_ws.scheduler import Scheduler
 
 ADMIN = "admin-secret"
 

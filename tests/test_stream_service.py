@@ -9,8 +9,8 @@ import time
 import numpy as np
 import pytest
 import soundfile
-
 from test_server_piper import LONG, SENTENCE, wait_for
+
 from vox_ws.audio import bytes_to_pcm
 from vox_ws.config import Limits
 from vox_ws.engine import EndReason, ErrorKind, Refused

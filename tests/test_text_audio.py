@@ -56,3 +56,13 @@ def test_wav_bytes_is_a_valid_wav():
     data = wav_bytes(np.zeros(1600, np.float32), 16000)
     with wave.open(io.BytesIO(data)) as w:
         assert (w.getnchannels(), w.getframerate(), w.getnframes()) == (1, 16000, 1600)
+
+
+def test_segments_ramp_up_so_the_next_is_ready_before_the_last_has_played():
+    text = ("Hello from the browser. This audio plays while it is being generated, one sentence after another, "
+            "and the sentences after it may be longer still, since by then there is audio in hand to play.")
+    parts = segment(text)
+    assert " ".join(parts).split() == text.split()
+    assert parts[0] == "Hello from the browser."
+    for before, after in zip(parts, parts[1:]):
+        assert len(after) <= max(60, 2 * len(before)), (before, after)

@@ -13,9 +13,9 @@ import wave
 
 import numpy as np
 import pytest
-
 from conftest import assert_good_stream, connect_client
 from test_server_piper import wait_for
+
 from vox_ws import client as vc
 from vox_ws.audio import bytes_to_pcm, mulaw_decode, mulaw_encode
 from vox_ws.engines.piper import PiperEngine

@@ -13,7 +13,6 @@ from typing import Any, Callable, Sequence
 from . import engines
 from .config import Limits, ServerConfig
 
-
 # (option, type, default, help); the destination is the option name with '-' -> '_'. The engines'
 # own settings come from the engine registry (see `_engine_options`).
 _SERVE_OPTIONS: list[tuple[str, Callable[[str], Any], Any, str]] = [

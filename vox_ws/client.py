@@ -33,8 +33,8 @@ from websockets.asyncio.client import ClientConnection
 from websockets.asyncio.client import connect as ws_connect
 from websockets.exceptions import ConnectionClosed
 
-from .transports import protocol as p
 from .audio import bytes_to_pcm, wav_bytes
+from .transports import protocol as p
 
 
 class VoxError(Exception):

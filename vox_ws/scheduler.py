@@ -19,7 +19,7 @@ from collections import deque
 from concurrent.futures import Future
 from typing import Any, Callable
 
-from .engine import Engine, EndReason, EngineFailure, ErrorKind, GenerationRequest, Refused
+from .engine import EndReason, Engine, EngineFailure, ErrorKind, GenerationRequest, Refused
 
 log = logging.getLogger("vox_ws.scheduler")
 

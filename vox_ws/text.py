@@ -25,27 +25,36 @@ def split_clauses(sentence: str) -> list[str]:
 def segment(text: str, first_max_chars: int = 60, max_chars: int = 240, min_chars: int = 12) -> list[str]:
     """Split text into speakable segments.
 
-    Sentences are kept whole when they fit; a long sentence is cut at clauses (the first
-    segment of the text at `first_max_chars`, so first audio comes fast); clauses shorter than
-    `min_chars` are merged with their neighbour so the voice does not chop the prosody. A
+    Sentences are kept whole when they fit; a long sentence is cut at clauses; clauses shorter
+    than `min_chars` are merged with their neighbour so the voice does not chop the prosody. A
     clause with no punctuation at all that is longer than the limit is cut at a space.
+
+    The limit ramps up: the first segment at most `first_max_chars` (first audio comes fast),
+    each later one at most twice the one before (but `first_max_chars` at least, `max_chars` at
+    most). An engine that speaks a segment per step then makes the next segment's audio in less
+    time than the previous one takes to play, as long as it runs over twice as fast as real
+    time: a short first sentence followed by a long one no longer leaves the listener waiting.
     """
     segments: list[str] = []
+
+    def limit() -> int:
+        if not segments:
+            return first_max_chars
+        return min(max_chars, max(first_max_chars, 2 * len(segments[-1])))
+
     for sentence in split_sentences(text):
-        limit = first_max_chars if not segments else max_chars
-        if len(sentence) <= limit:
+        if len(sentence) <= limit():
             segments.append(sentence)
             continue
         current = ""
         for clause in split_clauses(sentence):
-            limit = first_max_chars if not segments else max_chars
-            if current and len(current) + 1 + len(clause) > limit and len(current) >= min_chars:
+            if current and len(current) + 1 + len(clause) > limit() and len(current) >= min_chars:
                 segments.append(current)
                 current = clause
             else:
                 current = f"{current} {clause}".strip() if current else clause
-            while len(current) > max_chars:
-                head, current = _cut_at_space(current, max_chars)
+            while len(current) > limit():
+                head, current = _cut_at_space(current, limit())
                 segments.append(head)
         if current:
             segments.append(current)

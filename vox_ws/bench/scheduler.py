@@ -142,8 +142,8 @@ class _Sink:
 
 def run_batched(model_dir: str, device: str, clients: list[list[Job]], offsets: list[float], threads: int) -> dict:
     from vox_ws.engine import GenerationRequest
-    from vox_ws.scheduler import Scheduler
     from vox_ws.engines.voxcpm.engine import VoxCPMEngine
+    from vox_ws.scheduler import Scheduler
 
     n = len(clients)
     engine = VoxCPMEngine(model=model_dir, device=device, threads=threads, max_batch=n)

@@ -16,7 +16,7 @@ from typing import Any, AsyncIterator
 
 from ..audio import decode_audio_file
 from ..config import Limits
-from ..engine import Engine, ErrorKind, Refused, VOICE_MODES
+from ..engine import VOICE_MODES, Engine, ErrorKind, Refused
 from ..metrics import Metrics
 from ..scheduler import Scheduler
 from .handoff import LoopMailbox

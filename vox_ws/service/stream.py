@@ -22,23 +22,37 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, AsyncIterator
+from typing import Any, AsyncIterator, Protocol
 
 import numpy as np
 
 from ..audio import StreamEncoder
-from ..engine import EndReason, ErrorKind, GenerationRequest, Refused
+from ..config import Limits
+from ..engine import EndReason, Engine, ErrorKind, GenerationRequest, Refused
+from ..metrics import Metrics
+from ..scheduler import Scheduler
 from ..text import StreamSegmenter
 from .events import Audio, Ended, Event, Failed, Flushed, Segment
-
-if TYPE_CHECKING:
-    from .service import StreamService
+from .handoff import LoopMailbox
 
 stream_log = logging.getLogger("vox_ws.stream")
 
 # Input streaming: buffered text with no sentence or clause end yet is spoken once the input has
 # paused this long (whole words only), so a reply without punctuation still starts promptly.
 SEGMENT_DELAY_S = 0.4
+
+
+class StreamHost(Protocol):
+    """What a stream needs from the service that opened it."""
+
+    engine: Engine
+    scheduler: Scheduler
+    limits: Limits
+    metrics: Metrics
+    mailbox: LoopMailbox
+
+    def forget(self, stream: "Stream") -> None:
+        """The stream has stopped producing."""
 
 
 @dataclass(frozen=True)
@@ -52,7 +66,7 @@ class AudioOutput:
 class Stream:
     """Created by `StreamService.open_stream`; see the module docstring."""
 
-    def __init__(self, service: "StreamService", number: int, voice: str | None, options: dict[str, Any],
+    def __init__(self, service: StreamHost, number: int, voice: str | None, options: dict[str, Any],
                  output: AudioOutput, input_streaming: bool, log_fields: dict[str, Any]) -> None:
         engine = service.engine
         self._service = service
