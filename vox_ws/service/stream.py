@@ -213,6 +213,8 @@ class Stream:
                     self.end_input()
             except Refused as err:
                 self._fail(err.kind, err.message)
+            except Exception as exc:  # noqa: BLE001 - the caller's iterator broke: end the stream, say why
+                self._fail(ErrorKind.INTERNAL, f"the text input failed: {type(exc).__name__}: {exc}")
         self._feeder = asyncio.ensure_future(run())
 
     def _check_input(self) -> None:
