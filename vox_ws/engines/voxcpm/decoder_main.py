@@ -6,12 +6,11 @@ parent says stop or goes away (see `decoder_process.py` for the parent's side).
 
 from __future__ import annotations
 
-import os
 import pickle
-import signal
-import sys
 import time
 from multiprocessing.connection import Connection
+
+from ..child import child_connection
 
 
 def serve(conn: Connection) -> None:
@@ -63,12 +62,7 @@ def serve(conn: Connection) -> None:
 
 
 def main() -> None:
-    # The server drains on SIGINT/SIGTERM and then closes the socket; this process must outlive
-    # the signal that reaches the whole process group and leave on EOF.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    os.environ.setdefault("TQDM_DISABLE", "1")
-    serve(Connection(int(sys.argv[1])))
+    serve(child_connection())
 
 
 if __name__ == "__main__":

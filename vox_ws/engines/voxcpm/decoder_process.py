@@ -22,19 +22,15 @@ If the process dies the engine cannot go on: every job's result raises `EngineFa
 
 from __future__ import annotations
 
-import os
 import pickle
-import socket
-import subprocess
-import sys
 import threading
 from collections import deque
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
-from multiprocessing.connection import Connection
 from typing import Any
 
 from ...engine import EngineFailure
+from ..child import send, start_child, stop_child
 
 # How long one decode may take before the process is presumed hung (a real-size decode of 16
 # rows on a slow CPU takes seconds, not minutes).
@@ -52,12 +48,7 @@ class DecoderProcess:
                  rows_per_call: int | None, warm_up: tuple[int, int]) -> None:
         """Start the process with a copy of the VAE (class, config, weights); it warms up for
         `warm_up` = (patch size, max rows) while the parent goes on loading."""
-        parent, child = socket.socketpair()
-        env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
-        self._proc = subprocess.Popen([sys.executable, "-m", DECODER_MAIN, str(child.fileno())], pass_fds=(child.fileno(),),
-                                      env=env, stdin=subprocess.DEVNULL)
-        child.close()
-        self._conn = Connection(parent.detach())
+        self._proc, self._conn = start_child(DECODER_MAIN, threads)
         self._outstanding: deque[Future] = deque()
         self._lock = threading.Lock()
         self._failed: EngineFailure | None = None
@@ -105,21 +96,12 @@ class DecoderProcess:
         if self._closed:
             return
         self._closed = True
-        try:
-            self._conn.send_bytes(pickle.dumps(("stop",)))
-        except OSError:
-            pass
-        try:
-            self._proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self._proc.kill()
-            self._proc.wait()
+        stop_child(self._proc, self._conn, timeout)
         self._reader.join(timeout)
-        self._conn.close()
 
     def _send(self, message: tuple) -> None:
         try:
-            self._conn.send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
+            send(self._conn, message)
         except OSError as exc:
             raise self._fail(f"cannot reach it: {exc}") from exc
 
