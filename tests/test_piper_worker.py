@@ -12,9 +12,9 @@ import signal
 import threading
 
 import pytest
-
 from conftest import assert_good_stream, connect_client
 from test_server_piper import LONG, SENTENCE
+
 from vox_ws.engines.piper import PiperEngine, _PiperState, defuse_letter_runs
 from vox_ws.engines.piper_worker import PiperWorker, WorkerCrashed
 
