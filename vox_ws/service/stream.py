@@ -40,6 +40,8 @@ stream_log = logging.getLogger("vox_ws.stream")
 # Input streaming: buffered text with no sentence or clause end yet is spoken once the input has
 # paused this long (whole words only), so a reply without punctuation still starts promptly.
 SEGMENT_DELAY_S = 0.4
+# The most audio one chunk carries, in seconds.
+MAX_CHUNK_S = 1.0
 
 
 class StreamHost(Protocol):
@@ -226,9 +228,14 @@ class Stream:
     # ------------------------------------------------------------------ RequestSink (scheduler thread)
 
     def deliver(self, pcm: np.ndarray) -> None:
-        data = self.encoder.encode(pcm)
-        if data:
-            self._service.mailbox.post(self._on_audio, data)
+        # An engine may hand over many seconds at once (Piper: a whole sentence); a chunk
+        # carries at most MAX_CHUNK_S, so that a paced reader's progress is visible chunk by
+        # chunk and no frame holds the socket for long.
+        step = max(1, int(self.encoder.in_rate * MAX_CHUNK_S))
+        for start in range(0, len(pcm), step):
+            data = self.encoder.encode(pcm[start:start + step])
+            if data:
+                self._service.mailbox.post(self._on_audio, data)
 
     def finish(self, reason: EndReason) -> None:
         self._service.mailbox.post(self._on_request_finished, self._request, reason)
