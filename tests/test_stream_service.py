@@ -59,8 +59,8 @@ async def test_one_shot_stream_yields_contiguous_audio_then_ended(piper_schedule
     events = await drain(stream)
     chunks = [e for e in events if isinstance(e, Audio)]
     assert [c.seq for c in chunks] == list(range(len(chunks)))
-    # Piper speaks the sentence (2.8 s) in one step; no chunk carries more than a second.
-    assert len(chunks) >= 3 and all(c.seconds <= 1.0 + 1e-6 for c in chunks)
+    # Piper speaks the sentence (2.8 s) in one step; no chunk carries much more than a second.
+    assert len(chunks) >= 3 and all(c.seconds <= 1.05 for c in chunks)   # + the resampler's delay
     assert isinstance(events[-1], Ended) and events[-1].reason == EndReason.DONE
     pcm = audio_of(events, "s16")
     stats = events[-1].stats
