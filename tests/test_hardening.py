@@ -121,7 +121,11 @@ async def test_message_rate_limit_then_flood_close(start_server):
 
 
 async def test_slow_reader_is_paused_then_cancelled_and_never_delays_others(start_server):
-    server = start_server(PiperEngine(), max_buffered_audio_s=1.0, write_stall_timeout_s=1.5, max_batch=4)
+    # The slow client reads nothing until the end, so it cannot answer pings either: the
+    # keepalive (not what is tested here) must outlast the scenario, which on a loaded machine
+    # took longer than the fixtures' 10 s ping time-out and was then cut as it should be.
+    server = start_server(PiperEngine(), max_buffered_audio_s=1.0, write_stall_timeout_s=1.5, max_batch=4,
+                          ping_interval=60.0, ping_timeout=120.0)
     sock = socket.socket()
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     sock.connect(("127.0.0.1", server.port))
