@@ -20,7 +20,7 @@ from ..engine import VOICE_MODES, Engine, ErrorKind, Refused
 from ..metrics import Metrics
 from ..scheduler import Scheduler
 from .handoff import LoopMailbox
-from .stream import AudioOutput, Stream
+from .stream import AudioOutput, Stream, check_text
 
 # Reference audio shorter than this cannot carry a voice.
 MIN_VOICE_AUDIO_S = 0.2
@@ -72,6 +72,8 @@ class StreamService:
             raise RuntimeError("StreamService.start() was not awaited")
         streamed_text = text is not None and not isinstance(text, str)
         input_streaming = input_streaming or streamed_text
+        if isinstance(text, str):
+            check_text(text)
         if isinstance(text, str) and len(text) > self.limits.max_text_chars:
             raise Refused(ErrorKind.TOO_LARGE, f"text has {len(text)} characters, over "
                                                f"max_text_chars={self.limits.max_text_chars}")

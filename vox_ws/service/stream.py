@@ -57,6 +57,12 @@ class StreamHost(Protocol):
         """The stream has stopped producing."""
 
 
+def check_text(text: str) -> None:
+    """Text no engine can take (tokenizers and espeak stop at a NUL) is refused up front."""
+    if "\x00" in text:
+        raise Refused(ErrorKind.INVALID, "text must not contain NUL characters")
+
+
 @dataclass(frozen=True)
 class AudioOutput:
     """How a stream's audio is delivered: sample format and rate (None: the engine's own)."""
@@ -159,6 +165,7 @@ class Stream:
     def send_text(self, text: str) -> None:
         """Append text to a stream opened for text input."""
         self._check_input()
+        check_text(text)
         buffered = len(self._segmenter.buffer) + sum(len(t) for t in self._pending)
         if buffered + len(text) > self._limits.max_text_chars:
             raise Refused(ErrorKind.TOO_LARGE, f"more than max_text_chars={self._limits.max_text_chars} "

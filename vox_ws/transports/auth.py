@@ -11,7 +11,10 @@ def presented_tokens(conn: HTTPConnection) -> list[str]:
     """Tokens from `Authorization: Bearer <t>` (servers) or `?token=<t>` (browsers, which
     cannot set headers on a WebSocket)."""
     tokens = []
-    header = conn.headers.get("authorization", "")
+    headers = conn.headers.getlist("authorization")
+    if len(headers) > 1:
+        return []          # which one would count is anyone's guess: none does
+    header = headers[0] if headers else ""
     if header.lower().startswith("bearer "):
         tokens.append(header[7:].strip())
     tokens += conn.query_params.getlist("token")
