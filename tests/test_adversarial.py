@@ -7,11 +7,11 @@ import time
 
 import msgpack
 import pytest
+from conftest import assert_good_stream, connect_client
+from test_server_piper import SENTENCE
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 
-from conftest import assert_good_stream, connect_client
-from test_server_piper import SENTENCE
 from vox_ws.engines.piper import PiperEngine
 
 
