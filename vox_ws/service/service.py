@@ -78,20 +78,17 @@ class StreamService:
             raise Refused(ErrorKind.TOO_LARGE, f"text has {len(text)} characters, over "
                                                f"max_text_chars={self.limits.max_text_chars}")
         stream = Stream(self, next(self._numbers), voice, dict(options or {}), output, input_streaming,
-                        dict(log_fields or {}))
+                        dict(log_fields or {}), text_chars=len(text) if isinstance(text, str) else 0)
         if input_streaming:
             # Refuse an unknown voice now, not at the first segment.
             self.engine.check_voice(voice)
         else:
             if not isinstance(text, str) or not text.strip():
                 raise Refused(ErrorKind.INVALID, "nothing to say: the text is empty")
-            stream._text_chars = len(text)
             stream.queued = stream.submit(text)
         self._streams.add(stream)
-        if isinstance(text, str) and input_streaming:
-            stream._text_chars = len(text)
-            if text:
-                stream.send_text(text)
+        if isinstance(text, str) and input_streaming and text:
+            stream.send_text(text)
         elif streamed_text:
             stream.feed(text)
         return stream
@@ -103,7 +100,7 @@ class StreamService:
     def abort_all(self, kind: ErrorKind, message: str) -> None:
         """End every live stream with an error (the drain time ran out)."""
         for stream in list(self._streams):
-            stream._fail(kind, message)
+            stream.abort(kind, message)
 
     async def _watch(self) -> None:
         limits = self.limits

@@ -75,7 +75,7 @@ class Stream:
     """Created by `StreamService.open_stream`; see the module docstring."""
 
     def __init__(self, service: StreamHost, number: int, voice: str | None, options: dict[str, Any],
-                 output: AudioOutput, input_streaming: bool, log_fields: dict[str, Any]) -> None:
+                 output: AudioOutput, input_streaming: bool, log_fields: dict[str, Any], text_chars: int = 0) -> None:
         engine = service.engine
         self._service = service
         self.number = number
@@ -88,6 +88,7 @@ class Stream:
         self.queued = 0                          # queue position when opened (0: a slot at once)
         self.ignored_options = sorted(set(options) - engine.honoured_options)
         self._log_fields = log_fields
+        self._text_chars = text_chars            # for the log line when no segment was spoken
         self._limits = service.limits
         # Events for the consumer, and audio among them not yet taken (back-pressure).
         self._events: deque[Event] = deque()
@@ -205,6 +206,10 @@ class Stream:
             self._queued_audio_s = 0.0
             self._drained = True
             self._wake()
+
+    def abort(self, kind: ErrorKind, message: str) -> None:
+        """End the stream with an error from outside it (the server's drain time ran out)."""
+        self._fail(kind, message)
 
     async def aclose(self) -> None:
         """Leaving the iterator early cancels the stream."""
@@ -427,5 +432,3 @@ class Stream:
                   "sample_rate": self.sample_rate, "segments": len(self.segments),
                   "text_chars": sum(len(s["text"]) for s in self.segments) or self._text_chars, **outcome}
         stream_log.info(json.dumps(record, separators=(",", ":")))
-
-    _text_chars = 0
