@@ -136,3 +136,17 @@ async def test_tokens_and_origins_apply_to_http_as_to_the_websocket(guarded):
         assert evil.status_code == 403
         good = await http.get("/v1/voices", params={"token": TOKEN}, headers={"origin": "https://app.example"})
         assert good.status_code == 200
+
+
+async def test_info_and_metrics_need_a_token_only_when_asked(guarded, start_server):
+    async with httpx.AsyncClient(base_url=guarded.http) as http:
+        assert (await http.get("/v1/info")).status_code == 200          # the default: open
+        assert (await http.get("/metrics")).status_code == 200
+    private = start_server(PiperEngine(), tokens=[TOKEN], private_info=True)
+    async with httpx.AsyncClient(base_url=private.http) as http:
+        for path in ("/v1/info", "/metrics"):
+            refused = await http.get(path)
+            assert refused.status_code == 401 and refused.json()["error"]["code"] == "unauthorized"
+            assert (await http.get(path, headers={"authorization": f"Bearer {TOKEN}"})).status_code == 200
+        assert (await http.get("/healthz")).status_code == 200
+        assert (await http.get("/readyz")).status_code == 200

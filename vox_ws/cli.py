@@ -23,6 +23,7 @@ _SERVE_OPTIONS: list[tuple[str, Callable[[str], Any], Any, str]] = [
     ("token", str, None, "client tokens (comma-separated); when set, connections must present one"),
     ("admin-token", str, None, "token for admin operations (LoRA); comma-separated for several"),
     ("allow-origin", str, None, "browser origins allowed to connect (comma-separated); default any"),
+    ("private-info", engines.parse_bool, False, "with --token: /v1/info and /metrics need a token too"),
     ("max-connections", int, Limits.max_connections, "open connections in total (then close 1013)"),
     ("max-connections-per-address", int, Limits.max_connections_per_address,
      "open connections per client address (then close 4029)"),

@@ -46,6 +46,9 @@ class ServerConfig:
     # Browser origins allowed to connect; empty allows any. Clients that send no Origin
     # header (servers, not browsers) are not affected.
     allow_origins: list[str] = field(default_factory=list)
+    # With client tokens set: whether /v1/info and /metrics need one too (they say how busy the
+    # server is and which voices it has). /healthz and /readyz stay open for probes.
+    private_info: bool = False
     # The browser demo served at `/` (default: web/demo of the source tree when present).
     demo_dir: str | None = None
     limits: Limits = field(default_factory=Limits)

@@ -9,6 +9,9 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import BaseRoute, Route
 
 from ..metrics import CONTENT_TYPE
+from .auth import is_authorized
+from .errors import error_response
+from .protocol import UNAUTHORIZED
 from .state import ServerState
 
 NO_STORE = {"Cache-Control": "no-store"}
@@ -39,11 +42,18 @@ def routes(state: ServerState, demo_dir: Path | None) -> list[BaseRoute]:
         return JSONResponse({"status": state.status(), "error": state.service.scheduler.error}, status_code=503,
                             headers=NO_STORE)
 
+    def refused(request: Request) -> Response | None:
+        config = state.config
+        if config.private_info and not is_authorized(request, config.tokens, config.admin_tokens):
+            return error_response(401, UNAUTHORIZED, "unauthorized: present a valid token",
+                                  {"WWW-Authenticate": "Bearer"})
+        return None
+
     async def info(request: Request) -> Response:
-        return JSONResponse(state.info(), headers=NO_STORE)
+        return refused(request) or JSONResponse(state.info(), headers=NO_STORE)
 
     async def metrics(request: Request) -> Response:
-        return Response(state.metrics.exposition(), media_type=CONTENT_TYPE, headers=NO_STORE)
+        return refused(request) or Response(state.metrics.exposition(), media_type=CONTENT_TYPE, headers=NO_STORE)
 
     found = [
         Route("/healthz", healthz, methods=["GET"]),
