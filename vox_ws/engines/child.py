@@ -14,6 +14,7 @@ import socket
 import subprocess
 import sys
 from multiprocessing.connection import Connection
+from typing import Any, Iterator
 
 
 def start_child(module: str, threads: int) -> tuple[subprocess.Popen, Connection]:
@@ -27,6 +28,23 @@ def start_child(module: str, threads: int) -> tuple[subprocess.Popen, Connection
 
 def send(conn: Connection, message: tuple) -> None:
     conn.send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def receive(conn: Connection) -> Any:
+    """The next message; EOFError once the other side has gone."""
+    return pickle.loads(conn.recv_bytes())
+
+
+def messages(conn: Connection) -> Iterator[tuple]:
+    """In the child: the parent's messages, until it says stop or goes away."""
+    while True:
+        try:
+            message = receive(conn)
+        except EOFError:
+            return
+        if message[0] == "stop":
+            return
+        yield message
 
 
 def stop_child(proc: subprocess.Popen, conn: Connection, timeout: float = 5.0) -> None:

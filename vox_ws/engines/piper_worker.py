@@ -16,12 +16,11 @@ and starts a new worker for the next one.
 from __future__ import annotations
 
 import logging
-import pickle
 from multiprocessing.connection import Connection
 
 import numpy as np
 
-from .child import child_connection, describe_exit, send, start_child, stop_child
+from .child import child_connection, describe_exit, messages, receive, send, start_child, stop_child
 
 log = logging.getLogger("vox_ws.engines.piper")
 
@@ -87,7 +86,7 @@ class PiperWorker:
                 self._proc.kill()
                 self._proc.wait()
                 raise self._crashed(f"hung {doing} for {timeout:.0f} s")
-            return pickle.loads(self._conn.recv_bytes())
+            return receive(self._conn)
         except (EOFError, OSError):
             self._proc.wait()
             raise self._crashed(doing) from None
@@ -132,7 +131,7 @@ def speak(voice, text: str) -> np.ndarray:
 
 
 def serve(conn: Connection) -> None:
-    _, threads = pickle.loads(conn.recv_bytes())
+    _, threads = receive(conn)
     try:
         voice, rate = _load(threads)
         speak(voice, "Ready.")     # warm the phonemizer and the ONNX graph
@@ -140,15 +139,9 @@ def serve(conn: Connection) -> None:
         send(conn, ("failed", f"{type(exc).__name__}: {exc}"))
         return
     send(conn, ("ready", rate))
-    while True:
+    for _, text in messages(conn):
         try:
-            message = pickle.loads(conn.recv_bytes())
-        except EOFError:
-            return                 # the parent is gone
-        if message[0] == "stop":
-            return
-        try:
-            reply = ("audio", speak(voice, message[1]).tobytes())
+            reply = ("audio", speak(voice, text).tobytes())
         except Exception as exc:  # noqa: BLE001 - the parent fails that request and goes on
             reply = ("error", f"{type(exc).__name__}: {exc}")
         send(conn, reply)

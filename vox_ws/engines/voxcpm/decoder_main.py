@@ -10,7 +10,7 @@ import pickle
 import time
 from multiprocessing.connection import Connection
 
-from ..child import child_connection
+from ..child import child_connection, messages, send
 
 
 def serve(conn: Connection) -> None:
@@ -34,16 +34,10 @@ def serve(conn: Connection) -> None:
     decoder = BatchedStreamingVAE(vae, rows_per_call=rows_per_call, fold_depthwise=True)
     del weights
     decoder.warm_up(*warm_up)
-    conn.send_bytes(pickle.dumps(("ready", None)))
+    send(conn, ("ready", None))
     states: dict[int, dict[int, torch.Tensor]] = {}
     with torch.inference_mode():
-        while True:
-            try:
-                message = pickle.loads(conn.recv_bytes())
-            except EOFError:
-                return            # the parent is gone
-            if message[0] == "stop":
-                return
+        for message in messages(conn):
             if message[0] == "forget":
                 for row in message[1]:
                     states.pop(row, None)
@@ -58,7 +52,7 @@ def serve(conn: Connection) -> None:
                 reply = ("audio", (audio.numpy(), time.perf_counter() - started))
             except Exception as exc:  # noqa: BLE001 - the parent fails those rows and goes on
                 reply = ("error", f"{type(exc).__name__}: {exc}")
-            conn.send_bytes(pickle.dumps(reply, protocol=pickle.HIGHEST_PROTOCOL))
+            send(conn, reply)
 
 
 def main() -> None:

@@ -22,7 +22,6 @@ If the process dies the engine cannot go on: every job's result raises `EngineFa
 
 from __future__ import annotations
 
-import pickle
 import threading
 from collections import deque
 from concurrent.futures import Future
@@ -30,7 +29,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 from ...engine import EngineFailure
-from ..child import send, start_child, stop_child
+from ..child import receive, send, start_child, stop_child
 
 # How long one decode may take before the process is presumed hung (a real-size decode of 16
 # rows on a slow CPU takes seconds, not minutes).
@@ -108,7 +107,7 @@ class DecoderProcess:
     def _read_replies(self) -> None:
         while True:
             try:
-                kind, payload = pickle.loads(self._conn.recv_bytes())
+                kind, payload = receive(self._conn)
             except (EOFError, OSError):
                 self._fail("it exited" if not self._closed else "closed")
                 return
