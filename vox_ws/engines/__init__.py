@@ -88,12 +88,6 @@ def plugins() -> dict[str, EnginePlugin]:
     return dict(_plugins)
 
 
-def unavailable() -> dict[str, str]:
-    """Built-in engine modules that could not be imported here, and why."""
-    _load_built_in()
-    return dict(_unavailable)
-
-
 def option_vocabulary(engine: Engine | None = None) -> dict[str, OptionSpec]:
     """Every generation option some registered engine honours (a served engine's own specs win):
     the options a front door validates, then reports ignored where the engine does not use them."""

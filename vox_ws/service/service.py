@@ -145,9 +145,6 @@ class StreamService:
     async def delete_voice(self, voice: str) -> bool:
         return await self._on_engine_thread(lambda: self.engine.delete_voice(voice))
 
-    def has_voice(self, voice: str) -> bool:
-        return self.scheduler.status == "ready" and self.engine.has_voice(voice)
-
     async def lora(self, op: str, name: str | None) -> dict[str, Any]:
         active = self.scheduler.stats()["active"]
         result = await self._on_engine_thread(lambda: self.engine.lora_op(op, name))

@@ -145,10 +145,6 @@ class Stream:
                 self._waiter = None
         return self._take()
 
-    def take_nowait(self) -> Event | None:
-        """The next event if one is ready, else None (for consumers that poll)."""
-        return self._take() if self._events else None
-
     def _take(self) -> Event:
         event = self._events.popleft()
         if isinstance(event, Audio):
