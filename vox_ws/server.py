@@ -15,7 +15,6 @@ from typing import Any, Iterator
 
 import uvicorn
 
-from . import __version__
 from .config import ServerConfig
 from .engine import Engine, ErrorKind
 from .metrics import Metrics
@@ -111,7 +110,7 @@ class VoxServer:
             ws_ping_interval=self.config.ping_interval,
             ws_ping_timeout=self.config.ping_timeout,
             ws_per_message_deflate=False,      # audio does not compress; deflate would only cost CPU
-            server_header=False, headers=[("server", f"vox-ws/{__version__}")],
+            server_header=False, headers=[("server", self.state.server_name)],
             timeout_graceful_shutdown=CLOSE_GRACE_S,
         )
         self._socket = _listen(self.config.host, self.config.port)

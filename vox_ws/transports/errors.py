@@ -28,3 +28,7 @@ def error_response(status: int, code: str, message: str, headers: dict[str, str]
 def refused_response(err: Refused) -> JSONResponse:
     headers = {"Retry-After": "1"} if err.kind.retryable else None
     return error_response(HTTP_STATUS[err.kind], p.code_for(err.kind), err.message, headers)
+
+
+def unauthorized_response() -> JSONResponse:
+    return error_response(401, p.UNAUTHORIZED, "unauthorized: present a valid token", {"WWW-Authenticate": "Bearer"})

@@ -10,8 +10,7 @@ from starlette.routing import BaseRoute, Route
 
 from ..metrics import CONTENT_TYPE
 from .auth import is_authorized
-from .errors import error_response
-from .protocol import UNAUTHORIZED
+from .errors import unauthorized_response
 from .state import ServerState
 
 NO_STORE = {"Cache-Control": "no-store"}
@@ -45,8 +44,7 @@ def routes(state: ServerState, demo_dir: Path | None) -> list[BaseRoute]:
     def refused(request: Request) -> Response | None:
         config = state.config
         if config.private_info and not is_authorized(request, config.tokens, config.admin_tokens):
-            return error_response(401, UNAUTHORIZED, "unauthorized: present a valid token",
-                                  {"WWW-Authenticate": "Bearer"})
+            return unauthorized_response()
         return None
 
     async def info(request: Request) -> Response:

@@ -18,7 +18,7 @@ from starlette.routing import BaseRoute, Route
 from ..engine import Refused
 from . import protocol as p
 from .auth import is_authorized, origin_allowed
-from .errors import error_response, refused_response
+from .errors import error_response, refused_response, unauthorized_response
 from .state import ServerState
 
 AUDIO_TYPES = ("audio/wav", "audio/x-wav", "audio/wave", "audio/vnd.wave", "audio/flac", "audio/x-flac",
@@ -35,8 +35,7 @@ def routes(state: ServerState) -> list[BaseRoute]:
         if not origin_allowed(request, config.allow_origins):
             return error_response(403, p.UNAUTHORIZED, "origin not allowed")
         if not is_authorized(request, config.tokens, config.admin_tokens):
-            return error_response(401, p.UNAUTHORIZED, "unauthorized: present a valid token",
-                                  {"WWW-Authenticate": "Bearer"})
+            return unauthorized_response()
         return None
 
     async def list_voices(request: Request) -> Response:
