@@ -110,17 +110,60 @@ def wav_bytes(pcm: np.ndarray, sample_rate: int) -> bytes:
     return buf.getvalue()
 
 
-def decode_audio_file(data: bytes) -> tuple[np.ndarray, int]:
-    """WAV/FLAC/OGG bytes to mono float32 samples and their rate. Raises ValueError."""
+# Reference audio a server will decode: at most this many channels, rates in this range.
+MAX_CHANNELS = 8
+MIN_RATE = 8_000
+MAX_RATE = 192_000
+
+
+class AudioTooLong(ValueError):
+    """The audio lasts longer than the caller allows."""
+
+
+def decode_audio_file(data: bytes, max_seconds: float | None = None,
+                      target_rate: int | None = None) -> tuple[np.ndarray, int]:
+    """WAV/FLAC/OGG bytes to mono float32 samples and their rate (`target_rate` when given).
+
+    A compressed file can expand many thousand times (a FLAC of identical samples), so nothing
+    is decoded before the header's channels, rate and length pass the limits, and decoding goes
+    one second at a time, mixed down and resampled as it goes: memory stays within about
+    `max_seconds` of mono audio plus one block, whatever the file claims. Raises AudioTooLong
+    past `max_seconds`, ValueError for anything else wrong."""
     import soundfile
 
     try:
-        audio, rate = soundfile.read(io.BytesIO(data), dtype="float32", always_2d=True)
+        source = soundfile.SoundFile(io.BytesIO(data))
     except Exception as exc:  # soundfile raises LibsndfileError, RuntimeError, TypeError...
-        raise ValueError(f"audio could not be decoded as WAV or FLAC ({type(exc).__name__})") from None
-    if audio.shape[0] == 0:
+        raise ValueError(f"audio could not be decoded as WAV, FLAC or OGG ({type(exc).__name__})") from None
+    with source:
+        rate, channels = int(source.samplerate), int(source.channels)
+        if not 1 <= channels <= MAX_CHANNELS:
+            raise ValueError(f"audio has {channels} channels; at most {MAX_CHANNELS} are accepted")
+        if not MIN_RATE <= rate <= MAX_RATE:
+            raise ValueError(f"audio sample rate {rate} Hz is outside {MIN_RATE}-{MAX_RATE} Hz")
+        if max_seconds is not None and source.frames > 0 and source.frames / rate > max_seconds:
+            raise AudioTooLong(f"audio is {source.frames / rate:.1f}s, over the {max_seconds:g}s allowed")
+        out_rate = target_rate or rate
+        resampler = soxr.ResampleStream(rate, out_rate, 1, dtype="float32", quality="HQ") if out_rate != rate else None
+        limit = None if max_seconds is None else int(max_seconds * rate) + 1
+        parts: list[np.ndarray] = []
+        decoded = 0
+        try:
+            for block in source.blocks(blocksize=rate, dtype="float32", always_2d=True):
+                decoded += block.shape[0]
+                if limit is not None and decoded > limit:
+                    raise AudioTooLong(f"audio is over the {max_seconds:g}s allowed")
+                mono = block.mean(axis=1, dtype=np.float32)
+                parts.append(resampler.resample_chunk(mono) if resampler is not None else mono)
+        except AudioTooLong:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a corrupt stream past a valid header
+            raise ValueError(f"audio could not be decoded ({type(exc).__name__})") from None
+    if resampler is not None:
+        parts.append(resampler.resample_chunk(np.zeros(0, np.float32), last=True))
+    if decoded == 0:
         raise ValueError("audio has no samples")
-    mono = audio.mean(axis=1).astype(np.float32)
-    if not np.all(np.isfinite(mono)):
+    pcm = np.concatenate(parts).astype(np.float32, copy=False)
+    if not np.all(np.isfinite(pcm)):
         raise ValueError("audio has non-finite samples")
-    return mono, int(rate)
+    return pcm, out_rate

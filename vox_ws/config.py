@@ -15,10 +15,13 @@ class Limits:
     max_streams: int = 8
     idle_timeout_s: float = 60.0
     max_queue: int = 64
+    max_queue_wait_s: float = 30.0
     max_buffered_audio_s: float = 10.0
     write_stall_timeout_s: float = 20.0
     stream_timeout_s: float = 30.0
     max_voice_audio_s: float = 30.0
+    max_voices: int = 256
+    max_voices_per_owner: int = 32
     max_connections: int = 256
     max_connections_per_address: int = 32
     max_messages_per_s: float = 50.0
@@ -35,6 +38,9 @@ class ServerConfig:
     device: str = "auto"
     threads: int = 1
     max_batch: int = 8
+    # Slots one client (a connection; a token or address) may hold while others wait;
+    # None: half of max_batch.
+    max_share: int | None = None
     # The chosen engine's own settings (by key, e.g. "lora_rank"); see vox_ws.engines.
     engine_settings: dict[str, Any] = field(default_factory=dict)
     drain_timeout: float = 10.0

@@ -139,6 +139,9 @@ class GenerationRequest:
     text: str
     sink: RequestSink
     voice: str | None = None
+    # What `Engine.pin_voice` returned when the stream opened: the voice itself, kept for the
+    # stream's whole life even if the voice is deleted meanwhile.
+    voice_pin: Any = None
     options: dict[str, Any] = field(default_factory=dict)
     id: int = field(default_factory=itertools.count(1).__next__)
     # Written by the event loop, read by the scheduler thread (a plain bool is enough in CPython).
@@ -152,6 +155,12 @@ class GenerationRequest:
     continuation: Any = None
     steps: int = 0
     submitted_at: float = field(default_factory=time.monotonic)
+    # Who the request is for (a connection, a client): the scheduler shares slots fairly among
+    # these keys. Empty: nobody in particular.
+    owners: tuple[str, ...] = ()
+    # Prefilled, then moved out of the active set to give its slot to another client (see
+    # `Engine.can_park`); it resumes with its state.
+    parked: bool = False
 
 
 @dataclass
@@ -175,10 +184,16 @@ class Engine(ABC):
     sample_rate: int = 0
     # How many requests one `step` call may advance together; 1 means it cannot batch.
     max_step_batch: int = 1
+    # Whether a prefilled request may wait out of the active set and resume later with its state
+    # (true where that state holds no memory worth a slot): the scheduler then takes slots back
+    # from a client holding more than its share while others wait.
+    can_park: bool = False
     # The generation options this engine honours, with ranges and defaults.
     options: Mapping[str, OptionSpec] = {}
-    # Whether `register_voice` can clone a voice from reference audio.
+    # Whether `register_voice` can clone a voice from reference audio, and the sample rate it
+    # wants that audio in (None: any; the stream service resamples before engine work).
     supports_voices: bool = False
+    voice_sample_rate: int | None = None
 
     @abstractmethod
     def load(self) -> None:
@@ -202,13 +217,21 @@ class Engine(ABC):
             hint = "; or register one" if self.supports_voices else ""
             raise Refused(ErrorKind.INVALID, f"unknown voice {voice!r} (built-in: {self.voices()}{hint})")
 
+    def pin_voice(self, voice: str | None) -> Any:
+        """Refuse an unknown voice, or return what keeps it usable by one stream until the
+        stream ends (None where voices cannot go away). Cheap: the event loop calls it."""
+        self.check_voice(voice)
+        return None
+
     def check(self, request: GenerationRequest) -> None:
         """Refuse a request the engine cannot serve. Called on the event loop before the
         request is queued, so it must be cheap."""
-        self.check_voice(request.voice)
+        if request.voice_pin is None:
+            self.check_voice(request.voice)
 
     def register_voice(self, audio: np.ndarray, sample_rate: int, transcript: str | None, mode: str) -> dict[str, Any]:
-        """Build a reusable voice prompt from reference audio; returns {voice, mode, audio_s}."""
+        """Build a reusable voice prompt from reference audio; returns {voice, mode, audio_s}.
+        Never evicts another voice: refuses (BUSY) when it holds as many as it can."""
         raise Refused(ErrorKind.UNSUPPORTED, f"engine {self.name} cannot clone voices")
 
     def delete_voice(self, voice_id: str) -> bool:

@@ -4,6 +4,13 @@ Data flows one way per turn of the scheduler thread:
 
     retire (cancelled) -> admit (waiting -> active, per-request prefill) -> step -> hand off
 
+Slots are shared fairly among the clients a request names (`GenerationRequest.owners`: its
+connection, its token or address): a free slot goes to the waiting request whose clients hold
+the fewest; a client holding more than `max_share` slots while another client waits gives
+one back, where the engine can park a request (`Engine.can_park`); a request that waited
+longer than `max_wait_s` for its first slot is failed (BUSY), so a queue never holds anyone
+forever.
+
 An engine says how many requests one `step` call may advance (`max_step_batch`): a batching
 engine advances all active requests in one call; an engine that cannot batch gets one call per
 request, round-robin, so no stream waits for another to finish. The scheduler never touches
@@ -15,7 +22,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from concurrent.futures import Future
 from typing import Any, Callable
 
@@ -33,10 +40,14 @@ class Scheduler:
         max_batch: int = 8,
         max_queue: int = 64,
         on_fatal: Callable[[BaseException, bool], None] | None = None,
+        max_share: int | None = None,
+        max_wait_s: float | None = None,
     ) -> None:
         self.engine = engine
         self.max_batch = max_batch
         self.max_queue = max_queue
+        self.max_share = max_share or max(1, max_batch // 2)
+        self.max_wait_s = max_wait_s
         self.status = "loading"          # loading -> ready | failed; ready -> failed
         self.error: str | None = None
         self._on_fatal = on_fatal
@@ -101,6 +112,7 @@ class Scheduler:
                 "queued": len(self._waiting),
                 "max_batch": self.max_batch,
                 "max_queue": self.max_queue,
+                "parked": sum(1 for r in self._waiting if r.parked),
                 "steps_total": self.steps_total,
                 "last_step_ms": round(self.last_step_s * 1000, 3),
                 "last_batch_size": self.last_batch_size,
@@ -151,14 +163,20 @@ class Scheduler:
                 return False
             calls = list(self._calls)
             self._calls.clear()
-            dropped = [r for r in self._waiting if r.cancelled]   # cancelled before they got a slot
-            for request in dropped:
+            now = time.monotonic()
+            dropped = [r for r in self._waiting if r.cancelled]   # cancelled before they (re)gained a slot
+            expired = [r for r in self._waiting if not r.cancelled and not r.parked and self.max_wait_s is not None
+                       and now - r.submitted_at > self.max_wait_s]
+            for request in dropped + expired:
                 self._waiting.remove(request)
-            admitted = []
-            while self._waiting and len(self._active) + len(admitted) < self.max_batch:
-                admitted.append(self._waiting.popleft())
+            self._park_for_waiting()
+            admitted = self._choose_admissions()
         for request in dropped:
+            if request.parked:
+                self._release(request)
             request.sink.finish(EndReason.CANCELLED)
+        for request in expired:
+            request.sink.fail(ErrorKind.BUSY, f"waited over {self.max_wait_s:g}s for a slot: every slot stayed busy")
         for fn, future in calls:
             if future.set_running_or_notify_cancel():
                 try:
@@ -180,11 +198,59 @@ class Scheduler:
         self._step(runnable)
         return True
 
+    @staticmethod
+    def _load(request: GenerationRequest, held: Counter) -> int:
+        """Slots held by the busiest of the clients a request is for."""
+        return max((held[key] for key in request.owners), default=0)
+
+    def _choose_admissions(self) -> list[GenerationRequest]:
+        """Waiting requests that get the free slots, fewest slots held by their clients first
+        (then oldest first). Called with the lock held."""
+        held = Counter(key for r in self._active for key in r.owners)
+        admitted = []
+        while self._waiting and len(self._active) + len(admitted) < self.max_batch:
+            best = min(range(len(self._waiting)), key=lambda i: (self._load(self._waiting[i], held), i))
+            request = self._waiting[best]
+            del self._waiting[best]
+            admitted.append(request)
+            held.update(request.owners)
+        return admitted
+
+    def _park_for_waiting(self) -> None:
+        """With every slot taken, a client over its share gives slots back to waiting clients
+        under theirs (engines that can park only). Called with the lock held."""
+        if not self.engine.can_park or len(self._active) < self.max_batch:
+            return
+        held = Counter(key for r in self._active for key in r.owners)
+        for request in list(self._waiting):
+            if self._load(request, held) >= self.max_share or request.parked:
+                continue
+            candidates = [r for r in self._active if not r.cancelled]
+            if not candidates:
+                return
+            victim = max(reversed(candidates), key=lambda r: self._load(r, held))   # latest of the busiest
+            if self._load(victim, held) <= self.max_share:
+                return
+            self._active.remove(victim)
+            victim.parked = True
+            self._waiting.appendleft(victim)
+            held.subtract(victim.owners)
+            held.update(request.owners)               # the slot it frees goes to this one
+            log.debug("request %s parked: its client holds over %d slots while others wait", victim.id,
+                      self.max_share)
+
     def _admit(self, request: GenerationRequest) -> bool:
         """Prefill a request into the active set; False if it did not get there."""
         if request.cancelled:
+            if request.parked:
+                self._release(request)
             request.sink.finish(EndReason.CANCELLED)
             return False
+        if request.parked:                           # resumes where it was
+            request.parked = False
+            with self._cond:
+                self._active.append(request)
+            return True
         try:
             self.engine.prefill(request)
         except Refused as exc:     # the engine found, late, that it cannot serve this one

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import signal
 import socket
@@ -24,7 +25,7 @@ from .transports import protocol as p
 from .transports.app import STREAM_PATH, build_app
 from .transports.http_routes import default_demo_dir
 from .transports.state import ServerState
-from .transports.ws_protocol import WebSocketProtocol
+from .transports.connections import ConnectionGuard, HttpProtocol, WebSocketProtocol
 
 log = logging.getLogger("vox_ws.server")
 
@@ -64,10 +65,12 @@ class VoxServer:
         self.config = config
         self.engine = engine
         self.scheduler = Scheduler(engine, max_batch=config.max_batch, max_queue=config.limits.max_queue,
-                                   on_fatal=self._engine_died)
+                                   on_fatal=self._engine_died, max_share=config.max_share,
+                                   max_wait_s=config.limits.max_queue_wait_s)
         self.metrics = Metrics()
         self.service = StreamService(self.scheduler, config.limits, self.metrics)
         self.state = ServerState(config, self.service, self.metrics)
+        self.guard = ConnectionGuard(config.limits)
         self.metrics.bind(
             active=lambda: self.scheduler.stats()["active"],
             queued=lambda: self.scheduler.stats()["queued"],
@@ -103,7 +106,8 @@ class VoxServer:
         uv_config = uvicorn.Config(
             build_app(self.state, demo),
             loop="none", lifespan="off", log_config=None, access_log=False,
-            ws=WebSocketProtocol,
+            http=functools.partial(HttpProtocol, guard=self.guard),
+            ws=functools.partial(WebSocketProtocol, limits=limits),
             # Frames up to 4x the published limit are read and answered with `too_large`; beyond
             # that the transport closes with 1009 without buffering them.
             ws_max_size=limits.max_frame_bytes * 4,

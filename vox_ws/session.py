@@ -24,6 +24,7 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 from .engine import ErrorKind, Refused
 from .service import Audio, AudioOutput, Ended, Failed, Flushed, Segment, Stream
 from .transports import protocol as p
+from .transports.rate import BUDGET_EXTENSION, MessageBudget
 from .transports.state import ServerState
 
 log = logging.getLogger("vox_ws.session")
@@ -32,29 +33,11 @@ log = logging.getLogger("vox_ws.session")
 MAX_QUEUED_FRAMES = 1024
 # Seconds a closing session waits for what is already queued to be sent.
 CLOSE_FLUSH_TIMEOUT_S = 2.0
-# Messages over the rate limit in a row after which the connection is closed (1008).
-RATE_LIMIT_CLOSE_AFTER = 200
+# Refused messages in a row (bad frames, unknown streams...) after which the connection is
+# closed (1008): a client that only sends errors is broken or hostile.
+MAX_ERRORS_IN_A_ROW = 50
 # Errors a closed socket raises on send.
 _SEND_CLOSED = (WebSocketDisconnect, RuntimeError, OSError)
-
-
-class TokenBucket:
-    """`rate` messages per second on average, bursts up to `burst`."""
-
-    def __init__(self, rate: float, burst: float) -> None:
-        self.rate = rate
-        self.burst = burst
-        self._tokens = burst
-        self._at = time.monotonic()
-
-    def take(self) -> bool:
-        now = time.monotonic()
-        self._tokens = min(self.burst, self._tokens + (now - self._at) * self.rate)
-        self._at = now
-        if self._tokens >= 1.0:
-            self._tokens -= 1.0
-            return True
-        return False
 
 
 class _OpenStream:
@@ -74,7 +57,7 @@ class Session:
 
     _numbers = itertools.count(1)
 
-    def __init__(self, ws: WebSocket, state: ServerState, is_admin: bool = False) -> None:
+    def __init__(self, ws: WebSocket, state: ServerState, is_admin: bool = False, owner: str = "") -> None:
         self.ws = ws
         self.state = state
         self.service = state.service
@@ -82,6 +65,10 @@ class Session:
         self.metrics = state.metrics
         self.is_admin = is_admin
         self.number = next(self._numbers)
+        # Whom this connection acts for (a token or an address): owns its voices, and shares
+        # the scheduler's slots fairly with other clients, as does the connection itself.
+        self.owner = owner or f"connection:{self.number}"
+        self._owners = (f"connection:{self.number}", self.owner)
         self.streams: dict[str, _OpenStream] = {}
         self.last_activity = time.monotonic()
         self._outbox: asyncio.Queue[bytes] = asyncio.Queue()
@@ -89,8 +76,10 @@ class Session:
         self._closing = False
         self._requests: set[asyncio.Task] = set()   # voice / lora requests in flight
         self._voice_task: asyncio.Task | None = None
-        self._bucket = TokenBucket(self.limits.max_messages_per_s, burst=max(1.0, 2 * self.limits.max_messages_per_s))
-        self._refused_in_a_row = 0
+        # Shared with the WebSocket protocol, which draws pings from it.
+        self._budget: MessageBudget = (ws.scope.get("extensions") or {}).get(BUDGET_EXTENSION) or MessageBudget(
+            self.limits.max_messages_per_s)
+        self._errors_in_a_row = 0
         self.close_code: int | None = None
         # The ASGI send callable under Starlette's WebSocket: frames of an accepted connection
         # need none of its state checks, and a chunk's path to the socket is the hot one.
@@ -108,11 +97,12 @@ class Session:
                 if message["type"] == "websocket.disconnect":
                     self.close_code = self.close_code or message.get("code")
                     break
-                self.last_activity = time.monotonic()
-                if self._bucket.take():
-                    self._refused_in_a_row = 0
+                if self._budget.take():
                     data = message.get("bytes")
-                    self._handle(data if data is not None else message.get("text", ""))
+                    if self._handle(data if data is not None else message.get("text", "")):
+                        # Only a message that did something counts as activity: a client that
+                        # sends nothing but errors is reaped like an idle one.
+                        self.last_activity = time.monotonic()
                 else:
                     self._rate_limited()
         except (WebSocketDisconnect, RuntimeError):
@@ -151,8 +141,7 @@ class Session:
     # -------------------------------------------------------------- receiving
 
     def _rate_limited(self) -> None:
-        self._refused_in_a_row += 1
-        if self._refused_in_a_row > RATE_LIMIT_CLOSE_AFTER:
+        if self._budget.exhausted:
             self._close_for_policy("message rate limit exceeded")
             return
         self._error(p.ProtocolError(p.RATE_LIMITED, f"more than {self.limits.max_messages_per_s:g} messages per "
@@ -162,7 +151,8 @@ class Session:
         self.metrics.errors.labels(err.code).inc()
         self._send(p.encode(p.error_message(err)))
 
-    def _handle(self, data: bytes | str) -> None:
+    def _handle(self, data: bytes | str) -> bool:
+        """Act on one message; False if it was refused."""
         try:
             obj = p.decode_frame(data, self.limits)
             message = p.parse_message(obj, self.limits, self.state.option_specs)
@@ -176,6 +166,12 @@ class Session:
                 self._on_input(message, obj["type"])
         except p.ProtocolError as err:
             self._error(err)
+            self._errors_in_a_row += 1
+            if self._errors_in_a_row >= MAX_ERRORS_IN_A_ROW:
+                self._close_for_policy(f"{MAX_ERRORS_IN_A_ROW} refused messages in a row")
+            return False
+        self._errors_in_a_row = 0
+        return True
 
     def _open(self, sid: str) -> _OpenStream:
         entry = self.streams.get(sid)
@@ -199,7 +195,8 @@ class Session:
             stream = self.service.open_stream(
                 start.text if (start.text or not start.stream_input) else None, voice=start.voice,
                 options=start.options, output=AudioOutput(start.format, start.sample_rate),
-                input_streaming=start.stream_input, log_fields={"session": self.number, "id": sid})
+                input_streaming=start.stream_input, log_fields={"session": self.number, "id": sid},
+                owners=self._owners)
         except Refused as err:
             raise p.ProtocolError.from_refused(err, sid) from None
         reply: dict[str, Any] = {"type": "start", "id": sid, "sample_rate": stream.sample_rate,
@@ -234,7 +231,7 @@ class Session:
         if isinstance(message, p.Voice):
             if self._voice_task is not None and not self._voice_task.done():
                 raise p.ProtocolError(p.BUSY, "one voice registration at a time per connection", message.id)
-            work = self.service.register_voice(message.audio, message.transcript, message.mode)
+            work = self.service.register_voice(message.audio, message.transcript, message.mode, owner=self.owner)
             kind = "voice"
         elif isinstance(message, p.VoiceDelete):
             work = self._deleted(message.voice)
@@ -252,7 +249,7 @@ class Session:
         task.add_done_callback(self._requests.discard)
 
     async def _deleted(self, voice: str) -> dict[str, Any]:
-        return {"voice": voice, "deleted": await self.service.delete_voice(voice)}
+        return {"voice": voice, "deleted": await self.service.delete_voice(voice, owner=self.owner)}
 
     async def _answer(self, request_id: str | None, kind: str, work: Any) -> None:
         try:

@@ -14,16 +14,21 @@ import itertools
 import time
 from typing import Any, AsyncIterator
 
-from ..audio import decode_audio_file
+from ..audio import AudioTooLong, decode_audio_file
 from ..config import Limits
 from ..engine import VOICE_MODES, Engine, ErrorKind, Refused
 from ..metrics import Metrics
 from ..scheduler import Scheduler
 from .handoff import LoopMailbox
 from .stream import AudioOutput, Stream, check_text
+from .voices import VoiceOwners
 
 # Reference audio shorter than this cannot carry a voice.
 MIN_VOICE_AUDIO_S = 0.2
+# Reference audio files decoded at once: decoding is CPU work beside the engine's.
+MAX_CONCURRENT_DECODES = 1
+# The owner that may delete any voice (admin connections).
+ANY_OWNER = "admin"
 
 
 class StreamService:
@@ -39,9 +44,12 @@ class StreamService:
         self._streams: set[Stream] = set()
         self._numbers = itertools.count(1)
         self._watchdog: asyncio.Task | None = None
+        self.voice_owners = VoiceOwners(self.limits.max_voices_per_owner, self.limits.max_voices)
+        self._decodes: asyncio.Semaphore | None = None
 
     async def start(self) -> None:
         self.mailbox = LoopMailbox(asyncio.get_running_loop())
+        self._decodes = asyncio.Semaphore(MAX_CONCURRENT_DECODES)
         self._watchdog = asyncio.create_task(self._watch(), name="vox-ws-stream-watchdog")
 
     async def close(self) -> None:
@@ -57,12 +65,15 @@ class StreamService:
 
     def open_stream(self, text: str | AsyncIterator[str] | None = None, *, voice: str | None = None,
                     options: dict[str, Any] | None = None, output: AudioOutput = AudioOutput(),
-                    input_streaming: bool = False, log_fields: dict[str, Any] | None = None) -> Stream:
+                    input_streaming: bool = False, log_fields: dict[str, Any] | None = None,
+                    owners: tuple[str, ...] = ()) -> Stream:
         """Open a stream and start generating.
 
         `text` a string: say it (with `input_streaming`, it is the first piece and more may
         follow through `send_text`); an async iterator of strings: read the input from it;
-        None with `input_streaming`: the input comes through `send_text`. Raises `Refused`.
+        None with `input_streaming`: the input comes through `send_text`. `owners` names the
+        clients the stream is for (its connection, its token or address), among which the
+        scheduler shares its slots fairly. Raises `Refused`.
         """
         if not self.accepting:
             raise Refused(ErrorKind.GOING_AWAY, "server shutting down: no new streams")
@@ -77,12 +88,12 @@ class StreamService:
         if isinstance(text, str) and len(text) > self.limits.max_text_chars:
             raise Refused(ErrorKind.TOO_LARGE, f"text has {len(text)} characters, over "
                                                f"max_text_chars={self.limits.max_text_chars}")
+        # The stream keeps its voice until it ends, even if the voice is deleted meanwhile.
+        voice_pin = self.engine.pin_voice(voice)
         stream = Stream(self, next(self._numbers), voice, dict(options or {}), output, input_streaming,
-                        dict(log_fields or {}), text_chars=len(text) if isinstance(text, str) else 0)
-        if input_streaming:
-            # Refuse an unknown voice now, not at the first segment.
-            self.engine.check_voice(voice)
-        else:
+                        dict(log_fields or {}), text_chars=len(text) if isinstance(text, str) else 0,
+                        voice_pin=voice_pin, owners=owners)
+        if not input_streaming:
             if not isinstance(text, str) or not text.strip():
                 raise Refused(ErrorKind.INVALID, "nothing to say: the text is empty")
             stream.queued = stream.submit(text)
@@ -116,8 +127,10 @@ class StreamService:
     def voices(self) -> list[str]:
         return self.engine.voices() if self.scheduler.status == "ready" else []
 
-    async def register_voice(self, audio: bytes, transcript: str | None = None, mode: str | None = None) -> dict:
-        """Clone a voice from reference audio (WAV, FLAC or OGG bytes); returns {voice, mode, audio_s}."""
+    async def register_voice(self, audio: bytes, transcript: str | None = None, mode: str | None = None,
+                             owner: str = ANY_OWNER) -> dict:
+        """Clone a voice from reference audio (WAV, FLAC or OGG bytes) for `owner`; returns
+        {voice, mode, audio_s}. An owner at its cap loses its own oldest voice."""
         if not self.engine.supports_voices:
             raise Refused(ErrorKind.UNSUPPORTED, f"engine {self.engine.name} cannot clone voices")
         has_transcript = bool(transcript and transcript.strip())
@@ -128,22 +141,45 @@ class StreamService:
             raise Refused(ErrorKind.INVALID, f"field 'transcript' is required for mode {mode!r}")
         if transcript is not None and len(transcript) > self.limits.max_text_chars:
             raise Refused(ErrorKind.TOO_LARGE, f"field 'transcript' is over max_text_chars={self.limits.max_text_chars}")
+        retire = self.voice_owners.reserve(owner)
         try:
-            # Decoding a file is CPU work: never on the event loop.
-            pcm, rate = await asyncio.to_thread(decode_audio_file, audio)
-        except ValueError as exc:
-            raise Refused(ErrorKind.INVALID, f"field 'audio': {exc}") from None
+            pcm, rate = await self._decode(audio)
+            result = await self._on_engine_thread(lambda: self.engine.register_voice(pcm, rate, transcript, mode))
+            if retire is not None and self.voice_owners.owns(owner, retire):
+                await self._on_engine_thread(lambda: self.engine.delete_voice(retire))
+                self.voice_owners.remove(retire)
+            self.voice_owners.add(owner, result["voice"])
+            return result
+        finally:
+            self.voice_owners.release()
+
+    async def _decode(self, audio: bytes) -> tuple[Any, int]:
+        """Reference audio to mono samples at the engine's rate, one decode at a time, off the loop."""
+        limit = self.limits.max_voice_audio_s
+        assert self._decodes is not None, "StreamService.start() was not awaited"
+        async with self._decodes:
+            try:
+                pcm, rate = await asyncio.to_thread(decode_audio_file, audio, limit, self.engine.voice_sample_rate)
+            except AudioTooLong as exc:
+                raise Refused(ErrorKind.TOO_LARGE, f"reference {exc} (max_voice_audio_s={limit:g})") from None
+            except ValueError as exc:
+                raise Refused(ErrorKind.INVALID, f"field 'audio': {exc}") from None
         seconds = len(pcm) / rate
-        if seconds > self.limits.max_voice_audio_s:
-            raise Refused(ErrorKind.TOO_LARGE, f"reference audio is {seconds:.1f}s, over max_voice_audio_s="
-                                               f"{self.limits.max_voice_audio_s:g}")
+        if seconds > limit:
+            raise Refused(ErrorKind.TOO_LARGE, f"reference audio is {seconds:.1f}s, over max_voice_audio_s={limit:g}")
         if seconds < MIN_VOICE_AUDIO_S:
             raise Refused(ErrorKind.INVALID, f"reference audio is {seconds:.2f}s; at least {MIN_VOICE_AUDIO_S}s "
                                              "is needed")
-        return await self._on_engine_thread(lambda: self.engine.register_voice(pcm, rate, transcript, mode))
+        return pcm, rate
 
-    async def delete_voice(self, voice: str) -> bool:
-        return await self._on_engine_thread(lambda: self.engine.delete_voice(voice))
+    async def delete_voice(self, voice: str, owner: str = ANY_OWNER) -> bool:
+        """Delete a registered voice; False if there is none by that id that `owner` may delete
+        (another owner's voice looks like no voice at all). Streams using it keep it to their end."""
+        if owner != ANY_OWNER and not self.voice_owners.owns(owner, voice):
+            return False
+        deleted = await self._on_engine_thread(lambda: self.engine.delete_voice(voice))
+        self.voice_owners.remove(voice)
+        return deleted
 
     async def lora(self, op: str, name: str | None) -> dict[str, Any]:
         active = self.scheduler.stats()["active"]

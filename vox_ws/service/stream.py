@@ -75,11 +75,14 @@ class Stream:
     """Created by `StreamService.open_stream`; see the module docstring."""
 
     def __init__(self, service: StreamHost, number: int, voice: str | None, options: dict[str, Any],
-                 output: AudioOutput, input_streaming: bool, log_fields: dict[str, Any], text_chars: int = 0) -> None:
+                 output: AudioOutput, input_streaming: bool, log_fields: dict[str, Any], text_chars: int = 0,
+                 voice_pin: Any = None, owners: tuple[str, ...] = ()) -> None:
         engine = service.engine
         self._service = service
         self.number = number
         self.voice = voice
+        self._voice_pin = voice_pin
+        self._owners = owners
         self.options = options
         self.input_streaming = input_streaming
         self.format = output.format
@@ -258,7 +261,8 @@ class Stream:
 
     def submit(self, text: str) -> int:
         """Queue a generation request for (the next segment of) this stream; its queue position."""
-        request = GenerationRequest(text=text, sink=self, voice=self.voice, options=dict(self.options),
+        request = GenerationRequest(text=text, sink=self, voice=self.voice, voice_pin=self._voice_pin,
+                                    options=dict(self.options), owners=self._owners,
                                     context=self._context, keep_continuation=self.input_streaming)
         self._service.engine.check(request)
         position = self._service.scheduler.submit(request)

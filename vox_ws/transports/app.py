@@ -18,7 +18,7 @@ from starlette.websockets import WebSocket
 from ..session import Session
 from . import http_routes, voices_api
 from . import protocol as p
-from .auth import is_admin, is_authorized, origin_allowed
+from .auth import is_admin, is_authorized, origin_allowed, owner
 from .state import ServerState
 
 log = logging.getLogger("vox_ws.server")
@@ -41,7 +41,9 @@ def build_app(state: ServerState, demo_dir: Path | None = None) -> Starlette:
             await ws.close(code, reason)
             return
         address = _address(ws)
-        session = Session(ws, state, is_admin=is_admin(ws, state.config.admin_tokens))
+        config = state.config
+        session = Session(ws, state, is_admin=is_admin(ws, config.admin_tokens),
+                          owner=owner(ws, config.tokens, config.admin_tokens))
         state.sessions.add(session)
         state.per_address[address] += 1
         log.info("session %d open from %s", session.number, address)

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 
 from starlette.requests import HTTPConnection
+
+from ..service import ANY_OWNER
 
 
 def presented_tokens(conn: HTTPConnection) -> list[str]:
@@ -43,3 +46,16 @@ def origin_allowed(conn: HTTPConnection, allow_origins: list[str]) -> bool:
     """Browsers always send Origin; requests without one (servers) are not affected."""
     origin = conn.headers.get("origin")
     return not allow_origins or origin is None or origin in allow_origins
+
+
+def owner(conn: HTTPConnection, tokens: list[str], admin_tokens: list[str]) -> str:
+    """Whom a request acts for, in the stream service's words: "admin" (may delete any voice),
+    one client token (by a digest, never the token itself), or the client's address where no
+    token was presented."""
+    presented = presented_tokens(conn)
+    if is_admin(conn, admin_tokens):
+        return ANY_OWNER
+    for token in tokens:
+        if token_matches(presented, [token]):
+            return "token:" + hashlib.sha256(token.encode()).hexdigest()[:16]
+    return "address:" + (conn.client.host if conn.client is not None else "unknown")

@@ -17,7 +17,7 @@ from starlette.routing import BaseRoute, Route
 
 from ..engine import Refused
 from . import protocol as p
-from .auth import is_authorized, origin_allowed
+from .auth import is_authorized, origin_allowed, owner
 from .errors import error_response, refused_response, unauthorized_response
 from .state import ServerState
 
@@ -30,6 +30,9 @@ class _TooLarge(Exception):
 
 
 def routes(state: ServerState) -> list[BaseRoute]:
+    def _owner(request: Request) -> str:
+        return owner(request, state.config.tokens, state.config.admin_tokens)
+
     def guard(request: Request) -> Response | None:
         config = state.config
         if not origin_allowed(request, config.allow_origins):
@@ -81,7 +84,7 @@ def routes(state: ServerState) -> list[BaseRoute]:
         if not audio:
             return error_response(400, p.BAD_REQUEST, "no audio in the request")
         try:
-            result = await state.service.register_voice(audio, transcript, mode)
+            result = await state.service.register_voice(audio, transcript, mode, owner=_owner(request))
         except Refused as err:
             return refused_response(err)
         return JSONResponse(result, status_code=201)
@@ -91,7 +94,7 @@ def routes(state: ServerState) -> list[BaseRoute]:
             return refusal
         voice = request.path_params["voice_id"]
         try:
-            deleted = await state.service.delete_voice(voice)
+            deleted = await state.service.delete_voice(voice, owner=_owner(request))
         except Refused as err:
             return refused_response(err)
         if not deleted:

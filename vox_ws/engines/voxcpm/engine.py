@@ -93,6 +93,7 @@ class VoxCPMEngine(Engine):
         self.device = str(model.device)
         self.dtype = str(model.config.dtype)
         self.sample_rate = int(model.sample_rate)
+        self.voice_sample_rate = int(model._encode_sample_rate)
         self.runner = BatchedVoxCPM2(model, self.max_step_batch)
         if self._warm_normalizer:
             self._normalize("Warm up 123.")
@@ -126,15 +127,27 @@ class VoxCPMEngine(Engine):
     def has_voice(self, voice: str) -> bool:
         return self._voices.get(voice) is not None
 
+    def pin_voice(self, voice: str | None) -> Any:
+        self.check_voice(voice)
+        return self._voices.get(voice)
+
+    def _voice_cache(self, request: GenerationRequest) -> dict | None:
+        if request.voice_pin is not None:
+            return request.voice_pin
+        cache = self._voices.get(request.voice)
+        if request.voice is not None and cache is None:
+            raise Refused(ErrorKind.INVALID, f"unknown voice {request.voice!r}: it was deleted")
+        return cache
+
     def check(self, request: GenerationRequest) -> None:
-        self.check_voice(request.voice)
+        cache = self._voice_cache(request)
         if request.options.get("denoise") and self.tts is not None and self.tts.denoiser is None:
             raise Refused(ErrorKind.INVALID, "option 'options.denoise' needs a server started with --load-denoiser")
         text = clean_text(request.text)
         if not text:
             raise Refused(ErrorKind.INVALID, "field 'text' has nothing to say after whitespace cleanup")
         if self.runner is not None and not request.options.get("normalize"):
-            positions, tokens = prompt_positions(self.tts.tts_model, text, self._voices.get(request.voice))
+            positions, tokens = prompt_positions(self.tts.tts_model, text, cache)
             if not self.runner.fits(positions, tokens, request.options.get("max_len", DEFAULTS["max_len"])):
                 raise Refused(ErrorKind.TOO_LARGE, f"text and voice prompt take {positions} positions; with the "
                                                    f"audio they need, the model's {self.runner.max_len} are not "
@@ -149,7 +162,7 @@ class VoxCPMEngine(Engine):
         if options.get("normalize"):
             text = self._normalize(text)
         model = self.tts.tts_model
-        cache = self._voices.get(request.voice)
+        cache = self._voice_cache(request)
         if request.context is not None:
             # Continue from the previous segment of the same stream: its text and generated audio
             # become the prompt (after the voice's own), so prosody carries over.

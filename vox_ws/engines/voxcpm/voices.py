@@ -1,9 +1,10 @@
 """Voice prompts: built from reference audio once, kept by id, used by every stream that names them.
 
 A voice is the package's prompt cache (reference features, continuation features and their
-transcript). Built-in voices come from `--voices-dir`; registered ones are kept most recently
-used first, up to `MAX_VOICES`. The event loop reads the book (`get`); the scheduler thread
-writes it.
+transcript). Built-in voices come from `--voices-dir`; registered ones are kept until deleted,
+up to `MAX_VOICES` (who may register and delete which is the stream service's business: the
+book never evicts one voice to make room for another). The event loop reads the book (`get`);
+the scheduler thread writes it.
 """
 
 from __future__ import annotations
@@ -11,25 +12,26 @@ from __future__ import annotations
 import logging
 import secrets
 import threading
-from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from ...audio import decode_audio_file
+from ...engine import ErrorKind, Refused
 from .prompt import clean_text
 
 log = logging.getLogger("vox_ws.engines.voxcpm")
 
-MAX_VOICES = 256
+# A safety net only: the stream service's own limits (per owner and in all) are lower.
+MAX_VOICES = 1024
 _CACHE_MODES = {"reference": "reference", "continuation": "continuation", "both": "ref_continuation"}
 
 
 class VoiceBook:
     def __init__(self) -> None:
         self._builtin: dict[str, dict] = {}
-        self._registered: OrderedDict[str, dict] = OrderedDict()
+        self._registered: dict[str, dict] = {}
         self._lock = threading.Lock()
 
     def builtin(self) -> list[str]:
@@ -40,18 +42,15 @@ class VoiceBook:
         if voice is None:
             return None
         with self._lock:
-            cache = self._builtin.get(voice) or self._registered.get(voice)
-            if voice in self._registered:
-                self._registered.move_to_end(voice)
-        return cache
+            return self._builtin.get(voice) or self._registered.get(voice)
 
     def add(self, cache: dict, name: str | None = None) -> str:
         """Keep a voice; a name makes it built-in, else it gets an unguessable id."""
         voice_id = name or "v_" + secrets.token_urlsafe(12)
         with self._lock:
+            if not name and len(self._registered) >= MAX_VOICES:
+                raise Refused(ErrorKind.BUSY, f"the server holds {MAX_VOICES} registered voices: delete one first")
             (self._builtin if name else self._registered)[voice_id] = cache
-            while len(self._registered) > MAX_VOICES:
-                self._registered.popitem(last=False)
         return voice_id
 
     def delete(self, voice_id: str) -> bool:
