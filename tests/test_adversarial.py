@@ -3,21 +3,30 @@
 from __future__ import annotations
 
 import asyncio
+import io
 import os
 import socket
 import time
+import urllib.error
+import urllib.request
 
 import msgpack
+import numpy as np
 import pytest
+import soundfile
 from conftest import assert_good_stream, connect_client
-from test_server_piper import SENTENCE
+from test_server_piper import LONG, SENTENCE
+from test_stream_service import audio_of, drain, loaded_scheduler, service_on, tone_wav
 from websockets.asyncio.client import connect
 from websockets.client import ClientProtocol
 from websockets.exceptions import ConnectionClosed
 from websockets.frames import Close, Opcode
 from websockets.uri import parse_uri
 
+from vox_ws.engine import EndReason, ErrorKind, Refused
 from vox_ws.engines.piper import PiperEngine
+from vox_ws.scheduler import Scheduler
+from vox_ws.service import ANY_OWNER, Audio, Ended, Failed
 from vox_ws.transports.connections import WRITE_BUFFER_HIGH
 
 STORY = ("The harbour was quiet that morning, and the boats rocked gently against the pier. "
@@ -184,3 +193,170 @@ async def test_paced_readers_get_a_three_minute_text_whole(start_server):
     for end, seconds in results:
         assert end["type"] == "end" and end["reason"] == "done", end
         assert end["audio_s"] >= 170 and abs(seconds - end["audio_s"]) < 0.01, (end, seconds)
+
+
+# ------------------------------------------------------------------ voice uploads
+
+
+def _flac_bomb(seconds: int, channels: int = 8, rate: int = 48000, declare_length: bool = True) -> bytes:
+    """Silence in FLAC: a few bytes a second, whatever the channels (the attack's file)."""
+    buf = io.BytesIO()
+    with soundfile.SoundFile(buf, "w", rate, channels, format="FLAC", subtype="PCM_16") as f:
+        block = np.zeros((rate, channels), dtype=np.int16)
+        for _ in range(seconds):
+            f.write(block)
+    data = bytearray(buf.getvalue())
+    if not declare_length:
+        # STREAMINFO's 36-bit total sample count (file bytes 21.5-25) set to 0: "unknown".
+        data[21] &= 0xF0
+        data[22:26] = b"\0\0\0\0"
+    return bytes(data)
+
+
+@pytest.fixture(scope="module")
+def voxcpm_service_scheduler(tiny_model):
+    from vox_ws.engines.voxcpm.engine import VoxCPMEngine
+
+    scheduler = loaded_scheduler(VoxCPMEngine(model=str(tiny_model), device="cpu", max_batch=2), max_batch=2)
+    yield scheduler
+    scheduler.stop()
+
+
+@pytest.mark.parametrize("declare_length", [True, False])
+async def test_a_flac_bomb_is_refused_without_decoding_it_whole(voxcpm_service_scheduler, declare_length):
+    bomb = _flac_bomb(600, declare_length=declare_length)        # 600 s x 8 channels: 880 MB as float32
+    assert len(bomb) < 2 << 20
+    service = await service_on(voxcpm_service_scheduler)
+    before = _rss_mb()
+    started = time.monotonic()
+    # Several at once, as the attack did: they are decoded one at a time.
+    results = await asyncio.gather(*(service.register_voice(bomb) for _ in range(4)), return_exceptions=True)
+    assert all(isinstance(r, Refused) and r.kind == ErrorKind.TOO_LARGE for r in results), results
+    assert time.monotonic() - started < 20
+    assert _rss_mb() - before < 150
+    await service.close()
+
+
+async def test_voice_audio_outside_the_accepted_rates_and_channels_is_invalid(voxcpm_service_scheduler):
+    service = await service_on(voxcpm_service_scheduler)
+    for rate, channels in ((1_000_000, 1), (4000, 1), (16000, 9)):
+        buf = io.BytesIO()
+        soundfile.write(buf, np.zeros((rate // 2, channels), np.float32), rate, format="WAV")
+        with pytest.raises(Refused) as info:
+            await service.register_voice(buf.getvalue())
+        assert info.value.kind == ErrorKind.INVALID, (rate, channels, info.value.message)
+    await service.close()
+
+
+# ------------------------------------------------------------------ voices belong to their owner
+
+
+async def test_voices_belong_to_their_owner_and_no_one_evicts_another(voxcpm_service_scheduler):
+    service = await service_on(voxcpm_service_scheduler, max_voices=4, max_voices_per_owner=2)
+    alice = [(await service.register_voice(tone_wav(0.5), owner="token:alice"))["voice"] for _ in range(3)]
+    bob = (await service.register_voice(tone_wav(0.5), owner="token:bob"))["voice"]
+    # Alice's third retired her first, nobody else's.
+    with pytest.raises(Refused):
+        service.open_stream("Hi.", voice=alice[0])
+    for voice in alice[1:] + [bob]:
+        service.open_stream("Hi.", voice=voice, options={"max_len": 1}).cancel()
+    # Bob cannot delete Alice's voice (it looks like no voice at all); Alice and an admin can.
+    assert await service.delete_voice(alice[1], owner="token:bob") is False
+    assert await service.delete_voice(alice[1], owner="token:alice") is True
+    assert await service.delete_voice(alice[2], owner=ANY_OWNER) is True
+    # A full server refuses new owners' voices rather than dropping someone's.
+    for name in ("carol", "dave", "erin"):
+        await service.register_voice(tone_wav(0.5), owner=f"token:{name}")
+    with pytest.raises(Refused) as info:
+        await service.register_voice(tone_wav(0.5), owner="token:frank")
+    assert info.value.kind == ErrorKind.BUSY
+    service.open_stream("Hi.", voice=bob, options={"max_len": 1}).cancel()
+    await service.close()
+
+
+async def test_a_queued_stream_keeps_its_voice_when_the_voice_is_deleted(voxcpm_service_scheduler):
+    service = await service_on(voxcpm_service_scheduler)
+    voice = (await service.register_voice(tone_wav(1.0), "A short reference.", owner="token:a"))["voice"]
+    options = {"max_len": 4, "seed": 7}
+    with_voice = audio_of(await drain(service.open_stream("Hello there.", voice=voice, options=options)), "f32")
+    default = audio_of(await drain(service.open_stream("Hello there.", options=options)), "f32")
+    # Both slots busy: the next stream waits in the queue, and its voice is deleted meanwhile.
+    blockers = [service.open_stream("Hold the slot.", options={"max_len": 2000}) for _ in range(2)]
+    for blocker in blockers:
+        assert isinstance(await blocker.__anext__(), Audio)
+    queued = service.open_stream("Hello there.", voice=voice, options=options)
+    assert queued.queued
+    assert await service.delete_voice(voice, owner="token:a") is True
+    for blocker in blockers:
+        blocker.cancel()
+    events = await drain(queued)
+    assert isinstance(events[-1], Ended) and events[-1].reason == EndReason.MAX_LEN
+    audio = audio_of(events, "f32")
+    assert np.max(np.abs(audio - with_voice)) < 1e-4
+    assert np.max(np.abs(audio - default)) > 1e-3      # the tiny random model barely hears voices
+    await service.close()
+
+
+async def test_another_token_cannot_delete_a_voice_over_the_wire(start_server, tiny_model):
+    from vox_ws.engines.voxcpm.engine import VoxCPMEngine
+
+    server = start_server(VoxCPMEngine(model=str(tiny_model), device="cpu", max_batch=2), tokens=["alpha", "beta"])
+    async with connect_client(server, additional_headers={"Authorization": "Bearer alpha"}) as alpha:
+        await alpha.send({"type": "voice", "id": "r", "audio": tone_wav(0.5)})
+        voice = (await alpha.recv_where(lambda m: m.get("id") == "r"))["voice"]
+        async with connect_client(server, additional_headers={"Authorization": "Bearer beta"}) as beta:
+            await beta.send({"type": "voice_delete", "id": "d", "voice": voice})
+            assert (await beta.recv_where(lambda m: m.get("id") == "d"))["deleted"] is False
+        status, _ = _delete(server, voice, "beta")
+        assert status == 404
+        await alpha.send({"type": "voice_delete", "id": "d", "voice": voice})
+        assert (await alpha.recv_where(lambda m: m.get("id") == "d"))["deleted"] is True
+
+
+def _delete(server, voice: str, token: str) -> tuple[int, bytes]:
+    request = urllib.request.Request(f"{server.http}/v1/voices/{voice}", method="DELETE",
+                                     headers={"Authorization": f"Bearer {token}"})
+    try:
+        with urllib.request.urlopen(request, timeout=10) as response:
+            return response.status, response.read()
+    except urllib.error.HTTPError as err:
+        return err.code, err.read()
+
+
+# ------------------------------------------------------------------ fair slots, bounded waits
+
+
+async def test_a_client_holding_every_slot_gives_one_back_to_a_newcomer():
+    scheduler = loaded_scheduler(PiperEngine(), max_batch=2)
+    assert scheduler.max_share == 1
+    service = await service_on(scheduler)
+    hog = [service.open_stream(LONG * 3, owners=("connection:1",)) for _ in range(2)]
+    first = [await hog[0].__anext__(), await hog[1].__anext__()]
+    assert all(isinstance(e, Audio) for e in first)
+    started = time.monotonic()
+    newcomer = service.open_stream(SENTENCE, owners=("connection:2",))
+    assert newcomer.queued == 1
+    events = await drain(newcomer)
+    assert isinstance(events[-1], Ended) and events[-1].reason == EndReason.DONE
+    assert time.monotonic() - started < 10              # not after the hog's long texts
+    assert not any(s.done for s in hog)
+    for stream in hog:
+        stream.cancel()
+    scheduler.stop()
+    await service.close()
+
+
+async def test_a_stream_queued_too_long_ends_busy():
+    scheduler = Scheduler(PiperEngine(), max_batch=1, max_queue=4, max_wait_s=1.0)
+    scheduler.start()
+    assert scheduler.ready_event.wait(120)
+    service = await service_on(scheduler)
+    holder = service.open_stream(LONG * 3, owners=("connection:1",))
+    waiter = service.open_stream(SENTENCE, owners=("connection:1",))
+    started = time.monotonic()
+    events = await drain(waiter, timeout=20)
+    assert isinstance(events[-1], Failed) and events[-1].kind == ErrorKind.BUSY, events[-1]
+    assert 0.9 < time.monotonic() - started < 5
+    holder.cancel()
+    scheduler.stop()
+    await service.close()

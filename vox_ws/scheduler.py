@@ -55,6 +55,7 @@ class Scheduler:
         self._waiting: deque[GenerationRequest] = deque()
         self._calls: deque[tuple[Callable[[], Any], Future]] = deque()
         self._active: list[GenerationRequest] = []
+        self._admitting = 0               # taken from the queue, being prefilled
         self._rr = 0                      # round-robin start for engines that cannot batch
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="vox-ws-scheduler", daemon=True)
@@ -76,7 +77,7 @@ class Scheduler:
             if self.status != "ready":
                 raise Refused(ErrorKind.NOT_READY, f"engine is {self.status}" + (f": {self.error}" if self.error else ""))
             # Requests already waiting beyond the slots that the next turn frees.
-            ahead = len(self._waiting) - (self.max_batch - len(self._active))
+            ahead = len(self._waiting) - (self.max_batch - len(self._active) - self._admitting)
             if ahead >= self.max_queue:
                 raise Refused(ErrorKind.BUSY, f"all {self.max_batch} slots busy and {self.max_queue} requests queued")
             self._waiting.append(request)
@@ -171,6 +172,7 @@ class Scheduler:
                 self._waiting.remove(request)
             self._park_for_waiting()
             admitted = self._choose_admissions()
+            self._admitting = len(admitted)
         for request in dropped:
             if request.parked:
                 self._release(request)
@@ -241,6 +243,13 @@ class Scheduler:
 
     def _admit(self, request: GenerationRequest) -> bool:
         """Prefill a request into the active set; False if it did not get there."""
+        try:
+            return self._prefill_into_active(request)
+        finally:
+            with self._cond:
+                self._admitting -= 1
+
+    def _prefill_into_active(self, request: GenerationRequest) -> bool:
         if request.cancelled:
             if request.parked:
                 self._release(request)
