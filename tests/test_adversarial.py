@@ -360,3 +360,116 @@ async def test_a_stream_queued_too_long_ends_busy():
     holder.cancel()
     scheduler.stop()
     await service.close()
+
+
+# ------------------------------------------------------------------ normalisation
+
+
+async def test_normalizing_runs_beside_the_engine_and_gives_up_on_hostile_text(voxcpm_service_scheduler):
+    service = await service_on(voxcpm_service_scheduler)
+    # The first use starts the normaliser's process (seconds): this stream waits, no other does.
+    ok = await drain(service.open_stream("I have 123 apples.", options={"normalize": True, "max_len": 3}), 120)
+    assert isinstance(ok[-1], Ended) and ok[-1].reason == EndReason.MAX_LEN
+    other = service.open_stream("Keep talking.", options={"max_len": 400})
+    arrivals = []
+
+    async def listen():
+        async for event in other:
+            arrivals.append(time.monotonic())
+            if isinstance(event, (Ended, Failed)):
+                return
+    listener = asyncio.create_task(listen())
+    await asyncio.sleep(0.2)
+    started = time.monotonic()
+    hostile = await drain(service.open_stream("我有" + "１２３４５" * 900, options={"normalize": True}), 30)
+    assert isinstance(hostile[-1], Failed) and hostile[-1].kind == ErrorKind.TOO_LARGE, hostile[-1]
+    assert "normalize" in hostile[-1].message and time.monotonic() - started < 10
+    # Normalised, a text too long for the model's context is too_large, not internal.
+    expanded = await drain(service.open_stream("1" * 4000, options={"normalize": True}), 120)
+    assert isinstance(expanded[-1], Failed) and expanded[-1].kind == ErrorKind.TOO_LARGE, expanded[-1]
+    other.cancel()
+    await listener
+    during = [t for t in arrivals if t >= started]
+    assert len(during) > 10
+    assert max(b - a for a, b in zip(during, during[1:])) < 1.0
+    await service.close()
+
+
+# ------------------------------------------------------------------ shutdown
+
+
+async def test_shutdown_is_bounded_when_clients_do_not_read(start_server):
+    from vox_ws.server import CLOSE_GRACE_S
+    from vox_ws.transports.connections import SHUTDOWN_ABORT_S
+
+    server = start_server(PiperEngine(), drain_timeout=1.0, ping_interval=60.0, ping_timeout=120.0)
+    socks = []
+    for n in range(3):
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.connect(("127.0.0.1", server.port))
+        ws = await connect(server.url, sock=sock, max_queue=1, max_size=None).__aenter__()
+        await ws.recv()
+        await ws.send(msgpack.packb({"type": "start", "id": "s", "text": LONG * 3, "format": "f32"}))
+        socks.append(ws)
+    await asyncio.sleep(3.0)                      # their buffers fill; nobody reads
+    started = time.monotonic()
+    await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(server.server.shutdown(1.0), server.loop))
+    elapsed = time.monotonic() - started
+    assert elapsed < 1.0 + CLOSE_GRACE_S + SHUTDOWN_ABORT_S + 2.0, elapsed
+    for ws in socks:
+        ws.transport.abort()
+
+
+# ------------------------------------------------------------------ half-open connections, errors
+
+
+async def test_unfinished_requests_are_bounded_per_address_and_timed_out(start_server, monkeypatch):
+    from vox_ws.transports import connections
+
+    monkeypatch.setattr(connections, "REQUEST_HEADER_TIMEOUT_S", 1.5)
+    server = start_server(PiperEngine(), max_connections_per_address=4)
+
+    def closed_by_server(sock: socket.socket, within: float) -> bool:
+        sock.settimeout(within)
+        try:
+            return sock.recv(1) == b""
+        except (ConnectionResetError, BrokenPipeError):
+            return True
+        except TimeoutError:
+            return False
+
+    idle = [socket.create_connection(("127.0.0.1", server.port)) for _ in range(4)]
+    for sock in idle:
+        sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n")       # headers never finished
+    extra = [socket.create_connection(("127.0.0.1", server.port)) for _ in range(4)]
+    assert all([await asyncio.to_thread(closed_by_server, sock, 1.0) for sock in extra])
+    # The unfinished ones are closed when their header time runs out; then clients get in.
+    assert all([await asyncio.to_thread(closed_by_server, sock, 5.0) for sock in idle])
+    assert server.server.guard.pending == 0
+    for sock in idle + extra:
+        sock.close()
+    status, _ = server.get("/healthz")
+    assert status == 200
+    async with connect_client(server) as c:
+        assert_good_stream(await c.speak(SENTENCE, "after"))
+
+
+async def test_errors_do_not_keep_a_connection_alive_and_many_in_a_row_close_it(start_server):
+    server = start_server(PiperEngine(), idle_timeout_s=2.0)
+    async with connect(server.url) as ws:
+        await ws.recv()
+        started = time.monotonic()
+        with pytest.raises(ConnectionClosed):
+            while time.monotonic() - started < 10:
+                await ws.send(b"\xc1")                                 # not msgpack: bad_frame
+                await asyncio.sleep(0.5)
+        assert ws.close_code == 4000 and time.monotonic() - started < 5
+    async with connect(server.url) as ws:
+        await ws.recv()
+        for _ in range(60):
+            await ws.send(b"\xc1")
+        with pytest.raises(ConnectionClosed):
+            while True:
+                await asyncio.wait_for(ws.recv(), 10)
+        assert ws.close_code == 1008

@@ -11,12 +11,14 @@ import os
 import signal
 import threading
 
+import numpy as np
 import pytest
 from conftest import assert_good_stream, connect_client
 from test_server_piper import LONG, SENTENCE
 
-from vox_ws.engines.piper import PiperEngine, _PiperState, defuse_letter_runs
-from vox_ws.engines.piper_worker import PiperWorker, WorkerCrashed
+from vox_ws.engines.piper import PiperEngine, defuse_letter_runs
+from vox_ws.engines import piper_worker
+from vox_ws.engines.piper_worker import MAX_PHONEMES, PiperWorker, WorkerCrashed
 
 TRIGGERS = ["a." * 100, "b." * 100, "A.B." * 50]
 CUE = "#crash "
@@ -27,19 +29,20 @@ def segfault_soon(pid: int, after: float = 0.1) -> None:
 
 
 class CrashOnCue(PiperEngine):
-    """The real voice; a text with the cue is spoken in one piece (seconds of work for the
-    worker), and the worker gets SIGSEGV while it speaks it."""
+    """The real voice; the worker gets SIGSEGV while it speaks a text with the cue."""
 
-    def prefill(self, request):
-        if CUE in request.text:
-            request.state = _PiperState(segments=[request.text.replace(CUE, "")])
-        else:
-            super().prefill(request)
+    def step(self, batch):
+        if CUE in batch[0].text:
+            self.crash_next_piece = True
+        return super().step(batch)
 
-    def _speak(self, text):
-        if len(text) > 400:
+    def _speak(self, phonemes):
+        if getattr(self, "crash_next_piece", False):
+            self.crash_next_piece = False
+            # The whole text's phonemes as one piece: seconds of work, killed 0.1 s in.
+            phonemes = [ph for piece in self._worker.phonemize(LONG) for ph in piece + [" "]]
             segfault_soon(self.worker_pid)
-        return super()._speak(text)
+        return super()._speak(phonemes)
 
 
 def test_letter_runs_are_spaced_out_and_other_text_is_left_alone():
@@ -54,9 +57,10 @@ def test_a_crash_in_the_worker_raises_and_the_next_text_gets_a_new_worker():
     try:
         first = worker.pid
         segfault_soon(first)
+        everything = [ph for piece in worker.phonemize(LONG * 2) for ph in piece + [" "]]
         with pytest.raises(WorkerCrashed, match="signal 11"):
-            worker.speak(LONG * 2)
-        audio = worker.speak(SENTENCE)
+            worker.speak(everything)                  # seconds of work in one piece
+        audio = np.concatenate([worker.speak(piece) for piece in worker.phonemize(SENTENCE)])
         assert len(audio) / worker.sample_rate > 1.0 and worker.pid != first and worker.restarts == 1
     finally:
         worker.close()
@@ -82,3 +86,22 @@ async def test_a_crash_fails_only_its_stream(start_server):
         assert_good_stream(await victim.speak(SENTENCE, "after"))
     assert engine.worker_pid != first_worker
     assert server.scheduler.status == "ready" and server.get("/readyz")[0] == 200
+
+
+def test_dense_text_is_spoken_in_short_pieces():
+    """A segment's work is bounded by the audio it makes: 240 CJK characters (read letter by
+    letter, 85 s of speech as one segment) or a 200-digit number come in pieces of at most
+    MAX_PHONEMES phonemes, cut between words, and nothing is lost."""
+    voice, rate = piper_worker._load(1)
+    for text in ("我们今天去公园散步天气非常好" * 17, "7" * 200, LONG):
+        pieces = piper_worker.phonemize(voice, text)
+        assert [ph for piece in pieces for ph in piece] == [ph for s in voice.phonemize(text) for ph in s]
+        assert len(pieces) > 2 and all(len(piece) <= MAX_PHONEMES for piece in pieces)
+        # Pieces end between words, except where a sentence ends, or before a stressed syllable
+        # inside one very long word (espeak reads a run of digits as one word).
+        assert all(piece[-1] == " " or piece is pieces[-1] or later[0] in "ˈˌ" or piece[-1] in ".!?。"
+                   for piece, later in zip(pieces, pieces[1:] + [[" "]]))
+        longest = max(len(piper_worker.speak(voice, piece)) for piece in pieces[:4]) / rate
+        assert longest < 4.5, (text[:20], longest)
+    # A sentence that fits in one piece stays whole.
+    assert len(piper_worker.phonemize(voice, SENTENCE)) == 1

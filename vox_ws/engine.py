@@ -153,6 +153,8 @@ class GenerationRequest:
     context: Any = None
     keep_continuation: bool = False
     continuation: Any = None
+    # The text went through `Engine.prepare_text` already.
+    prepared: bool = False
     steps: int = 0
     submitted_at: float = field(default_factory=time.monotonic)
     # Who the request is for (a connection, a client): the scheduler shares slots fairly among
@@ -228,6 +230,16 @@ class Engine(ABC):
         request is queued, so it must be cheap."""
         if request.voice_pin is None:
             self.check_voice(request.voice)
+
+    def prepares_text(self, options: dict[str, Any]) -> bool:
+        """Whether a text with these options needs `prepare_text` before it is queued."""
+        return False
+
+    def prepare_text(self, text: str, options: dict[str, Any]) -> str:
+        """Costly work on a text (normalisation) before its request is queued: it runs on a
+        preparation thread of the stream service, never on the scheduler thread or the event
+        loop, so it holds up no one else. Thread-safe. Raises Refused."""
+        return text
 
     def register_voice(self, audio: np.ndarray, sample_rate: int, transcript: str | None, mode: str) -> dict[str, Any]:
         """Build a reusable voice prompt from reference audio; returns {voice, mode, audio_s}.

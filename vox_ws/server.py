@@ -29,7 +29,8 @@ from .transports.connections import ConnectionGuard, HttpProtocol, WebSocketProt
 
 log = logging.getLogger("vox_ws.server")
 
-# After the drain, how long closing every connection may take before the server stops anyway.
+# After the drain, how long closing every connection may take before the server stops anyway
+# (connections still holding unsent data are then aborted: connections.SHUTDOWN_ABORT_S).
 CLOSE_GRACE_S = 3.0
 
 
@@ -162,7 +163,12 @@ class VoxServer:
             await asyncio.sleep(0.05)
         self.service.abort_all(ErrorKind.GOING_AWAY, "server shutting down")
         reason = "server shutting down" if close_code == p.CLOSE_GOING_AWAY else "engine failed"
-        await asyncio.gather(*(s.close(close_code, reason) for s in list(self.sessions)), return_exceptions=True)
+        closing = asyncio.gather(*(s.close(close_code, reason) for s in list(self.sessions)), return_exceptions=True)
+        try:
+            # A client that reads nothing cannot be sent a close frame: it is not waited for.
+            await asyncio.wait_for(closing, CLOSE_GRACE_S)
+        except asyncio.TimeoutError:
+            log.warning("some connections did not take their close frame in %.0fs: dropping them", CLOSE_GRACE_S)
         self.state.listening = False
         if self._uvicorn is not None:
             self._uvicorn.stop()

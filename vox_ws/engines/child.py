@@ -7,6 +7,7 @@ must not share the engine thread's GIL (the VoxCPM2 VAE decode on a CPU). The ch
 
 from __future__ import annotations
 
+import logging
 import os
 import pickle
 import signal
@@ -15,6 +16,8 @@ import subprocess
 import sys
 from multiprocessing.connection import Connection
 from typing import Any, Iterator
+
+log = logging.getLogger("vox_ws.engines")
 
 
 def start_child(module: str, threads: int) -> tuple[subprocess.Popen, Connection]:
@@ -77,3 +80,83 @@ def child_connection() -> Connection:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     os.environ.setdefault("TQDM_DISABLE", "1")
     return Connection(int(sys.argv[1]))
+
+
+class WorkerCrashed(Exception):
+    """A worker died (or hung) while working; it is replaced before its next job."""
+
+
+class WorkerHung(WorkerCrashed):
+    """A worker took longer than its time-out and was killed."""
+
+
+class Worker:
+    """A parent's handle on a worker process that answers one request at a time and is started
+    again after a crash. Not thread-safe: one thread uses it (or its owner locks it)."""
+
+    def __init__(self, module: str, name: str, threads: int = 1) -> None:
+        self.module = module
+        self.name = name
+        self.threads = threads
+        self._proc: subprocess.Popen | None = None
+        self._conn: Connection | None = None
+        self.restarts = 0
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    @property
+    def alive(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    def start(self, init: tuple, timeout: float) -> Any:
+        """Start the process, send it `init`, and return the payload of its ("ready", payload)."""
+        self._proc, self._conn = start_child(self.module, self.threads)
+        send(self._conn, init)
+        kind, payload = self._receive(timeout, "starting")
+        if kind != "ready":
+            raise RuntimeError(f"the {self.name} could not start: {payload}")
+        return payload
+
+    def ask(self, message: tuple, timeout: float, doing: str) -> Any:
+        """Send one request and return the payload of the answer; starts a new process first
+        if the last one died. Raises WorkerCrashed, or RuntimeError for the worker's own error."""
+        if not self.alive:
+            self.restarts += 1
+            log.warning("starting a new %s (restart %d)", self.name, self.restarts)
+            self.close()
+            self.restart()
+        try:
+            send(self._conn, message)
+        except OSError:
+            raise self._crashed(f"before {doing}") from None
+        kind, payload = self._receive(timeout, doing)
+        if kind == "error":
+            raise RuntimeError(payload)
+        return payload
+
+    def restart(self) -> None:
+        """Start again after a crash (subclasses: with their own `init`)."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        if self._proc is not None:
+            stop_child(self._proc, self._conn)
+            self._proc = self._conn = None
+
+    def _receive(self, timeout: float, doing: str) -> tuple[str, Any]:
+        try:
+            if not self._conn.poll(timeout):
+                self._proc.kill()
+                self._proc.wait()
+                raise WorkerHung(str(self._crashed(f"hung {doing} for {timeout:g} s")))
+            return receive(self._conn)
+        except (EOFError, OSError):
+            self._proc.wait()
+            raise self._crashed(doing) from None
+
+    def _crashed(self, doing: str) -> WorkerCrashed:
+        what = describe_exit(self._proc)
+        log.error("the %s (pid %d) died %s: %s", self.name, self._proc.pid, doing, what)
+        return WorkerCrashed(f"the {self.name} died {doing} ({what}); other streams go on")

@@ -1,8 +1,10 @@
 """Piper (VITS on ONNX Runtime): a real voice that runs on a CPU with nothing to download.
 
-Piper cannot batch, so `max_step_batch` is 1 and the scheduler steps streams round-robin; one
-step speaks one segment (a sentence, or a clause of a long sentence), so a long text never
-holds the engine for more than one segment while other streams wait.
+Piper cannot batch, so `max_step_batch` is 1 and the scheduler steps streams round-robin. A
+request's text is cut in segments (sentences, or clauses of long ones: `text.segment`), each
+segment's phonemes in pieces of at most `piper_worker.MAX_PHONEMES` (about 3 s of speech); one
+step speaks one piece, so no text holds the engine for more than a fraction of a second while
+other streams wait.
 """
 
 from __future__ import annotations
@@ -41,16 +43,16 @@ def available() -> bool:
 @dataclass
 class _PiperState:
     segments: list[str]
-    next_index: int = 0
-    steps_cap: int | None = None
-    emitted: list[int] = field(default_factory=list)
+    next_index: int = 0                   # the next segment to phonemize
+    steps_cap: int | None = None          # segments spoken at most
+    pieces: list[list[str]] = field(default_factory=list)   # the current segment's, not yet spoken
 
 
 class PiperEngine(Engine):
     name = "piper"
     max_step_batch = 1
     can_park = True          # a request's state is where it is in its text
-    # max_len caps the number of segments spoken (one segment per step).
+    # max_len caps the number of segments (sentences or clauses) spoken.
     options = {"max_len": OptionSpec(int, 1, 8192, None, "segments spoken at most")}
 
     def __init__(self, threads: int = 1) -> None:
@@ -81,19 +83,22 @@ class PiperEngine(Engine):
     def step(self, batch: list[GenerationRequest]) -> list[StepResult]:
         (request,) = batch
         state: _PiperState = request.state
-        if state.next_index >= len(state.segments):
+        while not state.pieces and state.next_index < len(state.segments):
+            if state.steps_cap is not None and state.next_index >= state.steps_cap:
+                return [StepResult(finished=EndReason.MAX_LEN)]
+            state.pieces = self._worker.phonemize(defuse_letter_runs(state.segments[state.next_index]))
+            state.next_index += 1
+        if not state.pieces:
             return [StepResult(finished=EndReason.DONE)]
-        text = state.segments[state.next_index]
-        state.next_index += 1
-        audio = self._speak(text)
-        if state.next_index >= len(state.segments):
+        audio = self._speak(state.pieces.pop(0))
+        if not state.pieces and state.next_index >= len(state.segments):
             return [StepResult(audio=audio, finished=EndReason.DONE)]
-        if state.steps_cap is not None and state.next_index >= state.steps_cap:
+        if not state.pieces and state.steps_cap is not None and state.next_index >= state.steps_cap:
             return [StepResult(audio=audio, finished=EndReason.MAX_LEN)]
         return [StepResult(audio=audio)]
 
-    def _speak(self, text: str) -> np.ndarray:
-        return self._worker.speak(defuse_letter_runs(text))
+    def _speak(self, phonemes: list[str]) -> np.ndarray:
+        return self._worker.speak(phonemes)
 
 
 def _probe(settings: dict) -> tuple[bool, str]:

@@ -7,94 +7,56 @@ spoken (`WorkerCrashed`, a plain exception: the scheduler answers that stream wi
 and starts a new worker for the next one.
 
     engine thread                          worker (python -m vox_ws.engines.piper_worker FD)
-    start()        ── init(threads) ──▶    load the voice, speak "Ready." once
-                   ◀── ready(rate) ───
-    speak(text)    ── speak(text) ───▶     phonemize, run the VITS model
-                   ◀── audio(f32) ────
+    start()            ── init(threads) ──────▶   load the voice, speak "Ready." once
+                       ◀── ready(rate) ───────
+    phonemize(text)    ── phonemize(text) ────▶   espeak-ng: text to phonemes, cut in pieces
+                       ◀── pieces ────────────
+    speak(phonemes)    ── speak(phonemes) ────▶   run the VITS model on one piece
+                       ◀── audio(f32) ────────
+
+Work is cut by the audio it makes, not by characters: a piece has at most `MAX_PHONEMES`
+phonemes (about 3 s of speech, under half a second of work here), so no text, however dense
+(a run of digits, CJK read letter by letter), holds the engine for longer than one piece.
 """
 
 from __future__ import annotations
 
-import logging
 from multiprocessing.connection import Connection
 
 import numpy as np
 
-from .child import child_connection, describe_exit, messages, receive, send, start_child, stop_child
+from .child import Worker, WorkerCrashed, child_connection, messages, receive, send
 
-log = logging.getLogger("vox_ws.engines.piper")
+__all__ = ["MAX_PHONEMES", "PiperWorker", "WorkerCrashed"]
 
 WORKER_MODULE = "vox_ws.engines.piper_worker"
-# A segment takes well under a second; a worker silent for this long is presumed hung.
+# A piece takes well under a second; a worker silent for this long is presumed hung.
 SPEAK_TIMEOUT_S = 60.0
+# Phonemes spoken in one piece: Piper makes about 50 ms of speech per phoneme (stress marks and
+# word spaces included) at about 7 ms of work each on one core of the 2-core CI machine.
+MAX_PHONEMES = 64
 LOAD_TIMEOUT_S = 120.0
 
 
-class WorkerCrashed(Exception):
-    """The worker died (or hung) while speaking; it is replaced before the next segment."""
-
-
-class PiperWorker:
+class PiperWorker(Worker):
     """The engine thread's handle on the worker. Not thread-safe: the engine thread alone uses it."""
 
     def __init__(self, threads: int) -> None:
-        self._threads = threads
-        self._proc = None
-        self._conn: Connection | None = None
+        super().__init__(WORKER_MODULE, "Piper worker", threads)
         self.sample_rate = 0
-        self.restarts = 0
 
-    @property
-    def pid(self) -> int | None:
-        return self._proc.pid if self._proc is not None else None
+    def start(self) -> None:  # type: ignore[override]
+        self.sample_rate = int(super().start(("init", self.threads), LOAD_TIMEOUT_S))
 
-    @property
-    def alive(self) -> bool:
-        return self._proc is not None and self._proc.poll() is None
+    def restart(self) -> None:
+        self.start()
 
-    def start(self) -> None:
-        self._proc, self._conn = start_child(WORKER_MODULE, self._threads)
-        send(self._conn, ("init", self._threads))
-        kind, payload = self._receive(LOAD_TIMEOUT_S, "loading the voice")
-        if kind != "ready":
-            raise RuntimeError(f"the Piper worker could not load the voice: {payload}")
-        self.sample_rate = int(payload)
+    def phonemize(self, text: str) -> list[list[str]]:
+        """Text to pieces of at most MAX_PHONEMES phonemes, each spoken by one `speak`."""
+        return self.ask(("phonemize", text), SPEAK_TIMEOUT_S, "phonemizing")
 
-    def speak(self, text: str) -> np.ndarray:
-        if not self.alive:
-            self.restarts += 1
-            log.warning("starting a new Piper worker (restart %d)", self.restarts)
-            self.close()
-            self.start()
-        try:
-            send(self._conn, ("speak", text))
-        except OSError:
-            raise self._crashed("before it took the text") from None
-        kind, payload = self._receive(SPEAK_TIMEOUT_S, "speaking")
-        if kind == "error":
-            raise RuntimeError(payload)
-        return np.frombuffer(payload, dtype=np.float32)
-
-    def close(self) -> None:
-        if self._proc is not None:
-            stop_child(self._proc, self._conn)
-            self._proc = self._conn = None
-
-    def _receive(self, timeout: float, doing: str) -> tuple[str, object]:
-        try:
-            if not self._conn.poll(timeout):
-                self._proc.kill()
-                self._proc.wait()
-                raise self._crashed(f"hung {doing} for {timeout:.0f} s")
-            return receive(self._conn)
-        except (EOFError, OSError):
-            self._proc.wait()
-            raise self._crashed(doing) from None
-
-    def _crashed(self, doing: str) -> WorkerCrashed:
-        what = describe_exit(self._proc)
-        log.error("the Piper worker (pid %d) died %s: %s", self._proc.pid, doing, what)
-        return WorkerCrashed(f"the Piper worker died {doing} ({what}); other streams go on")
+    def speak(self, phonemes: list[str]) -> np.ndarray:
+        return np.frombuffer(self.ask(("speak", phonemes), SPEAK_TIMEOUT_S, "speaking"), dtype=np.float32)
 
 
 # ---------------------------------------------------------------------------- the worker
@@ -119,29 +81,69 @@ def _load(threads: int):
     return PiperVoice(session=session, config=config), int(config.sample_rate)
 
 
-def speak(voice, text: str) -> np.ndarray:
-    """One segment to float32 audio. Unlike PiperVoice.synthesize, no per-sentence peak
-    normalisation: it would make loudness jump between clause-sized segments."""
-    parts = []
-    for phonemes in voice.phonemize(text):
-        if phonemes:
-            audio = voice.phoneme_ids_to_audio(voice.phonemes_to_ids(phonemes))
-            parts.append(np.clip(np.asarray(audio, dtype=np.float32), -1.0, 1.0))
-    return np.concatenate(parts) if parts else np.zeros(0, dtype=np.float32)
+def phonemize(voice, text: str) -> list[list[str]]:
+    """Text to pieces of whole words, at most MAX_PHONEMES phonemes each (a word longer than
+    that alone excepted). A sentence too long for one piece is cut into pieces of about equal
+    length, at a clause (a comma's phoneme) where one is near, else between words."""
+    pieces = []
+    for sentence in voice.phonemize(text):
+        if not sentence:
+            continue
+        count = -(-len(sentence) // MAX_PHONEMES)
+        if count == 1:
+            pieces.append(sentence)
+            continue
+        target = len(sentence) / count
+        start = 0
+        while len(sentence) - start > MAX_PHONEMES:
+            cut = _cut(sentence, start, int(start + target))
+            pieces.append(sentence[start:cut])
+            start = cut
+        pieces.append(sentence[start:])
+    return [p for p in pieces if any(ph.strip() for ph in p)]
+
+
+def _cut(phonemes: list[str], start: int, near: int) -> int:
+    """Where to end a piece that starts at `start`: after a clause mark or a space, as near to
+    `near` as possible without passing start + MAX_PHONEMES."""
+    limit = min(len(phonemes), start + MAX_PHONEMES)
+    spaces = [i + 1 for i in range(start + 1, limit) if phonemes[i] == " "]
+    if not spaces:
+        # One very long word (espeak reads a run of digits as one): cut before a stressed syllable.
+        stresses = [i for i in range(start + 1, limit) if phonemes[i] in "ˈˌ"]
+        return min(stresses, key=lambda i: abs(i - near)) if stresses else limit
+    clauses = [i for i in spaces if phonemes[i - 2] in ",;:"]
+    best = min(spaces, key=lambda i: abs(i - near))
+    if clauses:
+        clause = min(clauses, key=lambda i: abs(i - near))
+        if abs(clause - near) <= MAX_PHONEMES // 4:
+            return clause
+    return best
+
+
+def speak(voice, phonemes: list[str]) -> np.ndarray:
+    """One piece to float32 audio. Unlike PiperVoice.synthesize, no per-sentence peak
+    normalisation: it would make loudness jump between pieces."""
+    audio = voice.phoneme_ids_to_audio(voice.phonemes_to_ids(phonemes))
+    return np.clip(np.asarray(audio, dtype=np.float32), -1.0, 1.0)
 
 
 def serve(conn: Connection) -> None:
     _, threads = receive(conn)
     try:
         voice, rate = _load(threads)
-        speak(voice, "Ready.")     # warm the phonemizer and the ONNX graph
+        for piece in phonemize(voice, "Ready."):     # warm the phonemizer and the ONNX graph
+            speak(voice, piece)
     except Exception as exc:  # noqa: BLE001 - the parent reports it
         send(conn, ("failed", f"{type(exc).__name__}: {exc}"))
         return
     send(conn, ("ready", rate))
-    for _, text in messages(conn):
+    for kind, payload in messages(conn):
         try:
-            reply = ("audio", speak(voice, text).tobytes())
+            if kind == "phonemize":
+                reply = ("pieces", phonemize(voice, payload))
+            else:
+                reply = ("audio", speak(voice, payload).tobytes())
         except Exception as exc:  # noqa: BLE001 - the parent fails that request and goes on
             reply = ("error", f"{type(exc).__name__}: {exc}")
         send(conn, reply)

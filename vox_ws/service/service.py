@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, AsyncIterator
 
 from ..audio import AudioTooLong, decode_audio_file
@@ -46,6 +47,9 @@ class StreamService:
         self._watchdog: asyncio.Task | None = None
         self.voice_owners = VoiceOwners(self.limits.max_voices_per_owner, self.limits.max_voices)
         self._decodes: asyncio.Semaphore | None = None
+        # Text preparation (normalisation) runs here, one text at a time: beside the engine,
+        # never on its thread or the loop.
+        self._preparer = ThreadPoolExecutor(1, thread_name_prefix="vox-ws-prepare")
 
     async def start(self) -> None:
         self.mailbox = LoopMailbox(asyncio.get_running_loop())
@@ -56,6 +60,7 @@ class StreamService:
         if self._watchdog is not None:
             self._watchdog.cancel()
             await asyncio.gather(self._watchdog, return_exceptions=True)
+        self._preparer.shutdown(wait=False, cancel_futures=True)
 
     # ------------------------------------------------------------------ streams
 
@@ -107,6 +112,15 @@ class StreamService:
     def forget(self, stream: Stream) -> None:
         """A stream has stopped producing (called by the stream itself)."""
         self._streams.discard(stream)
+
+    async def prepare_text(self, text: str, options: dict[str, Any]) -> str:
+        loop = asyncio.get_running_loop()
+        try:
+            return await loop.run_in_executor(self._preparer, self.engine.prepare_text, text, options)
+        except Refused:
+            raise
+        except Exception as exc:  # noqa: BLE001 - the engine's failure is this stream's, not the server's
+            raise Refused(ErrorKind.INTERNAL, f"preparing the text failed: {type(exc).__name__}: {exc}") from exc
 
     def abort_all(self, kind: ErrorKind, message: str) -> None:
         """End every live stream with an error (the drain time ran out)."""

@@ -56,6 +56,9 @@ class StreamHost(Protocol):
     def forget(self, stream: "Stream") -> None:
         """The stream has stopped producing."""
 
+    async def prepare_text(self, text: str, options: dict[str, Any]) -> str:
+        """The engine's `prepare_text`, off the loop and off the scheduler thread."""
+
 
 def check_text(text: str) -> None:
     """Text no engine can take (tokenizers and espeak stop at a NUL) is refused up front."""
@@ -110,6 +113,8 @@ class Stream:
         self._seq = 0
         # Text: segments waiting, the one generating, those spoken, flush marks.
         self._request: GenerationRequest | None = None
+        self._preparing: asyncio.Future | None = None     # the next segment's text, being prepared
+        self._segment_text = ""
         self._segmenter = StreamSegmenter()
         self._pending: deque[str] = deque()
         self.segments: list[dict[str, Any]] = []
@@ -180,7 +185,7 @@ class Stream:
         self._check_input()
         self._last_input_at = time.monotonic()
         self._pending.extend(self._segmenter.flush_all())
-        self._flush_marks.append(len(self.segments) + len(self._pending) + (self._request is not None))
+        self._flush_marks.append(len(self.segments) + len(self._pending) + self._busy)
         self._pump()
 
     def end_input(self) -> None:
@@ -259,14 +264,37 @@ class Stream:
 
     # ------------------------------------------------------------------ generation (loop)
 
+    @property
+    def _busy(self) -> bool:
+        """A segment is being prepared or generated."""
+        return self._request is not None or self._preparing is not None
+
     def submit(self, text: str) -> int:
-        """Queue a generation request for (the next segment of) this stream; its queue position."""
-        request = GenerationRequest(text=text, sink=self, voice=self.voice, voice_pin=self._voice_pin,
-                                    options=dict(self.options), owners=self._owners,
+        """Queue a generation request for (the next segment of) this stream; its queue position
+        (0 also while the text is first prepared by the engine: normalised, say)."""
+        if self._service.engine.prepares_text(self.options):
+            self._preparing = asyncio.ensure_future(self._prepare_then_queue(text))
+            return 0
+        return self._queue(text, text, prepared=False)
+
+    async def _prepare_then_queue(self, text: str) -> None:
+        try:
+            prepared = await self._service.prepare_text(text, self.options)
+            self._preparing = None
+            if not self._finished:
+                self._queue(text, prepared, prepared=True)
+        except Refused as err:
+            self._preparing = None
+            self._fail(err.kind, err.message)
+
+    def _queue(self, text: str, engine_text: str, prepared: bool) -> int:
+        request = GenerationRequest(text=engine_text, sink=self, voice=self.voice, voice_pin=self._voice_pin,
+                                    options=dict(self.options), owners=self._owners, prepared=prepared,
                                     context=self._context, keep_continuation=self.input_streaming)
         self._service.engine.check(request)
         position = self._service.scheduler.submit(request)
         self._request = request
+        self._segment_text = text
         self._segment_start_s = self.audio_s
         return position
 
@@ -299,7 +327,7 @@ class Stream:
         if reason == EndReason.CANCELLED:
             self._end(reason)
             return
-        segment = {"text": request.text, "start_s": round(self._segment_start_s, 4), "end_s": round(self.audio_s, 4)}
+        segment = {"text": self._segment_text, "start_s": round(self._segment_start_s, 4), "end_s": round(self.audio_s, 4)}
         self.segments.append(segment)
         self._capped |= reason == EndReason.MAX_LEN
         if self.input_streaming:
@@ -316,7 +344,7 @@ class Stream:
         while self._flush_marks and self._flush_marks[0] <= len(self.segments):
             self._flush_marks.popleft()
             self._emit(Flushed(round(self.audio_s, 4)))
-        if self._request is not None:
+        if self._busy:
             return
         if self._pending:
             try:
@@ -350,7 +378,7 @@ class Stream:
             if stalled > limits.write_stall_timeout_s:
                 self._fail(ErrorKind.SLOW_CONSUMER, f"client read no audio for {limits.write_stall_timeout_s:g}s")
                 return
-        if (not self._input_closed and self._request is None and not self._pending
+        if (not self._input_closed and not self._busy and not self._pending
                 and now - self._last_input_at > limits.stream_timeout_s):
             self._fail(ErrorKind.TIMEOUT, f"no input for {limits.stream_timeout_s:g}s and no end of input: "
                                           "the stream is closed")
@@ -389,6 +417,8 @@ class Stream:
         self._pending.clear()
         if self._feeder is not None and self._feeder is not asyncio.current_task():
             self._feeder.cancel()
+        if self._preparing is not None and self._preparing is not asyncio.current_task():
+            self._preparing.cancel()
         if self._request is not None and not self._request.cancelled:
             self._service.scheduler.cancel(self._request)
         self._service.forget(self)

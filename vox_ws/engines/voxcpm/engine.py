@@ -17,6 +17,7 @@ import numpy as np
 from ...engine import Engine, ErrorKind, GenerationRequest, Refused, StepResult
 from .loading import DEFAULT_MODEL, architecture, import_voxcpm, resolve_model_path, verify_weights
 from .lora import LoraControl
+from .normalizer import Normalizer
 from .options import DEFAULTS, OPTIONS
 from .prompt import build_prompt, clean_text, prompt_positions
 from .voices import VoiceBook, builtin_voice_files, encode_voice
@@ -47,7 +48,7 @@ class VoxCPMEngine(Engine):
         self.tts = None            # voxcpm.VoxCPM
         self.runner = None         # runner.BatchedVoxCPM2
         self._voices = VoiceBook()
-        self._normalizer = None
+        self._normalizer = Normalizer()
         self.dtype = ""
         self.architecture = ""
 
@@ -96,7 +97,7 @@ class VoxCPMEngine(Engine):
         self.voice_sample_rate = int(model._encode_sample_rate)
         self.runner = BatchedVoxCPM2(model, self.max_step_batch)
         if self._warm_normalizer:
-            self._normalize("Warm up 123.")
+            self._normalizer.ensure_started()
         if self._voices_dir is not None:
             for name, audio, rate, transcript in builtin_voice_files(self._voices_dir):
                 mode = "both" if transcript else "reference"
@@ -112,6 +113,7 @@ class VoxCPMEngine(Engine):
         self.runner.wait_ready()
 
     def close(self) -> None:
+        self._normalizer.close()
         if self.runner is not None:
             self.runner.close()
 
@@ -146,7 +148,7 @@ class VoxCPMEngine(Engine):
         text = clean_text(request.text)
         if not text:
             raise Refused(ErrorKind.INVALID, "field 'text' has nothing to say after whitespace cleanup")
-        if self.runner is not None and not request.options.get("normalize"):
+        if self.runner is not None and (request.prepared or not request.options.get("normalize")):
             positions, tokens = prompt_positions(self.tts.tts_model, text, cache)
             if not self.runner.fits(positions, tokens, request.options.get("max_len", DEFAULTS["max_len"])):
                 raise Refused(ErrorKind.TOO_LARGE, f"text and voice prompt take {positions} positions; with the "
@@ -159,8 +161,9 @@ class VoxCPMEngine(Engine):
     def prefill(self, request: GenerationRequest) -> None:
         options = {**DEFAULTS, **request.options}
         text = clean_text(request.text)
-        if options.get("normalize"):
-            text = self._normalize(text)
+        if options.get("normalize") and not request.prepared:
+            # Only for callers that drive the engine without the stream service.
+            text = self._normalizer.normalize(text)
         model = self.tts.tts_model
         cache = self._voice_cache(request)
         if request.context is not None:
@@ -193,12 +196,11 @@ class VoxCPMEngine(Engine):
                 request.continuation = {"text": row.text, "audio_feat": torch.stack(row.patches)}
         request.state = None
 
-    def _normalize(self, text: str) -> str:
-        if self._normalizer is None:
-            from voxcpm.utils.text_normalize import TextNormalizer
+    def prepares_text(self, options: dict[str, Any]) -> bool:
+        return bool(options.get("normalize"))
 
-            self._normalizer = TextNormalizer()
-        return self._normalizer.normalize(text)
+    def prepare_text(self, text: str, options: dict[str, Any]) -> str:
+        return self._normalizer.normalize(clean_text(text))
 
     # ------------------------------------------------------------------ voices and LoRA (scheduler thread)
 
