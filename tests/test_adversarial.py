@@ -473,3 +473,64 @@ async def test_errors_do_not_keep_a_connection_alive_and_many_in_a_row_close_it(
             while True:
                 await asyncio.wait_for(ws.recv(), 10)
         assert ws.close_code == 1008
+
+
+class RecordingPiper(PiperEngine):
+    """The real voice, recording which request each step served."""
+
+    def __init__(self):
+        super().__init__()
+        self.served: list[str] = []
+
+    def step(self, batch):
+        self.served.append(batch[0].text)
+        return super().step(batch)
+
+
+async def test_the_listener_closest_to_running_out_is_served_first():
+    """Dense text on two streams (85 s of speech each before pieces) cannot hold up a third:
+    once the two are ahead of their listeners, the newcomer's steps run back to back."""
+    engine = RecordingPiper()
+    scheduler = loaded_scheduler(engine, max_batch=4)
+    service = await service_on(scheduler)
+    dense = ("我们今天去公园散步，天气非常好。" * 15)[:240]
+    hogs = [service.open_stream(dense, owners=(f"connection:{n}",)) for n in (1, 2)]
+    readers = [asyncio.create_task(drain(h, 120)) for h in hogs]
+    await asyncio.sleep(3.0)
+    newcomer_text = SENTENCE + " " + SENTENCE
+    events = await drain(service.open_stream(newcomer_text, owners=("connection:3",)))
+    assert isinstance(events[-1], Ended) and events[-1].reason == EndReason.DONE
+    served = engine.served
+    mine = [i for i, text in enumerate(served) if text == newcomer_text]
+    assert len(mine) >= 2
+    assert sum(1 for i in range(mine[0], mine[-1]) if served[i] != newcomer_text) == 0, served[mine[0]:mine[-1]]
+    for hog in hogs:
+        hog.cancel()
+    await asyncio.gather(*readers)
+    scheduler.stop()
+    await service.close()
+
+
+async def test_a_full_queue_makes_room_for_a_client_that_holds_less():
+    scheduler = loaded_scheduler(PiperEngine(), max_batch=1, max_queue=2)
+    service = await service_on(scheduler)
+    flooder = [service.open_stream(LONG, owners=("address:a", "connection:1")) for _ in range(3)]
+    # Another connection of the same address is told apart by its connection.
+    other = service.open_stream(SENTENCE, owners=("address:a", "connection:2"))
+    assert other.queued
+    pushed = await drain(flooder[2], 30)
+    assert isinstance(pushed[-1], Failed) and pushed[-1].kind == ErrorKind.BUSY and "pushed out" in pushed[-1].message
+    # The flooder's next stream finds the queue full: it outweighs nobody.
+    with pytest.raises(Refused) as info:
+        service.open_stream(SENTENCE, owners=("address:a", "connection:1"))
+    assert info.value.kind == ErrorKind.BUSY
+    # Another address is told apart by its address: the busiest connection of address a
+    # (the flooder's, not the other's) gives way.
+    third = service.open_stream(SENTENCE, owners=("address:b", "connection:3"))
+    pushed = await drain(flooder[1], 30)
+    assert isinstance(pushed[-1], Failed) and pushed[-1].kind == ErrorKind.BUSY
+    assert not other.done
+    for stream in flooder + [other, third]:
+        stream.cancel()
+    scheduler.stop()
+    await service.close()

@@ -131,6 +131,11 @@ class RequestSink(Protocol):
         """True while the consumer has not taken enough of what was already delivered: skip stepping."""
         ...
 
+    def audio_ahead_s(self) -> float:
+        """Seconds of audio delivered beyond what a real-time listener has played since the
+        first chunk (0 before any; negative once the listener would be waiting)."""
+        ...
+
 
 @dataclass(eq=False)
 class GenerationRequest:
@@ -157,8 +162,8 @@ class GenerationRequest:
     prepared: bool = False
     steps: int = 0
     submitted_at: float = field(default_factory=time.monotonic)
-    # Who the request is for (a connection, a client): the scheduler shares slots fairly among
-    # these keys. Empty: nobody in particular.
+    # Who the request is for, broadest first (a token or address, then a connection): the
+    # scheduler shares slots fairly among these. Empty: nobody in particular.
     owners: tuple[str, ...] = ()
     # Prefilled, then moved out of the active set to give its slot to another client (see
     # `Engine.can_park`); it resumes with its state.
@@ -178,7 +183,9 @@ class StepResult:
 
 class Engine(ABC):
     """A speech model behind the scheduler. Everything here runs on the scheduler thread,
-    except `describe`, `voices`, `has_voice` and `check`, which the event loop may call at any time."""
+    except `describe`, `voices`, `has_voice`, `pin_voice`, `check` and `delete_voice`, which
+    the event loop may call at any time, and `prepare_text` and `register_voice`, which run on
+    worker threads beside the steps: they must only read what the steps use."""
 
     name: str = "engine"
     model: str = ""

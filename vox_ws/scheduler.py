@@ -5,15 +5,19 @@ Data flows one way per turn of the scheduler thread:
     retire (cancelled) -> admit (waiting -> active, per-request prefill) -> step -> hand off
 
 Slots are shared fairly among the clients a request names (`GenerationRequest.owners`: its
-connection, its token or address): a free slot goes to the waiting request whose clients hold
-the fewest; a client holding more than `max_share` slots while another client waits gives
-one back, where the engine can park a request (`Engine.can_park`); a request that waited
-longer than `max_wait_s` for its first slot is failed (BUSY), so a queue never holds anyone
-forever.
+owner, a token or address, then its connection): a free slot goes to the waiting request whose
+clients hold the fewest; a client holding more than `max_share` slots while a client holding
+fewer waits gives one back, where the engine can park a request (`Engine.can_park`); a full
+queue makes room for a newcomer by pushing out the newest waiting request of a client that
+holds more; a request that waited longer than `max_wait_s` for its first slot is failed
+(BUSY), so a queue never holds anyone forever.
 
 An engine says how many requests one `step` call may advance (`max_step_batch`): a batching
-engine advances all active requests in one call; an engine that cannot batch gets one call per
-request, round-robin, so no stream waits for another to finish. The scheduler never touches
+engine advances all active requests in one call. An engine that cannot batch advances one
+request per turn: the one whose listener is closest to running out of audio (least audio
+delivered beyond real time; a new stream has none), so no stream waits for another to finish,
+a newcomer waits at most one step for its first audio, and a stream that is far ahead (a
+client that reads faster than it plays) yields to those that are not. The scheduler never touches
 asyncio: results go to each request's `RequestSink` (the stream service's thread-safe hand-off).
 """
 
@@ -56,7 +60,6 @@ class Scheduler:
         self._calls: deque[tuple[Callable[[], Any], Future]] = deque()
         self._active: list[GenerationRequest] = []
         self._admitting = 0               # taken from the queue, being prefilled
-        self._rr = 0                      # round-robin start for engines that cannot batch
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="vox-ws-scheduler", daemon=True)
         self.ready_event = threading.Event()
@@ -79,7 +82,9 @@ class Scheduler:
             # Requests already waiting beyond the slots that the next turn frees.
             ahead = len(self._waiting) - (self.max_batch - len(self._active) - self._admitting)
             if ahead >= self.max_queue:
-                raise Refused(ErrorKind.BUSY, f"all {self.max_batch} slots busy and {self.max_queue} requests queued")
+                if not self._push_out_for(request):
+                    raise Refused(ErrorKind.BUSY, f"all {self.max_batch} slots busy and {self.max_queue} requests queued")
+                ahead -= 1
             self._waiting.append(request)
             self._cond.notify()
             return max(0, ahead + 1)
@@ -187,8 +192,6 @@ class Scheduler:
                     future.set_exception(exc)
         self._retire_cancelled()
         fresh = [r for r in admitted if self._admit(r)]
-        # New requests go first: for an engine stepped one request at a time, that is the
-        # order of the round-robin, and first audio matters most.
         runnable = fresh + [r for r in self._active
                             if r not in fresh and not r.cancelled and not r.sink.backlogged()]
         if not runnable:
@@ -201,9 +204,20 @@ class Scheduler:
         return True
 
     @staticmethod
-    def _load(request: GenerationRequest, held: Counter) -> int:
-        """Slots held by the busiest of the clients a request is for."""
-        return max((held[key] for key in request.owners), default=0)
+    def _load(request: GenerationRequest, held: Counter) -> tuple[int, ...]:
+        """What the clients a request is for hold, broadest client first (an owner, then one
+        of its connections): compared level by level, so connections that share an owner
+        (one address, one token) are told apart by what each holds."""
+        return tuple(held[key] for key in request.owners)
+
+    @staticmethod
+    def _outweighs(heavy: GenerationRequest, light: GenerationRequest, held: Counter, share: int) -> bool:
+        """Whether `heavy`'s client should give way to `light`'s: at the first level where
+        their clients differ, heavy's holds over `share`, and at least two more than light's."""
+        for heavy_key, light_key in zip(heavy.owners, light.owners):
+            if heavy_key != light_key:
+                return held[heavy_key] > share and held[heavy_key] - 1 > held[light_key]
+        return False
 
     def _choose_admissions(self) -> list[GenerationRequest]:
         """Waiting requests that get the free slots, fewest slots held by their clients first
@@ -220,26 +234,40 @@ class Scheduler:
 
     def _park_for_waiting(self) -> None:
         """With every slot taken, a client over its share gives slots back to waiting clients
-        under theirs (engines that can park only). Called with the lock held."""
+        that hold fewer (engines that can park only). Called with the lock held."""
         if not self.engine.can_park or len(self._active) < self.max_batch:
             return
         held = Counter(key for r in self._active for key in r.owners)
         for request in list(self._waiting):
-            if self._load(request, held) >= self.max_share or request.parked:
+            if request.parked:
                 continue
-            candidates = [r for r in self._active if not r.cancelled]
+            candidates = [r for r in self._active if not r.cancelled
+                          and self._outweighs(r, request, held, self.max_share)]
             if not candidates:
-                return
+                continue
             victim = max(reversed(candidates), key=lambda r: self._load(r, held))   # latest of the busiest
-            if self._load(victim, held) <= self.max_share:
-                return
             self._active.remove(victim)
             victim.parked = True
             self._waiting.appendleft(victim)
             held.subtract(victim.owners)
             held.update(request.owners)               # the slot it frees goes to this one
-            log.debug("request %s parked: its client holds over %d slots while others wait", victim.id,
+            log.debug("request %s parked: its client holds over %d slots while another waits", victim.id,
                       self.max_share)
+
+    def _push_out_for(self, request: GenerationRequest) -> bool:
+        """The queue is full: make room for `request` by failing (BUSY) the newest waiting
+        request of a client that holds at least two more slots and places than its own.
+        Called with the lock held; False if no client outweighs it."""
+        held = Counter(key for r in self._active + list(self._waiting) for key in r.owners)
+        candidates = [r for r in self._waiting if not r.parked and not r.cancelled
+                      and self._outweighs(r, request, held, 0)]
+        if not candidates:
+            return False
+        victim = max(reversed(candidates), key=lambda r: self._load(r, held))
+        self._waiting.remove(victim)
+        victim.sink.fail(ErrorKind.BUSY, "pushed out of the full queue by another client's stream: this client "
+                                         "has more streams waiting or running than others")
+        return True
 
     def _admit(self, request: GenerationRequest) -> bool:
         """Prefill a request into the active set; False if it did not get there."""
@@ -290,12 +318,9 @@ class Scheduler:
             groups = [runnable[i:i + self.engine.max_step_batch]
                       for i in range(0, len(runnable), self.engine.max_step_batch)]
         else:
-            # Rotate the start of the running ones so that, under backpressure or cancellation,
-            # none is favoured; new requests stay in front.
-            new = [r for r in runnable if r.steps == 0]
-            old = [r for r in runnable if r.steps > 0]
-            self._rr = (self._rr + 1) % max(1, len(old))
-            groups = [[r] for r in new + old[self._rr:] + old[:self._rr]]
+            # Earliest deadline first: the listener with the least audio in hand is served next
+            # (ties: the request queued first).
+            groups = [[min(runnable, key=lambda r: (r.sink.audio_ahead_s(), r.submitted_at))]]
         for group in groups:
             group = [r for r in group if not r.cancelled]
             if not group:

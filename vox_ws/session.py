@@ -68,7 +68,7 @@ class Session:
         # Whom this connection acts for (a token or an address): owns its voices, and shares
         # the scheduler's slots fairly with other clients, as does the connection itself.
         self.owner = owner or f"connection:{self.number}"
-        self._owners = (f"connection:{self.number}", self.owner)
+        self._owners = (self.owner, f"connection:{self.number}")
         self.streams: dict[str, _OpenStream] = {}
         self.last_activity = time.monotonic()
         self._outbox: asyncio.Queue[bytes] = asyncio.Queue()

@@ -1,4 +1,4 @@
-"""The transport benchmark's server child: a real vox-ws server on the tone engine."""
+"""The benchmarks' server child: a real vox-ws server on the engine a benchmark gives it."""
 
 from __future__ import annotations
 
@@ -10,17 +10,23 @@ from ..engine import Engine
 from ..server import VoxServer
 
 
-def run_server(engine: Engine, port: int) -> None:
+def run_server(engine: Engine, port: int, config: ServerConfig | None = None, port_file: str | None = None) -> None:
+    """Serve until SIGTERM. Once the engine is ready, the port is printed ("PORT n") and, with
+    `port_file`, written there."""
     logging.basicConfig(level=logging.WARNING)
+    config = config or ServerConfig(port=port, max_batch=engine.max_step_batch,
+                                    limits=Limits(max_connections=4096, max_connections_per_address=4096,
+                                                  max_queue=4096))
 
     async def serve() -> None:
-        config = ServerConfig(port=port, max_batch=engine.max_step_batch,
-                              limits=Limits(max_connections=4096, max_connections_per_address=4096, max_queue=4096))
         server = VoxServer(config, engine)
         await server.start()
         server.install_signal_handlers()
         await asyncio.to_thread(server.scheduler.ready_event.wait)
         print("PORT", server.port, flush=True)
+        if port_file:
+            with open(port_file, "w") as f:
+                f.write(str(server.port))
         await server.wait_stopped()
 
     try:

@@ -139,6 +139,9 @@ class _Sink:
     def backlogged(self) -> bool:
         return False
 
+    def audio_ahead_s(self) -> float:
+        return 0.0
+
 
 def run_batched(model_dir: str, device: str, clients: list[list[Job]], offsets: list[float], threads: int) -> dict:
     from vox_ws.engine import GenerationRequest

@@ -26,8 +26,8 @@ from .voices import VoiceOwners
 
 # Reference audio shorter than this cannot carry a voice.
 MIN_VOICE_AUDIO_S = 0.2
-# Reference audio files decoded at once: decoding is CPU work beside the engine's.
-MAX_CONCURRENT_DECODES = 1
+# Reference audio files decoded and encoded at once: CPU work beside the engine's.
+MAX_CONCURRENT_VOICE_JOBS = 1
 # The owner that may delete any voice (admin connections).
 ANY_OWNER = "admin"
 
@@ -46,14 +46,14 @@ class StreamService:
         self._numbers = itertools.count(1)
         self._watchdog: asyncio.Task | None = None
         self.voice_owners = VoiceOwners(self.limits.max_voices_per_owner, self.limits.max_voices)
-        self._decodes: asyncio.Semaphore | None = None
+        self._voice_jobs: asyncio.Semaphore | None = None
         # Text preparation (normalisation) runs here, one text at a time: beside the engine,
         # never on its thread or the loop.
         self._preparer = ThreadPoolExecutor(1, thread_name_prefix="vox-ws-prepare")
 
     async def start(self) -> None:
         self.mailbox = LoopMailbox(asyncio.get_running_loop())
-        self._decodes = asyncio.Semaphore(MAX_CONCURRENT_DECODES)
+        self._voice_jobs = asyncio.Semaphore(MAX_CONCURRENT_VOICE_JOBS)
         self._watchdog = asyncio.create_task(self._watch(), name="vox-ws-stream-watchdog")
 
     async def close(self) -> None:
@@ -77,8 +77,8 @@ class StreamService:
         `text` a string: say it (with `input_streaming`, it is the first piece and more may
         follow through `send_text`); an async iterator of strings: read the input from it;
         None with `input_streaming`: the input comes through `send_text`. `owners` names the
-        clients the stream is for (its connection, its token or address), among which the
-        scheduler shares its slots fairly. Raises `Refused`.
+        clients the stream is for, broadest first (its token or address, its connection),
+        among which the scheduler shares its slots fairly. Raises `Refused`.
         """
         if not self.accepting:
             raise Refused(ErrorKind.GOING_AWAY, "server shutting down: no new streams")
@@ -155,12 +155,18 @@ class StreamService:
             raise Refused(ErrorKind.INVALID, f"field 'transcript' is required for mode {mode!r}")
         if transcript is not None and len(transcript) > self.limits.max_text_chars:
             raise Refused(ErrorKind.TOO_LARGE, f"field 'transcript' is over max_text_chars={self.limits.max_text_chars}")
+        if self.scheduler.status != "ready":
+            raise Refused(ErrorKind.NOT_READY, f"engine is {self.scheduler.status}")
         retire = self.voice_owners.reserve(owner)
+        assert self._voice_jobs is not None, "StreamService.start() was not awaited"
         try:
-            pcm, rate = await self._decode(audio)
-            result = await self._on_engine_thread(lambda: self.engine.register_voice(pcm, rate, transcript, mode))
+            # One reference at a time is decoded and encoded, on a worker thread: beside the
+            # engine's steps (which go on), never between them.
+            async with self._voice_jobs:
+                pcm, rate = await self._decode(audio)
+                result = await self._off_thread(self.engine.register_voice, pcm, rate, transcript, mode)
             if retire is not None and self.voice_owners.owns(owner, retire):
-                await self._on_engine_thread(lambda: self.engine.delete_voice(retire))
+                self.engine.delete_voice(retire)
                 self.voice_owners.remove(retire)
             self.voice_owners.add(owner, result["voice"])
             return result
@@ -168,16 +174,14 @@ class StreamService:
             self.voice_owners.release()
 
     async def _decode(self, audio: bytes) -> tuple[Any, int]:
-        """Reference audio to mono samples at the engine's rate, one decode at a time, off the loop."""
+        """Reference audio to mono samples at the engine's rate."""
         limit = self.limits.max_voice_audio_s
-        assert self._decodes is not None, "StreamService.start() was not awaited"
-        async with self._decodes:
-            try:
-                pcm, rate = await asyncio.to_thread(decode_audio_file, audio, limit, self.engine.voice_sample_rate)
-            except AudioTooLong as exc:
-                raise Refused(ErrorKind.TOO_LARGE, f"reference {exc} (max_voice_audio_s={limit:g})") from None
-            except ValueError as exc:
-                raise Refused(ErrorKind.INVALID, f"field 'audio': {exc}") from None
+        try:
+            pcm, rate = await asyncio.to_thread(decode_audio_file, audio, limit, self.engine.voice_sample_rate)
+        except AudioTooLong as exc:
+            raise Refused(ErrorKind.TOO_LARGE, f"reference {exc} (max_voice_audio_s={limit:g})") from None
+        except ValueError as exc:
+            raise Refused(ErrorKind.INVALID, f"field 'audio': {exc}") from None
         seconds = len(pcm) / rate
         if seconds > limit:
             raise Refused(ErrorKind.TOO_LARGE, f"reference audio is {seconds:.1f}s, over max_voice_audio_s={limit:g}")
@@ -191,7 +195,7 @@ class StreamService:
         (another owner's voice looks like no voice at all). Streams using it keep it to their end."""
         if owner != ANY_OWNER and not self.voice_owners.owns(owner, voice):
             return False
-        deleted = await self._on_engine_thread(lambda: self.engine.delete_voice(voice))
+        deleted = self.engine.delete_voice(voice)
         self.voice_owners.remove(voice)
         return deleted
 
@@ -199,6 +203,15 @@ class StreamService:
         active = self.scheduler.stats()["active"]
         result = await self._on_engine_thread(lambda: self.engine.lora_op(op, name))
         return {**result, "streams_in_flight": active}
+
+    async def _off_thread(self, fn: Any, *args: Any) -> Any:
+        """Run thread-safe engine work on a worker thread; errors other than refusals become INTERNAL."""
+        try:
+            return await asyncio.to_thread(fn, *args)
+        except Refused:
+            raise
+        except Exception as exc:  # noqa: BLE001 - report it; the service goes on
+            raise Refused(ErrorKind.INTERNAL, f"{type(exc).__name__}: {exc}") from exc
 
     async def _on_engine_thread(self, fn: Any) -> Any:
         """Run engine work between two steps; engine errors other than refusals become INTERNAL."""

@@ -262,6 +262,12 @@ class Stream:
     def backlogged(self) -> bool:
         return self._queued_audio_s >= self._limits.max_buffered_audio_s
 
+    def audio_ahead_s(self) -> float:
+        # Read on the scheduler thread while the loop writes: a float read is atomic, and a
+        # stale value only reorders one step.
+        first = self.first_audio_at
+        return 0.0 if first is None else self.audio_s - (time.monotonic() - first)
+
     # ------------------------------------------------------------------ generation (loop)
 
     @property

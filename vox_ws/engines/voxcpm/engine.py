@@ -202,11 +202,12 @@ class VoxCPMEngine(Engine):
     def prepare_text(self, text: str, options: dict[str, Any]) -> str:
         return self._normalizer.normalize(clean_text(text))
 
-    # ------------------------------------------------------------------ voices and LoRA (scheduler thread)
+    # ------------------------------------------------------------------ voices (any thread) and LoRA
 
     def register_voice(self, audio: np.ndarray, sample_rate: int, transcript: str | None, mode: str,
                        name: str | None = None) -> dict[str, Any]:
-        """Build a voice's prompt cache once; returns its id."""
+        """Build a voice's prompt cache once; returns its id. Runs on a worker thread beside
+        the steps: the VAE encoder is only read (inference mode), the voice book is locked."""
         cache = encode_voice(self.tts.tts_model, audio, sample_rate, transcript, mode)
         voice_id = self._voices.add(cache, name)
         return {"voice": voice_id, "mode": mode, "audio_s": round(len(audio) / sample_rate, 3)}
