@@ -487,9 +487,9 @@ class RecordingPiper(PiperEngine):
         return super().step(batch)
 
 
-async def test_the_listener_closest_to_running_out_is_served_first():
-    """Dense text on two streams (85 s of speech each before pieces) cannot hold up a third:
-    once the two are ahead of their listeners, the newcomer's steps run back to back."""
+async def test_two_streams_of_dense_text_do_not_hold_up_a_newcomer():
+    """Dense text on two streams (85 s of speech each, once one step) cannot hold up a third:
+    the newcomer's client had the least of the engine, so its steps run back to back."""
     engine = RecordingPiper()
     scheduler = loaded_scheduler(engine, max_batch=4)
     service = await service_on(scheduler)

@@ -14,10 +14,11 @@ holds more; a request that waited longer than `max_wait_s` for its first slot is
 
 An engine says how many requests one `step` call may advance (`max_step_batch`): a batching
 engine advances all active requests in one call. An engine that cannot batch advances one
-request per turn: the one whose listener is closest to running out of audio (least audio
-delivered beyond real time; a new stream has none), so no stream waits for another to finish,
-a newcomer waits at most one step for its first audio, and a stream that is far ahead (a
-client that reads faster than it plays) yields to those that are not. The scheduler never touches
+request per turn: one of the client that had the least engine time lately (owners first, then
+connections: a client with many streams gets no more of the engine than one with one), and
+of that client's, the one whose listener is closest to running out of audio (least audio
+delivered beyond real time; a new stream has none). No stream waits for another to finish, and
+a newcomer waits at most about one step for its first audio. The scheduler never touches
 asyncio: results go to each request's `RequestSink` (the stream service's thread-safe hand-off).
 """
 
@@ -33,6 +34,9 @@ from typing import Any, Callable
 from .engine import EndReason, Engine, EngineFailure, ErrorKind, GenerationRequest, Refused
 
 log = logging.getLogger("vox_ws.scheduler")
+
+# How much a step's engine time still counts against its client one step later.
+SERVICE_DECAY = 0.9
 
 
 class Scheduler:
@@ -60,6 +64,7 @@ class Scheduler:
         self._calls: deque[tuple[Callable[[], Any], Future]] = deque()
         self._active: list[GenerationRequest] = []
         self._admitting = 0               # taken from the queue, being prefilled
+        self._served: dict[str, float] = {}   # engine seconds per client, decayed step by step
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="vox-ws-scheduler", daemon=True)
         self.ready_event = threading.Event()
@@ -219,6 +224,24 @@ class Scheduler:
                 return held[heavy_key] > share and held[heavy_key] - 1 > held[light_key]
         return False
 
+    def _urgency(self, request: GenerationRequest) -> tuple:
+        """Which request an engine that cannot batch steps next: the one of the client that had
+        the least of the engine lately (broadest client first), then the one whose listener is
+        closest to running out of audio (earliest deadline first), then the oldest."""
+        return (tuple(self._served.get(key, 0.0) for key in request.owners), request.sink.audio_ahead_s(),
+                request.submitted_at)
+
+    def _charge(self, group: list[GenerationRequest], seconds: float) -> None:
+        """Count a step's time against the clients it served; older steps count for less."""
+        for key in list(self._served):
+            self._served[key] *= SERVICE_DECAY
+            if self._served[key] < 1e-3:
+                del self._served[key]
+        share = seconds / len(group)
+        for request in group:
+            for key in set(request.owners):
+                self._served[key] = self._served.get(key, 0.0) + share
+
     def _choose_admissions(self) -> list[GenerationRequest]:
         """Waiting requests that get the free slots, fewest slots held by their clients first
         (then oldest first). Called with the lock held."""
@@ -318,9 +341,7 @@ class Scheduler:
             groups = [runnable[i:i + self.engine.max_step_batch]
                       for i in range(0, len(runnable), self.engine.max_step_batch)]
         else:
-            # Earliest deadline first: the listener with the least audio in hand is served next
-            # (ties: the request queued first).
-            groups = [[min(runnable, key=lambda r: (r.sink.audio_ahead_s(), r.submitted_at))]]
+            groups = [[min(runnable, key=self._urgency)]]
         for group in groups:
             group = [r for r in group if not r.cancelled]
             if not group:
@@ -344,6 +365,7 @@ class Scheduler:
             self.last_batch_size = len(group)
             if self.on_step is not None:
                 self.on_step(len(group), elapsed)
+            self._charge(group, elapsed)
             finished = []
             for request, result in zip(group, results):
                 request.steps += 1

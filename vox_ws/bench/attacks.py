@@ -4,8 +4,9 @@ Each attack runs alone, from a process of its own, against a fresh server (Piper
 random-weight VoxCPM2 for the attacks on voice uploads and normalisation) while one victim
 client speaks a text again and again and a probe reads /healthz every 100 ms. Printed per
 attack: the victim's first audio (median, against its unloaded value) and longest gap between
-two chunks of a stream, its failed streams, /healthz p99, the server's peak RSS (its worker
-processes included), and whether the server survived. Targets on the 2-core CI machine: the server survives; RSS under 1 GB;
+two chunks of a stream, its failed streams, /healthz p99, the server's peak RSS (alone, and
+with its worker processes), and whether the server survived. The attacker connects from
+127.0.0.2, the victim from 127.0.0.1, as if from two machines. Targets on the 2-core CI machine: the server survives; RSS under 1 GB;
 /healthz p99 under 100 ms; first audio under 3x unloaded; longest chunk gap under 1 s.
 
     python -m vox_ws.bench.attacks [--attacks crash_text,ping_flood,...] [--seconds 20] [--json out.json]
@@ -31,6 +32,9 @@ from typing import Any, Awaitable, Callable
 import msgpack
 import numpy as np
 
+# The attacker connects from another loopback address than the victim, as it would from
+# another machine: the server's per-address limits and fair shares tell them apart.
+ATTACKER_ADDRESS = "127.0.0.2"
 VICTIM_TEXT = "The quick brown fox jumps over the lazy dog. It was a bright cold day in April, and the clocks struck."
 CJK_240 = ("我们今天去公园散步，天气非常好。" * 15)[:240]
 LONG_TEXT = "This sentence keeps the voice busy for a while, one clause after another. " * 40
@@ -39,10 +43,10 @@ LONG_TEXT = "This sentence keeps the voice busy for a while, one clause after an
 # ------------------------------------------------------------------ the attacks (run in their own process)
 
 
-async def _ws(port: int, **kwargs: Any):
+async def _ws(port: int, source: str = ATTACKER_ADDRESS, **kwargs: Any):
     from websockets.asyncio.client import connect
 
-    ws = await connect(f"ws://127.0.0.1:{port}/v1/stream", max_size=None, **kwargs)
+    ws = await connect(f"ws://127.0.0.1:{port}/v1/stream", max_size=None, local_addr=(source, 0), **kwargs)
     await ws.recv()
     return ws
 
@@ -73,7 +77,7 @@ async def ping_flood(port: int, until: float) -> None:
 
     def flood() -> None:
         while time.monotonic() < until:
-            sock = socket.create_connection(("127.0.0.1", port))
+            sock = socket.create_connection(("127.0.0.1", port), source_address=(ATTACKER_ADDRESS, 0))
             proto = ClientProtocol(parse_uri(f"ws://127.0.0.1:{port}/v1/stream"))
             proto.send_request(proto.connect())
             sock.sendall(b"".join(proto.data_to_send()))
@@ -191,7 +195,8 @@ async def half_open(port: int, until: float) -> None:
         held = []
         for _ in range(1100):
             try:
-                sock = socket.create_connection(("127.0.0.1", port), timeout=2)
+                sock = socket.create_connection(("127.0.0.1", port), timeout=2,
+                                                source_address=(ATTACKER_ADDRESS, 0))
                 sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n")
                 held.append(sock)
             except OSError:
@@ -210,6 +215,7 @@ async def non_readers(port: int, until: float) -> None:
     for _ in range(8):
         sock = socket.socket()
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.bind((ATTACKER_ADDRESS, 0))
         sock.connect(("127.0.0.1", port))
         ws = await connect(f"ws://127.0.0.1:{port}/v1/stream", sock=sock, max_queue=1, max_size=None)
         await ws.send(msgpack.packb({"type": "start", "text": LONG_TEXT, "format": "f32"}))
@@ -259,13 +265,14 @@ class Observed:
     healthz_s: list[float] = field(default_factory=list)
     healthz_failed: int = 0
     rss_mb: list[float] = field(default_factory=list)
+    tree_rss_mb: list[float] = field(default_factory=list)
 
 
 async def victim(port: int, until: float, seen: Observed, engine: str) -> None:
     options = {"max_len": 40} if engine == "voxcpm" else {}
     while time.monotonic() < until:
         try:
-            ws = await _ws(port)
+            ws = await _ws(port, source="127.0.0.1")
             async with ws:
                 while time.monotonic() < until:
                     sent = time.monotonic()
@@ -300,7 +307,8 @@ def probe(port: int, pid: int, until: float, seen: Observed) -> None:
             seen.healthz_s.append(time.monotonic() - started)
         except OSError:
             seen.healthz_failed += 1
-        seen.rss_mb.append(sum(_rss_mb(p) for p in _process_tree(pid)))
+        seen.rss_mb.append(_rss_mb(pid))
+        seen.tree_rss_mb.append(sum(_rss_mb(p) for p in _process_tree(pid)))
         time.sleep(max(0.0, 0.1 - (time.monotonic() - started)))
 
 
@@ -406,6 +414,9 @@ def summarize(name: str, base: Observed, seen: Observed, alive: bool) -> dict[st
         "healthz_p99_ms": healthz_p99,
         "healthz_failed": seen.healthz_failed,
         "server_rss_peak_mb": round(max(seen.rss_mb), 1) if seen.rss_mb else None,
+        "server_rss_unloaded_mb": round(max(base.rss_mb), 1) if base.rss_mb else None,
+        "with_workers_rss_peak_mb": round(max(seen.tree_rss_mb), 1) if seen.tree_rss_mb else None,
+        "with_workers_rss_unloaded_mb": round(max(base.tree_rss_mb), 1) if base.tree_rss_mb else None,
     }
     row["targets_met"] = bool(
         alive and row["server_rss_peak_mb"] is not None and row["server_rss_peak_mb"] < 1024
@@ -436,6 +447,7 @@ def measure(names: list[str], seconds: float, baseline_s: float) -> list[dict[st
               f"(unloaded {row['victim_first_audio_unloaded_s']}) longest gap {row['victim_longest_gap_s']} s "
               f"(unloaded {row['victim_longest_gap_unloaded_s']}) failed {len(row['victim_failed'])} "
               f"healthz p99 {row['healthz_p99_ms']} ms RSS {row['server_rss_peak_mb']} MB "
+              f"(with workers {row['with_workers_rss_peak_mb']} MB, unloaded {row['with_workers_rss_unloaded_mb']}) "
               f"targets {'met' if row['targets_met'] else 'NOT met'}", flush=True)
     return rows
 

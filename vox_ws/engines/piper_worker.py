@@ -84,8 +84,9 @@ def _load(threads: int):
 def phonemize(voice, text: str) -> list[list[str]]:
     """Text to pieces of whole words, at most MAX_PHONEMES phonemes each (a word longer than
     that alone excepted). A sentence too long for one piece is cut into pieces of about equal
-    length, at a clause (a comma's phoneme) where one is near, else between words."""
-    pieces = []
+    length, at a clause (a comma's phoneme) where one is near, else between words; short
+    sentences in a row share a piece ("a. b. c." is one utterance, not three steps)."""
+    pieces: list[list[str]] = []
     for sentence in voice.phonemize(text):
         if not sentence:
             continue
@@ -100,7 +101,13 @@ def phonemize(voice, text: str) -> list[list[str]]:
             pieces.append(sentence[start:cut])
             start = cut
         pieces.append(sentence[start:])
-    return [p for p in pieces if any(ph.strip() for ph in p)]
+    merged: list[list[str]] = []
+    for piece in (p for p in pieces if any(ph.strip() for ph in p)):
+        if merged and len(merged[-1]) + 1 + len(piece) <= MAX_PHONEMES:
+            merged[-1] = merged[-1] + [" "] + piece
+        else:
+            merged.append(piece)
+    return merged
 
 
 def _cut(phonemes: list[str], start: int, near: int) -> int:
