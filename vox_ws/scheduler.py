@@ -14,7 +14,7 @@ holds more; a request that waited longer than `max_wait_s` for its first slot is
 
 An engine says how many requests one `step` call may advance (`max_step_batch`): a batching
 engine advances all active requests in one call. An engine that cannot batch advances one
-request per turn: one of the client that had the least engine time lately (owners first, then
+request per turn: one of the client served the fewest steps lately (owners first, then
 connections: a client with many streams gets no more of the engine than one with one), and
 of that client's, the one whose listener is closest to running out of audio (least audio
 delivered beyond real time; a new stream has none). No stream waits for another to finish, and
@@ -35,7 +35,7 @@ from .engine import EndReason, Engine, EngineFailure, ErrorKind, GenerationReque
 
 log = logging.getLogger("vox_ws.scheduler")
 
-# How much a step's engine time still counts against its client one step later.
+# How much a step still counts against its client one step later.
 SERVICE_DECAY = 0.9
 
 
@@ -64,7 +64,7 @@ class Scheduler:
         self._calls: deque[tuple[Callable[[], Any], Future]] = deque()
         self._active: list[GenerationRequest] = []
         self._admitting = 0               # taken from the queue, being prefilled
-        self._served: dict[str, float] = {}   # engine seconds per client, decayed step by step
+        self._served: dict[str, float] = {}   # steps per client, decayed step by step
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="vox-ws-scheduler", daemon=True)
         self.ready_event = threading.Event()
@@ -225,22 +225,23 @@ class Scheduler:
         return False
 
     def _urgency(self, request: GenerationRequest) -> tuple:
-        """Which request an engine that cannot batch steps next: the one of the client that had
-        the least of the engine lately (broadest client first), then the one whose listener is
-        closest to running out of audio (earliest deadline first), then the oldest."""
+        """Which request an engine that cannot batch steps next: the one of the client served
+        the fewest steps lately (broadest client first), then the one whose listener is closest
+        to running out of audio (earliest deadline first), then the oldest."""
         return (tuple(self._served.get(key, 0.0) for key in request.owners), request.sink.audio_ahead_s(),
                 request.submitted_at)
 
-    def _charge(self, group: list[GenerationRequest], seconds: float) -> None:
-        """Count a step's time against the clients it served; older steps count for less."""
+    def _charge(self, group: list[GenerationRequest]) -> None:
+        """Count a step against the clients it served; older steps count for less. Steps, not
+        seconds: two clients then take turns, so one with short steps never waits for two of
+        another's long ones."""
         for key in list(self._served):
             self._served[key] *= SERVICE_DECAY
             if self._served[key] < 1e-3:
                 del self._served[key]
-        share = seconds / len(group)
         for request in group:
             for key in set(request.owners):
-                self._served[key] = self._served.get(key, 0.0) + share
+                self._served[key] = self._served.get(key, 0.0) + 1.0 / len(group)
 
     def _choose_admissions(self) -> list[GenerationRequest]:
         """Waiting requests that get the free slots, fewest slots held by their clients first
@@ -365,7 +366,7 @@ class Scheduler:
             self.last_batch_size = len(group)
             if self.on_step is not None:
                 self.on_step(len(group), elapsed)
-            self._charge(group, elapsed)
+            self._charge(group)
             finished = []
             for request, result in zip(group, results):
                 request.steps += 1

@@ -15,7 +15,7 @@ import socket
 import subprocess
 import sys
 from multiprocessing.connection import Connection
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 log = logging.getLogger("vox_ws.engines")
 
@@ -160,3 +160,23 @@ class Worker:
         what = describe_exit(self._proc)
         log.error("the %s (pid %d) died %s: %s", self.name, self._proc.pid, doing, what)
         return WorkerCrashed(f"the {self.name} died {doing} ({what}); other streams go on")
+
+
+def serve_worker(start: Callable[[tuple], tuple[Any, Callable[[str, Any], tuple]]]) -> None:
+    """In a `Worker`'s process: `start(init)` loads what the worker needs and returns (what
+    to answer "ready" with, a handler); then every request (kind, payload) is answered with
+    `handler(kind, payload)`, or ("error", why) when it raises, until the parent says stop."""
+    conn = child_connection()
+    init = receive(conn)
+    try:
+        ready, handle = start(init)
+    except Exception as exc:  # noqa: BLE001 - the parent reports it
+        send(conn, ("failed", f"{type(exc).__name__}: {exc}"))
+        return
+    send(conn, ("ready", ready))
+    for kind, payload in messages(conn):
+        try:
+            reply = handle(kind, payload)
+        except Exception as exc:  # noqa: BLE001 - the parent fails that request and goes on
+            reply = ("error", f"{type(exc).__name__}: {exc}")
+        send(conn, reply)

@@ -21,11 +21,11 @@ phonemes (about 3 s of speech, under half a second of work here), so no text, ho
 
 from __future__ import annotations
 
-from multiprocessing.connection import Connection
+from typing import Any, Callable
 
 import numpy as np
 
-from .child import Worker, WorkerCrashed, child_connection, messages, receive, send
+from .child import Worker, WorkerCrashed, serve_worker
 
 __all__ = ["MAX_PHONEMES", "PiperWorker", "WorkerCrashed"]
 
@@ -35,6 +35,10 @@ SPEAK_TIMEOUT_S = 60.0
 # Phonemes spoken in one piece: Piper makes about 50 ms of speech per phoneme (stress marks and
 # word spaces included) at about 7 ms of work each on one core of the 2-core CI machine.
 MAX_PHONEMES = 64
+# A sentence or clause mark is a pause worth about this many phonemes of speech: pieces that
+# share short sentences are measured with their pauses.
+PAUSE_PHONEMES = 5
+_PAUSES = frozenset(".,;:!?")
 LOAD_TIMEOUT_S = 120.0
 
 
@@ -103,11 +107,16 @@ def phonemize(voice, text: str) -> list[list[str]]:
         pieces.append(sentence[start:])
     merged: list[list[str]] = []
     for piece in (p for p in pieces if any(ph.strip() for ph in p)):
-        if merged and len(merged[-1]) + 1 + len(piece) <= MAX_PHONEMES:
+        if merged and _cost(merged[-1]) + 1 + _cost(piece) <= MAX_PHONEMES:
             merged[-1] = merged[-1] + [" "] + piece
         else:
             merged.append(piece)
     return merged
+
+
+def _cost(piece: list[str]) -> int:
+    """About how much speech a piece makes, in phonemes, its pauses included."""
+    return len(piece) + PAUSE_PHONEMES * sum(1 for ph in piece if ph in _PAUSES)
 
 
 def _cut(phonemes: list[str], start: int, near: int) -> int:
@@ -135,29 +144,21 @@ def speak(voice, phonemes: list[str]) -> np.ndarray:
     return np.clip(np.asarray(audio, dtype=np.float32), -1.0, 1.0)
 
 
-def serve(conn: Connection) -> None:
-    _, threads = receive(conn)
-    try:
-        voice, rate = _load(threads)
-        for piece in phonemize(voice, "Ready."):     # warm the phonemizer and the ONNX graph
-            speak(voice, piece)
-    except Exception as exc:  # noqa: BLE001 - the parent reports it
-        send(conn, ("failed", f"{type(exc).__name__}: {exc}"))
-        return
-    send(conn, ("ready", rate))
-    for kind, payload in messages(conn):
-        try:
-            if kind == "phonemize":
-                reply = ("pieces", phonemize(voice, payload))
-            else:
-                reply = ("audio", speak(voice, payload).tobytes())
-        except Exception as exc:  # noqa: BLE001 - the parent fails that request and goes on
-            reply = ("error", f"{type(exc).__name__}: {exc}")
-        send(conn, reply)
+def _start(init: tuple) -> tuple[int, Callable[[str, Any], tuple]]:
+    _, threads = init
+    voice, rate = _load(threads)
+    for piece in phonemize(voice, "Ready."):     # warm the phonemizer and the ONNX graph
+        speak(voice, piece)
+
+    def handle(kind: str, payload: Any) -> tuple:
+        if kind == "phonemize":
+            return ("pieces", phonemize(voice, payload))
+        return ("audio", speak(voice, payload).tobytes())
+    return rate, handle
 
 
 def main() -> None:
-    serve(child_connection())
+    serve_worker(_start)
 
 
 if __name__ == "__main__":

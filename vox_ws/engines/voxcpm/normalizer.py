@@ -17,10 +17,10 @@ queued (`Engine.prepare_text`), one text at a time, and a text that takes longer
 from __future__ import annotations
 
 import threading
-from multiprocessing.connection import Connection
+from typing import Any, Callable
 
 from ...engine import ErrorKind, Refused
-from ..child import Worker, WorkerCrashed, WorkerHung, child_connection, messages, receive, send
+from ..child import Worker, WorkerCrashed, WorkerHung, serve_worker
 
 WORKER_MODULE = "vox_ws.engines.voxcpm.normalizer"
 NORMALIZE_TIMEOUT_S = 3.0
@@ -62,21 +62,10 @@ class Normalizer(Worker):
                 raise Refused(ErrorKind.INVALID, f"the text could not be normalized: {exc}") from None
 
 
-def serve(conn: Connection) -> None:
-    receive(conn)                                  # init
-    try:
-        normalizer = _text_normalize_module().TextNormalizer()
-        normalizer.normalize("Warm up: 123 and 4.5%.")
-    except Exception as exc:  # noqa: BLE001 - the parent reports it
-        send(conn, ("failed", f"{type(exc).__name__}: {exc}"))
-        return
-    send(conn, ("ready", None))
-    for _, text in messages(conn):
-        try:
-            reply = ("text", normalizer.normalize(text))
-        except Exception as exc:  # noqa: BLE001 - the parent refuses that text and goes on
-            reply = ("error", f"{type(exc).__name__}: {exc}")
-        send(conn, reply)
+def _start(init: tuple) -> tuple[None, Callable[[str, Any], tuple]]:
+    normalizer = _text_normalize_module().TextNormalizer()
+    normalizer.normalize("Warm up: 123 and 4.5%.")
+    return None, lambda kind, text: ("text", normalizer.normalize(text))
 
 
 def _text_normalize_module():
@@ -96,4 +85,4 @@ def _text_normalize_module():
 
 
 if __name__ == "__main__":
-    serve(child_connection())
+    serve_worker(_start)
