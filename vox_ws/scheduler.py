@@ -4,21 +4,16 @@ Data flows one way per turn of the scheduler thread:
 
     retire (cancelled) -> admit (waiting -> active, per-request prefill) -> step -> hand off
 
-Slots are shared fairly among the clients a request names (`GenerationRequest.owners`: its
-owner, a token or address, then its connection): a free slot goes to the waiting request whose
-clients hold the fewest; a client holding more than `max_share` slots while a client holding
-fewer waits gives one back, where the engine can park a request (`Engine.can_park`); a full
-queue makes room for a newcomer by pushing out the newest waiting request of a client that
-holds more; a request that waited longer than `max_wait_s` for its first slot is failed
-(BUSY), so a queue never holds anyone forever.
+Slots and turns are shared fairly among the clients a request names (`fair_share.py`: which
+waiting request gets a free slot, which client gives a slot back or loses its place in a full
+queue, which request an engine that cannot batch steps next); a request that waited longer
+than `max_wait_s` for its first slot is failed (BUSY), so a queue never holds anyone forever.
 
 An engine says how many requests one `step` call may advance (`max_step_batch`): a batching
 engine advances all active requests in one call. An engine that cannot batch advances one
-request per turn: one of the client served the fewest steps lately (owners first, then
-connections: a client with many streams gets no more of the engine than one with one), and
-of that client's, the one whose listener is closest to running out of audio (least audio
-delivered beyond real time; a new stream has none). No stream waits for another to finish, and
-a newcomer waits at most about one step for its first audio. The scheduler never touches
+request per turn, chosen by the fair-share policy (the client served the fewest steps lately,
+then the listener closest to running out of audio), so no stream waits for another to finish,
+and a newcomer waits about one step for its first audio. The scheduler never touches
 asyncio: results go to each request's `RequestSink` (the stream service's thread-safe hand-off).
 """
 
@@ -27,16 +22,14 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import Counter, deque
+from collections import deque
 from concurrent.futures import Future
 from typing import Any, Callable
 
 from .engine import EndReason, Engine, EngineFailure, ErrorKind, GenerationRequest, Refused
+from .fair_share import FairShare
 
 log = logging.getLogger("vox_ws.scheduler")
-
-# How much a step still counts against its client one step later.
-SERVICE_DECAY = 0.9
 
 
 class Scheduler:
@@ -55,6 +48,7 @@ class Scheduler:
         self.max_batch = max_batch
         self.max_queue = max_queue
         self.max_share = max_share or max(1, max_batch // 2)
+        self.fair = FairShare(self.max_share)
         self.max_wait_s = max_wait_s
         self.status = "loading"          # loading -> ready | failed; ready -> failed
         self.error: str | None = None
@@ -64,7 +58,6 @@ class Scheduler:
         self._calls: deque[tuple[Callable[[], Any], Future]] = deque()
         self._active: list[GenerationRequest] = []
         self._admitting = 0               # taken from the queue, being prefilled
-        self._served: dict[str, float] = {}   # steps per client, decayed step by step
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="vox-ws-scheduler", daemon=True)
         self.ready_event = threading.Event()
@@ -181,7 +174,7 @@ class Scheduler:
             for request in dropped + expired:
                 self._waiting.remove(request)
             self._park_for_waiting()
-            admitted = self._choose_admissions()
+            admitted = self.fair.admissions(self._waiting, self._active, self.max_batch - len(self._active))
             self._admitting = len(admitted)
         for request in dropped:
             if request.parked:
@@ -208,86 +201,24 @@ class Scheduler:
         self._step(runnable)
         return True
 
-    @staticmethod
-    def _load(request: GenerationRequest, held: Counter) -> tuple[int, ...]:
-        """What the clients a request is for hold, broadest client first (an owner, then one
-        of its connections): compared level by level, so connections that share an owner
-        (one address, one token) are told apart by what each holds."""
-        return tuple(held[key] for key in request.owners)
-
-    @staticmethod
-    def _outweighs(heavy: GenerationRequest, light: GenerationRequest, held: Counter, share: int) -> bool:
-        """Whether `heavy`'s client should give way to `light`'s: at the first level where
-        their clients differ, heavy's holds over `share`, and at least two more than light's."""
-        for heavy_key, light_key in zip(heavy.owners, light.owners):
-            if heavy_key != light_key:
-                return held[heavy_key] > share and held[heavy_key] - 1 > held[light_key]
-        return False
-
-    def _urgency(self, request: GenerationRequest) -> tuple:
-        """Which request an engine that cannot batch steps next: the one of the client served
-        the fewest steps lately (broadest client first), then the one whose listener is closest
-        to running out of audio (earliest deadline first), then the oldest."""
-        return (tuple(self._served.get(key, 0.0) for key in request.owners), request.sink.audio_ahead_s(),
-                request.submitted_at)
-
-    def _charge(self, group: list[GenerationRequest]) -> None:
-        """Count a step against the clients it served; older steps count for less. Steps, not
-        seconds: two clients then take turns, so one with short steps never waits for two of
-        another's long ones."""
-        for key in list(self._served):
-            self._served[key] *= SERVICE_DECAY
-            if self._served[key] < 1e-3:
-                del self._served[key]
-        for request in group:
-            for key in set(request.owners):
-                self._served[key] = self._served.get(key, 0.0) + 1.0 / len(group)
-
-    def _choose_admissions(self) -> list[GenerationRequest]:
-        """Waiting requests that get the free slots, fewest slots held by their clients first
-        (then oldest first). Called with the lock held."""
-        held = Counter(key for r in self._active for key in r.owners)
-        admitted = []
-        while self._waiting and len(self._active) + len(admitted) < self.max_batch:
-            best = min(range(len(self._waiting)), key=lambda i: (self._load(self._waiting[i], held), i))
-            request = self._waiting[best]
-            del self._waiting[best]
-            admitted.append(request)
-            held.update(request.owners)
-        return admitted
-
     def _park_for_waiting(self) -> None:
-        """With every slot taken, a client over its share gives slots back to waiting clients
-        that hold fewer (engines that can park only). Called with the lock held."""
+        """With every slot taken, clients over their share give slots to waiting clients that
+        hold fewer (engines that can park only). Called with the lock held."""
         if not self.engine.can_park or len(self._active) < self.max_batch:
             return
-        held = Counter(key for r in self._active for key in r.owners)
-        for request in list(self._waiting):
-            if request.parked:
-                continue
-            candidates = [r for r in self._active if not r.cancelled
-                          and self._outweighs(r, request, held, self.max_share)]
-            if not candidates:
-                continue
-            victim = max(reversed(candidates), key=lambda r: self._load(r, held))   # latest of the busiest
+        for victim in self.fair.to_park(self._waiting, self._active):
             self._active.remove(victim)
             victim.parked = True
             self._waiting.appendleft(victim)
-            held.subtract(victim.owners)
-            held.update(request.owners)               # the slot it frees goes to this one
             log.debug("request %s parked: its client holds over %d slots while another waits", victim.id,
                       self.max_share)
 
     def _push_out_for(self, request: GenerationRequest) -> bool:
-        """The queue is full: make room for `request` by failing (BUSY) the newest waiting
-        request of a client that holds at least two more slots and places than its own.
-        Called with the lock held; False if no client outweighs it."""
-        held = Counter(key for r in self._active + list(self._waiting) for key in r.owners)
-        candidates = [r for r in self._waiting if not r.parked and not r.cancelled
-                      and self._outweighs(r, request, held, 0)]
-        if not candidates:
+        """The queue is full: fail the newest waiting request of a client that outweighs the
+        newcomer's. Called with the lock held; False if none does."""
+        victim = self.fair.push_out(self._waiting, self._active, request)
+        if victim is None:
             return False
-        victim = max(reversed(candidates), key=lambda r: self._load(r, held))
         self._waiting.remove(victim)
         victim.sink.fail(ErrorKind.BUSY, "pushed out of the full queue by another client's stream: this client "
                                          "has more streams waiting or running than others")
@@ -342,7 +273,7 @@ class Scheduler:
             groups = [runnable[i:i + self.engine.max_step_batch]
                       for i in range(0, len(runnable), self.engine.max_step_batch)]
         else:
-            groups = [[min(runnable, key=self._urgency)]]
+            groups = [[self.fair.next_turn(runnable)]]
         for group in groups:
             group = [r for r in group if not r.cancelled]
             if not group:
@@ -366,7 +297,7 @@ class Scheduler:
             self.last_batch_size = len(group)
             if self.on_step is not None:
                 self.on_step(len(group), elapsed)
-            self._charge(group)
+            self.fair.charge(group)
             finished = []
             for request, result in zip(group, results):
                 request.steps += 1

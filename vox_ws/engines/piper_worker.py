@@ -34,7 +34,7 @@ WORKER_MODULE = "vox_ws.engines.piper_worker"
 SPEAK_TIMEOUT_S = 60.0
 # Phonemes spoken in one piece: Piper makes about 50 ms of speech per phoneme (stress marks and
 # word spaces included) at about 7 ms of work each on one core of the 2-core CI machine.
-MAX_PHONEMES = 64
+MAX_PHONEMES = 56
 # A sentence or clause mark is a pause worth about this many phonemes of speech: pieces that
 # share short sentences are measured with their pauses.
 PAUSE_PHONEMES = 5

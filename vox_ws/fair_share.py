@@ -1,0 +1,110 @@
+"""Who gets the scheduler's slots and turns: the fair-share policy, apart from the thread that
+applies it (`scheduler.py`).
+
+Every request names the clients it is for (`GenerationRequest.owners`), broadest first: an
+owner (a token, or an address), then one of its connections. Clients are compared level by
+level, so connections that share an owner are told apart by what each holds.
+
+- **Admission**: a free slot goes to the waiting request whose clients hold the fewest slots
+  (oldest first among equals).
+- **Parking**: with every slot taken, a client holding more than `max_share` slots while a
+  client holding at least two fewer waits gives one back, where the engine can pause a
+  prefilled request (`Engine.can_park`).
+- **Push-out**: a full queue makes room for a newcomer by failing the newest waiting request
+  of a client that holds at least two more (slots and places).
+- **Turns** (engines that step one request at a time): the client served the fewest steps
+  lately (each step counts for less as others follow), then, of its requests, the one whose
+  listener is closest to running out of audio, then the oldest.
+
+Not thread-safe: the scheduler calls it under its lock (turns and charges on its own thread).
+"""
+
+from __future__ import annotations
+
+from collections import Counter, deque
+from typing import Iterable
+
+from .engine import GenerationRequest
+
+# How much a step still counts against its client one step later.
+SERVICE_DECAY = 0.9
+
+
+class FairShare:
+    def __init__(self, max_share: int) -> None:
+        self.max_share = max_share
+        self._served: dict[str, float] = {}       # steps per client, decayed step by step
+
+    # ------------------------------------------------------------------ slots
+
+    def admissions(self, waiting: deque[GenerationRequest], active: list[GenerationRequest],
+                   free: int) -> list[GenerationRequest]:
+        """Take up to `free` requests out of `waiting` for the free slots, in the order they get them."""
+        held = _held(active)
+        admitted = []
+        while waiting and len(admitted) < free:
+            best = min(range(len(waiting)), key=lambda i: (_load(waiting[i], held), i))
+            request = waiting[best]
+            del waiting[best]
+            admitted.append(request)
+            held.update(request.owners)
+        return admitted
+
+    def to_park(self, waiting: Iterable[GenerationRequest], active: list[GenerationRequest]) -> list[GenerationRequest]:
+        """Active requests whose slots go to waiting clients that hold fewer (the caller parks them)."""
+        held = _held(active)
+        remaining = [r for r in active if not r.cancelled]
+        victims = []
+        for request in [r for r in waiting if not r.parked]:
+            candidates = [r for r in remaining if _outweighs(r, request, held, self.max_share)]
+            if not candidates:
+                continue
+            victim = max(reversed(candidates), key=lambda r: _load(r, held))   # latest of the busiest
+            remaining.remove(victim)
+            victims.append(victim)
+            held.subtract(victim.owners)
+            held.update(request.owners)           # the slot it frees goes to this one
+        return victims
+
+    def push_out(self, waiting: Iterable[GenerationRequest], active: list[GenerationRequest],
+                 newcomer: GenerationRequest) -> GenerationRequest | None:
+        """The waiting request to fail so that `newcomer` fits in a full queue, if any client outweighs its own."""
+        waiting = list(waiting)
+        held = _held(active + waiting)
+        candidates = [r for r in waiting if not r.parked and not r.cancelled and _outweighs(r, newcomer, held, 0)]
+        return max(reversed(candidates), key=lambda r: _load(r, held)) if candidates else None
+
+    # ------------------------------------------------------------------ turns
+
+    def next_turn(self, runnable: list[GenerationRequest]) -> GenerationRequest:
+        return min(runnable, key=lambda r: (tuple(self._served.get(k, 0.0) for k in r.owners),
+                                            r.sink.audio_ahead_s(), r.submitted_at))
+
+    def charge(self, group: list[GenerationRequest]) -> None:
+        """Count a step against the clients it served. Steps, not seconds: two clients then
+        take turns, so one with short steps never waits for two of another's long ones."""
+        for key in list(self._served):
+            self._served[key] *= SERVICE_DECAY
+            if self._served[key] < 1e-3:
+                del self._served[key]
+        for request in group:
+            for key in set(request.owners):
+                self._served[key] = self._served.get(key, 0.0) + 1.0 / len(group)
+
+
+def _held(requests: list[GenerationRequest]) -> Counter:
+    return Counter(key for r in requests for key in r.owners)
+
+
+def _load(request: GenerationRequest, held: Counter) -> tuple[int, ...]:
+    """What the clients a request is for hold, broadest first."""
+    return tuple(held[key] for key in request.owners)
+
+
+def _outweighs(heavy: GenerationRequest, light: GenerationRequest, held: Counter, share: int) -> bool:
+    """Whether `heavy`'s client should give way to `light`'s: at the first level where their
+    clients differ, heavy's holds over `share`, and at least two more than light's."""
+    for heavy_key, light_key in zip(heavy.owners, light.owners):
+        if heavy_key != light_key:
+            return held[heavy_key] > share and held[heavy_key] - 1 > held[light_key]
+    return False
