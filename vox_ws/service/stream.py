@@ -102,6 +102,8 @@ class Stream:
         self._queued_audio_s = 0.0
         self._backlog_since: float | None = None
         self._last_taken_at = time.monotonic()
+        self._first_taken_at: float | None = None
+        self._taken_s = 0.0                      # audio the consumer has taken, in seconds
         self._finished = False                   # Ended or Failed queued: nothing more is produced
         self._drained = False                    # ... and the consumer has taken it
         # Statistics, counted as audio is produced (what a cancel drops is taken back out).
@@ -157,6 +159,9 @@ class Stream:
         event = self._events.popleft()
         if isinstance(event, Audio):
             self._last_taken_at = time.monotonic()
+            if self._first_taken_at is None:
+                self._first_taken_at = self._last_taken_at
+            self._taken_s += event.seconds
             was_backlogged = self.backlogged()
             self._queued_audio_s = max(0.0, self._queued_audio_s - event.seconds)
             if not self.backlogged():
@@ -380,9 +385,14 @@ class Stream:
         if self._finished:
             return
         if self._backlog_since is not None and self.backlogged():
-            stalled = now - max(self._backlog_since, self._last_taken_at)
+            # A consumer that plays as it reads may read nothing while it plays what it has
+            # taken (a paced player reads its socket in bursts): the stall counts from its last
+            # take, or from when a real-time player would have run out, whichever is later.
+            runs_out_at = self._first_taken_at + self._taken_s if self._first_taken_at is not None else 0.0
+            stalled = now - max(self._backlog_since, self._last_taken_at, runs_out_at)
             if stalled > limits.write_stall_timeout_s:
-                self._fail(ErrorKind.SLOW_CONSUMER, f"client read no audio for {limits.write_stall_timeout_s:g}s")
+                self._fail(ErrorKind.SLOW_CONSUMER, f"client read no audio for {limits.write_stall_timeout_s:g}s "
+                                                    "after the audio it had taken would have played")
                 return
         if (not self._input_closed and not self._busy and not self._pending
                 and now - self._last_input_at > limits.stream_timeout_s):

@@ -20,9 +20,10 @@ WebSocket (websockets' sans-I/O core):
   closed with data it will never read.
 - Pings draw from the connection's message budget (`rate.MessageBudget`), shared with protocol
   v1's messages; a flood closes the connection with 1008.
-- Keepalive: a client that has not answered the server's ping in time but whose TCP stack is
-  still acknowledging data (a paced reader behind its own buffers) is alive; the connection is
-  closed (1011) only when neither comes.
+- Keepalive: a client that has not answered the server's ping in time is still alive if its
+  TCP stack acknowledged data since the ping, or if data waits for it and it acknowledged some
+  within the write stall time-out plus the ping time-out (a paced reader behind its own
+  buffers, which it reads in bursts); the connection is closed (1011) otherwise.
 - On a protocol error the server half-closes, so a client still sending reads the close code
   (1009 for a frame too big) instead of a reset, as websockets' own servers do.
 """
@@ -30,9 +31,11 @@ WebSocket (websockets' sans-I/O core):
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import logging
 import socket
 import struct
+import termios
 from collections import Counter
 from typing import Any
 
@@ -144,6 +147,7 @@ class WebSocketProtocol(WebSocketsSansIOProtocol):
         self._owed_pong: bytes | None = None
         self._stall_timer: asyncio.TimerHandle | None = None
         self._acked_at_ping: int | None = None
+        self._progress_at = 0.0
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
@@ -222,19 +226,35 @@ class WebSocketProtocol(WebSocketsSansIOProtocol):
     # ---------------------------------------------------------------- keepalive
 
     def send_keepalive_ping(self) -> None:
-        self._acked_at_ping = _bytes_acked(self.transport)
+        self._note_progress()
         super().send_keepalive_ping()
 
     def keepalive_timeout(self) -> None:
-        acked = _bytes_acked(self.transport)
-        if acked is not None and self._acked_at_ping is not None and acked > self._acked_at_ping:
-            # No pong yet, but the client's TCP stack took data since the ping: it is reading,
-            # slowly, and the ping is still behind what it has not read. Wait on.
-            self._acked_at_ping = acked
+        progressed = self._note_progress()
+        if progressed is None:
+            super().keepalive_timeout()           # no TCP_INFO here: plain ping/pong
+            self._abort_if_unsent()
+            return
+        waiting_for_it = self.transport.get_write_buffer_size() > 0 or _kernel_unacked(self.transport) > 0
+        if progressed or (waiting_for_it and self.loop.time() - self._progress_at < self.stall_timeout_s):
+            # No pong yet, but the client is reading (its TCP stack took data since the ping),
+            # or it has data waiting for it and read some lately: the ping is behind what it has
+            # not read yet, as with a client that plays as it reads. Wait on.
             self.pong_timer = self.loop.call_later(self.ping_timeout, self.keepalive_timeout)
             return
         super().keepalive_timeout()
         self._abort_if_unsent()
+
+    def _note_progress(self) -> bool | None:
+        """Whether the client's TCP stack acknowledged data since last asked (None: unknown)."""
+        acked = _bytes_acked(self.transport)
+        if acked is None:
+            return None
+        if self._acked_at_ping is None or acked > self._acked_at_ping:
+            self._acked_at_ping = acked
+            self._progress_at = self.loop.time()
+            return True
+        return False
 
     # ---------------------------------------------------------------- closing
 
@@ -276,6 +296,17 @@ class WebSocketProtocol(WebSocketsSansIOProtocol):
 
 def _is_pong(frame: bytes) -> bool:
     return bool(frame) and frame[0] & 0x0F == _PONG
+
+
+def _kernel_unacked(transport: asyncio.BaseTransport) -> int:
+    """Bytes the kernel holds for this connection, sent but not acknowledged or not sent yet."""
+    sock = transport.get_extra_info("socket")
+    if sock is None:
+        return 0
+    try:
+        return struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0\0\0\0"))[0]
+    except OSError:
+        return 0
 
 
 def _bytes_acked(transport: asyncio.BaseTransport) -> int | None:
