@@ -133,7 +133,8 @@ class RequestSink(Protocol):
 
     def audio_ahead_s(self) -> float:
         """Seconds of audio delivered beyond what a real-time listener has played since the
-        first chunk (0 before any; negative once the listener would be waiting)."""
+        first chunk (negative once the listener would be waiting); before any audio, how
+        urgent the first is, in the same terms."""
         ...
 
 

@@ -12,9 +12,11 @@ level, so connections that share an owner are told apart by what each holds.
   prefilled request (`Engine.can_park`).
 - **Push-out**: a full queue makes room for a newcomer by failing the newest waiting request
   of a client that holds at least two more (slots and places).
-- **Turns** (engines that step one request at a time): the client served the fewest steps
+- **Turns** (engines that step one request at a time): the owner served the fewest steps
   lately (each step counts for less as others follow), then, of its requests, the one whose
-  listener is closest to running out of audio, then the oldest.
+  listener is closest to running out of audio (a new stream counts as 1 s ahead: before
+  streams comfortably ahead, after those about to run out), then its connections in turn,
+  then the oldest.
 
 Not thread-safe: the scheduler calls it under its lock (turns and charges on its own thread).
 """
@@ -77,8 +79,12 @@ class FairShare:
     # ------------------------------------------------------------------ turns
 
     def next_turn(self, runnable: list[GenerationRequest]) -> GenerationRequest:
-        return min(runnable, key=lambda r: (tuple(self._served.get(k, 0.0) for k in r.owners),
-                                            r.sink.audio_ahead_s(), r.submitted_at))
+        """Owners take turns; within an owner, the listener closest to running out goes first;
+        then the owner's connections take turns; then the oldest."""
+        def key(r: GenerationRequest) -> tuple:
+            served = [self._served.get(k, 0.0) for k in r.owners]
+            return (served[:1], r.sink.audio_ahead_s(), served[1:], r.submitted_at)
+        return min(runnable, key=key)
 
     def charge(self, group: list[GenerationRequest]) -> None:
         """Count a step against the clients it served. Steps, not seconds: two clients then

@@ -11,9 +11,8 @@ than `max_wait_s` for its first slot is failed (BUSY), so a queue never holds an
 
 An engine says how many requests one `step` call may advance (`max_step_batch`): a batching
 engine advances all active requests in one call. An engine that cannot batch advances one
-request per turn, chosen by the fair-share policy (the client served the fewest steps lately,
-then the listener closest to running out of audio), so no stream waits for another to finish,
-and a newcomer waits about one step for its first audio. The scheduler never touches
+request per turn, chosen by the fair-share policy (the owner served the fewest steps lately,
+then the listener closest to running out of audio), so no stream waits for another to finish. The scheduler never touches
 asyncio: results go to each request's `RequestSink` (the stream service's thread-safe hand-off).
 """
 

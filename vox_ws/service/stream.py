@@ -42,6 +42,10 @@ stream_log = logging.getLogger("vox_ws.stream")
 SEGMENT_DELAY_S = 0.4
 # The most audio one chunk carries, in seconds.
 MAX_CHUNK_S = 1.0
+# A stream with no audio yet counts as this far ahead of its listener when the scheduler picks
+# whom to serve: before streams comfortably ahead (first audio matters), after those about to
+# run out (a gap in audio already playing matters more).
+NEW_STREAM_AHEAD_S = 1.0
 
 
 class StreamHost(Protocol):
@@ -271,7 +275,9 @@ class Stream:
         # Read on the scheduler thread while the loop writes: a float read is atomic, and a
         # stale value only reorders one step.
         first = self.first_audio_at
-        return 0.0 if first is None else self.audio_s - (time.monotonic() - first)
+        if first is None:
+            return NEW_STREAM_AHEAD_S
+        return self.audio_s - (time.monotonic() - first)
 
     # ------------------------------------------------------------------ generation (loop)
 
