@@ -3,6 +3,7 @@
 import asyncio
 import time
 
+import httpx
 import msgpack
 import pytest
 from conftest import assert_good_stream, connect_client
@@ -229,6 +230,9 @@ async def test_readiness_before_and_after_load(start_server):
     server = start_server(engine, wait=False)
     status, body = server.get("/readyz")
     assert status == 503 and body["status"] == "loading"
+    speech = httpx.post(server.http + "/v1/audio/speech", json={"input": "hi"})
+    assert speech.status_code == 503 and speech.json()["error"]["code"] == "not_ready"
+    assert speech.headers["retry-after"] == "1"
     async with connect_client(server) as c:
         assert c.hello["status"] == "loading"
         await c.send({"type": "start", "id": "early", "text": "hi"})

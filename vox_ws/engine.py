@@ -161,6 +161,9 @@ class GenerationRequest:
     continuation: Any = None
     # The text went through `Engine.prepare_text` already.
     prepared: bool = False
+    # How to speak it, in words ("a calm, low voice"), for engines that follow such
+    # instructions (`Engine.follows_instructions`); others ignore it.
+    instructions: str | None = None
     steps: int = 0
     submitted_at: float = field(default_factory=time.monotonic)
     # Who the request is for, broadest first (a token or address, then a connection): the
@@ -241,6 +244,16 @@ class Engine(ABC):
 
     def prepares_text(self, options: dict[str, Any]) -> bool:
         """Whether a text with these options needs `prepare_text` before it is queued."""
+        return False
+
+    def split_text(self, text: str, options: dict[str, Any], voice_pin: Any = None) -> list[str]:
+        """Cut a text too long for one generation into pieces that each fit, to be generated
+        one after another on one stream (each continuing from the one before). Cheap: the
+        event loop calls it. The default: one piece (the engine bounds its own work)."""
+        return [text]
+
+    def follows_instructions(self, voice_pin: Any = None) -> bool:
+        """Whether `GenerationRequest.instructions` change the speech with this voice."""
         return False
 
     def prepare_text(self, text: str, options: dict[str, Any]) -> str:

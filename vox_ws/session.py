@@ -194,17 +194,20 @@ class Session:
         try:
             stream = self.service.open_stream(
                 start.text if (start.text or not start.stream_input) else None, voice=start.voice,
-                options=start.options, output=AudioOutput(start.format, start.sample_rate),
+                options=start.options, output=AudioOutput(start.format, start.sample_rate, start.speed),
                 input_streaming=start.stream_input, log_fields={"session": self.number, "id": sid},
-                owners=self._owners)
+                owners=self._owners, instructions=start.instructions)
         except Refused as err:
             raise p.ProtocolError.from_refused(err, sid) from None
         reply: dict[str, Any] = {"type": "start", "id": sid, "sample_rate": stream.sample_rate,
                                  "format": stream.format, "channels": 1}
         if stream.queued:
             reply["queued"] = stream.queued
-        if stream.ignored_options:
-            reply["ignored_options"] = stream.ignored_options
+        ignored = list(stream.ignored_options)
+        if start.instructions and self.service.ignores_instructions(start.voice):
+            ignored.append("instructions")
+        if ignored:
+            reply["ignored_options"] = ignored
         entry = _OpenStream(sid, start, stream)
         self.streams[sid] = entry
         entry.pump = asyncio.create_task(self._pump(entry, p.encode(reply)), name=f"session-{self.number}-{sid}")
@@ -277,7 +280,7 @@ class Session:
                 return
             async for event in entry.stream:
                 if isinstance(event, Audio):
-                    frame = p.encode({"type": "chunk", "id": sid, "seq": event.seq, "audio": event.data})
+                    frame = p.encode(p.chunk_message(sid, event))
                 elif isinstance(event, Segment):
                     if not segment_events:
                         continue
@@ -364,7 +367,7 @@ def hello(state: ServerState) -> dict[str, Any]:
         "engine": engine.name,
         "model": engine.model,
         "sample_rate": engine.sample_rate,
-        "formats": list(p.FORMATS),
+        "formats": list(p.OUTPUT_FORMATS),
         "voices": service.voices(),
         "options": sorted(engine.honoured_options),
         "features": ["input_streaming", "segment_events"] + (["voice_cloning"] if engine.supports_voices else []),

@@ -7,6 +7,7 @@ only at sentence or clause punctuation (English and Chinese), never inside a wor
 from __future__ import annotations
 
 import re
+from typing import Callable
 
 # A boundary is punctuation followed by whitespace or end of text (ASCII), or any CJK
 # punctuation (which needs no following space).
@@ -59,6 +60,43 @@ def segment(text: str, first_max_chars: int = 60, max_chars: int = 240, min_char
         if current:
             segments.append(current)
     return segments
+
+
+def pack(text: str, fits: Callable[[str], bool]) -> list[str]:
+    """Cut `text` into as few pieces as `fits` allows, in order: whole sentences where they
+    fit, else clauses, else words, else characters (a word longer than anything that fits)."""
+    if fits(text):
+        return [text]
+    return _pack(split_sentences(text), fits, 0)
+
+
+# How a piece too long at one level is cut at the next, and how its parts join again.
+_FINER: tuple[tuple[Callable[[str], list[str]], str], ...] = ((split_clauses, " "), (str.split, " "), (list, ""))
+
+
+def _pack(parts: list[str], fits: Callable[[str], bool], level: int, joiner: str = " ") -> list[str]:
+    pieces: list[str] = []
+    current = ""
+    for part in parts:
+        candidate = f"{current}{joiner}{part}" if current else part
+        if fits(candidate):
+            current = candidate
+            continue
+        if current:
+            pieces.append(current)
+            current = ""
+        if fits(part):
+            current = part
+        elif level < len(_FINER):
+            split, finer_joiner = _FINER[level]
+            cut = _pack(split(part), fits, level + 1, finer_joiner)
+            pieces += cut[:-1]
+            current = cut[-1] if cut else ""
+        else:
+            pieces.append(part)        # one character that does not fit: the engine refuses it
+    if current:
+        pieces.append(current)
+    return pieces
 
 
 def _cut_at_space(text: str, limit: int) -> tuple[str, str]:

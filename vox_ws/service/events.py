@@ -14,8 +14,14 @@ class Audio:
 
     data: bytes
     seq: int            # 0, 1, 2, ... per stream
-    samples: int
+    samples: int        # what a decoder yields for `data`
     seconds: float
+    # opus_packets: the raw packets in `data` and their durations; the first chunk also
+    # carries the codec's description (the OpusHead) and its pre-skip (48 kHz samples).
+    packets: tuple[bytes, ...] = ()
+    durations_us: tuple[int, ...] = ()
+    description: bytes | None = None
+    pre_skip: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -21,7 +21,7 @@ from ..engine import VOICE_MODES, Engine, ErrorKind, Refused
 from ..metrics import Metrics
 from ..scheduler import Scheduler
 from .handoff import LoopMailbox
-from .stream import AudioOutput, Stream, check_text
+from .stream import AudioOutput, Stream, check_output, check_text
 from .voices import VoiceOwners
 
 # Reference audio shorter than this cannot carry a voice.
@@ -30,6 +30,9 @@ MIN_VOICE_AUDIO_S = 0.2
 MAX_CONCURRENT_VOICE_JOBS = 1
 # The owner that may delete any voice (admin connections).
 ANY_OWNER = "admin"
+# Threads that run output pipelines (codecs, tempo) for every stream. One encodes some 50
+# streams in real time here (docs/PERFORMANCE.md); FFmpeg releases the GIL while it encodes.
+ENCODING_THREADS = 2
 
 
 class StreamService:
@@ -50,6 +53,7 @@ class StreamService:
         # Text preparation (normalisation) runs here, one text at a time: beside the engine,
         # never on its thread or the loop.
         self._preparer = ThreadPoolExecutor(1, thread_name_prefix="vox-ws-prepare")
+        self.encoding = ThreadPoolExecutor(ENCODING_THREADS, thread_name_prefix="vox-ws-encode")
 
     async def start(self) -> None:
         self.mailbox = LoopMailbox(asyncio.get_running_loop())
@@ -61,6 +65,7 @@ class StreamService:
             self._watchdog.cancel()
             await asyncio.gather(self._watchdog, return_exceptions=True)
         self._preparer.shutdown(wait=False, cancel_futures=True)
+        self.encoding.shutdown(wait=False, cancel_futures=True)
 
     # ------------------------------------------------------------------ streams
 
@@ -71,14 +76,17 @@ class StreamService:
     def open_stream(self, text: str | AsyncIterator[str] | None = None, *, voice: str | None = None,
                     options: dict[str, Any] | None = None, output: AudioOutput = AudioOutput(),
                     input_streaming: bool = False, log_fields: dict[str, Any] | None = None,
-                    owners: tuple[str, ...] = ()) -> Stream:
+                    owners: tuple[str, ...] = (), instructions: str | None = None) -> Stream:
         """Open a stream and start generating.
 
         `text` a string: say it (with `input_streaming`, it is the first piece and more may
         follow through `send_text`); an async iterator of strings: read the input from it;
         None with `input_streaming`: the input comes through `send_text`. `owners` names the
         clients the stream is for, broadest first (its token or address, its connection),
-        among which the scheduler shares its slots fairly. Raises `Refused`.
+        among which the scheduler shares its slots fairly. `instructions` describe the voice or
+        style in words, where the engine follows them (`ignores_instructions`). A one-shot text
+        too long for one generation is spoken in pieces, each continuing the one before.
+        Raises `Refused`.
         """
         if not self.accepting:
             raise Refused(ErrorKind.GOING_AWAY, "server shutting down: no new streams")
@@ -88,6 +96,7 @@ class StreamService:
             raise RuntimeError("StreamService.start() was not awaited")
         streamed_text = text is not None and not isinstance(text, str)
         input_streaming = input_streaming or streamed_text
+        check_output(output)
         if isinstance(text, str):
             check_text(text)
         if isinstance(text, str) and len(text) > self.limits.max_text_chars:
@@ -97,17 +106,21 @@ class StreamService:
         voice_pin = self.engine.pin_voice(voice)
         stream = Stream(self, next(self._numbers), voice, dict(options or {}), output, input_streaming,
                         dict(log_fields or {}), text_chars=len(text) if isinstance(text, str) else 0,
-                        voice_pin=voice_pin, owners=owners)
+                        voice_pin=voice_pin, owners=owners, instructions=instructions)
         if not input_streaming:
             if not isinstance(text, str) or not text.strip():
                 raise Refused(ErrorKind.INVALID, "nothing to say: the text is empty")
-            stream.queued = stream.submit(text)
+            stream.queued = stream.say(self.engine.split_text(text, stream.options, voice_pin))
         self._streams.add(stream)
         if isinstance(text, str) and input_streaming and text:
             stream.send_text(text)
         elif streamed_text:
             stream.feed(text)
         return stream
+
+    def ignores_instructions(self, voice: str | None) -> bool:
+        """Whether instructions would be ignored with this voice (the engine cannot follow them)."""
+        return not self.engine.follows_instructions(self.engine.pin_voice(voice))
 
     def forget(self, stream: Stream) -> None:
         """A stream has stopped producing (called by the stream itself)."""

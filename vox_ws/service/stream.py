@@ -21,12 +21,14 @@ import json
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass
+from concurrent.futures import Executor
+from dataclasses import dataclass, replace
 from typing import Any, AsyncIterator, Protocol
 
 import numpy as np
 
 from ..audio import StreamEncoder
+from ..codecs import CODECS, MAX_SPEED, MIN_SPEED, Encoded, OutputPipeline, needs_pipeline
 from ..config import Limits
 from ..engine import EndReason, Engine, ErrorKind, GenerationRequest, Refused
 from ..metrics import Metrics
@@ -56,6 +58,7 @@ class StreamHost(Protocol):
     limits: Limits
     metrics: Metrics
     mailbox: LoopMailbox
+    encoding: Executor          # where output pipelines (codecs, tempo) run
 
     def forget(self, stream: "Stream") -> None:
         """The stream has stopped producing."""
@@ -72,10 +75,29 @@ def check_text(text: str) -> None:
 
 @dataclass(frozen=True)
 class AudioOutput:
-    """How a stream's audio is delivered: sample format and rate (None: the engine's own)."""
+    """How a stream's audio is delivered: format (raw PCM or a codec, `codecs.OUTPUT_FORMATS`),
+    rate (None: the engine's own, or the nearest the codec takes) and speed (1: as spoken)."""
 
     format: str = "f32"
     sample_rate: int | None = None
+    speed: float = 1.0
+
+    def rate_for(self, engine_rate: int) -> int:
+        """The output rate; raises Refused where the codec cannot take the rate asked for."""
+        codec = CODECS.get(self.format)
+        if codec is None:
+            return self.sample_rate or engine_rate
+        if self.sample_rate is None:
+            return codec.default_rate(engine_rate)
+        if not codec.takes_rate(self.sample_rate):
+            raise Refused(ErrorKind.INVALID, f"format {self.format!r} takes sample rates {list(codec.rates or ())}, "
+                                             f"not {self.sample_rate}")
+        return self.sample_rate
+
+
+def check_output(output: AudioOutput) -> None:
+    if not MIN_SPEED <= output.speed <= MAX_SPEED:
+        raise Refused(ErrorKind.INVALID, f"speed must be in [{MIN_SPEED:g}, {MAX_SPEED:g}], got {output.speed:g}")
 
 
 class Stream:
@@ -83,7 +105,7 @@ class Stream:
 
     def __init__(self, service: StreamHost, number: int, voice: str | None, options: dict[str, Any],
                  output: AudioOutput, input_streaming: bool, log_fields: dict[str, Any], text_chars: int = 0,
-                 voice_pin: Any = None, owners: tuple[str, ...] = ()) -> None:
+                 voice_pin: Any = None, owners: tuple[str, ...] = (), instructions: str | None = None) -> None:
         engine = service.engine
         self._service = service
         self.number = number
@@ -93,8 +115,19 @@ class Stream:
         self.options = options
         self.input_streaming = input_streaming
         self.format = output.format
-        self.sample_rate = output.sample_rate or engine.sample_rate
-        self.encoder = StreamEncoder(engine.sample_rate, self.sample_rate, output.format)
+        self.speed = output.speed
+        self.sample_rate = output.rate_for(engine.sample_rate)
+        # Raw PCM at speed 1 is packed on the scheduler thread as it is delivered; anything else
+        # is resampled there to float32 and goes through the pipeline as the consumer takes it.
+        self._pipeline: OutputPipeline | None = None
+        if needs_pipeline(output.format, output.speed):
+            self._pipeline = OutputPipeline(output.format, self.sample_rate, output.speed)
+        self.encoder = StreamEncoder(engine.sample_rate, self.sample_rate,
+                                     "f32" if self._pipeline is not None else output.format)
+        self._ready: deque[Event] = deque()      # pipeline output not yet handed over
+        self._out_seq = 0
+        self._out_chunks = 0
+        self._first_out_at: float | None = None
         self.queued = 0                          # queue position when opened (0: a slot at once)
         self.ignored_options = sorted(set(options) - engine.honoured_options)
         self._log_fields = log_fields
@@ -110,6 +143,8 @@ class Stream:
         self._taken_s = 0.0                      # audio the consumer has taken, in seconds
         self._finished = False                   # Ended or Failed queued: nothing more is produced
         self._drained = False                    # ... and the consumer has taken it
+        self._drained_early = False              # closed by the consumer
+        self._cancelled = False
         # Statistics, counted as audio is produced (what a cancel drops is taken back out).
         self.started_at = time.monotonic()
         self.first_audio_at: float | None = None
@@ -130,6 +165,10 @@ class Stream:
         self._last_input_at = time.monotonic()
         self._delay_timer: asyncio.TimerHandle | None = None
         self._context: Any = None                # the previous segment's continuation
+        # Segments continue from one another: input streaming, or a one-shot text too long for
+        # one generation (`Engine.split_text`).
+        self._continues = input_streaming
+        self._instructions = instructions        # for the first segment (the others continue it)
         self._capped = False                     # a segment hit its length cap
         self._feeder: asyncio.Task | None = None
 
@@ -149,15 +188,74 @@ class Stream:
         return self
 
     async def __anext__(self) -> Event:
-        while not self._events:
-            if self._drained or (self._finished and not self._events):
-                raise StopAsyncIteration
-            self._waiter = asyncio.get_running_loop().create_future()
-            try:
-                await self._waiter
-            finally:
-                self._waiter = None
-        return self._take()
+        while True:
+            if self._ready:
+                return self._ready.popleft()
+            while not self._events:
+                if self._drained or (self._finished and not self._events):
+                    raise StopAsyncIteration
+                self._waiter = asyncio.get_running_loop().create_future()
+                try:
+                    await self._waiter
+                finally:
+                    self._waiter = None
+            event = self._take()
+            if self._pipeline is None:
+                return event
+            await self._through_pipeline(event)
+
+    async def _through_pipeline(self, event: Event) -> None:
+        """Encode (and time-stretch) one event's audio off the loop; put what comes out in
+        `_ready`. Times in Segment and Flushed events are scaled by the speed."""
+        pipeline = self._pipeline
+        assert pipeline is not None
+        loop = asyncio.get_running_loop()
+        if isinstance(event, Audio):
+            pcm = np.frombuffer(event.data, dtype="<f4")
+            encoded = await loop.run_in_executor(self._service.encoding, pipeline.encode, pcm)
+            if not self._cancelled and not self._drained_early:
+                self._ready_audio(encoded)
+        elif isinstance(event, Ended):
+            if event.reason != EndReason.CANCELLED:
+                self._ready_audio(await loop.run_in_executor(self._service.encoding, pipeline.finish))
+            self._ready.append(replace(event, stats=self._output_stats(event.stats)))
+        elif isinstance(event, Failed):
+            self._ready.append(replace(event, stats=self._output_stats(event.stats)))
+        elif isinstance(event, Segment):
+            self._ready.append(replace(event, start_s=self._scaled(event.start_s), end_s=self._scaled(event.end_s)))
+        elif isinstance(event, Flushed):
+            self._ready.append(Flushed(self._scaled(event.audio_s)))
+
+    def _ready_audio(self, encoded: Encoded) -> None:
+        if not encoded:
+            return
+        pipeline = self._pipeline
+        assert pipeline is not None
+        first = self._out_seq == 0
+        if first:
+            self._first_out_at = time.monotonic()
+        self._ready.append(Audio(encoded.data, self._out_seq, encoded.samples, encoded.samples / self.sample_rate,
+                                 packets=encoded.packets, durations_us=encoded.durations_us,
+                                 description=pipeline.description if first else None,
+                                 pre_skip=pipeline.pre_skip if first else 0))
+        self._out_seq += 1
+        self._out_chunks += 1
+
+    def _scaled(self, seconds: float) -> float:
+        return round(seconds / self.speed, 4)
+
+    def _output_stats(self, stats: dict[str, Any]) -> dict[str, Any]:
+        """The stream's figures in terms of what was handed over: a decoder of the output
+        yields `audio_s` seconds (codec priming and padding included)."""
+        assert self._pipeline is not None
+        audio_s = self._pipeline.seconds
+        wall = time.monotonic() - self.started_at
+        first = self._first_out_at
+        return {**stats, "chunks": self._out_chunks, "audio_s": round(audio_s, 4),
+                "ttfa_ms": None if first is None else round((first - self.started_at) * 1000, 1),
+                "rtf": round(wall / audio_s, 4) if audio_s > 0 else None,
+                "segments": [{**seg, "start_s": self._scaled(seg["start_s"]), "end_s": self._scaled(seg["end_s"])}
+                             for seg in stats.get("segments", [])]}
 
     def _take(self) -> Event:
         event = self._events.popleft()
@@ -209,6 +307,8 @@ class Stream:
         """Stop now (barge-in): the slot is freed before the next step, audio not yet taken is
         dropped, and the stream ends with `Ended(CANCELLED)`."""
         if not self._finished:
+            self._cancelled = True
+            self._ready = deque(e for e in self._ready if not isinstance(e, Audio))
             self._end(EndReason.CANCELLED)
 
     def close(self) -> None:
@@ -216,8 +316,10 @@ class Stream:
         if not self._finished:
             self._stop_producing()
             self._events.clear()
+            self._ready.clear()
             self._queued_audio_s = 0.0
             self._drained = True
+            self._drained_early = True
             self._wake()
 
     def abort(self, kind: ErrorKind, message: str) -> None:
@@ -277,7 +379,7 @@ class Stream:
         first = self.first_audio_at
         if first is None:
             return NEW_STREAM_AHEAD_S
-        return self.audio_s - (time.monotonic() - first)
+        return self.audio_s / self.speed - (time.monotonic() - first)
 
     # ------------------------------------------------------------------ generation (loop)
 
@@ -304,10 +406,18 @@ class Stream:
             self._preparing = None
             self._fail(err.kind, err.message)
 
+    def say(self, pieces: list[str]) -> int:
+        """Speak a one-shot text, cut by the engine into `pieces` (one after another,
+        continuing): queue the first; its queue position."""
+        self._continues = len(pieces) > 1
+        self._pending.extend(pieces[1:])
+        return self.submit(pieces[0])
+
     def _queue(self, text: str, engine_text: str, prepared: bool) -> int:
         request = GenerationRequest(text=engine_text, sink=self, voice=self.voice, voice_pin=self._voice_pin,
                                     options=dict(self.options), owners=self._owners, prepared=prepared,
-                                    context=self._context, keep_continuation=self.input_streaming)
+                                    context=self._context, keep_continuation=self._continues,
+                                    instructions=self._instructions if not self.segments else None)
         self._service.engine.check(request)
         position = self._service.scheduler.submit(request)
         self._request = request
@@ -347,9 +457,10 @@ class Stream:
         segment = {"text": self._segment_text, "start_s": round(self._segment_start_s, 4), "end_s": round(self.audio_s, 4)}
         self.segments.append(segment)
         self._capped |= reason == EndReason.MAX_LEN
-        if self.input_streaming:
+        if self._continues:
             self._context = request.continuation
-            self._emit(Segment(len(self.segments) - 1, **segment))
+            if self.input_streaming:
+                self._emit(Segment(len(self.segments) - 1, **segment))
             self._pump()
         else:
             self._end(reason)

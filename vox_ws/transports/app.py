@@ -2,6 +2,7 @@
 
     /v1/stream          protocol v1 (WebSocket; `vox_ws/session.py`)
     /v1/voices...       voices over REST (`voices_api.py`)
+    /v1/audio/speech, /v1/models   OpenAI's speech API (`openai_api.py`)
     /healthz /readyz /v1/info /metrics   operations (`http_routes.py`)
     /                   the browser demo
 """
@@ -16,7 +17,7 @@ from starlette.routing import WebSocketRoute
 from starlette.websockets import WebSocket
 
 from ..session import Session
-from . import http_routes, voices_api
+from . import http_routes, openai_api, voices_api
 from . import protocol as p
 from .auth import is_admin, is_authorized, origin_allowed, owner
 from .state import ServerState
@@ -57,7 +58,7 @@ def build_app(state: ServerState, demo_dir: Path | None = None) -> Starlette:
             log.info("session %d closed (code %s)", session.number, session.close_code)
 
     routes = [WebSocketRoute(STREAM_PATH, stream_endpoint), *voices_api.routes(state),
-              *http_routes.routes(state, demo_dir)]
+              *openai_api.routes(state), *http_routes.routes(state, demo_dir)]
     return Starlette(routes=routes)
 
 

@@ -13,9 +13,10 @@ from typing import Any, Mapping
 
 import msgpack
 
-from ..audio import FORMATS
+from ..codecs import MAX_SPEED, MIN_SPEED, OUTPUT_FORMATS
 from ..config import Limits
 from ..engine import LORA_OPS, VOICE_MODES, EndReason, ErrorKind, OptionSpec, Refused, type_name
+from ..service.events import Audio
 
 PROTOCOL_VERSION = 1
 
@@ -59,6 +60,8 @@ END_CANCELLED = EndReason.CANCELLED.value
 END_MAX_LEN = EndReason.MAX_LEN.value
 
 MIN_SAMPLE_RATE = 8000
+# Instructions describe a voice in a sentence or two; they are spoken to the model as text.
+MAX_INSTRUCTIONS_CHARS = 500
 MAX_SAMPLE_RATE = 48000
 MAX_ID_CHARS = 128
 
@@ -99,6 +102,8 @@ class Start:
     options: dict[str, Any] = field(default_factory=dict)
     stream_input: bool = False
     segment_events: bool = False
+    speed: float = 1.0
+    instructions: str | None = None
 
 
 @dataclass(frozen=True)
@@ -238,17 +243,27 @@ def _parse_start(obj: dict[str, Any], limits: Limits, specs: Mapping[str, Option
     text = _text(obj, "text", limits, allow_empty=stream_input) if has_text or not stream_input else ""
     voice = _optional(obj, "voice", str, None)
     fmt = _optional(obj, "format", str, "f32")
-    if fmt not in FORMATS:
-        raise ProtocolError(BAD_REQUEST, f"field 'format' must be one of {list(FORMATS)}, got {fmt!r}", sid)
+    if fmt not in OUTPUT_FORMATS:
+        raise ProtocolError(BAD_REQUEST, f"field 'format' must be one of {list(OUTPUT_FORMATS)}, got {fmt!r}", sid)
     rate = _optional(obj, "sample_rate", int, None)
     if rate is not None and not MIN_SAMPLE_RATE <= rate <= MAX_SAMPLE_RATE:
         raise ProtocolError(
             BAD_REQUEST, f"field 'sample_rate' must be in [{MIN_SAMPLE_RATE}, {MAX_SAMPLE_RATE}], got {rate}", sid
         )
+    speed = obj.get("speed")
+    speed = 1.0 if speed is None else speed
+    if isinstance(speed, bool) or not isinstance(speed, (int, float)) or not MIN_SPEED <= speed <= MAX_SPEED:
+        raise ProtocolError(BAD_REQUEST, f"field 'speed' must be a number in [{MIN_SPEED:g}, {MAX_SPEED:g}], "
+                                         f"got {speed!r}", sid)
+    instructions = _optional(obj, "instructions", str, None)
+    if instructions is not None and len(instructions) > MAX_INSTRUCTIONS_CHARS:
+        raise ProtocolError(TOO_LARGE, f"field 'instructions' has {len(instructions)} characters, over "
+                                       f"{MAX_INSTRUCTIONS_CHARS}", sid)
     options = parse_options(obj.get("options"), specs, sid)
     segment_events = _optional(obj, "segment_events", bool, False)
     return Start(id=sid, text=text, voice=voice, format=fmt, sample_rate=rate, options=options,
-                 stream_input=stream_input, segment_events=segment_events)
+                 stream_input=stream_input, segment_events=segment_events, speed=float(speed),
+                 instructions=instructions or None)
 
 
 def _parse_voice(obj: dict[str, Any], limits: Limits) -> Voice:
@@ -334,6 +349,19 @@ _kind = type_name
 def encode(message: dict[str, Any]) -> bytes:
     """One server message as one binary frame. Audio stays raw msgpack `bin`."""
     return msgpack.packb(message, use_bin_type=True)
+
+
+def chunk_message(sid: str, audio: Audio) -> dict[str, Any]:
+    """A `chunk`: the audio bytes, or for `opus_packets` the packets, their durations (µs) and,
+    on the first chunk, the codec description and pre-skip."""
+    if not audio.packets:
+        return {"type": "chunk", "id": sid, "seq": audio.seq, "audio": audio.data}
+    message = {"type": "chunk", "id": sid, "seq": audio.seq, "packets": list(audio.packets),
+               "durations_us": list(audio.durations_us)}
+    if audio.description is not None:
+        message["description"] = audio.description
+        message["pre_skip"] = audio.pre_skip
+    return message
 
 
 def error_message(err: ProtocolError) -> dict[str, Any]:

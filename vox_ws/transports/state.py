@@ -23,6 +23,7 @@ class ServerState:
         self.sessions: set[Any] = set()          # protocol v1 sessions (vox_ws.session.Session)
         self.per_address: Counter[str] = Counter()
         self.started_at = time.monotonic()
+        self.started_wall = time.time()
         self.draining = False
         self.listening = False
         self.server_name = f"vox-ws/{__version__}"

@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from ...engine import Engine, ErrorKind, GenerationRequest, Refused, StepResult
+from ...text import pack
 from .loading import DEFAULT_MODEL, architecture, import_voxcpm, resolve_model_path, verify_weights
 from .lora import LoraControl
 from .normalizer import Normalizer
@@ -141,11 +142,37 @@ class VoxCPMEngine(Engine):
             raise Refused(ErrorKind.INVALID, f"unknown voice {request.voice!r}: it was deleted")
         return cache
 
+    def follows_instructions(self, voice_pin: Any = None) -> bool:
+        # VoxCPM2 reads "(description)text" as voice design, or with a reference-only voice as
+        # style control; a voice with a transcript continues its prompt and takes none.
+        return voice_pin is None or voice_pin.get("mode") == "reference"
+
+    def _target_text(self, request: GenerationRequest, cache: dict | None) -> str:
+        text = clean_text(request.text)
+        instructions = clean_text(request.instructions or "")
+        if instructions and text and request.context is None and self.follows_instructions(cache):
+            return f"({instructions}){text}"
+        return text
+
+    def split_text(self, text: str, options: dict[str, Any], voice_pin: Any = None) -> list[str]:
+        if self.runner is None:
+            return [text]
+        model = self.tts.tts_model
+        max_len = options.get("max_len", DEFAULTS["max_len"])
+        # Normalisation comes later and may lengthen a piece (digits spelled out): leave room.
+        growth = 2 if options.get("normalize") else 1
+
+        def fits(piece: str) -> bool:
+            positions, tokens = prompt_positions(model, clean_text(piece), voice_pin)
+            return self.runner.fits(positions + (growth - 1) * tokens, growth * tokens, max_len)
+
+        return pack(text, fits)
+
     def check(self, request: GenerationRequest) -> None:
         cache = self._voice_cache(request)
         if request.options.get("denoise") and self.tts is not None and self.tts.denoiser is None:
             raise Refused(ErrorKind.INVALID, "option 'options.denoise' needs a server started with --load-denoiser")
-        text = clean_text(request.text)
+        text = self._target_text(request, cache)
         if not text:
             raise Refused(ErrorKind.INVALID, "field 'text' has nothing to say after whitespace cleanup")
         if self.runner is not None and (request.prepared or not request.options.get("normalize")):
@@ -160,12 +187,12 @@ class VoxCPMEngine(Engine):
 
     def prefill(self, request: GenerationRequest) -> None:
         options = {**DEFAULTS, **request.options}
-        text = clean_text(request.text)
+        model = self.tts.tts_model
+        cache = self._voice_cache(request)
+        text = self._target_text(request, cache)
         if options.get("normalize") and not request.prepared:
             # Only for callers that drive the engine without the stream service.
             text = self._normalizer.normalize(text)
-        model = self.tts.tts_model
-        cache = self._voice_cache(request)
         if request.context is not None:
             # Continue from the previous segment of the same stream: its text and generated audio
             # become the prompt (after the voice's own), so prosody carries over.

@@ -1,0 +1,228 @@
+"""OpenAI's speech API, through the real `openai` SDK (and httpx for what the SDK hides):
+every response format streams, decodes (PyAV) to the duration the server reports, and is not
+silent; SSE events; errors in OpenAI's shape; a client that leaves frees its slot."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import json
+import time
+
+import av
+import httpx
+import numpy as np
+import openai
+import pytest
+
+from vox_ws.engines.piper import PiperEngine
+
+TEXT = "Streaming speech from an OpenAI client. It should start before the end."
+TOKEN = "openai-secret"
+
+
+def decode(data: bytes, fmt: str, rate: int = 24_000) -> tuple[np.ndarray, int]:
+    """Audio bytes to float samples and their rate, with FFmpeg's decoders (PyAV)."""
+    if fmt == "pcm":
+        return np.frombuffer(data, "<i2").astype(np.float32) / 32767.0, rate
+    container = av.open(io.BytesIO(data))
+    frames = [frame.to_ndarray().reshape(-1) for frame in container.decode(audio=0)]
+    out_rate = container.streams.audio[0].codec_context.sample_rate
+    pcm = np.concatenate(frames).astype(np.float32)
+    if np.issubdtype(frames[0].dtype, np.integer):
+        pcm /= 32767.0
+    return pcm, out_rate
+
+
+def rms(pcm: np.ndarray) -> float:
+    return float(np.sqrt(np.mean(np.square(pcm)))) if pcm.size else 0.0
+
+
+@pytest.fixture(scope="module")
+def client(piper_server):
+    return openai.OpenAI(base_url=piper_server.http + "/v1", api_key="unused", max_retries=0)
+
+
+LONG_TEXT = " ".join(f"This is sentence number {n} of a text that takes a while to speak." for n in range(1, 21))
+
+
+def stream_speech(client: openai.OpenAI, text: str = TEXT, on_first=None, **fields) -> tuple[bytes, dict[str, str]]:
+    """The body and headers of one request; `on_first()` runs when the first bytes arrive."""
+    data = bytearray()
+    with client.audio.speech.with_streaming_response.create(model="tts-1", voice="alloy", input=text,
+                                                            **fields) as response:
+        for piece in response.iter_bytes():
+            if not data and piece and on_first is not None:
+                on_first()
+            data += piece
+        headers = dict(response.headers)
+    return bytes(data), headers
+
+
+@pytest.mark.parametrize("fmt", ["mp3", "opus", "aac", "flac", "wav", "pcm"])
+def test_every_format_streams_and_decodes(client, piper_server, fmt):
+    generating_at_first_bytes = []
+
+    def first_bytes() -> None:
+        generating_at_first_bytes.append(httpx.get(piper_server.http + "/v1/info").json()["streams_open"])
+
+    data, headers = stream_speech(client, LONG_TEXT, on_first=first_bytes, response_format=fmt)
+    rate = int(headers["x-sample-rate"])
+    assert rate == 24_000
+    pcm, decoded_rate = decode(data, fmt, rate)
+    assert decoded_rate in (24_000, 48_000)          # Ogg Opus always decodes at 48 kHz
+    assert pcm.size / decoded_rate > 30 and rms(pcm) > 0.01
+    assert generating_at_first_bytes == [1], "the first bytes came only once generation had ended"
+
+
+@pytest.mark.parametrize("fmt", ["mp3", "opus", "aac", "flac", "wav", "pcm"])
+def test_every_format_over_sse_decodes_to_the_reported_duration(client, fmt):
+    events = []
+    with client.audio.speech.with_streaming_response.create(model="tts-1", voice="alloy", input=TEXT,
+                                                            response_format=fmt, stream_format="sse") as response:
+        for line in response.iter_lines():
+            if line.startswith("data: "):
+                events.append(json.loads(line[6:]))
+    data = b"".join(base64.b64decode(e["audio"]) for e in events if e["type"] == "speech.audio.delta")
+    pcm, rate = decode(data, fmt)
+    assert events[-1]["type"] == "speech.audio.done"
+    assert pcm.size / rate == pytest.approx(events[-1]["usage"]["audio_s"], abs=0.0011)
+    assert rms(pcm) > 0.01
+
+
+def test_sse_events_are_openai_shaped(client):
+    events = []
+    with client.audio.speech.with_streaming_response.create(model="tts-1", voice="alloy", input=TEXT,
+                                                            response_format="pcm", stream_format="sse") as response:
+        assert response.headers["content-type"].startswith("text/event-stream")
+        for line in response.iter_lines():
+            if line.startswith("data: "):
+                events.append(json.loads(line[6:]))
+    deltas = events[:-1]
+    assert len(deltas) >= 2 and all(set(e) == {"type", "audio"} and e["type"] == "speech.audio.delta" for e in deltas)
+    assert events[-1]["type"] == "speech.audio.done"
+    assert set(events[-1]["usage"]) >= {"input_tokens", "output_tokens", "total_tokens"}
+
+
+def test_sample_rate_and_engine_options_in_the_body(client):
+    data, headers = stream_speech(client, response_format="wav", extra_body={"sample_rate": 16000})
+    pcm, rate = decode(data, "wav")
+    assert rate == 16000 and headers["x-sample-rate"] == "16000" and pcm.size > 16000
+
+
+def test_instructions_piper_cannot_follow_are_named_not_refused(client):
+    data, headers = stream_speech(client, response_format="pcm", instructions="Whisper, slowly.")
+    assert headers["x-ignored-parameters"] == "instructions"
+    assert len(data) > 24_000
+
+
+def test_models_list_the_served_model(client, piper_server):
+    models = client.models.list()
+    ids = [m.id for m in models.data]
+    assert ids == [piper_server.engine.model or piper_server.engine.name]
+    assert client.models.retrieve("tts-1").id == ids[0]
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("no-such-model")
+
+
+BAD_BODIES = [
+    ({"input": ""}, 400, "input"),
+    ({"input": "   "}, 400, "input"),
+    ({"input": 5}, 400, "input"),
+    ({"voice": "no-such-voice"}, 400, "voice"),
+    ({"voice": 7}, 400, "voice"),
+    ({"response_format": "ogg"}, 400, "response_format"),
+    ({"speed": 0.1}, 400, "speed"),
+    ({"speed": 4.5}, 400, "speed"),
+    ({"speed": "fast"}, 400, "speed"),
+    ({"stream_format": "chunks"}, 400, "stream_format"),
+    ({"model": "whisper-1"}, 400, "model"),
+    ({"sample_rate": 1000}, 400, "sample_rate"),
+    ({"response_format": "opus", "sample_rate": 22050}, 400, "sample_rate"),
+    ({"noise_scale": "loud"}, 400, "noise_scale"),
+    ({"colour": "blue"}, 400, "colour"),
+    ({"input": "x" * 6000}, 413, "input"),
+]
+
+
+@pytest.mark.parametrize(("fields", "status", "param"), BAD_BODIES)
+def test_bad_requests_get_openai_shaped_errors(piper_server, fields, status, param):
+    body = {"model": "tts-1", "voice": "alloy", "input": "Hello.", **fields}
+    response = httpx.post(piper_server.http + "/v1/audio/speech", json=body, timeout=30)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["param"] == param and error["message"]
+
+
+def test_the_sdk_raises_its_own_errors(client):
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.audio.speech.create(model="tts-1", voice="nobody", input="Hi.")
+    assert caught.value.body["param"] == "voice"
+
+
+def test_malformed_json_wrong_type_and_huge_bodies(piper_server):
+    url = piper_server.http + "/v1/audio/speech"
+    response = httpx.post(url, content=b"{not json", headers={"Content-Type": "application/json"})
+    assert response.status_code == 400 and response.json()["error"]["code"] == "invalid_json"
+    response = httpx.post(url, content=b"[1, 2]", headers={"Content-Type": "application/json"})
+    assert response.status_code == 400
+    response = httpx.post(url, content=b"input=hi", headers={"Content-Type": "application/x-www-form-urlencoded"})
+    assert response.status_code == 415 and response.json()["error"]["type"] == "invalid_request_error"
+    response = httpx.post(url, content=b" " * 100_000, headers={"Content-Type": "application/json"})
+    assert response.status_code == 413
+    # The server is unharmed.
+    assert httpx.post(url, json={"input": "Still here.", "response_format": "pcm"}, timeout=30).status_code == 200
+
+
+@pytest.fixture(scope="module")
+def guarded(start_server):
+    return start_server(PiperEngine(), tokens=[TOKEN], max_batch=1, max_queue=1, max_queue_wait_s=0.5)
+
+
+def test_bad_token_is_401_and_good_token_works(guarded):
+    bad = openai.OpenAI(base_url=guarded.http + "/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError) as caught:
+        bad.audio.speech.create(model="tts-1", voice="alloy", input="Hi.")
+    assert caught.value.status_code == 401 and caught.value.body["code"] == "invalid_api_key"
+    good = openai.OpenAI(base_url=guarded.http + "/v1", api_key=TOKEN, max_retries=0)
+    assert len(good.audio.speech.create(model="tts-1", voice="alloy", input="Hi.", response_format="pcm").content) > 0
+
+
+async def test_a_full_queue_is_429_with_retry_after(guarded):
+    headers = {"Authorization": f"Bearer {TOKEN}"}
+    body = {"input": "A long sentence that keeps the only slot busy for a while. " * 6, "response_format": "pcm"}
+    async with httpx.AsyncClient(base_url=guarded.http, headers=headers, timeout=60) as http:
+        async with http.stream("POST", "/v1/audio/speech", json=body) as holder:
+            assert holder.status_code == 200
+            # One slot (busy) and one queue place: a second request waits in the queue and
+            # gives up after max_queue_wait; a third finds the queue full at once.
+            waiting = asyncio.ensure_future(http.post("/v1/audio/speech", json=body))
+            await asyncio.sleep(0.2)
+            full = await http.post("/v1/audio/speech", json=body)
+            assert full.status_code == 429 and "retry-after" in full.headers
+            assert full.json()["error"]["type"] == "rate_limit_error"
+            waited = await waiting
+            assert waited.status_code == 429 and waited.json()["error"]["code"] == "busy"
+            async for _ in holder.aiter_bytes():
+                pass
+
+
+async def test_a_client_that_leaves_mid_stream_frees_its_slot(piper_server):
+    body = {"input": "A long text to leave in the middle of. " * 20, "response_format": "mp3"}
+    async with httpx.AsyncClient(base_url=piper_server.http, timeout=60) as http:
+        async with http.stream("POST", "/v1/audio/speech", json=body) as response:
+            async for piece in response.aiter_bytes():
+                if piece:
+                    break
+            assert (await http.get("/v1/info")).json()["streams_open"] == 1
+    # The connection is closed; the stream (and its slot) go before the next step.
+    deadline = time.monotonic() + 5
+    async with httpx.AsyncClient(base_url=piper_server.http) as http:
+        while True:
+            info = (await http.get("/v1/info")).json()
+            if info["streams_open"] == 0 and info["active"] == 0:
+                break
+            assert time.monotonic() < deadline, info
+            await asyncio.sleep(0.05)

@@ -1,0 +1,335 @@
+"""Compressed audio and speed change for the wire, through PyAV (FFmpeg's libraries).
+
+An `OutputPipeline` takes a stream's float32 PCM at its output rate, chunk by chunk, and
+returns wire bytes: time-stretched first when a speed is asked for (FFmpeg's `atempo`, which
+keeps the pitch), then encoded. Every object here keeps its state across chunks, so joins leave
+no seams, and every call is synchronous: callers run it off the event loop.
+
+Containers are muxed by FFmpeg into a sink that the pipeline empties after every call, so the
+concatenation of what the calls return is one valid file, and a player can start on the first
+piece. `opus_packets` skips the container: each call returns raw Opus packets for WebCodecs.
+"""
+
+from __future__ import annotations
+
+import threading
+from fractions import Fraction
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from .audio import FORMATS as PCM_FORMATS  # packed on the scheduler thread when the speed is 1
+from .audio import pcm_to_bytes
+
+# A page of Ogg at most this long (µs): FFmpeg's default of 1 s would hold the audio back. A
+# page costs 27 bytes and more, so much shorter pages cost bit rate.
+OGG_PAGE_US = 40_000
+
+# Speeds a pipeline accepts; FFmpeg's atempo takes 0.5-2.0 per instance, so they are chained.
+MIN_SPEED = 0.25
+MAX_SPEED = 4.0
+
+
+@dataclass(frozen=True)
+class Codec:
+    """One compressed output format."""
+
+    name: str
+    encoder: str                      # FFmpeg encoder
+    sample_format: str                # what the encoder is fed
+    container: str | None             # FFmpeg muxer; None: raw packets
+    content_type: str
+    rates: tuple[int, ...] | None     # rates the encoder takes (None: any)
+    bit_rate: int | None = None
+    # True: a decoder yields whole frames, the encoder's priming and the last frame's padding
+    # included (MP3, AAC, raw Opus packets); False: exactly the samples fed (Ogg Opus trims by
+    # pre-skip and granule position; FLAC and WAV are lossless).
+    whole_frames: bool = False
+    container_options: dict[str, str] = field(default_factory=dict)
+    encoder_options: dict[str, str] = field(default_factory=dict)
+
+    def default_rate(self, source_rate: int) -> int:
+        if self.rates is None or source_rate in self.rates:
+            return source_rate
+        return max(self.rates)
+
+    def takes_rate(self, rate: int) -> bool:
+        return self.rates is None or rate in self.rates
+
+
+_OPUS_RATES = (8000, 12000, 16000, 24000, 48000)
+_MPEG_RATES = (8000, 11025, 12000, 16000, 22050, 24000, 32000, 44100, 48000)
+_AAC_RATES = _MPEG_RATES + (64000, 88200, 96000)
+
+CODECS: dict[str, Codec] = {c.name: c for c in (
+    # 24 kbit/s mono is transparent enough for speech and 1/30 of s16 at 48 kHz.
+    Codec("opus", "libopus", "flt", "ogg", "audio/ogg; codecs=opus", _OPUS_RATES, 24_000,
+          container_options={"page_duration": str(OGG_PAGE_US)}),
+    Codec("opus_packets", "libopus", "flt", None, "audio/opus", _OPUS_RATES, 24_000, whole_frames=True),
+    Codec("mp3", "libmp3lame", "fltp", "mp3", "audio/mpeg", _MPEG_RATES, 64_000, whole_frames=True,
+          container_options={"write_xing": "0", "id3v2_version": "0"}),
+    Codec("aac", "aac", "fltp", "adts", "audio/aac", _AAC_RATES, 64_000, whole_frames=True),
+    Codec("flac", "flac", "s16", "flac", "audio/flac", None),
+    Codec("wav", "pcm_s16le", "s16", "wav", "audio/wav", None, container_options={"fflags": "+bitexact"}),
+)}
+
+OUTPUT_FORMATS = PCM_FORMATS + tuple(CODECS)
+
+
+def needs_pipeline(fmt: str, speed: float) -> bool:
+    """Whether a stream's output goes through an `OutputPipeline` (off the scheduler thread)."""
+    return fmt in CODECS or speed != 1.0
+
+
+@dataclass(frozen=True)
+class Encoded:
+    """What one call of a pipeline produced."""
+
+    data: bytes = b""
+    samples: int = 0                  # what a decoder yields for these bytes, at the output rate
+    packets: tuple[bytes, ...] = ()   # opus_packets: the packets (data is then their concatenation)
+    durations_us: tuple[int, ...] = ()
+
+    def __bool__(self) -> bool:
+        return bool(self.data)
+
+
+class _Sink:
+    """Where a muxer writes; emptied after every call. No `seek`: FFmpeg then writes a
+    streamable file (a WAV with unknown lengths, no MP3 Xing frame, a FLAC header left as is)."""
+
+    def __init__(self) -> None:
+        self._buffer = bytearray()
+
+    def write(self, data: bytes) -> int:
+        self._buffer += data
+        return len(data)
+
+    def take(self) -> bytes:
+        data = bytes(self._buffer)
+        self._buffer.clear()
+        return data
+
+
+class CodecEncoder:
+    """One codec's encoder (and muxer) for one stream."""
+
+    def __init__(self, codec: Codec, rate: int) -> None:
+        import av
+
+        if not codec.takes_rate(rate):
+            raise ValueError(f"{codec.name} takes sample rates {list(codec.rates or ())}, not {rate}")
+        self.codec = codec
+        self.rate = rate
+        self._sink = _Sink()
+        self._container: Any = None
+        if codec.container is not None:
+            self._container = av.open(self._sink, mode="w", format=codec.container,
+                                      options=dict(codec.container_options))
+            stream = self._container.add_stream(codec.encoder, rate=rate, layout="mono")
+            self._stream = stream
+            context = stream.codec_context
+        else:
+            context = av.CodecContext.create(codec.encoder, "w")
+            context.sample_rate = rate
+            context.layout = "mono"
+            self._stream = None
+        context.format = codec.sample_format
+        if codec.bit_rate:
+            context.bit_rate = codec.bit_rate
+        if codec.encoder_options:
+            context.options = dict(codec.encoder_options)
+        if self._stream is None:
+            context.time_base = Fraction(1, rate)
+            context.open()
+        self._context = context
+        self._pts = 0
+        self.samples = 0                  # decoded samples produced so far
+
+    @property
+    def description(self) -> bytes | None:
+        """The codec's setup bytes (Opus: the OpusHead, for WebCodecs' `description`)."""
+        extradata = self._context.extradata
+        return bytes(extradata) if extradata else None
+
+    @property
+    def pre_skip(self) -> int:
+        """Samples of encoder priming a decoder should drop (Opus' pre-skip, at 48 kHz)."""
+        head = self.description
+        if self.codec.encoder == "libopus" and head is not None and head[:8] == b"OpusHead":
+            return int.from_bytes(head[10:12], "little")
+        return 0
+
+    def encode(self, pcm: np.ndarray) -> Encoded:
+        import av
+
+        pcm = np.asarray(pcm, dtype=np.float32).reshape(-1)
+        if pcm.size == 0:
+            return Encoded()
+        fmt = self.codec.sample_format
+        array = (np.clip(pcm, -1.0, 1.0) * 32767.0).round().astype(np.int16) if fmt == "s16" else pcm
+        frame = av.AudioFrame.from_ndarray(array[None, :], format=fmt, layout="mono")
+        frame.sample_rate = self.rate
+        frame.pts = self._pts
+        self._pts += pcm.size
+        return self._emit(self._encode(frame), pcm.size)
+
+    def finish(self) -> Encoded:
+        """Drain the encoder and close the file (the last Ogg page, say)."""
+        packets = self._encode(None)
+        if self._container is not None:
+            for packet in packets:
+                self._container.mux(packet)
+            self._container.close()
+            return self._emit_muxed(packets, 0)
+        return self._emit(packets, 0)
+
+    def _encode(self, frame: Any) -> list[Any]:
+        if self._stream is not None:
+            return list(self._stream.encode(frame))
+        return list(self._context.encode(frame))
+
+    def _emit(self, packets: list[Any], fed: int) -> Encoded:
+        if self._container is not None:
+            for packet in packets:
+                self._container.mux(packet)
+            return self._emit_muxed(packets, fed)
+        raw = tuple(bytes(p) for p in packets)
+        durations = tuple(self._packet_samples(p) for p in packets)
+        samples = sum(durations)
+        self.samples += samples
+        return Encoded(b"".join(raw), samples, raw, tuple(round(d * 1_000_000 / self.rate) for d in durations))
+
+    def _emit_muxed(self, packets: list[Any], fed: int) -> Encoded:
+        samples = sum(self._packet_samples(p) for p in packets) if self.codec.whole_frames else fed
+        self.samples += samples
+        return Encoded(self._sink.take(), samples)
+
+    def _packet_samples(self, packet: Any) -> int:
+        frame_size = self._context.frame_size
+        if frame_size:
+            return int(frame_size)
+        return int(packet.duration or 0)
+
+
+class Tempo:
+    """Changes speed without changing pitch (FFmpeg's atempo, WSOLA), across chunks."""
+
+    def __init__(self, rate: int, speed: float) -> None:
+        import av.filter
+
+        if not MIN_SPEED <= speed <= MAX_SPEED:
+            raise ValueError(f"speed must be in [{MIN_SPEED}, {MAX_SPEED}], got {speed}")
+        self.rate = rate
+        graph = av.filter.Graph()
+        node = graph.add_abuffer(format="flt", sample_rate=rate, layout="mono", time_base=f"1/{rate}")
+        for factor in _atempo_factors(speed):
+            stage = graph.add("atempo", f"tempo={factor!r}")
+            node.link_to(stage)
+            node = stage
+        sink = graph.add("abuffersink")
+        node.link_to(sink)
+        graph.configure()
+        self._graph = graph
+        self._pts = 0
+
+    def process(self, pcm: np.ndarray) -> np.ndarray:
+        import av
+
+        pcm = np.asarray(pcm, dtype=np.float32).reshape(-1)
+        if pcm.size == 0:
+            return pcm
+        frame = av.AudioFrame.from_ndarray(pcm[None, :], format="flt", layout="mono")
+        frame.sample_rate = self.rate
+        frame.pts = self._pts
+        self._pts += pcm.size
+        self._graph.push(frame)
+        return self._pull()
+
+    def flush(self) -> np.ndarray:
+        self._graph.push(None)
+        return self._pull()
+
+    def _pull(self) -> np.ndarray:
+        import av
+
+        out: list[np.ndarray] = []
+        while True:
+            try:
+                frame = self._graph.pull()
+            except (av.BlockingIOError, av.EOFError):
+                break
+            out.append(frame.to_ndarray().reshape(-1).astype(np.float32, copy=False))
+        return np.concatenate(out) if out else np.zeros(0, np.float32)
+
+
+def _atempo_factors(speed: float) -> list[float]:
+    factors: list[float] = []
+    while speed > 2.0:
+        factors.append(2.0)
+        speed /= 2.0
+    while speed < 0.5:
+        factors.append(0.5)
+        speed /= 0.5
+    return factors + [speed]
+
+
+class OutputPipeline:
+    """A stream's float32 PCM (at the output rate) to wire bytes: tempo, then encoding.
+
+    Thread-safe per instance (a lock): a stream awaits each call before the next, but a
+    consumer that goes away may leave one call running when the stream is closed."""
+
+    def __init__(self, fmt: str, rate: int, speed: float = 1.0) -> None:
+        if fmt not in OUTPUT_FORMATS:
+            raise ValueError(f"unknown format {fmt!r}")
+        self.format = fmt
+        self.rate = rate
+        self._tempo = Tempo(rate, speed) if speed != 1.0 else None
+        self._encoder = CodecEncoder(CODECS[fmt], rate) if fmt in CODECS else None
+        self._lock = threading.Lock()
+        self._finished = False
+        self.samples = 0                      # what a decoder yields, so far
+
+    @property
+    def description(self) -> bytes | None:
+        return self._encoder.description if self._encoder is not None else None
+
+    @property
+    def pre_skip(self) -> int:
+        return self._encoder.pre_skip if self._encoder is not None else 0
+
+    @property
+    def seconds(self) -> float:
+        return self.samples / self.rate
+
+    def encode(self, pcm: np.ndarray) -> Encoded:
+        with self._lock:
+            if self._finished:
+                return Encoded()
+            if self._tempo is not None:
+                pcm = self._tempo.process(pcm)
+            return self._pack(pcm)
+
+    def finish(self) -> Encoded:
+        """The rest: what the tempo filter and the encoder still hold, and the file's end."""
+        with self._lock:
+            if self._finished:
+                return Encoded()
+            tail = self._pack(self._tempo.flush()) if self._tempo is not None else Encoded()
+            self._finished = True
+            if self._encoder is None:
+                return tail
+            last = self._encoder.finish()
+            self.samples += last.samples
+            return Encoded(tail.data + last.data, tail.samples + last.samples, tail.packets + last.packets,
+                           tail.durations_us + last.durations_us)
+
+    def _pack(self, pcm: np.ndarray) -> Encoded:
+        if self._encoder is None:
+            self.samples += pcm.size
+            return Encoded(pcm_to_bytes(pcm, self.format), pcm.size) if pcm.size else Encoded()
+        encoded = self._encoder.encode(pcm)
+        self.samples += encoded.samples
+        return encoded

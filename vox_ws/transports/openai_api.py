@@ -1,0 +1,363 @@
+"""OpenAI's speech API on the server's port, for the tools that already speak it.
+
+    POST /v1/audio/speech     text in a JSON body; the audio streams back as it is generated
+                              (chunked), or as server-sent events (`stream_format: "sse"`)
+    GET  /v1/models           the served model, as OpenAI clients list models
+    GET  /v1/models/{id}
+
+Errors are OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`, with the status
+OpenAI would give. The body's extensions (`sample_rate` and the engine's options, flat in the
+body) are documented in docs/PROTOCOL.md. The response starts only once the first audio is
+ready, so that a refusal found on the way (the queue wait ran out, the text does not fit) still
+gets its status; a client that goes away cancels its stream at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import logging
+import math
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import BaseRoute, Route
+from starlette.types import Receive, Scope, Send
+
+from ..codecs import CODECS, MAX_SPEED, MIN_SPEED
+from ..engine import Refused
+from ..service import AudioOutput, Stream
+from ..service.events import Audio, Ended, Failed
+from . import protocol as p
+from .auth import is_authorized, origin_allowed, owner
+from .errors import HTTP_STATUS
+from .state import ServerState
+
+log = logging.getLogger("vox_ws.openai")
+
+RESPONSE_FORMATS = ("mp3", "opus", "aac", "flac", "wav", "pcm")
+# OpenAI's speech API sends every format at 24 kHz unless the body asks otherwise.
+DEFAULT_RATE = 24_000
+# Model names OpenAI clients send by default; all mean the served model.
+OPENAI_MODELS = ("tts-1", "tts-1-hd", "gpt-4o-mini-tts")
+# OpenAI's voice names, which tools send by default: the engine's default voice, unless the
+# engine has a voice of that name.
+OPENAI_VOICES = ("alloy", "ash", "ballad", "coral", "echo", "fable", "nova", "onyx", "sage", "shimmer", "verse",
+                 "marin", "cedar")
+CONTENT_TYPES = {"pcm": "audio/pcm", **{name: CODECS[name].content_type for name in RESPONSE_FORMATS
+                                         if name in CODECS}}
+KNOWN_FIELDS = {"model", "input", "voice", "response_format", "speed", "instructions", "stream_format",
+                "sample_rate"}
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+               404: "not_found_error", 408: "timeout_error", 413: "invalid_request_error",
+               415: "invalid_request_error", 429: "rate_limit_error", 500: "server_error", 501: "invalid_request_error",
+               503: "service_unavailable_error"}
+NO_STORE = {"Cache-Control": "no-store"}
+
+
+class OpenAIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.headers = headers
+
+    @classmethod
+    def from_refused(cls, err: Refused, param: str | None = None) -> "OpenAIError":
+        status = HTTP_STATUS[err.kind]
+        headers = {"Retry-After": "1"} if err.kind.retryable else None
+        return cls(status, err.message, param, p.code_for(err.kind), headers)
+
+    def response(self) -> JSONResponse:
+        body = {"error": {"message": self.message, "type": ERROR_TYPES.get(self.status, "invalid_request_error"),
+                          "param": self.param, "code": self.code}}
+        return JSONResponse(body, status_code=self.status, headers={**NO_STORE, **(self.headers or {})})
+
+
+@dataclass(frozen=True)
+class SpeechRequest:
+    text: str
+    voice: str | None
+    response_format: str
+    speed: float
+    sse: bool
+    sample_rate: int
+    instructions: str | None
+    options: dict[str, Any]
+
+    @property
+    def output(self) -> AudioOutput:
+        return AudioOutput("s16" if self.response_format == "pcm" else self.response_format, self.sample_rate,
+                           self.speed)
+
+
+def routes(state: ServerState) -> list[BaseRoute]:
+    def guard(request: Request) -> None:
+        config = state.config
+        if not origin_allowed(request, config.allow_origins):
+            raise OpenAIError(403, "origin not allowed", code="origin_not_allowed")
+        if not is_authorized(request, config.tokens, config.admin_tokens):
+            raise OpenAIError(401, "Incorrect API key provided: present a valid token as `Authorization: Bearer`",
+                              code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+
+    async def speech(request: Request) -> Response:
+        try:
+            guard(request)
+            body = await _read_json(request, _body_limit(state))
+            speech_request = parse_speech(body, state)
+            stream = _open(state, request, speech_request)
+        except OpenAIError as err:
+            return err.response()
+        except ClientDisconnect:
+            return Response(status_code=400)
+        headers = {**NO_STORE, "X-Sample-Rate": str(stream.sample_rate)}
+        if speech_request.instructions and state.service.ignores_instructions(speech_request.voice):
+            headers["X-Ignored-Parameters"] = "instructions"
+        elif stream.ignored_options:
+            headers["X-Ignored-Parameters"] = ",".join(stream.ignored_options)
+        media_type = "text/event-stream" if speech_request.sse else CONTENT_TYPES[speech_request.response_format]
+        return SpeechResponse(stream, speech_request.sse, media_type, headers)
+
+    async def models(request: Request) -> Response:
+        try:
+            guard(request)
+        except OpenAIError as err:
+            return err.response()
+        return JSONResponse({"object": "list", "data": [_model_card(state)]})
+
+    async def model(request: Request) -> Response:
+        try:
+            guard(request)
+        except OpenAIError as err:
+            return err.response()
+        card = _model_card(state)
+        if request.path_params["model"] not in (card["id"], *OPENAI_MODELS):
+            return OpenAIError(404, f"The model '{request.path_params['model']}' does not exist", "model",
+                               "model_not_found").response()
+        return JSONResponse(card)
+
+    return [Route("/v1/audio/speech", speech, methods=["POST"]), Route("/v1/models", models, methods=["GET"]),
+            Route("/v1/models/{model:path}", model, methods=["GET"])]
+
+
+def _model_card(state: ServerState) -> dict[str, Any]:
+    engine = state.service.engine
+    return {"id": engine.model or engine.name, "object": "model", "created": int(state.started_wall),
+            "owned_by": "vox-ws"}
+
+
+def _body_limit(state: ServerState) -> int:
+    # Room for the longest text (4 bytes a character at worst) and the other fields.
+    return 4 * state.limits.max_text_chars + 16_384
+
+
+async def _read_json(request: Request, limit: int) -> dict[str, Any]:
+    kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if kind != "application/json":
+        raise OpenAIError(415, f"Content-Type must be application/json, got {kind or 'none'!r}",
+                          code="unsupported_media_type")
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise OpenAIError(413, f"body of {declared} bytes exceeds {limit} bytes", code="too_large")
+    data = bytearray()
+    async for piece in request.stream():
+        data += piece
+        if len(data) > limit:
+            raise OpenAIError(413, f"body exceeds {limit} bytes", code="too_large")
+    try:
+        body = json.loads(data)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise OpenAIError(400, f"We could not parse the JSON body of your request: {exc}", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise OpenAIError(400, "the JSON body must be an object", code="invalid_json")
+    return body
+
+
+def parse_speech(body: dict[str, Any], state: ServerState) -> SpeechRequest:
+    """Validate a speech request's body; raises OpenAIError naming the field at fault."""
+    engine = state.service.engine
+    specs = state.option_specs
+    unknown = sorted(set(body) - KNOWN_FIELDS - set(specs))
+    if unknown:
+        raise OpenAIError(400, f"Unrecognized request argument supplied: {unknown[0]}", unknown[0], "unknown_parameter")
+    model = body.get("model")
+    if model is not None and (not isinstance(model, str) or model not in (engine.model, engine.name, *OPENAI_MODELS)):
+        raise OpenAIError(400, f"model {model!r} is not served here (served: {engine.model or engine.name!r}; "
+                               f"also accepted: {list(OPENAI_MODELS)})", "model", "model_not_found")
+    text = body.get("input")
+    if not isinstance(text, str) or not text.strip():
+        raise OpenAIError(400, "'input' must be a non-empty string", "input", "invalid_value")
+    if len(text) > state.limits.max_text_chars:
+        raise OpenAIError(413, f"'input' has {len(text)} characters, over max_text_chars="
+                               f"{state.limits.max_text_chars}", "input", "too_large")
+    voice = _voice(body.get("voice"), state)
+    response_format = body.get("response_format", "mp3")
+    if response_format not in RESPONSE_FORMATS:
+        raise OpenAIError(400, f"'response_format' must be one of {list(RESPONSE_FORMATS)}, got {response_format!r}",
+                          "response_format", "invalid_value")
+    speed = body.get("speed", 1.0)
+    if isinstance(speed, bool) or not isinstance(speed, (int, float)) or not math.isfinite(speed) \
+            or not MIN_SPEED <= speed <= MAX_SPEED:
+        raise OpenAIError(400, f"'speed' must be a number from {MIN_SPEED:g} to {MAX_SPEED:g}, got {speed!r}",
+                          "speed", "invalid_value")
+    stream_format = body.get("stream_format", "audio")
+    if stream_format not in ("audio", "sse"):
+        raise OpenAIError(400, f"'stream_format' must be 'audio' or 'sse', got {stream_format!r}", "stream_format",
+                          "invalid_value")
+    instructions = body.get("instructions")
+    if instructions is not None and not isinstance(instructions, str):
+        raise OpenAIError(400, "'instructions' must be a string", "instructions", "invalid_value")
+    if instructions is not None and len(instructions) > p.MAX_INSTRUCTIONS_CHARS:
+        raise OpenAIError(413, f"'instructions' has {len(instructions)} characters, over "
+                               f"{p.MAX_INSTRUCTIONS_CHARS}", "instructions", "too_large")
+    rate = body.get("sample_rate", DEFAULT_RATE)
+    if isinstance(rate, bool) or not isinstance(rate, int) or not p.MIN_SAMPLE_RATE <= rate <= p.MAX_SAMPLE_RATE:
+        raise OpenAIError(400, f"'sample_rate' must be an integer from {p.MIN_SAMPLE_RATE} to {p.MAX_SAMPLE_RATE}, "
+                               f"got {rate!r}", "sample_rate", "invalid_value")
+    codec = CODECS.get(response_format)
+    if codec is not None and not codec.takes_rate(rate):
+        raise OpenAIError(400, f"'{response_format}' takes sample rates {list(codec.rates or ())}, not {rate}",
+                          "sample_rate", "invalid_value")
+    raw_options = {name: body[name] for name in body if name in specs and name not in KNOWN_FIELDS}
+    try:
+        options = p.parse_options(raw_options, specs)
+    except p.ProtocolError as err:
+        param = err.message.split("'")[1].removeprefix("options.") if "'" in err.message else None
+        raise OpenAIError(400, err.message.replace("options.", ""), param, "invalid_value") from None
+    return SpeechRequest(text, voice, response_format, float(speed), stream_format == "sse", rate,
+                         instructions.strip() or None if instructions else None, options)
+
+
+def _voice(value: Any, state: ServerState) -> str | None:
+    if isinstance(value, dict):
+        value = value.get("id")
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value:
+        raise OpenAIError(400, "'voice' must be a voice id (a string, or an object with 'id')", "voice",
+                          "invalid_value")
+    engine = state.service.engine
+    if engine.has_voice(value):
+        return value
+    if value in OPENAI_VOICES:
+        return None
+    raise OpenAIError(400, f"unknown voice {value!r} (built-in: {state.service.voices()}"
+                           f"{'; or register one at /v1/voices' if engine.supports_voices else ''})", "voice",
+                      "voice_not_found")
+
+
+def _open(state: ServerState, request: Request, speech: SpeechRequest) -> Stream:
+    if state.draining:
+        raise OpenAIError(503, "server shutting down", code="going_away", headers={"Retry-After": "1"})
+    config = state.config
+    who = owner(request, config.tokens, config.admin_tokens)
+    client = request.client.host if request.client is not None else "unknown"
+    try:
+        return state.service.open_stream(speech.text, voice=speech.voice, options=speech.options,
+                                         output=speech.output, log_fields={"http": client},
+                                         owners=(who, f"http:{id(request)}"), instructions=speech.instructions)
+    except Refused as err:
+        raise OpenAIError.from_refused(err) from None
+
+
+class SpeechResponse(Response):
+    """Streams a stream's audio as the body (chunked), or as server-sent events.
+
+    The status line waits for the first event, so a stream that fails before its first audio
+    gets its own status. A client that goes away closes the stream at once (its slot is free
+    before the next step). A stream that fails after its first bytes ends the connection
+    without the chunked terminator, so a client sees a truncated body, never a short file
+    that looks whole (SSE: an `error` event first)."""
+
+    def __init__(self, stream: Stream, sse: bool, media_type: str, headers: dict[str, str]) -> None:
+        # No body and no Content-Length: the response is chunked (Starlette's StreamingResponse
+        # sets itself up the same way).
+        self.status_code = 200
+        self.media_type = media_type
+        self.background = None
+        self.init_headers(headers)
+        self.stream = stream
+        self.sse = sse
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        watcher = asyncio.ensure_future(self._watch(receive))
+        try:
+            await self._respond(send)
+        except OSError:
+            pass                                         # the client went away mid-write
+        finally:
+            watcher.cancel()
+            self.stream.close()
+
+    async def _watch(self, receive: Receive) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                self.stream.close()
+                return
+
+    async def _respond(self, send: Send) -> None:
+        events = aiter(self.stream)
+        first = await anext(events, None)
+        if first is None:
+            return                                       # closed: the client is gone
+        if isinstance(first, Failed):
+            await OpenAIError.from_refused(Refused(first.kind, first.message)).response()({"type": "http"}, _no_receive,
+                                                                                          send)
+            return
+        await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+        started = time.monotonic()
+        event = first
+        while event is not None:
+            if isinstance(event, Audio):
+                await self._body(send, self._frame(event))
+            elif isinstance(event, Ended):
+                if self.sse:
+                    await self._body(send, _sse({"type": "speech.audio.done", "usage": _usage(event.stats)}))
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+                return
+            elif isinstance(event, Failed):
+                log.warning("speech stream failed after %.1fs of response: %s: %s", time.monotonic() - started,
+                            event.kind.value, event.message)
+                if self.sse:
+                    await self._body(send, _sse({"type": "error", "error": {
+                        "message": event.message, "type": ERROR_TYPES.get(HTTP_STATUS[event.kind], "server_error"),
+                        "param": None, "code": p.code_for(event.kind)}}))
+                raise _StreamBroke(event.message)
+            event = await anext(events, None)
+
+    def _frame(self, audio: Audio) -> bytes:
+        if not self.sse:
+            return audio.data
+        return _sse({"type": "speech.audio.delta", "audio": base64.b64encode(audio.data).decode("ascii")})
+
+    @staticmethod
+    async def _body(send: Send, data: bytes) -> None:
+        await send({"type": "http.response.body", "body": data, "more_body": True})
+
+
+class _StreamBroke(Exception):
+    """Raised to the server after the response started: it drops the connection unfinished."""
+
+
+async def _no_receive() -> dict[str, Any]:
+    return {"type": "http.disconnect"}
+
+
+def _sse(event: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(event, separators=(",", ":")).encode() + b"\n\n"
+
+
+def _usage(stats: dict[str, Any]) -> dict[str, Any]:
+    """OpenAI's usage fields, counted here in characters spoken and audio chunks sent."""
+    chars = sum(len(segment["text"]) for segment in stats.get("segments", []))
+    chunks = int(stats.get("chunks", 0))
+    return {"input_tokens": chars, "output_tokens": chunks, "total_tokens": chars + chunks,
+            "audio_s": stats.get("audio_s")}
