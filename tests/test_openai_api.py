@@ -226,3 +226,18 @@ async def test_a_client_that_leaves_mid_stream_frees_its_slot(piper_server):
                 break
             assert time.monotonic() < deadline, info
             await asyncio.sleep(0.05)
+
+
+def test_a_4000_character_text_is_spoken_whole_on_piper(client):
+    text = " ".join(f"Paragraph {n} says a little more, so that the whole text is long." for n in range(1, 70))[:4000]
+    events = []
+    with client.audio.speech.with_streaming_response.create(model="tts-1", voice="alloy", input=text,
+                                                            response_format="opus", stream_format="sse") as response:
+        for line in response.iter_lines():
+            if line.startswith("data: "):
+                events.append(json.loads(line[6:]))
+    done = events[-1]
+    assert done["type"] == "speech.audio.done" and done["usage"]["input_tokens"] == len(text)
+    pcm, rate = decode(b"".join(base64.b64decode(e["audio"]) for e in events[:-1]), "opus")
+    # Some 14 characters a second: the whole text is about 4.5 minutes of speech.
+    assert pcm.size / rate > 200 and pcm.size / rate == pytest.approx(done["usage"]["audio_s"], abs=0.0011)

@@ -20,6 +20,7 @@ from websockets.exceptions import ConnectionClosed
 
 from vox_ws.engines.voxcpm.engine import VoxCPMEngine
 from vox_ws.engines.voxcpm.loading import import_voxcpm
+from vox_ws.engines.voxcpm.prompt import prompt_positions
 from vox_ws.scheduler import Scheduler
 
 ADMIN = "admin-secret"
@@ -200,7 +201,6 @@ async def test_builtin_voice_from_the_voices_dir(voxcpm_server):
     ({"type": "voice", "id": "x", "audio": tone_wav(31.0, rate=8000)}, "too_large"),
     ({"type": "start", "id": "x", "text": "Hi", "voice": "v_doesnotexist"}, "bad_request"),
     ({"type": "start", "id": "x", "text": "Hi", "options": {"denoise": True}}, "bad_request"),
-    ({"type": "start", "id": "x", "text": "x" * 300}, "too_large"),                          # beyond context
     ({"type": "start", "id": "x", "text": "Hi", "options": {"inference_timesteps": 500}}, "bad_request"),
     ({"type": "start", "id": "x", "text": "Hi", "options": {"cfg_value": -1}}, "bad_request"),
     ({"type": "start", "id": "x", "text": " \n\t "}, "bad_request"),
@@ -216,6 +216,63 @@ async def test_bad_voice_and_option_requests(voxcpm_server, message, code):
 async def test_long_text_fits_with_a_small_max_len(voxcpm_server):
     async with connect_client(voxcpm_server) as c:
         assert_good_stream(await c.speak("x" * 300, "ok", options={"max_len": 2}))
+
+
+LONG_TEXT = " ".join(f"Sentence {n} of a long text, which goes on for a while before it stops." for n in range(1, 80))
+
+
+async def test_a_4000_character_text_is_spoken_whole_in_continuing_segments(voxcpm_server):
+    text = LONG_TEXT[:4000]
+    assert len(text) == 4000
+    async with connect_client(voxcpm_server) as c:
+        result = await c.speak(text, "long", options={"max_len": 3, "seed": 5})
+    # The tiny model never stops by itself: every segment ends at its cap, reported in `end`.
+    assert_good_stream(result, reason="max_len")
+    segments = result.end["segments"]
+    assert len(segments) >= 4
+    assert " ".join(s["text"] for s in segments) == text
+    assert result.end["audio_s"] == pytest.approx(len(segments) * 3 * 0.16, abs=1e-3)
+    assert all(b["start_s"] == a["end_s"] for a, b in zip(segments, segments[1:]))
+
+
+def test_long_texts_are_cut_where_each_piece_fits_its_own_length_rule(voxcpm_server):
+    engine = voxcpm_server.engine
+    model = engine.tts.tts_model
+    text = LONG_TEXT[:4000]
+    pieces = engine.split_text(text, {}, None)
+    assert len(pieces) > 20 and " ".join(pieces) == text
+    for piece in pieces:
+        # Each piece fits with the package's own step cap (6 steps a token + 10).
+        positions, tokens = prompt_positions(model, piece, None)
+        assert engine.runner.fits(positions, tokens, 4096)
+    # One enormous "word" is cut at characters rather than refused.
+    assert all(engine.runner.fits(*prompt_positions(model, piece, None), 4096)
+               for piece in engine.split_text("x" * 2000, {}, None))
+    # A text that fits is one piece, as before.
+    assert engine.split_text("Short text.", {}, None) == ["Short text."]
+
+
+@pytest.mark.parametrize("speed", [0.5, 2.0])
+async def test_speed_stretches_the_duration(voxcpm_server, speed):
+    async with connect_client(voxcpm_server) as c:
+        plain = await c.speak("Speed test.", "a", options={"max_len": 12, "seed": 3})
+        changed = await c.speak("Speed test.", "b", options={"max_len": 12, "seed": 3}, speed=speed)
+    assert_good_stream(changed)
+    assert changed.seconds == pytest.approx(changed.end["audio_s"], abs=1e-3)
+    assert changed.seconds / plain.seconds == pytest.approx(1 / speed, rel=0.05)
+
+
+async def test_instructions_reach_the_model_as_voxcpm2_voice_design(voxcpm_server, tiny_model):
+    async with connect_client(voxcpm_server) as c:
+        result = await c.speak("Hi there.", "a", options={"seed": 11, "max_len": 6},
+                               instructions="A calm, low voice")
+        assert "ignored_options" not in result.start
+        # A voice with a transcript continues its own prompt: instructions are named as ignored.
+        ignored = await c.speak("Hi there.", "b", voice="narrator", options={"seed": 11, "max_len": 2},
+                                instructions="A calm, low voice")
+        assert ignored.start["ignored_options"] == ["instructions"]
+    want = reference(tiny_model, "(A calm, low voice)Hi there.", 11, max_len=6)
+    assert np.max(np.abs(result.pcm() - want)) < 1e-4
 
 
 async def test_lora_needs_the_admin_token(voxcpm_server):
