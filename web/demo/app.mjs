@@ -1,7 +1,9 @@
 // vox-ws demo: speaks what you type while it is being generated.
 //
 // WebSocket + msgpack (protocol v1) in, an AudioWorklet ring buffer out. The AudioContext is
-// created or resumed inside the click, before any await, as browsers require.
+// created or resumed inside the click, before any await, as browsers require. Audio comes as
+// Opus packets decoded by WebCodecs' AudioDecoder where the browser has it (a twentieth of the
+// bytes of 16-bit PCM), else as raw PCM.
 
 import { decode, encode } from "./vendor/msgpack/index.mjs";
 import { Resampler } from "./resampler.mjs";
@@ -35,7 +37,8 @@ const state = {
   ready: false,          // ... and the server's engine is loaded
   hello: null,
   contextRate: null,
-  stream: null,          // the stream being spoken: {id, rate, format, sentAt, firstAudioAt, chunks, samples, ended}
+  stream: null,          // the stream being spoken: {id, rate, format, sentAt, firstAudioAt, chunks, samples, bytes, ended}
+  webCodecs: null,       // whether this browser decodes Opus with WebCodecs (null: not known yet)
   lastEnd: null,
   lastError: null,
   player: { played: 0, underruns: 0, buffered: 0, sumSquares: 0, peak: 0, playing: false },
@@ -53,6 +56,26 @@ let resampler = null;
 let streamCounter = 0;
 let requestCounter = 0;
 let pendingVoiceAudio = null;
+let decoder = null;      // the WebCodecs AudioDecoder of the Opus stream being played
+
+const OPUS = "opus_packets";
+const OPUS_RATES = [8000, 12000, 16000, 24000, 48000];
+
+async function detectWebCodecsOpus() {
+  let supported = false;
+  if (typeof AudioDecoder !== "undefined") {
+    try {
+      supported = (await AudioDecoder.isConfigSupported({ codec: "opus", sampleRate: 48000, numberOfChannels: 1 })).supported;
+    } catch { supported = false; }
+  }
+  state.webCodecs = supported;
+  const option = $("format").querySelector(`option[value="${OPUS}"]`);
+  if (!supported) {
+    option.disabled = true;
+    option.textContent += " · not in this browser";
+    if ($("format").value === OPUS) $("format").value = "f32";
+  }
+}
 
 // ------------------------------------------------------------------ connection
 
@@ -189,15 +212,19 @@ async function speak() {
   if (state.stream && !state.stream.ended) stop();
   await audioReady;
   const choice = $("rate").value;
+  const format = $("format").value;
   let rate = null;
   if (choice === "auto") rate = Math.round(Math.min(48000, Math.max(8000, ctx.sampleRate)));
   else if (choice !== "native") rate = Number(choice);
+  // Opus takes five rates; browsers decode it at 48 kHz whatever it was encoded at.
+  if (format === OPUS && !OPUS_RATES.includes(rate)) rate = 48000;
   const id = `d${++streamCounter}`;
-  const message = { type: "start", id, text, format: $("format").value };
+  const message = { type: "start", id, text, format };
   if (rate) message.sample_rate = rate;
   if ($("voice").value) message.voice = $("voice").value;
   state.stream = { id, rate: rate || state.hello.sample_rate, format: message.format, sentAt: performance.now(),
-                   firstAudioAt: null, chunks: 0, samples: 0, ended: false };
+                   firstAudioAt: null, chunks: 0, samples: 0, bytes: 0, ended: false, cancelled: false,
+                   timestamp: 0, decoded: 0, preSkip: 0 };
   state.lastEnd = null;
   state.lastError = null;
   state.drained = false;
@@ -212,7 +239,13 @@ function onStart(msg) {
   if (!s || msg.id !== s.id) return;
   s.rate = msg.sample_rate;
   s.format = msg.format;
-  resampler = s.rate === ctx.sampleRate ? null : new Resampler(s.rate, ctx.sampleRate);
+  closeDecoder();
+  if (s.format === OPUS) {
+    resampler = null;                         // made for the rate the decoder outputs
+    decoder = openDecoder(s);
+  } else {
+    resampler = s.rate === ctx.sampleRate ? null : new Resampler(s.rate, ctx.sampleRate);
+  }
   if (msg.queued) say(`Waiting for a free slot (position ${msg.queued})…`);
 }
 
@@ -220,19 +253,68 @@ function onChunk(msg) {
   const s = state.stream;
   if (!s || msg.id !== s.id || s.ended) return;   // audio of a stopped stream is never played
   if (s.firstAudioAt === null) s.firstAudioAt = performance.now();
-  const pcm = pcmFromBytes(msg.audio, s.format);
   s.chunks += 1;
+  if (s.format === OPUS) {
+    decodeOpus(s, msg);
+    return;
+  }
+  const pcm = pcmFromBytes(msg.audio, s.format);
   s.samples += pcm.length;
+  s.bytes += msg.audio.length;
   toPlayer(resampler ? resampler.process(pcm) : pcm);
+}
+
+// ------------------------------------------------------------------ Opus through WebCodecs
+
+function openDecoder(s) {
+  const d = new AudioDecoder({
+    output: (data) => {
+      if (s.cancelled) { data.close(); return; }
+      const pcm = new Float32Array(data.numberOfFrames);
+      data.copyTo(pcm, { planeIndex: 0, format: "f32-planar" });
+      if (!resampler && data.sampleRate !== ctx.sampleRate) resampler = new Resampler(data.sampleRate, ctx.sampleRate);
+      s.decoded += pcm.length / data.sampleRate;
+      data.close();
+      toPlayer(resampler ? resampler.process(pcm) : pcm);
+    },
+    error: (err) => say(`The Opus decoder failed: ${err.message}`, "error"),
+  });
+  return d;
+}
+
+function decodeOpus(s, msg) {
+  if (msg.description) {
+    // The first chunk carries the OpusHead: channel layout and pre-skip for the decoder.
+    decoder.configure({ codec: "opus", sampleRate: s.rate, numberOfChannels: 1, description: msg.description });
+    s.preSkip = msg.pre_skip;
+  }
+  let micros = 0;
+  msg.packets.forEach((packet, i) => {
+    const duration = msg.durations_us[i];
+    decoder.decode(new EncodedAudioChunk({ type: "key", timestamp: s.timestamp, duration, data: packet }));
+    s.timestamp += duration;
+    micros += duration;
+    s.bytes += packet.length;
+  });
+  s.samples += Math.round((micros * s.rate) / 1e6);
+}
+
+function closeDecoder() {
+  if (decoder && decoder.state !== "closed") decoder.close();
+  decoder = null;
 }
 
 function onEnd(msg) {
   const s = state.stream;
   if (!s || msg.id !== s.id) return;
-  if (resampler && msg.reason !== "cancelled") toPlayer(resampler.flush());
   s.ended = true;
   state.lastEnd = msg;
-  player.port.postMessage({ type: "end" });
+  // The player hears "end" only after the last samples: Opus packets may still be decoding.
+  const decoded = s.format === OPUS && decoder && msg.reason !== "cancelled" ? decoder.flush() : Promise.resolve();
+  decoded.catch(() => {}).then(() => {
+    if (resampler && msg.reason !== "cancelled") toPlayer(resampler.flush());
+    player.port.postMessage({ type: "end" });
+  });
   $("stop").disabled = true;
   const words = { done: "Done.", cancelled: "Stopped.", max_len: "Stopped at the length limit." }[msg.reason] || msg.reason;
   say(`${words} ${msg.audio_s.toFixed(2)} s of audio, first audio after ${msg.ttfa_ms ?? "–"} ms (server).`,
@@ -256,6 +338,8 @@ function endLocally(reason) {
 
 function stop() {
   if (!state.stream || state.stream.ended) return;
+  state.stream.cancelled = true;                   // decoded audio still in flight is dropped
+  if (decoder && decoder.state === "configured") decoder.reset();
   player.port.postMessage({ type: "clear" });      // silence what is queued here at once
   send({ type: "cancel", id: state.stream.id });   // and free the server's slot
   say("Stopping…");
@@ -384,6 +468,8 @@ function refreshStats() {
     $("stat-ttfa").textContent = s.firstAudioAt === null ? "–" : `${Math.round(s.firstAudioAt - s.sentAt)} ms`;
     $("stat-chunks").textContent = String(s.chunks);
     $("stat-audio").textContent = fmt(received, "s");
+    $("stat-bytes").textContent = s.bytes >= 1e6 ? `${(s.bytes / 1e6).toFixed(2)} MB` : `${(s.bytes / 1e3).toFixed(1)} kB`;
+    $("stat-bitrate").textContent = received > 0 ? `${((s.bytes * 8) / received / 1000).toFixed(0)} kbit/s` : "–";
     $("stat-rtf").textContent = state.lastEnd && state.lastEnd.rtf ? state.lastEnd.rtf.toFixed(3)
       : received > 0 ? (elapsed / received).toFixed(3) : "–";
     const reason = state.lastEnd ? state.lastEnd.reason : "ended";
@@ -406,4 +492,5 @@ $("clone-upload").addEventListener("click", uploadVoice);
 $("text").addEventListener("keydown", (e) => { if (e.key === "Enter" && (e.ctrlKey || e.metaKey)) speak(); });
 drawEnvelope();
 requestAnimationFrame(refreshStats);
+detectWebCodecsOpus();
 connect();
