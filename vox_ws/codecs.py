@@ -62,14 +62,22 @@ _OPUS_RATES = (8000, 12000, 16000, 24000, 48000)
 _MPEG_RATES = (8000, 11025, 12000, 16000, 22050, 24000, 32000, 44100, 48000)
 _AAC_RATES = _MPEG_RATES + (64000, 88200, 96000)
 
+# Encoder settings for speech, chosen so that one stream encodes well over 50 times faster than
+# real time on one core (docs/PERFORMANCE.md): Opus in its speech mode at complexity 7 (the
+# default 10 costs 2.5 times the CPU for no audible gain at this rate; below 7 it stops
+# analysing and needs more bits), LAME's quality 7, FFmpeg AAC's fast coder.
+_OPUS_SPEECH = {"application": "voip", "compression_level": "7"}
+
 CODECS: dict[str, Codec] = {c.name: c for c in (
-    # 24 kbit/s mono is transparent enough for speech and 1/30 of s16 at 48 kHz.
+    # 24 kbit/s mono is clear speech, and (with the Ogg pages) 1/25 of s16 at 48 kHz.
     Codec("opus", "libopus", "flt", "ogg", "audio/ogg; codecs=opus", _OPUS_RATES, 24_000,
-          container_options={"page_duration": str(OGG_PAGE_US)}),
-    Codec("opus_packets", "libopus", "flt", None, "audio/opus", _OPUS_RATES, 24_000, whole_frames=True),
+          container_options={"page_duration": str(OGG_PAGE_US)}, encoder_options=_OPUS_SPEECH),
+    Codec("opus_packets", "libopus", "flt", None, "audio/opus", _OPUS_RATES, 24_000, whole_frames=True,
+          encoder_options=_OPUS_SPEECH),
     Codec("mp3", "libmp3lame", "fltp", "mp3", "audio/mpeg", _MPEG_RATES, 64_000, whole_frames=True,
-          container_options={"write_xing": "0", "id3v2_version": "0"}),
-    Codec("aac", "aac", "fltp", "adts", "audio/aac", _AAC_RATES, 64_000, whole_frames=True),
+          container_options={"write_xing": "0", "id3v2_version": "0"}, encoder_options={"compression_level": "7"}),
+    Codec("aac", "aac", "fltp", "adts", "audio/aac", _AAC_RATES, 64_000, whole_frames=True,
+          encoder_options={"aac_coder": "fast"}),
     Codec("flac", "flac", "s16", "flac", "audio/flac", None),
     Codec("wav", "pcm_s16le", "s16", "wav", "audio/wav", None, container_options={"fflags": "+bitexact"}),
 )}
