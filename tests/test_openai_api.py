@@ -241,3 +241,49 @@ def test_a_4000_character_text_is_spoken_whole_on_piper(client):
     pcm, rate = decode(b"".join(base64.b64decode(e["audio"]) for e in events[:-1]), "opus")
     # Some 14 characters a second: the whole text is about 4.5 minutes of speech.
     assert pcm.size / rate > 200 and pcm.size / rate == pytest.approx(done["usage"]["audio_s"], abs=0.0011)
+
+
+class FailingPiper(PiperEngine):
+    """The real Piper voice, with a fault injected where the text asks for one: `#early` on its
+    first step, `#late` on its second (after audio went out)."""
+
+    def step(self, batch):
+        request = batch[0]
+        if "#early" in request.text or ("#late" in request.text and request.steps >= 1):
+            raise RuntimeError("injected fault")
+        return super().step(batch)
+
+
+@pytest.fixture(scope="module")
+def failing(start_server):
+    return start_server(FailingPiper())
+
+
+def test_an_engine_failure_before_any_audio_is_a_500(failing):
+    response = httpx.post(failing.http + "/v1/audio/speech", json={"input": "#early Hello."}, timeout=30)
+    assert response.status_code == 500
+    assert response.json()["error"] == {"message": response.json()["error"]["message"], "type": "server_error",
+                                         "param": None, "code": "internal"}
+
+
+def test_a_failure_after_the_first_bytes_truncates_the_body(failing):
+    long = "#late " + " ".join(f"Sentence {n} goes on for a while." for n in range(12))
+    with pytest.raises(httpx.RemoteProtocolError):
+        with httpx.stream("POST", failing.http + "/v1/audio/speech", json={"input": long, "response_format": "pcm"},
+                          timeout=30) as response:
+            assert response.status_code == 200
+            for _ in response.iter_bytes():
+                pass
+    # Over SSE an error event says why before the connection drops.
+    events = []
+    with pytest.raises(httpx.RemoteProtocolError):
+        with httpx.stream("POST", failing.http + "/v1/audio/speech",
+                          json={"input": long, "response_format": "pcm", "stream_format": "sse"}, timeout=30) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    events.append(json.loads(line[6:]))
+    assert events[0]["type"] == "speech.audio.delta"
+    assert events[-1]["type"] == "error" and events[-1]["error"]["code"] == "internal"
+    # The server goes on serving.
+    assert httpx.post(failing.http + "/v1/audio/speech", json={"input": "Fine.", "response_format": "pcm"},
+                      timeout=30).status_code == 200

@@ -370,6 +370,8 @@ def hello(state: ServerState) -> dict[str, Any]:
         "formats": list(p.OUTPUT_FORMATS),
         "voices": service.voices(),
         "options": sorted(engine.honoured_options),
-        "features": ["input_streaming", "segment_events"] + (["voice_cloning"] if engine.supports_voices else []),
+        "features": ["input_streaming", "segment_events", "speed"]
+                    + (["voice_cloning"] if engine.supports_voices else [])
+                    + (["instructions"] if engine.follows_instructions(None) else []),
         "limits": state.limits.as_dict(),
     }
