@@ -381,12 +381,29 @@ async def test_normalizing_runs_beside_the_engine_and_gives_up_on_hostile_text(v
     listener = asyncio.create_task(listen())
     await asyncio.sleep(0.2)
     started = time.monotonic()
-    hostile = await drain(service.open_stream("我有" + "１２３４５" * 900, options={"normalize": True}), 30)
-    assert isinstance(hostile[-1], Failed) and hostile[-1].kind == ErrorKind.TOO_LARGE, hostile[-1]
-    assert "normalize" in hostile[-1].message and time.monotonic() - started < 10
-    # Normalised, a text too long for the model's context is too_large, not internal.
-    expanded = await drain(service.open_stream("1" * 4000, options={"normalize": True}), 120)
-    assert isinstance(expanded[-1], Failed) and expanded[-1].kind == ErrorKind.TOO_LARGE, expanded[-1]
+    # A text whose normalisation alone takes seconds (about 1 ms a character): it is cut into
+    # pieces that each fit a generation (and normalise in a fraction of a second) and spoken
+    # whole, normalised beside the engine while the other stream keeps its pace.
+    many_numbers = "我有12345个苹果，还有67890个梨。" * 150
+    spoken = await drain(service.open_stream(many_numbers, options={"normalize": True, "max_len": 2}), 120)
+    assert isinstance(spoken[-1], Ended) and spoken[-1].reason == EndReason.MAX_LEN, spoken[-1]
+    assert len(spoken[-1].stats["segments"]) > 5
+    # Normalised, a text several times longer than it was (digits spelled out) is cut again
+    # where it no longer fits, not refused.
+    counting = "I counted 123456789 stars. " * 40
+    options = {"normalize": True, "max_len": 2}
+    expanded = await drain(service.open_stream(counting, options=options), 120)
+    assert isinstance(expanded[-1], Ended), expanded[-1]
+    assert len(expanded[-1].stats["segments"]) > len(service.engine.split_text(counting, options))
+    assert any("hundred" in segment["text"] for segment in expanded[-1].stats["segments"])
+    # A text the normaliser cannot read (a number of 4500 digits) is refused as such.
+    unreadable = await drain(service.open_stream("１２３４５" * 900, options={"normalize": True, "max_len": 2}), 120)
+    assert isinstance(unreadable[-1], Failed) and unreadable[-1].kind == ErrorKind.INVALID, unreadable[-1]
+    hostile = "我有" + "１２３４５" * 900
+    # The time-out stays the backstop for any text that still takes too long to normalise.
+    with pytest.raises(Refused) as caught:
+        await service.prepare_text(hostile, {"normalize": True})
+    assert caught.value.kind == ErrorKind.TOO_LARGE and "normalize" in caught.value.message
     other.cancel()
     await listener
     during = [t for t in arrivals if t >= started]

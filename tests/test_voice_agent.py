@@ -256,6 +256,23 @@ async def test_client_stream_synthesize_and_input_streaming(piper_server):
             await client.synthesize("After close.")
 
 
+async def test_client_codecs_packets_and_speed(piper_server):
+    import av
+
+    async with vc.connect(piper_server.url) as client:
+        mp3 = b"".join([c async for c in client.stream("A file in pieces.", format="mp3")])
+        decoded = [f for f in av.open(io.BytesIO(mp3)).decode(audio=0)]
+        assert sum(f.samples for f in decoded) > 10_000
+        s = await client.open_stream(format="opus_packets", speed=1.5)
+        await s.send_text("Packets for a browser, a little faster.")
+        await s.end()
+        packets = [p async for p in s]
+        assert s.description[:8] == b"OpusHead" and len(packets) == round(s.ended["audio_s"] / 0.02)
+        wav = await client.synthesize("Slower now.", speed=0.5)
+        with wave.open(io.BytesIO(wav)) as w:
+            assert w.getnframes() > 0
+
+
 async def test_client_typed_exceptions(piper_server):
     async with vc.connect(piper_server.url) as client:
         with pytest.raises(vc.TooLarge) as info:

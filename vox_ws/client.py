@@ -85,8 +85,9 @@ def error_from(message: dict[str, Any]) -> VoxError:
 
 
 class Stream:
-    """One stream's audio as it arrives. Iterate for the audio bytes (in the stream's format);
-    `ended` holds the server's `end` message once the stream is over."""
+    """One stream's audio as it arrives. Iterate for the audio bytes (in the stream's format; for
+    `opus_packets`, one raw Opus packet at a time, the OpusHead in `started`'s first chunk is
+    `description`); `ended` holds the server's `end` message once the stream is over."""
 
     def __init__(self, client: "Client", stream_id: str) -> None:
         self.client = client
@@ -94,6 +95,7 @@ class Stream:
         self.started: dict[str, Any] | None = None
         self.ended: dict[str, Any] | None = None
         self.segments: list[dict[str, Any]] = []
+        self.description: bytes | None = None       # opus_packets: the OpusHead
         self._queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
         self._start_reply: asyncio.Future = asyncio.get_running_loop().create_future()
         self._flushed: list[asyncio.Future] = []
@@ -137,7 +139,13 @@ class Stream:
             message = await self._queue.get()
             kind = message["type"]
             if kind == "chunk":
-                yield message["audio"]
+                if "packets" in message:
+                    if "description" in message:
+                        self.description = message["description"]
+                    for packet in message["packets"]:
+                        yield packet
+                else:
+                    yield message["audio"]
             elif kind == "end":
                 return
             elif kind == "error":
@@ -172,6 +180,15 @@ class Stream:
         self._queue.put_nowait(message)
 
 
+def _delivery(speed: float, instructions: str | None) -> dict[str, Any]:
+    fields: dict[str, Any] = {}
+    if speed != 1.0:
+        fields["speed"] = speed
+    if instructions:
+        fields["instructions"] = instructions
+    return fields
+
+
 class Client:
     """One connection. Use `connect()` to make one."""
 
@@ -188,10 +205,11 @@ class Client:
         return self.hello["sample_rate"]
 
     async def stream(self, text: str, *, voice: str | None = None, format: str = "f32",
-                     sample_rate: int | None = None, options: dict[str, Any] | None = None) -> AsyncIterator[bytes]:
-        """Speak `text`; yields audio bytes in `format` as they are generated. Leaving the loop
-        early cancels the stream on the server."""
-        s = await self._start({"text": text}, voice, format, sample_rate, options)
+                     sample_rate: int | None = None, options: dict[str, Any] | None = None, speed: float = 1.0,
+                     instructions: str | None = None) -> AsyncIterator[bytes]:
+        """Speak `text`; yields audio bytes in `format` (raw PCM, or a codec's file piece by
+        piece) as they are generated. Leaving the loop early cancels the stream on the server."""
+        s = await self._start({"text": text, **_delivery(speed, instructions)}, voice, format, sample_rate, options)
         try:
             async for chunk in s:
                 yield chunk
@@ -200,17 +218,19 @@ class Client:
                 await s.cancel()
 
     async def open_stream(self, *, voice: str | None = None, format: str = "f32", sample_rate: int | None = None,
-                          options: dict[str, Any] | None = None, segment_events: bool = False) -> Stream:
+                          options: dict[str, Any] | None = None, segment_events: bool = False, speed: float = 1.0,
+                          instructions: str | None = None) -> Stream:
         """A stream whose text arrives piece by piece (`send_text`, `flush`, `end`)."""
-        extra: dict[str, Any] = {"stream_input": True}
+        extra: dict[str, Any] = {"stream_input": True, **_delivery(speed, instructions)}
         if segment_events:
             extra["segment_events"] = True
         return await self._start(extra, voice, format, sample_rate, options)
 
     async def synthesize(self, text: str, *, voice: str | None = None, sample_rate: int | None = None,
-                         options: dict[str, Any] | None = None) -> bytes:
+                         options: dict[str, Any] | None = None, speed: float = 1.0,
+                         instructions: str | None = None) -> bytes:
         """The whole utterance as a 16-bit WAV file."""
-        s = await self._start({"text": text}, voice, "f32", sample_rate, options)
+        s = await self._start({"text": text, **_delivery(speed, instructions)}, voice, "f32", sample_rate, options)
         pcm = bytes_to_pcm(await s.read_all(), "f32")
         return wav_bytes(pcm, s.sample_rate)
 

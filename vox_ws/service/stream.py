@@ -22,13 +22,13 @@ import logging
 import time
 from collections import deque
 from concurrent.futures import Executor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, AsyncIterator, Protocol
 
 import numpy as np
 
 from ..audio import StreamEncoder
-from ..codecs import CODECS, MAX_SPEED, MIN_SPEED, Encoded, OutputPipeline, needs_pipeline
+from ..codecs import CODECS, MAX_SPEED, MIN_SPEED, OutputPipeline, needs_pipeline
 from ..config import Limits
 from ..engine import EndReason, Engine, ErrorKind, GenerationRequest, Refused
 from ..metrics import Metrics
@@ -36,6 +36,7 @@ from ..scheduler import Scheduler
 from ..text import StreamSegmenter
 from .events import Audio, Ended, Event, Failed, Flushed, Segment
 from .handoff import LoopMailbox
+from .output import EncodedOutput
 
 stream_log = logging.getLogger("vox_ws.stream")
 
@@ -119,15 +120,13 @@ class Stream:
         self.sample_rate = output.rate_for(engine.sample_rate)
         # Raw PCM at speed 1 is packed on the scheduler thread as it is delivered; anything else
         # is resampled there to float32 and goes through the pipeline as the consumer takes it.
-        self._pipeline: OutputPipeline | None = None
+        self._output: EncodedOutput | None = None
         if needs_pipeline(output.format, output.speed):
-            self._pipeline = OutputPipeline(output.format, self.sample_rate, output.speed)
+            self._output = EncodedOutput(OutputPipeline(output.format, self.sample_rate, output.speed),
+                                         service.encoding, output.speed)
         self.encoder = StreamEncoder(engine.sample_rate, self.sample_rate,
-                                     "f32" if self._pipeline is not None else output.format)
-        self._ready: deque[Event] = deque()      # pipeline output not yet handed over
-        self._out_seq = 0
-        self._out_chunks = 0
-        self._first_out_at: float | None = None
+                                     "f32" if self._output is not None else output.format)
+        self._ready: deque[Event] = deque()      # encoded output not yet handed over
         self.queued = 0                          # queue position when opened (0: a slot at once)
         self.ignored_options = sorted(set(options) - engine.honoured_options)
         self._log_fields = log_fields
@@ -158,6 +157,7 @@ class Stream:
         self._segment_text = ""
         self._segmenter = StreamSegmenter()
         self._pending: deque[str] = deque()
+        self._prepared_pieces: deque[str] = deque()   # normalised text cut again, next in line
         self.segments: list[dict[str, Any]] = []
         self._segment_start_s = 0.0
         self._input_closed = not input_streaming
@@ -200,62 +200,12 @@ class Stream:
                 finally:
                     self._waiter = None
             event = self._take()
-            if self._pipeline is None:
+            if self._output is None:
                 return event
-            await self._through_pipeline(event)
-
-    async def _through_pipeline(self, event: Event) -> None:
-        """Encode (and time-stretch) one event's audio off the loop; put what comes out in
-        `_ready`. Times in Segment and Flushed events are scaled by the speed."""
-        pipeline = self._pipeline
-        assert pipeline is not None
-        loop = asyncio.get_running_loop()
-        if isinstance(event, Audio):
-            pcm = np.frombuffer(event.data, dtype="<f4")
-            encoded = await loop.run_in_executor(self._service.encoding, pipeline.encode, pcm)
-            if not self._cancelled and not self._drained_early:
-                self._ready_audio(encoded)
-        elif isinstance(event, Ended):
-            if event.reason != EndReason.CANCELLED:
-                self._ready_audio(await loop.run_in_executor(self._service.encoding, pipeline.finish))
-            self._ready.append(replace(event, stats=self._output_stats(event.stats)))
-        elif isinstance(event, Failed):
-            self._ready.append(replace(event, stats=self._output_stats(event.stats)))
-        elif isinstance(event, Segment):
-            self._ready.append(replace(event, start_s=self._scaled(event.start_s), end_s=self._scaled(event.end_s)))
-        elif isinstance(event, Flushed):
-            self._ready.append(Flushed(self._scaled(event.audio_s)))
-
-    def _ready_audio(self, encoded: Encoded) -> None:
-        if not encoded:
-            return
-        pipeline = self._pipeline
-        assert pipeline is not None
-        first = self._out_seq == 0
-        if first:
-            self._first_out_at = time.monotonic()
-        self._ready.append(Audio(encoded.data, self._out_seq, encoded.samples, encoded.samples / self.sample_rate,
-                                 packets=encoded.packets, durations_us=encoded.durations_us,
-                                 description=pipeline.description if first else None,
-                                 pre_skip=pipeline.pre_skip if first else 0))
-        self._out_seq += 1
-        self._out_chunks += 1
-
-    def _scaled(self, seconds: float) -> float:
-        return round(seconds / self.speed, 4)
-
-    def _output_stats(self, stats: dict[str, Any]) -> dict[str, Any]:
-        """The stream's figures in terms of what was handed over: a decoder of the output
-        yields `audio_s` seconds (codec priming and padding included)."""
-        assert self._pipeline is not None
-        audio_s = self._pipeline.seconds
-        wall = time.monotonic() - self.started_at
-        first = self._first_out_at
-        return {**stats, "chunks": self._out_chunks, "audio_s": round(audio_s, 4),
-                "ttfa_ms": None if first is None else round((first - self.started_at) * 1000, 1),
-                "rtf": round(wall / audio_s, 4) if audio_s > 0 else None,
-                "segments": [{**seg, "start_s": self._scaled(seg["start_s"]), "end_s": self._scaled(seg["end_s"])}
-                             for seg in stats.get("segments", [])]}
+            ready = await self._output.process(event, self.started_at)
+            # Audio encoded while the stream was cancelled or closed is never handed over.
+            if not isinstance(event, Audio) or not (self._cancelled or self._drained_early):
+                self._ready.extend(ready)
 
     def _take(self) -> Event:
         event = self._events.popleft()
@@ -400,7 +350,19 @@ class Stream:
         try:
             prepared = await self._service.prepare_text(text, self.options)
             self._preparing = None
-            if not self._finished:
+            if self._finished:
+                return
+            # Normalised text can be several times longer (numbers spelled out): cut it again
+            # where one generation could not carry it. Those pieces report their normalised text.
+            pieces = self._service.engine.split_text(prepared, {**self.options, "normalize": False}, self._voice_pin)
+            if len(pieces) > 1:
+                self._continues = True
+                self._prepared_pieces.extend(pieces[1:])
+                # A flush still waits for the whole of what was sent before it.
+                self._flush_marks = deque(mark + len(pieces) - 1 if mark > len(self.segments) else mark
+                                          for mark in self._flush_marks)
+                self._queue(pieces[0], pieces[0], prepared=True)
+            else:
                 self._queue(text, prepared, prepared=True)
         except Refused as err:
             self._preparing = None
@@ -474,7 +436,13 @@ class Stream:
             self._emit(Flushed(round(self.audio_s, 4)))
         if self._busy:
             return
-        if self._pending:
+        if self._prepared_pieces:
+            piece = self._prepared_pieces.popleft()
+            try:
+                self._queue(piece, piece, prepared=True)
+            except Refused as err:
+                self._fail(err.kind, err.message)
+        elif self._pending:
             try:
                 self.submit(self._pending.popleft())
             except Refused as err:
@@ -548,6 +516,7 @@ class Stream:
         if self._delay_timer is not None:
             self._delay_timer.cancel()
         self._pending.clear()
+        self._prepared_pieces.clear()
         if self._feeder is not None and self._feeder is not asyncio.current_task():
             self._feeder.cancel()
         if self._preparing is not None and self._preparing is not asyncio.current_task():

@@ -1,0 +1,81 @@
+"""A stream's audio as its consumer takes it, when it must be encoded or time-stretched.
+
+Raw PCM at speed 1 needs nothing here: the stream packs it on the scheduler thread. Otherwise
+the stream's float32 audio goes through a `codecs.OutputPipeline` on the service's encoding
+threads, one event at a time as the consumer takes it (so encoding follows the consumer's
+pace and never runs on the event loop), and what the consumer sees is rewritten in terms of
+the output: audio events carry the encoder's bytes (none when it produced none), times are
+divided by the speed, and the final figures are what a decoder of the output yields.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from concurrent.futures import Executor
+from dataclasses import replace
+from typing import Any
+
+import numpy as np
+
+from ..codecs import Encoded, OutputPipeline
+from ..engine import EndReason
+from .events import Audio, Ended, Event, Failed, Flushed, Segment
+
+
+class EncodedOutput:
+    def __init__(self, pipeline: OutputPipeline, executor: Executor, speed: float) -> None:
+        self._pipeline = pipeline
+        self._executor = executor
+        self._speed = speed
+        self._seq = 0
+        self._first_at: float | None = None
+
+    async def process(self, event: Event, started_at: float) -> list[Event]:
+        """The events the consumer gets for one event of the stream (none, one or two)."""
+        pipeline = self._pipeline
+        loop = asyncio.get_running_loop()
+        if isinstance(event, Audio):
+            pcm = np.frombuffer(event.data, dtype="<f4")
+            return self._audio(await loop.run_in_executor(self._executor, pipeline.encode, pcm))
+        if isinstance(event, Ended):
+            tail = []
+            if event.reason != EndReason.CANCELLED:
+                tail = self._audio(await loop.run_in_executor(self._executor, pipeline.finish))
+            return tail + [replace(event, stats=self._stats(event.stats, started_at))]
+        if isinstance(event, Failed):
+            return [replace(event, stats=self._stats(event.stats, started_at))]
+        if isinstance(event, Segment):
+            return [replace(event, start_s=self._scaled(event.start_s), end_s=self._scaled(event.end_s))]
+        if isinstance(event, Flushed):
+            return [Flushed(self._scaled(event.audio_s))]
+        return [event]
+
+    def _audio(self, encoded: Encoded) -> list[Event]:
+        if not encoded:
+            return []
+        pipeline = self._pipeline
+        first = self._seq == 0
+        if first:
+            self._first_at = time.monotonic()
+        audio = Audio(encoded.data, self._seq, encoded.samples, encoded.samples / pipeline.rate,
+                      packets=encoded.packets, durations_us=encoded.durations_us,
+                      description=pipeline.description if first else None,
+                      pre_skip=pipeline.pre_skip if first else 0)
+        self._seq += 1
+        return [audio]
+
+    def _scaled(self, seconds: float) -> float:
+        return round(seconds / self._speed, 4)
+
+    def _stats(self, stats: dict[str, Any], started_at: float) -> dict[str, Any]:
+        """The stream's figures in terms of what was handed over: a decoder of the output
+        yields `audio_s` seconds (codec priming and padding included)."""
+        audio_s = self._pipeline.seconds
+        wall = time.monotonic() - started_at
+        first = self._first_at
+        return {**stats, "chunks": self._seq, "audio_s": round(audio_s, 4),
+                "ttfa_ms": None if first is None else round((first - started_at) * 1000, 1),
+                "rtf": round(wall / audio_s, 4) if audio_s > 0 else None,
+                "segments": [{**seg, "start_s": self._scaled(seg["start_s"]), "end_s": self._scaled(seg["end_s"])}
+                             for seg in stats.get("segments", [])]}
