@@ -213,10 +213,13 @@ async def test_a_client_that_leaves_mid_stream_frees_its_slot(piper_server):
     body = {"input": "A long text to leave in the middle of. " * 20, "response_format": "mp3"}
     async with httpx.AsyncClient(base_url=piper_server.http, timeout=60) as http:
         async with http.stream("POST", "/v1/audio/speech", json=body) as response:
-            async for piece in response.aiter_bytes():
-                if piece:
-                    break
-            assert (await http.get("/v1/info")).json()["streams_open"] == 1
+            assert response.status_code == 200
+            # Hold the iterator: an abandoned one is closed by the loop, and so the connection.
+            pieces = response.aiter_bytes()
+            assert await anext(pieces)
+            info = (await http.get("/v1/info")).json()
+            assert info["streams_open"] == 1, info
+            await pieces.aclose()
     # The connection is closed; the stream (and its slot) go before the next step.
     deadline = time.monotonic() + 5
     async with httpx.AsyncClient(base_url=piper_server.http) as http:

@@ -139,7 +139,7 @@ BAD_INPUTS = [
     ("unknown type", {"type": "sing", "id": "x"}, "x", "bad_request"),
     ("missing text", {"type": "start", "id": "x"}, "x", "bad_request"),
     ("ill-typed text", {"type": "start", "id": "x", "text": 42}, "x", "bad_request"),
-    ("bad format", {"type": "start", "id": "x", "text": "hi", "format": "mp3"}, "x", "bad_request"),
+    ("bad format", {"type": "start", "id": "x", "text": "hi", "format": "ogg"}, "x", "bad_request"),
     ("bad rate", {"type": "start", "id": "x", "text": "hi", "sample_rate": 96000}, "x", "bad_request"),
     ("option out of range", {"type": "start", "id": "x", "text": "hi", "options": {"cfg_value": 99}}, "x",
      "bad_request"),
