@@ -75,27 +75,29 @@ _FINER: tuple[tuple[Callable[[str], list[str]], str], ...] = ((split_clauses, " 
 
 
 def _pack(parts: list[str], fits: Callable[[str], bool], level: int, joiner: str = " ") -> list[str]:
+    """Greedy: from each part on, the longest run of parts that fits (found by doubling, then
+    halving: O(log n) calls of `fits` per piece, each on at most about a piece of text)."""
     pieces: list[str] = []
-    current = ""
-    for part in parts:
-        candidate = f"{current}{joiner}{part}" if current else part
-        if fits(candidate):
-            current = candidate
+    i = 0
+    while i < len(parts):
+        if not fits(parts[i]):
+            if level < len(_FINER):
+                split, finer_joiner = _FINER[level]
+                pieces += _pack(split(parts[i]), fits, level + 1, finer_joiner)
+            else:
+                pieces.append(parts[i])   # one character that does not fit: the engine refuses it
+            i += 1
             continue
-        if current:
-            pieces.append(current)
-            current = ""
-        if fits(part):
-            current = part
-        elif level < len(_FINER):
-            split, finer_joiner = _FINER[level]
-            cut = _pack(split(part), fits, level + 1, finer_joiner)
-            pieces += cut[:-1]
-            current = cut[-1] if cut else ""
-        else:
-            pieces.append(part)        # one character that does not fit: the engine refuses it
-    if current:
-        pieces.append(current)
+        good, step = 1, 1                 # parts[i:i+good] fits
+        while i + good < len(parts) and fits(joiner.join(parts[i:i + good + step])):
+            good += step
+            step *= 2
+        while step > 1:
+            step //= 2
+            if i + good + step <= len(parts) and fits(joiner.join(parts[i:i + good + step])):
+                good += step
+        pieces.append(joiner.join(parts[i:i + good]))
+        i += good
     return pieces
 
 

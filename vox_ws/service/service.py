@@ -13,7 +13,7 @@ import asyncio
 import itertools
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Awaitable
 
 from ..audio import AudioTooLong, decode_audio_file
 from ..config import Limits
@@ -53,6 +53,8 @@ class StreamService:
         # Text preparation (normalisation) runs here, one text at a time: beside the engine,
         # never on its thread or the loop.
         self._preparer = ThreadPoolExecutor(1, thread_name_prefix="vox-ws-prepare")
+        # Long texts are cut (tokenised) here: never behind a slow normalisation.
+        self._splitter = ThreadPoolExecutor(1, thread_name_prefix="vox-ws-split")
         self.encoding = ThreadPoolExecutor(ENCODING_THREADS, thread_name_prefix="vox-ws-encode")
 
     async def start(self) -> None:
@@ -65,6 +67,7 @@ class StreamService:
             self._watchdog.cancel()
             await asyncio.gather(self._watchdog, return_exceptions=True)
         self._preparer.shutdown(wait=False, cancel_futures=True)
+        self._splitter.shutdown(wait=False, cancel_futures=True)
         self.encoding.shutdown(wait=False, cancel_futures=True)
 
     # ------------------------------------------------------------------ streams
@@ -110,13 +113,18 @@ class StreamService:
         if not input_streaming:
             if not isinstance(text, str) or not text.strip():
                 raise Refused(ErrorKind.INVALID, "nothing to say: the text is empty")
-            stream.queued = stream.say(self.engine.split_text(text, stream.options, voice_pin))
+            stream.queued = stream.say(text)
         self._streams.add(stream)
         if isinstance(text, str) and input_streaming and text:
             stream.send_text(text)
         elif streamed_text:
             stream.feed(text)
         return stream
+
+    async def split_text(self, text: str, options: dict[str, Any], voice_pin: Any) -> list[str]:
+        work = asyncio.get_running_loop().run_in_executor(self._splitter, self.engine.split_text, text, options,
+                                                          voice_pin)
+        return await _engine_work(work, "cutting the text failed: ")
 
     def ignores_instructions(self, voice: str | None) -> bool:
         """Whether instructions would be ignored with this voice (the engine cannot follow them)."""
@@ -127,13 +135,8 @@ class StreamService:
         self._streams.discard(stream)
 
     async def prepare_text(self, text: str, options: dict[str, Any]) -> str:
-        loop = asyncio.get_running_loop()
-        try:
-            return await loop.run_in_executor(self._preparer, self.engine.prepare_text, text, options)
-        except Refused:
-            raise
-        except Exception as exc:  # noqa: BLE001 - the engine's failure is this stream's, not the server's
-            raise Refused(ErrorKind.INTERNAL, f"preparing the text failed: {type(exc).__name__}: {exc}") from exc
+        work = asyncio.get_running_loop().run_in_executor(self._preparer, self.engine.prepare_text, text, options)
+        return await _engine_work(work, "preparing the text failed: ")
 
     def abort_all(self, kind: ErrorKind, message: str) -> None:
         """End every live stream with an error (the drain time ran out)."""
@@ -218,19 +221,20 @@ class StreamService:
         return {**result, "streams_in_flight": active}
 
     async def _off_thread(self, fn: Any, *args: Any) -> Any:
-        """Run thread-safe engine work on a worker thread; errors other than refusals become INTERNAL."""
-        try:
-            return await asyncio.to_thread(fn, *args)
-        except Refused:
-            raise
-        except Exception as exc:  # noqa: BLE001 - report it; the service goes on
-            raise Refused(ErrorKind.INTERNAL, f"{type(exc).__name__}: {exc}") from exc
+        """Run thread-safe engine work on a worker thread."""
+        return await _engine_work(asyncio.to_thread(fn, *args))
 
     async def _on_engine_thread(self, fn: Any) -> Any:
-        """Run engine work between two steps; engine errors other than refusals become INTERNAL."""
-        try:
-            return await asyncio.wrap_future(self.scheduler.call(fn))
-        except Refused:
-            raise
-        except Exception as exc:  # noqa: BLE001 - report it; the service goes on
-            raise Refused(ErrorKind.INTERNAL, f"{type(exc).__name__}: {exc}") from exc
+        """Run engine work between two steps."""
+        return await _engine_work(asyncio.wrap_future(self.scheduler.call(fn)))
+
+
+async def _engine_work(work: Awaitable[Any], failed: str = "") -> Any:
+    """Await engine work: refusals pass as they are; any other error becomes INTERNAL (the
+    engine's failure is this request's, not the server's)."""
+    try:
+        return await work
+    except Refused:
+        raise
+    except Exception as exc:  # noqa: BLE001 - report it; the service goes on
+        raise Refused(ErrorKind.INTERNAL, f"{failed}{type(exc).__name__}: {exc}") from exc

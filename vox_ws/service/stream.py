@@ -43,6 +43,8 @@ stream_log = logging.getLogger("vox_ws.stream")
 # Input streaming: buffered text with no sentence or clause end yet is spoken once the input has
 # paused this long (whole words only), so a reply without punctuation still starts promptly.
 SEGMENT_DELAY_S = 0.4
+# A one-shot text longer than this is cut into pieces (`Engine.split_text`) off the loop.
+SPLIT_ON_LOOP_CHARS = 300
 # The most audio one chunk carries, in seconds.
 MAX_CHUNK_S = 1.0
 # A stream with no audio yet counts as this far ahead of its listener when the scheduler picks
@@ -66,6 +68,9 @@ class StreamHost(Protocol):
 
     async def prepare_text(self, text: str, options: dict[str, Any]) -> str:
         """The engine's `prepare_text`, off the loop and off the scheduler thread."""
+
+    async def split_text(self, text: str, options: dict[str, Any], voice_pin: Any) -> list[str]:
+        """The engine's `split_text`, off the loop."""
 
 
 def check_text(text: str) -> None:
@@ -368,12 +373,29 @@ class Stream:
             self._preparing = None
             self._fail(err.kind, err.message)
 
-    def say(self, pieces: list[str]) -> int:
-        """Speak a one-shot text, cut by the engine into `pieces` (one after another,
-        continuing): queue the first; its queue position."""
+    def say(self, text: str) -> int:
+        """Speak a one-shot text: queue it (cut by the engine where one generation cannot carry
+        it, the pieces one after another, continuing); its queue position (0 while a long text
+        is cut, off the loop: tokenising thousands of characters would hold up every stream)."""
+        if len(text) > SPLIT_ON_LOOP_CHARS:
+            self._preparing = asyncio.ensure_future(self._split_then_say(text))
+            return 0
+        return self._say(self._service.engine.split_text(text, self.options, self._voice_pin))
+
+    def _say(self, pieces: list[str]) -> int:
         self._continues = len(pieces) > 1
         self._pending.extend(pieces[1:])
         return self.submit(pieces[0])
+
+    async def _split_then_say(self, text: str) -> None:
+        try:
+            pieces = await self._service.split_text(text, self.options, self._voice_pin)
+            self._preparing = None
+            if not self._finished:
+                self._say(pieces)
+        except Refused as err:
+            self._preparing = None
+            self._fail(err.kind, err.message)
 
     def _queue(self, text: str, engine_text: str, prepared: bool) -> int:
         request = GenerationRequest(text=engine_text, sink=self, voice=self.voice, voice_pin=self._voice_pin,
