@@ -142,6 +142,64 @@ async def test_barge_in_mid_segment(piper_server):
     await wait_for(lambda: piper_server.scheduler.stats()["active"] == 0)
 
 
+@pytest.mark.parametrize("after_chunks", [1, 6, 12])
+async def test_barge_in_reports_what_was_heard(piper_server, after_chunks):
+    """Cancel after a known number of chunks: `end.heard` is exactly the audio received, and
+    its text split agrees with the segment timings the stream sent."""
+    async with connect_client(piper_server) as c:
+        await c.send({"type": "start", "id": "a", "stream_input": True, "segment_events": True, "format": "s16"})
+        await c.send({"type": "chunk", "id": "a", "text": REPLY + " " + REPLY + "."})
+        await c.send({"type": "end", "id": "a"})
+        rate = (await c.recv_where(lambda m: m["type"] == "start"))["sample_rate"]
+        received, segments = 0.0, []
+        chunks = 0
+        while chunks < after_chunks:
+            message = await c.recv_where(lambda m: m["id"] == "a" and m["type"] in ("chunk", "segment", "end"))
+            if message["type"] == "chunk":
+                chunks += 1
+                received += len(message["audio"]) / 2 / rate
+            elif message["type"] == "segment":
+                segments.append(message)
+            else:
+                pytest.fail(f"the stream ended after {chunks} chunks: {message}")
+        await c.send({"type": "cancel", "id": "a"})
+        while True:                 # what was already on its way still arrives, then `end`
+            message = await c.recv_where(lambda m: m["id"] == "a")
+            if message["type"] == "chunk":
+                received += len(message["audio"]) / 2 / rate
+            elif message["type"] == "segment":
+                segments.append(message)
+            elif message["type"] == "end":
+                break
+    assert message["reason"] == "cancelled"
+    heard = message["heard"]
+    assert heard["audio_s"] == pytest.approx(received, abs=1e-3)
+    assert message["audio_s"] == heard["audio_s"]
+    # Whole segments: those whose audio all arrived, in order, contiguous from 0.
+    for seg in heard["segments"]:
+        assert seg["end_s"] <= heard["audio_s"] + 1e-3
+    # No segment event for audio that was dropped at the cancel.
+    assert [s["text"] for s in heard["segments"]] == [s["text"] for s in segments], (heard, segments, message)
+    assert heard["text"] == " ".join(s["text"] for s in heard["segments"])
+    starts = [0.0] + [s["end_s"] for s in heard["segments"]]
+    partial = heard["partial"]
+    if partial is not None:
+        assert partial["start_s"] == pytest.approx(starts[-1], abs=1e-3)
+        assert partial["sent_s"] == pytest.approx(heard["audio_s"] - partial["start_s"], abs=1e-3)
+        assert partial["text"] and (REPLY + " " + REPLY).find(partial["text"].rstrip(".")) >= 0
+        # The share of its audio sent: known once the segment was generated whole (`end`
+        # lists every segment generated, sent or not).
+        generated = [g for g in message["segments"] if g["start_s"] == partial["start_s"]]
+        if generated:
+            seg = generated[0]
+            assert seg["text"] == partial["text"]
+            assert partial["fraction"] == pytest.approx(partial["sent_s"] / (seg["end_s"] - seg["start_s"]), abs=1e-3)
+        else:
+            assert partial["fraction"] is None
+    else:
+        assert heard["audio_s"] == pytest.approx(starts[-1], abs=1e-3)
+
+
 async def test_bad_input_streaming_messages(piper_server):
     async with connect_client(piper_server) as c:
         await c.send({"type": "start", "id": "a", "stream_input": True})

@@ -207,6 +207,9 @@ class Engine(ABC):
     # wants that audio in (None: any; the stream service resamples before engine work).
     supports_voices: bool = False
     voice_sample_rate: int | None = None
+    # Whether `split_text` may cut a text (it then costs a tokenisation or more, done off the
+    # event loop for long texts); False: every text is one piece, queued at once.
+    cuts_texts: bool = False
 
     @abstractmethod
     def load(self) -> None:

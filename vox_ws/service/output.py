@@ -74,8 +74,18 @@ class EncodedOutput:
         audio_s = self._pipeline.seconds
         wall = time.monotonic() - started_at
         first = self._first_at
+        heard = stats.get("heard")
+        if heard is not None:
+            partial = heard["partial"]
+            heard = {**heard, "audio_s": self._scaled(heard["audio_s"]),
+                     "segments": [self._scaled_span(seg) for seg in heard["segments"]],
+                     "partial": None if partial is None else {**partial, "start_s": self._scaled(partial["start_s"]),
+                                                              "sent_s": self._scaled(partial["sent_s"])}}
+            stats = {**stats, "heard": heard}
         return {**stats, "chunks": self._seq, "audio_s": round(audio_s, 4),
                 "ttfa_ms": None if first is None else round((first - started_at) * 1000, 1),
                 "rtf": round(wall / audio_s, 4) if audio_s > 0 else None,
-                "segments": [{**seg, "start_s": self._scaled(seg["start_s"]), "end_s": self._scaled(seg["end_s"])}
-                             for seg in stats.get("segments", [])]}
+                "segments": [self._scaled_span(seg) for seg in stats.get("segments", [])]}
+
+    def _scaled_span(self, segment: dict[str, Any]) -> dict[str, Any]:
+        return {**segment, "start_s": self._scaled(segment["start_s"]), "end_s": self._scaled(segment["end_s"])}

@@ -377,6 +377,8 @@ class Stream:
         """Speak a one-shot text: queue it (cut by the engine where one generation cannot carry
         it, the pieces one after another, continuing); its queue position (0 while a long text
         is cut, off the loop: tokenising thousands of characters would hold up every stream)."""
+        if not self._service.engine.cuts_texts:
+            return self._say([text])
         if len(text) > SPLIT_ON_LOOP_CHARS:
             self._preparing = asyncio.ensure_future(self._split_then_say(text))
             return 0
@@ -509,14 +511,19 @@ class Stream:
     # ------------------------------------------------------------------ endings
 
     def _end(self, reason: EndReason) -> None:
+        heard = None
         if reason != EndReason.CANCELLED:
             tail = self.encoder.flush()
             if tail:
                 self._on_audio(tail)
         else:
+            generated_s = self.audio_s
             self._drop_queued_audio()
+            heard = self._heard(generated_s)
         self._stop_producing()
         stats = self.stats()
+        if heard is not None:
+            stats["heard"] = heard
         self._emit(Ended(reason, stats))
         metrics = self._service.metrics
         metrics.streams.labels(reason.value).inc()
@@ -548,13 +555,16 @@ class Stream:
         self._service.forget(self)
 
     def _drop_queued_audio(self) -> None:
-        """Barge-in: audio not yet taken is never yielded, nor counted."""
+        """Barge-in: audio not yet taken is never yielded, nor counted; nor are the segment
+        and flush events behind it, which would say that audio was sent."""
         kept: deque[Event] = deque()
+        dropped = False
         for event in self._events:
             if isinstance(event, Audio):
                 self.chunks -= 1
                 self.audio_s -= event.seconds
-            else:
+                dropped = True
+            elif not (dropped and isinstance(event, (Segment, Flushed))):
                 kept.append(event)
         self._events = kept
         self._queued_audio_s = 0.0
@@ -566,6 +576,28 @@ class Stream:
     def _wake(self) -> None:
         if self._waiter is not None and not self._waiter.done():
             self._waiter.set_result(None)
+
+    def _heard(self, generated_s: float) -> dict[str, Any]:
+        """At a cancel: what the consumer took (what a listener heard, if it played it all):
+        the segments wholly in it, and the one cut short with the share of its audio taken
+        (None while that segment was still being generated: its length was not known)."""
+        taken = self.audio_s
+        spans = [(seg["text"], seg["start_s"], seg["end_s"], True) for seg in self.segments]
+        if self._request is not None:
+            spans.append((self._segment_text, self._segment_start_s, generated_s, False))
+        whole: list[dict[str, Any]] = []
+        partial = None
+        close = 1e-4                              # segment times are rounded to 0.1 ms
+        for text, start, end, finished in spans:
+            if finished and end <= taken + close:
+                whole.append({"text": text, "start_s": start, "end_s": end})
+                continue
+            if start < taken - close:
+                partial = {"text": text, "start_s": start, "sent_s": round(taken - start, 4),
+                           "fraction": round((taken - start) / (end - start), 4) if finished else None}
+            break
+        return {"audio_s": round(taken, 4), "text": " ".join(seg["text"] for seg in whole), "segments": whole,
+                "partial": partial}
 
     def stats(self) -> dict[str, Any]:
         ttfa = None if self.first_audio_at is None else round((self.first_audio_at - self.started_at) * 1000, 1)

@@ -30,6 +30,7 @@ class VoxCPMEngine(Engine):
     name = "voxcpm"
     options = OPTIONS
     supports_voices = True
+    cuts_texts = True
 
     def __init__(self, model: str | None = None, device: str = "auto", threads: int = 1, optimize: bool = False,
                  load_denoiser: bool = False, max_batch: int = 8, voices_dir: str | None = None,
