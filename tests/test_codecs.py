@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 
 import av
+import httpx
 import numpy as np
 import pytest
 import soxr
@@ -73,6 +74,8 @@ async def test_v1_chunks_concatenate_to_one_file_of_the_reported_duration(piper_
     assert pcm.size / decoded_rate == pytest.approx(result.end["audio_s"], abs=0.0011)
     assert result.end["chunks"] == len(result.chunks)
     assert np.sqrt(np.mean(np.square(pcm))) > 0.01
+    metrics = httpx.get(piper_server.http + "/metrics").text
+    assert f'voxws_audio_bytes_total{{format="{fmt}"}}' in metrics
     # The first chunk alone is a file a player can start on.
     first, _ = decode_file(result.chunks[0]["audio"]) if fmt != "opus" else decode_file(b"".join(
         c["audio"] for c in result.chunks[:2]))

@@ -244,6 +244,7 @@ async def test_metrics_and_structured_stream_log(piper_server, caplog):
                  "voxws_cancellations_total", "voxws_sessions_reaped_total"):
         assert re.search(rf"^{name}(\{{.*\}})? ", text, re.M), name
     assert re.search(r'^voxws_errors_total\{code="bad_frame"\} [1-9]', text, re.M)
+    assert re.search(r'^voxws_audio_bytes_total\{format="f32"\} [1-9]', text, re.M)
     assert float(re.search(r"^voxws_first_audio_seconds_count (\S+)", text, re.M).group(1)) >= 1
     records = [json.loads(r.getMessage()) for r in caplog.records if r.name == "vox_ws.stream"]
     mine = [r for r in records if r["id"] == "m"][-1]

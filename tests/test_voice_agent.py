@@ -379,6 +379,16 @@ def test_say_writes_a_valid_wav(piper_server, tmp_path):
         assert (w.getnchannels(), w.getsampwidth(), w.getframerate()) == (1, 2, 16000)
         frames = np.frombuffer(w.readframes(w.getnframes()), dtype="<i2")
     assert len(frames) > 16000 and np.abs(frames).max() > 1000
+    ogg = tmp_path / "hello.ogg"
+    result = subprocess.run([sys.executable, "-m", "vox_ws", "say", "Hello, compressed and quick.", "-o", str(ogg),
+                             "--url", piper_server.url, "--format", "opus", "--speed", "1.5"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    import av
+
+    with av.open(str(ogg)) as container:
+        assert container.streams.audio[0].codec_context.name == "opus"
+        assert sum(frame.samples for frame in container.decode(audio=0)) > 24000
     bad = subprocess.run([sys.executable, "-m", "vox_ws", "say", "x" * 6000, "-o", str(out), "--url",
                           piper_server.url], capture_output=True, text=True, timeout=120)
     assert bad.returncode == 1 and "too_large" in bad.stderr

@@ -91,7 +91,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     say = commands.add_parser("say", help="speak a text through a running server into a WAV file or the speakers")
     say.add_argument("text")
-    say.add_argument("-o", "--output", help="WAV file to write")
+    say.add_argument("-o", "--output", help="file to write (WAV, or the --format's own file)")
+    say.add_argument("--format", default="wav", choices=("wav", "opus", "mp3", "aac", "flac"),
+                     help="the file's format (encoded by the server as it speaks)")
+    say.add_argument("--speed", type=float, default=1.0, help="0.25-4.0, pitch kept")
+    say.add_argument("--instructions", help="how to speak, in words (VoxCPM2)")
     say.add_argument("--play", action="store_true", help="play it as it arrives (needs an audio device)")
     say.add_argument("--url", default=os.environ.get("VOX_WS_URL", "ws://127.0.0.1:8765/v1/stream"))
     say.add_argument("--token", default=os.environ.get("VOX_WS_TOKEN"))
@@ -164,6 +168,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             return asyncio.run(_serve(config))
         return uvloop.run(_serve(config))
     if args.command == "say":
+        if args.play and args.format != "wav":
+            print("vox-ws say: --play plays PCM; write other formats with -o FILE", file=sys.stderr)
+            return 2
         if not args.output and not args.play:
             print("vox-ws say: give -o FILE.wav and/or --play", file=sys.stderr)
             return 2
@@ -190,7 +197,17 @@ async def _say(args: argparse.Namespace) -> int:
             rate = args.sample_rate or client.sample_rate
             if player is not None:
                 player.open(rate)
-            async for chunk in client.stream(args.text, voice=args.voice, format="f32", sample_rate=rate):
+            if args.format != "wav":
+                # The server encodes: the chunks concatenate to one file of the format.
+                encoded = [chunk async for chunk in client.stream(
+                    args.text, voice=args.voice, format=args.format, sample_rate=args.sample_rate,
+                    speed=args.speed, instructions=args.instructions)]
+                with open(args.output, "wb") as f:
+                    f.write(b"".join(encoded))
+                print(f"{args.output}: {sum(map(len, encoded))} bytes of {args.format}", file=sys.stderr)
+                return 0
+            async for chunk in client.stream(args.text, voice=args.voice, format="f32", sample_rate=rate,
+                                             speed=args.speed, instructions=args.instructions):
                 pcm = bytes_to_pcm(chunk, "f32")
                 pieces.append(pcm)
                 if player is not None:

@@ -26,6 +26,8 @@ class Metrics:
         self.batch_size = Histogram("voxws_batch_size", "Requests advanced by one engine step",
                                     buckets=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64), registry=r)
         self.audio_seconds = Counter("voxws_audio_seconds", "Seconds of audio sent to clients", registry=r)
+        self.audio_bytes = Counter("voxws_audio_bytes", "Bytes of audio handed to clients, by output format",
+                                   ["format"], registry=r)
         self.streams = Counter("voxws_streams", "Streams ended, by reason", ["reason"], registry=r)
         self.errors = Counter("voxws_errors", "Error messages sent, by code", ["code"], registry=r)
         self.cancellations = Counter("voxws_cancellations", "Streams cancelled by their client", registry=r)

@@ -193,6 +193,12 @@ class Stream:
         return self
 
     async def __anext__(self) -> Event:
+        event = await self._next()
+        if isinstance(event, Audio):
+            self._service.metrics.audio_bytes.labels(self.format).inc(len(event.data))
+        return event
+
+    async def _next(self) -> Event:
         while True:
             if self._ready:
                 return self._ready.popleft()
