@@ -112,8 +112,9 @@ def test_sample_rate_and_engine_options_in_the_body(client):
 
 
 def test_instructions_piper_cannot_follow_are_named_not_refused(client):
-    data, headers = stream_speech(client, response_format="pcm", instructions="Whisper, slowly.")
-    assert headers["x-ignored-parameters"] == "instructions"
+    data, headers = stream_speech(client, response_format="pcm", instructions="Whisper, slowly.",
+                                  extra_body={"cfg_value": 2.5})
+    assert headers["x-ignored-parameters"] == "instructions,cfg_value"
     assert len(data) > 24_000
 
 

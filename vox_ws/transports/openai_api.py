@@ -112,16 +112,17 @@ def routes(state: ServerState) -> list[BaseRoute]:
             guard(request)
             body = await _read_json(request, _body_limit(state))
             speech_request = parse_speech(body, state)
+            ignored = ["instructions"] if speech_request.instructions and _ignores_instructions(state, speech_request) \
+                else []
             stream = _open(state, request, speech_request)
         except OpenAIError as err:
             return err.response()
         except ClientDisconnect:
             return Response(status_code=400)
         headers = {**NO_STORE, "X-Sample-Rate": str(stream.sample_rate)}
-        if speech_request.instructions and state.service.ignores_instructions(speech_request.voice):
-            headers["X-Ignored-Parameters"] = "instructions"
-        elif stream.ignored_options:
-            headers["X-Ignored-Parameters"] = ",".join(stream.ignored_options)
+        ignored += stream.ignored_options
+        if ignored:
+            headers["X-Ignored-Parameters"] = ",".join(ignored)
         media_type = "text/event-stream" if speech_request.sse else CONTENT_TYPES[speech_request.response_format]
         return SpeechResponse(stream, speech_request.sse, media_type, headers)
 
@@ -251,6 +252,13 @@ def _voice(value: Any, state: ServerState) -> str | None:
     raise OpenAIError(400, f"unknown voice {value!r} (built-in: {state.service.voices()}"
                            f"{'; or register one at /v1/voices' if engine.supports_voices else ''})", "voice",
                       "voice_not_found")
+
+
+def _ignores_instructions(state: ServerState, speech: SpeechRequest) -> bool:
+    try:
+        return state.service.ignores_instructions(speech.voice)
+    except Refused as err:                     # the voice went away: the same refusal as opening
+        raise OpenAIError.from_refused(err, "voice") from None
 
 
 def _open(state: ServerState, request: Request, speech: SpeechRequest) -> Stream:
