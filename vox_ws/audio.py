@@ -50,9 +50,9 @@ def pcm_to_bytes(pcm: np.ndarray, fmt: str) -> bytes:
     if fmt == "f32":
         return np.asarray(pcm, dtype="<f4").tobytes()
     if fmt == "s16":
-        return _to_int16(pcm).astype("<i2").tobytes()
+        return to_int16(pcm).astype("<i2").tobytes()
     if fmt == "mulaw":
-        return mulaw_encode(_to_int16(pcm)).tobytes()
+        return mulaw_encode(to_int16(pcm)).tobytes()
     raise ValueError(f"unknown format {fmt!r}")
 
 
@@ -71,7 +71,8 @@ def bytes_per_sample(fmt: str) -> int:
     return {"f32": 4, "s16": 2, "mulaw": 1}[fmt]
 
 
-def _to_int16(pcm: np.ndarray) -> np.ndarray:
+def to_int16(pcm: np.ndarray) -> np.ndarray:
+    """float32 [-1, 1] to 16-bit samples, clipped and rounded."""
     return (np.clip(np.asarray(pcm, dtype=np.float32), -1.0, 1.0) * 32767.0).round().astype(np.int16)
 
 

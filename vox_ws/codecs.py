@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from .audio import FORMATS as PCM_FORMATS  # packed on the scheduler thread when the speed is 1
-from .audio import pcm_to_bytes
+from .audio import pcm_to_bytes, to_int16
 
 # A page of Ogg at most this long (µs): FFmpeg's default of 1 s would hold the audio back. A
 # page costs 27 bytes and more, so much shorter pages cost bit rate.
@@ -170,49 +170,36 @@ class CodecEncoder:
         return 0
 
     def encode(self, pcm: np.ndarray) -> Encoded:
-        import av
-
         pcm = np.asarray(pcm, dtype=np.float32).reshape(-1)
         if pcm.size == 0:
             return Encoded()
         fmt = self.codec.sample_format
-        array = (np.clip(pcm, -1.0, 1.0) * 32767.0).round().astype(np.int16) if fmt == "s16" else pcm
-        frame = av.AudioFrame.from_ndarray(array[None, :], format=fmt, layout="mono")
-        frame.sample_rate = self.rate
-        frame.pts = self._pts
+        frame = _frame(to_int16(pcm) if fmt == "s16" else pcm, fmt, self.rate, self._pts)
         self._pts += pcm.size
         return self._emit(self._encode(frame), pcm.size)
 
     def finish(self) -> Encoded:
         """Drain the encoder and close the file (the last Ogg page, say)."""
-        packets = self._encode(None)
-        if self._container is not None:
-            for packet in packets:
-                self._container.mux(packet)
-            self._container.close()
-            return self._emit_muxed(packets, 0)
-        return self._emit(packets, 0)
+        return self._emit(self._encode(None), 0, last=True)
 
     def _encode(self, frame: Any) -> list[Any]:
         if self._stream is not None:
             return list(self._stream.encode(frame))
         return list(self._context.encode(frame))
 
-    def _emit(self, packets: list[Any], fed: int) -> Encoded:
+    def _emit(self, packets: list[Any], fed: int, last: bool = False) -> Encoded:
+        durations = [self._packet_samples(p) for p in packets]
         if self._container is not None:
             for packet in packets:
                 self._container.mux(packet)
-            return self._emit_muxed(packets, fed)
+            if last:
+                self._container.close()
+            samples = sum(durations) if self.codec.whole_frames else fed
+            self.samples += samples
+            return Encoded(self._sink.take(), samples)
         raw = tuple(bytes(p) for p in packets)
-        durations = tuple(self._packet_samples(p) for p in packets)
-        samples = sum(durations)
-        self.samples += samples
-        return Encoded(b"".join(raw), samples, raw, tuple(round(d * 1_000_000 / self.rate) for d in durations))
-
-    def _emit_muxed(self, packets: list[Any], fed: int) -> Encoded:
-        samples = sum(self._packet_samples(p) for p in packets) if self.codec.whole_frames else fed
-        self.samples += samples
-        return Encoded(self._sink.take(), samples)
+        self.samples += sum(durations)
+        return Encoded(b"".join(raw), sum(durations), raw, tuple(round(d * 1_000_000 / self.rate) for d in durations))
 
     def _packet_samples(self, packet: Any) -> int:
         frame_size = self._context.frame_size
@@ -243,16 +230,11 @@ class Tempo:
         self._pts = 0
 
     def process(self, pcm: np.ndarray) -> np.ndarray:
-        import av
-
         pcm = np.asarray(pcm, dtype=np.float32).reshape(-1)
         if pcm.size == 0:
             return pcm
-        frame = av.AudioFrame.from_ndarray(pcm[None, :], format="flt", layout="mono")
-        frame.sample_rate = self.rate
-        frame.pts = self._pts
+        self._graph.push(_frame(pcm, "flt", self.rate, self._pts))
         self._pts += pcm.size
-        self._graph.push(frame)
         return self._pull()
 
     def flush(self) -> np.ndarray:
@@ -270,6 +252,16 @@ class Tempo:
                 break
             out.append(frame.to_ndarray().reshape(-1).astype(np.float32, copy=False))
         return np.concatenate(out) if out else np.zeros(0, np.float32)
+
+
+def _frame(samples: np.ndarray, fmt: str, rate: int, pts: int) -> Any:
+    """One mono FFmpeg frame of `samples` (already in `fmt`), stamped at `pts` samples."""
+    import av
+
+    frame = av.AudioFrame.from_ndarray(samples[None, :], format=fmt, layout="mono")
+    frame.sample_rate = rate
+    frame.pts = pts
+    return frame
 
 
 def _atempo_factors(speed: float) -> list[float]:

@@ -34,6 +34,7 @@ from ..service import AudioOutput, Stream
 from ..service.events import Audio, Ended, Failed
 from . import protocol as p
 from .auth import is_authorized, origin_allowed, owner
+from .body import BodyTooLarge, read_body
 from .errors import HTTP_STATUS
 from .state import ServerState
 
@@ -167,11 +168,10 @@ async def _read_json(request: Request, limit: int) -> dict[str, Any]:
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise OpenAIError(413, f"body of {declared} bytes exceeds {limit} bytes", code="too_large")
-    data = bytearray()
-    async for piece in request.stream():
-        data += piece
-        if len(data) > limit:
-            raise OpenAIError(413, f"body exceeds {limit} bytes", code="too_large")
+    try:
+        data = await read_body(request, limit)
+    except BodyTooLarge:
+        raise OpenAIError(413, f"body exceeds {limit} bytes", code="too_large") from None
     try:
         body = json.loads(data)
     except (ValueError, UnicodeDecodeError) as exc:

@@ -18,15 +18,12 @@ from starlette.routing import BaseRoute, Route
 from ..engine import Refused
 from . import protocol as p
 from .auth import is_authorized, origin_allowed, owner
+from .body import BodyTooLarge, read_body
 from .errors import error_response, refused_response, unauthorized_response
 from .state import ServerState
 
 AUDIO_TYPES = ("audio/wav", "audio/x-wav", "audio/wave", "audio/vnd.wave", "audio/flac", "audio/x-flac",
                "audio/ogg", "application/octet-stream")
-
-
-class _TooLarge(Exception):
-    pass
 
 
 def routes(state: ServerState) -> list[BaseRoute]:
@@ -71,11 +68,11 @@ def routes(state: ServerState) -> list[BaseRoute]:
                 transcript = _text_field(form.get("transcript")) or transcript
                 mode = _text_field(form.get("mode")) or mode
             elif kind in AUDIO_TYPES:
-                audio = await _read_body(request, limit)
+                audio = await read_body(request, limit)
             else:
                 return error_response(415, p.BAD_REQUEST, f"content type {kind or 'none'!r} is not accepted: send "
                                                           "WAV, FLAC or OGG audio, or multipart/form-data")
-        except _TooLarge:
+        except BodyTooLarge:
             return error_response(413, p.TOO_LARGE, f"body exceeds {limit} bytes")
         except ClientDisconnect:
             return Response(status_code=400)
@@ -106,15 +103,6 @@ def routes(state: ServerState) -> list[BaseRoute]:
         Route("/v1/voices", register, methods=["POST"]),
         Route("/v1/voices/{voice_id}", delete, methods=["DELETE"]),
     ]
-
-
-async def _read_body(request: Request, limit: int) -> bytes:
-    body = bytearray()
-    async for piece in request.stream():
-        body += piece
-        if len(body) > limit:
-            raise _TooLarge()
-    return bytes(body)
 
 
 def _text_field(value: object) -> str | None:
