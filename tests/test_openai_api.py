@@ -144,6 +144,8 @@ BAD_BODIES = [
     ({"noise_scale": "loud"}, 400, "noise_scale"),
     ({"colour": "blue"}, 400, "colour"),
     ({"input": "x" * 6000}, 413, "input"),
+    ({"instructions": "x" * 600}, 413, "instructions"),
+    ({"instructions": 5}, 400, "instructions"),
 ]
 
 
