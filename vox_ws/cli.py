@@ -45,6 +45,8 @@ _SERVE_OPTIONS: list[tuple[str, Callable[[str], Any], Any, str]] = [
     ("write-stall-timeout", float, Limits.write_stall_timeout_s, "seconds a paused stream may wait on its reader before `slow_consumer`"),
     ("drain-timeout", float, 10.0, "seconds streams may finish after SIGTERM"),
     ("demo-dir", str, None, "directory of the browser demo served at / (default: web/demo of the source tree)"),
+    ("wyoming", str, None, "also serve the Wyoming protocol (Home Assistant) at this URI, e.g. "
+                           "tcp://0.0.0.0:10200; it has no authentication: trusted networks only"),
     ("ping-interval", float, 10.0, "seconds between keepalive pings"),
     ("log-level", str, "info", "debug, info, warning or error"),
 ]

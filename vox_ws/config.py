@@ -57,6 +57,8 @@ class ServerConfig:
     private_info: bool = False
     # The browser demo served at `/` (default: web/demo of the source tree when present).
     demo_dir: str | None = None
+    # Also serve the Wyoming protocol (Home Assistant) here: tcp://HOST:PORT or unix://PATH.
+    wyoming: str | None = None
     limits: Limits = field(default_factory=Limits)
 
     def engine_options(self) -> dict[str, Any]:

@@ -210,6 +210,9 @@ class Engine(ABC):
     # Whether `split_text` may cut a text (it then costs a tokenisation or more, done off the
     # event loop for long texts); False: every text is one piece, queued at once.
     cuts_texts: bool = False
+    # The languages its voices speak (BCP 47-ish tags, for front doors that list voices by
+    # language: Wyoming); empty where unknown.
+    languages: tuple[str, ...] = ()
 
     @abstractmethod
     def load(self) -> None:

@@ -86,6 +86,7 @@ class VoxServer:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopped: asyncio.Event | None = None   # created on the running loop in start()
         self._shutdown: asyncio.Task | None = None
+        self.wyoming: Any = None                      # transports.wyoming.WyomingServer, with --wyoming
 
     @property
     def sessions(self) -> set:
@@ -126,6 +127,12 @@ class VoxServer:
                 await self._serving            # raises what stopped it
                 raise RuntimeError("the HTTP server stopped while starting")
             await asyncio.sleep(0.01)
+        if self.config.wyoming:
+            # Imported here: the wyoming package is an optional extra.
+            from .transports.wyoming import WyomingServer
+
+            self.wyoming = WyomingServer(self.config.wyoming, self.service)
+            await self.wyoming.start()
         self.state.listening = True
         log.info("listening on ws://%s:%d%s (engine %s, loading)", self.config.host, self.port, STREAM_PATH,
                  self.engine.name)
@@ -170,6 +177,8 @@ class VoxServer:
         except asyncio.TimeoutError:
             log.warning("some connections did not take their close frame in %.0fs: dropping them", CLOSE_GRACE_S)
         self.state.listening = False
+        if self.wyoming is not None:
+            await self.wyoming.stop()
         if self._uvicorn is not None:
             self._uvicorn.stop()
             await asyncio.gather(self._serving, return_exceptions=True)

@@ -51,6 +51,7 @@ class _PiperState:
 class PiperEngine(Engine):
     name = "piper"
     max_step_batch = 1
+    languages = ("en_US",)
     can_park = True          # a request's state is where it is in its text
     # max_len caps the number of segments (sentences or clauses) spoken.
     options = {"max_len": OptionSpec(int, 1, 8192, None, "segments spoken at most")}

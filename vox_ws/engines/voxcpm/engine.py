@@ -31,6 +31,7 @@ class VoxCPMEngine(Engine):
     options = OPTIONS
     supports_voices = True
     cuts_texts = True
+    languages = ("zh", "en")
 
     def __init__(self, model: str | None = None, device: str = "auto", threads: int = 1, optimize: bool = False,
                  load_denoiser: bool = False, max_batch: int = 8, voices_dir: str | None = None,

@@ -1,0 +1,199 @@
+"""The Wyoming front door (`--wyoming`), driven by the `wyoming` package's own client against a
+real server with the Piper voice: describe, one-shot and streaming synthesis, bad events."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import numpy as np
+import pytest
+from wyoming.audio import AudioChunk, AudioStart, AudioStop
+from wyoming.client import AsyncTcpClient
+from wyoming.error import Error
+from wyoming.event import Event
+from wyoming.info import Describe, Info
+from wyoming.ping import Ping, Pong
+from wyoming.tts import (Synthesize, SynthesizeChunk, SynthesizeStart, SynthesizeStop, SynthesizeStopped,
+                         SynthesizeVoice)
+
+from vox_ws.engines.piper import PiperEngine
+
+READ_TIMEOUT = 60.0
+
+
+@pytest.fixture(scope="module")
+def server(start_server):
+    return start_server(PiperEngine(), max_batch=2, wyoming="tcp://127.0.0.1:0")
+
+
+def client(server) -> AsyncTcpClient:
+    return AsyncTcpClient("127.0.0.1", server.server.wyoming.port)
+
+
+async def read(c: AsyncTcpClient) -> Event:
+    event = await asyncio.wait_for(c.read_event(), READ_TIMEOUT)
+    assert event is not None, "the server closed the connection"
+    return event
+
+
+async def read_utterance(c: AsyncTcpClient, first: Event | None = None) -> tuple[AudioStart, np.ndarray]:
+    """audio-start, audio-chunk..., audio-stop: the format and the samples."""
+    start = first or await read(c)
+    assert AudioStart.is_type(start.type), start
+    fmt = AudioStart.from_event(start)
+    pieces = []
+    while True:
+        event = await read(c)
+        if AudioStop.is_type(event.type):
+            break
+        assert AudioChunk.is_type(event.type), event
+        chunk = AudioChunk.from_event(event)
+        assert (chunk.rate, chunk.width, chunk.channels) == (fmt.rate, fmt.width, fmt.channels)
+        pieces.append(np.frombuffer(chunk.audio, "<i2"))
+    return fmt, np.concatenate(pieces) if pieces else np.zeros(0, "<i2")
+
+
+async def test_describe_lists_the_voices_and_streaming(server):
+    async with client(server) as c:
+        await c.write_event(Describe().event())
+        info = Info.from_event(await read(c))
+    (program,) = info.tts
+    assert program.name == "vox-ws" and program.supports_synthesize_streaming
+    assert [v.name for v in program.voices] == ["joe"]
+    assert program.voices[0].languages == ["en_US"]
+
+
+async def test_one_shot_synthesis_is_one_utterance(server):
+    async with client(server) as c:
+        await c.write_event(Synthesize(text="Hello from Home Assistant. This is vox-ws.",
+                                       voice=SynthesizeVoice(name="joe")).event())
+        fmt, pcm = await read_utterance(c)
+        assert (fmt.rate, fmt.width, fmt.channels) == (22050, 2, 1)
+        assert 1.5 < len(pcm) / fmt.rate < 8
+        assert np.sqrt(np.mean((pcm / 32768.0) ** 2)) > 0.01
+        # The connection serves the next request.
+        await c.write_event(Synthesize(text="Again.").event())
+        _, again = await read_utterance(c)
+        assert len(again) > 0
+
+
+async def test_a_voice_named_by_its_language_is_the_engines_voice(server):
+    async with client(server) as c:
+        await c.write_event(Synthesize(text="By language.", voice=SynthesizeVoice(name="en_US")).event())
+        _, pcm = await read_utterance(c)
+        assert len(pcm) > 0
+
+
+async def test_streaming_synthesis_speaks_each_sentence_as_it_comes(server):
+    async with client(server) as c:
+        await c.write_event(SynthesizeStart(voice=SynthesizeVoice(name="joe")).event())
+        for piece in ("The first sentence ", "arrives in pieces. ", "And the second "):
+            await c.write_event(SynthesizeChunk(text=piece).event())
+        # The first sentence is spoken before the request is stopped.
+        first = await read(c)
+        assert AudioStart.is_type(first.type), first
+        _, first_pcm = await read_utterance(c, first)
+        assert len(first_pcm) > 0
+        await c.write_event(SynthesizeChunk(text="one follows.").event())
+        # Home Assistant also sends the whole text for servers that cannot stream: ignored.
+        await c.write_event(Synthesize(text="The first sentence arrives in pieces. And the second one follows.").event())
+        await c.write_event(SynthesizeStop().event())
+        _, second_pcm = await read_utterance(c)
+        assert len(second_pcm) > 0
+        assert SynthesizeStopped.is_type((await read(c)).type)
+        # Nothing more: the duplicate text was not spoken.
+        await c.write_event(Ping(text="after").event())
+        assert Pong.from_event(await read(c)).text == "after"
+
+
+async def test_first_audio_comes_before_the_request_is_stopped(server):
+    async with client(server) as c:
+        await c.write_event(SynthesizeStart().event())
+        await c.write_event(SynthesizeChunk(text="Speak this now, please. ").event())
+        event = await read(c)
+        assert AudioStart.is_type(event.type)
+        assert AudioChunk.is_type((await read(c)).type)
+        await c.write_event(SynthesizeStop().event())
+        _ = await read_utterance_rest(c)
+        assert SynthesizeStopped.is_type((await read(c)).type)
+
+
+async def read_utterance_rest(c: AsyncTcpClient) -> int:
+    count = 0
+    while not AudioStop.is_type((await read(c)).type):
+        count += 1
+    return count
+
+
+async def expect_error(c: AsyncTcpClient, code: str) -> str:
+    event = await read(c)
+    assert Error.is_type(event.type), event
+    error = Error.from_event(event)
+    assert error.code == code, error
+    return error.text
+
+
+async def test_bad_events_get_an_error_and_the_connection_goes_on(server):
+    async with client(server) as c:
+        await c.write_event(Event(type="transcribe", data={}))
+        await expect_error(c, "unsupported")
+        await c.write_event(SynthesizeChunk(text="no stream open").event())
+        assert "synthesize-start" in await expect_error(c, "bad_request")
+        await c.write_event(SynthesizeStop().event())
+        await expect_error(c, "bad_request")
+        await c.write_event(Synthesize(text="x", voice=SynthesizeVoice(name="nobody")).event())
+        assert "nobody" in await expect_error(c, "bad_request")
+        await c.write_event(Event(type="synthesize", data={"text": 42}))
+        await expect_error(c, "bad_request")
+        await c.write_event(Synthesize(text="   ").event())
+        await expect_error(c, "bad_request")
+        await c.write_event(SynthesizeStart().event())
+        await c.write_event(SynthesizeStart().event())
+        await expect_error(c, "bad_request")
+        await c.write_event(SynthesizeChunk(text="a\x00b").event())
+        await expect_error(c, "bad_request")
+        await c.write_event(SynthesizeStop().event())
+        await expect_stopped(c)
+        # Lines that are not Wyoming events.
+        c._writer.write(b"this is not json\n")
+        c._writer.write(json.dumps({"data": {}}).encode() + b"\n")
+        await c._writer.drain()
+        await expect_error(c, "bad_request")
+        await expect_error(c, "bad_request")
+        # After all that, the connection still speaks.
+        await c.write_event(Synthesize(text="Still here.").event())
+        _, pcm = await read_utterance(c)
+        assert len(pcm) > 0
+
+
+async def expect_stopped(c: AsyncTcpClient) -> None:
+    """An input-streaming request with nothing to say ends with synthesize-stopped."""
+    event = await read(c)
+    assert SynthesizeStopped.is_type(event.type), event
+
+
+async def test_an_oversized_frame_is_refused_and_closed(server):
+    async with client(server) as c:
+        c._writer.write(json.dumps({"type": "synthesize", "data_length": 50 << 20}).encode() + b"\n")
+        await c._writer.drain()
+        await expect_error(c, "too_large")
+        assert await asyncio.wait_for(c.read_event(), READ_TIMEOUT) is None
+    # The server is unharmed.
+    async with client(server) as c:
+        await c.write_event(Describe().event())
+        assert Info.is_type((await read(c)).type)
+
+
+async def test_a_client_that_leaves_mid_stream_frees_its_slot(server):
+    async with client(server) as c:
+        await c.write_event(Synthesize(text="A long text that keeps speaking for a good while. " * 8).event())
+        assert AudioStart.is_type((await read(c)).type)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        _, info = server.get("/v1/info")
+        if info["streams_open"] == 0 and info["active"] == 0:
+            break
+        await asyncio.sleep(0.05)
+    assert info["streams_open"] == 0 and info["active"] == 0, info

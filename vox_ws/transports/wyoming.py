@@ -1,0 +1,286 @@
+"""The Wyoming front door (Home Assistant's protocol for voice services), on the same stream
+service as every other door.
+
+    describe                                   -> info (voices, supports_synthesize_streaming)
+    synthesize {text, voice}                   -> audio-start, audio-chunk..., audio-stop
+    synthesize-start {voice}
+      synthesize-chunk {text} ...              -> per sentence: audio-start, audio-chunk..., audio-stop
+      synthesize-stop                          -> ... then synthesize-stopped
+    ping                                       -> pong
+
+Events are framed by the `wyoming` package (a JSON header line, optional JSON data, an optional
+binary payload). Wyoming carries no request ids, so one connection speaks one request at a time,
+in the order asked; Home Assistant's `synthesize` sent inside a streaming request (for older
+servers) is ignored there, as Wyoming's own servers do. A bad event is answered with an `error`
+event and the connection goes on; only a frame that cannot be read (too large, or not framed)
+closes it. Wyoming has no authentication: serve it on a trusted network only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import logging
+from typing import Any
+
+from wyoming.audio import AudioChunk, AudioStart, AudioStop
+from wyoming.error import Error
+from wyoming.event import Event
+from wyoming.info import Attribution, Describe, Info, TtsProgram, TtsVoice
+from wyoming.ping import Ping, Pong
+from wyoming.server import AsyncEventHandler, AsyncServer
+from wyoming.tts import Synthesize, SynthesizeChunk, SynthesizeStart, SynthesizeStop, SynthesizeStopped
+
+from .. import __version__
+from ..engine import ErrorKind, Refused
+from ..service import AudioOutput, StreamService
+from ..service.events import Audio, Ended, Failed, Segment
+from ..service.stream import Stream
+from .protocol import code_for
+
+log = logging.getLogger("vox_ws.wyoming")
+
+# Wyoming audio is signed 16-bit PCM, mono, at the engine's own rate.
+SAMPLE_WIDTH = 2
+CHANNELS = 1
+# The JSON header line, the JSON data and the payload of one client event, at most. Clients
+# send text only; the package's own reader would trust any declared length.
+MAX_HEADER_BYTES = 64 << 10
+
+
+class WyomingServer:
+    """Listens on a Wyoming URI (tcp://HOST:PORT or unix://PATH) beside the WebSocket port."""
+
+    def __init__(self, uri: str, service: StreamService) -> None:
+        self.uri = uri
+        self.service = service
+        self._server = AsyncServer.from_uri(uri)
+        self._numbers = itertools.count(1)
+        self.connections = 0
+
+    async def start(self) -> None:
+        await self._server.start(self._handler)
+        log.info("Wyoming on %s", self.uri)
+
+    @property
+    def port(self) -> int | None:
+        """The TCP port listened on (useful with tcp://HOST:0)."""
+        server = getattr(self._server, "_server", None)
+        if server is None or not server.sockets:
+            return None
+        return server.sockets[0].getsockname()[1]
+
+    async def stop(self) -> None:
+        await self._server.stop()
+
+    def _handler(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> "WyomingHandler":
+        return WyomingHandler(self, next(self._numbers), reader, writer)
+
+
+class WyomingHandler(AsyncEventHandler):
+    """One Wyoming connection."""
+
+    def __init__(self, server: WyomingServer, number: int, reader: asyncio.StreamReader,
+                 writer: asyncio.StreamWriter) -> None:
+        super().__init__(reader, writer)
+        self.server = server
+        self.service = server.service
+        peer = writer.get_extra_info("peername")
+        self.peer = peer[0] if isinstance(peer, tuple) else "local"
+        self.number = number
+        self._stream: Stream | None = None
+        self._speaking: asyncio.Task | None = None   # writes the current request's audio
+        self._streaming = False                      # between synthesize-start and synthesize-stop
+
+    async def run(self) -> None:
+        limits = self.service.limits
+        self.server.connections += 1
+        try:
+            if self.server.connections > limits.max_connections:
+                await self._error(ErrorKind.BUSY, f"over max_connections={limits.max_connections}")
+                return
+            while True:
+                event = await self._read_event()
+                if event is None:
+                    return
+                await self.handle_event(event)
+        except (ConnectionError, asyncio.IncompleteReadError):
+            return
+        finally:
+            self.server.connections -= 1
+            await self.disconnect()
+            self.writer.close()
+
+    async def disconnect(self) -> None:
+        if self._stream is not None:
+            self._stream.close()
+        if self._speaking is not None:
+            self._speaking.cancel()
+            await asyncio.gather(self._speaking, return_exceptions=True)
+
+    async def handle_event(self, event: Event) -> bool:
+        try:
+            await self._handle(event)
+        except Refused as err:
+            await self._error(err.kind, err.message)
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            await self._error(ErrorKind.INVALID, f"bad {event.type!r} event: {type(exc).__name__}: {exc}")
+        return True
+
+    async def _handle(self, event: Event) -> None:
+        kind = event.type
+        if Describe.is_type(kind):
+            await self.write_event(self._info().event())
+        elif Ping.is_type(kind):
+            await self.write_event(Pong(text=Ping.from_event(event).text).event())
+        elif Synthesize.is_type(kind):
+            if self._streaming:
+                return          # the whole text again, for servers that cannot stream: already heard
+            request = Synthesize.from_event(event)
+            await self._wait_for_previous()
+            stream = self._open(_text(request.text), request.voice, streaming=False)
+            self._speak(stream, streaming=False)
+        elif SynthesizeStart.is_type(kind):
+            if self._streaming:
+                raise Refused(ErrorKind.INVALID, "a streaming synthesis is already open (send synthesize-stop)")
+            request = SynthesizeStart.from_event(event)
+            await self._wait_for_previous()
+            stream = self._open(None, request.voice, streaming=True)
+            self._streaming = True
+            self._speak(stream, streaming=True)
+        elif SynthesizeChunk.is_type(kind):
+            text = _text(SynthesizeChunk.from_event(event).text)
+            stream = self._open_stream()
+            if not stream.done:
+                stream.send_text(text)
+        elif SynthesizeStop.is_type(kind):
+            stream = self._open_stream()
+            self._streaming = False
+            if stream.done:
+                # It failed (the error event was sent): the request is over all the same.
+                await self.write_event(SynthesizeStopped().event())
+            else:
+                stream.end_input()
+        else:
+            raise Refused(ErrorKind.UNSUPPORTED, f"event {kind!r} is not served here (a text-to-speech service)")
+
+    def _open_stream(self) -> Stream:
+        if not self._streaming or self._stream is None:
+            raise Refused(ErrorKind.INVALID, "no streaming synthesis is open (send synthesize-start first)")
+        return self._stream
+
+    def _open(self, text: str | None, voice: Any, streaming: bool) -> Stream:
+        name = voice.name if voice is not None and voice.name else None
+        if name is not None and not self.service.engine.has_voice(name):
+            name = self._voice_for_language(name)
+        stream = self.service.open_stream(
+            text, voice=name, output=AudioOutput("s16"), input_streaming=streaming,
+            owners=(self.peer, f"wyoming-{self.number}"),
+            log_fields={"transport": "wyoming", "peer": self.peer})
+        self._stream = stream
+        return stream
+
+    def _voice_for_language(self, name: str) -> str:
+        """Home Assistant may name a voice by its language alone ("en_US")."""
+        if name in self.service.engine.languages:
+            return self.service.engine.voices()[0]
+        return name            # unknown: the service refuses it by name
+
+    async def _wait_for_previous(self) -> None:
+        if self._speaking is not None and not self._speaking.done():
+            await asyncio.shield(self._speaking)
+
+    def _speak(self, stream: Stream, streaming: bool) -> None:
+        self._speaking = asyncio.create_task(self._write_audio(stream, streaming),
+                                             name=f"vox-ws-wyoming-{self.number}")
+
+    async def _write_audio(self, stream: Stream, streaming: bool) -> None:
+        """One request's events to Wyoming audio: one utterance for `synthesize`; one per
+        sentence (segment) as it is spoken for a streaming request, then synthesize-stopped."""
+        rate = stream.sample_rate
+        audio_format = {"rate": rate, "width": SAMPLE_WIDTH, "channels": CHANNELS}
+        in_utterance = False
+        utterance_samples = 0
+        try:
+            async for event in stream:
+                if isinstance(event, Audio):
+                    if not in_utterance:
+                        await self.write_event(AudioStart(**audio_format).event())
+                        in_utterance, utterance_samples = True, 0
+                    await self.write_event(AudioChunk(audio=event.data, timestamp=utterance_samples * 1000 // rate,
+                                                      **audio_format).event())
+                    utterance_samples += event.samples
+                elif isinstance(event, Segment) and streaming and in_utterance:
+                    await self.write_event(AudioStop().event())
+                    in_utterance = False
+                elif isinstance(event, Ended):
+                    if in_utterance or not streaming:
+                        if not in_utterance:       # nothing was spoken: still one (empty) utterance
+                            await self.write_event(AudioStart(**audio_format).event())
+                        await self.write_event(AudioStop().event())
+                    if streaming:
+                        await self.write_event(SynthesizeStopped().event())
+                elif isinstance(event, Failed):
+                    await self._error(event.kind, event.message)
+        except (ConnectionError, RuntimeError):
+            stream.close()       # the client left while being written to
+
+    def _info(self) -> Info:
+        engine = self.service.engine
+        attribution = Attribution(name="vox-ws", url="https://github.com/OpenBMB/VoxCPM")
+        voices = [TtsVoice(name=voice, description=f"{engine.name} voice {voice}", attribution=attribution,
+                           installed=True, version=__version__, languages=list(engine.languages))
+                  for voice in self.service.voices()]
+        program = TtsProgram(name="vox-ws", description=f"vox-ws streaming text-to-speech ({engine.model})",
+                             attribution=attribution, installed=True, version=__version__, voices=voices,
+                             supports_synthesize_streaming=True)
+        return Info(tts=[program])
+
+    async def _error(self, kind: ErrorKind, message: str) -> None:
+        # The same codes as protocol v1's `error` (docs/PROTOCOL.md).
+        await self.write_event(Error(text=message, code=code_for(kind)).event())
+
+    async def _read_event(self) -> Event | None:
+        """The next event, or None at the end of the connection. A line that is not JSON is
+        answered with an error and skipped; a frame longer than allowed closes the connection
+        (what follows it could not be told apart from the next event)."""
+        while True:
+            try:
+                line = await self.reader.readline()
+            except ValueError:                        # a header line over the reader's limit
+                await self._error(ErrorKind.TOO_LARGE, f"event header over {MAX_HEADER_BYTES} bytes")
+                return None
+            if not line:
+                return None
+            try:
+                header = json.loads(line)
+                kind = header["type"]
+                data = header.get("data") or {}
+                data_length = int(header.get("data_length") or 0)
+                payload_length = int(header.get("payload_length") or 0)
+                if not isinstance(kind, str) or not isinstance(data, dict):
+                    raise TypeError("'type' must be a string and 'data' an object")
+            except (ValueError, KeyError, TypeError) as exc:
+                await self._error(ErrorKind.INVALID, f"not a Wyoming event header: {type(exc).__name__}: {exc}")
+                continue
+            if not 0 <= data_length <= MAX_HEADER_BYTES or not 0 <= payload_length <= MAX_HEADER_BYTES:
+                await self._error(ErrorKind.TOO_LARGE, f"event data or payload over {MAX_HEADER_BYTES} bytes")
+                return None
+            if data_length:
+                try:
+                    more = json.loads(await self.reader.readexactly(data_length))
+                    if not isinstance(more, dict):
+                        raise TypeError("the event data must be an object")
+                except (ValueError, TypeError) as exc:
+                    await self._error(ErrorKind.INVALID, f"bad event data: {exc}")
+                    continue
+                data.update(more)
+            payload = await self.reader.readexactly(payload_length) if payload_length else None
+            return Event(type=kind, data=data, payload=payload)
+
+
+def _text(text: Any) -> str:
+    if not isinstance(text, str):
+        raise Refused(ErrorKind.INVALID, "field 'text' must be a string")
+    return text
