@@ -1,0 +1,206 @@
+"""vox-ws in a real Pipecat pipeline (Pipecat's own PipelineWorker and WorkerRunner, an LLM-like
+text source, a frame-collecting sink) against a real vox-ws server with the Piper voice."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+from contextlib import asynccontextmanager
+from typing import Any, AsyncIterator
+
+import pytest
+from pipecat.frames.frames import (EndFrame, ErrorFrame, Frame, InterruptionFrame, LLMFullResponseEndFrame,
+                                   LLMFullResponseStartFrame, LLMTextFrame, TTSAudioRawFrame, TTSStoppedFrame,
+                                   TTSTextFrame)
+from pipecat.pipeline.pipeline import Pipeline
+from pipecat.pipeline.worker import PipelineParams, PipelineWorker
+from pipecat.processors.frame_processor import FrameDirection, FrameProcessor
+from pipecat.workers.runner import WorkerRunner
+
+from vox_ws.engines.piper import PiperEngine
+from vox_ws.integrations.pipecat import VoxWSTTSService
+
+RATE = 24_000
+WAIT_S = 60.0
+
+
+class Sink(FrameProcessor):
+    """The end of the pipeline: every frame that reaches it, with when it did."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.frames: list[tuple[float, Frame]] = []
+        self._arrived = asyncio.Event()
+
+    async def process_frame(self, frame: Frame, direction: FrameDirection) -> None:
+        await super().process_frame(frame, direction)
+        if direction == FrameDirection.DOWNSTREAM:
+            self.frames.append((time.monotonic(), frame))
+            self._arrived.set()
+        await self.push_frame(frame, direction)
+
+    def of(self, kind: type, context_id: str | None = None) -> list[Frame]:
+        return [f for _, f in self.frames if isinstance(f, kind)
+                and (context_id is None or getattr(f, "context_id", None) == context_id)]
+
+    async def wait_for(self, test, timeout: float = WAIT_S) -> Frame:
+        deadline = time.monotonic() + timeout
+        while True:
+            for _, frame in self.frames:
+                if test(frame):
+                    return frame
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                kinds = [type(f).__name__ for _, f in self.frames][-20:]
+                raise AssertionError(f"no such frame in {timeout}s; last frames: {kinds}")
+            self._arrived.clear()
+            try:
+                await asyncio.wait_for(self._arrived.wait(), remaining)
+            except asyncio.TimeoutError:
+                pass
+
+
+@asynccontextmanager
+async def pipeline(url: str, **settings: Any) -> AsyncIterator[tuple[PipelineWorker, VoxWSTTSService, Sink]]:
+    tts = VoxWSTTSService(url=url, reconnect_backoff_min_wait=0.2, reconnect_backoff_max_wait=0.5, **settings)
+    sink = Sink()
+    worker = PipelineWorker(Pipeline([tts, sink]), params=PipelineParams(audio_out_sample_rate=RATE),
+                            cancel_on_idle_timeout=False)
+    started = asyncio.Event()
+
+    @worker.event_handler("on_pipeline_started")
+    async def _started(worker, frame):
+        started.set()
+
+    runner = WorkerRunner(handle_sigint=False)
+    await runner.add_workers(worker)
+    running = asyncio.create_task(runner.run())
+    await asyncio.wait_for(started.wait(), WAIT_S)
+    try:
+        yield worker, tts, sink
+    finally:
+        await worker.queue_frame(EndFrame())
+        try:
+            await asyncio.wait_for(running, 20)
+        except asyncio.TimeoutError:
+            await runner.cancel()
+
+
+async def say(worker: PipelineWorker, words: list[str], pause_s: float = 0.0) -> None:
+    """One LLM turn, its text token by token."""
+    await worker.queue_frame(LLMFullResponseStartFrame())
+    for word in words:
+        await worker.queue_frame(LLMTextFrame(word))
+        if pause_s:
+            await asyncio.sleep(pause_s)
+    await worker.queue_frame(LLMFullResponseEndFrame())
+
+
+def audio_s(frames: list[Frame]) -> float:
+    return sum(len(f.audio) // 2 for f in frames) / RATE
+
+
+@pytest.fixture(scope="module")
+def server(start_server):
+    return start_server(PiperEngine(), max_batch=2)
+
+
+async def wait_idle(server) -> dict:
+    deadline = time.monotonic() + 10
+    while True:
+        _, info = server.get("/v1/info")
+        if (info["streams_open"] == 0 and info["active"] == 0) or time.monotonic() > deadline:
+            return info
+        await asyncio.sleep(0.05)
+
+
+TURN = "Hello from a Pipecat pipeline. The first sentence is spoken while the rest still streams in. ".split(" ")
+
+
+async def test_audio_arrives_before_the_last_text_is_sent(server):
+    async with pipeline(server.url) as (worker, tts, sink):
+        sent_last_at = None
+        await worker.queue_frame(LLMFullResponseStartFrame())
+        for word in TURN:
+            await worker.queue_frame(LLMTextFrame(word + " "))
+            await asyncio.sleep(0.15)
+        sent_last_at = time.monotonic()
+        await worker.queue_frame(LLMFullResponseEndFrame())
+        stopped = await sink.wait_for(lambda f: isinstance(f, TTSStoppedFrame))
+        audio = sink.of(TTSAudioRawFrame, stopped.context_id)
+        first_at = next(t for t, f in sink.frames if isinstance(f, TTSAudioRawFrame))
+        assert first_at < sent_last_at
+        assert all(f.sample_rate == RATE and f.num_channels == 1 for f in audio)
+        assert 3.0 < audio_s(audio) < 12.0
+        # The words Pipecat records as spoken: its sentence text frames (Piper words come later).
+        assert sink.of(TTSTextFrame)
+        assert not sink.of(ErrorFrame)
+    assert (await wait_idle(server))["streams_open"] == 0
+
+
+async def test_an_interruption_stops_the_audio_cancels_the_stream_and_the_next_turn_speaks(server):
+    heard: list[tuple[str, dict]] = []
+    long_turn = ("This reply is long enough to be interrupted half way. " * 6).split(" ")
+    async with pipeline(server.url) as (worker, tts, sink):
+
+        @tts.event_handler("on_heard")
+        async def _heard(service, context_id, report):
+            heard.append((context_id, report))
+
+        await say(worker, [w + " " for w in long_turn])
+        first = await sink.wait_for(lambda f: isinstance(f, TTSAudioRawFrame))
+        interrupted = first.context_id
+        await worker.queue_frame(InterruptionFrame())
+        await sink.wait_for(lambda f: isinstance(f, InterruptionFrame))
+        count_at_interruption = len(sink.of(TTSAudioRawFrame, interrupted))
+        # The server stream is cancelled and its slot freed.
+        info = await wait_idle(server)
+        assert info["streams_open"] == 0 and info["active"] == 0, info
+        deadline = time.monotonic() + 10
+        while not heard and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        ((heard_id, report),) = heard
+        assert heard_id == interrupted and report["audio_s"] > 0
+        # The next turn speaks, and nothing more of the interrupted one reaches the sink.
+        await say(worker, ["And ", "now ", "the ", "next ", "turn."])
+        stopped = await sink.wait_for(lambda f: isinstance(f, TTSStoppedFrame) and f.context_id != interrupted)
+        assert audio_s(sink.of(TTSAudioRawFrame, stopped.context_id)) > 0.5
+        assert len(sink.of(TTSAudioRawFrame, interrupted)) == count_at_interruption
+
+
+async def test_two_turns_in_a_row_share_one_socket(server):
+    async with pipeline(server.url) as (worker, tts, sink):
+        socket_before = None
+        contexts = []
+        for text in ("The first turn.", "The second turn."):
+            await say(worker, [text])
+            stopped = await sink.wait_for(lambda f: isinstance(f, TTSStoppedFrame) and f.context_id not in contexts)
+            contexts.append(stopped.context_id)
+            socket_before = socket_before or tts._websocket
+            assert tts._websocket is socket_before
+            assert audio_s(sink.of(TTSAudioRawFrame, stopped.context_id)) > 0.3
+        assert len(set(contexts)) == 2
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def test_a_server_restart_is_survived_by_reconnecting(start_server):
+    port = free_port()
+    first = start_server(PiperEngine(), port=port)
+    async with pipeline(first.url) as (worker, tts, sink):
+        await say(worker, ["Before the restart."])
+        before = await sink.wait_for(lambda f: isinstance(f, TTSStoppedFrame))
+        await asyncio.to_thread(first.stop)
+        second = start_server(PiperEngine(), port=port)
+        deadline = time.monotonic() + 30
+        while (tts._websocket is None or tts._websocket.state.name != "OPEN") and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        await say(worker, ["After the restart."])
+        after = await sink.wait_for(lambda f: isinstance(f, TTSStoppedFrame) and f.context_id != before.context_id)
+        assert audio_s(sink.of(TTSAudioRawFrame, after.context_id)) > 0.3
+        assert second.server.metrics is not None

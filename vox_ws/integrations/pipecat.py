@@ -1,0 +1,252 @@
+"""vox-ws as a Pipecat TTS service (`pip install 'vox-ws[pipecat]'`).
+
+    from vox_ws.integrations.pipecat import VoxWSTTSService
+
+    tts = VoxWSTTSService(url="ws://127.0.0.1:8765/v1/stream", voice="joe")
+    pipeline = Pipeline([transport.input(), stt, user_agg, llm, tts, transport.output(), bot_agg])
+
+Built on Pipecat's `WebsocketTTSService`, as its Cartesia and ElevenLabs services are: one
+protocol v1 connection, and on it one input-streaming vox-ws stream per Pipecat audio context
+(Pipecat's context id is the stream id, so several contexts share the socket).
+
+    run_tts(text, ctx)          -> `start` {stream_input} once per context, then `chunk` {text}
+    flush_audio(ctx)            -> `flush`, then `end`: Pipecat flushes a context once its turn
+                                   has no more text
+    interruption                -> `cancel` of every live context; Pipecat drops their queued
+                                   audio at once, and audio still arriving for them is ignored
+    server `chunk`              -> TTSAudioRawFrame (s16 at the pipeline's output rate)
+    server `words`              -> add_word_timestamps (only engines with true word timings)
+    server `end`                -> TTSStoppedFrame; after a cancel, `on_heard` with what was sent
+    socket dropped              -> the base class reconnects with back-off; contexts open on the
+                                   lost socket end with an error frame
+
+Without word timings (VoxCPM2) Pipecat's own sentence text frames stand for what was spoken.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncGenerator
+from typing import Any
+
+import msgpack
+from loguru import logger
+from pipecat.frames.frames import ErrorFrame, Frame, TTSAudioRawFrame, TTSStoppedFrame
+from pipecat.processors.frame_processor import FrameProcessorSetup
+from pipecat.services.settings import TTSSettings
+from pipecat.services.tts_service import WebsocketTTSService
+from websockets.protocol import State
+
+# How long the server's `hello` may take after the handshake.
+HELLO_TIMEOUT_S = 10.0
+
+
+class VoxWSTTSService(WebsocketTTSService):
+    """Streams text to a vox-ws server and audio back, one vox-ws stream per audio context.
+
+    Settings: `url` (ws://HOST:PORT/v1/stream), `token`, `voice` (a built-in or registered voice
+    id; None: the engine's default), `sample_rate` (None: the pipeline's output rate), `options`
+    (engine options, e.g. {"cfg": 2.0} for VoxCPM2), `speed` (0.25-4, pitch kept),
+    `instructions` (VoxCPM2: how to speak, in words), `word_timestamps` (ask for word timings
+    where the server's engine has true ones).
+
+    Event handlers (besides the base class's): `on_heard(service, context_id, heard)`, after
+    an interruption: the server's account of what was sent before the cancel took effect
+    (`heard` in protocol v1's `end`: audio_s, text, segments, partial).
+    """
+
+    def __init__(self, *, url: str = "ws://127.0.0.1:8765/v1/stream", token: str | None = None,
+                 voice: str | None = None, sample_rate: int | None = None, options: dict[str, Any] | None = None,
+                 speed: float = 1.0, instructions: str | None = None, word_timestamps: bool = True,
+                 **kwargs: Any) -> None:
+        super().__init__(push_text_frames=True, push_start_frame=True, pause_frame_processing=False,
+                         sample_rate=sample_rate, settings=TTSSettings(model="vox-ws", voice=voice, language=None),
+                         **kwargs)
+        self._url = url
+        self._token = token
+        self._options = dict(options or {})
+        self._speed = speed
+        self._instructions = instructions
+        self._want_words = word_timestamps
+        self.hello: dict[str, Any] | None = None
+        self._words = False                       # this server's engine gives true word timings
+        self._open: set[str] = set()              # contexts with a live stream on this socket
+        self._receive_task: asyncio.Task | None = None
+        self._register_event_handler("on_heard")
+
+    def can_generate_metrics(self) -> bool:
+        return True
+
+    @property
+    def word_timestamps(self) -> bool:
+        """Whether word timings are asked for and given (known once connected)."""
+        return self._words
+
+    # ------------------------------------------------------------------ connection
+
+    async def setup(self, setup: FrameProcessorSetup) -> None:
+        await super().setup(setup)
+        await self._connect()
+
+    async def _connect(self) -> None:
+        await super()._connect()
+        await self._connect_websocket()
+        if self._websocket and not self._receive_task:
+            self._receive_task = self.create_task(self._receive_task_handler(self._report_error))
+
+    async def _disconnect(self) -> None:
+        await super()._disconnect()
+        if self._receive_task:
+            await self.cancel_task(self._receive_task)
+            self._receive_task = None
+        await self._disconnect_websocket()
+
+    async def _connect_websocket(self) -> None:
+        try:
+            if self._websocket and self._websocket.state is State.OPEN:
+                return
+            headers = {"Authorization": f"Bearer {self._token}"} if self._token else {}
+            websocket = await self._websocket_connect(self._url, additional_headers=headers, max_size=None)
+            hello = msgpack.unpackb(await asyncio.wait_for(websocket.recv(), HELLO_TIMEOUT_S), raw=False)
+            if hello.get("type") != "hello":
+                await websocket.close()
+                raise ConnectionError(f"expected the server's hello, got {hello.get('type')!r}")
+            self._websocket = websocket
+            self.hello = hello
+            self._words = self._want_words and bool(hello.get("word_timestamps"))
+            # With true word timings, Pipecat builds the spoken text from them; without, from
+            # its own sentence text frames.
+            self._push_text_frames = not self._words
+            await self._call_event_handler("on_connected")
+        except Exception as e:  # noqa: BLE001 - Pipecat's convention: report it, the receive loop retries
+            self._websocket = None
+            await self.push_error(error_msg=f"vox-ws: cannot connect to {self._url}: {e}", exception=e)
+            await self._call_event_handler("on_connection_error", f"{e}")
+
+    async def _disconnect_websocket(self) -> None:
+        try:
+            await self.stop_all_metrics()
+            if self._websocket:
+                await self._websocket.close()
+        except Exception as e:  # noqa: BLE001
+            await self.push_error(error_msg=f"vox-ws: error while closing: {e}", exception=e)
+        finally:
+            self._websocket = None
+            await self._end_lost_contexts()
+            await self._call_event_handler("on_disconnected")
+
+    async def _receive_messages(self) -> None:
+        if self._websocket is None:
+            await self._connect_websocket()
+            if self._websocket is None:
+                raise ConnectionError(f"cannot connect to {self._url}")
+        try:
+            async for data in self._websocket:
+                await self._handle_message(msgpack.unpackb(data, raw=False))
+        finally:
+            await self._end_lost_contexts()
+
+    async def _end_lost_contexts(self) -> None:
+        """Streams die with their socket: their contexts end now, not after Pipecat's
+        quiet time-out."""
+        for context_id in list(self._open):
+            self._open.discard(context_id)
+            if self.audio_context_available(context_id):
+                await self.append_to_audio_context(context_id, ErrorFrame(error="vox-ws: connection lost"))
+                await self.append_to_audio_context(context_id, TTSStoppedFrame(context_id=context_id))
+                await self.remove_audio_context(context_id)
+
+    async def _send(self, message: dict[str, Any]) -> None:
+        if not self._websocket or self._websocket.state is not State.OPEN:
+            raise ConnectionError("not connected")
+        await self._websocket.send(msgpack.packb(message, use_bin_type=True))
+
+    # ------------------------------------------------------------------ server -> Pipecat
+
+    async def _handle_message(self, message: dict[str, Any]) -> None:
+        kind = message.get("type")
+        context_id = message.get("id")
+        if kind == "chunk":
+            if self.audio_context_available(context_id):
+                await self.append_to_audio_context(context_id, TTSAudioRawFrame(
+                    audio=message["audio"], sample_rate=message.get("sample_rate") or self.sample_rate,
+                    num_channels=1, context_id=context_id))
+        elif kind == "words":
+            if self.audio_context_available(context_id):
+                await self.add_word_timestamps([(w["word"], w["start_s"]) for w in message["words"]], context_id)
+        elif kind == "end":
+            self._open.discard(context_id)
+            if message.get("reason") == "cancelled":
+                await self._call_event_handler("on_heard", context_id, message.get("heard"))
+            if self.audio_context_available(context_id):
+                await self.stop_ttfb_metrics()
+                await self.append_to_audio_context(context_id, TTSStoppedFrame(context_id=context_id))
+                await self.remove_audio_context(context_id)
+        elif kind == "error":
+            if context_id in self._open or self.audio_context_available(context_id):
+                self._open.discard(context_id)
+                error = f"vox-ws {message.get('code')}: {message.get('message')}"
+                if self.audio_context_available(context_id):
+                    await self.append_to_audio_context(context_id, ErrorFrame(error=error))
+                    await self.append_to_audio_context(context_id, TTSStoppedFrame(context_id=context_id))
+                    await self.remove_audio_context(context_id)
+                else:
+                    await self.push_error(error_msg=error)
+            else:
+                await self.push_error(error_msg=f"vox-ws {message.get('code')}: {message.get('message')}")
+        # start, segment, flushed: nothing for Pipecat
+
+    # ------------------------------------------------------------------ Pipecat -> server
+
+    async def run_tts(self, text: str, context_id: str) -> AsyncGenerator[Frame | None, None]:
+        try:
+            if not self._websocket or self._websocket.state is not State.OPEN:
+                await self._connect()
+            if context_id not in self._open:
+                await self._send(self._start_message(context_id))
+                self._open.add(context_id)
+            await self._send({"type": "chunk", "id": context_id, "text": text})
+            await self.start_tts_usage_metrics(text)
+            yield None
+        except Exception as e:  # noqa: BLE001 - Pipecat's convention: an error frame, then stop
+            logger.warning(f"{self}: cannot send to vox-ws: {e}")
+            self._open.discard(context_id)
+            yield ErrorFrame(error=f"vox-ws: {e}")
+            yield TTSStoppedFrame(context_id=context_id)
+
+    def _start_message(self, context_id: str) -> dict[str, Any]:
+        message: dict[str, Any] = {"type": "start", "id": context_id, "stream_input": True, "format": "s16",
+                                   "sample_rate": self.sample_rate}
+        voice = self._settings.voice
+        if isinstance(voice, str) and voice:
+            message["voice"] = voice
+        if self._options:
+            message["options"] = self._options
+        if self._speed != 1.0:
+            message["speed"] = self._speed
+        if self._instructions:
+            message["instructions"] = self._instructions
+        if self._words:
+            message["word_timestamps"] = True
+        return message
+
+    async def flush_audio(self, context_id: str | None = None) -> None:
+        """The turn has no more text: speak what is buffered now and close the stream."""
+        flush_id = context_id or self.get_active_audio_context_id()
+        if not flush_id or flush_id not in self._open:
+            return
+        try:
+            await self._send({"type": "flush", "id": flush_id})
+            await self._send({"type": "end", "id": flush_id})
+        except (ConnectionError, OSError) as e:
+            logger.warning(f"{self}: cannot flush {flush_id}: {e}")
+
+    async def on_audio_context_interrupted(self, context_id: str) -> None:
+        """Barge-in: the server stops generating before its next step and frees the slot."""
+        await self.stop_all_metrics()
+        if context_id in self._open:
+            try:
+                await self._send({"type": "cancel", "id": context_id})
+            except (ConnectionError, OSError) as e:
+                logger.warning(f"{self}: cannot cancel {context_id}: {e}")
+        await super().on_audio_context_interrupted(context_id)
