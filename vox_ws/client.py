@@ -94,7 +94,9 @@ class Stream:
         self.id = stream_id
         self.started: dict[str, Any] | None = None
         self.ended: dict[str, Any] | None = None
+        self.finished = False                         # its `end` or `error` has arrived
         self.segments: list[dict[str, Any]] = []
+        self.words: list[dict[str, Any]] = []       # with word_timestamps: {word, start_s, end_s}
         self.description: bytes | None = None       # opus_packets: the OpusHead
         self._queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
         self._start_reply: asyncio.Future = asyncio.get_running_loop().create_future()
@@ -113,8 +115,12 @@ class Stream:
     async def send_text(self, text: str) -> None:
         await self.client._send({"type": "chunk", "id": self.id, "text": text})
 
-    async def flush(self) -> dict[str, Any]:
-        """Speak what is buffered now; returns when that audio has been generated (`flushed`)."""
+    async def flush(self, wait: bool = True) -> dict[str, Any] | None:
+        """Speak what is buffered now; returns when that audio has been generated (`flushed`),
+        or at once with `wait=False` (the `flushed` message then comes among `events()`)."""
+        if not wait:
+            await self.client._send({"type": "flush", "id": self.id})
+            return None
         done = asyncio.get_running_loop().create_future()
         self._flushed.append(done)
         await self.client._send({"type": "flush", "id": self.id})
@@ -126,7 +132,7 @@ class Stream:
 
     async def cancel(self) -> None:
         """Barge-in: stop now. Iteration ends once the server confirms."""
-        if self.ended is None:
+        if not self.finished:
             await self.client._send({"type": "cancel", "id": self.id})
 
     # -------------------------------------------------------------- audio
@@ -151,6 +157,18 @@ class Stream:
             elif kind == "error":
                 raise error_from(message)
 
+    async def events(self) -> AsyncIterator[dict[str, Any]]:
+        """Every message of the stream after `start`, in order (`chunk`, `words`, `segment`,
+        `flushed`, then `end`), as the server sent it; an `error` is raised. Use either this or
+        iteration for the audio, not both."""
+        while True:
+            message = await self._queue.get()
+            if message["type"] == "error":
+                raise error_from(message)
+            yield message
+            if message["type"] == "end":
+                return
+
     async def read_all(self) -> bytes:
         return b"".join([chunk async for chunk in self])
 
@@ -163,16 +181,17 @@ class Stream:
             return
         if kind == "segment":
             self.segments.append(message)
-            return
-        if kind == "flushed":
+        elif kind == "words":
+            self.words.extend(message["words"])
+        elif kind == "flushed":
             if self._flushed:
                 self._flushed.pop(0).set_result(message)
-            return
         if kind == "end":
             self.ended = message
         if kind == "error" and not self._start_reply.done():
             self._start_reply.set_exception(error_from(message))
         if kind in ("end", "error"):
+            self.finished = True
             for waiter in self._flushed:
                 if not waiter.done():
                     waiter.set_exception(error_from(message) if kind == "error" else
@@ -180,12 +199,14 @@ class Stream:
         self._queue.put_nowait(message)
 
 
-def _delivery(speed: float, instructions: str | None) -> dict[str, Any]:
+def _delivery(speed: float, instructions: str | None, word_timestamps: bool = False) -> dict[str, Any]:
     fields: dict[str, Any] = {}
     if speed != 1.0:
         fields["speed"] = speed
     if instructions:
         fields["instructions"] = instructions
+    if word_timestamps:
+        fields["word_timestamps"] = True
     return fields
 
 
@@ -209,7 +230,8 @@ class Client:
                      instructions: str | None = None) -> AsyncIterator[bytes]:
         """Speak `text`; yields audio bytes in `format` (raw PCM, or a codec's file piece by
         piece) as they are generated. Leaving the loop early cancels the stream on the server."""
-        s = await self._start({"text": text, **_delivery(speed, instructions)}, voice, format, sample_rate, options)
+        s = await self.start_stream(text, voice=voice, format=format, sample_rate=sample_rate, options=options,
+                                    speed=speed, instructions=instructions)
         try:
             async for chunk in s:
                 yield chunk
@@ -217,11 +239,18 @@ class Client:
             if s.ended is None and not self.ws.close_code:
                 await s.cancel()
 
+    async def start_stream(self, text: str, *, voice: str | None = None, format: str = "f32",
+                           sample_rate: int | None = None, options: dict[str, Any] | None = None, speed: float = 1.0,
+                           instructions: str | None = None, word_timestamps: bool = False) -> Stream:
+        """Speak `text` on a stream of its own: iterate it for the audio, or `events()`."""
+        return await self._start({"text": text, **_delivery(speed, instructions, word_timestamps)}, voice, format,
+                                 sample_rate, options)
+
     async def open_stream(self, *, voice: str | None = None, format: str = "f32", sample_rate: int | None = None,
                           options: dict[str, Any] | None = None, segment_events: bool = False, speed: float = 1.0,
-                          instructions: str | None = None) -> Stream:
+                          instructions: str | None = None, word_timestamps: bool = False) -> Stream:
         """A stream whose text arrives piece by piece (`send_text`, `flush`, `end`)."""
-        extra: dict[str, Any] = {"stream_input": True, **_delivery(speed, instructions)}
+        extra: dict[str, Any] = {"stream_input": True, **_delivery(speed, instructions, word_timestamps)}
         if segment_events:
             extra["segment_events"] = True
         return await self._start(extra, voice, format, sample_rate, options)
@@ -330,8 +359,7 @@ class connect:
 
     async def __aenter__(self) -> Client:
         ws = await self._connect.__aenter__()
-        hello = msgpack.unpackb(await ws.recv(), raw=False)
-        self.client = Client(ws, hello)
+        self.client = await _greeted(ws)
         return self.client
 
     async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
@@ -339,6 +367,28 @@ class connect:
         if self.client is not None:
             self.client._reader.cancel()
         await self._connect.__aexit__(exc_type, exc, tb)
+
+
+async def open_client(url: str = "ws://127.0.0.1:8765/v1/stream", *, token: str | None = None,
+                      **kwargs: Any) -> Client:
+    """A connected client to keep (a connection pool's); `await client.close()` when done."""
+    headers = dict(kwargs.pop("additional_headers", {}) or {})
+    if token:
+        headers["Authorization"] = f"Bearer {token}"
+    ws = await ws_connect(url, additional_headers=headers, max_size=None, **kwargs)
+    try:
+        return await _greeted(ws)
+    except BaseException:
+        await ws.close()
+        raise
+
+
+async def _greeted(ws: ClientConnection) -> Client:
+    """The server speaks first: its `hello`."""
+    hello = msgpack.unpackb(await ws.recv(), raw=False)
+    if not isinstance(hello, dict) or hello.get("type") != "hello":
+        raise VoxError(f"expected the server's hello, got {hello!r:.80}")
+    return Client(ws, hello)
 
 
 def decode_audio(data: bytes, fmt: str) -> np.ndarray:
