@@ -9,6 +9,7 @@ import time
 import numpy as np
 import pytest
 from livekit.agents import tts as lk_tts
+from livekit.agents.types import USERDATA_TIMED_TRANSCRIPT
 
 from vox_ws.engines.piper import PiperEngine
 from vox_ws.integrations.livekit import TTS
@@ -93,6 +94,23 @@ async def test_stream_speaks_pushed_text_and_a_flush_closes_the_segment(server):
     finally:
         await voice.aclose()
     assert (await wait_idle(server))["streams_open"] == 0
+
+
+async def test_word_timestamps_become_an_aligned_transcript(server):
+    """Piper's true word times go to LiveKit as TimedStrings on the frames; asked of an engine
+    without them, the TTS would say aligned_transcript=False instead of inventing any."""
+    voice = TTS(url=server.url, sample_rate=RATE, word_timestamps=True)
+    text = "Aligned words for LiveKit. They follow the audio."
+    try:
+        events = [e async for e in voice.synthesize(text)]
+        assert voice.capabilities.aligned_transcript
+        timed = [w for e in events for w in e.frame.userdata.get(USERDATA_TIMED_TRANSCRIPT, [])]
+        assert [str(w).strip() for w in timed] == text.split()
+        total = sum(e.frame.duration for e in events)
+        assert all(0 <= w.start_time < w.end_time <= total + 1e-3 for w in timed)
+        assert all(a.end_time <= b.start_time + 1e-3 for a, b in zip(timed, timed[1:]))
+    finally:
+        await voice.aclose()
 
 
 async def test_aclose_mid_stream_cancels_the_server_stream(server):

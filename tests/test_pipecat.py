@@ -133,8 +133,10 @@ async def test_audio_arrives_before_the_last_text_is_sent(server):
         assert first_at < sent_last_at
         assert all(f.sample_rate == RATE and f.num_channels == 1 for f in audio)
         assert 3.0 < audio_s(audio) < 12.0
-        # The words Pipecat records as spoken: its sentence text frames (Piper words come later).
-        assert sink.of(TTSTextFrame)
+        # Piper gives true word times: Pipecat's spoken text is built from them, word by word.
+        assert tts.word_timestamps
+        spoken = [f.text.strip() for f in sink.of(TTSTextFrame)]
+        assert spoken == [w for w in TURN if w]
         assert not sink.of(ErrorFrame)
     assert (await wait_idle(server))["streams_open"] == 0
 

@@ -36,13 +36,14 @@ class CrashOnCue(PiperEngine):
             self.crash_next_piece = True
         return super().step(batch)
 
-    def _speak(self, phonemes):
+    def _speak(self, state, phonemes, owners):
         if getattr(self, "crash_next_piece", False):
             self.crash_next_piece = False
             # The whole text's phonemes as one piece: seconds of work, killed 0.1 s in.
-            phonemes = [ph for piece in self._worker.phonemize(LONG) for ph in piece + [" "]]
+            phonemes = [ph for piece, _ in self._worker.phonemize(LONG)[1] for ph in piece + [" "]]
+            owners = [-1] * len(phonemes)
             segfault_soon(self.worker_pid)
-        return super()._speak(phonemes)
+        return super()._speak(state, phonemes, owners)
 
 
 def test_letter_runs_are_spaced_out_and_other_text_is_left_alone():
@@ -56,11 +57,11 @@ def test_a_crash_in_the_worker_raises_and_the_next_text_gets_a_new_worker():
     worker.start()
     try:
         first = worker.pid
+        everything = [ph for piece, _ in worker.phonemize(LONG * 2)[1] for ph in piece + [" "]]
         segfault_soon(first)
-        everything = [ph for piece in worker.phonemize(LONG * 2) for ph in piece + [" "]]
         with pytest.raises(WorkerCrashed, match="signal 11"):
             worker.speak(everything)                  # seconds of work in one piece
-        audio = np.concatenate([worker.speak(piece) for piece in worker.phonemize(SENTENCE)])
+        audio = np.concatenate([worker.speak(piece)[0] for piece, _ in worker.phonemize(SENTENCE)[1]])
         assert len(audio) / worker.sample_rate > 1.0 and worker.pid != first and worker.restarts == 1
     finally:
         worker.close()
@@ -92,9 +93,9 @@ def test_dense_text_is_spoken_in_short_pieces():
     """A segment's work is bounded by the audio it makes: 240 CJK characters (read letter by
     letter, 85 s of speech as one segment) or a 200-digit number come in pieces of at most
     MAX_PHONEMES phonemes, cut between words, and nothing is lost."""
-    voice, rate = piper_worker._load(1)
+    voice, rate, aligned = piper_worker._load(1)
     for text in ("我们今天去公园散步天气非常好" * 17, "7" * 200, LONG):
-        pieces = piper_worker.phonemize(voice, text)
+        pieces = [phonemes for phonemes, _ in piper_worker.phonemize(voice, text)[1]]
         spoken = [ph for piece in pieces for ph in piece if ph != " "]
         assert spoken == [ph for s in voice.phonemize(text) for ph in s if ph != " "]
         assert len(pieces) > 2 and all(len(piece) <= MAX_PHONEMES for piece in pieces)
@@ -102,8 +103,8 @@ def test_dense_text_is_spoken_in_short_pieces():
         # inside one very long word (espeak reads a run of digits as one word).
         assert all(piece[-1] == " " or piece is pieces[-1] or later[0] in "ˈˌ" or piece[-1] in ".!?。"
                    for piece, later in zip(pieces, pieces[1:] + [[" "]]))
-        longest = max(len(piper_worker.speak(voice, piece)) for piece in pieces[:4]) / rate
+        longest = max(len(piper_worker.speak(voice, piece, aligned)[0]) for piece in pieces[:4]) / rate
         assert longest < 4.5, (text[:20], longest)
     # A sentence that fits in one piece stays whole; short sentences share one.
-    assert len(piper_worker.phonemize(voice, SENTENCE)) == 1
-    assert len(piper_worker.phonemize(voice, "a. " * 30)) < 5
+    assert len(piper_worker.phonemize(voice, SENTENCE)[1]) == 1
+    assert len(piper_worker.phonemize(voice, "a. " * 30)[1]) < 5

@@ -121,7 +121,7 @@ def type_name(value: Any) -> str:
 class RequestSink(Protocol):
     """Where a request's results go. Called from the scheduler thread; must not block."""
 
-    def deliver(self, pcm: np.ndarray) -> None: ...
+    def deliver(self, pcm: np.ndarray, words: list[tuple[str, int, int]] | None = None) -> None: ...
 
     def finish(self, reason: EndReason) -> None: ...
 
@@ -180,6 +180,9 @@ class StepResult:
 
     audio: np.ndarray | None = None
     finished: EndReason | None = None
+    # The words spoken in `audio`, where the engine knows when: (word, first sample, end sample)
+    # counted from the start of `audio`, at the engine's rate.
+    words: list[tuple[str, int, int]] | None = None
 
 
 # --------------------------------------------------------------------------- the interface
@@ -210,6 +213,9 @@ class Engine(ABC):
     # Whether `split_text` may cut a text (it then costs a tokenisation or more, done off the
     # event loop for long texts); False: every text is one piece, queued at once.
     cuts_texts: bool = False
+    # Whether steps report when each word is spoken (`StepResult.words`), from the model's own
+    # durations; engines that cannot know do not guess.
+    word_timings: bool = False
     # The languages its voices speak (BCP 47-ish tags, for front doors that list voices by
     # language: Wyoming); empty where unknown.
     languages: tuple[str, ...] = ()
@@ -297,4 +303,5 @@ class Engine(ABC):
         return None
 
     def describe(self) -> dict[str, Any]:
-        return {"engine": self.name, "model": self.model, "device": self.device, "sample_rate": self.sample_rate}
+        return {"engine": self.name, "model": self.model, "device": self.device, "sample_rate": self.sample_rate,
+                "word_timestamps": self.word_timings}

@@ -22,7 +22,7 @@ from typing import Any
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from .engine import ErrorKind, Refused
-from .service import Audio, AudioOutput, Ended, Failed, Flushed, Segment, Stream
+from .service import Audio, AudioOutput, Ended, Failed, Flushed, Segment, Stream, Words
 from .transports import protocol as p
 from .transports.rate import BUDGET_EXTENSION, MessageBudget
 from .transports.state import ServerState
@@ -196,7 +196,7 @@ class Session:
                 start.text if (start.text or not start.stream_input) else None, voice=start.voice,
                 options=start.options, output=AudioOutput(start.format, start.sample_rate, start.speed),
                 input_streaming=start.stream_input, log_fields={"session": self.number, "id": sid},
-                owners=self._owners, instructions=start.instructions)
+                owners=self._owners, instructions=start.instructions, word_timestamps=start.word_timestamps)
         except Refused as err:
             raise p.ProtocolError.from_refused(err, sid) from None
         reply: dict[str, Any] = {"type": "start", "id": sid, "sample_rate": stream.sample_rate,
@@ -206,6 +206,8 @@ class Session:
         ignored = list(stream.ignored_options)
         if start.instructions and self.service.ignores_instructions(start.voice):
             ignored.append("instructions")
+        if start.word_timestamps and not stream.word_timestamps:
+            ignored.append("word_timestamps")
         if ignored:
             reply["ignored_options"] = ignored
         entry = _OpenStream(sid, start, stream)
@@ -286,6 +288,9 @@ class Session:
                         continue
                     frame = p.encode({"type": "segment", "id": sid, "index": event.index, "text": event.text,
                                       "start_s": event.start_s, "end_s": event.end_s})
+                elif isinstance(event, Words):
+                    frame = p.encode({"type": "words", "id": sid, "words": [
+                        {"word": w.word, "start_s": w.start_s, "end_s": w.end_s} for w in event.words]})
                 elif isinstance(event, Flushed):
                     frame = p.encode({"type": "flushed", "id": sid, "audio_s": event.audio_s})
                 elif isinstance(event, Ended):
@@ -372,6 +377,7 @@ def hello(state: ServerState) -> dict[str, Any]:
         "options": sorted(engine.honoured_options),
         "features": ["input_streaming", "segment_events", "speed"]
                     + (["voice_cloning"] if engine.supports_voices else [])
-                    + (["instructions"] if engine.follows_instructions(None) else []),
+                    + (["instructions"] if engine.follows_instructions(None) else [])
+                    + (["word_timestamps"] if engine.word_timings else []),
         "limits": state.limits.as_dict(),
     }

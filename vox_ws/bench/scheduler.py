@@ -125,7 +125,7 @@ class _Sink:
     def __init__(self, job: Job, rate: int, events: queue.Queue) -> None:
         self.job, self.rate, self.events = job, rate, events
 
-    def deliver(self, pcm: np.ndarray) -> None:
+    def deliver(self, pcm: np.ndarray, words=None) -> None:
         self.job.chunks.append((time.perf_counter(), len(pcm) / self.rate))
 
     def finish(self, reason) -> None:

@@ -18,7 +18,8 @@ import numpy as np
 from ..engine import EndReason, Engine, GenerationRequest, OptionSpec, StepResult
 from ..text import segment
 from . import EnginePlugin
-from .piper_worker import PiperWorker
+from .piper_words import word_spans
+from .piper_worker import Piece, PiperWorker
 
 log = logging.getLogger("vox_ws.engines.piper")
 
@@ -45,7 +46,10 @@ class _PiperState:
     segments: list[str]
     next_index: int = 0                   # the next segment to phonemize
     steps_cap: int | None = None          # segments spoken at most
-    pieces: list[list[str]] = field(default_factory=list)   # the current segment's, not yet spoken
+    words: list[str] = field(default_factory=list)          # the current segment's words
+    pieces: list[Piece] = field(default_factory=list)       # the current segment's, not yet spoken
+    last_word: int = -1                   # the last word whose time was given (a word cut in two
+                                          # pieces is given once, where it starts)
 
 
 class PiperEngine(Engine):
@@ -66,6 +70,7 @@ class PiperEngine(Engine):
         self._worker = PiperWorker(self._threads)
         self._worker.start()
         self.sample_rate = self._worker.sample_rate
+        self.word_timings = self._worker.word_timings
 
     def close(self) -> None:
         if self._worker is not None:
@@ -87,19 +92,29 @@ class PiperEngine(Engine):
         while not state.pieces and state.next_index < len(state.segments):
             if state.steps_cap is not None and state.next_index >= state.steps_cap:
                 return [StepResult(finished=EndReason.MAX_LEN)]
-            state.pieces = self._worker.phonemize(defuse_letter_runs(state.segments[state.next_index]))
+            state.words, state.pieces = self._worker.phonemize(defuse_letter_runs(state.segments[state.next_index]))
+            state.last_word = -1
             state.next_index += 1
         if not state.pieces:
             return [StepResult(finished=EndReason.DONE)]
-        audio = self._speak(state.pieces.pop(0))
+        audio, words = self._speak(state, *state.pieces.pop(0))
         if not state.pieces and state.next_index >= len(state.segments):
-            return [StepResult(audio=audio, finished=EndReason.DONE)]
+            return [StepResult(audio=audio, words=words, finished=EndReason.DONE)]
         if not state.pieces and state.steps_cap is not None and state.next_index >= state.steps_cap:
-            return [StepResult(audio=audio, finished=EndReason.MAX_LEN)]
-        return [StepResult(audio=audio)]
+            return [StepResult(audio=audio, words=words, finished=EndReason.MAX_LEN)]
+        return [StepResult(audio=audio, words=words)]
 
-    def _speak(self, phonemes: list[str]) -> np.ndarray:
-        return self._worker.speak(phonemes)
+    def _speak(self, state: _PiperState, phonemes: list[str],
+               owners: list[int]) -> tuple[np.ndarray, list[tuple[str, int, int]] | None]:
+        audio, alignment = self._worker.speak(phonemes)
+        if alignment is None:
+            return audio, None
+        words = []
+        for index, start, end in word_spans(owners, *alignment):
+            if index > state.last_word:
+                words.append((state.words[index], start, min(end, len(audio))))
+                state.last_word = index
+        return audio, words
 
 
 def _probe(settings: dict) -> tuple[bool, str]:

@@ -9,10 +9,10 @@ and starts a new worker for the next one.
     engine thread                          worker (python -m vox_ws.engines.piper_worker FD)
     start()            ── init(threads) ──────▶   load the voice, speak "Ready." once
                        ◀── ready(rate) ───────
-    phonemize(text)    ── phonemize(text) ────▶   espeak-ng: text to phonemes, cut in pieces
-                       ◀── pieces ────────────
+    phonemize(text)    ── phonemize(text) ────▶   espeak-ng: text to phonemes, cut in pieces,
+                       ◀── words, pieces ─────    each phoneme marked with its text word
     speak(phonemes)    ── speak(phonemes) ────▶   run the VITS model on one piece
-                       ◀── audio(f32) ────────
+                       ◀── audio(f32), samples    and each phoneme's length in samples
 
 Work is cut by the audio it makes, not by characters: a piece has at most `MAX_PHONEMES`
 phonemes (about 3 s of speech, under half a second of work here), so no text, however dense
@@ -26,8 +26,13 @@ from typing import Any, Callable
 import numpy as np
 
 from .child import Worker, WorkerCrashed, serve_worker
+from .piper_words import NO_WORD, phoneme_samples, text_words, word_owners
 
-__all__ = ["MAX_PHONEMES", "PiperWorker", "WorkerCrashed"]
+__all__ = ["MAX_PHONEMES", "Piece", "PiperWorker", "WorkerCrashed"]
+
+# A piece of phonemes spoken by one `speak`, and for each phoneme the index of the text word it
+# belongs to (piper_words.NO_WORD for spaces, stress and punctuation).
+Piece = tuple[list[str], list[int]]
 
 WORKER_MODULE = "vox_ws.engines.piper_worker"
 # A piece takes well under a second; a worker silent for this long is presumed hung.
@@ -48,19 +53,25 @@ class PiperWorker(Worker):
     def __init__(self, threads: int) -> None:
         super().__init__(WORKER_MODULE, "Piper worker", threads)
         self.sample_rate = 0
+        self.word_timings = False          # the model's durations are available (the onnx package)
 
     def start(self) -> None:  # type: ignore[override]
-        self.sample_rate = int(super().start(("init", self.threads), LOAD_TIMEOUT_S))
+        rate, self.word_timings = super().start(("init", self.threads), LOAD_TIMEOUT_S)
+        self.sample_rate = int(rate)
 
     def restart(self) -> None:
         self.start()
 
-    def phonemize(self, text: str) -> list[list[str]]:
-        """Text to pieces of at most MAX_PHONEMES phonemes, each spoken by one `speak`."""
+    def phonemize(self, text: str) -> tuple[list[str], list[Piece]]:
+        """Text to its words and to pieces of at most MAX_PHONEMES phonemes, each spoken by one
+        `speak`, each phoneme marked with its word."""
         return self.ask(("phonemize", text), SPEAK_TIMEOUT_S, "phonemizing")
 
-    def speak(self, phonemes: list[str]) -> np.ndarray:
-        return np.frombuffer(self.ask(("speak", phonemes), SPEAK_TIMEOUT_S, "speaking"), dtype=np.float32)
+    def speak(self, phonemes: list[str]) -> tuple[np.ndarray, tuple[int, list[int]] | None]:
+        """The audio of a piece, and where its phonemes lie in it: (samples before the first,
+        samples of each), or None without the model's durations."""
+        audio, alignment = self.ask(("speak", phonemes), SPEAK_TIMEOUT_S, "speaking")
+        return np.frombuffer(audio, dtype=np.float32), alignment
 
 
 # ---------------------------------------------------------------------------- the worker
@@ -80,38 +91,56 @@ def _load(threads: int):
     options.inter_op_num_threads = 1
     with open(joe.config_path(), encoding="utf-8") as f:
         config = PiperConfig.from_dict(json.load(f))
-    session = onnxruntime.InferenceSession(str(joe.model_path()), sess_options=options,
-                                           providers=["CPUExecutionProvider"])
-    return PiperVoice(session=session, config=config), int(config.sample_rate)
+    model, aligned = _model_with_durations(str(joe.model_path()))
+    session = onnxruntime.InferenceSession(model, sess_options=options, providers=["CPUExecutionProvider"])
+    return PiperVoice(session=session, config=config), int(config.sample_rate), aligned
 
 
-def phonemize(voice, text: str) -> list[list[str]]:
-    """Text to pieces of whole words, at most MAX_PHONEMES phonemes each (a word longer than
-    that alone excepted). A sentence too long for one piece is cut into pieces of about equal
-    length, at a clause (a comma's phoneme) where one is near, else between words; short
-    sentences in a row share a piece ("a. b. c." is one utterance, not three steps)."""
-    pieces: list[list[str]] = []
-    for sentence in voice.phonemize(text):
-        if not sentence:
-            continue
+def _model_with_durations(path: str) -> tuple[str | bytes, bool]:
+    """The voice's ONNX model with its phoneme durations as a second output (patched in memory
+    by piper-tts's own tool), or the model as it is where the onnx package is missing."""
+    try:
+        import onnx
+        from piper.patch_voice_with_alignment import add_alignment_output
+    except ImportError:
+        return path, False
+    model = onnx.load(path)
+    try:
+        add_alignment_output(model)
+    except ValueError:           # already patched
+        pass
+    return model.SerializeToString(), True
+
+
+def phonemize(voice, text: str) -> tuple[list[str], list[Piece]]:
+    """Text to its words, and to pieces of whole words, at most MAX_PHONEMES phonemes each (a
+    word longer than that alone excepted), each phoneme marked with its word. A sentence too
+    long for one piece is cut into pieces of about equal length, at a clause (a comma's
+    phoneme) where one is near, else between words; short sentences in a row share a piece
+    ("a. b. c." is one utterance, not three steps)."""
+    words = text_words(text)
+    sentences = [s for s in voice.phonemize(text) if s]
+    owners = word_owners(words, sentences, voice.phonemize)
+    pieces: list[Piece] = []
+    for sentence, owner in zip(sentences, owners):
         count = -(-len(sentence) // MAX_PHONEMES)
         if count == 1:
-            pieces.append(sentence)
+            pieces.append((sentence, owner))
             continue
         target = len(sentence) / count
         start = 0
         while len(sentence) - start > MAX_PHONEMES:
             cut = _cut(sentence, start, int(start + target))
-            pieces.append(sentence[start:cut])
+            pieces.append((sentence[start:cut], owner[start:cut]))
             start = cut
-        pieces.append(sentence[start:])
-    merged: list[list[str]] = []
-    for piece in (p for p in pieces if any(ph.strip() for ph in p)):
-        if merged and _cost(merged[-1]) + 1 + _cost(piece) <= MAX_PHONEMES:
-            merged[-1] = merged[-1] + [" "] + piece
+        pieces.append((sentence[start:], owner[start:]))
+    merged: list[Piece] = []
+    for phonemes, owner in (p for p in pieces if any(ph.strip() for ph in p[0])):
+        if merged and _cost(merged[-1][0]) + 1 + _cost(phonemes) <= MAX_PHONEMES:
+            merged[-1] = (merged[-1][0] + [" "] + phonemes, merged[-1][1] + [NO_WORD] + owner)
         else:
-            merged.append(piece)
-    return merged
+            merged.append((phonemes, owner))
+    return words, merged
 
 
 def _cost(piece: list[str]) -> int:
@@ -137,24 +166,33 @@ def _cut(phonemes: list[str], start: int, near: int) -> int:
     return best
 
 
-def speak(voice, phonemes: list[str]) -> np.ndarray:
-    """One piece to float32 audio. Unlike PiperVoice.synthesize, no per-sentence peak
-    normalisation: it would make loudness jump between pieces."""
-    audio = voice.phoneme_ids_to_audio(voice.phonemes_to_ids(phonemes))
-    return np.clip(np.asarray(audio, dtype=np.float32), -1.0, 1.0)
+def speak(voice, phonemes: list[str], aligned: bool) -> tuple[np.ndarray, tuple[int, list[int]] | None]:
+    """One piece to float32 audio, and where each phoneme lies in it (see PiperWorker.speak).
+    Unlike PiperVoice.synthesize, no per-sentence peak normalisation: it would make loudness
+    jump between pieces."""
+    ids = voice.phonemes_to_ids(phonemes)
+    alignment = None
+    if aligned:
+        audio, id_samples = voice.phoneme_ids_to_audio(ids, include_alignments=True)
+        if id_samples is not None and len(id_samples) == len(ids):
+            alignment = phoneme_samples(phonemes, id_samples, voice.config.phoneme_id_map)
+    else:
+        audio = voice.phoneme_ids_to_audio(ids)
+    return np.clip(np.asarray(audio, dtype=np.float32), -1.0, 1.0), alignment
 
 
-def _start(init: tuple) -> tuple[int, Callable[[str, Any], tuple]]:
+def _start(init: tuple) -> tuple[tuple[int, bool], Callable[[str, Any], tuple]]:
     _, threads = init
-    voice, rate = _load(threads)
-    for piece in phonemize(voice, "Ready."):     # warm the phonemizer and the ONNX graph
-        speak(voice, piece)
+    voice, rate, aligned = _load(threads)
+    for phonemes, _ in phonemize(voice, "Ready.")[1]:     # warm the phonemizer and the ONNX graph
+        speak(voice, phonemes, aligned)
 
     def handle(kind: str, payload: Any) -> tuple:
         if kind == "phonemize":
             return ("pieces", phonemize(voice, payload))
-        return ("audio", speak(voice, payload).tobytes())
-    return rate, handle
+        audio, alignment = speak(voice, payload, aligned)
+        return ("audio", (audio.tobytes(), alignment))
+    return (rate, aligned), handle
 
 
 def main() -> None:

@@ -113,7 +113,7 @@ class VoxWSTTSService(WebsocketTTSService):
                 raise ConnectionError(f"expected the server's hello, got {hello.get('type')!r}")
             self._websocket = websocket
             self.hello = hello
-            self._words = self._want_words and bool(hello.get("word_timestamps"))
+            self._words = self._want_words and "word_timestamps" in hello.get("features", ())
             # With true word timings, Pipecat builds the spoken text from them; without, from
             # its own sentence text frames.
             self._push_text_frames = not self._words

@@ -2,13 +2,14 @@
 
     service.py   StreamService: open streams, voices, LoRA; readiness and draining; timers
     stream.py    Stream: one stream's state machine, consumed as an async iterator of events
-    events.py    the events a stream yields (Audio, Segment, Flushed, Ended, Failed)
+    events.py    the events a stream yields (Audio, Segment, Words, Flushed, Ended, Failed)
     voices.py    VoiceOwners: who registered which voice, and how many each may keep
     handoff.py   the scheduler thread's way onto the event loop
 """
 
-from .events import Audio, Ended, Event, Failed, Flushed, Segment
+from .events import Audio, Ended, Event, Failed, Flushed, Segment, Word, Words
 from .service import ANY_OWNER, StreamService
 from .stream import AudioOutput, Stream
 
-__all__ = ["ANY_OWNER", "Audio", "AudioOutput", "Ended", "Event", "Failed", "Flushed", "Segment", "Stream", "StreamService"]
+__all__ = ["ANY_OWNER", "Audio", "AudioOutput", "Ended", "Event", "Failed", "Flushed", "Segment", "Stream", "StreamService", "Word",
+           "Words"]

@@ -35,6 +35,23 @@ class Segment:
 
 
 @dataclass(frozen=True, slots=True)
+class Word:
+    """One word of the input text and when it is spoken in the output audio (seconds)."""
+
+    word: str
+    start_s: float
+    end_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class Words:
+    """Words whose audio has just been yielded, with their times: given only for streams that
+    asked for them, by engines that know them (`Engine.word_timings`)."""
+
+    words: tuple[Word, ...]
+
+
+@dataclass(frozen=True, slots=True)
 class Flushed:
     """The audio of all the text sent before a `flush()` has been yielded."""
 
@@ -58,4 +75,4 @@ class Failed:
     stats: dict[str, Any] = field(default_factory=dict)
 
 
-Event = Union[Audio, Segment, Flushed, Ended, Failed]
+Event = Union[Audio, Segment, Words, Flushed, Ended, Failed]

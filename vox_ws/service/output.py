@@ -20,7 +20,7 @@ import numpy as np
 
 from ..codecs import Encoded, OutputPipeline
 from ..engine import EndReason
-from .events import Audio, Ended, Event, Failed, Flushed, Segment
+from .events import Audio, Ended, Event, Failed, Flushed, Segment, Word, Words
 
 
 class EncodedOutput:
@@ -47,6 +47,8 @@ class EncodedOutput:
             return [replace(event, stats=self._stats(event.stats, started_at))]
         if isinstance(event, Segment):
             return [replace(event, start_s=self._scaled(event.start_s), end_s=self._scaled(event.end_s))]
+        if isinstance(event, Words):
+            return [Words(tuple(Word(w.word, self._scaled(w.start_s), self._scaled(w.end_s)) for w in event.words))]
         if isinstance(event, Flushed):
             return [Flushed(self._scaled(event.audio_s))]
         return [event]

@@ -79,7 +79,8 @@ class StreamService:
     def open_stream(self, text: str | AsyncIterator[str] | None = None, *, voice: str | None = None,
                     options: dict[str, Any] | None = None, output: AudioOutput = AudioOutput(),
                     input_streaming: bool = False, log_fields: dict[str, Any] | None = None,
-                    owners: tuple[str, ...] = (), instructions: str | None = None) -> Stream:
+                    owners: tuple[str, ...] = (), instructions: str | None = None,
+                    word_timestamps: bool = False) -> Stream:
         """Open a stream and start generating.
 
         `text` a string: say it (with `input_streaming`, it is the first piece and more may
@@ -87,7 +88,8 @@ class StreamService:
         None with `input_streaming`: the input comes through `send_text`. `owners` names the
         clients the stream is for, broadest first (its token or address, its connection),
         among which the scheduler shares its slots fairly. `instructions` describe the voice or
-        style in words, where the engine follows them (`ignores_instructions`). A one-shot text
+        style in words, where the engine follows them (`ignores_instructions`). `word_timestamps`
+        asks for `Words` events, where the engine knows word times (`Engine.word_timings`). A one-shot text
         too long for one generation is spoken in pieces, each continuing the one before.
         Raises `Refused`.
         """
@@ -109,7 +111,8 @@ class StreamService:
         voice_pin = self.engine.pin_voice(voice)
         stream = Stream(self, next(self._numbers), voice, dict(options or {}), output, input_streaming,
                         dict(log_fields or {}), text_chars=len(text) if isinstance(text, str) else 0,
-                        voice_pin=voice_pin, owners=owners, instructions=instructions)
+                        voice_pin=voice_pin, owners=owners, instructions=instructions,
+                        word_timestamps=word_timestamps and self.engine.word_timings)
         if not input_streaming:
             if not isinstance(text, str) or not text.strip():
                 raise Refused(ErrorKind.INVALID, "nothing to say: the text is empty")

@@ -34,7 +34,7 @@ from ..engine import EndReason, Engine, ErrorKind, GenerationRequest, Refused
 from ..metrics import Metrics
 from ..scheduler import Scheduler
 from ..text import StreamSegmenter
-from .events import Audio, Ended, Event, Failed, Flushed, Segment
+from .events import Audio, Ended, Event, Failed, Flushed, Segment, Word, Words
 from .handoff import LoopMailbox
 from .output import EncodedOutput
 
@@ -111,7 +111,8 @@ class Stream:
 
     def __init__(self, service: StreamHost, number: int, voice: str | None, options: dict[str, Any],
                  output: AudioOutput, input_streaming: bool, log_fields: dict[str, Any], text_chars: int = 0,
-                 voice_pin: Any = None, owners: tuple[str, ...] = (), instructions: str | None = None) -> None:
+                 voice_pin: Any = None, owners: tuple[str, ...] = (), instructions: str | None = None,
+                 word_timestamps: bool = False) -> None:
         engine = service.engine
         self._service = service
         self.number = number
@@ -131,6 +132,9 @@ class Stream:
                                          service.encoding, output.speed)
         self.encoder = StreamEncoder(engine.sample_rate, self.sample_rate,
                                      "f32" if self._output is not None else output.format)
+        self.word_timestamps = word_timestamps
+        self._engine_samples = 0                 # delivered so far, at the engine's rate (scheduler thread)
+        self._timed_words: list[Word] = []       # every word time yielded (for `heard`)
         self._ready: deque[Event] = deque()      # encoded output not yet handed over
         self.queued = 0                          # queue position when opened (0: a slot at once)
         self.ignored_options = sorted(set(options) - engine.honoured_options)
@@ -315,15 +319,23 @@ class Stream:
 
     # ------------------------------------------------------------------ RequestSink (scheduler thread)
 
-    def deliver(self, pcm: np.ndarray) -> None:
+    def deliver(self, pcm: np.ndarray, words: list[tuple[str, int, int]] | None = None) -> None:
         # An engine may hand over many seconds at once (Piper: a whole sentence); a chunk
         # carries at most MAX_CHUNK_S, so that a paced reader's progress is visible chunk by
         # chunk and no frame holds the socket for long.
-        step = max(1, int(self.encoder.in_rate * MAX_CHUNK_S))
+        rate = self.encoder.in_rate
+        offset = self._engine_samples
+        self._engine_samples += len(pcm)
+        step = max(1, int(rate * MAX_CHUNK_S))
         for start in range(0, len(pcm), step):
             data = self.encoder.encode(pcm[start:start + step])
             if data:
                 self._service.mailbox.post(self._on_audio, data)
+        if words and self.word_timestamps:
+            # After the audio they are in: a cancel that drops that audio drops them too.
+            timed = tuple(Word(word, round((offset + a) / rate, 4), round((offset + b) / rate, 4))
+                          for word, a, b in words)
+            self._service.mailbox.post(self._on_words, timed)
 
     def finish(self, reason: EndReason) -> None:
         self._service.mailbox.post(self._on_request_finished, self._request, reason)
@@ -438,6 +450,11 @@ class Stream:
             self._backlog_since = now
         self._emit(Audio(data, self._seq, samples, seconds))
         self._seq += 1
+
+    def _on_words(self, words: tuple[Word, ...]) -> None:
+        if not self._finished:
+            self._timed_words.extend(words)
+            self._emit(Words(words))
 
     def _on_request_finished(self, request: GenerationRequest | None, reason: EndReason) -> None:
         if self._finished or request is not self._request:
@@ -561,8 +578,8 @@ class Stream:
         self._service.forget(self)
 
     def _drop_queued_audio(self) -> None:
-        """Barge-in: audio not yet taken is never yielded, nor counted; nor are the segment
-        and flush events behind it, which would say that audio was sent."""
+        """Barge-in: audio not yet taken is never yielded, nor counted; nor are the segment,
+        word and flush events behind it, which would say that audio was sent."""
         kept: deque[Event] = deque()
         dropped = False
         for event in self._events:
@@ -570,7 +587,7 @@ class Stream:
                 self.chunks -= 1
                 self.audio_s -= event.seconds
                 dropped = True
-            elif not (dropped and isinstance(event, (Segment, Flushed))):
+            elif not (dropped and isinstance(event, (Segment, Words, Flushed))):
                 kept.append(event)
         self._events = kept
         self._queued_audio_s = 0.0
@@ -586,7 +603,8 @@ class Stream:
     def _heard(self, generated_s: float) -> dict[str, Any]:
         """At a cancel: what the consumer took (what a listener heard, if it played it all):
         the segments wholly in it, and the one cut short with the share of its audio taken
-        (None while that segment was still being generated: its length was not known)."""
+        (None while that segment was still being generated: its length was not known) and,
+        where word times are given, its words wholly taken."""
         taken = self.audio_s
         spans = [(seg["text"], seg["start_s"], seg["end_s"], True) for seg in self.segments]
         if self._request is not None:
@@ -601,6 +619,10 @@ class Stream:
             if start < taken - close:
                 partial = {"text": text, "start_s": start, "sent_s": round(taken - start, 4),
                            "fraction": round((taken - start) / (end - start), 4) if finished else None}
+                if self.word_timestamps:
+                    # With true word times: the words of that segment whose audio was all sent.
+                    partial["words"] = [w.word for w in self._timed_words
+                                        if w.start_s >= start - close and w.end_s <= taken + close]
             break
         return {"audio_s": round(taken, 4), "text": " ".join(seg["text"] for seg in whole), "segments": whole,
                 "partial": partial}

@@ -104,6 +104,7 @@ class Start:
     segment_events: bool = False
     speed: float = 1.0
     instructions: str | None = None
+    word_timestamps: bool = False
 
 
 @dataclass(frozen=True)
@@ -261,9 +262,10 @@ def _parse_start(obj: dict[str, Any], limits: Limits, specs: Mapping[str, Option
                                        f"{MAX_INSTRUCTIONS_CHARS}", sid)
     options = parse_options(obj.get("options"), specs, sid)
     segment_events = _optional(obj, "segment_events", bool, False)
+    word_timestamps = _optional(obj, "word_timestamps", bool, False)
     return Start(id=sid, text=text, voice=voice, format=fmt, sample_rate=rate, options=options,
                  stream_input=stream_input, segment_events=segment_events, speed=float(speed),
-                 instructions=instructions or None)
+                 instructions=instructions or None, word_timestamps=word_timestamps)
 
 
 def _parse_voice(obj: dict[str, Any], limits: Limits) -> Voice:
