@@ -15,6 +15,6 @@ if [ ${#missing[@]} -gt 0 ]; then
   DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}"
 fi
 
-VOX_WS_EXTRAS=piper,voxcpm,test scripts/setup.sh
+VOX_WS_EXTRAS=piper,voxcpm,test,pipecat,livekit,wyoming scripts/setup.sh
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TQDM_DISABLE=1
 exec .venv/bin/python -m pytest "$@"

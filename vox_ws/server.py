@@ -101,6 +101,13 @@ class VoxServer:
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._stopped = asyncio.Event()
+        if self.config.wyoming:
+            # Imported here: the wyoming package is an optional extra.
+            try:
+                from .transports.wyoming import WyomingServer
+            except ImportError as exc:
+                raise RuntimeError(f"--wyoming needs the wyoming package: pip install 'vox-ws[wyoming]' ({exc})") from None
+            self.wyoming = WyomingServer(self.config.wyoming, self.service)
         self.scheduler.start()
         await self.service.start()
         demo = Path(self.config.demo_dir) if self.config.demo_dir else default_demo_dir()
@@ -127,11 +134,7 @@ class VoxServer:
                 await self._serving            # raises what stopped it
                 raise RuntimeError("the HTTP server stopped while starting")
             await asyncio.sleep(0.01)
-        if self.config.wyoming:
-            # Imported here: the wyoming package is an optional extra.
-            from .transports.wyoming import WyomingServer
-
-            self.wyoming = WyomingServer(self.config.wyoming, self.service)
+        if self.wyoming is not None:
             await self.wyoming.start()
         self.state.listening = True
         log.info("listening on ws://%s:%d%s (engine %s, loading)", self.config.host, self.port, STREAM_PATH,
