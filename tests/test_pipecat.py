@@ -175,13 +175,17 @@ async def test_two_turns_in_a_row_share_one_socket(server):
     async with pipeline(server.url) as (worker, tts, sink):
         socket_before = None
         contexts = []
-        for text in ("The first turn.", "The second turn."):
+        # Each turn's text in one piece, two sentences: Pipecat hands them over one by one,
+        # and they are spoken as two sentences, not run together ("turn.It").
+        for text in ("The first turn. It has two sentences.", "The second turn."):
             await say(worker, [text])
             stopped = await sink.wait_for(lambda f: isinstance(f, TTSStoppedFrame) and f.context_id not in contexts)
             contexts.append(stopped.context_id)
             socket_before = socket_before or tts._websocket
             assert tts._websocket is socket_before
             assert audio_s(sink.of(TTSAudioRawFrame, stopped.context_id)) > 0.3
+            words = [f.text.strip() for f in sink.of(TTSTextFrame) if f.context_id == stopped.context_id]
+            assert words == text.split()
         assert len(set(contexts)) == 2
 
 

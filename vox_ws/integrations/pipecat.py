@@ -59,6 +59,10 @@ class VoxWSTTSService(WebsocketTTSService):
                  voice: str | None = None, sample_rate: int | None = None, options: dict[str, Any] | None = None,
                  speed: float = 1.0, instructions: str | None = None, word_timestamps: bool = True,
                  **kwargs: Any) -> None:
+        # Pipecat hands over sentences without the space after them; vox-ws streams text in,
+        # so "Hello!" + "How are you?" would run together and the first sentence's end go
+        # unseen until more text came. (Tokens, in token aggregation mode, keep their own spaces.)
+        kwargs.setdefault("append_trailing_space", True)
         super().__init__(push_text_frames=True, push_start_frame=True, pause_frame_processing=False,
                          sample_rate=sample_rate, settings=TTSSettings(model="vox-ws", voice=voice, language=None),
                          **kwargs)
