@@ -297,13 +297,13 @@ async def test_sigterm_drains_streams_in_flight_then_exits_0(tmp_path):
             await asyncio.sleep(0.3)
             assert _get(port, "/readyz") == 503
             assert _get(port, "/healthz") == 200
-            await closed_with(server, 1001)                         # no new connections
+            await closed_with(server, 1012)                         # no new connections: elsewhere
             await c.send({"type": "start", "id": "late", "text": "Too late."})
             assert (await c.error("late"))["code"] == "going_away"
             result = await c.collect("inflight")                    # the stream in flight finishes
             assert result.end["reason"] == "done"
             await read_until_closed(c)
-            assert c.ws.close_code == 1001
+            assert c.ws.close_code == 1012
         assert proc.wait(30) == 0
     finally:
         proc.kill()
@@ -321,7 +321,7 @@ async def test_sigterm_after_drain_timeout_tells_streams_going_away(tmp_path):
             err = await c.recv_where(lambda m: m["type"] in ("end", "error"), timeout=20)
             assert err["type"] == "error" and err["code"] == "going_away" and err["retryable"] is True
             await read_until_closed(c)
-            assert c.ws.close_code == 1001
+            assert c.ws.close_code == 1012
         assert proc.wait(30) == 0
     finally:
         proc.kill()

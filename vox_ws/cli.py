@@ -43,6 +43,8 @@ _SERVE_OPTIONS: list[tuple[str, Callable[[str], Any], Any, str]] = [
     ("idle-timeout", float, Limits.idle_timeout_s, "seconds before a connection with no stream and no message is closed"),
     ("max-buffered-audio", float, Limits.max_buffered_audio_s, "audio seconds a stream may have unsent before generation pauses"),
     ("write-stall-timeout", float, Limits.write_stall_timeout_s, "seconds a paused stream may wait on its reader before `slow_consumer`"),
+    ("unready-when-full", engines.parse_bool, False, "readiness 503 and new connections closed 1013 while every "
+                                                     "slot is busy (behind a balancer)"),
     ("drain-timeout", float, 10.0, "seconds streams may finish after SIGTERM"),
     ("demo-dir", str, None, "directory of the browser demo served at / (default: web/demo of the source tree)"),
     ("wyoming", str, None, "also serve the Wyoming protocol (Home Assistant) at this URI, e.g. "
@@ -145,8 +147,12 @@ def _list(text: str | None) -> list[str]:
 async def _serve(config: ServerConfig) -> int:
     from .server import VoxServer
 
-    engine = engines.create_engine(config.engine, config.engine_options())
-    server = VoxServer(config, engine)
+    from .devices import parse_devices
+
+    # One engine (one copy of the model) per device, each with its own scheduler.
+    built = [engines.create_engine(config.engine, {**config.engine_options(), "device": device})
+             for device in parse_devices(config.device)]
+    server = VoxServer(config, built)
     await server.start()
     server.install_signal_handlers()
     await server.wait_stopped()
@@ -164,6 +170,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.getLogger("uvicorn.error").setLevel(logging.WARNING)
     if args.command == "serve":
         config = config_from_args(args)
+        from .devices import parse_devices
+
+        try:
+            parse_devices(config.device)
+        except ValueError as exc:
+            print(f"vox-ws serve: {exc}", file=sys.stderr)
+            return 2
         try:
             import uvloop
         except ImportError:

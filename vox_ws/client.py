@@ -31,7 +31,7 @@ import msgpack
 import numpy as np
 from websockets.asyncio.client import ClientConnection
 from websockets.asyncio.client import connect as ws_connect
-from websockets.exceptions import ConnectionClosed
+from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 from .audio import bytes_to_pcm, wav_bytes
 from .transports import protocol as p
@@ -74,12 +74,21 @@ GoingAway = ERRORS[p.GOING_AWAY]
 
 
 class ConnectionLost(VoxError):
-    """The connection closed while a request was waiting for its answer."""
+    """The connection closed while a request was waiting for its answer (`close_code`: the
+    WebSocket close code, 1006 when the connection just broke)."""
 
     code = "connection_lost"
 
+    def __init__(self, message: str, stream_id: str | None = None, retryable: bool = True,
+                 close_code: int | None = None) -> None:
+        super().__init__(message, stream_id, retryable)
+        self.close_code = close_code
+
 
 def error_from(message: dict[str, Any]) -> VoxError:
+    if message.get("code") == "connection_lost":
+        return ConnectionLost(message.get("message", ""), message.get("id"), bool(message.get("retryable")),
+                              close_code=message.get("close_code"))
     cls = ERRORS.get(message.get("code", ""), VoxError)
     return cls(message.get("message", ""), message.get("id"), bool(message.get("retryable")))
 
@@ -334,53 +343,82 @@ class Client:
                     if message["type"] in ("end", "error"):
                         del self._streams[target]
         finally:
-            lost = {"type": "error", "code": "connection_lost", "retryable": True,
-                    "message": f"connection closed ({self.ws.close_code} {self.ws.close_reason})"}
+            code = self.ws.close_code or 1006
+            lost = {"type": "error", "code": "connection_lost", "retryable": code in RECONNECT_CLOSE_CODES,
+                    "message": f"connection closed ({code} {self.ws.close_reason or ''})".rstrip(),
+                    "close_code": code}
             for stream in self._streams.values():
                 stream._deliver({**lost, "id": stream.id})
             for future in self._requests.values():
                 if not future.done():
-                    future.set_exception(ConnectionLost(lost["message"]))
+                    future.set_exception(ConnectionLost(lost["message"], retryable=lost["retryable"], close_code=code))
 
 
 ERRORS["connection_lost"] = ConnectionLost
 
 
+# Close codes (and handshake statuses) that mean "this server cannot serve you now: connect
+# again", which behind a balancer lands on another server: going away, abnormal closure (the
+# server died), the engine failed, service restart (draining), try again later (full).
+RECONNECT_CLOSE_CODES = frozenset({1001, 1006, 1011, 1012, 1013})
+RECONNECT_STATUSES = frozenset({502, 503, 504})
+
+
 class connect:
-    """`async with connect(url, token=...) as client:`; `token` goes in an Authorization header."""
+    """`async with connect(url, token=...) as client:`; `token` goes in an Authorization header.
+
+    `retries`: how many more times to connect when the server refuses for now (handshake 502,
+    503, 504; closed with a reconnect code before its `hello`; connection refused), waiting
+    `retry_wait` seconds, doubled each time. Behind a balancer each try may land elsewhere."""
 
     def __init__(self, url: str = "ws://127.0.0.1:8765/v1/stream", *, token: str | None = None,
-                 **kwargs: Any) -> None:
-        headers = dict(kwargs.pop("additional_headers", {}) or {})
-        if token:
-            headers["Authorization"] = f"Bearer {token}"
-        self._connect = ws_connect(url, additional_headers=headers, max_size=None, **kwargs)
+                 retries: int = 0, retry_wait: float = 0.2, **kwargs: Any) -> None:
+        self._url, self._token, self._kwargs = url, token, kwargs
+        self._retries, self._retry_wait = retries, retry_wait
         self.client: Client | None = None
 
     async def __aenter__(self) -> Client:
-        ws = await self._connect.__aenter__()
-        self.client = await _greeted(ws)
+        self.client = await open_client(self._url, token=self._token, retries=self._retries,
+                                        retry_wait=self._retry_wait, **self._kwargs)
         return self.client
 
     async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                         tb: TracebackType | None) -> None:
         if self.client is not None:
-            self.client._reader.cancel()
-        await self._connect.__aexit__(exc_type, exc, tb)
+            await self.client.close()
 
 
 async def open_client(url: str = "ws://127.0.0.1:8765/v1/stream", *, token: str | None = None,
-                      **kwargs: Any) -> Client:
-    """A connected client to keep (a connection pool's); `await client.close()` when done."""
+                      retries: int = 0, retry_wait: float = 0.2, **kwargs: Any) -> Client:
+    """A connected client to keep (a connection pool's); `await client.close()` when done.
+    `retries` and `retry_wait` as for `connect`."""
     headers = dict(kwargs.pop("additional_headers", {}) or {})
     if token:
         headers["Authorization"] = f"Bearer {token}"
-    ws = await ws_connect(url, additional_headers=headers, max_size=None, **kwargs)
-    try:
-        return await _greeted(ws)
-    except BaseException:
-        await ws.close()
-        raise
+    wait = retry_wait
+    for attempt in range(retries + 1):
+        try:
+            ws = await ws_connect(url, additional_headers=headers, max_size=None, **kwargs)
+        except InvalidStatus as exc:
+            if exc.response.status_code not in RECONNECT_STATUSES or attempt == retries:
+                raise
+        except OSError:
+            if attempt == retries:
+                raise
+        else:
+            try:
+                return await _greeted(ws)
+            except ConnectionClosed as exc:
+                code = exc.rcvd.code if exc.rcvd else 1006
+                if code not in RECONNECT_CLOSE_CODES or attempt == retries:
+                    raise ConnectionLost(f"closed before hello ({code} {exc.rcvd.reason if exc.rcvd else ''})",
+                                         retryable=code in RECONNECT_CLOSE_CODES, close_code=code) from None
+            except BaseException:
+                await ws.close()
+                raise
+        await asyncio.sleep(wait)
+        wait *= 2
+    raise AssertionError("unreachable")
 
 
 async def _greeted(ws: ClientConnection) -> Client:
@@ -389,6 +427,29 @@ async def _greeted(ws: ClientConnection) -> Client:
     if not isinstance(hello, dict) or hello.get("type") != "hello":
         raise VoxError(f"expected the server's hello, got {hello!r:.80}")
     return Client(ws, hello)
+
+
+async def speak(url: str, text: str, *, token: str | None = None, retries: int = 3, retry_wait: float = 0.2,
+                **fields: Any) -> bytes:
+    """Say `text` and return all its audio (`fields` as for `Client.start_stream`: voice, format,
+    ...), connecting again and starting over when the server goes away mid-stream or refuses
+    for now (`busy`, `not_ready`, `going_away`, a lost connection): behind a balancer the retry
+    lands on another server. Other errors are raised at once."""
+    wait = retry_wait
+    for attempt in range(retries + 1):
+        try:
+            async with connect(url, token=token, retries=retries, retry_wait=retry_wait) as client:
+                stream = await client.start_stream(text, **fields)
+                return await stream.read_all()
+        except VoxError as err:
+            if not err.retryable or attempt == retries:
+                raise
+        except OSError:
+            if attempt == retries:
+                raise
+        await asyncio.sleep(wait)
+        wait *= 2
+    raise AssertionError("unreachable")
 
 
 def decode_audio(data: bytes, fmt: str) -> np.ndarray:

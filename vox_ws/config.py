@@ -57,6 +57,9 @@ class ServerConfig:
     private_info: bool = False
     # The browser demo served at `/` (default: web/demo of the source tree when present).
     demo_dir: str | None = None
+    # Readiness turns 503, and new connections are closed 1013, while every slot is busy (for
+    # balancers that should send new sessions elsewhere).
+    unready_when_full: bool = False
     # Also serve the Wyoming protocol (Home Assistant) here: tcp://HOST:PORT or unix://PATH.
     wyoming: str | None = None
     limits: Limits = field(default_factory=Limits)

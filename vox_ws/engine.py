@@ -274,9 +274,12 @@ class Engine(ABC):
         loop, so it holds up no one else. Thread-safe. Raises Refused."""
         return text
 
-    def register_voice(self, audio: np.ndarray, sample_rate: int, transcript: str | None, mode: str) -> dict[str, Any]:
+    def register_voice(self, audio: np.ndarray, sample_rate: int, transcript: str | None, mode: str,
+                       voice_id: str | None = None) -> dict[str, Any]:
         """Build a reusable voice prompt from reference audio; returns {voice, mode, audio_s}.
-        Never evicts another voice: refuses (BUSY) when it holds as many as it can."""
+        `voice_id`: keep it under this id (the same voice on another device, or rebuilt from
+        the voice store); else the engine makes one. Never evicts another voice: refuses (BUSY)
+        when it holds as many as it can."""
         raise Refused(ErrorKind.UNSUPPORTED, f"engine {self.name} cannot clone voices")
 
     def delete_voice(self, voice_id: str) -> bool:

@@ -38,6 +38,12 @@ class Metrics:
         self.queued = Gauge("voxws_queued_streams", "Streams waiting for a slot", registry=r)
         self.sessions = Gauge("voxws_open_sessions", "Open WebSocket sessions", registry=r)
         self.ready = Gauge("voxws_ready", "1 when the engine is loaded and the server accepts streams", registry=r)
+        # Per device (one scheduler and model copy each; `index` tells two of a kind apart).
+        self.device_active = Gauge("voxws_device_active_streams", "Streams holding a slot, per device",
+                                   ["index", "device"], registry=r)
+        self.device_queued = Gauge("voxws_device_queued_streams", "Streams waiting for a slot, per device",
+                                   ["index", "device"], registry=r)
+        self.device_up = Gauge("voxws_device_up", "1 while the device's engine serves", ["index", "device"], registry=r)
 
     def bind(self, active: Callable[[], float], queued: Callable[[], float], sessions: Callable[[], float],
              ready: Callable[[], float]) -> None:
@@ -46,6 +52,12 @@ class Metrics:
         self.queued.set_function(queued)
         self.sessions.set_function(sessions)
         self.ready.set_function(ready)
+
+    def bind_device(self, index: int, device: str, stats: Callable[[], dict]) -> None:
+        labels = (str(index), device)
+        self.device_active.labels(*labels).set_function(lambda: stats()["active"])
+        self.device_queued.labels(*labels).set_function(lambda: stats()["queued"])
+        self.device_up.labels(*labels).set_function(lambda: 1.0 if stats()["status"] == "ready" else 0.0)
 
     def observe_step(self, batch: int, seconds: float) -> None:
         self.step_time.observe(seconds)

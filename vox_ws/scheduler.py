@@ -62,6 +62,7 @@ class Scheduler:
         self.ready_event = threading.Event()
         self.steps_total = 0
         self.last_step_s = 0.0
+        self._recent_steps: deque[float] = deque(maxlen=20)   # the load signal's step time
         self.last_batch_size = 0
         # Optional observer of each step (batch size, seconds); used by metrics.
         self.on_step: Callable[[int, float], None] | None = None
@@ -118,6 +119,8 @@ class Scheduler:
                 "parked": sum(1 for r in self._waiting if r.parked),
                 "steps_total": self.steps_total,
                 "last_step_ms": round(self.last_step_s * 1000, 3),
+                "mean_step_ms": round(sum(self._recent_steps) / len(self._recent_steps) * 1000, 3)
+                                if self._recent_steps else 0.0,
                 "last_batch_size": self.last_batch_size,
             }
 
@@ -293,6 +296,7 @@ class Scheduler:
             elapsed = time.perf_counter() - started
             self.steps_total += 1
             self.last_step_s = elapsed
+            self._recent_steps.append(elapsed)
             self.last_batch_size = len(group)
             if self.on_step is not None:
                 self.on_step(len(group), elapsed)

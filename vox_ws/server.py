@@ -19,6 +19,7 @@ import uvicorn
 from .config import ServerConfig
 from .engine import Engine, ErrorKind
 from .metrics import Metrics
+from .devices import Devices
 from .scheduler import Scheduler
 from .service import StreamService
 from .transports import protocol as p
@@ -60,25 +61,28 @@ class _Uvicorn(uvicorn.Server):
 
 
 class VoxServer:
-    """One listening socket, one scheduler (one model), every front door."""
+    """One listening socket, one scheduler per device (one copy of the model each), every front door."""
 
-    def __init__(self, config: ServerConfig, engine: Engine) -> None:
+    def __init__(self, config: ServerConfig, engines: Engine | list[Engine]) -> None:
         self.config = config
-        self.engine = engine
-        self.scheduler = Scheduler(engine, max_batch=config.max_batch, max_queue=config.limits.max_queue,
-                                   on_fatal=self._engine_died, max_share=config.max_share,
-                                   max_wait_s=config.limits.max_queue_wait_s)
+        engines = engines if isinstance(engines, list) else [engines]
+        self.engine = engines[0]
+        self.devices = Devices([Scheduler(engine, max_batch=config.max_batch, max_queue=config.limits.max_queue,
+                                          on_fatal=self._engine_died, max_share=config.max_share,
+                                          max_wait_s=config.limits.max_queue_wait_s) for engine in engines])
         self.metrics = Metrics()
-        self.service = StreamService(self.scheduler, config.limits, self.metrics)
+        self.service = StreamService(self.devices, config.limits, self.metrics)
         self.state = ServerState(config, self.service, self.metrics)
         self.guard = ConnectionGuard(config.limits)
         self.metrics.bind(
-            active=lambda: self.scheduler.stats()["active"],
-            queued=lambda: self.scheduler.stats()["queued"],
+            active=lambda: self.devices.stats()["active"],
+            queued=lambda: self.devices.stats()["queued"],
             sessions=lambda: len(self.state.sessions),
             ready=lambda: 1.0 if self.state.ready() else 0.0,
         )
-        self.scheduler.on_step = self.metrics.observe_step
+        for index, scheduler in enumerate(self.devices.schedulers):
+            scheduler.on_step = self.metrics.observe_step
+            self.metrics.bind_device(index, scheduler.engine.device, scheduler.stats)
         self.exit_code = 0
         self._uvicorn: _Uvicorn | None = None
         self._serving: asyncio.Task | None = None
@@ -87,6 +91,11 @@ class VoxServer:
         self._stopped: asyncio.Event | None = None   # created on the running loop in start()
         self._shutdown: asyncio.Task | None = None
         self.wyoming: Any = None                      # transports.wyoming.WyomingServer, with --wyoming
+
+    @property
+    def scheduler(self) -> Devices:
+        """Every device's scheduler as one (status, stats, readiness)."""
+        return self.devices
 
     @property
     def sessions(self) -> set:
@@ -108,7 +117,7 @@ class VoxServer:
             except ImportError as exc:
                 raise RuntimeError(f"--wyoming needs the wyoming package: pip install 'vox-ws[wyoming]' ({exc})") from None
             self.wyoming = WyomingServer(self.config.wyoming, self.service)
-        self.scheduler.start()
+        self.devices.start()
         await self.service.start()
         demo = Path(self.config.demo_dir) if self.config.demo_dir else default_demo_dir()
         limits = self.config.limits
@@ -153,15 +162,15 @@ class VoxServer:
         assert self._stopped is not None
         await self._stopped.wait()
 
-    def request_shutdown(self, drain: bool = True, close_code: int = p.CLOSE_GOING_AWAY) -> None:
+    def request_shutdown(self, drain: bool = True, close_code: int = p.CLOSE_SERVICE_RESTART) -> None:
         if self._shutdown is None:
             self._shutdown = asyncio.ensure_future(
                 self.shutdown(self.config.drain_timeout if drain else 0.0, close_code))
 
-    async def shutdown(self, drain_timeout: float = 0.0, close_code: int = p.CLOSE_GOING_AWAY) -> None:
+    async def shutdown(self, drain_timeout: float = 0.0, close_code: int = p.CLOSE_SERVICE_RESTART) -> None:
         """Drain, then stop: readiness turns 503 and new streams are refused at once; streams in
         flight may finish for `drain_timeout` seconds; the rest are told (`going_away`) and
-        every connection is closed with 1001."""
+        every connection is closed with 1012 (Service Restart: reconnect, to another server)."""
         if not self.state.listening:
             return
         self.state.draining = True
@@ -172,7 +181,7 @@ class VoxServer:
         while time.monotonic() < deadline and self.service.open_streams:
             await asyncio.sleep(0.05)
         self.service.abort_all(ErrorKind.GOING_AWAY, "server shutting down")
-        reason = "server shutting down" if close_code == p.CLOSE_GOING_AWAY else "engine failed"
+        reason = "server shutting down" if close_code == p.CLOSE_SERVICE_RESTART else "engine failed"
         closing = asyncio.gather(*(s.close(close_code, reason) for s in list(self.sessions)), return_exceptions=True)
         try:
             # A client that reads nothing cannot be sent a close frame: it is not waited for.
@@ -186,7 +195,7 @@ class VoxServer:
             self._uvicorn.stop()
             await asyncio.gather(self._serving, return_exceptions=True)
         await self.service.close()
-        await asyncio.to_thread(self.scheduler.stop)
+        await asyncio.to_thread(self.devices.stop)
         log.info("stopped (exit code %d)", self.exit_code)
         if self._stopped is not None:
             self._stopped.set()
@@ -197,11 +206,16 @@ class VoxServer:
             loop.add_signal_handler(sig, self.request_shutdown)
 
     def _engine_died(self, exc: BaseException, during_load: bool) -> None:
-        # Called on the scheduler thread. A failed load keeps the server up, answering 503 with
+        # Called on a scheduler thread. A failed load keeps the server up, answering 503 with
         # the reason, so an operator can read it. A dead engine thread cannot be trusted to
-        # reload in-process (CUDA context, half-freed state): every stream has been told
-        # (`internal`), readiness is 503, and the process exits with code 3 for its supervisor.
-        if during_load:
+        # reload in-process (CUDA context, half-freed state): its streams have been told
+        # (`internal`) and its device takes no more streams. While another device serves, the
+        # server goes on with it (`/v1/info` shows the failed device); once none is left,
+        # readiness is 503 and the process exits with code 3 for its supervisor.
+        if during_load or self.devices.status == "ready":
+            if not during_load:
+                log.error("a device failed and takes no more streams; %d of %d still serve",
+                          sum(s.status == "ready" for s in self.devices.schedulers), len(self.devices.schedulers))
             return
         self.exit_code = 3
         if self._loop is not None and not self._loop.is_closed():

@@ -368,7 +368,7 @@ def hello(state: ServerState) -> dict[str, Any]:
         "type": "hello",
         "protocol": p.PROTOCOL_VERSION,
         "server": state.server_name,
-        "status": service.scheduler.status,
+        "status": service.devices.status,
         "engine": engine.name,
         "model": engine.model,
         "sample_rate": engine.sample_rate,

@@ -65,7 +65,8 @@ class EnginePlugin:
 
 
 COMMON_SETTINGS = (
-    Setting("device", str, "auto", "auto, cuda, cuda:N, cpu or mps (engines that run on a device)"),
+    Setting("device", str, "auto", "auto, cuda, cuda:N, cpu or mps (engines that run on a device); several, "
+                                    "comma-separated (cuda:0,cuda:1), or cuda:all: one model and scheduler each"),
     Setting("threads", int, 1, "CPU threads for the model (torch / ONNX Runtime)"),
 )
 

@@ -19,6 +19,7 @@ from ..audio import AudioTooLong, decode_audio_file
 from ..config import Limits
 from ..engine import VOICE_MODES, Engine, ErrorKind, Refused
 from ..metrics import Metrics
+from ..devices import Devices
 from ..scheduler import Scheduler
 from .handoff import LoopMailbox
 from .stream import AudioOutput, Stream, check_output, check_text
@@ -36,11 +37,12 @@ ENCODING_THREADS = 2
 
 
 class StreamService:
-    """Serves streams on one scheduler. Create it, `await start()` on the loop that will use it."""
+    """Serves streams on one scheduler per device (one, or several: `Devices`). Create it,
+    `await start()` on the loop that will use it."""
 
-    def __init__(self, scheduler: Scheduler, limits: Limits | None = None, metrics: Metrics | None = None) -> None:
-        self.scheduler = scheduler
-        self.engine: Engine = scheduler.engine
+    def __init__(self, devices: Devices | Scheduler, limits: Limits | None = None,
+                 metrics: Metrics | None = None) -> None:
+        self.devices = devices if isinstance(devices, Devices) else Devices([devices])
         self.limits = limits or Limits()
         self.metrics = metrics or Metrics()
         self.accepting = True                   # False while draining: no new streams
@@ -56,6 +58,11 @@ class StreamService:
         # Long texts are cut (tokenised) here: never behind a slow normalisation.
         self._splitter = ThreadPoolExecutor(1, thread_name_prefix="vox-ws-split")
         self.encoding = ThreadPoolExecutor(ENCODING_THREADS, thread_name_prefix="vox-ws-encode")
+
+    @property
+    def engine(self) -> Engine:
+        """The engine that speaks for every device (they serve the same model)."""
+        return self.devices.engine
 
     async def start(self) -> None:
         self.mailbox = LoopMailbox(asyncio.get_running_loop())
@@ -95,8 +102,8 @@ class StreamService:
         """
         if not self.accepting:
             raise Refused(ErrorKind.GOING_AWAY, "server shutting down: no new streams")
-        if self.scheduler.status != "ready":
-            raise Refused(ErrorKind.NOT_READY, f"engine is {self.scheduler.status}")
+        if self.devices.status != "ready":
+            raise Refused(ErrorKind.NOT_READY, f"engine is {self.devices.status}")
         if self.mailbox is None:
             raise RuntimeError("StreamService.start() was not awaited")
         streamed_text = text is not None and not isinstance(text, str)
@@ -107,16 +114,22 @@ class StreamService:
         if isinstance(text, str) and len(text) > self.limits.max_text_chars:
             raise Refused(ErrorKind.TOO_LARGE, f"text has {len(text)} characters, over "
                                                f"max_text_chars={self.limits.max_text_chars}")
-        # The stream keeps its voice until it ends, even if the voice is deleted meanwhile.
-        voice_pin = self.engine.pin_voice(voice)
-        stream = Stream(self, next(self._numbers), voice, dict(options or {}), output, input_streaming,
-                        dict(log_fields or {}), text_chars=len(text) if isinstance(text, str) else 0,
-                        voice_pin=voice_pin, owners=owners, instructions=instructions,
-                        word_timestamps=word_timestamps and self.engine.word_timings)
-        if not input_streaming:
-            if not isinstance(text, str) or not text.strip():
-                raise Refused(ErrorKind.INVALID, "nothing to say: the text is empty")
-            stream.queued = stream.say(text)
+        if not input_streaming and (not isinstance(text, str) or not text.strip()):
+            raise Refused(ErrorKind.INVALID, "nothing to say: the text is empty")
+        scheduler = self.devices.place()          # the stream stays on this device to its end
+        try:
+            # The stream keeps its voice until it ends, even if the voice is deleted meanwhile.
+            voice_pin = scheduler.engine.pin_voice(voice)
+            stream = Stream(self, scheduler, next(self._numbers), voice, dict(options or {}), output,
+                            input_streaming, dict(log_fields or {}),
+                            text_chars=len(text) if isinstance(text, str) else 0, voice_pin=voice_pin,
+                            owners=owners, instructions=instructions,
+                            word_timestamps=word_timestamps and self.engine.word_timings)
+            if not input_streaming:
+                stream.queued = stream.say(text)
+        except BaseException:
+            self.devices.release(scheduler)
+            raise
         self._streams.add(stream)
         if isinstance(text, str) and input_streaming and text:
             stream.send_text(text)
@@ -135,7 +148,9 @@ class StreamService:
 
     def forget(self, stream: Stream) -> None:
         """A stream has stopped producing (called by the stream itself)."""
-        self._streams.discard(stream)
+        if stream in self._streams:
+            self._streams.discard(stream)
+            self.devices.release(stream.scheduler)
 
     async def prepare_text(self, text: str, options: dict[str, Any]) -> str:
         work = asyncio.get_running_loop().run_in_executor(self._preparer, self.engine.prepare_text, text, options)
@@ -158,7 +173,7 @@ class StreamService:
     # ------------------------------------------------------------------ voices and LoRA
 
     def voices(self) -> list[str]:
-        return self.engine.voices() if self.scheduler.status == "ready" else []
+        return self.engine.voices() if self.devices.status == "ready" else []
 
     async def register_voice(self, audio: bytes, transcript: str | None = None, mode: str | None = None,
                              owner: str = ANY_OWNER) -> dict:
@@ -174,8 +189,8 @@ class StreamService:
             raise Refused(ErrorKind.INVALID, f"field 'transcript' is required for mode {mode!r}")
         if transcript is not None and len(transcript) > self.limits.max_text_chars:
             raise Refused(ErrorKind.TOO_LARGE, f"field 'transcript' is over max_text_chars={self.limits.max_text_chars}")
-        if self.scheduler.status != "ready":
-            raise Refused(ErrorKind.NOT_READY, f"engine is {self.scheduler.status}")
+        if self.devices.status != "ready":
+            raise Refused(ErrorKind.NOT_READY, f"engine is {self.devices.status}")
         retire = self.voice_owners.reserve(owner)
         assert self._voice_jobs is not None, "StreamService.start() was not awaited"
         try:
@@ -183,14 +198,29 @@ class StreamService:
             # engine's steps (which go on), never between them.
             async with self._voice_jobs:
                 pcm, rate = await self._decode(audio)
-                result = await self._off_thread(self.engine.register_voice, pcm, rate, transcript, mode)
+                result = await self._register_everywhere(pcm, rate, transcript, mode)
             if retire is not None and self.voice_owners.owns(owner, retire):
-                self.engine.delete_voice(retire)
+                self._delete_everywhere(retire)
                 self.voice_owners.remove(retire)
             self.voice_owners.add(owner, result["voice"])
             return result
         finally:
             self.voice_owners.release()
+
+    async def _register_everywhere(self, pcm: Any, rate: int, transcript: str | None, mode: str) -> dict:
+        """The voice on every device, under one id (the first device's)."""
+        first, *others = self.devices.engines
+        result = await self._off_thread(first.register_voice, pcm, rate, transcript, mode)
+        try:
+            for engine in others:
+                await self._off_thread(engine.register_voice, pcm, rate, transcript, mode, result["voice"])
+        except BaseException:
+            self._delete_everywhere(result["voice"])
+            raise
+        return result
+
+    def _delete_everywhere(self, voice: str) -> bool:
+        return any([engine.delete_voice(voice) for engine in self.devices.engines])
 
     async def _decode(self, audio: bytes) -> tuple[Any, int]:
         """Reference audio to mono samples at the engine's rate."""
@@ -214,22 +244,22 @@ class StreamService:
         (another owner's voice looks like no voice at all). Streams using it keep it to their end."""
         if owner != ANY_OWNER and not self.voice_owners.owns(owner, voice):
             return False
-        deleted = self.engine.delete_voice(voice)
+        deleted = self._delete_everywhere(voice)
         self.voice_owners.remove(voice)
         return deleted
 
     async def lora(self, op: str, name: str | None) -> dict[str, Any]:
-        active = self.scheduler.stats()["active"]
-        result = await self._on_engine_thread(lambda: self.engine.lora_op(op, name))
-        return {**result, "streams_in_flight": active}
+        """On every device, between two of its steps."""
+        active = self.devices.stats()["active"]
+        futures = self.devices.call_all(lambda engine: engine.lora_op(op, name))
+        if not futures:
+            raise Refused(ErrorKind.NOT_READY, f"engine is {self.devices.status}")
+        results = [await _engine_work(asyncio.wrap_future(f)) for f in futures]
+        return {**results[0], "streams_in_flight": active}
 
     async def _off_thread(self, fn: Any, *args: Any) -> Any:
         """Run thread-safe engine work on a worker thread."""
         return await _engine_work(asyncio.to_thread(fn, *args))
-
-    async def _on_engine_thread(self, fn: Any) -> Any:
-        """Run engine work between two steps."""
-        return await _engine_work(asyncio.wrap_future(self.scheduler.call(fn)))
 
 
 async def _engine_work(work: Awaitable[Any], failed: str = "") -> Any:

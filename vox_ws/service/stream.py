@@ -56,8 +56,6 @@ NEW_STREAM_AHEAD_S = 1.0
 class StreamHost(Protocol):
     """What a stream needs from the service that opened it."""
 
-    engine: Engine
-    scheduler: Scheduler
     limits: Limits
     metrics: Metrics
     mailbox: LoopMailbox
@@ -109,12 +107,15 @@ def check_output(output: AudioOutput) -> None:
 class Stream:
     """Created by `StreamService.open_stream`; see the module docstring."""
 
-    def __init__(self, service: StreamHost, number: int, voice: str | None, options: dict[str, Any],
+    def __init__(self, service: StreamHost, scheduler: Scheduler, number: int, voice: str | None,
+                 options: dict[str, Any],
                  output: AudioOutput, input_streaming: bool, log_fields: dict[str, Any], text_chars: int = 0,
                  voice_pin: Any = None, owners: tuple[str, ...] = (), instructions: str | None = None,
                  word_timestamps: bool = False) -> None:
-        engine = service.engine
+        engine = scheduler.engine
         self._service = service
+        self.scheduler = scheduler                # its device's: every request of it goes there
+        self._engine = engine
         self.number = number
         self.voice = voice
         self._voice_pin = voice_pin
@@ -234,7 +235,7 @@ class Stream:
             if not self.backlogged():
                 self._backlog_since = None
                 if was_backlogged:
-                    self._service.scheduler.wake()
+                    self.scheduler.wake()
         elif isinstance(event, (Ended, Failed)):
             self._drained = True
         return event
@@ -364,7 +365,7 @@ class Stream:
     def submit(self, text: str) -> int:
         """Queue a generation request for (the next segment of) this stream; its queue position
         (0 also while the text is first prepared by the engine: normalised, say)."""
-        if self._service.engine.prepares_text(self.options):
+        if self._engine.prepares_text(self.options):
             self._preparing = asyncio.ensure_future(self._prepare_then_queue(text))
             return 0
         return self._queue(text, text, prepared=False)
@@ -377,7 +378,7 @@ class Stream:
                 return
             # Normalised text can be several times longer (numbers spelled out): cut it again
             # where one generation could not carry it. Those pieces report their normalised text.
-            pieces = self._service.engine.split_text(prepared, {**self.options, "normalize": False}, self._voice_pin)
+            pieces = self._engine.split_text(prepared, {**self.options, "normalize": False}, self._voice_pin)
             if len(pieces) > 1:
                 self._continues = True
                 self._prepared_pieces.extend(pieces[1:])
@@ -395,12 +396,12 @@ class Stream:
         """Speak a one-shot text: queue it (cut by the engine where one generation cannot carry
         it, the pieces one after another, continuing); its queue position (0 while a long text
         is cut, off the loop: tokenising thousands of characters would hold up every stream)."""
-        if not self._service.engine.cuts_texts:
+        if not self._engine.cuts_texts:
             return self._say([text])
         if len(text) > SPLIT_ON_LOOP_CHARS:
             self._preparing = asyncio.ensure_future(self._split_then_say(text))
             return 0
-        return self._say(self._service.engine.split_text(text, self.options, self._voice_pin))
+        return self._say(self._engine.split_text(text, self.options, self._voice_pin))
 
     def _say(self, pieces: list[str]) -> int:
         self._continues = len(pieces) > 1
@@ -422,8 +423,8 @@ class Stream:
                                     options=dict(self.options), owners=self._owners, prepared=prepared,
                                     context=self._context, keep_continuation=self._continues,
                                     instructions=self._instructions if not self.segments else None)
-        self._service.engine.check(request)
-        position = self._service.scheduler.submit(request)
+        self._engine.check(request)
+        position = self.scheduler.submit(request)
         self._request = request
         self._segment_text = text
         self._segment_start_s = self.audio_s
@@ -574,7 +575,7 @@ class Stream:
         if self._preparing is not None and self._preparing is not asyncio.current_task():
             self._preparing.cancel()
         if self._request is not None and not self._request.cancelled:
-            self._service.scheduler.cancel(self._request)
+            self.scheduler.cancel(self._request)
         self._service.forget(self)
 
     def _drop_queued_audio(self) -> None:
@@ -641,7 +642,7 @@ class Stream:
     def _log(self, outcome: dict[str, Any]) -> None:
         """One structured line per stream, for log pipelines."""
         outcome = {k: v for k, v in outcome.items() if k != "segments"}
-        record = {"event": "stream", "id": self.number, **self._log_fields, "engine": self._service.engine.name,
+        record = {"event": "stream", "id": self.number, **self._log_fields, "engine": self._engine.name,
                   "voice": self.voice, "format": self.format, "input": self.input_streaming,
                   "sample_rate": self.sample_rate, "segments": len(self.segments),
                   "text_chars": sum(len(s["text"]) for s in self.segments) or self._text_chars, **outcome}

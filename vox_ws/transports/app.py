@@ -69,10 +69,12 @@ def _admission(state: ServerState, ws: WebSocket) -> tuple[int, str, str] | None
     if not is_authorized(ws, config.tokens, config.admin_tokens):
         return p.CLOSE_UNAUTHORIZED, "unauthorized: present a valid token", "unauthorized"
     if state.draining:
-        return p.CLOSE_GOING_AWAY, "server shutting down", "draining"
+        return p.CLOSE_SERVICE_RESTART, "server shutting down: connect again (another server)", "draining"
     limits = config.limits
     if len(state.sessions) >= limits.max_connections:
         return p.CLOSE_TRY_AGAIN_LATER, "try again later: server at its connection limit", "capacity"
+    if config.unready_when_full and state.full():
+        return p.CLOSE_TRY_AGAIN_LATER, "try again later: every generation slot is busy", "full"
     if state.per_address[_address(ws)] >= limits.max_connections_per_address:
         return p.CLOSE_TOO_MANY_FROM_ADDRESS, "too many connections from your address", "per_address"
     return None

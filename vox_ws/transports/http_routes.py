@@ -1,4 +1,4 @@
-"""The plain HTTP routes on the server's port: health, readiness, info, metrics, the demo page."""
+"""The plain HTTP routes on the server's port: health, readiness, load, info, metrics, the demo page."""
 
 from __future__ import annotations
 
@@ -37,9 +37,14 @@ def routes(state: ServerState, demo_dir: Path | None) -> list[BaseRoute]:
 
     async def readyz(request: Request) -> Response:
         if state.ready():
+            if state.config.unready_when_full and state.full():
+                return JSONResponse({"status": "full"}, status_code=503, headers=NO_STORE)
             return JSONResponse({"status": "ready"}, headers=NO_STORE)
-        return JSONResponse({"status": state.status(), "error": state.service.scheduler.error}, status_code=503,
+        return JSONResponse({"status": state.status(), "error": state.service.devices.error}, status_code=503,
                             headers=NO_STORE)
+
+    async def load(request: Request) -> Response:
+        return JSONResponse(state.load(), headers=NO_STORE)
 
     def refused(request: Request) -> Response | None:
         config = state.config
@@ -56,6 +61,7 @@ def routes(state: ServerState, demo_dir: Path | None) -> list[BaseRoute]:
     found = [
         Route("/healthz", healthz, methods=["GET"]),
         Route("/readyz", readyz, methods=["GET"]),
+        Route("/v1/load", load, methods=["GET"]),
         Route("/v1/info", info, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
     ]

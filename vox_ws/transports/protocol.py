@@ -45,11 +45,11 @@ RETRYABLE = frozenset({BUSY, NOT_READY, TIMEOUT, SLOW_CONSUMER, RATE_LIMITED, GO
 
 # WebSocket close codes used by the server.
 CLOSE_NORMAL = 1000
-CLOSE_GOING_AWAY = 1001          # server shutting down
+CLOSE_SERVICE_RESTART = 1012     # the server is draining (shutting down): reconnect, elsewhere
 CLOSE_POLICY = 1008              # policy violation: flooding, or not reading while sending
 CLOSE_TOO_BIG = 1009             # frame beyond the hard transport limit
 CLOSE_INTERNAL = 1011            # the engine died
-CLOSE_TRY_AGAIN_LATER = 1013     # server at its connection limit
+CLOSE_TRY_AGAIN_LATER = 1013     # server at its connection limit, or full: reconnect, elsewhere or later
 CLOSE_IDLE = 4000                # idle timeout: no open stream and no message
 CLOSE_UNAUTHORIZED = 4001        # no valid token presented
 CLOSE_TOO_MANY_FROM_ADDRESS = 4029  # too many connections from this client address

@@ -35,23 +35,45 @@ class ServerState:
         return self.config.limits
 
     def ready(self) -> bool:
-        return self.service.scheduler.status == "ready" and self.listening and not self.draining
+        return self.service.devices.status == "ready" and self.listening and not self.draining
+
+    def full(self) -> bool:
+        """Every generation slot is busy: a new stream would wait in the queue."""
+        stats = self.service.devices.stats()
+        return stats["active"] + stats["queued"] >= stats["max_batch"]
+
+    def load(self) -> dict[str, Any]:
+        """The balancers' and autoscalers' figure: cheap, no engine work."""
+        stats = self.service.devices.stats()
+        slots, busy = stats["max_batch"], stats["active"] + stats["queued"]
+        return {
+            "ready": self.ready(),
+            "draining": self.draining,
+            "slots": slots,
+            "active": stats["active"],
+            "queued": stats["queued"],
+            "free_slots": max(0, slots - busy),
+            "mean_step_ms": stats["mean_step_ms"],
+            "load": round(min(1.0, busy / slots), 4) if slots else 1.0,
+            "sessions": len(self.sessions),
+        }
 
     def status(self) -> str:
-        status = self.service.scheduler.status
+        status = self.service.devices.status
         if status == "ready" and (not self.listening or self.draining):
             return "draining"
         return status
 
     def info(self) -> dict[str, Any]:
-        scheduler = self.service.scheduler
-        stats = scheduler.stats()
+        devices = self.service.devices
+        stats = devices.stats()
         stats.pop("status")
         status = self.status()
         return {
             "status": status,
-            "error": scheduler.error,
+            "error": devices.error,
             **self.service.engine.describe(),
+            "device": ",".join(engine.device for engine in devices.engines),
             "voices": self.service.voices() if status == "ready" else [],
             "sessions": len(self.sessions),
             "streams_open": self.service.open_streams,

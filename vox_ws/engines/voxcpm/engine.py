@@ -234,11 +234,11 @@ class VoxCPMEngine(Engine):
     # ------------------------------------------------------------------ voices (any thread) and LoRA
 
     def register_voice(self, audio: np.ndarray, sample_rate: int, transcript: str | None, mode: str,
-                       name: str | None = None) -> dict[str, Any]:
+                       voice_id: str | None = None, name: str | None = None) -> dict[str, Any]:
         """Build a voice's prompt cache once; returns its id. Runs on a worker thread beside
         the steps: the VAE encoder is only read (inference mode), the voice book is locked."""
         cache = encode_voice(self.tts.tts_model, audio, sample_rate, transcript, mode)
-        voice_id = self._voices.add(cache, name)
+        voice_id = self._voices.add(cache, name, voice_id)
         return {"voice": voice_id, "mode": mode, "audio_s": round(len(audio) / sample_rate, 3)}
 
     def delete_voice(self, voice_id: str) -> bool:

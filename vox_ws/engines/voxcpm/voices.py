@@ -44,11 +44,12 @@ class VoiceBook:
         with self._lock:
             return self._builtin.get(voice) or self._registered.get(voice)
 
-    def add(self, cache: dict, name: str | None = None) -> str:
-        """Keep a voice; a name makes it built-in, else it gets an unguessable id."""
-        voice_id = name or "v_" + secrets.token_urlsafe(12)
+    def add(self, cache: dict, name: str | None = None, voice_id: str | None = None) -> str:
+        """Keep a voice; a name makes it built-in; else it is registered under `voice_id`, or
+        an unguessable id made here."""
+        voice_id = name or voice_id or "v_" + secrets.token_urlsafe(12)
         with self._lock:
-            if not name and len(self._registered) >= MAX_VOICES:
+            if not name and voice_id not in self._registered and len(self._registered) >= MAX_VOICES:
                 raise Refused(ErrorKind.BUSY, f"the server holds {MAX_VOICES} registered voices: delete one first")
             (self._builtin if name else self._registered)[voice_id] = cache
         return voice_id

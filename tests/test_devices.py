@@ -1,0 +1,111 @@
+"""Several devices in one server (`--device cpu,cpu` here: two schedulers, two copies of the tiny
+VoxCPM2): placement by free slots, the same audio whichever device serves, voices on every
+device, per-device figures, and what happens when one device's engine dies."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from conftest import connect_client
+from vox_ws.devices import parse_devices
+from vox_ws.engine import EngineFailure
+from vox_ws.engines.voxcpm.engine import VoxCPMEngine
+from vox_ws.testing.tone import ToneEngine
+from test_server_voxcpm import tone_wav
+
+
+@pytest.fixture(scope="module")
+def two_cpus(start_server, tiny_model):
+    engines = [VoxCPMEngine(model=str(tiny_model), device="cpu", max_batch=2) for _ in range(2)]
+    return start_server(engines, max_batch=2, max_streams=8)
+
+
+def test_device_lists():
+    assert parse_devices("cpu,cpu") == ["cpu", "cpu"]
+    assert parse_devices(" cuda:0, cuda:1 ") == ["cuda:0", "cuda:1"]
+    assert parse_devices("") == ["auto"]
+    with pytest.raises(ValueError):
+        parse_devices("cuda:all,cpu")
+    with pytest.raises(ValueError, match="no CUDA device"):
+        parse_devices("cuda:all")          # this machine has none
+
+
+async def test_streams_go_to_the_device_with_the_most_free_slots_and_stay(two_cpus):
+    async with connect_client(two_cpus) as c:
+        for n in range(3):
+            await c.send({"type": "start", "id": f"s{n}", "stream_input": True})
+            await c.recv_where(lambda m, n=n: m["type"] == "start" and m["id"] == f"s{n}")
+            placed = [d["streams_open"] for d in two_cpus.get("/v1/info")[1]["devices"]]
+            assert placed == [[1, 0], [1, 1], [2, 1]][n]
+        await c.send({"type": "cancel", "id": "s1"})          # device 1 frees up
+        await c.recv_where(lambda m: m["type"] == "end" and m["id"] == "s1")
+        await c.send({"type": "start", "id": "s3", "stream_input": True})
+        await c.recv_where(lambda m: m["type"] == "start" and m["id"] == "s3")
+        info = two_cpus.get("/v1/info")[1]
+        assert [d["streams_open"] for d in info["devices"]] == [2, 1]
+        assert info["max_batch"] == 4 and info["device"] == "cpu,cpu"
+        for sid in ("s0", "s2", "s3"):
+            await c.send({"type": "cancel", "id": sid})
+            await c.recv_where(lambda m, sid=sid: m["type"] == "end" and m["id"] == sid)
+    assert [d["streams_open"] for d in two_cpus.get("/v1/info")[1]["devices"]] == [0, 0]
+
+
+async def test_the_same_seed_gives_the_same_audio_on_either_device(two_cpus):
+    async with connect_client(two_cpus) as c:
+        # Opened together, the two land on different devices.
+        for sid in ("a", "b"):
+            await c.send({"type": "start", "id": sid, "text": "Either device.", "options": {"seed": 21, "max_len": 6}})
+        first, second = await c.collect("a"), await c.collect("b")
+    steps = [d["steps_total"] for d in two_cpus.get("/v1/info")[1]["devices"]]
+    assert all(s > 0 for s in steps), steps
+    assert first.pcm().size > 0 and first.end["reason"] == "max_len"
+    np.testing.assert_array_equal(first.pcm(), second.pcm())
+
+
+async def test_a_registered_voice_speaks_on_every_device(two_cpus):
+    async with connect_client(two_cpus) as c:
+        await c.send({"type": "voice", "id": "r", "audio": tone_wav(1.0), "transcript": "A test voice."})
+        voice = (await c.recv_where(lambda m: m["type"] == "voice"))["voice"]
+        for sid in ("a", "b"):
+            await c.send({"type": "start", "id": sid, "text": "In the new voice.", "voice": voice,
+                          "options": {"seed": 4, "max_len": 4}})
+        one, two = await c.collect("a"), await c.collect("b")
+        plain = await c.speak("In the new voice.", "p", options={"seed": 4, "max_len": 4})
+    np.testing.assert_array_equal(one.pcm(), two.pcm())
+    assert not np.array_equal(one.pcm(), plain.pcm())
+
+
+def test_metrics_per_device(two_cpus):
+    _, text = two_cpus.get("/metrics")
+    for index in ("0", "1"):
+        assert f'voxws_device_up{{device="cpu",index="{index}"}} 1.0' in text
+        assert f'voxws_device_active_streams{{device="cpu",index="{index}"}}' in text
+
+
+class DiesOnCue(ToneEngine):
+    """A device whose engine dies (EngineFailure: the device is gone) on a text with the cue."""
+
+    def step(self, batch):
+        if any("DIE" in r.text for r in batch):
+            raise EngineFailure("the device fell off the bus")
+        return super().step(batch)
+
+
+async def test_one_device_failing_leaves_the_others_serving(start_server):
+    server = start_server([DiesOnCue(), ToneEngine()], max_batch=1)
+    async with connect_client(server) as c:
+        await c.send({"type": "start", "id": "doomed", "text": "DIE now please."})     # device 0
+        error = await c.error("doomed")
+        assert error["code"] == "internal"
+        info = server.get("/v1/info")[1]
+        assert [d["status"] for d in info["devices"]] == ["failed", "ready"]
+        assert info["status"] == "ready" and server.get("/readyz")[0] == 200
+        assert "device fell off" in info["error"]
+        # New streams go to the device that is left, and speak.
+        for sid in ("after1", "after2"):
+            result = await c.speak("Still speaking.", sid)
+            assert result.end["reason"] == "done" and result.seconds > 0.3
+    _, text = server.get("/metrics")
+    assert 'voxws_device_up{device="cpu",index="0"} 0.0' in text
+    assert server.server.running            # the server did not exit

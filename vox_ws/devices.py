@@ -1,0 +1,140 @@
+"""Several devices in one server: one scheduler (one engine, one copy of the model) per device.
+
+    stream service ──open──▶ Devices.place() ──▶ the scheduler with the most free slots
+                                                  (its open streams against its slots)
+                   ──voices, LoRA──▶ every scheduler
+
+A stream stays on the device it was placed on (its requests, its continuation, its voice pin
+belong to that engine). Each device's engine loads, steps and may fail on its own thread; a
+device that fails is taken out of placement (its streams got `internal`), and the others go
+on; the server is ready while one device is. `Devices` answers the questions a single
+scheduler answers (status, stats, readiness) for the whole set.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from concurrent.futures import Future
+from typing import Any, Callable
+
+from .engine import Engine, ErrorKind, Refused
+from .scheduler import Scheduler
+
+
+def parse_devices(spec: str) -> list[str]:
+    """`--device`: one device ("auto", "cpu", "cuda:1"), several ("cuda:0,cuda:1", "cpu,cpu"),
+    or every CUDA device ("cuda:all")."""
+    devices = [d.strip() for d in spec.split(",") if d.strip()] or ["auto"]
+    if "cuda:all" in devices:
+        if devices != ["cuda:all"]:
+            raise ValueError("--device cuda:all stands alone")
+        try:
+            import torch
+        except ImportError:
+            raise ValueError("--device cuda:all needs torch") from None
+        count = torch.cuda.device_count()
+        if count == 0:
+            raise ValueError("--device cuda:all: no CUDA device is visible")
+        devices = [f"cuda:{i}" for i in range(count)]
+    return devices
+
+
+class Devices:
+    def __init__(self, schedulers: list[Scheduler]) -> None:
+        if not schedulers:
+            raise ValueError("at least one scheduler")
+        self.schedulers = schedulers
+        self._placed: Counter[int] = Counter()          # open streams per scheduler (by index)
+        self.ready_event = threading.Event()
+        self._waiter = threading.Thread(target=self._wait_loaded, name="vox-ws-devices", daemon=True)
+
+    # ------------------------------------------------------------------ the set as one
+
+    @property
+    def engine(self) -> Engine:
+        """The engine that speaks for all (every device serves the same model and options)."""
+        for scheduler in self.schedulers:
+            if scheduler.status == "ready":
+                return scheduler.engine
+        return self.schedulers[0].engine
+
+    @property
+    def engines(self) -> list[Engine]:
+        return [s.engine for s in self.schedulers]
+
+    @property
+    def status(self) -> str:
+        """ready while one device is; loading while one loads and none is ready; else failed."""
+        statuses = {s.status for s in self.schedulers}
+        if "ready" in statuses:
+            return "ready"
+        return "loading" if "loading" in statuses else "failed"
+
+    @property
+    def error(self) -> str | None:
+        errors = [f"{s.engine.device}: {s.error}" for s in self.schedulers if s.error]
+        return "; ".join(errors) or None
+
+    @property
+    def max_batch(self) -> int:
+        return sum(s.max_batch for s in self.schedulers)
+
+    def start(self) -> None:
+        for scheduler in self.schedulers:
+            scheduler.start()
+        self._waiter.start()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        for scheduler in self.schedulers:
+            scheduler.stop(timeout)
+
+    def _wait_loaded(self) -> None:
+        for scheduler in self.schedulers:
+            scheduler.ready_event.wait()
+        self.ready_event.set()
+
+    def stats(self) -> dict[str, Any]:
+        """The totals, and each device's own figures under `devices`."""
+        each = [{"device": s.engine.device, **s.stats()} for s in self.schedulers]
+        ready = [d for d in each if d["status"] == "ready"]
+        return {
+            "status": self.status,
+            "active": sum(d["active"] for d in each),
+            "queued": sum(d["queued"] for d in each),
+            "max_batch": sum(d["max_batch"] for d in ready) if ready else self.max_batch,
+            "max_queue": sum(d["max_queue"] for d in each),
+            "parked": sum(d["parked"] for d in each),
+            "steps_total": sum(d["steps_total"] for d in each),
+            "last_step_ms": max(d["last_step_ms"] for d in each),
+            "mean_step_ms": round(sum(d["mean_step_ms"] for d in ready) / len(ready), 3) if ready else 0.0,
+            "last_batch_size": max(d["last_batch_size"] for d in each),
+            "devices": [{**d, "streams_open": self._placed[i]} for i, d in enumerate(each)],
+        }
+
+    # ------------------------------------------------------------------ placement
+
+    def place(self) -> Scheduler:
+        """The ready scheduler with the most free slots (open streams against its slots; the
+        first among equals). Call `release` when the stream ends."""
+        best, best_free = None, None
+        for index, scheduler in enumerate(self.schedulers):
+            if scheduler.status != "ready":
+                continue
+            free = (scheduler.max_batch - self._placed[index]) / scheduler.max_batch
+            if best_free is None or free > best_free:
+                best, best_free = index, free
+        if best is None:
+            raise Refused(ErrorKind.NOT_READY, f"engine is {self.status}" + (f": {self.error}" if self.error else ""))
+        self._placed[best] += 1
+        return self.schedulers[best]
+
+    def release(self, scheduler: Scheduler) -> None:
+        index = self.schedulers.index(scheduler)
+        self._placed[index] = max(0, self._placed[index] - 1)
+
+    # ------------------------------------------------------------------ on every device
+
+    def call_all(self, fn: Callable[[Engine], Any]) -> list[Future]:
+        """Run `fn(engine)` on every ready device's scheduler thread, between two steps."""
+        return [s.call(lambda engine=s.engine: fn(engine)) for s in self.schedulers if s.status == "ready"]
