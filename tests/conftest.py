@@ -226,3 +226,67 @@ def tiny_model_stops(tmp_path_factory):
     from vox_ws.testing.tiny_voxcpm import build
 
     return build(tmp_path_factory.mktemp("tiny-voxcpm-stop"), stop="always")
+
+
+# ------------------------------------------------------------------------------ redis-server
+
+
+class RedisServer:
+    """A real redis-server (Debian's) on a loopback port, its data in a directory of its own
+    (append-only file on: a restart keeps what was written)."""
+
+    def __init__(self, directory: str) -> None:
+        import socket as _socket
+
+        with _socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.directory = directory
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.proc = None
+        self.start()
+
+    def start(self) -> None:
+        import subprocess
+        import time as _time
+
+        self.proc = subprocess.Popen(
+            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--dir", self.directory,
+             "--appendonly", "yes", "--appendfsync", "always", "--save", "", "--protected-mode", "no"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = _time.monotonic() + 20
+        while _time.monotonic() < deadline:
+            if self.ping():
+                return
+            _time.sleep(0.05)
+        raise RuntimeError("redis-server did not start")
+
+    def ping(self) -> bool:
+        import socket as _socket
+
+        try:
+            with _socket.create_connection(("127.0.0.1", self.port), timeout=1) as s:
+                s.sendall(b"PING\r\n")
+                return s.recv(16).startswith(b"+PONG")
+        except OSError:
+            return False
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(20)
+
+    def restart(self) -> None:
+        self.stop()
+        self.start()
+
+
+@pytest.fixture(scope="module")
+def redis_server(tmp_path_factory):
+    import shutil
+
+    if shutil.which("redis-server") is None:
+        pytest.fail("redis-server is not installed (scripts/test.sh installs Debian's)")
+    server = RedisServer(str(tmp_path_factory.mktemp("redis")))
+    yield server
+    server.stop()

@@ -253,7 +253,8 @@ async def test_voice_audio_outside_the_accepted_rates_and_channels_is_invalid(vo
 
 async def test_voices_belong_to_their_owner_and_no_one_evicts_another(voxcpm_service_scheduler):
     service = await service_on(voxcpm_service_scheduler, max_voices=4, max_voices_per_owner=2)
-    alice = [(await service.register_voice(tone_wav(0.5), owner="token:alice"))["voice"] for _ in range(3)]
+    alice = [(await service.register_voice(tone_wav(0.5, pitch=200 + n), owner="token:alice"))["voice"]
+             for n in range(3)]
     bob = (await service.register_voice(tone_wav(0.5), owner="token:bob"))["voice"]
     # Alice's third retired her first, nobody else's.
     with pytest.raises(Refused):
@@ -265,10 +266,14 @@ async def test_voices_belong_to_their_owner_and_no_one_evicts_another(voxcpm_ser
     assert await service.delete_voice(alice[1], owner="token:alice") is True
     assert await service.delete_voice(alice[2], owner=ANY_OWNER) is True
     # A full server refuses new owners' voices rather than dropping someone's.
-    for name in ("carol", "dave", "erin"):
-        await service.register_voice(tone_wav(0.5), owner=f"token:{name}")
+    others = {name: (await service.register_voice(tone_wav(0.5), owner=f"token:{name}"))["voice"]
+              for name in ("carol", "dave", "erin")}
     with pytest.raises(Refused) as info:
         await service.register_voice(tone_wav(0.5), owner="token:frank")
+    # The same audio from the same owner is the same voice (no new one, even when full); the
+    # same audio from another owner is another voice.
+    assert (await service.register_voice(tone_wav(0.5), owner="token:erin"))["voice"] == others["erin"]
+    assert len(set(others.values()) | {bob}) == 4
     assert info.value.kind == ErrorKind.BUSY
     service.open_stream("Hi.", voice=bob, options={"max_len": 1}).cancel()
     await service.close()

@@ -53,7 +53,7 @@ async def test_connections_without_a_valid_token_are_refused_before_any_work(gua
     assert "unauthorized" in reason
     await closed_with(guarded, 4001, additional_headers={"Authorization": "Bearer wrong"})
     await closed_with(guarded, 4001, url=guarded.url + "?token=alph")
-    assert guarded.scheduler.steps_total == 0 and not guarded.server.sessions
+    assert guarded.scheduler.stats()["steps_total"] == 0 and not guarded.server.sessions
 
 
 @pytest.mark.parametrize("how", ["header", "query", "second", "admin"])

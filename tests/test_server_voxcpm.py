@@ -84,7 +84,7 @@ async def test_streams_160ms_chunks_at_48khz(voxcpm_server):
 async def test_concurrent_streams_are_batched_and_match_the_package(voxcpm_server, tiny_model):
     """Several streams on several connections, joining at different times: every step batches
     them, and each stream's audio equals the package's output for that request alone."""
-    scheduler = voxcpm_server.scheduler
+    (scheduler,) = voxcpm_server.server.devices.schedulers
     batch_sizes: list[int] = []
     scheduler.on_step = lambda size, seconds: batch_sizes.append(size)
     plan = [("First stream, longest text of all of them.", 101, 20, 0.0),

@@ -224,10 +224,10 @@ def voxcpm_scheduler(tiny_model):
     scheduler.stop()
 
 
-def tone_wav(seconds: float, rate: int = 16000) -> bytes:
+def tone_wav(seconds: float, rate: int = 16000, pitch: float = 180.0) -> bytes:
     t = np.arange(int(seconds * rate)) / rate
     buf = io.BytesIO()
-    soundfile.write(buf, (0.3 * np.sin(2 * np.pi * 180 * t)).astype(np.float32), rate, format="WAV")
+    soundfile.write(buf, (0.3 * np.sin(2 * np.pi * pitch * t)).astype(np.float32), rate, format="WAV")
     return buf.getvalue()
 
 

@@ -40,6 +40,10 @@ _SERVE_OPTIONS: list[tuple[str, Callable[[str], Any], Any, str]] = [
     ("max-voices", int, Limits.max_voices, "registered voices the server keeps in all"),
     ("max-voices-per-owner", int, Limits.max_voices_per_owner,
      "registered voices per token (or address); one more retires the owner's oldest"),
+    ("voice-store", str, "dir:~/.local/share/vox-ws/voices",
+     "where registered voices are kept: dir:PATH (survives restarts), redis://HOST:PORT/DB (shared by "
+     "replicas) or memory"),
+    ("voice-store-max-mb", float, 512.0, "reference audio the voice store may hold, in MB (then `busy`)"),
     ("idle-timeout", float, Limits.idle_timeout_s, "seconds before a connection with no stream and no message is closed"),
     ("max-buffered-audio", float, Limits.max_buffered_audio_s, "audio seconds a stream may have unsent before generation pauses"),
     ("write-stall-timeout", float, Limits.write_stall_timeout_s, "seconds a paused stream may wait on its reader before `slow_consumer`"),

@@ -60,6 +60,10 @@ class ServerConfig:
     # Readiness turns 503, and new connections are closed 1013, while every slot is busy (for
     # balancers that should send new sessions elsewhere).
     unready_when_full: bool = False
+    # Where registered voices are kept: memory, dir:PATH or redis://HOST:PORT/DB (see
+    # service/voice_store.py); the command line's default is a directory.
+    voice_store: str = "memory"
+    voice_store_max_mb: float = 512.0
     # Also serve the Wyoming protocol (Home Assistant) here: tcp://HOST:PORT or unix://PATH.
     wyoming: str | None = None
     limits: Limits = field(default_factory=Limits)

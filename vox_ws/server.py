@@ -22,6 +22,8 @@ from .metrics import Metrics
 from .devices import Devices
 from .scheduler import Scheduler
 from .service import StreamService
+from .service.service import store_limits
+from .service.voice_store import open_store
 from .transports import protocol as p
 from .transports.app import STREAM_PATH, build_app
 from .transports.http_routes import default_demo_dir
@@ -71,7 +73,8 @@ class VoxServer:
                                           on_fatal=self._engine_died, max_share=config.max_share,
                                           max_wait_s=config.limits.max_queue_wait_s) for engine in engines])
         self.metrics = Metrics()
-        self.service = StreamService(self.devices, config.limits, self.metrics)
+        store = open_store(config.voice_store, store_limits(config.limits, int(config.voice_store_max_mb * 2**20)))
+        self.service = StreamService(self.devices, config.limits, self.metrics, voice_store=store)
         self.state = ServerState(config, self.service, self.metrics)
         self.guard = ConnectionGuard(config.limits)
         self.metrics.bind(

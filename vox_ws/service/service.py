@@ -23,14 +23,12 @@ from ..devices import Devices
 from ..scheduler import Scheduler
 from .handoff import LoopMailbox
 from .stream import AudioOutput, Stream, check_output, check_text
-from .voices import VoiceOwners
+from .voice_store import ANY_OWNER, MemoryStore, StoreLimits, VoiceStore, is_registered_id, new_voice
 
 # Reference audio shorter than this cannot carry a voice.
 MIN_VOICE_AUDIO_S = 0.2
 # Reference audio files decoded and encoded at once: CPU work beside the engine's.
 MAX_CONCURRENT_VOICE_JOBS = 1
-# The owner that may delete any voice (admin connections).
-ANY_OWNER = "admin"
 # Threads that run output pipelines (codecs, tempo) for every stream. One encodes some 50
 # streams in real time here (docs/PERFORMANCE.md); FFmpeg releases the GIL while it encodes.
 ENCODING_THREADS = 2
@@ -41,16 +39,18 @@ class StreamService:
     `await start()` on the loop that will use it."""
 
     def __init__(self, devices: Devices | Scheduler, limits: Limits | None = None,
-                 metrics: Metrics | None = None) -> None:
+                 metrics: Metrics | None = None, voice_store: VoiceStore | None = None) -> None:
         self.devices = devices if isinstance(devices, Devices) else Devices([devices])
         self.limits = limits or Limits()
+        # Registered voices: their reference audio, owners and limits (`voice_store.py`).
+        self.store = voice_store or MemoryStore(store_limits(self.limits))
+        self._fetching: dict[str, asyncio.Future] = {}      # voices being rebuilt from the store
         self.metrics = metrics or Metrics()
         self.accepting = True                   # False while draining: no new streams
         self.mailbox: LoopMailbox | None = None
         self._streams: set[Stream] = set()
         self._numbers = itertools.count(1)
         self._watchdog: asyncio.Task | None = None
-        self.voice_owners = VoiceOwners(self.limits.max_voices_per_owner, self.limits.max_voices)
         self._voice_jobs: asyncio.Semaphore | None = None
         # Text preparation (normalisation) runs here, one text at a time: beside the engine,
         # never on its thread or the loop.
@@ -65,6 +65,9 @@ class StreamService:
         return self.devices.engine
 
     async def start(self) -> None:
+        opening = getattr(self.store, "open", None)
+        if opening is not None:
+            await opening()
         self.mailbox = LoopMailbox(asyncio.get_running_loop())
         self._voice_jobs = asyncio.Semaphore(MAX_CONCURRENT_VOICE_JOBS)
         self._watchdog = asyncio.create_task(self._watch(), name="vox-ws-stream-watchdog")
@@ -76,6 +79,7 @@ class StreamService:
         self._preparer.shutdown(wait=False, cancel_futures=True)
         self._splitter.shutdown(wait=False, cancel_futures=True)
         self.encoding.shutdown(wait=False, cancel_futures=True)
+        await self.store.close()
 
     # ------------------------------------------------------------------ streams
 
@@ -118,14 +122,20 @@ class StreamService:
             raise Refused(ErrorKind.INVALID, "nothing to say: the text is empty")
         scheduler = self.devices.place()          # the stream stays on this device to its end
         try:
+            from_store = self.needs_store(voice, scheduler.engine)
+            if from_store and self.store.known_now(voice) is False:
+                scheduler.engine.check_voice(voice)     # refused now, as any unknown voice
             # The stream keeps its voice until it ends, even if the voice is deleted meanwhile.
-            voice_pin = scheduler.engine.pin_voice(voice)
+            voice_pin = None if from_store else scheduler.engine.pin_voice(voice)
             stream = Stream(self, scheduler, next(self._numbers), voice, dict(options or {}), output,
                             input_streaming, dict(log_fields or {}),
                             text_chars=len(text) if isinstance(text, str) else 0, voice_pin=voice_pin,
                             owners=owners, instructions=instructions,
                             word_timestamps=word_timestamps and self.engine.word_timings)
-            if not input_streaming:
+            if from_store:
+                # Fetched (and built) first; what the stream says waits for it.
+                stream.after_voice(self.ensure_voice(voice), text if not input_streaming else None)
+            elif not input_streaming:
                 stream.queued = stream.say(text)
         except BaseException:
             self.devices.release(scheduler)
@@ -143,7 +153,10 @@ class StreamService:
         return await _engine_work(work, "cutting the text failed: ")
 
     def ignores_instructions(self, voice: str | None) -> bool:
-        """Whether instructions would be ignored with this voice (the engine cannot follow them)."""
+        """Whether instructions would be ignored with this voice (the engine cannot follow them;
+        a voice still to be fetched from the store counts as followed)."""
+        if voice is not None and not self.engine.has_voice(voice):
+            return not self.engine.follows_instructions(None) if self.engine.supports_voices else True
         return not self.engine.follows_instructions(self.engine.pin_voice(voice))
 
     def forget(self, stream: Stream) -> None:
@@ -178,7 +191,9 @@ class StreamService:
     async def register_voice(self, audio: bytes, transcript: str | None = None, mode: str | None = None,
                              owner: str = ANY_OWNER) -> dict:
         """Clone a voice from reference audio (WAV, FLAC or OGG bytes) for `owner`; returns
-        {voice, mode, audio_s}. An owner at its cap loses its own oldest voice."""
+        {voice, mode, audio_s}. The same audio, transcript and mode from the same owner give the
+        same id. The voice is kept in the store (the rules of `voice_store.py`: an owner at its
+        cap loses its own oldest voice; a full store refuses) and built on every device."""
         if not self.engine.supports_voices:
             raise Refused(ErrorKind.UNSUPPORTED, f"engine {self.engine.name} cannot clone voices")
         has_transcript = bool(transcript and transcript.strip())
@@ -191,33 +206,69 @@ class StreamService:
             raise Refused(ErrorKind.TOO_LARGE, f"field 'transcript' is over max_text_chars={self.limits.max_text_chars}")
         if self.devices.status != "ready":
             raise Refused(ErrorKind.NOT_READY, f"engine is {self.devices.status}")
-        retire = self.voice_owners.reserve(owner)
         assert self._voice_jobs is not None, "StreamService.start() was not awaited"
+        stored = new_voice(owner, audio, transcript if has_transcript else None, mode)
+        # One reference at a time is decoded and encoded, on a worker thread: beside the
+        # engine's steps (which go on), never between them.
+        async with self._voice_jobs:
+            pcm, rate = await self._decode(audio)
+            result = await self._build_everywhere(pcm, rate, stored.transcript, mode, stored.id)
         try:
-            # One reference at a time is decoded and encoded, on a worker thread: beside the
-            # engine's steps (which go on), never between them.
-            async with self._voice_jobs:
-                pcm, rate = await self._decode(audio)
-                result = await self._register_everywhere(pcm, rate, transcript, mode)
-            if retire is not None and self.voice_owners.owns(owner, retire):
-                self._delete_everywhere(retire)
-                self.voice_owners.remove(retire)
-            self.voice_owners.add(owner, result["voice"])
-            return result
-        finally:
-            self.voice_owners.release()
-
-    async def _register_everywhere(self, pcm: Any, rate: int, transcript: str | None, mode: str) -> dict:
-        """The voice on every device, under one id (the first device's)."""
-        first, *others = self.devices.engines
-        result = await self._off_thread(first.register_voice, pcm, rate, transcript, mode)
-        try:
-            for engine in others:
-                await self._off_thread(engine.register_voice, pcm, rate, transcript, mode, result["voice"])
+            retired = await self.store.put(stored)
         except BaseException:
-            self._delete_everywhere(result["voice"])
+            self._delete_everywhere(stored.id)
             raise
+        for old in retired:
+            self._delete_everywhere(old)
         return result
+
+    def needs_store(self, voice: str | None, engine: Engine) -> bool:
+        """Whether a stream with this voice must first ask the store: a registered voice this
+        device has not built (registered through another server, or before a restart), or, with
+        a store shared by several servers, any registered voice (it may have been deleted)."""
+        if voice is None or not self.engine.supports_voices or not is_registered_id(voice):
+            return False
+        return self.store.shared or not engine.has_voice(voice)
+
+    async def ensure_voice(self, voice: str) -> None:
+        """Make a registered voice ready on every device, from the store; Refused (INVALID)
+        when the store has no such voice. Concurrent callers share one build."""
+        pending = self._fetching.get(voice)
+        if pending is None:
+            pending = asyncio.ensure_future(self._fetch_voice(voice))
+            self._fetching[voice] = pending
+            pending.add_done_callback(lambda _: self._fetching.pop(voice, None))
+        await asyncio.shield(pending)
+
+    async def _fetch_voice(self, voice: str) -> None:
+        missing = [e for e in self.devices.engines if not e.has_voice(voice)]
+        if not missing:
+            if self.store.shared and not await self.store.has(voice):
+                self._delete_everywhere(voice)            # deleted through another server
+                raise Refused(ErrorKind.INVALID, f"unknown voice {voice!r}")
+            return
+        stored = await self.store.get(voice)
+        if stored is None:
+            raise Refused(ErrorKind.INVALID, f"unknown voice {voice!r} (built-in: {self.engine.voices()}; "
+                                             "or register one)")
+        assert self._voice_jobs is not None, "StreamService.start() was not awaited"
+        async with self._voice_jobs:
+            pcm, rate = await self._decode(stored.audio)
+            await self._build_everywhere(pcm, rate, stored.transcript, stored.mode, voice)
+
+    async def _build_everywhere(self, pcm: Any, rate: int, transcript: str | None, mode: str, voice: str) -> dict:
+        """The voice's prompt on every device that lacks it, under its id."""
+        built = []
+        try:
+            for engine in self.devices.engines:
+                if not engine.has_voice(voice):
+                    await self._off_thread(engine.register_voice, pcm, rate, transcript, mode, voice)
+                    built.append(engine)
+        except BaseException:
+            for engine in built:
+                engine.delete_voice(voice)
+            raise
+        return {"voice": voice, "mode": mode, "audio_s": round(len(pcm) / rate, 3)}
 
     def _delete_everywhere(self, voice: str) -> bool:
         return any([engine.delete_voice(voice) for engine in self.devices.engines])
@@ -242,10 +293,9 @@ class StreamService:
     async def delete_voice(self, voice: str, owner: str = ANY_OWNER) -> bool:
         """Delete a registered voice; False if there is none by that id that `owner` may delete
         (another owner's voice looks like no voice at all). Streams using it keep it to their end."""
-        if owner != ANY_OWNER and not self.voice_owners.owns(owner, voice):
-            return False
-        deleted = self._delete_everywhere(voice)
-        self.voice_owners.remove(voice)
+        deleted = await self.store.delete(voice, owner)
+        if deleted:
+            self._delete_everywhere(voice)
         return deleted
 
     async def lora(self, op: str, name: str | None) -> dict[str, Any]:
@@ -260,6 +310,10 @@ class StreamService:
     async def _off_thread(self, fn: Any, *args: Any) -> Any:
         """Run thread-safe engine work on a worker thread."""
         return await _engine_work(asyncio.to_thread(fn, *args))
+
+
+def store_limits(limits: Limits, max_bytes: int = 512 << 20) -> StoreLimits:
+    return StoreLimits(per_owner=limits.max_voices_per_owner, max_voices=limits.max_voices, max_bytes=max_bytes)
 
 
 async def _engine_work(work: Awaitable[Any], failed: str = "") -> Any:

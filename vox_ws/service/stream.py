@@ -403,6 +403,30 @@ class Stream:
             return 0
         return self._say(self._engine.split_text(text, self.options, self._voice_pin))
 
+    def after_voice(self, fetch: Any, text: str | None) -> None:
+        """The voice is fetched from the store first (`fetch`, awaitable); then the stream says
+        `text` (one-shot) or takes its input (streaming); a voice the store lacks fails it."""
+        self._preparing = asyncio.ensure_future(self._voice_then_start(fetch, text))
+
+    async def _voice_then_start(self, fetch: Any, text: str | None) -> None:
+        try:
+            await fetch
+            self._voice_pin = self._engine.pin_voice(self.voice)
+        except Refused as err:
+            self._preparing = None
+            self._fail(err.kind, err.message)
+            return
+        self._preparing = None
+        if self._finished:
+            return
+        try:
+            if text is not None:
+                self.say(text)
+            else:
+                self._pump()
+        except Refused as err:
+            self._fail(err.kind, err.message)
+
     def _say(self, pieces: list[str]) -> int:
         self._continues = len(pieces) > 1
         self._pending.extend(pieces[1:])

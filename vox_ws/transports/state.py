@@ -74,6 +74,7 @@ class ServerState:
             "error": devices.error,
             **self.service.engine.describe(),
             "device": ",".join(engine.device for engine in devices.engines),
+            "voice_store": self.service.store.describe(),
             "voices": self.service.voices() if status == "ready" else [],
             "sessions": len(self.sessions),
             "streams_open": self.service.open_streams,

@@ -1,0 +1,50 @@
+"""deploy/: the Kubernetes manifests against the Kubernetes API schemas (kubernetes-validate,
+strict: no unknown fields), what they must say for a drain to work, and the HAProxy file as
+HAProxy itself reads it."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import kubernetes_validate
+import pytest
+import yaml
+
+DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
+KUBERNETES_VERSION = "1.33.0"
+
+
+def documents() -> list[dict]:
+    return [doc for path in sorted((DEPLOY / "kubernetes").glob("*.yaml"))
+            for doc in yaml.safe_load_all(path.read_text()) if doc]
+
+
+@pytest.mark.parametrize("doc", documents(), ids=lambda d: f"{d['kind']}/{d['metadata']['name']}")
+def test_manifest_is_valid_kubernetes(doc):
+    kubernetes_validate.validate(doc, KUBERNETES_VERSION, strict=True)
+
+
+def test_the_pod_drains_before_it_is_killed():
+    (deployment,) = [d for d in documents() if d["kind"] == "Deployment"]
+    pod = deployment["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    args = container["args"]
+    drain = float(args[args.index("--drain-timeout") + 1])
+    pre_stop = float(container["lifecycle"]["preStop"]["exec"]["command"][-1])
+    # preStop, then the drain, then at most 4 s of closing, all within the grace period.
+    assert pod["terminationGracePeriodSeconds"] > pre_stop + drain + 4
+    assert container["readinessProbe"]["httpGet"]["path"] == "/readyz"
+    assert container["livenessProbe"]["httpGet"]["path"] == "/healthz"
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert "redis://" in args[args.index("--voice-store") + 1]
+    (hpa,) = [d for d in documents() if d["kind"] == "HorizontalPodAutoscaler"]
+    assert hpa["spec"]["metrics"][0]["pods"]["metric"]["name"] == "voxws_active_streams"
+
+
+def test_haproxy_reads_the_configuration():
+    if shutil.which("haproxy") is None:
+        pytest.fail("haproxy is not installed (scripts/test.sh installs Debian's)")
+    check = subprocess.run(["haproxy", "-c", "-f", str(DEPLOY / "haproxy.cfg")], capture_output=True, text=True)
+    assert check.returncode == 0, check.stdout + check.stderr

@@ -1,0 +1,179 @@
+"""Registered voices in a store: the rules (ids by content, owners, caps) in every store — memory,
+a directory, a real redis-server — then servers that share one: a voice survives a restart,
+is usable through another replica, and an unreachable store fails voice operations only."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from conftest import connect_client
+from test_stream_service import tone_wav
+from vox_ws.engine import ErrorKind, Refused
+from vox_ws.engines.voxcpm.engine import VoxCPMEngine
+from vox_ws.service.voice_store import (ANY_OWNER, DirectoryStore, MemoryStore, RedisStore, StoreLimits, new_voice,
+                                        owner_key)
+
+LIMITS = StoreLimits(per_owner=2, max_voices=4, max_bytes=200_000)
+
+
+@pytest.fixture(params=["memory", "dir", "redis"])
+async def store(request, tmp_path, redis_server):
+    if request.param == "memory":
+        made = MemoryStore(LIMITS)
+    elif request.param == "dir":
+        made = DirectoryStore(tmp_path / "voices", LIMITS)
+        await made.open()
+    else:
+        made = RedisStore(redis_server.url, LIMITS)
+        await made._redis.flushdb()
+    yield made
+    await made.close()
+
+
+def voice(owner: str, pitch: float, seconds: float = 0.5):
+    return new_voice(owner, tone_wav(seconds, pitch=pitch), "A transcript.", "both")
+
+
+async def test_the_rules_hold_in_every_store(store):
+    alice = [voice("token:alice", 200 + n) for n in range(3)]
+    assert await store.put(alice[0]) == [] and await store.put(alice[1]) == []
+    # The same content from the same owner is the same voice; from another owner another one.
+    assert voice("token:alice", 200).id == alice[0].id
+    assert voice("token:bob", 200).id != alice[0].id
+    assert await store.put(voice("token:alice", 200)) == []
+    # Alice's third retires her oldest, no one else's.
+    assert await store.put(alice[2]) == [alice[0].id]
+    assert await store.get(alice[0].id) is None
+    stored = await store.get(alice[1].id)
+    assert stored.audio == alice[1].audio and stored.transcript == "A transcript." and stored.mode == "both"
+    assert stored.owner == owner_key("token:alice") != "token:alice"       # no token is stored
+    # Full (4 voices): refused, nothing evicted.
+    await store.put(voice("token:bob", 300))
+    await store.put(voice("token:carol", 300))
+    with pytest.raises(Refused) as full:
+        await store.put(voice("token:dave", 300))
+    assert full.value.kind == ErrorKind.BUSY
+    assert (await store.usage())["voices"] == 4
+    # Only the owner (or an admin) deletes.
+    assert await store.delete(alice[1].id, "token:bob") is False
+    assert await store.delete(alice[1].id, "token:alice") is True
+    assert await store.delete(alice[2].id, ANY_OWNER) is True
+    assert await store.delete(alice[2].id, ANY_OWNER) is False
+    # The byte cap: 200 kB; a 6 s reference is 192 kB (16-bit, 16 kHz) beside the 32 kB kept.
+    assert (await store.usage())["voices"] == 2
+    with pytest.raises(Refused, match="bytes"):
+        await store.put(voice("token:erin", 300, seconds=6.0))
+
+
+async def test_a_directory_store_survives_a_restart(tmp_path):
+    first = DirectoryStore(tmp_path / "v", LIMITS)
+    await first.open()
+    kept = voice("token:a", 220)
+    await first.put(kept)
+    again = DirectoryStore(tmp_path / "v", LIMITS)
+    await again.open()
+    assert (await again.get(kept.id)).audio == kept.audio
+    (tmp_path / "v" / "v_broken.json").write_text("{not json")       # a crash's leftovers are skipped
+    await DirectoryStore(tmp_path / "v", LIMITS).open()
+
+
+async def test_redis_keeps_voices_across_its_restart(redis_server):
+    store = RedisStore(redis_server.url, LIMITS)
+    await store._redis.flushdb()
+    kept = voice("token:a", 230)
+    await store.put(kept)
+    await store.close()
+    redis_server.restart()
+    store = RedisStore(redis_server.url, LIMITS)
+    try:
+        assert (await store.get(kept.id)).audio == kept.audio
+    finally:
+        await store.close()
+
+
+# ------------------------------------------------------------------ servers on one store
+
+
+def tiny_server(start_server, tiny_model, store: str):
+    return start_server(VoxCPMEngine(model=str(tiny_model), device="cpu", max_batch=2), max_batch=2,
+                        voice_store=store)
+
+
+async def register(server, seconds: float = 1.0, pitch: float = 190.0) -> str:
+    async with connect_client(server) as c:
+        await c.send({"type": "voice", "id": "r", "audio": tone_wav(seconds, pitch=pitch),
+                      "transcript": "The reference says this."})
+        reply = await c.recv_where(lambda m: m.get("id") == "r")
+        assert reply["type"] == "voice", reply
+        return reply["voice"]
+
+
+async def speak(server, voice: str | None, sid: str = "s"):
+    async with connect_client(server) as c:
+        return await c.speak("Speak in the stored voice.", sid, voice=voice, options={"seed": 9, "max_len": 4})
+
+
+async def test_a_voice_in_a_directory_store_speaks_after_a_restart(start_server, tiny_model, tmp_path):
+    store = f"dir:{tmp_path / 'voices'}"
+    first = tiny_server(start_server, tiny_model, store)
+    voice_id = await register(first)
+    before = await speak(first, voice_id)
+    first.stop()
+    second = tiny_server(start_server, tiny_model, store)          # a new process would do the same
+    after = await speak(second, voice_id)
+    assert after.end["reason"] == "max_len"
+    np.testing.assert_allclose(after.pcm(), before.pcm(), atol=1e-4)
+    plain = await speak(second, None)
+    assert not np.allclose(plain.pcm(), after.pcm(), atol=1e-4)
+
+
+async def test_replicas_on_one_redis_share_voices(start_server, tiny_model, redis_server):
+    import redis.asyncio
+
+    client = redis.asyncio.from_url(redis_server.url)
+    await client.flushdb()
+    await client.aclose()
+    a = tiny_server(start_server, tiny_model, redis_server.url)
+    b = tiny_server(start_server, tiny_model, redis_server.url)
+    voice_id = await register(a)
+    on_a = await speak(a, voice_id)
+    on_b = await speak(b, voice_id)                 # b builds the prompt on first use
+    assert on_b.error is None and on_b.end["reason"] == "max_len"
+    np.testing.assert_allclose(on_b.pcm(), on_a.pcm(), atol=1e-4)
+    # Deleted through a: b no longer speaks it (it asks the shared store).
+    async with connect_client(a) as c:
+        await c.send({"type": "voice_delete", "id": "d", "voice": voice_id})
+        assert (await c.recv_where(lambda m: m.get("id") == "d"))["deleted"] is True
+    gone = await speak(b, voice_id)
+    assert gone.error is not None and gone.error["code"] == "bad_request" and voice_id in gone.error["message"]
+
+
+async def test_an_unreachable_store_fails_voice_operations_only(start_server, tiny_model, tmp_path):
+    from conftest import RedisServer
+
+    redis = RedisServer(str(tmp_path))
+    server = tiny_server(start_server, tiny_model, redis.url)
+    voice_id = await register(server)
+    redis.stop()
+    async with connect_client(server) as c:
+        await c.send({"type": "voice", "id": "r", "audio": tone_wav(1.0, pitch=250)})
+        error = await c.recv_where(lambda m: m.get("id") == "r")
+        assert error["type"] == "error" and error["code"] == "not_ready" and error["retryable"]
+        assert "voice store is unavailable" in error["message"]
+        failed = await c.speak("With a stored voice.", "v", voice=voice_id, options={"max_len": 2})
+        assert failed.error["code"] == "not_ready"
+        # Streams without a registered voice are not affected.
+        fine = await c.speak("Without one.", "p", options={"max_len": 3, "seed": 1})
+        assert fine.end["reason"] == "max_len"
+    redis.start()
+    again = await speak(server, voice_id)
+    assert again.end["reason"] == "max_len"
+    redis.stop()
+
+
+async def test_same_audio_twice_is_one_voice_over_the_wire(start_server, tiny_model):
+    server = tiny_server(start_server, tiny_model, "memory")
+    first, second = await register(server, pitch=300), await register(server, pitch=300)
+    assert first == second
+    assert await register(server, pitch=301) != first

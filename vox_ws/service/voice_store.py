@@ -1,0 +1,382 @@
+"""Registered voices, kept where every replica finds them and a restart does not lose them.
+
+What is stored is what rebuilds a voice on any server: the reference audio as uploaded, its
+transcript and mode, under an id made from their content and the owner's (so registering the
+same audio twice gives the same id), with its owner and when it was stored. The prompt an
+engine computes from it is not stored: each server builds it on first use (a VAE pass).
+
+Rules, enforced by every store (atomically in Redis, across replicas):
+- an owner keeps at most `per_owner` voices: one more retires that owner's oldest, never
+  anyone else's;
+- the store holds at most `max_voices` voices and `max_bytes` bytes of audio: beyond either a
+  registration is refused (`busy`) until voices are deleted: nothing is evicted for it;
+- only the owner (or an admin) deletes a voice; another owner's voice looks like no voice.
+
+Owners are stored as a hash of their name (a name may be a client token).
+
+    memory        this process only (tests, or a server that wants no state)
+    dir:PATH      a local directory: one audio file and one JSON file per voice (the default)
+    redis://...   a Redis server, shared by replicas (the `redis` package's asyncio client)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import hashlib
+import json
+import os
+import re
+import time
+from abc import ABC, abstractmethod
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from ..engine import ErrorKind, Refused
+
+ANY_OWNER = "admin"
+
+
+@dataclass(frozen=True)
+class StoredVoice:
+    id: str
+    audio: bytes               # the reference audio file, as uploaded (WAV, FLAC or OGG)
+    transcript: str | None
+    mode: str
+    owner: str                 # the owner's hash (`owner_key`)
+    created: float
+
+
+@dataclass(frozen=True)
+class StoreLimits:
+    per_owner: int
+    max_voices: int
+    max_bytes: int
+
+
+def owner_key(owner: str) -> str:
+    return hashlib.sha256(b"vox-ws owner\0" + owner.encode()).hexdigest()[:32]
+
+
+_REGISTERED_ID = re.compile(r"v_[a-z2-7]{32}")
+
+
+def is_registered_id(voice: str) -> bool:
+    """Whether a name has the shape of a registered voice's id (built-in names never do)."""
+    return _REGISTERED_ID.fullmatch(voice) is not None
+
+
+def voice_id(owner: str, audio: bytes, transcript: str | None, mode: str) -> str:
+    """The id of a voice: its content and its owner's, hashed; unguessable without the audio."""
+    digest = hashlib.sha256()
+    for part in (b"vox-ws voice", owner_key(owner).encode(), mode.encode(), (transcript or "").encode(), audio):
+        digest.update(len(part).to_bytes(8, "big"))
+        digest.update(part)
+    return "v_" + base64.b32encode(digest.digest()[:20]).decode().lower().rstrip("=")
+
+
+class StoreUnavailable(Refused):
+    """The store cannot be reached: voice operations fail, built-in voices are unaffected."""
+
+    def __init__(self, what: str, exc: BaseException) -> None:
+        super().__init__(ErrorKind.NOT_READY, f"the voice store is unavailable ({what}): {type(exc).__name__}: {exc}")
+
+
+class VoiceStore(ABC):
+    """Where registered voices live. Every method is a coroutine; none blocks the loop."""
+
+    name = "store"
+    # Whether other servers use it too (a voice may appear or go through them).
+    shared = False
+
+    def __init__(self, limits: StoreLimits) -> None:
+        self.limits = limits
+
+    async def has(self, voice: str) -> bool:
+        return await self.get(voice) is not None
+
+    def known_now(self, voice: str) -> bool | None:
+        """Whether the store has the voice, where that is known without waiting (a store in this
+        process); None where it must be asked."""
+        return None
+
+    @abstractmethod
+    async def get(self, voice: str) -> StoredVoice | None:
+        """The voice, or None when there is none by that id."""
+
+    @abstractmethod
+    async def put(self, voice: StoredVoice) -> list[str]:
+        """Keep a voice under the rules above; returns the ids retired to make room (the owner's
+        oldest). Raises Refused(BUSY) when the store is full."""
+
+    @abstractmethod
+    async def delete(self, voice: str, owner: str) -> bool:
+        """Delete a voice of `owner` (ANY_OWNER: any voice); False when there is none it may delete."""
+
+    @abstractmethod
+    async def usage(self) -> dict[str, int]:
+        """{voices, bytes}."""
+
+    async def close(self) -> None:
+        return None
+
+    def describe(self) -> str:
+        return self.name
+
+    def _refuse_full(self, voices: int, size: int, adding: int) -> None:
+        limits = self.limits
+        if voices + 1 > limits.max_voices:
+            raise Refused(ErrorKind.BUSY, f"the voice store holds {limits.max_voices} voices: delete some first")
+        if size + adding > limits.max_bytes:
+            raise Refused(ErrorKind.BUSY, f"the voice store holds {limits.max_bytes} bytes of audio: delete some first")
+
+
+class MemoryStore(VoiceStore):
+    """This process only; the rules as every store's."""
+
+    name = "memory"
+
+    def __init__(self, limits: StoreLimits) -> None:
+        super().__init__(limits)
+        self._voices: dict[str, StoredVoice] = {}
+        self._lock = asyncio.Lock()
+
+    async def get(self, voice: str) -> StoredVoice | None:
+        return self._voices.get(voice)
+
+    def known_now(self, voice: str) -> bool | None:
+        return voice in self._voices
+
+    async def put(self, voice: StoredVoice) -> list[str]:
+        async with self._lock:
+            return self._put(voice)
+
+    def _put(self, voice: StoredVoice) -> list[str]:
+        if voice.id in self._voices:
+            return []
+        owned = sorted((v for v in self._voices.values() if v.owner == voice.owner), key=lambda v: v.created)
+        retired = [v.id for v in owned[:max(0, len(owned) - self.limits.per_owner + 1)]]
+        remaining = [v for v in self._voices.values() if v.id not in retired]
+        self._refuse_full(len(remaining), sum(len(v.audio) for v in remaining), len(voice.audio))
+        for old in retired:
+            self._drop(old)
+        self._keep(voice)
+        return retired
+
+    def _keep(self, voice: StoredVoice) -> None:
+        self._voices[voice.id] = voice
+
+    def _drop(self, voice: str) -> None:
+        self._voices.pop(voice, None)
+
+    async def delete(self, voice: str, owner: str) -> bool:
+        async with self._lock:
+            stored = self._voices.get(voice)
+            if stored is None or (owner != ANY_OWNER and stored.owner != owner_key(owner)):
+                return False
+            self._drop(voice)
+            return True
+
+    async def usage(self) -> dict[str, int]:
+        return {"voices": len(self._voices), "bytes": sum(len(v.audio) for v in self._voices.values())}
+
+
+class DirectoryStore(MemoryStore):
+    """A local directory, read at start: `ID.audio` and `ID.json` per voice, written through a
+    temporary file and a rename (a crash leaves no half voice). One server per directory."""
+
+    name = "dir"
+
+    def __init__(self, path: str | Path, limits: StoreLimits) -> None:
+        super().__init__(limits)
+        self.path = Path(path).expanduser()
+
+    async def open(self) -> None:
+        try:
+            self._voices = await asyncio.to_thread(self._read_all)
+        except OSError as exc:
+            raise StoreUnavailable(str(self.path), exc) from None
+
+    def _read_all(self) -> dict[str, StoredVoice]:
+        self.path.mkdir(parents=True, exist_ok=True)
+        voices = {}
+        for meta in self.path.glob("v_*.json"):
+            audio = meta.with_suffix(".audio")
+            try:
+                fields = json.loads(meta.read_text(encoding="utf-8"))
+                voices[fields["id"]] = StoredVoice(audio=audio.read_bytes(), **fields)
+            except (OSError, ValueError, KeyError, TypeError):
+                continue             # a voice half written by a crash, or not ours: skipped
+        return voices
+
+    def describe(self) -> str:
+        return f"dir:{self.path}"
+
+    async def put(self, voice: StoredVoice) -> list[str]:
+        async with self._lock:
+            retired = self._put(voice)
+            try:
+                await asyncio.to_thread(self._write, voice, retired)
+            except OSError as exc:
+                self._voices.pop(voice.id, None)
+                raise StoreUnavailable(str(self.path), exc) from None
+            return retired
+
+    def _write(self, voice: StoredVoice, retired: list[str]) -> None:
+        for old in retired:
+            self._unlink(old)
+        fields = {k: v for k, v in asdict(voice).items() if k != "audio"}
+        for suffix, data in ((".audio", voice.audio), (".json", json.dumps(fields).encode())):
+            target = self.path / f"{voice.id}{suffix}"
+            partial = target.with_name(target.name + ".partial")
+            partial.write_bytes(data)
+            os.replace(partial, target)
+
+    def _unlink(self, voice: str) -> None:
+        for suffix in (".json", ".audio"):
+            (self.path / f"{voice}{suffix}").unlink(missing_ok=True)
+
+    async def delete(self, voice: str, owner: str) -> bool:
+        deleted = await super().delete(voice, owner)
+        if deleted:
+            await asyncio.to_thread(self._unlink, voice)
+        return deleted
+
+
+# Keep a voice in Redis under the rules, atomically: retire the owner's oldest beyond its cap,
+# refuse when the store is full, then write. KEYS: voices (zset id -> created), owner's (zset),
+# bytes (counter), the voice (hash). ARGV: id, owner, created, size, per_owner, max_voices,
+# max_bytes, audio, transcript, mode, the key prefix.
+_PUT = """
+if redis.call('EXISTS', KEYS[4]) == 1 then return {'exists'} end
+local per_owner, max_voices, max_bytes = tonumber(ARGV[5]), tonumber(ARGV[6]), tonumber(ARGV[7])
+local size = tonumber(ARGV[4])
+local owned = redis.call('ZRANGE', KEYS[2], 0, -1)
+local retire = {}
+local freed_voices, freed_bytes = 0, 0
+for i = 1, #owned - per_owner + 1 do
+  local old = owned[i]
+  table.insert(retire, old)
+  freed_voices = freed_voices + 1
+  freed_bytes = freed_bytes + tonumber(redis.call('HGET', ARGV[11] .. 'voice:' .. old, 'size') or '0')
+end
+local voices = redis.call('ZCARD', KEYS[1]) - freed_voices
+local bytes = tonumber(redis.call('GET', KEYS[3]) or '0') - freed_bytes
+if voices + 1 > max_voices then return {'full_voices'} end
+if bytes + size > max_bytes then return {'full_bytes'} end
+for _, old in ipairs(retire) do
+  redis.call('DEL', ARGV[11] .. 'voice:' .. old)
+  redis.call('ZREM', KEYS[1], old)
+  redis.call('ZREM', KEYS[2], old)
+end
+redis.call('INCRBY', KEYS[3], size - freed_bytes)
+redis.call('HSET', KEYS[4], 'audio', ARGV[8], 'transcript', ARGV[9], 'mode', ARGV[10], 'owner', ARGV[2],
+           'created', ARGV[3], 'size', ARGV[4])
+redis.call('ZADD', KEYS[1], ARGV[3], ARGV[1])
+redis.call('ZADD', KEYS[2], ARGV[3], ARGV[1])
+table.insert(retire, 1, 'ok')
+return retire
+"""
+
+# Delete one voice if `owner` owns it (ARGV[2] empty: any owner). KEYS: the voice, voices, bytes.
+# ARGV: id, owner, the key prefix.
+_DELETE = """
+local owner = redis.call('HGET', KEYS[1], 'owner')
+if not owner then return 0 end
+if ARGV[2] ~= '' and owner ~= ARGV[2] then return 0 end
+local size = tonumber(redis.call('HGET', KEYS[1], 'size') or '0')
+redis.call('DEL', KEYS[1])
+redis.call('ZREM', KEYS[2], ARGV[1])
+redis.call('ZREM', ARGV[3] .. 'owner:' .. owner, ARGV[1])
+redis.call('DECRBY', KEYS[3], size)
+return 1
+"""
+
+
+class RedisStore(VoiceStore):
+    """A Redis server (`redis://HOST:PORT/DB`) shared by every replica. Keys under `voxws:`."""
+
+    name = "redis"
+    shared = True
+    PREFIX = "voxws:"
+    TIMEOUT_S = 2.0
+
+    def __init__(self, url: str, limits: StoreLimits) -> None:
+        super().__init__(limits)
+        import redis.asyncio as redis
+
+        self.url = url
+        self._redis = redis.from_url(url, socket_timeout=self.TIMEOUT_S, socket_connect_timeout=self.TIMEOUT_S)
+        self._put_script = self._redis.register_script(_PUT)
+        self._delete_script = self._redis.register_script(_DELETE)
+
+    def describe(self) -> str:
+        return "redis:" + self.url.split("@")[-1]          # no password in what is shown
+
+    async def _call(self, what: str, work: Any) -> Any:
+        import redis
+
+        try:
+            return await work
+        except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
+            raise StoreUnavailable(what, exc) from None
+
+    def _key(self, kind: str, name: str = "") -> str:
+        return f"{self.PREFIX}{kind}{':' + name if name else ''}"
+
+    async def get(self, voice: str) -> StoredVoice | None:
+        fields = await self._call("get", self._redis.hgetall(self._key("voice", voice)))
+        if not fields:
+            return None
+        text = {k.decode(): v for k, v in fields.items()}
+        transcript = text["transcript"].decode()
+        return StoredVoice(id=voice, audio=text["audio"], transcript=transcript or None, mode=text["mode"].decode(),
+                           owner=text["owner"].decode(), created=float(text["created"]))
+
+    async def has(self, voice: str) -> bool:
+        return bool(await self._call("has", self._redis.exists(self._key("voice", voice))))
+
+    async def put(self, voice: StoredVoice) -> list[str]:
+        limits = self.limits
+        keys = [self._key("voices"), self._key("owner", voice.owner), self._key("bytes"), self._key("voice", voice.id)]
+        args = [voice.id, voice.owner, repr(voice.created), len(voice.audio), limits.per_owner, limits.max_voices,
+                limits.max_bytes, voice.audio, voice.transcript or "", voice.mode, self.PREFIX]
+        answer = await self._call("put", self._put_script(keys=keys, args=args))
+        status = answer[0].decode() if isinstance(answer[0], bytes) else answer[0]
+        if status == "exists":
+            return []
+        if status == "full_voices":
+            raise Refused(ErrorKind.BUSY, f"the voice store holds {limits.max_voices} voices: delete some first")
+        if status == "full_bytes":
+            raise Refused(ErrorKind.BUSY, f"the voice store holds {limits.max_bytes} bytes of audio: delete some first")
+        return [old.decode() for old in answer[1:]]
+
+    async def delete(self, voice: str, owner: str) -> bool:
+        keys = [self._key("voice", voice), self._key("voices"), self._key("bytes")]
+        who = "" if owner == ANY_OWNER else owner_key(owner)
+        return bool(await self._call("delete", self._delete_script(keys=keys, args=[voice, who, self.PREFIX])))
+
+    async def usage(self) -> dict[str, int]:
+        voices = await self._call("usage", self._redis.zcard(self._key("voices")))
+        size = await self._call("usage", self._redis.get(self._key("bytes")))
+        return {"voices": int(voices), "bytes": int(size or 0)}
+
+    async def close(self) -> None:
+        await self._redis.aclose()
+
+
+def open_store(spec: str, limits: StoreLimits) -> VoiceStore:
+    """`memory`, `dir:PATH` or a `redis://` URL (`rediss://` for TLS)."""
+    if spec == "memory":
+        return MemoryStore(limits)
+    if spec.startswith("dir:"):
+        return DirectoryStore(spec[4:], limits)
+    if spec.startswith(("redis://", "rediss://", "unix://")):
+        return RedisStore(spec, limits)
+    raise ValueError(f"unknown voice store {spec!r}: memory, dir:PATH or redis://HOST:PORT/DB")
+
+
+def new_voice(owner: str, audio: bytes, transcript: str | None, mode: str) -> StoredVoice:
+    return StoredVoice(id=voice_id(owner, audio, transcript, mode), audio=audio, transcript=transcript, mode=mode,
+                       owner=owner_key(owner), created=time.time())
