@@ -109,3 +109,33 @@ async def test_one_device_failing_leaves_the_others_serving(start_server):
     _, text = server.get("/metrics")
     assert 'voxws_device_up{device="cpu",index="0"} 0.0' in text
     assert server.server.running            # the server did not exit
+
+
+async def test_max_batch_auto_sizes_the_slots_to_the_device(start_server, tiny_model):
+    """`--max-batch auto` on a CPU: the engine times its batched step and keeps the most rows
+    whose step takes at most half the audio it makes; hello and /v1/info say how many and why."""
+    server = start_server(VoxCPMEngine(model=str(tiny_model), device="cpu", max_batch=None), max_batch=None)
+    info = server.get("/v1/info")[1]
+    assert 1 <= info["max_batch"] <= 32
+    assert "a step of B rows took" in info["slots_reason"] and "ms of audio each" in info["slots_reason"]
+    async with connect_client(server) as c:
+        assert c.hello["slots"] == info["max_batch"]
+        result = await c.speak("Sized to the device.", "a", options={"seed": 1, "max_len": 4})
+    assert result.end["reason"] == "max_len"
+
+
+async def test_max_batch_auto_for_piper_follows_its_measured_speed(start_server):
+    from vox_ws.engines.piper import PiperEngine
+
+    server = start_server(PiperEngine(), max_batch=None)
+    info = server.get("/v1/info")[1]
+    assert info["max_batch"] >= 1 and "faster than real time" in info["slots_reason"]
+
+
+def test_the_command_line_takes_auto_or_a_number():
+    from vox_ws.cli import build_parser, config_from_args
+
+    assert config_from_args(build_parser().parse_args(["serve"])).max_batch is None
+    assert config_from_args(build_parser().parse_args(["serve", "--max-batch", "12"])).max_batch == 12
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--max-batch", "0"])

@@ -37,7 +37,9 @@ class ServerConfig:
     engine: str = "auto"
     device: str = "auto"
     threads: int = 1
-    max_batch: int = 8
+    # Slots per device (streams generated at once); None: sized to the device once the engine
+    # has loaded (`Engine.slots`; the command line's default, `--max-batch auto`).
+    max_batch: int | None = 8
     # Slots one client (a connection; a token or address) may hold while others wait;
     # None: half of max_batch.
     max_share: int | None = None

@@ -78,7 +78,7 @@ class Devices:
 
     @property
     def max_batch(self) -> int:
-        return sum(s.max_batch for s in self.schedulers)
+        return sum(s.max_batch or 0 for s in self.schedulers)
 
     def start(self) -> None:
         for scheduler in self.schedulers:
@@ -109,6 +109,7 @@ class Devices:
             "last_step_ms": max(d["last_step_ms"] for d in each),
             "mean_step_ms": round(sum(d["mean_step_ms"] for d in ready) / len(ready), 3) if ready else 0.0,
             "last_batch_size": max(d["last_batch_size"] for d in each),
+            "slots_reason": "; ".join(sorted({d["slots_reason"] for d in each})),
             "devices": [{**d, "streams_open": self._placed[i]} for i, d in enumerate(each)],
         }
 
@@ -121,7 +122,8 @@ class Devices:
         for index, scheduler in enumerate(self.schedulers):
             if scheduler.status != "ready":
                 continue
-            free = (scheduler.max_batch - self._placed[index]) / scheduler.max_batch
+            slots = scheduler.max_batch or 1
+            free = (slots - self._placed[index]) / slots
             if best_free is None or free > best_free:
                 best, best_free = index, free
         if best is None:

@@ -254,6 +254,11 @@ class Engine(ABC):
         if request.voice_pin is None:
             self.check_voice(request.voice)
 
+    def slots(self) -> tuple[int, str]:
+        """After `load`: how many streams this device should serve at once (its scheduler's
+        slots with `--max-batch auto`), and how that was chosen."""
+        return 8, "the default (this engine does not size itself)"
+
     def prepares_text(self, options: dict[str, Any]) -> bool:
         """Whether a text with these options needs `prepare_text` before it is queued."""
         return False

@@ -37,16 +37,19 @@ class Scheduler:
     def __init__(
         self,
         engine: Engine,
-        max_batch: int = 8,
+        max_batch: int | None = 8,
         max_queue: int = 64,
         on_fatal: Callable[[BaseException, bool], None] | None = None,
         max_share: int | None = None,
         max_wait_s: float | None = None,
     ) -> None:
         self.engine = engine
-        self.max_batch = max_batch
+        # None: the engine sizes its slots once loaded (`Engine.slots`: `--max-batch auto`).
+        self.max_batch: int | None = max_batch
+        self.slots_reason = "--max-batch" if max_batch is not None else "chosen when the engine has loaded"
         self.max_queue = max_queue
-        self.max_share = max_share or max(1, max_batch // 2)
+        self._max_share = max_share
+        self.max_share = max_share or max(1, (max_batch or 2) // 2)
         self.fair = FairShare(self.max_share)
         self.max_wait_s = max_wait_s
         self.status = "loading"          # loading -> ready | failed; ready -> failed
@@ -114,7 +117,8 @@ class Scheduler:
                 "status": self.status,
                 "active": len(self._active),
                 "queued": len(self._waiting),
-                "max_batch": self.max_batch,
+                "max_batch": self.max_batch or 0,
+                "slots_reason": self.slots_reason,
                 "max_queue": self.max_queue,
                 "parked": sum(1 for r in self._waiting if r.parked),
                 "steps_total": self.steps_total,
@@ -137,8 +141,12 @@ class Scheduler:
         try:
             started = time.monotonic()
             self.engine.load()
-            log.info("engine %s loaded in %.2fs: %s", self.engine.name, time.monotonic() - started,
-                     self.engine.describe())
+            if self.max_batch is None:
+                self.max_batch, self.slots_reason = self.engine.slots()
+                self.max_share = self._max_share or max(1, self.max_batch // 2)
+                self.fair = FairShare(self.max_share)
+            log.info("engine %s loaded in %.2fs: %s; %d slots (%s)", self.engine.name, time.monotonic() - started,
+                     self.engine.describe(), self.max_batch, self.slots_reason)
             with self._cond:
                 self.status = "ready"
             self.ready_event.set()

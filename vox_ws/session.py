@@ -375,6 +375,7 @@ def hello(state: ServerState) -> dict[str, Any]:
         "formats": list(p.OUTPUT_FORMATS),
         "voices": service.voices(),
         "options": sorted(engine.honoured_options),
+        "slots": service.devices.max_batch,
         "features": ["input_streaming", "segment_events", "speed"]
                     + (["voice_cloning"] if engine.supports_voices else [])
                     + (["instructions"] if engine.follows_instructions(None) else [])

@@ -24,6 +24,8 @@ from .piper_worker import Piece, PiperWorker
 log = logging.getLogger("vox_ws.engines.piper")
 
 DEFAULT_VOICE = "joe"
+# `--max-batch auto`: at most this many streams take turns on one worker.
+AUTO_MAX_SLOTS = 32
 # espeak-ng (in piper-tts) crashes on long runs of single letters with periods ("a.a.a...",
 # "A.B.A.B..." past ~95 letters, even with a space every 16), and speaks the same letters
 # spaced out ("a. a. a.") without trouble: runs this long or longer are spaced out. The worker
@@ -82,6 +84,14 @@ class PiperEngine(Engine):
 
     def voices(self) -> list[str]:
         return [DEFAULT_VOICE]
+
+    def slots(self) -> tuple[int, str]:
+        # Streams take turns on one worker: N streams stay ahead of real time while N is below
+        # the speed; half of it leaves room for longer pieces and a busy machine.
+        speed = self._worker.speed
+        slots = max(1, min(AUTO_MAX_SLOTS, int(speed / 2)))
+        return slots, (f"Piper speaks {speed:.1f}x faster than real time here (measured at start); streams take "
+                       f"turns, so half of that, {slots}, stay ahead of their listeners with room to spare")
 
     def prefill(self, request: GenerationRequest) -> None:
         request.state = _PiperState(segments=segment(request.text), steps_cap=request.options.get("max_len"))

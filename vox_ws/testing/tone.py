@@ -70,6 +70,9 @@ class ToneEngine(Engine):
     def load(self) -> None:
         self._next_step = time.monotonic()
 
+    def slots(self) -> tuple[int, str]:
+        return self.max_step_batch, "the tone engine steps every stream at once"
+
     def voices(self) -> list[str]:
         return ["tone"]
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import secrets
+import time
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,12 @@ from .voices import VoiceBook, builtin_voice_files, encode_voice
 log = logging.getLogger("vox_ws.engines.voxcpm")
 
 
+# `--max-batch auto`: never more slots than this (a GPU's step time grows with them too); on a
+# CPU at most this many rows are tried.
+AUTO_MAX_SLOTS = 64
+AUTO_MAX_SLOTS_CPU = 32
+
+
 class VoxCPMEngine(Engine):
     name = "voxcpm"
     options = OPTIONS
@@ -34,12 +41,13 @@ class VoxCPMEngine(Engine):
     languages = ("zh", "en")
 
     def __init__(self, model: str | None = None, device: str = "auto", threads: int = 1, optimize: bool = False,
-                 load_denoiser: bool = False, max_batch: int = 8, voices_dir: str | None = None,
+                 load_denoiser: bool = False, max_batch: int | None = 8, voices_dir: str | None = None,
                  lora_rank: int = 0, lora_alpha: int | None = None, lora_dir: str | None = None,
                  warm_normalizer: bool = False) -> None:
         self.model = model or DEFAULT_MODEL
         self.device = device or "auto"
-        self.max_step_batch = max_batch
+        self.max_step_batch = max_batch        # None: sized to the device in `load` (`slots`)
+        self._slots_reason = "--max-batch"
         self._threads = threads
         self._optimize = optimize
         self._load_denoiser = load_denoiser
@@ -98,7 +106,10 @@ class VoxCPMEngine(Engine):
         self.dtype = str(model.config.dtype)
         self.sample_rate = int(model.sample_rate)
         self.voice_sample_rate = int(model._encode_sample_rate)
-        self.runner = BatchedVoxCPM2(model, self.max_step_batch)
+        if self.max_step_batch is None:
+            self.runner = self._size_slots(model)
+        else:
+            self.runner = BatchedVoxCPM2(model, self.max_step_batch)
         if self._warm_normalizer:
             self._normalizer.ensure_started()
         if self._voices_dir is not None:
@@ -114,6 +125,63 @@ class VoxCPMEngine(Engine):
         finally:
             self.runner.release(row)
         self.runner.wait_ready()
+
+    def slots(self) -> tuple[int, str]:
+        return self.max_step_batch, self._slots_reason
+
+    def _size_slots(self, model: Any) -> Any:
+        """`--max-batch auto`: on a GPU, as many slots as the KV caches of 80% of the free memory
+        hold (each slot has room for the model's whole context); on a CPU, the most rows whose
+        batched step takes at most half the audio it makes (every stream stays ahead of real
+        time with room to spare), measured here. Returns the runner to serve with."""
+        import torch
+
+        from .kv import slot_bytes
+        from .runner import BatchedVoxCPM2
+
+        dtype = next(model.base_lm.parameters()).dtype
+        per_slot = sum(slot_bytes(lm, model.config.max_length, dtype) for lm in (model.base_lm, model.residual_lm))
+        if self.device.startswith("cuda"):
+            free, _ = torch.cuda.mem_get_info(torch.device(self.device))
+            # KV is most of a slot; activations and the streaming VAE's state take a quarter more.
+            slots = max(1, min(AUTO_MAX_SLOTS, int(free * 0.8 // (per_slot * 1.25))))
+            self.max_step_batch = slots
+            self._slots_reason = (f"{free / 2**30:.1f} GiB free on {self.device} after loading, {per_slot / 2**20:.0f} MiB "
+                                  f"of KV per slot (whole context) + 25%: 80% of the free memory holds {slots}"
+                                  + (f" (capped at {AUTO_MAX_SLOTS})" if slots == AUTO_MAX_SLOTS else ""))
+            return BatchedVoxCPM2(model, slots)
+        # Rows tried: at most what half of the free memory holds.
+        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        trial = max(1, min(AUTO_MAX_SLOTS_CPU, int(available * 0.5 // per_slot)))
+        runner = BatchedVoxCPM2(model, trial)
+        runner.wait_ready()                  # the decoder process has loaded: time steps, not that
+        step_audio_s = runner.samples_per_step / model.sample_rate
+        chosen, timings = 1, {}
+        size = 1
+        while size <= trial:
+            rows = [runner.prefill(build_prompt(model, "Sizing the slots.", None), seed=n, cfg_value=2.0,
+                                   timesteps=10, min_len=0, max_len=8) for n in range(size)]
+            try:
+                runner.step(rows)                                  # warm this batch size
+                started = time.perf_counter()
+                for _ in range(3):
+                    runner.step(rows)
+                took = (time.perf_counter() - started) / 3
+            finally:
+                for row in rows:
+                    runner.release(row)
+            timings[size] = round(took * 1000, 1)
+            if took > step_audio_s / 2:
+                break
+            chosen = size
+            size *= 2
+        self.max_step_batch = chosen
+        self._slots_reason = (f"on {self.device} a step of B rows took {timings} ms for {step_audio_s * 1000:.0f} ms "
+                              f"of audio each: the most rows within half of that is {chosen}")
+        if chosen < trial:                   # the caches of slots never used are given back
+            runner.close()
+            runner = BatchedVoxCPM2(model, chosen)
+        return runner
 
     def close(self) -> None:
         self._normalizer.close()

@@ -32,6 +32,13 @@ class SlotKV:
 
 
 
+def slot_bytes(lm: nn.Module, max_len: int, dtype: torch.dtype) -> int:
+    """What one slot of a `SlotKV` for this LM holds: K and V at every layer and position."""
+    cfg = lm.config
+    head_dim = cfg.kv_channels or cfg.hidden_size // cfg.num_attention_heads
+    return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * max_len * head_dim * torch.empty(0, dtype=dtype).element_size()
+
+
 def lm_step(lm: nn.Module, kv: SlotKV, x: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """MiniCPMModel.forward_step for a batch whose rows sit at different positions in their own
     KV slots. x: [B, H] -> [B, H]."""
