@@ -181,8 +181,22 @@ def run_batched(model_dir: str, device: str, clients: list[list[Job]], offsets: 
         k = clients[job.client].index(job)
         if k + 1 < len(clients[job.client]):
             send(clients[job.client][k + 1], job.done_at - t0)
+    stats = scheduler.stats()
     scheduler.stop()
-    return summarise(clients, t0)
+    return {**summarise(clients, t0), "mean_step_ms": stats["mean_step_ms"], "steps": stats["steps_total"],
+            **_memory(device)}
+
+
+def _memory(device: str) -> dict:
+    """The process's peak memory: the device's (PyTorch's allocator) on a GPU, else the RSS."""
+    import resource
+
+    import torch
+
+    figures = {"peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)}
+    if device.startswith("cuda"):
+        figures["peak_gpu_mb"] = round(torch.cuda.max_memory_allocated(torch.device(device)) / 2**20, 1)
+    return figures
 
 
 def profile_step(model_dir: str, device: str, threads: int, batch_sizes: list[int], steps: int = 20) -> dict:

@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# The device check, ready for the day a GPU is lent: on a bare CUDA machine with PyTorch and no
+# network, build a random-weight VoxCPM2 of the real size, check the batched loop against the
+# voxcpm package on CUDA in float32 and bfloat16, and run the scheduler benchmark at N = 1, 8,
+# 32, 64 (throughput, first audio, step time, memory). Writes OUT/gpu-check.json and
+# OUT/gpu-check.txt. On a CPU, end to end with the tiny model (what CI-less sessions run):
+#
+#   scripts/gpu-check.sh --device cpu --size tiny --out /tmp/gpu-check
+#
+# Missing Python packages travel as wheels in .whl/ (see the device tool's README); they are
+# installed into /tmp/site first. vox-ws itself runs from this tree, uninstalled.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+device=cuda size=real out="${OUT:-gpu-check-out}" concurrency="1,8,32,64"
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --device) device="$2"; shift 2 ;;
+    --size) size="$2"; shift 2 ;;
+    --out) out="$2"; shift 2 ;;
+    --concurrency) concurrency="$2"; shift 2 ;;
+    *) echo "usage: $0 [--device cuda|cpu] [--size real|tiny] [--out DIR] [--concurrency 1,8,32,64]" >&2; exit 2 ;;
+  esac
+done
+python="${PYTHON:-python3}"
+[ -x .venv/bin/python ] && [ "$device" = cpu ] && python=.venv/bin/python
+if compgen -G ".whl/*.whl" >/dev/null; then
+  "$python" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+fi
+export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TQDM_DISABLE=1
+mkdir -p "$out"
+work="$(mktemp -d)"
+trap 'rm -rf "$work"' EXIT
+started=$SECONDS
+dtypes="float32"
+[ "$device" != cpu ] && dtypes="float32 bfloat16"     # bfloat16 on a CPU is not what serves there
+
+for dtype in $dtypes; do
+  echo "== building a $size VoxCPM2 ($dtype)" >&2
+  "$python" -m vox_ws.testing.tiny_voxcpm "$work/$dtype" --size "$size" --dtype "$dtype" >&2
+  echo "== equivalence: batched loop vs the package, $device, $dtype" >&2
+  "$python" -m vox_ws.bench.equivalence --model "$work/$dtype" --device "$device" \
+    --json "$out/equivalence-$dtype.json" >&2 || true      # the figures say whether it held
+done
+echo "== scheduler benchmark at N = $concurrency ($device, float32)" >&2
+"$python" -m vox_ws.bench.scheduler --model "$work/float32" --device "$device" --concurrency "$concurrency" \
+  --rounds 1 --min-steps 10 --max-steps 20 --json "$out/scheduler.json" | tee "$out/scheduler.txt" >&2
+
+"$python" - "$out" "$dtypes" "$device" "$size" "$((SECONDS - started))" <<'PY'
+import json, sys
+out, dtypes, device, size, seconds = sys.argv[1], sys.argv[2].split(), sys.argv[3], sys.argv[4], int(sys.argv[5])
+equivalence = {d: json.load(open(f"{out}/equivalence-{d}.json")) for d in dtypes}
+bench = json.load(open(f"{out}/scheduler.json"))["results"]
+report = {"device": device, "size": size, "seconds": seconds, "equivalence": equivalence, "scheduler": bench}
+json.dump(report, open(f"{out}/gpu-check.json", "w"), indent=1)
+lines = [f"vox-ws device check: {device}, {size} model, {seconds} s", "",
+         "equivalence (batched loop vs the package, largest |difference| per request):"]
+for d, e in equivalence.items():
+    lines.append(f"  {d:9s} {'equal' if e['equal'] else 'DIFFERENT'} (tolerance {e['tolerance']:g}): "
+                 + ", ".join(f"{x:.2e}" for x in e["max_abs_diff"]))
+lines += ["", f"{'N':>3} {'audio s/s':>10} {'x serial':>9} {'ttfa p50':>9} {'ttfa p95':>9} {'step ms':>8} {'memory MB':>10}"]
+for r in bench:
+    b = r["batched"]
+    memory = b.get("peak_gpu_mb", b.get("peak_rss_mb"))
+    lines.append(f"{r['n']:>3} {b['throughput']:>10.2f} {r['ratio']:>9.2f} {b['ttfa_p50_ms']:>7.0f}ms "
+                 f"{b['ttfa_p95_ms']:>7.0f}ms {b['mean_step_ms']:>8.1f} {memory:>10.0f}")
+open(f"{out}/gpu-check.txt", "w").write("\n".join(lines) + "\n")
+print("\n".join(lines))
+PY
