@@ -228,6 +228,18 @@ def tiny_model_stops(tmp_path_factory):
     return build(tmp_path_factory.mktemp("tiny-voxcpm-stop"), stop="always")
 
 
+async def wait_idle(server: RunningServer, timeout: float = 10.0) -> dict[str, Any]:
+    """/v1/info once the server has no stream open or generating (or after `timeout`)."""
+    import time as _time
+
+    deadline = _time.monotonic() + timeout
+    while True:
+        _, info = server.get("/v1/info")
+        if (info["streams_open"] == 0 and info["active"] == 0) or _time.monotonic() > deadline:
+            return info
+        await asyncio.sleep(0.05)
+
+
 # ------------------------------------------------------------------------------ redis-server
 
 

@@ -11,6 +11,7 @@ import pytest
 from livekit.agents import tts as lk_tts
 from livekit.agents.types import USERDATA_TIMED_TRANSCRIPT
 
+from conftest import wait_idle
 from vox_ws.engines.piper import PiperEngine
 from vox_ws.integrations.livekit import TTS
 
@@ -24,15 +25,6 @@ def server(start_server):
 
 def samples(events: list[lk_tts.SynthesizedAudio]) -> np.ndarray:
     return np.concatenate([np.frombuffer(bytes(e.frame.data), np.int16) for e in events])
-
-
-async def wait_idle(server) -> dict:
-    deadline = time.monotonic() + 10
-    while True:
-        _, info = server.get("/v1/info")
-        if (info["streams_open"] == 0 and info["active"] == 0) or time.monotonic() > deadline:
-            return info
-        await asyncio.sleep(0.05)
 
 
 async def test_synthesize_gives_frames_at_the_rate_asked_for(server):

@@ -18,6 +18,7 @@ from pipecat.pipeline.worker import PipelineParams, PipelineWorker
 from pipecat.processors.frame_processor import FrameDirection, FrameProcessor
 from pipecat.workers.runner import WorkerRunner
 
+from conftest import wait_idle
 from vox_ws.engines.piper import PiperEngine
 from vox_ws.integrations.pipecat import VoxWSTTSService
 
@@ -104,15 +105,6 @@ def audio_s(frames: list[Frame]) -> float:
 @pytest.fixture(scope="module")
 def server(start_server):
     return start_server(PiperEngine(), max_batch=2)
-
-
-async def wait_idle(server) -> dict:
-    deadline = time.monotonic() + 10
-    while True:
-        _, info = server.get("/v1/info")
-        if (info["streams_open"] == 0 and info["active"] == 0) or time.monotonic() > deadline:
-            return info
-        await asyncio.sleep(0.05)
 
 
 TURN = "Hello from a Pipecat pipeline. The first sentence is spoken while the rest still streams in. ".split(" ")

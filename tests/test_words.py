@@ -12,19 +12,28 @@ from vox_ws.testing.tone import ToneEngine
 TEXT = "Hello there, my friend. It is 1999 and I want to go to the shop."
 
 
+async def read_stream(c, sid: str) -> tuple[list[dict], list[dict], list[dict], dict]:
+    """A stream's words, segments and chunks, and its `end` (or `error`)."""
+    words, segments, chunks = [], [], []
+    while True:
+        message = await c.recv_where(lambda m: m.get("id") == sid)
+        kind = message["type"]
+        if kind in ("end", "error"):
+            return words, segments, chunks, message
+        if kind == "words":
+            words.extend(message["words"])
+        elif kind == "segment":
+            segments.append(message)
+        elif kind == "chunk":
+            chunks.append(message)
+
+
 async def speak_with_words(server, text: str, **fields) -> tuple[list[dict], list[dict], dict]:
     """The words messages, the chunks and the end of one stream."""
     async with connect_client(server) as c:
         await c.send({"type": "start", "id": "w", "text": text, "format": "s16", "word_timestamps": True, **fields})
-        words, chunks = [], []
-        while True:
-            message = await c.recv_where(lambda m: m.get("id") == "w")
-            if message["type"] == "words":
-                words.extend(message["words"])
-            elif message["type"] == "chunk":
-                chunks.append(message)
-            elif message["type"] in ("end", "error"):
-                return words, chunks, message
+        words, _, chunks, end = await read_stream(c, "w")
+        return words, chunks, end
 
 
 async def test_hello_and_info_say_piper_gives_word_timings(piper_server):
@@ -59,15 +68,8 @@ async def test_words_follow_the_speed_and_the_segments(piper_server):
         await c.send({"type": "chunk", "id": "i", "text": "First part here. "})
         await c.send({"type": "chunk", "id": "i", "text": "Second part there."})
         await c.send({"type": "end", "id": "i"})
-        words, segments = [], []
-        while True:
-            message = await c.recv_where(lambda m: m.get("id") == "i")
-            if message["type"] == "words":
-                words.extend(message["words"])
-            elif message["type"] == "segment":
-                segments.append(message)
-            elif message["type"] == "end":
-                break
+        words, segments, _, end = await read_stream(c, "i")
+        assert end["type"] == "end"
     assert [w["word"] for w in words] == "First part here. Second part there.".split()
     assert len(segments) == 2
     first, second = words[:3], words[3:]

@@ -17,6 +17,8 @@ the server's engine has true ones (`word_timestamps=True` and the server says so
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -138,15 +140,12 @@ class ChunkedStream(tts.ChunkedStream):
         client = await self._tts._acquire(self._conn_options.timeout)
         stream = None
         try:
-            stream = await client.start_stream(self._input_text, **self._opts.stream_fields(),
-                                               word_timestamps=self._tts._words_wanted(client))
-            async for message in stream.events():
-                _emit(output_emitter, message)
-            output_emitter.flush()
-        except (ConnectionLost, OSError) as e:
-            raise APIConnectionError(f"vox-ws: {e}") from None
-        except VoxError as e:
-            raise APIError(f"vox-ws {e.code}: {e.message}", retryable=e.retryable) from None
+            with _api_errors():
+                stream = await client.start_stream(self._input_text, **self._opts.stream_fields(),
+                                                   word_timestamps=self._tts._words_wanted(client))
+                async for message in stream.events():
+                    _emit(output_emitter, message)
+                output_emitter.flush()
         finally:
             await _release(self._tts, client, stream)
 
@@ -166,41 +165,50 @@ class SynthesizeStream(tts.SynthesizeStream):
         client = await self._tts._acquire(self._conn_options.timeout)
         stream = None
         try:
-            stream = await client.open_stream(**self._opts.stream_fields(),
-                                              word_timestamps=self._tts._words_wanted(client))
+            with _api_errors():
+                stream = await client.open_stream(**self._opts.stream_fields(),
+                                                  word_timestamps=self._tts._words_wanted(client))
 
-            async def send_input() -> None:
-                # LiveKit 1.8 speaks one segment per SynthesizeStream and drops text pushed
-                # after a flush: its flush ends this stream's text (`end`, which speaks the rest).
-                async for data in self._input_ch:
-                    if isinstance(data, self._FlushSentinel):
-                        break
-                    self._mark_started()
-                    await stream.send_text(data)
-                await stream.end()
+                async def send_input() -> None:
+                    # LiveKit 1.8 speaks one segment per SynthesizeStream and drops text pushed
+                    # after a flush: its flush ends this stream's text (`end`, which speaks the rest).
+                    async for data in self._input_ch:
+                        if isinstance(data, self._FlushSentinel):
+                            break
+                        self._mark_started()
+                        await stream.send_text(data)
+                    await stream.end()
 
-            async def receive() -> None:
-                started = False
-                async for message in stream.events():
-                    if message["type"] in ("chunk", "words") and not started:
-                        output_emitter.start_segment(segment_id=utils.shortuuid())
-                        started = True
-                    _emit(output_emitter, message)
-                if started:
-                    output_emitter.end_segment()
+                async def receive() -> None:
+                    started = False
+                    async for message in stream.events():
+                        if message["type"] in ("chunk", "words") and not started:
+                            output_emitter.start_segment(segment_id=utils.shortuuid())
+                            started = True
+                        _emit(output_emitter, message)
+                    if started:
+                        output_emitter.end_segment()
 
-            sender = asyncio.create_task(send_input())
-            try:
-                await receive()
-                await sender
-            finally:
-                await utils.aio.gracefully_cancel(sender)
-        except (ConnectionLost, OSError) as e:
-            raise APIConnectionError(f"vox-ws: {e}") from None
-        except VoxError as e:
-            raise APIError(f"vox-ws {e.code}: {e.message}", retryable=e.retryable) from None
+                sender = asyncio.create_task(send_input())
+                try:
+                    await receive()
+                    await sender
+                finally:
+                    await utils.aio.gracefully_cancel(sender)
         finally:
             await _release(self._tts, client, stream)
+
+
+@contextlib.contextmanager
+def _api_errors() -> Iterator[None]:
+    """vox-ws's errors as LiveKit's: a lost connection is a connection error (LiveKit retries),
+    the server's refusals an API error, retryable as the server says."""
+    try:
+        yield
+    except (ConnectionLost, OSError) as e:
+        raise APIConnectionError(f"vox-ws: {e}") from None
+    except VoxError as e:
+        raise APIError(f"vox-ws {e.code}: {e.message}", retryable=e.retryable) from None
 
 
 def _emit(output_emitter: tts.AudioEmitter, message: dict[str, Any]) -> None:
