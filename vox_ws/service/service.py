@@ -17,9 +17,9 @@ from typing import Any, AsyncIterator, Awaitable
 
 from ..audio import AudioTooLong, decode_audio_file
 from ..config import Limits
+from ..devices import Devices
 from ..engine import VOICE_MODES, Engine, ErrorKind, Refused
 from ..metrics import Metrics
-from ..devices import Devices
 from ..scheduler import Scheduler
 from .handoff import LoopMailbox
 from .stream import AudioOutput, Stream, check_output, check_text
