@@ -11,7 +11,7 @@ from pipecat.frames.frames import (EndFrame, LLMFullResponseEndFrame, LLMFullRes
                                    TTSAudioRawFrame, TTSTextFrame)
 from pipecat.pipeline.pipeline import Pipeline
 from pipecat.pipeline.worker import PipelineParams, PipelineWorker
-from pipecat.processors.frame_processor import FrameDirection, FrameProcessor
+from pipecat.processors.frame_processor import FrameProcessor
 from pipecat.workers.runner import WorkerRunner
 
 from vox_ws.integrations.pipecat import VoxWSTTSService

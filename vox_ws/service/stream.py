@@ -30,7 +30,7 @@ import numpy as np
 from ..audio import StreamEncoder
 from ..codecs import CODECS, MAX_SPEED, MIN_SPEED, OutputPipeline, needs_pipeline
 from ..config import Limits
-from ..engine import EndReason, Engine, ErrorKind, GenerationRequest, Refused
+from ..engine import EndReason, ErrorKind, GenerationRequest, Refused
 from ..metrics import Metrics
 from ..scheduler import Scheduler
 from ..text import StreamSegmenter
