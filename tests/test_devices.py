@@ -139,3 +139,30 @@ def test_the_command_line_takes_auto_or_a_number():
     assert config_from_args(build_parser().parse_args(["serve", "--max-batch", "12"])).max_batch == 12
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--max-batch", "0"])
+
+
+async def test_a_lora_adapter_loads_on_every_device(start_server, tiny_model, tmp_path):
+    import torch
+    from safetensors.torch import save_file
+
+    engines = [VoxCPMEngine(model=str(tiny_model), device="cpu", max_batch=1, lora_rank=4, lora_dir=str(tmp_path))
+               for _ in range(2)]
+    server = start_server(engines, max_batch=1, admin_tokens=["admin-secret"])
+    state = engines[0].tts.tts_model.get_lora_state_dict()
+    save_file({k: torch.randn_like(v) * 0.05 for k, v in state.items()}, str(tmp_path / "bright.safetensors"))
+
+    async def pair(c) -> tuple:
+        """The same request on each device (one slot each: opened together, one per device)."""
+        for sid in ("d0", "d1"):
+            await c.send({"type": "start", "id": sid, "text": "Adapter.", "options": {"seed": 5, "max_len": 4}})
+        return (await c.collect("d0")).pcm(), (await c.collect("d1")).pcm()
+
+    async with connect_client(server, additional_headers={"Authorization": "Bearer admin-secret"}) as c:
+        plain = await pair(c)
+        await c.send({"type": "lora", "id": "l", "op": "load", "name": "bright"})
+        loaded = await c.recv_where(lambda m: m.get("id") == "l")
+        assert loaded["type"] == "lora" and loaded["loaded"] > 0, loaded
+        adapted = await pair(c)
+    assert all(engine.lora["loaded"] == "bright" for engine in engines)
+    np.testing.assert_array_equal(adapted[0], adapted[1])            # both devices changed alike
+    assert not np.allclose(adapted[0], plain[0])

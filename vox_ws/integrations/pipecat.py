@@ -21,6 +21,9 @@ protocol v1 connection, and on it one input-streaming vox-ws stream per Pipecat 
                                    lost socket end with an error frame
 
 Without word timings (VoxCPM2) Pipecat's own sentence text frames stand for what was spoken.
+The server closes a connection that has no stream and sends nothing for its idle time-out
+(`hello.limits.idle_timeout_s`, 60 s by default); the service then connects again, as Pipecat's
+Cartesia service does after Cartesia's idle time-out.
 """
 
 from __future__ import annotations
