@@ -304,7 +304,8 @@ class Scheduler:
             elapsed = time.perf_counter() - started
             self.steps_total += 1
             self.last_step_s = elapsed
-            self._recent_steps.append(elapsed)
+            with self._cond:                  # stats() reads them from other threads
+                self._recent_steps.append(elapsed)
             self.last_batch_size = len(group)
             if self.on_step is not None:
                 self.on_step(len(group), elapsed)

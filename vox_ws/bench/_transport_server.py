@@ -10,6 +10,18 @@ from ..engine import Engine
 from ..server import VoxServer
 
 
+def bench_engine(name: str) -> Engine:
+    """The engine a benchmark names: `piper` (the real CPU voice), or `tone`, paced like VoxCPM2
+    (a 160 ms chunk at 48 kHz per 50 ms step)."""
+    if name == "piper":
+        from ..engines.piper import PiperEngine
+
+        return PiperEngine()
+    from ..testing.tone import ToneEngine
+
+    return ToneEngine(sample_rate=48_000, chunk_s=0.16, step_interval_s=0.05)
+
+
 def run_server(engine: Engine, port: int, config: ServerConfig | None = None, port_file: str | None = None) -> None:
     """Serve until SIGTERM. Once the engine is ready, the port is printed ("PORT n") and, with
     `port_file`, written there."""

@@ -101,18 +101,9 @@ async def first_audio(url: str, rate: int, rounds: int) -> dict[str, dict[str, f
 
 
 def serve(engine_name: str, port_file: str) -> None:
-    from ._transport_server import run_server
+    from ._transport_server import bench_engine, run_server
 
-    if engine_name == "piper":
-        from ..engines.piper import PiperEngine
-
-        engine = PiperEngine()
-    else:
-        from ..testing.tone import ToneEngine
-
-        # VoxCPM2's pace: a 160 ms chunk at 48 kHz per step.
-        engine = ToneEngine(sample_rate=48_000, chunk_s=CHUNK_S, step_interval_s=0.05)
-    run_server(engine, 0, port_file=port_file)
+    run_server(bench_engine(engine_name), 0, port_file=port_file)
 
 
 def main(argv: list[str] | None = None) -> int:

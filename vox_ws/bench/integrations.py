@@ -310,16 +310,9 @@ def _free_port() -> int:
 
 def serve(engine_name: str, port: int, wyoming_port: int) -> None:
     from ..config import Limits, ServerConfig
-    from ._transport_server import run_server
+    from ._transport_server import bench_engine, run_server
 
-    if engine_name == "piper":
-        from ..engines.piper import PiperEngine
-
-        engine = PiperEngine()
-    else:
-        from ..testing.tone import ToneEngine
-
-        engine = ToneEngine(sample_rate=48_000, chunk_s=0.16, step_interval_s=0.05)
+    engine = bench_engine(engine_name)
     config = ServerConfig(port=port, max_batch=engine.max_step_batch, wyoming=f"tcp://127.0.0.1:{wyoming_port}",
                           limits=Limits(max_connections=4096, max_connections_per_address=4096))
     run_server(engine, port, config=config)

@@ -176,7 +176,7 @@ class VoxWSTTSService(WebsocketTTSService):
         if kind == "chunk":
             if self.audio_context_available(context_id):
                 await self.append_to_audio_context(context_id, TTSAudioRawFrame(
-                    audio=message["audio"], sample_rate=message.get("sample_rate") or self.sample_rate,
+                    audio=message["audio"], sample_rate=self.sample_rate,
                     num_channels=1, context_id=context_id))
         elif kind == "words":
             if self.audio_context_available(context_id):
