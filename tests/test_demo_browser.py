@@ -32,18 +32,35 @@ def browser():
 
 
 @pytest.fixture
-def page(browser, piper_server):
-    context = browser.new_context(viewport={"width": 1100, "height": 760})
-    page = context.new_page()
-    messages = []
-    page.on("console", lambda m: messages.append(f"{m.type}: {m.text}"))
-    page.on("pageerror", lambda e: messages.append(f"pageerror: {e}"))
-    page.goto(piper_server.http + "/")
-    page.wait_for_function("window.voxDemo && window.voxDemo.state.ready", timeout=30_000)
-    yield page
-    errors = [m for m in messages if m.startswith(("pageerror", "error"))]
-    context.close()
+def open_page(browser, piper_server):
+    """Opens the demo on the Piper server (a WebSocket route, if given, is set before the page
+    loads); at the end, fails the test if the page logged an error or threw."""
+    opened = []
+
+    def open_(route_socket=None):
+        context = browser.new_context(viewport={"width": 1100, "height": 760})
+        page = context.new_page()
+        messages = []
+        page.on("console", lambda m: messages.append(f"{m.type}: {m.text}"))
+        page.on("pageerror", lambda e: messages.append(f"pageerror: {e}"))
+        if route_socket is not None:
+            page.route_web_socket("**/v1/stream*", route_socket)
+        page.goto(piper_server.http + "/")
+        page.wait_for_function("window.voxDemo && window.voxDemo.state.ready", timeout=30_000)
+        opened.append((context, messages))
+        return page
+
+    yield open_
+    errors = []
+    for context, messages in opened:
+        errors += [m for m in messages if m.startswith(("pageerror", "error"))]
+        context.close()
     assert not errors, errors
+
+
+@pytest.fixture
+def page(open_page):
+    return open_page()
 
 
 def state(page):
@@ -116,6 +133,56 @@ def test_stop_cancels_at_once(page):
     assert s["lastEnd"]["reason"] == "cancelled"
     assert s["player"]["buffered"] == 0 or page.evaluate("window.voxDemo.state.player.buffered") == 0
     assert "Stopped" in page.inner_text("#message")
+
+
+@pytest.mark.parametrize("fmt", ["opus_packets", "s16"])
+def test_audio_arriving_after_stop_is_dropped_quietly(open_page, fmt):
+    """The server's chunks already on the wire when Stop is clicked still arrive: the page must
+    drop them (an Opus decoder reset by Stop once threw on them). The route makes that race
+    certain: on the page's cancel it first replays the stream's last chunk, then forwards it."""
+    import msgpack
+
+    seen = {"chunk": None, "late": 0}
+
+    def route(ws):
+        server = ws.connect_to_server()
+
+        def from_server(message):
+            if isinstance(message, bytes) and msgpack.unpackb(message).get("type") == "chunk":
+                seen["chunk"] = message
+            ws.send(message)
+
+        def from_page(message):
+            if isinstance(message, bytes) and msgpack.unpackb(message).get("type") == "cancel":
+                if seen["chunk"] is not None:
+                    ws.send(seen["chunk"])
+                    seen["late"] += 1
+            server.send(message)
+
+        server.on_message(from_server)
+        ws.on_message(from_page)
+
+    page = open_page(route)
+    page.select_option("#format", fmt)
+    page.fill("#text", LONG)
+    page.click("#speak")
+    page.wait_for_function("window.voxDemo.state.player.played > 4000", timeout=60_000)
+    # One task of the page's: nothing it receives can come between the click and the count.
+    chunks_at_stop = page.evaluate("""() => {
+        document.getElementById('stop').click();
+        return window.voxDemo.state.stream.chunks;
+    }""")
+    page.wait_for_function("window.voxDemo.state.lastEnd !== null", timeout=30_000)
+    assert seen["late"] == 1
+    s = state(page)
+    assert s["lastEnd"]["reason"] == "cancelled"
+    assert s["stream"]["chunks"] == chunks_at_stop       # the late chunk was not taken in
+    page.wait_for_function("window.voxDemo.state.player.buffered === 0", timeout=5_000)
+    # The page speaks again after it (the fixture fails the test on any page error).
+    page.fill("#text", "And again.")
+    page.click("#speak")
+    page.wait_for_function("window.voxDemo.state.lastEnd && window.voxDemo.state.lastEnd.reason === 'done'",
+                           timeout=60_000)
 
 
 def test_errors_are_shown_in_words(page):

@@ -251,7 +251,9 @@ function onStart(msg) {
 
 function onChunk(msg) {
   const s = state.stream;
-  if (!s || msg.id !== s.id || s.ended) return;   // audio of a stopped stream is never played
+  // Audio of a stopped stream is never played: chunks already on the wire when Stop was
+  // clicked still arrive, before the server's "end".
+  if (!s || msg.id !== s.id || s.ended || s.cancelled) return;
   if (s.firstAudioAt === null) s.firstAudioAt = performance.now();
   s.chunks += 1;
   if (s.format === OPUS) {
@@ -339,7 +341,7 @@ function endLocally(reason) {
 function stop() {
   if (!state.stream || state.stream.ended) return;
   state.stream.cancelled = true;                   // decoded audio still in flight is dropped
-  if (decoder && decoder.state === "configured") decoder.reset();
+  closeDecoder();                                  // drops what it was still decoding
   player.port.postMessage({ type: "clear" });      // silence what is queued here at once
   send({ type: "cancel", id: state.stream.id });   // and free the server's slot
   say("Stopping…");
