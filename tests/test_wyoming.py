@@ -197,3 +197,99 @@ async def test_a_client_that_leaves_mid_stream_frees_its_slot(server):
             break
         await asyncio.sleep(0.05)
     assert info["streams_open"] == 0 and info["active"] == 0, info
+
+
+# ------------------------------------------------------------------ connections the server ends
+
+
+@pytest.fixture(scope="module")
+def strict_server(start_server):
+    """Short idle and write-stall time-outs, so reaping shows in a test's time."""
+    return start_server(PiperEngine(), max_batch=2, wyoming="tcp://127.0.0.1:0",
+                        idle_timeout_s=1.0, write_stall_timeout_s=1.0)
+
+
+async def wait_for_no_wyoming_connections(server, within_s: float) -> None:
+    deadline = time.monotonic() + within_s
+    while server.server.wyoming.connections and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    assert server.server.wyoming.connections == 0
+
+
+async def test_an_idle_connection_is_told_and_closed(strict_server):
+    async with client(strict_server) as c:
+        await c.write_event(Describe().event())
+        assert Info.is_type((await read(c)).type)
+        # Nothing more is sent: after idle_timeout_s the server says so and closes.
+        await expect_error(c, "timeout")
+        assert await asyncio.wait_for(c.read_event(), READ_TIMEOUT) is None
+    await wait_for_no_wyoming_connections(strict_server, 10)
+
+
+async def test_a_connection_inside_a_request_is_not_idle(strict_server):
+    async with client(strict_server) as c:
+        await c.write_event(SynthesizeStart().event())
+        await asyncio.sleep(2.5)                # quiet for over twice idle_timeout_s, but inside a request
+        await c.write_event(SynthesizeChunk(text="Still here. ").event())
+        await c.write_event(SynthesizeStop().event())
+        _, samples = await read_utterance(c)
+        assert len(samples) > 0
+        await expect_stopped(c)
+        # Once the request is over, the quiet counts again.
+        await expect_error(c, "timeout")
+
+
+def test_a_client_that_never_reads_loses_its_connection_and_its_slot(strict_server):
+    """The socket's buffers fill and the server's writes wait: after write_stall_timeout_s the
+    connection is aborted and its stream cancelled, while others are served."""
+    import io
+    import socket
+
+    from wyoming.event import write_event
+
+    request = io.BytesIO()
+    write_event(Synthesize(text="A long text that keeps the voice talking for a good while. " * 40).event(),
+                request)
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)     # little room on our side
+    sock.connect(("127.0.0.1", strict_server.server.wyoming.port))
+    try:
+        sock.sendall(request.getvalue())
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            _, info = strict_server.get("/v1/info")
+            if strict_server.server.wyoming.connections == 0 and info["streams_open"] == info["active"] == 0:
+                break
+            time.sleep(0.05)
+        assert strict_server.server.wyoming.connections == 0, "the connection was kept"
+        assert info["streams_open"] == 0 and info["active"] == 0, info
+        # What was in flight can still be read; then the connection is over.
+        sock.settimeout(READ_TIMEOUT)
+        with pytest.raises(ConnectionResetError):
+            while sock.recv(1 << 16):
+                pass
+            raise ConnectionResetError("closed")   # an orderly close ends it as well
+    finally:
+        sock.close()
+
+    async def served() -> None:
+        async with client(strict_server) as c:
+            await c.write_event(Synthesize(text="Next, please.").event())
+            _, samples = await read_utterance(c)
+            assert len(samples) > 0
+
+    asyncio.run(served())
+
+
+async def test_connections_over_the_cap_are_refused_busy(start_server):
+    server = start_server(PiperEngine(), max_batch=2, wyoming="tcp://127.0.0.1:0", max_connections=2)
+    async with client(server) as a, client(server) as b:
+        for c in (a, b):
+            await c.write_event(Ping().event())
+            assert Pong.is_type((await read(c)).type)
+        async with client(server) as refused:
+            await expect_error(refused, "busy")
+            assert await asyncio.wait_for(refused.read_event(), READ_TIMEOUT) is None
+    async with client(server) as c:               # the two left: room again
+        await c.write_event(Ping().event())
+        assert Pong.is_type((await read(c)).type)

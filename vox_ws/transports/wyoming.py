@@ -92,6 +92,7 @@ class WyomingHandler(AsyncEventHandler):
         self._stream: Stream | None = None
         self._speaking: asyncio.Task | None = None   # writes the current request's audio
         self._streaming = False                      # between synthesize-start and synthesize-stop
+        self._request_ended_at = 0.0                 # loop time the last request's audio was written
 
     async def run(self) -> None:
         limits = self.service.limits
@@ -105,7 +106,7 @@ class WyomingHandler(AsyncEventHandler):
                 if event is None:
                     return
                 await self.handle_event(event)
-        except (ConnectionError, asyncio.IncompleteReadError):
+        except (ConnectionError, asyncio.IncompleteReadError, asyncio.TimeoutError):
             return
         finally:
             self.server.connections -= 1
@@ -118,6 +119,41 @@ class WyomingHandler(AsyncEventHandler):
         if self._speaking is not None:
             self._speaking.cancel()
             await asyncio.gather(self._speaking, return_exceptions=True)
+
+    async def write_event(self, event: Event) -> None:
+        """Writes one event; a client that reads nothing for `write_stall_timeout_s` while the
+        socket's buffers are full loses the connection (its stream is cancelled with it)."""
+        try:
+            await asyncio.wait_for(super().write_event(event), self.service.limits.write_stall_timeout_s)
+        except asyncio.TimeoutError:
+            log.warning("wyoming-%d (%s): read nothing for %gs: aborting the connection", self.number, self.peer,
+                        self.service.limits.write_stall_timeout_s)
+            self.writer.transport.abort()
+            raise ConnectionError("the client stopped reading") from None
+
+    def _busy(self) -> bool:
+        return self._streaming or (self._speaking is not None and not self._speaking.done())
+
+    async def _next_line(self) -> bytes:
+        """The next header line. A connection with no request in progress that sends nothing
+        for `idle_timeout_s` is told so (`error {code: "timeout"}`) and closed, as v1 reaps idle
+        sessions. (Waiting on readline again after a time-out loses nothing: it takes bytes
+        only once a whole line is there.)"""
+        idle_s = self.service.limits.idle_timeout_s
+        loop = asyncio.get_running_loop()
+        quiet_since = loop.time()
+        while True:
+            try:
+                return await asyncio.wait_for(self.reader.readline(), max(0.0, quiet_since + idle_s - loop.time()))
+            except asyncio.TimeoutError:
+                now = loop.time()
+                if self._busy():
+                    quiet_since = now
+                elif self._request_ended_at > quiet_since:
+                    quiet_since = self._request_ended_at
+                else:
+                    await self._error(ErrorKind.TIMEOUT, f"idle for {idle_s:g}s: closing the connection")
+                    raise
 
     async def handle_event(self, event: Event) -> bool:
         try:
@@ -225,6 +261,8 @@ class WyomingHandler(AsyncEventHandler):
                     await self._error(event.kind, event.message)
         except (ConnectionError, RuntimeError):
             stream.close()       # the client left while being written to
+        finally:
+            self._request_ended_at = asyncio.get_running_loop().time()
 
     def _info(self) -> Info:
         engine = self.service.engine
@@ -247,7 +285,7 @@ class WyomingHandler(AsyncEventHandler):
         (what follows it could not be told apart from the next event)."""
         while True:
             try:
-                line = await self.reader.readline()
+                line = await self._next_line()
             except ValueError:                        # a header line over the reader's limit
                 await self._error(ErrorKind.TOO_LARGE, f"event header over {MAX_HEADER_BYTES} bytes")
                 return None
