@@ -54,6 +54,13 @@ async def test_the_rules_hold_in_every_store(store):
     with pytest.raises(Refused) as full:
         await store.put(voice("token:dave", 300))
     assert full.value.kind == ErrorKind.BUSY
+    # The forecast says the same before any work: a newcomer is refused; Alice, at her cap,
+    # would retire her oldest; a voice already kept stays as it is.
+    with pytest.raises(Refused) as forecast:
+        await store.check_room(voice("token:dave", 300))
+    assert forecast.value.kind == ErrorKind.BUSY
+    await store.check_room(voice("token:alice", 250))
+    await store.check_room(voice("token:bob", 300))
     assert (await store.usage())["voices"] == 4
     # Only the owner (or an admin) deletes.
     assert await store.delete(alice[1].id, "token:bob") is False
@@ -62,6 +69,8 @@ async def test_the_rules_hold_in_every_store(store):
     assert await store.delete(alice[2].id, ANY_OWNER) is False
     # The byte cap: 200 kB; a 6 s reference is 192 kB (16-bit, 16 kHz) beside the 32 kB kept.
     assert (await store.usage())["voices"] == 2
+    with pytest.raises(Refused, match="bytes"):
+        await store.check_room(voice("token:erin", 300, seconds=6.0))
     with pytest.raises(Refused, match="bytes"):
         await store.put(voice("token:erin", 300, seconds=6.0))
 
@@ -95,9 +104,9 @@ async def test_redis_keeps_voices_across_its_restart(redis_server):
 # ------------------------------------------------------------------ servers on one store
 
 
-def tiny_server(start_server, tiny_model, store: str):
+def tiny_server(start_server, tiny_model, store: str, **limits):
     return start_server(VoxCPMEngine(model=str(tiny_model), device="cpu", max_batch=2), max_batch=2,
-                        voice_store=store)
+                        voice_store=store, **limits)
 
 
 async def register(server, seconds: float = 1.0, pitch: float = 190.0) -> str:
@@ -177,3 +186,25 @@ async def test_same_audio_twice_is_one_voice_over_the_wire(start_server, tiny_mo
     first, second = await register(server, pitch=300), await register(server, pitch=300)
     assert first == second
     assert await register(server, pitch=301) != first
+
+
+async def test_a_full_store_refuses_before_the_prompt_is_built(start_server, tiny_model):
+    server = tiny_server(start_server, tiny_model, "memory", max_voices=1)
+    engine = server.server.scheduler.engines[0]
+    built = []
+    register_voice = engine.register_voice
+
+    def counting(*args, **kwargs):
+        built.append(args[-1])
+        return register_voice(*args, **kwargs)
+
+    engine.register_voice = counting                 # the real method, counted
+    first = await register(server, pitch=300)
+    assert built == [first]
+    async with connect_client(server) as c:
+        await c.send({"type": "voice", "id": "r", "audio": tone_wav(1.0, pitch=320),
+                      "transcript": "The reference says this."})
+        refused = await c.recv_where(lambda m: m.get("id") == "r")
+    assert refused["type"] == "error" and refused["code"] == "busy", refused
+    assert built == [first]                           # no VAE pass was spent on it
+    assert await register(server, pitch=300) == first  # the voice kept is registered again as is

@@ -208,6 +208,7 @@ class StreamService:
             raise Refused(ErrorKind.NOT_READY, f"engine is {self.devices.status}")
         assert self._voice_jobs is not None, "StreamService.start() was not awaited"
         stored = new_voice(owner, audio, transcript if has_transcript else None, mode)
+        await self.store.check_room(stored)
         # One reference at a time is decoded and encoded, on a worker thread: beside the
         # engine's steps (which go on), never between them.
         async with self._voice_jobs:

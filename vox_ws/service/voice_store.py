@@ -110,6 +110,19 @@ class VoiceStore(ABC):
         """Keep a voice under the rules above; returns the ids retired to make room (the owner's
         oldest). Raises Refused(BUSY) when the store is full."""
 
+    async def check_room(self, voice: StoredVoice) -> None:
+        """Refuses (BUSY) a voice that the store as it is now could not take, so that a
+        registration into a full store fails before its prompt is built. Only a forecast: other
+        servers may change the store meanwhile, and `put` decides, atomically."""
+        if await self.has(voice.id) or await self._owned(voice.owner) >= self.limits.per_owner:
+            return                                   # put keeps it as is, or retires the owner's oldest
+        usage = await self.usage()
+        self._refuse_full(usage["voices"], usage["bytes"], len(voice.audio))
+
+    @abstractmethod
+    async def _owned(self, owner: str) -> int:
+        """How many voices `owner` (hashed, as StoredVoice.owner) has."""
+
     @abstractmethod
     async def delete(self, voice: str, owner: str) -> bool:
         """Delete a voice of `owner` (ANY_OWNER: any voice); False when there is none it may delete."""
@@ -163,6 +176,9 @@ class MemoryStore(VoiceStore):
             self._drop(old)
         self._keep(voice)
         return retired
+
+    async def _owned(self, owner: str) -> int:
+        return sum(1 for v in self._voices.values() if v.owner == owner)
 
     def _keep(self, voice: StoredVoice) -> None:
         self._voices[voice.id] = voice
@@ -336,6 +352,9 @@ class RedisStore(VoiceStore):
 
     async def has(self, voice: str) -> bool:
         return bool(await self._call("has", self._redis.exists(self._key("voice", voice))))
+
+    async def _owned(self, owner: str) -> int:
+        return int(await self._call("count", self._redis.zcard(self._key("owner", owner))))
 
     async def put(self, voice: StoredVoice) -> list[str]:
         limits = self.limits
