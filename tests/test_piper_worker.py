@@ -56,13 +56,15 @@ def test_a_crash_in_the_worker_raises_and_the_next_text_gets_a_new_worker():
     worker = PiperWorker(threads=1)
     worker.start()
     try:
-        first = worker.pid
+        first, speed = worker.pid, worker.speed
+        assert speed > 1.0                            # measured by the first worker
         everything = [ph for piece, _ in worker.phonemize(LONG * 2)[1] for ph in piece + [" "]]
         segfault_soon(first)
         with pytest.raises(WorkerCrashed, match="signal 11"):
             worker.speak(everything)                  # seconds of work in one piece
         audio = np.concatenate([worker.speak(piece)[0] for piece, _ in worker.phonemize(SENTENCE)[1]])
         assert len(audio) / worker.sample_rate > 1.0 and worker.pid != first and worker.restarts == 1
+        assert worker.speed == speed                  # not measured again by the new one
     finally:
         worker.close()
     assert not worker.alive

@@ -58,8 +58,13 @@ class PiperWorker(Worker):
         self.speed = 0.0                   # seconds of speech per second of work, measured at start
 
     def start(self) -> None:  # type: ignore[override]
-        rate, self.word_timings, self.speed = super().start(("init", self.threads), LOAD_TIMEOUT_S)
+        # The speed is measured by the first worker only: a restart after a crash is not slowed
+        # by it, and the slot count it set stays as it is.
+        measure = self.speed == 0.0
+        rate, self.word_timings, speed = super().start(("init", self.threads, measure), LOAD_TIMEOUT_S)
         self.sample_rate = int(rate)
+        if measure:
+            self.speed = speed
 
     def restart(self) -> None:
         self.start()
@@ -188,14 +193,11 @@ SPEED_SAMPLE = "The quick brown fox jumps over the lazy dog, and then it runs ba
 
 
 def _start(init: tuple) -> tuple[tuple[int, bool, float], Callable[[str, Any], tuple]]:
-    _, threads = init
+    _, threads, measure = init
     voice, rate, aligned = _load(threads)
     for phonemes, _ in phonemize(voice, "Ready.")[1]:     # warm the phonemizer and the ONNX graph
         speak(voice, phonemes, aligned)
-    pieces = [phonemes for phonemes, _ in phonemize(voice, SPEED_SAMPLE)[1]]
-    started = time.perf_counter()
-    spoken = sum(len(speak(voice, piece, aligned)[0]) for piece in pieces for _ in range(2))
-    speed = spoken / rate / (time.perf_counter() - started)
+    speed = _measure_speed(voice, rate, aligned) if measure else 0.0
 
     def handle(kind: str, payload: Any) -> tuple:
         if kind == "phonemize":
@@ -203,6 +205,14 @@ def _start(init: tuple) -> tuple[tuple[int, bool, float], Callable[[str, Any], t
         audio, alignment = speak(voice, payload, aligned)
         return ("audio", (audio.tobytes(), alignment))
     return (rate, aligned, speed), handle
+
+
+def _measure_speed(voice: Any, rate: int, aligned: bool) -> float:
+    """Seconds of speech per second of work on this machine."""
+    pieces = [phonemes for phonemes, _ in phonemize(voice, SPEED_SAMPLE)[1]]
+    started = time.perf_counter()
+    spoken = sum(len(speak(voice, piece, aligned)[0]) for piece in pieces for _ in range(2))
+    return spoken / rate / (time.perf_counter() - started)
 
 
 def main() -> None:
