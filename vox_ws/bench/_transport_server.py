@@ -9,17 +9,20 @@ from ..config import Limits, ServerConfig
 from ..engine import Engine
 from ..server import VoxServer
 
+# VoxCPM2's pace: one 160 ms chunk at 48 kHz per step, a step every 50 ms.
+VOXCPM_CHUNK_S = 0.16
+VOXCPM_STEP_S = 0.05
+
 
 def bench_engine(name: str) -> Engine:
-    """The engine a benchmark names: `piper` (the real CPU voice), or `tone`, paced like VoxCPM2
-    (a 160 ms chunk at 48 kHz per 50 ms step)."""
+    """The engine a benchmark names: `piper` (the real CPU voice), or `tone`, paced like VoxCPM2."""
     if name == "piper":
         from ..engines.piper import PiperEngine
 
         return PiperEngine()
     from ..testing.tone import ToneEngine
 
-    return ToneEngine(sample_rate=48_000, chunk_s=0.16, step_interval_s=0.05)
+    return ToneEngine(sample_rate=48_000, chunk_s=VOXCPM_CHUNK_S, step_interval_s=VOXCPM_STEP_S)
 
 
 def run_server(engine: Engine, port: int, config: ServerConfig | None = None, port_file: str | None = None) -> None:

@@ -26,6 +26,7 @@ import msgpack
 import numpy as np
 
 from ..codecs import CODECS, OutputPipeline
+from ._transport_server import VOXCPM_CHUNK_S, bench_engine, run_server
 
 FORMATS = ("s16", "opus", "opus_packets", "mp3", "aac", "flac", "wav")
 RATES = (48_000, 24_000)
@@ -33,7 +34,7 @@ UTTERANCE = ("Speech on a phone over a mobile network needs few bytes. This long
              "then encoded in every format the server offers, chunk by chunk, as a stream would be. "
              "Numbers like these decide whether a page on the open internet can play a voice live.")
 FIRST_AUDIO_TEXT = "Hello! How quickly does the first audio arrive in each format?"
-CHUNK_S = 0.16
+CHUNK_S = VOXCPM_CHUNK_S          # encoded in the chunks a VoxCPM2 stream would bring
 
 
 async def _speak(url: str, text: str, fmt: str, rate: int | None) -> tuple[float, list[dict[str, Any]], dict]:
@@ -101,8 +102,6 @@ async def first_audio(url: str, rate: int, rounds: int) -> dict[str, dict[str, f
 
 
 def serve(engine_name: str, port_file: str) -> None:
-    from ._transport_server import bench_engine, run_server
-
     run_server(bench_engine(engine_name), 0, port_file=port_file)
 
 

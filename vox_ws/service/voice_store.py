@@ -168,7 +168,7 @@ class MemoryStore(VoiceStore):
     def _put(self, voice: StoredVoice) -> list[str]:
         if voice.id in self._voices:
             return []
-        owned = sorted((v for v in self._voices.values() if v.owner == voice.owner), key=lambda v: v.created)
+        owned = self._voices_of(voice.owner)
         retired = [v.id for v in owned[:max(0, len(owned) - self.limits.per_owner + 1)]]
         remaining = [v for v in self._voices.values() if v.id not in retired]
         self._refuse_full(len(remaining), sum(len(v.audio) for v in remaining), len(voice.audio))
@@ -178,7 +178,11 @@ class MemoryStore(VoiceStore):
         return retired
 
     async def _owned(self, owner: str) -> int:
-        return sum(1 for v in self._voices.values() if v.owner == owner)
+        return len(self._voices_of(owner))
+
+    def _voices_of(self, owner: str) -> list[StoredVoice]:
+        """The owner's voices, oldest first."""
+        return sorted((v for v in self._voices.values() if v.owner == owner), key=lambda v: v.created)
 
     def _keep(self, voice: StoredVoice) -> None:
         self._voices[voice.id] = voice
