@@ -39,11 +39,11 @@ for dtype in $dtypes; do
   echo "== building a $size VoxCPM2 ($dtype)" >&2
   "$python" -m vox_ws.testing.tiny_voxcpm "$work/$dtype" --size "$size" --dtype "$dtype" >&2
   echo "== equivalence: batched loop vs the package, $device, $dtype" >&2
-  "$python" -m vox_ws.bench.equivalence --model "$work/$dtype" --device "$device" \
+  "$python" -m benchmarks.equivalence --model "$work/$dtype" --device "$device" \
     --json "$out/equivalence-$dtype.json" >&2 || true      # the figures say whether it held
 done
 echo "== scheduler benchmark at N = $concurrency ($device, float32)" >&2
-"$python" -m vox_ws.bench.scheduler --model "$work/float32" --device "$device" --concurrency "$concurrency" \
+"$python" -m benchmarks.scheduler --model "$work/float32" --device "$device" --concurrency "$concurrency" \
   --rounds 1 --min-steps 10 --max-steps 20 --json "$out/scheduler.json" | tee "$out/scheduler.txt" >&2
 
 "$python" - "$out" "$dtypes" "$device" "$size" "$((SECONDS - started))" <<'PY'

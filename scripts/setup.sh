@@ -11,6 +11,15 @@ if [ ! -x .venv/bin/python ]; then
   "$python" -m venv .venv
 fi
 pip() { .venv/bin/python -m pip --disable-pip-version-check -q "$@"; }
+
+# Nothing to do when this venv was set up from the same pyproject.toml with the same extras
+# (the install is editable: code changes need no reinstall).
+stamp=".venv/.vox-ws-setup"
+want="$(cat pyproject.toml "$0" | sha256sum | cut -d' ' -f1) ${extras}"
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && .venv/bin/python -c "import vox_ws" 2>/dev/null; then
+  echo "vox-ws already set up in .venv with extras: ${extras}" >&2
+  exit 0
+fi
 pip install --upgrade pip >/dev/null
 
 if [[ ",$extras," == *",voxcpm,"* ]]; then
@@ -22,8 +31,9 @@ if [[ ",$extras," == *",voxcpm,"* ]]; then
   fi
   # voxcpm without its training/UI dependencies (gradio, funasr, modelscope, datasets, ...):
   # the inference dependencies come from vox-ws's `voxcpm` extra. torchaudio is deliberately
-  # absent; see vox_ws/engines/voxcpm.py for why and how `import voxcpm` still works.
+  # absent; see vox_ws/engines/voxcpm/loading.py for why and how `import voxcpm` still works.
   pip install --no-deps "voxcpm==2.0.3"
 fi
 pip install -e ".[${extras}]"
+echo "$want" > "$stamp"
 echo "vox-ws installed in .venv with extras: ${extras}" >&2

@@ -1,17 +1,29 @@
 #!/usr/bin/env bash
-# Install everything the tests need (system packages, the venv with every extra) and run them all.
+# Install everything the tests need (system packages, the venv with every extra) and run them.
+#   scripts/test.sh              every test: what CI runs (.ci/run)
+#   scripts/test.sh --quick      the quick lane, for every change: protocol, service, scheduler,
+#                                engines, HTTP, Wyoming, hardening; no browser, frameworks,
+#                                replicas, packaging or slow scenarios (pytest markers, pyproject.toml)
+# Other arguments go to pytest (-k, -x, a file, ...).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-# System packages: Debian's Chromium for the browser test (Playwright drives it; it never
-# downloads a browser of its own), Node.js for the demo's JavaScript unit tests, redis-server
-# and HAProxy for the replica tests.
+quick=0
+if [ "${1:-}" = "--quick" ]; then
+  quick=1
+  shift
+fi
+
+# System packages: Node.js for the demo's JavaScript unit tests; for the full run also Debian's
+# Chromium for the browser tests (Playwright drives it; it never downloads a browser of its
+# own), and redis-server and HAProxy for the scale-out tests.
 missing=()
-command -v chromium >/dev/null 2>&1 || missing+=(chromium)
 command -v node >/dev/null 2>&1 || missing+=(nodejs)
-# Real servers for the scale-out tests: Redis (the shared voice store) and HAProxy (replicas).
-command -v redis-server >/dev/null 2>&1 || missing+=(redis-server)
-command -v haproxy >/dev/null 2>&1 || missing+=(haproxy)
+if [ "$quick" -eq 0 ]; then
+  command -v chromium >/dev/null 2>&1 || missing+=(chromium)
+  command -v redis-server >/dev/null 2>&1 || missing+=(redis-server)
+  command -v haproxy >/dev/null 2>&1 || missing+=(haproxy)
+fi
 if [ ${#missing[@]} -gt 0 ]; then
   sudo=""
   [ "$(id -u)" -eq 0 ] || sudo="sudo"
@@ -21,4 +33,7 @@ fi
 
 VOX_WS_EXTRAS=piper,voxcpm,test,pipecat,livekit,wyoming scripts/setup.sh
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TQDM_DISABLE=1
+if [ "$quick" -eq 1 ]; then
+  exec .venv/bin/python -m pytest -m "not (browser or frameworks or replicas or packaging or slow)" "$@"
+fi
 exec .venv/bin/python -m pytest "$@"

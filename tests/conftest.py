@@ -27,6 +27,10 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TQDM_DISABLE", "1")
 
 RECV_TIMEOUT = 60.0
+# How long a test waits for a state before it calls it a hang. It is a failure detector, never
+# a measurement: far beyond what anything awaited takes on a slow or loaded machine, and a
+# fast machine reaches the state sooner and goes on at once.
+WAIT_TIMEOUT = 120.0
 
 
 class RunningServer:
@@ -75,6 +79,13 @@ def make_config(**overrides: Any) -> ServerConfig:
     limits = Limits(**{k: v for k, v in overrides.items() if k in limit_fields})
     rest = {k: v for k, v in overrides.items() if k not in limit_fields}
     return replace(ServerConfig(port=0, ping_interval=5.0, ping_timeout=10.0), limits=limits, **rest)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """A test that needs a real redis-server is in the `replicas` lane, wherever it lives."""
+    for item in items:
+        if "redis_server" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.replicas)
 
 
 @pytest.fixture(scope="session")
@@ -228,16 +239,28 @@ def tiny_model_stops(tmp_path_factory):
     return build(tmp_path_factory.mktemp("tiny-voxcpm-stop"), stop="always")
 
 
-async def wait_idle(server: RunningServer, timeout: float = 10.0) -> dict[str, Any]:
-    """/v1/info once the server has no stream open or generating (or after `timeout`)."""
+async def wait_until(condition: Callable[[], Any], timeout: float = WAIT_TIMEOUT) -> None:
+    """Until `condition()` is true, polled; fails as a hang after `timeout`."""
     import time as _time
 
     deadline = _time.monotonic() + timeout
-    while True:
-        _, info = server.get("/v1/info")
-        if (info["streams_open"] == 0 and info["active"] == 0) or _time.monotonic() > deadline:
-            return info
-        await asyncio.sleep(0.05)
+    while not condition():
+        assert _time.monotonic() < deadline, f"not reached in {timeout:g}s: {getattr(condition, '__doc__', None) or condition}"
+        await asyncio.sleep(0.01)
+
+
+async def wait_idle(server: RunningServer, timeout: float = WAIT_TIMEOUT) -> dict[str, Any]:
+    """/v1/info once the server has no stream open or generating (or after `timeout`)."""
+    found: dict[str, Any] = {}
+
+    def idle() -> bool:
+        found.update(server.get("/v1/info")[1])
+        return found["streams_open"] == 0 and found["active"] == 0
+    try:
+        await wait_until(idle, timeout)
+    except AssertionError:
+        pass                                 # the caller's assertion says what was left
+    return found
 
 
 # ------------------------------------------------------------------------------ redis-server
@@ -266,7 +289,7 @@ class RedisServer:
             ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--dir", self.directory,
              "--appendonly", "yes", "--appendfsync", "always", "--save", "", "--protected-mode", "no"],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = _time.monotonic() + 20
+        deadline = _time.monotonic() + WAIT_TIMEOUT
         while _time.monotonic() < deadline:
             if self.ping():
                 return

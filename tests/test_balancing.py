@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from conftest import RunningServer, connect_client, make_config
+from conftest import RunningServer, connect_client, make_config, wait_until
 from vox_ws import client as vox
 from vox_ws.testing.tone import ToneEngine
 
@@ -18,13 +18,6 @@ from vox_ws.testing.tone import ToneEngine
 def slow_tone() -> ToneEngine:
     # 80 ms of audio per 40 ms step: a text of 60 characters speaks for 3 s over 1.5 s.
     return ToneEngine(chunk_s=0.08, step_interval_s=0.04)
-
-
-async def wait_until(predicate, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached"
-        await asyncio.sleep(0.02)
 
 
 async def test_load_reports_slots_queue_step_time_and_one_figure(start_server):
@@ -40,7 +33,7 @@ async def test_load_reports_slots_queue_step_time_and_one_figure(start_server):
         await wait_until(lambda: server.get("/v1/load")[1]["mean_step_ms"] > 20)
         busy = server.get("/v1/load")[1]
         assert (busy["active"], busy["queued"], busy["free_slots"], busy["load"], busy["sessions"]) == (2, 1, 0, 1.0, 1)
-        assert 20 < busy["mean_step_ms"] < 200           # the tone engine's 40 ms pace (the last 20 steps)
+        assert busy["mean_step_ms"] > 20                 # the tone engine steps at a 40 ms pace, never faster
         for sid in ("a", "b", "c"):
             await c.send({"type": "cancel", "id": sid})
         await wait_until(lambda: server.get("/v1/load")[1]["load"] == 0.0)
@@ -74,7 +67,7 @@ def free_port() -> int:
 
 
 async def test_a_draining_server_closes_new_connections_1012(start_server):
-    server = start_server(slow_tone(), drain_timeout=3.0)
+    server = start_server(slow_tone(), drain_timeout=60.0)   # a drain ends when its streams do
     async with connect_client(server) as c:
         await c.send({"type": "start", "id": "inflight", "text": "x" * 40})
         await c.recv_where(lambda m: m["type"] == "chunk")
@@ -102,7 +95,9 @@ async def test_speak_starts_over_on_another_server_when_its_server_goes(start_se
     replaced: list[RunningServer] = []
 
     def replace_server() -> None:
-        time.sleep(0.4)
+        # Once the stream is under way (it speaks for 1.5 s, paced), the server goes.
+        while not (first.scheduler.stats()["active"] and first.scheduler.stats()["steps_total"] >= 2):
+            time.sleep(0.005)
         first.stop()                        # no drain: the stream in flight ends `going_away`
         replaced.append(RunningServer(slow_tone(), make_config(port=port)))
         replaced[0].wait_ready()
@@ -112,6 +107,10 @@ async def test_speak_starts_over_on_another_server_when_its_server_goes(start_se
     swapper.start()
     try:
         audio = await vox.speak(first.url, text, retries=8, retry_wait=0.2, format="s16")
+        swapper.join(30)
+        # The first server went mid-stream, and the replacement spoke the whole text again.
+        assert replaced and not first.server.running
+        assert replaced[0].scheduler.stats()["steps_total"] >= 3.0 / 0.08
     finally:
         swapper.join(30)
         for running in replaced:

@@ -1,4 +1,4 @@
-"""The demo's JavaScript units (resampler, WAV encoder) under Node's own test runner."""
+"""The demo's JavaScript units (resampler, WAV encoder, the player worklet) under Node's own test runner."""
 
 import shutil
 import subprocess

@@ -12,6 +12,8 @@ import kubernetes_validate
 import pytest
 import yaml
 
+pytestmark = pytest.mark.replicas
+
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
 KUBERNETES_VERSION = "1.33.0"
 

@@ -11,6 +11,8 @@ import pytest
 
 from vox_ws.engines.piper import PiperEngine
 
+pytestmark = pytest.mark.frameworks
+
 ROOT = Path(__file__).resolve().parent.parent
 
 

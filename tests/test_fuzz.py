@@ -145,6 +145,7 @@ def live(fuzz_server):
     client.close()
 
 
+@pytest.mark.slow
 @settings(max_examples=1500, deadline=None, suppress_health_check=[HealthCheck.too_slow,
                                                                    HealthCheck.function_scoped_fixture])
 @given(frame=frames)
@@ -153,6 +154,7 @@ def test_live_server_answers_every_frame_with_a_typed_reply(live, frame):
         live.run(live.exchange(frame))
 
 
+@pytest.mark.slow                   # the second half of the live fuzzing above
 async def test_server_is_healthy_after_fuzzing(fuzz_server, live):
     assert live.cases >= 1000
     assert fuzz_server.scheduler.status == "ready"

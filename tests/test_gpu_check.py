@@ -7,6 +7,9 @@ from __future__ import annotations
 import json
 import subprocess
 from pathlib import Path
+import pytest
+
+pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parent.parent
 

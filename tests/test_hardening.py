@@ -16,8 +16,8 @@ import urllib.request
 
 import msgpack
 import pytest
-from conftest import assert_good_stream, connect_client
-from test_server_piper import LONG, SENTENCE, wait_for
+from conftest import WAIT_TIMEOUT, assert_good_stream, connect_client, wait_until
+from test_server_piper import LONG, SENTENCE
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
@@ -132,14 +132,12 @@ async def test_slow_reader_is_paused_then_cancelled_and_never_delays_others(star
     async with connect(server.url, sock=sock, max_queue=1, max_size=None) as slow:
         await slow.recv()                                                   # hello
         await slow.send(msgpack.packb({"type": "start", "id": "slow", "text": LONG * 3}))
-        # Meanwhile another client is served at full speed.
-        started = time.monotonic()
+        # Meanwhile another client is served, whole.
         async with connect_client(server) as fast:
             result = await fast.speak(LONG[:300], "fast")
         assert_good_stream(result, 3.0)
-        assert time.monotonic() - started < 20
         # The stalled stream stops holding its slot.
-        await wait_for(lambda: server.scheduler.stats()["active"] == 0, timeout=20)
+        await wait_until(lambda: server.scheduler.stats()["active"] == 0)
         # When the slow client finally reads, the stream ended with slow_consumer.
         seen = []
         while True:
@@ -185,7 +183,7 @@ async def test_cancel_and_disconnect_free_the_slot_before_the_next_step(start_se
         # The other stream keeps stepping; the cancelled and abandoned ones get at most the
         # step that was already running when the cancel arrived.
         before = engine.steps[other]
-        await wait_for(lambda: engine.steps[other] >= before + 2, timeout=30)
+        await wait_until(lambda: engine.steps[other] >= before + 2)
         assert engine.steps[long_a] <= steps_at_cancel + 1
         assert engine.steps[long_b] <= steps_at_disconnect + 1
         assert server.scheduler.stats()["active"] == 1
@@ -260,7 +258,7 @@ def _spawn(tmp_path, *args):
     log = open(tmp_path / "server.log", "w+")
     proc = subprocess.Popen([sys.executable, "-m", "vox_ws", "serve", "--engine", "piper", "--port", "0", *args],
                             stdout=log, stderr=subprocess.STDOUT, env=env)
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + WAIT_TIMEOUT
     while time.monotonic() < deadline:
         text = (tmp_path / "server.log").read_text()
         match = re.search(r"listening on ws://127\.0\.0\.1:(\d+)", text)
@@ -294,8 +292,7 @@ async def test_sigterm_drains_streams_in_flight_then_exits_0(tmp_path):
             await c.send({"type": "start", "id": "inflight", "text": LONG[:400]})
             await c.recv_where(lambda m: m["type"] == "chunk")
             proc.send_signal(signal.SIGTERM)
-            await asyncio.sleep(0.3)
-            assert _get(port, "/readyz") == 503
+            await wait_until(lambda: _get(port, "/readyz") == 503)
             assert _get(port, "/healthz") == 200
             await closed_with(server, 1012)                         # no new connections: elsewhere
             await c.send({"type": "start", "id": "late", "text": "Too late."})

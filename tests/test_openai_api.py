@@ -8,9 +8,9 @@ import asyncio
 import base64
 import io
 import json
-import time
 
 import av
+from conftest import wait_idle, wait_until
 import httpx
 import numpy as np
 import openai
@@ -202,7 +202,7 @@ async def test_a_full_queue_is_429_with_retry_after(guarded):
             # One slot (busy) and one queue place: a second request waits in the queue and
             # gives up after max_queue_wait; a third finds the queue full at once.
             waiting = asyncio.ensure_future(http.post("/v1/audio/speech", json=body))
-            await asyncio.sleep(0.2)
+            await wait_until(lambda: guarded.scheduler.stats()["queued"] == 1)
             full = await http.post("/v1/audio/speech", json=body)
             assert full.status_code == 429 and "retry-after" in full.headers
             assert full.json()["error"]["type"] == "rate_limit_error"
@@ -224,14 +224,8 @@ async def test_a_client_that_leaves_mid_stream_frees_its_slot(piper_server):
             assert info["streams_open"] == 1, info
             await pieces.aclose()
     # The connection is closed; the stream (and its slot) go before the next step.
-    deadline = time.monotonic() + 5
-    async with httpx.AsyncClient(base_url=piper_server.http) as http:
-        while True:
-            info = (await http.get("/v1/info")).json()
-            if info["streams_open"] == 0 and info["active"] == 0:
-                break
-            assert time.monotonic() < deadline, info
-            await asyncio.sleep(0.05)
+    info = await wait_idle(piper_server)
+    assert info["streams_open"] == 0 and info["active"] == 0, info
 
 
 def test_a_4000_character_text_is_spoken_whole_on_piper(client):

@@ -6,6 +6,8 @@ it prints are those of docs/DEPLOY.md."""
 from __future__ import annotations
 
 import asyncio
+import csv
+import io
 import json
 import re
 import shutil
@@ -21,9 +23,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import RedisServer
+from conftest import WAIT_TIMEOUT, RedisServer, wait_until
 from test_stream_service import tone_wav
 from vox_ws import client as vox
+
+pytestmark = pytest.mark.replicas
 
 ROOT = Path(__file__).resolve().parent.parent
 CHECK_INTERVAL_S = 0.5          # HAProxy's health checks, as in deploy/haproxy.cfg but faster
@@ -54,7 +58,7 @@ class Replica:
         self.log = open(self.logs / f"{self.name}.log", "w+")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "vox_ws", "serve", "--engine", "voxcpm", "--model", str(self.model),
-             "--device", "cpu", "--port", str(self.port), "--max-batch", "16", "--drain-timeout", "8",
+             "--device", "cpu", "--port", str(self.port), "--max-batch", "16", "--drain-timeout", "60",
              "--voice-store", self.redis_url, "--max-connections-per-address", "256"],
             stdout=self.log, stderr=subprocess.STDOUT, cwd=ROOT,
             env={**__import__("os").environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"})
@@ -91,6 +95,9 @@ class Balancer:
         config = config.replace("inter 1s", f"inter {int(CHECK_INTERVAL_S * 1000)}ms")
         servers = "\n".join(f"    server {r.name} 127.0.0.1:{r.port} check" for r in replicas)
         config = re.sub(r"(    server r\d .*\n)+", servers + "\n", config)
+        # HAProxy's own view of its servers (UP, DOWN), for tests that wait on a health check.
+        self.stats_socket = directory / "haproxy.sock"
+        config = config.replace("global\n", f"global\n    stats socket {self.stats_socket} mode 600 level user\n", 1)
         self.config = directory / "haproxy.cfg"
         self.config.write_text(config)
         check = subprocess.run(["haproxy", "-c", "-f", str(self.config)], capture_output=True, text=True)
@@ -98,7 +105,7 @@ class Balancer:
         self.proc = subprocess.Popen(["haproxy", "-db", "-f", str(self.config)], stdout=subprocess.DEVNULL,
                                      stderr=subprocess.DEVNULL)
         self.url = f"ws://127.0.0.1:{self.port}/v1/stream"
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + WAIT_TIMEOUT
         while time.monotonic() < deadline:
             try:
                 with socket.create_connection(("127.0.0.1", self.port), timeout=1):
@@ -106,6 +113,24 @@ class Balancer:
             except OSError:
                 time.sleep(0.05)
         raise AssertionError("haproxy did not start")
+
+    def states(self) -> dict[str, str]:
+        """Each replica's status as HAProxy's health checks last found it ("UP", "DOWN", ...)."""
+        with socket.socket(socket.AF_UNIX) as sock:
+            sock.connect(str(self.stats_socket))
+            sock.sendall(b"show stat\n")
+            data = b""
+            while chunk := sock.recv(65536):
+                data += chunk
+        rows = list(csv.reader(io.StringIO(data.decode().lstrip("# "))))
+        header = rows[0]
+        name, status = header.index("svname"), header.index("status")
+        return {row[name]: row[status].split()[0] for row in rows[1:]
+                if len(row) > status and row[0] == "replicas" and row[name] not in ("BACKEND", "FRONTEND")}
+
+    async def wait_until_seen(self, replica: str, state: str) -> None:
+        """Until HAProxy's health checks have marked `replica` UP or DOWN."""
+        await wait_until(lambda: self.states().get(replica) == state)
 
     def stop(self) -> None:
         self.proc.terminate()
@@ -126,7 +151,8 @@ def cluster(tiny_model, tmp_path_factory):
         for replica in replicas:
             replica.wait_ready()
         balancer = Balancer(replicas, logs)
-        time.sleep(3 * CHECK_INTERVAL_S)            # every replica checked up
+        for replica in replicas:                    # every replica checked up
+            asyncio.run(balancer.wait_until_seen(replica.name, "UP"))
         yield {"redis": redis, "replicas": replicas, "balancer": balancer}
         balancer.stop()
     finally:
@@ -190,8 +216,8 @@ async def test_sigterm_drains_one_replica_and_nothing_is_lost(cluster):
     for c in clients:
         await c.close()
     assert victim.proc.wait(30) == 0
-    # Once HAProxy has seen it (one check interval), new sessions go only to the others.
-    assert time.monotonic() - signalled > CHECK_INTERVAL_S
+    # Once HAProxy has seen it, new sessions go only to the others.
+    await balancer.wait_until_seen(victim.name, "DOWN")
     print(f"drain: all 6 streams in flight finished, 6 of 6 new clients spoken, the replica exited 0 "
           f"{time.monotonic() - signalled:.2f} s after SIGTERM")
     others = replicas[1:]
@@ -200,7 +226,7 @@ async def test_sigterm_drains_one_replica_and_nothing_is_lost(cluster):
     assert [r.info()["steps_total"] for r in others] != before
     victim.start()
     victim.wait_ready()
-    await asyncio.sleep(3 * CHECK_INTERVAL_S)
+    await balancer.wait_until_seen(victim.name, "UP")
 
 
 async def test_kill_9_loses_only_that_replicas_streams_and_clients_reconnect(cluster):
@@ -244,7 +270,7 @@ async def test_kill_9_loses_only_that_replicas_streams_and_clients_reconnect(clu
           f"{served_after:.2f} s after the kill")
     victim.start()
     victim.wait_ready()
-    await asyncio.sleep(3 * CHECK_INTERVAL_S)
+    await balancer.wait_until_seen(victim.name, "UP")
 
 
 async def test_voices_survive_a_redis_restart(cluster):

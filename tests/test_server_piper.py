@@ -1,12 +1,11 @@
 """End to end over a real WebSocket against a real server with the real Piper voice."""
 
 import asyncio
-import time
 
 import httpx
 import msgpack
 import pytest
-from conftest import assert_good_stream, connect_client
+from conftest import assert_good_stream, connect_client, wait_until
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 
@@ -16,15 +15,6 @@ SENTENCE = "The quick brown fox jumps over the lazy dog."
 LONG = " ".join(
     f"This is sentence number {i}, which keeps the voice busy for a while." for i in range(1, 13)
 )
-
-
-async def wait_for(predicate, timeout=10.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        await asyncio.sleep(0.02)
-    raise AssertionError("condition not reached in time")
 
 
 async def test_hello_publishes_engine_formats_and_limits(piper_server):
@@ -104,7 +94,7 @@ async def test_cancel_mid_stream_ends_with_cancelled_and_no_chunk_after(piper_se
         after_end = c.log[c.log.index(("end", "long")) + 1:]
         assert ("end", "after") in after_end
         assert not [entry for entry in after_end if entry[1] == "long"]
-    await wait_for(lambda: piper_server.scheduler.stats()["active"] == 0)
+    await wait_until(lambda: piper_server.scheduler.stats()["active"] == 0)
 
 
 async def test_cancel_of_queued_stream_and_of_unknown_stream(piper_server):
@@ -120,7 +110,7 @@ async def test_disconnect_mid_stream_frees_the_slot(piper_server):
         await c.send({"type": "start", "id": "gone", "text": LONG})
         await c.recv_where(lambda m: m["type"] == "chunk")
         assert piper_server.scheduler.stats()["active"] == 1
-    await wait_for(lambda: piper_server.scheduler.stats()["active"] == 0
+    await wait_until(lambda: piper_server.scheduler.stats()["active"] == 0
                    and piper_server.get("/v1/info")[1]["streams_open"] == 0)
 
 
@@ -248,7 +238,7 @@ async def test_failed_load_reports_503_with_reason(start_server):
     engine = GatedPiper(fail=True)
     engine.gate.set()
     server = start_server(engine, wait=False)
-    await wait_for(lambda: server.scheduler.status == "failed")
+    await wait_until(lambda: server.scheduler.status == "failed")
     status, body = server.get("/readyz")
     assert status == 503 and body["status"] == "failed" and "weights are corrupt" in body["error"]
 
@@ -299,11 +289,10 @@ async def test_idle_connection_is_reaped_with_documented_code(start_server):
     async with connect_client(server) as c:
         # A stream keeps the connection alive past the idle timeout...
         assert_good_stream(await c.speak(SENTENCE, "busy"))
-        started = time.monotonic()
+        # ... then, quiet, it is closed (the receive's own time-out is many idle time-outs).
         with pytest.raises(ConnectionClosed):
-            await c.recv(timeout=10)
+            await c.recv(timeout=60)
         assert c.ws.close_code == 4000 and c.ws.close_reason == "idle timeout"
-        assert time.monotonic() - started < 5
 
 
 async def test_frame_beyond_transport_limit_closes_with_1009(piper_server):

@@ -9,13 +9,14 @@ import json
 import os
 import shutil
 import signal
+import threading
 
 import numpy as np
 import pytest
 import soundfile
 import torch
 from conftest import assert_good_stream as _assert_good_stream
-from conftest import connect_client
+from conftest import connect_client, wait_until
 from websockets.exceptions import ConnectionClosed
 
 from vox_ws.engines.voxcpm.engine import VoxCPMEngine
@@ -82,26 +83,45 @@ async def test_streams_160ms_chunks_at_48khz(voxcpm_server):
 
 
 async def test_concurrent_streams_are_batched_and_match_the_package(voxcpm_server, tiny_model):
-    """Several streams on several connections, joining at different times: every step batches
-    them, and each stream's audio equals the package's output for that request alone."""
+    """Several streams on several connections, joining at different steps of the first: every
+    step batches them, and each stream's audio equals the package's output for that request
+    alone. The joins are certain whatever the machine's speed: after the first stream's step 1,
+    and again after step 4, the engine thread waits until the test has queued the next stream."""
     (scheduler,) = voxcpm_server.server.devices.schedulers
+    plan = [("First stream, longest text of all of them.", 101, 20),
+            ("Second one.", 202, 14),
+            ("Third stream joins later.", 303, 10)]
+    loop = asyncio.get_running_loop()
     batch_sizes: list[int] = []
-    scheduler.on_step = lambda size, seconds: batch_sizes.append(size)
-    plan = [("First stream, longest text of all of them.", 101, 20, 0.0),
-            ("Second one.", 202, 14, 0.15),
-            ("Third stream joins later.", 303, 10, 0.3)]
+    gates = {1: threading.Event(), 4: threading.Event()}       # steps after which the engine waits
+    reached = {step: asyncio.Event() for step in gates}
 
-    async def one(i, text, seed, max_len, delay):
-        await asyncio.sleep(delay)
+    def on_step(size: int, seconds: float) -> None:            # on the engine thread
+        batch_sizes.append(size)
+        step = len(batch_sizes)
+        if step in gates:
+            loop.call_soon_threadsafe(reached[step].set)
+            gates[step].wait(120)
+
+    async def one(i, text, seed, max_len):
         async with connect_client(voxcpm_server) as c:
             return await c.speak(text, f"s{i}", options={"seed": seed, "max_len": max_len})
 
+    scheduler.on_step = on_step
     try:
-        results = await asyncio.gather(*(one(i, *p) for i, p in enumerate(plan)))
+        tasks = [asyncio.create_task(one(0, *plan[0]))]
+        for step, joining in zip(gates, plan[1:]):
+            await asyncio.wait_for(reached[step].wait(), 120)
+            tasks.append(asyncio.create_task(one(len(tasks), *joining)))
+            await wait_until(lambda: scheduler.stats()["queued"] == 1)
+            gates[step].set()
+        results = await asyncio.gather(*tasks)
     finally:
+        for gate in gates.values():
+            gate.set()
         scheduler.on_step = None
-    assert max(batch_sizes) >= 2, batch_sizes
-    for (text, seed, max_len, _), result in zip(plan, results):
+    assert batch_sizes[:5] == [1, 2, 2, 2, 3], batch_sizes
+    for (text, seed, max_len), result in zip(plan, results):
         assert_good_stream(result)
         want = reference(tiny_model, text, seed, max_len=max_len)
         got = result.pcm()

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import io
-import time
 
 import numpy as np
 import pytest
 import soundfile
-from test_server_piper import LONG, SENTENCE, wait_for
+from conftest import wait_until
+from test_server_piper import LONG, SENTENCE
 
 from vox_ws.audio import bytes_to_pcm
 from vox_ws.config import Limits
@@ -117,12 +117,12 @@ async def test_cancel_drops_untaken_audio_and_frees_the_slot(piper_scheduler):
     stream = service.open_stream(LONG)
     first = await stream.__anext__()
     assert isinstance(first, Audio)
-    await wait_for(lambda: stream.chunks >= 2, timeout=30)
+    await wait_until(lambda: stream.chunks >= 2)
     stream.cancel()
     rest = await drain(stream)
     assert len(rest) == 1 and isinstance(rest[0], Ended) and rest[0].reason == EndReason.CANCELLED
     assert rest[0].stats["chunks"] == 1 and abs(rest[0].stats["audio_s"] - first.seconds) < 1e-3
-    await wait_for(lambda: piper_scheduler.stats()["active"] == 0, timeout=10)
+    await wait_until(lambda: piper_scheduler.stats()["active"] == 0)
     await service.close()
 
 
@@ -134,23 +134,24 @@ async def test_leaving_the_iterator_cancels(piper_scheduler):
         break
     await stream.aclose()
     assert stream.done
-    await wait_for(lambda: piper_scheduler.stats()["active"] == 0, timeout=10)
+    await wait_until(lambda: piper_scheduler.stats()["active"] == 0)
     await service.close()
 
 
 async def test_a_consumer_that_stops_taking_pauses_generation_then_fails_slow(piper_scheduler):
     service = await service_on(piper_scheduler, max_buffered_audio_s=1.0, write_stall_timeout_s=1.0)
     stream = service.open_stream(LONG * 2)
-    await wait_for(lambda: stream.chunks >= 1, timeout=30)
+    await wait_until(lambda: stream.chunks >= 1)
     steps = piper_scheduler.steps_total
     await asyncio.sleep(0.5)
     # Paused: at most the step that was running when the backlog filled.
     assert piper_scheduler.steps_total <= steps + 1
-    await asyncio.sleep(1.5)
+    # Nothing is taken: after write_stall_timeout_s the stream fails, before anything is read.
+    await wait_until(lambda: stream.done)
     events = await drain(stream)
     assert isinstance(events[-1], Failed) and events[-1].kind == ErrorKind.SLOW_CONSUMER
     assert events[-1].kind.retryable
-    await wait_for(lambda: piper_scheduler.stats()["active"] == 0, timeout=10)
+    await wait_until(lambda: piper_scheduler.stats()["active"] == 0)
     await service.close()
 
 
@@ -188,8 +189,7 @@ async def test_refusals_are_typed(piper_scheduler):
         service.open_stream("Hi.")
     assert info.value.kind == ErrorKind.GOING_AWAY and info.value.kind.retryable
     await service.close()
-    await asyncio.sleep(0.1)
-    await wait_for(lambda: piper_scheduler.stats()["active"] == 0, timeout=20)
+    await wait_until(lambda: piper_scheduler.stats()["active"] == 0)
 
 
 async def test_full_queue_is_busy_and_a_loading_engine_not_ready():
@@ -277,7 +277,6 @@ async def test_voxcpm_refusals_come_from_the_engine_in_its_own_words(voxcpm_sche
 async def test_voxcpm_input_streaming_continues_each_segment_from_the_last(voxcpm_scheduler):
     service = await service_on(voxcpm_scheduler)
     stream = service.open_stream(input_streaming=True, options={"max_len": 3, "seed": 7})
-    started = time.monotonic()
     stream.send_text("First sentence here. ")
     stream.send_text("Second one follows. ")
     stream.end_input()
@@ -285,5 +284,4 @@ async def test_voxcpm_input_streaming_continues_each_segment_from_the_last(voxcp
     segments = [e for e in events if isinstance(e, Segment)]
     assert len(segments) == 2 and segments[1].start_s == segments[0].end_s > 0
     assert isinstance(events[-1], Ended) and events[-1].reason == EndReason.MAX_LEN
-    assert time.monotonic() - started < 60
     await service.close()

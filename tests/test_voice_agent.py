@@ -8,13 +8,11 @@ import io
 import json
 import subprocess
 import sys
-import time
 import wave
 
 import numpy as np
 import pytest
-from conftest import assert_good_stream, connect_client
-from test_server_piper import wait_for
+from conftest import WAIT_TIMEOUT, assert_good_stream, connect_client, wait_until
 
 from vox_ws import client as vc
 from vox_ws.audio import bytes_to_pcm, mulaw_decode, mulaw_encode
@@ -73,16 +71,19 @@ async def test_fast_producer_all_text_at_once(piper_server):
 async def test_slow_producer_first_audio_before_end_and_segment_events(piper_server):
     async with connect_client(piper_server) as c:
         await c.send({"type": "start", "id": "a", "stream_input": True, "segment_events": True})
-        end_sent_at = None
-        first_audio_at = None
+        first_audio = asyncio.Event()
         events = []
+        first_sentence, rest = REPLY.split(". ", 1)
 
         async def produce():
-            nonlocal end_sent_at
-            for w in words(REPLY):
+            for w in words(first_sentence + "."):
                 await c.send({"type": "chunk", "id": "a", "text": w})
                 await asyncio.sleep(0.08)          # ~12 words per second, like an LLM
-            end_sent_at = time.monotonic()
+            # The rest waits until audio has come: it must come while the text is still coming in.
+            await asyncio.wait_for(first_audio.wait(), WAIT_TIMEOUT)
+            for w in words(rest):
+                await c.send({"type": "chunk", "id": "a", "text": w})
+                await asyncio.sleep(0.08)
             await c.send({"type": "end", "id": "a"})
 
         producer = asyncio.create_task(produce())
@@ -91,14 +92,13 @@ async def test_slow_producer_first_audio_before_end_and_segment_events(piper_ser
             m = await c.recv_where(lambda m: m.get("id") == "a")
             if m["type"] == "chunk":
                 chunks.append(m)
-                first_audio_at = first_audio_at or time.monotonic()
+                first_audio.set()
             elif m["type"] == "segment":
                 events.append(m)
             elif m["type"] in ("end", "error"):
                 break
         await producer
     assert m["type"] == "end" and m["reason"] == "done"
-    assert first_audio_at < end_sent_at - 0.5, "audio must start while the text is still coming in"
     assert [e["index"] for e in events] == list(range(len(events))) and len(events) >= 3
     assert [{k: e[k] for k in ("text", "start_s", "end_s")} for e in events] == m["segments"]
     assert [ch["seq"] for ch in chunks] == list(range(len(chunks)))
@@ -139,7 +139,7 @@ async def test_barge_in_mid_segment(piper_server):
         assert end["reason"] == "cancelled"
         assert_good_stream(await c.speak("Barge-in handled.", "next"))
         assert not [e for e in c.log[c.log.index(("end", "a")) + 1:] if e[1] == "a"]
-    await wait_for(lambda: piper_server.scheduler.stats()["active"] == 0)
+    await wait_until(lambda: piper_server.scheduler.stats()["active"] == 0)
 
 
 @pytest.mark.parametrize("after_chunks", [1, 6, 12])

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from vox_ws.bench.equivalence import TOLERANCE, reference_audio, run_batched, scenario, voice_wavs
+from benchmarks.equivalence import TOLERANCE, reference_audio, run_batched, scenario, voice_wavs
 from vox_ws.engines.voxcpm.loading import import_voxcpm
 from vox_ws.engines.voxcpm.prompt import build_prompt
 from vox_ws.engines.voxcpm.runner import DecodeBalance
@@ -25,7 +25,7 @@ def wavs(tmp_path_factory):
 def test_batched_loop_matches_the_package_request_by_request(tiny_model, wavs, decode, monkeypatch):
     """Every way of decoding: in the decoder process, a row's first patch here and the rest
     there, a step late (CPUs); some rows kept here by the balance (forced: every other row);
-    every patch here, at once (GPUs). (`python -m vox_ws.bench.equivalence` runs the same
+    every patch here, at once (GPUs). (`python -m benchmarks.equivalence` runs the same
     scenario on any device and dtype: scripts/gpu-check.sh.)"""
     if decode == "split":
         turns = itertools.count()
@@ -53,7 +53,7 @@ def test_batched_loop_matches_the_package_request_by_request(tiny_model, wavs, d
 
 
 def test_the_equivalence_check_as_scripts_run_it(tiny_model, tmp_path):
-    from vox_ws.bench.equivalence import compare
+    from benchmarks.equivalence import compare
 
     result = compare(str(tiny_model), "cpu", tmp_path)
     assert result["equal"] and result["max_batch"] == 4 and result["slots_returned"]

@@ -9,6 +9,7 @@ import time
 
 import numpy as np
 import pytest
+from conftest import WAIT_TIMEOUT, wait_idle, wait_until
 from wyoming.audio import AudioChunk, AudioStart, AudioStop
 from wyoming.client import AsyncTcpClient
 from wyoming.error import Error
@@ -190,12 +191,7 @@ async def test_a_client_that_leaves_mid_stream_frees_its_slot(server):
     async with client(server) as c:
         await c.write_event(Synthesize(text="A long text that keeps speaking for a good while. " * 8).event())
         assert AudioStart.is_type((await read(c)).type)
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        _, info = server.get("/v1/info")
-        if info["streams_open"] == 0 and info["active"] == 0:
-            break
-        await asyncio.sleep(0.05)
+    info = await wait_idle(server)
     assert info["streams_open"] == 0 and info["active"] == 0, info
 
 
@@ -209,11 +205,8 @@ def strict_server(start_server):
                         idle_timeout_s=1.0, write_stall_timeout_s=1.0)
 
 
-async def wait_for_no_wyoming_connections(server, within_s: float) -> None:
-    deadline = time.monotonic() + within_s
-    while server.server.wyoming.connections and time.monotonic() < deadline:
-        await asyncio.sleep(0.05)
-    assert server.server.wyoming.connections == 0
+async def wait_for_no_wyoming_connections(server) -> None:
+    await wait_until(lambda: server.server.wyoming.connections == 0)
 
 
 async def test_an_idle_connection_is_told_and_closed(strict_server):
@@ -223,7 +216,7 @@ async def test_an_idle_connection_is_told_and_closed(strict_server):
         # Nothing more is sent: after idle_timeout_s the server says so and closes.
         await expect_error(c, "timeout")
         assert await asyncio.wait_for(c.read_event(), READ_TIMEOUT) is None
-    await wait_for_no_wyoming_connections(strict_server, 10)
+    await wait_for_no_wyoming_connections(strict_server)
 
 
 async def test_a_connection_inside_a_request_is_not_idle(strict_server):
@@ -255,7 +248,7 @@ def test_a_client_that_never_reads_loses_its_connection_and_its_slot(strict_serv
     sock.connect(("127.0.0.1", strict_server.server.wyoming.port))
     try:
         sock.sendall(request.getvalue())
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + WAIT_TIMEOUT
         while time.monotonic() < deadline:
             _, info = strict_server.get("/v1/info")
             if strict_server.server.wyoming.connections == 0 and info["streams_open"] == info["active"] == 0:

@@ -10,7 +10,7 @@ import os
 import sys
 from typing import Any, Callable, Sequence
 
-from . import engines
+from . import __version__, engines
 from .config import Limits, ServerConfig
 
 def _max_batch(text: str) -> int | None:
@@ -83,6 +83,7 @@ def _env_name(option: str) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="vox-ws", description="Streaming text-to-speech over WebSocket.")
+    parser.add_argument("--version", action="version", version=f"vox-ws {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
     serve = commands.add_parser("serve", help="run the server",
                                 description="Run the server. Each option may also come from VOX_WS_<OPTION>.")

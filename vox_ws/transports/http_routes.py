@@ -26,9 +26,13 @@ CONTENT_TYPES = {
 
 
 def default_demo_dir() -> Path | None:
-    """web/demo beside the package (a source checkout or an editable install)."""
-    candidate = Path(__file__).resolve().parents[2] / "web" / "demo"
-    return candidate if (candidate / "index.html").is_file() else None
+    """The demo page: web/demo of a source checkout (an editable install serves the files being
+    edited), else the copy an installed wheel carries as vox_ws/demo."""
+    package = Path(__file__).resolve().parents[1]
+    for candidate in (package.parent / "web" / "demo", package / "demo"):
+        if (candidate / "index.html").is_file():
+            return candidate
+    return None
 
 
 def routes(state: ServerState, demo_dir: Path | None) -> list[BaseRoute]:

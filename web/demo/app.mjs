@@ -41,7 +41,7 @@ const state = {
   webCodecs: null,       // whether this browser decodes Opus with WebCodecs (null: not known yet)
   lastEnd: null,
   lastError: null,
-  player: { played: 0, underruns: 0, buffered: 0, sumSquares: 0, peak: 0, playing: false },
+  player: { played: 0, underruns: 0, sourceLate: 0, buffered: 0, sumSquares: 0, peak: 0, playing: false },
   drained: true,
   voiceIds: [],
 };
@@ -173,7 +173,8 @@ function ensureAudio() {
 function onPlayerMessage(m) {
   if (m.type === "stats") {
     Object.assign(state.player, {
-      played: m.played, underruns: m.underruns, buffered: m.buffered, sumSquares: m.sumSquares,
+      played: m.played, underruns: m.underruns, sourceLate: m.sourceLate, buffered: m.buffered,
+      sumSquares: m.sumSquares,
       peak: m.peak, playing: m.playing, blockRms: m.blockRms,
     });
     envelope.push(m.windowPeak);
@@ -199,8 +200,9 @@ function pcmFromBytes(bytes, format) {
   return out;
 }
 
-function toPlayer(samples) {
-  if (samples.length) player.port.postMessage({ type: "samples", samples }, [samples.buffer]);
+// `arrivedAt`: when the audio reached the page, on the audio clock (see player-worklet.js).
+function toPlayer(samples, arrivedAt) {
+  if (samples.length) player.port.postMessage({ type: "samples", samples, arrivedAt }, [samples.buffer]);
 }
 
 // ------------------------------------------------------------------ streams
@@ -224,7 +226,7 @@ async function speak() {
   if ($("voice").value) message.voice = $("voice").value;
   state.stream = { id, rate: rate || state.hello.sample_rate, format: message.format, sentAt: performance.now(),
                    firstAudioAt: null, chunks: 0, samples: 0, bytes: 0, ended: false, cancelled: false,
-                   timestamp: 0, decoded: 0, preSkip: 0 };
+                   timestamp: 0, decoded: 0, preSkip: 0, arrivals: new Map() };
   state.lastEnd = null;
   state.lastError = null;
   state.drained = false;
@@ -263,7 +265,7 @@ function onChunk(msg) {
   const pcm = pcmFromBytes(msg.audio, s.format);
   s.samples += pcm.length;
   s.bytes += msg.audio.length;
-  toPlayer(resampler ? resampler.process(pcm) : pcm);
+  toPlayer(resampler ? resampler.process(pcm) : pcm, ctx.currentTime);
 }
 
 // ------------------------------------------------------------------ Opus through WebCodecs
@@ -276,8 +278,10 @@ function openDecoder(s) {
       data.copyTo(pcm, { planeIndex: 0, format: "f32-planar" });
       if (!resampler && data.sampleRate !== ctx.sampleRate) resampler = new Resampler(data.sampleRate, ctx.sampleRate);
       s.decoded += pcm.length / data.sampleRate;
+      const arrivedAt = s.arrivals.get(data.timestamp) ?? ctx.currentTime;
+      s.arrivals.delete(data.timestamp);
       data.close();
-      toPlayer(resampler ? resampler.process(pcm) : pcm);
+      toPlayer(resampler ? resampler.process(pcm) : pcm, arrivedAt);
     },
     error: (err) => say(`The Opus decoder failed: ${err.message}`, "error"),
   });
@@ -293,6 +297,7 @@ function decodeOpus(s, msg) {
   let micros = 0;
   msg.packets.forEach((packet, i) => {
     const duration = msg.durations_us[i];
+    s.arrivals.set(s.timestamp, ctx.currentTime);
     decoder.decode(new EncodedAudioChunk({ type: "key", timestamp: s.timestamp, duration, data: packet }));
     s.timestamp += duration;
     micros += duration;
@@ -314,7 +319,7 @@ function onEnd(msg) {
   // The player hears "end" only after the last samples: Opus packets may still be decoding.
   const decoded = s.format === OPUS && decoder && msg.reason !== "cancelled" ? decoder.flush() : Promise.resolve();
   decoded.catch(() => {}).then(() => {
-    if (resampler && msg.reason !== "cancelled") toPlayer(resampler.flush());
+    if (resampler && msg.reason !== "cancelled") toPlayer(resampler.flush(), ctx.currentTime);
     player.port.postMessage({ type: "end" });
   });
   $("stop").disabled = true;
@@ -481,7 +486,8 @@ function refreshStats() {
   if (ctx) {
     $("stat-played").textContent = fmt(state.player.played / ctx.sampleRate, "s");
     $("stat-buffer").textContent = `${Math.round((state.player.buffered / ctx.sampleRate) * 1000)} ms`;
-    $("stat-underruns").textContent = String(state.player.underruns);
+    const late = state.player.sourceLate;
+    $("stat-underruns").textContent = `${state.player.underruns}${late ? ` (${late} waiting for the server)` : ""}`;
   }
   requestAnimationFrame(refreshStats);
 }

@@ -4,6 +4,10 @@
 // never dropped, never repeated. Playback of a stream starts once `startFrames` are buffered
 // (a small jitter buffer); if the buffer runs dry before the stream has ended, that is an
 // underrun: silence is played and playback resumes when `startFrames` are buffered again.
+// Each batch of samples says when its audio reached the page (`arrivedAt`, the context's clock):
+// an underrun ended by audio that arrived after the ring ran dry was the source's (the server
+// or the network fell behind real time, `sourceLate`); one ended by audio that had already
+// arrived was the page's own delay.
 // The ring grows instead of overwriting when a fast server gets far ahead of the player.
 
 class PlayerProcessor extends AudioWorkletProcessor {
@@ -18,6 +22,8 @@ class PlayerProcessor extends AudioWorkletProcessor {
     this.streamOpen = false; // chunks may still come
     this.started = false;    // this stream has started playing at least once
     this.underruns = 0;
+    this.sourceLate = 0;     // underruns the source caused (see above)
+    this.dryAt = null;       // when the ring last ran dry, until audio comes again
     this.played = 0;         // frames of stream audio played (silence excluded)
     this.sumSquares = 0;
     this.peak = 0;
@@ -32,13 +38,23 @@ class PlayerProcessor extends AudioWorkletProcessor {
       this.playing = false;
       this.started = false;
       this.underruns = 0;
+      this.sourceLate = 0;
+      this.dryAt = null;
       this.played = 0;
       this.sumSquares = 0;
       this.peak = 0;
     } else if (msg.type === "samples") {
+      if (this.dryAt !== null && msg.samples.length) {
+        if (msg.arrivedAt >= this.dryAt) this.sourceLate += 1;
+        this.dryAt = null;
+      }
       this.write(msg.samples);
     } else if (msg.type === "end") {
+      if (this.dryAt !== null) this.sourceLate += 1;   // the stream's end came after the ring ran dry
+      this.dryAt = null;
       this.streamOpen = false;     // what is buffered plays out; running dry now is no underrun
+      // Already played out (the end came after the last samples had played): drained now.
+      if (!this.playing && this.written === this.read) this.port.postMessage({ type: "drained", played: this.played });
     } else if (msg.type === "clear") {
       this.read = this.written;    // barge-in: silence everything queued locally
       this.streamOpen = false;
@@ -87,7 +103,10 @@ class PlayerProcessor extends AudioWorkletProcessor {
       this.played += n;
       if (n < frames) {
         this.playing = false;
-        if (this.streamOpen && this.started) this.underruns += 1;
+        if (this.streamOpen && this.started) {
+          this.underruns += 1;
+          this.dryAt = currentTime + n / sampleRate;
+        }
         if (!this.streamOpen) this.port.postMessage({ type: "drained", played: this.played });
       }
     }
@@ -110,6 +129,7 @@ class PlayerProcessor extends AudioWorkletProcessor {
       buffered: this.written - this.read,
       played: this.played,
       underruns: this.underruns,
+      sourceLate: this.sourceLate,
       playing: this.playing,
       streamOpen: this.streamOpen,
       blockRms: rms,

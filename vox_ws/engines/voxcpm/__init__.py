@@ -34,6 +34,8 @@ SETTINGS = (
     Setting("lora-dir", str, None, "directory of LoRA adapters that admin `lora` requests may load by name"),
     Setting("warm-normalizer", parse_bool, False,
             "load the text normalizer at start-up (first use costs seconds)"),
+    Setting("normalize-timeout", float, 3.0,
+            "seconds one text may take to normalize; a text that takes longer is refused (too_large)"),
 )
 
 

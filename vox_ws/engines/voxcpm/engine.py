@@ -19,7 +19,7 @@ from ...engine import Engine, ErrorKind, GenerationRequest, Refused, StepResult
 from ...text import pack
 from .loading import DEFAULT_MODEL, architecture, import_voxcpm, resolve_model_path, verify_weights
 from .lora import LoraControl
-from .normalizer import Normalizer
+from .normalizer import NORMALIZE_TIMEOUT_S, Normalizer
 from .options import DEFAULTS, OPTIONS
 from .prompt import build_prompt, clean_text, prompt_positions
 from .voices import VoiceBook, builtin_voice_files, encode_voice
@@ -43,7 +43,7 @@ class VoxCPMEngine(Engine):
     def __init__(self, model: str | None = None, device: str = "auto", threads: int = 1, optimize: bool = False,
                  load_denoiser: bool = False, max_batch: int | None = 8, voices_dir: str | None = None,
                  lora_rank: int = 0, lora_alpha: int | None = None, lora_dir: str | None = None,
-                 warm_normalizer: bool = False) -> None:
+                 warm_normalizer: bool = False, normalize_timeout: float = NORMALIZE_TIMEOUT_S) -> None:
         self.model = model or DEFAULT_MODEL
         self.device = device or "auto"
         self.max_step_batch = max_batch        # None: sized to the device in `load` (`slots`)
@@ -59,7 +59,7 @@ class VoxCPMEngine(Engine):
         self.tts = None            # voxcpm.VoxCPM
         self.runner = None         # runner.BatchedVoxCPM2
         self._voices = VoiceBook()
-        self._normalizer = Normalizer()
+        self._normalizer = Normalizer(normalize_timeout)
         self.dtype = ""
         self.architecture = ""
 

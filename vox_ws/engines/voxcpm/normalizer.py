@@ -4,8 +4,9 @@ in a process of its own.
 Normalising is pure Python that can run for seconds on a hostile text (a 4,999-digit run,
 full-width digits after CJK), and its first use loads its grammars for about 3 s. On the
 scheduler thread that froze every stream; here it runs beside the engine, before a request is
-queued (`Engine.prepare_text`), one text at a time, and a text that takes longer than
-`NORMALIZE_TIMEOUT_S` is refused (`too_large`) and the process replaced.
+queued (`Engine.prepare_text`), one text at a time, and a text that takes longer than its
+time-out (`--normalize-timeout`, `NORMALIZE_TIMEOUT_S` by default) is refused (`too_large`) and
+the process replaced.
 
     engine (a preparation thread)          worker (python -m vox_ws.engines.voxcpm.normalizer FD)
     start()          ── init ─────────▶    load TextNormalizer, normalise once
@@ -30,8 +31,9 @@ LOAD_TIMEOUT_S = 120.0
 class Normalizer(Worker):
     """Thread-safe: preparation threads share it, one text at a time."""
 
-    def __init__(self) -> None:
+    def __init__(self, timeout_s: float = NORMALIZE_TIMEOUT_S) -> None:
         super().__init__(WORKER_MODULE, "text normalizer")
+        self.timeout_s = timeout_s
         self._lock = threading.Lock()
 
     def start(self) -> None:  # type: ignore[override]
@@ -52,9 +54,9 @@ class Normalizer(Worker):
             try:
                 if self.pid is None:
                     self.start()
-                return self.ask(("normalize", text), NORMALIZE_TIMEOUT_S, "normalizing")
+                return self.ask(("normalize", text), self.timeout_s, "normalizing")
             except WorkerHung:
-                raise Refused(ErrorKind.TOO_LARGE, f"the text took over {NORMALIZE_TIMEOUT_S:g}s to normalize: send "
+                raise Refused(ErrorKind.TOO_LARGE, f"the text took over {self.timeout_s:g}s to normalize: send "
                                                    "shorter texts, or without normalize") from None
             except WorkerCrashed as exc:
                 raise Refused(ErrorKind.INTERNAL, str(exc)) from None

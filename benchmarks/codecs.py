@@ -8,7 +8,7 @@
    each format, rounds in shuffled order, time from `start` sent to the first `chunk` received;
    p50 per format and its difference from s16's.
 
-    python -m vox_ws.bench.codecs --engine piper --rounds 15 --json docs/bench-codecs.json
+    python -m benchmarks.codecs --engine piper --rounds 15 --json docs/bench-codecs.json
 """
 
 from __future__ import annotations
@@ -18,14 +18,15 @@ import asyncio
 import json
 import random
 import subprocess
-import sys
 import time
 from typing import Any
 
 import msgpack
 import numpy as np
 
-from ..codecs import CODECS, OutputPipeline
+from vox_ws.codecs import CODECS, OutputPipeline
+
+from . import ROOT, module_command
 from ._transport_server import VOXCPM_CHUNK_S, bench_engine, run_server
 
 FORMATS = ("s16", "opus", "opus_packets", "mp3", "aac", "flac", "wav")
@@ -73,7 +74,7 @@ def encoding_costs(pcm: np.ndarray, rate: int) -> dict[str, dict[str, float]]:
         start = time.thread_time()
         pipeline = OutputPipeline(fmt, rate) if fmt in CODECS else None
         if pipeline is None:                    # raw s16: what the scheduler thread packs
-            from ..audio import pcm_to_bytes
+            from vox_ws.audio import pcm_to_bytes
 
             size = sum(len(pcm_to_bytes(pcm[i:i + step], fmt)) for i in range(0, pcm.size, step))
         else:
@@ -120,8 +121,8 @@ def main(argv: list[str] | None = None) -> int:
     import tempfile
 
     port_file = os.path.join(tempfile.mkdtemp(), "port")
-    proc = subprocess.Popen([sys.executable, "-m", "vox_ws.bench.codecs", "--serve", args.engine,
-                             "--port-file", port_file], stdout=subprocess.DEVNULL)
+    proc = subprocess.Popen(module_command("codecs", "--serve", args.engine, "--port-file", port_file),
+                            stdout=subprocess.DEVNULL, cwd=ROOT)
     try:
         deadline = time.monotonic() + 120
         while not os.path.exists(port_file) or not open(port_file).read():

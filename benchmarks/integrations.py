@@ -16,7 +16,7 @@ Interruption, on a long text once audio flows: Pipecat's InterruptionFrame -> th
 of that context at the sink, and -> the server's `end` (cancelled: the slot is free); LiveKit's
 `aclose()` -> returned, and -> the server reports no open stream; raw v1 `cancel` -> `end`.
 
-    python -m vox_ws.bench.integrations --engine piper --rounds 10 --json docs/bench-integrations.json
+    python -m benchmarks.integrations --engine piper --rounds 10 --json docs/bench-integrations.json
 """
 
 from __future__ import annotations
@@ -36,6 +36,8 @@ import urllib.request
 from typing import Any
 
 import msgpack
+
+from . import ROOT, module_command
 
 TEXT = "Hello! This is the first sentence of the reply. A second one follows it."
 LONG = "This reply is long enough to be interrupted while it is spoken, sentence after sentence. " * 6
@@ -75,7 +77,7 @@ class _PipecatRun:
         from pipecat.frames.frames import Frame
         from pipecat.processors.frame_processor import FrameDirection, FrameProcessor
 
-        from ..integrations.pipecat import VoxWSTTSService
+        from vox_ws.integrations.pipecat import VoxWSTTSService
 
         run = self
 
@@ -160,7 +162,7 @@ async def pipecat_first(run: _PipecatRun) -> float:
 
 
 async def livekit_first(url: str, streaming: bool) -> float:
-    from ..integrations.livekit import TTS
+    from vox_ws.integrations.livekit import TTS
 
     voice = TTS(url=url, sample_rate=RATE)
     try:
@@ -223,7 +225,7 @@ async def pipecat_interruption(run: _PipecatRun) -> dict[str, float]:
 
 
 async def livekit_interruption(url: str, http: str) -> dict[str, float]:
-    from ..integrations.livekit import TTS
+    from vox_ws.integrations.livekit import TTS
 
     voice = TTS(url=url, sample_rate=RATE)
     try:
@@ -309,7 +311,8 @@ def _free_port() -> int:
 
 
 def serve(engine_name: str, port: int, wyoming_port: int) -> None:
-    from ..config import Limits, ServerConfig
+    from vox_ws.config import Limits, ServerConfig
+
     from ._transport_server import bench_engine, run_server
 
     engine = bench_engine(engine_name)
@@ -332,16 +335,16 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     port, wyoming_port = _free_port(), _free_port()
     log = tempfile.TemporaryFile()
-    proc = subprocess.Popen([sys.executable, "-m", "vox_ws.bench.integrations", "--serve", args.engine,
-                             "--port", str(port), "--wyoming-port", str(wyoming_port)],
-                            stdout=subprocess.PIPE, stderr=log, text=True)
+    proc = subprocess.Popen(module_command("integrations", "--serve", args.engine,
+                                           "--port", str(port), "--wyoming-port", str(wyoming_port)),
+                            stdout=subprocess.PIPE, stderr=log, text=True, cwd=ROOT)
     try:
         line = proc.stdout.readline()
         if not line.startswith("PORT"):
             log.seek(0)
             raise SystemExit(f"the server did not start: {log.read().decode()[-2000:]}")
         url, http = f"ws://127.0.0.1:{port}/v1/stream", f"http://127.0.0.1:{port}"
-        from loguru import logger        # Pipecat logs every frame at debug level
+        from loguru import logger  # Pipecat logs every frame at debug level
 
         logger.remove()
         logger.add(sys.stderr, level="WARNING")

@@ -7,7 +7,7 @@ seconds and record, per chunk, hand-off -> receipt (the scheduler's hand-off, th
 event loop, the session's writer, the socket, the client's read), first audio per stream, and
 the server's CPU seconds (all threads, from /proc) per second of audio delivered.
 
-    python -m vox_ws.bench.transport --concurrency 1,16,64,128 --duration 15 --json out.json
+    python -m benchmarks.transport --concurrency 1,16,64,128 --duration 15 --json out.json
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ import asyncio
 import json
 import os
 import subprocess
-import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,7 +24,9 @@ from typing import Any
 import msgpack
 import numpy as np
 
-from ..testing.tone import STAMP_SAMPLES, read_stamp
+from vox_ws.testing.tone import STAMP_SAMPLES, read_stamp
+
+from . import ROOT, module_command
 
 TEXT = "A stream of tone that lasts for a few seconds, paced like a model would pace it."   # 81 chars
 
@@ -117,7 +118,8 @@ async def _run_level(url: str, pid: int, concurrency: int, duration: float, warm
 
 def serve(port: int, chunk_s: float, interval_s: float) -> None:
     """The server child: a real vox-ws server on the tone engine."""
-    from ..testing.tone import ToneEngine
+    from vox_ws.testing.tone import ToneEngine
+
     from ._transport_server import run_server
 
     engine = ToneEngine(sample_rate=24000, max_batch=512, chunk_s=chunk_s, step_interval_s=interval_s, stamp=True)
@@ -143,8 +145,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.url:
         url, pid = args.url, args.pid or 0
     else:
-        proc = subprocess.Popen([sys.executable, "-m", "vox_ws.bench.transport", "--serve", "0", "--chunk",
-                                 str(args.chunk), "--interval", str(args.interval)], stdout=subprocess.PIPE, text=True)
+        proc = subprocess.Popen(module_command("transport", "--serve", "0", "--chunk", str(args.chunk),
+                                                "--interval", str(args.interval)),
+                                 stdout=subprocess.PIPE, text=True, cwd=ROOT)
         line = proc.stdout.readline()
         url, pid = f"ws://127.0.0.1:{int(line.split()[1])}/v1/stream", proc.pid
     try:

@@ -6,7 +6,7 @@ own `generate_streaming` produces for that request alone (same weights, same see
 it on the tiny model on the CPU (`tests/test_voxcpm_equivalence.py`); `scripts/gpu-check.sh` on a
 GPU, in float32 and bfloat16 (a checkpoint built with that dtype):
 
-    python -m vox_ws.bench.equivalence --model DIR --device cuda --json equivalence.json
+    python -m benchmarks.equivalence --model DIR --device cuda --json equivalence.json
 """
 
 from __future__ import annotations
@@ -75,8 +75,8 @@ def run_batched(model: Any, requests: list, max_batch: int = 4,
                 decode_process: bool | None = None) -> tuple[dict[int, np.ndarray], list[int], Any]:
     """Every request through one BatchedVoxCPM2, each joining at its step: (audio per request,
     batch size per step, the closed runner)."""
-    from ..engines.voxcpm.prompt import build_prompt
-    from ..engines.voxcpm.runner import BatchedVoxCPM2
+    from vox_ws.engines.voxcpm.prompt import build_prompt
+    from vox_ws.engines.voxcpm.runner import BatchedVoxCPM2
 
     caches = {}
     for _, _, _, voice, _ in requests:
@@ -119,7 +119,7 @@ def compare(model_dir: str, device: str, work_dir: Path, decode_process: bool | 
     within the dtype's tolerance."""
     import torch
 
-    from ..engines.voxcpm.loading import import_voxcpm
+    from vox_ws.engines.voxcpm.loading import import_voxcpm
 
     voxcpm = import_voxcpm()
     if device.startswith("cuda"):

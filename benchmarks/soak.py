@@ -6,7 +6,7 @@ between chunks; a burst of bad frames followed by a good stream. It reports stre
 sequence gaps (must be 0), errors by code, server memory at start and end, and first-audio
 percentiles.
 
-    python -m vox_ws.bench.soak [--url ws://127.0.0.1:8765/v1/stream] [--sessions 200] [--duration 180]
+    python -m benchmarks.soak [--url ws://127.0.0.1:8765/v1/stream] [--sessions 200] [--duration 180]
 
 Without --url it starts its own server (Piper voice) on a free loopback port and stops it at the
 end. Only loopback targets are accepted: this is a load generator.

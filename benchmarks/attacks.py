@@ -9,7 +9,7 @@ with its worker processes), and whether the server survived. The attacker connec
 127.0.0.2, the victim from 127.0.0.1, as if from two machines. Targets on the 2-core CI machine: the server survives; RSS under 1 GB;
 /healthz p99 under 100 ms; first audio under 3x unloaded; longest chunk gap under 1 s.
 
-    python -m vox_ws.bench.attacks [--attacks crash_text,ping_flood,...] [--seconds 20] [--json out.json]
+    python -m benchmarks.attacks [--attacks crash_text,ping_flood,...] [--seconds 20] [--json out.json]
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ import json
 import os
 import socket
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -31,6 +30,8 @@ from typing import Any, Awaitable, Callable
 
 import msgpack
 import numpy as np
+
+from . import ROOT, module_command
 
 # The attacker connects from another loopback address than the victim, as it would from
 # another machine: the server's per-address limits and fair shares tell them apart.
@@ -354,17 +355,18 @@ def observe(port: int, pid: int, seconds: float, engine: str) -> Observed:
 
 
 def serve(engine_name: str, port_file: str) -> None:
-    from ..config import Limits, ServerConfig
+    from vox_ws.config import Limits, ServerConfig
+
     from ._transport_server import run_server
 
     if engine_name == "voxcpm":
-        from ..engines.voxcpm.engine import VoxCPMEngine
-        from ..testing.tiny_voxcpm import build
+        from vox_ws.engines.voxcpm.engine import VoxCPMEngine
+        from vox_ws.testing.tiny_voxcpm import build
 
         model = build(tempfile.mkdtemp(prefix="vox-ws-attacks-"), stop="never")
         engine = VoxCPMEngine(model=str(model), device="cpu", max_batch=8)
     else:
-        from ..engines.piper import PiperEngine
+        from vox_ws.engines.piper import PiperEngine
 
         engine = PiperEngine()
     run_server(engine, 0, ServerConfig(port=0, max_batch=8, limits=Limits()), port_file=port_file)
@@ -374,8 +376,8 @@ class Server:
     def __init__(self, engine: str) -> None:
         self.engine = engine
         self._port_file = tempfile.mktemp(prefix="vox-ws-port-")
-        self.proc = subprocess.Popen([sys.executable, "-m", "vox_ws.bench.attacks", "--serve", engine,
-                                      "--port-file", self._port_file])
+        self.proc = subprocess.Popen(module_command("attacks", "--serve", engine,
+                                                    "--port-file", self._port_file), cwd=ROOT)
         deadline = time.monotonic() + 180
         while not os.path.exists(self._port_file) or not open(self._port_file).read().strip():
             if time.monotonic() > deadline or self.proc.poll() is not None:
@@ -433,8 +435,9 @@ def measure(names: list[str], seconds: float, baseline_s: float) -> list[dict[st
         server = Server(engine)
         try:
             base = observe(server.port, server.proc.pid, baseline_s, engine)
-            attacker = subprocess.Popen([sys.executable, "-m", "vox_ws.bench.attacks", "--attack", name,
-                                         "--port", str(server.port), "--seconds", str(seconds + 2)])
+            attacker = subprocess.Popen(module_command("attacks", "--attack", name,
+                                                        "--port", str(server.port), "--seconds",
+                                                        str(seconds + 2)), cwd=ROOT)
             time.sleep(2.0)                          # the attack under way first
             seen = observe(server.port, server.proc.pid, seconds, engine)
             attacker.wait(120)

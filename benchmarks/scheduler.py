@@ -13,7 +13,7 @@ before it would have finished playing; playback starts at the first chunk and re
 after each underrun), and the throughput ratio (b)/(a). `--profile` also times the parts of
 one batched step at several batch sizes.
 
-    python -m vox_ws.bench.scheduler [--model DIR] [--concurrency 1,2,4,8,16] [--profile]
+    python -m benchmarks.scheduler [--model DIR] [--concurrency 1,2,4,8,16] [--profile]
 
 Without --model it builds the tiny random-weight VoxCPM2 in a temporary directory.
 """

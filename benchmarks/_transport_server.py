@@ -5,9 +5,9 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from ..config import Limits, ServerConfig
-from ..engine import Engine
-from ..server import VoxServer
+from vox_ws.config import Limits, ServerConfig
+from vox_ws.engine import Engine
+from vox_ws.server import VoxServer
 
 # VoxCPM2's pace: one 160 ms chunk at 48 kHz per step, a step every 50 ms.
 VOXCPM_CHUNK_S = 0.16
@@ -17,10 +17,10 @@ VOXCPM_STEP_S = 0.05
 def bench_engine(name: str) -> Engine:
     """The engine a benchmark names: `piper` (the real CPU voice), or `tone`, paced like VoxCPM2."""
     if name == "piper":
-        from ..engines.piper import PiperEngine
+        from vox_ws.engines.piper import PiperEngine
 
         return PiperEngine()
-    from ..testing.tone import ToneEngine
+    from vox_ws.testing.tone import ToneEngine
 
     return ToneEngine(sample_rate=48_000, chunk_s=VOXCPM_CHUNK_S, step_interval_s=VOXCPM_STEP_S)
 

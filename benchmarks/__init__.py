@@ -1,0 +1,18 @@
+"""Developer benchmarks, run from a source checkout: `python -m benchmarks.NAME --help`.
+
+They are not part of the installed package (`vox-ws bench`, the load generator for a running
+server, is). A benchmark that starts a server of its own runs it as `python -m benchmarks.NAME
+--serve ...` in a child process, which finds this package through `ROOT`.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def module_command(module: str, *args: str) -> list[str]:
+    """The command line of `python -m benchmarks.MODULE ARGS`; run it with cwd=ROOT."""
+    return [sys.executable, "-m", f"benchmarks.{module}", *args]
