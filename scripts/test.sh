@@ -2,8 +2,8 @@
 # Install everything the tests need (system packages, the venv with every extra) and run them.
 #   scripts/test.sh              every test: what CI runs (.ci/run)
 #   scripts/test.sh --quick      the quick lane, for every change: protocol, service, scheduler,
-#                                engines, HTTP, Wyoming, hardening; no browser, frameworks,
-#                                replicas, packaging or slow scenarios (pytest markers, pyproject.toml)
+#                                engines, HTTP, Wyoming; no browser, frameworks, replicas,
+#                                packaging, hardening or slow scenarios (markers in pyproject.toml)
 # Other arguments go to pytest (-k, -x, a file, ...).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -34,6 +34,7 @@ fi
 VOX_WS_EXTRAS=piper,voxcpm,test,pipecat,livekit,wyoming scripts/setup.sh
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TQDM_DISABLE=1
 if [ "$quick" -eq 1 ]; then
-  exec .venv/bin/python -m pytest -m "not (browser or frameworks or replicas or packaging or slow)" "$@"
+  # Two workers: the lane stays under 3 minutes on a 2-core machine.
+  exec .venv/bin/python -m pytest -n 2 -m "not (browser or frameworks or replicas or packaging or hardening or slow)" "$@"
 fi
 exec .venv/bin/python -m pytest "$@"

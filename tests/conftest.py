@@ -67,9 +67,18 @@ class RunningServer:
         return status, json.loads(body) if "json" in kind else body.decode()
 
     def stop(self) -> None:
+        self.finish_stopping(self.begin_stopping())
+
+    def begin_stopping(self):
+        """Start the shutdown (a future, or None if there is nothing to stop)."""
+        if self._thread.is_alive() and self.server.running:
+            return asyncio.run_coroutine_threadsafe(self.server.shutdown(), self.loop)
+        return None
+
+    def finish_stopping(self, shutdown) -> None:
+        if shutdown is not None:
+            shutdown.result(30)
         if self._thread.is_alive():
-            if self.server.running:
-                asyncio.run_coroutine_threadsafe(self.server.shutdown(), self.loop).result(30)
             self.loop.call_soon_threadsafe(self.loop.stop)
             self._thread.join(10)
 
@@ -101,8 +110,10 @@ def start_server() -> Callable[..., RunningServer]:
         return running
 
     yield start
-    for running in servers:
-        running.stop()
+    # All at once: each waits out its own close grace, and they have a loop each.
+    stopping = [(running, running.begin_stopping()) for running in servers]
+    for running, shutdown in stopping:
+        running.finish_stopping(shutdown)
 
 
 @pytest.fixture(scope="session")

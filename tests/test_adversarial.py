@@ -31,6 +31,8 @@ from vox_ws.scheduler import Scheduler
 from vox_ws.service import ANY_OWNER, Audio, Ended, Failed
 from vox_ws.transports.connections import WRITE_BUFFER_HIGH
 
+pytestmark = pytest.mark.hardening
+
 STORY = ("The harbour was quiet that morning, and the boats rocked gently against the pier. "
          "An old fisherman mended his nets, humming a song his father had taught him, while gulls "
          "circled overhead and the tide crept slowly back toward the sea wall.")

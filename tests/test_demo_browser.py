@@ -76,7 +76,6 @@ def state(page):
     }""")
 
 
-@pytest.mark.parametrize("fmt", ["opus_packets", "f32"])
 def assert_no_underrun_of_the_pages_own(s: dict) -> None:
     """The page never ran dry while it held audio. Where the voice falls behind real time (a
     slow or loaded machine), the player waits for the server, and the page says so: such an
@@ -84,6 +83,7 @@ def assert_no_underrun_of_the_pages_own(s: dict) -> None:
     assert s["player"]["underruns"] == s["player"]["sourceLate"], s["player"]
 
 
+@pytest.mark.parametrize("fmt", ["opus_packets", "f32"])
 def test_page_plays_the_audio_live_without_underruns(page, fmt):
     page.wait_for_function("window.voxDemo.state.webCodecs !== null")
     # Chromium has WebCodecs: the page picks Opus by itself.

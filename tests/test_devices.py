@@ -111,6 +111,7 @@ async def test_one_device_failing_leaves_the_others_serving(start_server):
     assert server.server.running            # the server did not exit
 
 
+@pytest.mark.slow
 async def test_max_batch_auto_sizes_the_slots_to_the_device(start_server, tiny_model):
     """`--max-batch auto` on a CPU: the engine times its batched step and keeps the most rows
     whose step takes at most half the audio it makes; hello and /v1/info say how many and why."""

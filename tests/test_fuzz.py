@@ -67,6 +67,7 @@ def decode_and_parse(frame):
     return p.parse_message(p.decode_frame(frame, LIMITS), LIMITS, OPTIONS)
 
 
+@pytest.mark.slow
 @settings(max_examples=4000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(frames)
 def test_decoder_raises_only_protocol_errors(frame):

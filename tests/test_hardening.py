@@ -23,6 +23,8 @@ from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 from vox_ws.engines.piper import PiperEngine
 
+pytestmark = pytest.mark.hardening
+
 
 async def closed_with(server, expect_code, **kwargs):
     """Connect and expect the server to close at once with `expect_code` (no hello)."""

@@ -95,8 +95,10 @@ async def test_concurrent_streams_are_batched_and_match_the_package(voxcpm_serve
     batch_sizes: list[int] = []
     gates = {1: threading.Event(), 4: threading.Event()}       # steps after which the engine waits
     reached = {step: asyncio.Event() for step in gates}
+    observe = scheduler.on_step                                 # the server's metrics
 
     def on_step(size: int, seconds: float) -> None:            # on the engine thread
+        observe(size, seconds)
         batch_sizes.append(size)
         step = len(batch_sizes)
         if step in gates:
@@ -119,7 +121,7 @@ async def test_concurrent_streams_are_batched_and_match_the_package(voxcpm_serve
     finally:
         for gate in gates.values():
             gate.set()
-        scheduler.on_step = None
+        scheduler.on_step = observe
     assert batch_sizes[:5] == [1, 2, 2, 2, 3], batch_sizes
     for (text, seed, max_len), result in zip(plan, results):
         assert_good_stream(result)

@@ -394,6 +394,7 @@ def test_say_writes_a_valid_wav(piper_server, tmp_path):
     assert bad.returncode == 1 and "too_large" in bad.stderr
 
 
+@pytest.mark.slow
 def test_bench_reports_table_json_and_chart(piper_server, tmp_path):
     result = subprocess.run([sys.executable, "-m", "vox_ws", "bench", "--url", piper_server.url, "--concurrency",
                              "1,2", "--duration", "3", "--stream-input", "--json", str(tmp_path / "b.json"),

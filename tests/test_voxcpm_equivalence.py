@@ -21,7 +21,9 @@ def wavs(tmp_path_factory):
     return voice_wavs(tmp_path_factory.mktemp("voices"))
 
 
-@pytest.mark.parametrize("decode", ["process", "split", "inline"])
+# The quick lane keeps the in-thread decode; the decoder process and the split decode are slow.
+@pytest.mark.parametrize("decode", [pytest.param("process", marks=pytest.mark.slow),
+                                    pytest.param("split", marks=pytest.mark.slow), "inline"])
 def test_batched_loop_matches_the_package_request_by_request(tiny_model, wavs, decode, monkeypatch):
     """Every way of decoding: in the decoder process, a row's first patch here and the rest
     there, a step late (CPUs); some rows kept here by the balance (forced: every other row);
@@ -52,6 +54,7 @@ def test_batched_loop_matches_the_package_request_by_request(tiny_model, wavs, d
     assert sorted(runner._free_slots) == list(range(runner.max_batch))
 
 
+@pytest.mark.slow
 def test_the_equivalence_check_as_scripts_run_it(tiny_model, tmp_path):
     from benchmarks.equivalence import compare
 
