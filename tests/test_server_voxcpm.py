@@ -16,7 +16,7 @@ import pytest
 import soundfile
 import torch
 from conftest import assert_good_stream as _assert_good_stream
-from conftest import connect_client, wait_until
+from conftest import WAIT_TIMEOUT, connect_client, wait_until
 from websockets.exceptions import ConnectionClosed
 
 from vox_ws.engines.voxcpm.engine import VoxCPMEngine
@@ -401,18 +401,27 @@ def test_voxcpm_1_checkpoints_are_refused_clearly(tiny_model, tmp_path):
 # ------------------------------------------------------------------ the decoder process
 
 
-def test_the_decoder_process_starts_with_the_engine_and_ends_with_the_scheduler(tiny_model):
+@pytest.fixture
+def two_cpus(monkeypatch):
+    """The engine starts its decoder process only with a CPU to spare for it (on one core it
+    decodes in the engine thread): these tests give it two, whatever the machine has."""
+    from vox_ws.engines.voxcpm import runner
+
+    monkeypatch.setattr(runner, "_usable_cpus", lambda: 2)
+
+
+def test_the_decoder_process_starts_with_the_engine_and_ends_with_the_scheduler(tiny_model, two_cpus):
     engine = VoxCPMEngine(model=str(tiny_model), device="cpu", max_batch=2)
     scheduler = Scheduler(engine, max_batch=2)
     scheduler.start()
-    assert scheduler.ready_event.wait(60) and scheduler.status == "ready"
+    assert scheduler.ready_event.wait(WAIT_TIMEOUT) and scheduler.status == "ready"
     process = engine.runner._decoder._proc
     assert process.poll() is None, "ready means the decoder process is up and warm"
     scheduler.stop()
     assert process.wait(10) == 0
 
 
-async def test_decoder_process_death_fails_every_stream_and_stops_the_server(start_server, tiny_model):
+async def test_decoder_process_death_fails_every_stream_and_stops_the_server(start_server, tiny_model, two_cpus):
     """The engine cannot decode without it: like any death of the engine thread, every stream
     gets `internal`, connections close with 1011 and the server exits with code 3."""
     engine = VoxCPMEngine(model=str(tiny_model), device="cpu", max_batch=2)
