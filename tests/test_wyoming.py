@@ -26,7 +26,9 @@ READ_TIMEOUT = 60.0
 
 @pytest.fixture(scope="module")
 def server(start_server):
-    return start_server(PiperEngine(), max_batch=2, wyoming="tcp://127.0.0.1:0")
+    # A pause in a request's text (while a test reads the audio of what came before) never cuts
+    # a sentence here, however long reading takes: the tests say where sentences end.
+    return start_server(PiperEngine(), max_batch=2, wyoming="tcp://127.0.0.1:0", input_pause_s=WAIT_TIMEOUT)
 
 
 def client(server) -> AsyncTcpClient:

@@ -57,6 +57,8 @@ _SERVE_OPTIONS: list[tuple[str, Callable[[str], Any], Any, str]] = [
     ("idle-timeout", float, Limits.idle_timeout_s, "seconds before a connection with no stream and no message is closed"),
     ("max-buffered-audio", float, Limits.max_buffered_audio_s, "audio seconds a stream may have unsent before generation pauses"),
     ("write-stall-timeout", float, Limits.write_stall_timeout_s, "seconds a paused stream may wait on its reader before `slow_consumer`"),
+    ("input-pause", float, Limits.input_pause_s, "input streaming: seconds of quiet after which buffered words "
+                                                 "without a sentence end are spoken"),
     ("unready-when-full", engines.parse_bool, False, "readiness 503 and new connections closed 1013 while every "
                                                      "slot is busy (behind a balancer)"),
     ("drain-timeout", float, 10.0, "seconds streams may finish after SIGTERM"),
@@ -145,6 +147,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         max_connections=args.max_connections,
         max_connections_per_address=args.max_connections_per_address,
         max_messages_per_s=args.max_messages_per_second,
+        input_pause_s=args.input_pause,
     )
     fields = {f.name for f in dataclasses.fields(ServerConfig)}
     values = {k: v for k, v in vars(args).items() if k in fields}

@@ -19,6 +19,9 @@ class Limits:
     max_buffered_audio_s: float = 10.0
     write_stall_timeout_s: float = 20.0
     stream_timeout_s: float = 30.0
+    # Input streaming: text with no sentence or clause end yet is spoken anyway once the input
+    # has paused this long (whole words only), so a reply without punctuation starts promptly.
+    input_pause_s: float = 0.4
     max_voice_audio_s: float = 30.0
     max_voices: int = 256
     max_voices_per_owner: int = 32

@@ -40,9 +40,6 @@ from .output import EncodedOutput
 
 stream_log = logging.getLogger("vox_ws.stream")
 
-# Input streaming: buffered text with no sentence or clause end yet is spoken once the input has
-# paused this long (whole words only), so a reply without punctuation still starts promptly.
-SEGMENT_DELAY_S = 0.4
 # A one-shot text longer than this is cut into pieces (`Engine.split_text`) off the loop.
 SPLIT_ON_LOOP_CHARS = 300
 # The most audio one chunk carries, in seconds.
@@ -527,7 +524,7 @@ class Stream:
         if self._delay_timer is not None:
             self._delay_timer.cancel()
         if self._segmenter.buffer.strip():
-            self._delay_timer = asyncio.get_running_loop().call_later(SEGMENT_DELAY_S, self._delay_elapsed)
+            self._delay_timer = asyncio.get_running_loop().call_later(self._limits.input_pause_s, self._delay_elapsed)
 
     def _delay_elapsed(self) -> None:
         self._delay_timer = None
