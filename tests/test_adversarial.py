@@ -349,7 +349,8 @@ def _delete(server, voice: str, token: str) -> tuple[int, bytes]:
 async def test_a_client_holding_every_slot_gives_one_back_to_a_newcomer():
     scheduler = loaded_scheduler(PiperEngine(), max_batch=2)
     assert scheduler.max_share == 1
-    service = await service_on(scheduler)
+    # No stall time-out in reach: a stream whose reader takes nothing keeps its slot for good.
+    service = await service_on(scheduler, write_stall_timeout_s=3600.0)
     hog = [service.open_stream(LONG * 3, owners=("connection:1",)) for _ in range(2)]
     first = [await hog[0].__anext__(), await hog[1].__anext__()]
     assert all(isinstance(e, Audio) for e in first)
