@@ -12,10 +12,14 @@ if [ ! -x .venv/bin/python ]; then
 fi
 pip() { .venv/bin/python -m pip --disable-pip-version-check -q "$@"; }
 
-# Nothing to do when this venv was set up from the same pyproject.toml with the same extras
-# (the install is editable: code changes need no reinstall).
+# Nothing to do when this venv was set up from the same package metadata with the same extras
+# (the install is editable: code changes need no reinstall). Only [project] and [build-system]
+# count: a change to the tools' settings (pytest, ruff) installs nothing.
 stamp=".venv/.vox-ws-setup"
-want="$(cat pyproject.toml "$0" | sha256sum | cut -d' ' -f1) ${extras}"
+metadata="$(.venv/bin/python -c 'import json, tomllib
+d = tomllib.load(open("pyproject.toml", "rb"))
+print(json.dumps({k: d.get(k) for k in ("project", "build-system")}, sort_keys=True))')"
+want="$( { echo "$metadata"; cat "$0"; } | sha256sum | cut -d' ' -f1) ${extras}"
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && .venv/bin/python -c "import vox_ws" 2>/dev/null; then
   echo "vox-ws already set up in .venv with extras: ${extras}" >&2
   exit 0

@@ -6,7 +6,10 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
+import subprocess
 import threading
+import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field, replace
@@ -252,26 +255,50 @@ def tiny_model_stops(tmp_path_factory):
 
 async def wait_until(condition: Callable[[], Any], timeout: float = WAIT_TIMEOUT) -> None:
     """Until `condition()` is true, polled; fails as a hang after `timeout`."""
-    import time as _time
-
-    deadline = _time.monotonic() + timeout
+    deadline = time.monotonic() + timeout
     while not condition():
-        assert _time.monotonic() < deadline, f"not reached in {timeout:g}s: {getattr(condition, '__doc__', None) or condition}"
+        assert time.monotonic() < deadline, f"not reached in {timeout:g}s: {getattr(condition, '__doc__', None) or condition}"
         await asyncio.sleep(0.01)
 
 
 async def wait_idle(server: RunningServer, timeout: float = WAIT_TIMEOUT) -> dict[str, Any]:
-    """/v1/info once the server has no stream open or generating (or after `timeout`)."""
-    found: dict[str, Any] = {}
+    """/v1/info once the server has no stream open or generating, or as it was after `timeout`
+    (the caller's assertion then says what was left)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        info = server.get("/v1/info")[1]
+        if (info["streams_open"] == 0 and info["active"] == 0) or time.monotonic() >= deadline:
+            return info
+        await asyncio.sleep(0.01)
 
-    def idle() -> bool:
-        found.update(server.get("/v1/info")[1])
-        return found["streams_open"] == 0 and found["active"] == 0
+
+def start_serve(command: list[str], log_path, **popen_args: Any) -> tuple[subprocess.Popen, int]:
+    """Runs `command` (a `vox-ws serve --port 0 ...`, its output to `log_path`) until its engine
+    is ready; gives the process and the port it chose (from its "listening on" log line).
+    Fails if it exits first, or as a hang after WAIT_TIMEOUT."""
+    log = open(log_path, "w+")
+    proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, **popen_args)
+    log.close()                                  # the child holds its own copy
+    deadline = time.monotonic() + WAIT_TIMEOUT
+    port = None
+    while port is None or not _is_ready(port):
+        if proc.poll() is not None:
+            raise AssertionError(f"vox-ws serve exited {proc.returncode}:\n{open(log_path).read()[-4000:]}")
+        if time.monotonic() >= deadline:
+            proc.kill()
+            raise AssertionError(f"vox-ws serve not ready in {WAIT_TIMEOUT:g}s:\n{open(log_path).read()[-4000:]}")
+        if port is None and (found := re.search(r"listening on ws://[^:]+:(\d+)/", open(log_path).read())):
+            port = int(found.group(1))
+        time.sleep(0.05)
+    return proc, port
+
+
+def _is_ready(port: int) -> bool:
     try:
-        await wait_until(idle, timeout)
-    except AssertionError:
-        pass                                 # the caller's assertion says what was left
-    return found
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=30) as response:
+            return response.status == 200
+    except (urllib.error.URLError, ConnectionError):
+        return False                             # 503 while loading (HTTPError is a URLError)
 
 
 # ------------------------------------------------------------------------------ redis-server

@@ -9,14 +9,12 @@ import os
 import re
 import signal
 import socket
-import subprocess
 import sys
-import time
 import urllib.request
 
 import msgpack
 import pytest
-from conftest import WAIT_TIMEOUT, assert_good_stream, connect_client, wait_until
+from conftest import assert_good_stream, connect_client, start_serve, wait_until
 from test_server_piper import LONG, SENTENCE
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
@@ -256,21 +254,8 @@ async def test_metrics_and_structured_stream_log(piper_server, caplog):
 
 
 def _spawn(tmp_path, *args):
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    log = open(tmp_path / "server.log", "w+")
-    proc = subprocess.Popen([sys.executable, "-m", "vox_ws", "serve", "--engine", "piper", "--port", "0", *args],
-                            stdout=log, stderr=subprocess.STDOUT, env=env)
-    deadline = time.monotonic() + WAIT_TIMEOUT
-    while time.monotonic() < deadline:
-        text = (tmp_path / "server.log").read_text()
-        match = re.search(r"listening on ws://127\.0\.0\.1:(\d+)", text)
-        if match and "engine piper loaded" in text:
-            return proc, int(match.group(1))
-        if proc.poll() is not None:
-            raise AssertionError(text)
-        time.sleep(0.1)
-    proc.kill()
-    raise AssertionError("server did not start")
+    return start_serve([sys.executable, "-m", "vox_ws", "serve", "--engine", "piper", "--port", "0", *args],
+                       tmp_path / "server.log", env={**os.environ, "PYTHONUNBUFFERED": "1"})
 
 
 def _get(port, path):

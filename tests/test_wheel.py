@@ -4,7 +4,6 @@ outside it, it must serve the demo page, speak, and say its version, as scripts/
 from __future__ import annotations
 
 import os
-import re
 import subprocess
 import sys
 import tomllib
@@ -16,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import soundfile
+from conftest import start_serve
 
 import vox_ws
 
@@ -96,14 +96,11 @@ def test_an_installed_wheel_serves_the_demo_speaks_and_says_its_version(built, t
                              capture_output=True, text=True, check=True)
     assert version.stdout.strip() == f"vox-ws {vox_ws.__version__}"
 
-    log = open(tmp_path / "serve.log", "w+")
-    server = subprocess.Popen([str(bin_dir / "vox-ws"), "serve", "--port", "0",
-                               "--voice-store", f"dir:{tmp_path / 'voices'}"],
-                              cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
+    server, port = start_serve([str(bin_dir / "vox-ws"), "serve", "--port", "0",
+                                "--voice-store", f"dir:{tmp_path / 'voices'}"],
+                               tmp_path / "serve.log", cwd=tmp_path, env=env, text=True)
     try:
-        port = _listening_port(tmp_path / "serve.log", server)
         base = f"http://127.0.0.1:{port}"
-        _wait_ready(base, server)
         with urllib.request.urlopen(base + "/", timeout=30) as response:
             assert response.read() == (ROOT / "web" / "demo" / "index.html").read_bytes()
         with urllib.request.urlopen(base + "/app.mjs", timeout=30) as response:
@@ -118,33 +115,3 @@ def test_an_installed_wheel_serves_the_demo_speaks_and_says_its_version(built, t
     finally:
         server.terminate()
         server.wait(30)
-        log.close()
-
-
-def _listening_port(log_path: Path, server: subprocess.Popen) -> int:
-    """The port `serve --port 0` chose, from its log line "listening on ws://HOST:PORT/..."."""
-    found = _while_running(server, lambda: re.search(r"listening on ws://[^:]+:(\d+)/", log_path.read_text()))
-    return int(found.group(1))
-
-
-def _wait_ready(base: str, server: subprocess.Popen) -> None:
-    """Until /readyz answers 200 (the engine loaded)."""
-    def ready() -> bool:
-        try:
-            with urllib.request.urlopen(base + "/readyz", timeout=30) as response:
-                return response.status == 200
-        except urllib.error.HTTPError:
-            return False                           # 503 while loading
-    _while_running(server, ready)
-
-
-def _while_running(server: subprocess.Popen, check):
-    """Polls `check()` until it gives something true, which it returns; fails if the server exits."""
-    while not (found := check()):
-        if server.poll() is not None:
-            pytest.fail(f"vox-ws serve exited {server.returncode}")
-        try:
-            server.wait(0.1)
-        except subprocess.TimeoutExpired:
-            pass
-    return found
