@@ -57,6 +57,10 @@ _SERVE_OPTIONS: list[tuple[str, Callable[[str], Any], Any, str]] = [
     ("idle-timeout", float, Limits.idle_timeout_s, "seconds before a connection with no stream and no message is closed"),
     ("max-buffered-audio", float, Limits.max_buffered_audio_s, "audio seconds a stream may have unsent before generation pauses"),
     ("write-stall-timeout", float, Limits.write_stall_timeout_s, "seconds a paused stream may wait on its reader before `slow_consumer`"),
+    ("body-timeout", float, Limits.body_timeout_s, "seconds an HTTP request body has before --body-min-rate counts"),
+    ("body-min-rate", float, Limits.body_min_rate, "bytes a second an HTTP body must keep up after that (each "
+                                                   "such many bytes earn one more second)"),
+    ("body-max", float, Limits.body_max_s, "seconds an HTTP request body may take at the most"),
     ("input-pause", float, Limits.input_pause_s, "input streaming: seconds of quiet after which buffered words "
                                                  "without a sentence end are spoken"),
     ("unready-when-full", engines.parse_bool, False, "readiness 503 and new connections closed 1013 while every "
@@ -148,6 +152,9 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         max_connections_per_address=args.max_connections_per_address,
         max_messages_per_s=args.max_messages_per_second,
         input_pause_s=args.input_pause,
+        body_timeout_s=args.body_timeout,
+        body_min_rate=args.body_min_rate,
+        body_max_s=args.body_max,
     )
     fields = {f.name for f in dataclasses.fields(ServerConfig)}
     values = {k: v for k, v in vars(args).items() if k in fields}

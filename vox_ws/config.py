@@ -28,6 +28,11 @@ class Limits:
     max_connections: int = 256
     max_connections_per_address: int = 32
     max_messages_per_s: float = 50.0
+    # An HTTP request's body: seconds it has, one more for every `body_min_rate` bytes received,
+    # `body_max_s` at the most (a body that trickles in holds a connection and its buffers).
+    body_timeout_s: float = 20.0
+    body_min_rate: float = 1000.0
+    body_max_s: float = 120.0
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)

@@ -127,7 +127,7 @@ class VoxServer:
         uv_config = uvicorn.Config(
             build_app(self.state, demo),
             loop="none", lifespan="off", log_config=None, access_log=False,
-            http=functools.partial(HttpProtocol, guard=self.guard),
+            http=functools.partial(HttpProtocol, guard=self.guard, limits=limits),
             ws=functools.partial(WebSocketProtocol, limits=limits),
             # Frames up to 4x the published limit are read and answered with `too_large`; beyond
             # that the transport closes with 1009 without buffering them.

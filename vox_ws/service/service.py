@@ -115,6 +115,8 @@ class StreamService:
         check_output(output)
         if isinstance(text, str):
             check_text(text)
+        if instructions is not None:
+            check_text(instructions, "instructions")
         if isinstance(text, str) and len(text) > self.limits.max_text_chars:
             raise Refused(ErrorKind.TOO_LARGE, f"text has {len(text)} characters, over "
                                                f"max_text_chars={self.limits.max_text_chars}")
@@ -204,6 +206,8 @@ class StreamService:
             raise Refused(ErrorKind.INVALID, f"field 'transcript' is required for mode {mode!r}")
         if transcript is not None and len(transcript) > self.limits.max_text_chars:
             raise Refused(ErrorKind.TOO_LARGE, f"field 'transcript' is over max_text_chars={self.limits.max_text_chars}")
+        if transcript is not None:
+            check_text(transcript, "field 'transcript'")
         if self.devices.status != "ready":
             raise Refused(ErrorKind.NOT_READY, f"engine is {self.devices.status}")
         assert self._voice_jobs is not None, "StreamService.start() was not awaited"

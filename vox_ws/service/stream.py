@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 import time
 from collections import deque
 from concurrent.futures import Executor
@@ -68,10 +69,17 @@ class StreamHost(Protocol):
         """The engine's `split_text`, off the loop."""
 
 
-def check_text(text: str) -> None:
-    """Text no engine can take (tokenizers and espeak stop at a NUL) is refused up front."""
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def check_text(text: str, field: str = "text") -> None:
+    """Text no engine can take is refused up front: a NUL (tokenizers and espeak stop there),
+    or a lone surrogate (legal in JSON's escapes, but not Unicode text: no encoder takes it)."""
     if "\x00" in text:
-        raise Refused(ErrorKind.INVALID, "text must not contain NUL characters")
+        raise Refused(ErrorKind.INVALID, f"{field} must not contain NUL characters")
+    if (found := _SURROGATE.search(text)) is not None:
+        raise Refused(ErrorKind.INVALID, f"{field} is not valid Unicode: a lone surrogate "
+                                         f"U+{ord(found.group()):04X} at character {found.start()}")
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,14 @@ HTTP (httptools):
   longer than `REQUEST_HEADER_TIMEOUT_S` is closed (any later request on a keep-alive
   connection gets the same time for its headers), so unfinished requests cannot use up the
   server's descriptors.
+- A request is *in flight* from its headers to the end of its response. In-flight requests
+  are bounded per address and in total (429 with `Retry-After` beyond), and a body must keep
+  coming: it has `limits.body_timeout_s`, one more second for every `limits.body_min_rate`
+  bytes received, and never more than `limits.body_max_s` in all; one that falls behind is
+  answered 408 and its connection closed.
+- Writes are bounded as a WebSocket's are (below): a response nobody reads is aborted once the
+  client has acknowledged nothing for `limits.write_stall_timeout_s`, whether the app is
+  still writing or the response is complete and waits in the buffers.
 
 WebSocket (websockets' sans-I/O core):
 - What a connection has waiting to be sent is bounded: the transport pauses the app's sends
@@ -63,7 +71,8 @@ _TCP_INFO_BYTES_ACKED = 120
 
 
 class ConnectionGuard:
-    """Counts half-open connections per address and in total, for every protocol of a server."""
+    """Counts half-open connections, and HTTP requests in flight, per address and in total,
+    for every protocol of a server."""
 
     def __init__(self, limits: Limits) -> None:
         self.per_address_limit = limits.max_connections_per_address
@@ -71,6 +80,25 @@ class ConnectionGuard:
         self._pending: dict[Any, str] = {}       # transport -> address
         self._per_address: Counter[str] = Counter()
         self.refused = 0
+        self._requests: Counter[str] = Counter()  # address -> HTTP requests in flight
+        self.requests_refused = 0
+
+    @property
+    def requests_in_flight(self) -> int:
+        return sum(self._requests.values())
+
+    def begin_request(self, address: str) -> bool:
+        """One more HTTP request in flight from `address`, if within the bounds."""
+        if self.requests_in_flight >= self.total_limit or self._requests[address] >= self.per_address_limit:
+            self.requests_refused += 1
+            return False
+        self._requests[address] += 1
+        return True
+
+    def end_request(self, address: str, count: int = 1) -> None:
+        self._requests[address] -= count
+        if self._requests[address] <= 0:
+            del self._requests[address]
 
     @property
     def pending(self) -> int:
@@ -93,19 +121,99 @@ class ConnectionGuard:
                 del self._per_address[address]
 
 
+class StallWatch:
+    """Aborts a connection whose client takes nothing while data waits for it.
+
+    Armed when writes back up (or a response is left in the buffers); when it fires, a client
+    whose TCP stack acknowledged data since it was armed is reading, slowly, and gets the same
+    time again; one that acknowledged nothing is aborted, which frees the buffers and wakes any
+    writer waiting on them."""
+
+    def __init__(self, protocol: asyncio.Protocol, timeout_s: float) -> None:
+        self._protocol = protocol
+        self.timeout_s = timeout_s
+        self._timer: asyncio.TimerHandle | None = None
+        self._acked: int | None = None
+
+    def arm(self) -> None:
+        if self._timer is None:
+            self._acked = _bytes_acked(self._transport)
+            self._timer = asyncio.get_running_loop().call_later(self.timeout_s, self._check)
+
+    def disarm(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    @property
+    def _transport(self) -> asyncio.Transport:
+        return self._protocol.transport  # type: ignore[attr-defined]
+
+    def _check(self) -> None:
+        self._timer = None
+        transport = self._transport
+        if transport.is_closing() and not transport.get_write_buffer_size():
+            return
+        if not transport.get_write_buffer_size() and not getattr(self._protocol, "write_paused", False):
+            return                              # it all went out
+        acked = _bytes_acked(transport)
+        if acked is not None and self._acked is not None and acked > self._acked:
+            self.arm()                          # reading, slowly: wait on
+            return
+        log.warning("%s: read nothing for %.0fs with %d bytes waiting: aborting the connection",
+                    getattr(self._protocol, "client", None), self.timeout_s, transport.get_write_buffer_size())
+        transport.abort()
+
+
+def bound_writes(transport: asyncio.BaseTransport) -> None:
+    """Small buffers in the process and the kernel, so that what a client has not read waits
+    where back-pressure sees it (the stream service), not in socket buffers."""
+    transport.set_write_buffer_limits(high=WRITE_BUFFER_HIGH, low=WRITE_BUFFER_LOW)  # type: ignore[attr-defined]
+    sock = transport.get_extra_info("socket")
+    if sock is not None and hasattr(socket, "TCP_NOTSENT_LOWAT"):
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NOTSENT_LOWAT, KERNEL_UNSENT_BYTES)
+        except OSError:
+            pass                      # not TCP (a Unix socket): nothing to bound
+
+
+class BodyClock:
+    """When an HTTP request's body must have arrived: `body_timeout_s` from its headers, one
+    second more for every `body_min_rate` bytes received, `body_max_s` at the most (the rule of
+    Apache's mod_reqtimeout). Time the server itself is not reading (the app has not asked for
+    more yet) does not count against the client."""
+
+    def __init__(self, limits: Limits, now: float) -> None:
+        self.limits = limits
+        self.started = now
+        self.received = 0
+
+    def deadline(self) -> float:
+        limits = self.limits
+        earned = self.received / limits.body_min_rate if limits.body_min_rate > 0 else float("inf")
+        return self.started + min(limits.body_max_s, limits.body_timeout_s + earned)
+
+
 class HttpProtocol(HttpToolsProtocol):
-    def __init__(self, *args: Any, guard: ConnectionGuard, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, guard: ConnectionGuard, limits: Limits, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.guard = guard
+        self.limits = limits
         self._header_timer: asyncio.TimerHandle | None = None
+        self._address = "unknown"
+        self._in_flight = 0                       # this connection's requests counted by the guard
+        self._body: BodyClock | None = None
+        self._body_timer: asyncio.TimerHandle | None = None
+        self.stall = StallWatch(self, limits.write_stall_timeout_s)
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
-        address = self.client[0] if self.client else "unknown"
-        if not self.guard.admit(transport, address):
-            log.warning("too many unfinished connections (from %s or in all): closing a new one", address)
+        self._address = self.client[0] if self.client else "unknown"
+        if not self.guard.admit(transport, self._address):
+            log.warning("too many unfinished connections (from %s or in all): closing a new one", self._address)
             transport.abort()
             return
+        bound_writes(transport)
         self._arm_header_timer()
 
     def on_message_begin(self) -> None:
@@ -115,12 +223,81 @@ class HttpProtocol(HttpToolsProtocol):
     def on_headers_complete(self) -> None:
         self._disarm_header_timer()
         self.guard.settle(self.transport)
+        if self.parser.should_upgrade() and self._should_upgrade():
+            super().on_headers_complete()         # a WebSocket: its own protocol's limits
+            return
+        if not self.guard.begin_request(self._address):
+            log.warning("too many HTTP requests in flight (from %s or in all): refusing one", self._address)
+            self._start_with(_too_many_requests)
+            return
+        self._in_flight += 1
+        if self._has_body():
+            self._body = BodyClock(self.limits, self.loop.time())
+            self._arm_body_timer()
         super().on_headers_complete()
+        self.cycle.on_response = self._counted_response_complete
+
+    def _counted_response_complete(self) -> None:
+        if self._in_flight:
+            self._in_flight -= 1
+            self.guard.end_request(self._address)
+        self.on_response_complete()
+
+    def on_body(self, body: bytes) -> None:
+        if self._body is not None:
+            self._body.received += len(body)
+        super().on_body(body)
+
+    def on_message_complete(self) -> None:
+        self._end_body()
+        super().on_message_complete()
+
+    def on_response_complete(self) -> None:
+        self._end_body()                          # answered before its body was read
+        if self.transport.get_write_buffer_size():
+            self.stall.arm()                      # the client must still take it
+        super().on_response_complete()
+
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        self.stall.arm()
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        self.stall.disarm()
+
+    @property
+    def write_paused(self) -> bool:
+        return bool(self.flow is not None and self.flow.write_paused)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm_header_timer()
+        self._end_body()
+        self.stall.disarm()
         self.guard.settle(self.transport)
+        if self._in_flight:
+            self.guard.end_request(self._address, self._in_flight)
+            self._in_flight = 0
         super().connection_lost(exc)
+
+    def _start_with(self, app: Any) -> None:
+        """Runs this request through `app` instead of the server's (uvicorn's own way in)."""
+        served, self.app = self.app, app
+        try:
+            super().on_headers_complete()
+        finally:
+            self.app = served
+        self.cycle.keep_alive = False             # what the client still sends is not read
+
+    def _has_body(self) -> bool:
+        for name, value in self.headers:
+            if name == b"content-length":
+                return value.strip() not in (b"", b"0")
+            if name == b"transfer-encoding":
+                return True
+        return False
+
+    # ---------------------------------------------------------------- time bounds
 
     def _arm_header_timer(self) -> None:
         if self._header_timer is None:
@@ -137,27 +314,70 @@ class HttpProtocol(HttpToolsProtocol):
         self.guard.settle(self.transport)
         self.transport.abort()
 
+    def _arm_body_timer(self) -> None:
+        assert self._body is not None
+        self._body_timer = self.loop.call_at(self._body.deadline(), self._body_due)
+
+    def _end_body(self) -> None:
+        self._body = None
+        if self._body_timer is not None:
+            self._body_timer.cancel()
+            self._body_timer = None
+
+    def _body_due(self) -> None:
+        self._body_timer = None
+        body = self._body
+        if body is None:
+            return
+        if self.flow.read_paused:
+            # The app has not asked for more yet: the client is not the one behind, and the
+            # time until the app reads again (checked each second) is not counted.
+            body.started += 1.0
+            self._body_timer = self.loop.call_later(1.0, self._body_due)
+            return
+        if self.loop.time() < body.deadline():
+            self._arm_body_timer()               # it sent more since: a later deadline
+            return
+        log.warning("%s: request body too slow (%d bytes in %.0fs): closing", self.client, body.received,
+                    self.loop.time() - body.started)
+        self._end_body()
+        cycle = self.cycle
+        if cycle is not None and not cycle.response_started and not self.transport.is_closing():
+            self.transport.write(_REQUEST_TIMEOUT)
+        if cycle is not None:
+            cycle.disconnected = True             # the app reads http.disconnect; its writes go nowhere
+            cycle.message_event.set()
+        self.transport.close()
+        self.stall.arm()                          # the 408 goes out, or the connection is aborted
+
+
+_REQUEST_TIMEOUT_BODY = b'{"error":{"code":"timeout","message":"the request body did not arrive in time"}}'
+_REQUEST_TIMEOUT = (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\nconnection: close\r\n"
+                    b"content-length: %d\r\n\r\n%s" % (len(_REQUEST_TIMEOUT_BODY), _REQUEST_TIMEOUT_BODY))
+
+
+async def _too_many_requests(scope: Any, receive: Any, send: Any) -> None:
+    body = (b'{"error":{"code":"busy","message":"too many HTTP requests in flight from your address '
+            b'(or in all): try again later"}}')
+    await send({"type": "http.response.start", "status": 429,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                            (b"retry-after", b"1"), (b"connection", b"close")]})
+    await send({"type": "http.response.body", "body": body})
+
 
 class WebSocketProtocol(WebSocketsSansIOProtocol):
     def __init__(self, *args: Any, limits: Limits, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.budget = MessageBudget(limits.max_messages_per_s)
         self.stall_timeout_s = limits.write_stall_timeout_s + (self.ping_timeout or 0.0)
-        self._acked_at_pause: int | None = None
+        self.stall = StallWatch(self, self.stall_timeout_s)
         self._owed_pong: bytes | None = None
-        self._stall_timer: asyncio.TimerHandle | None = None
         self._acked_at_ping: int | None = None
         self._progress_at = 0.0
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
-        self.transport.set_write_buffer_limits(high=WRITE_BUFFER_HIGH, low=WRITE_BUFFER_LOW)
-        sock = transport.get_extra_info("socket")
-        if sock is not None and hasattr(socket, "TCP_NOTSENT_LOWAT"):
-            try:
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NOTSENT_LOWAT, KERNEL_UNSENT_BYTES)
-            except OSError:
-                pass                      # not TCP (a Unix socket): nothing to bound
+        bound_writes(transport)
 
     def handle_connect(self, event: Any) -> None:
         super().handle_connect(event)
@@ -167,31 +387,20 @@ class WebSocketProtocol(WebSocketsSansIOProtocol):
 
     # ---------------------------------------------------------------- writing
 
+    @property
+    def write_paused(self) -> bool:
+        return not self.writable.is_set()
+
     def pause_writing(self) -> None:
         super().pause_writing()
-        if self._stall_timer is None:
-            self._acked_at_pause = _bytes_acked(self.transport)
-            self._stall_timer = self.loop.call_later(self.stall_timeout_s, self._write_stalled)
+        self.stall.arm()
 
     def resume_writing(self) -> None:
         super().resume_writing()
-        if self._stall_timer is not None:
-            self._stall_timer.cancel()
-            self._stall_timer = None
+        self.stall.disarm()
         if self._owed_pong is not None and not self.transport.is_closing():
             self.transport.write(self._owed_pong)
         self._owed_pong = None
-
-    def _write_stalled(self) -> None:
-        self._stall_timer = None
-        acked = _bytes_acked(self.transport)
-        if acked is not None and self._acked_at_pause is not None and acked > self._acked_at_pause:
-            self._acked_at_pause = acked        # reading, slowly: wait on
-            self._stall_timer = self.loop.call_later(self.stall_timeout_s, self._write_stalled)
-            return
-        log.warning("%s: read nothing for %.0fs with %d bytes waiting: aborting the connection", self.client,
-                    self.stall_timeout_s, self.transport.get_write_buffer_size())
-        self.transport.abort()
 
     def handle_ping(self) -> None:
         # websockets wrote a pong for every ping of the data just read; one answers them all
@@ -288,9 +497,7 @@ class WebSocketProtocol(WebSocketsSansIOProtocol):
             self.transport.abort()
 
     def connection_lost(self, exc: Exception | None) -> None:
-        if self._stall_timer is not None:
-            self._stall_timer.cancel()
-            self._stall_timer = None
+        self.stall.disarm()
         super().connection_lost(exc)
 
 

@@ -155,9 +155,14 @@ def _model_card(state: ServerState) -> dict[str, Any]:
             "owned_by": "vox-ws"}
 
 
+# The most bytes one character of a JSON string may take: a character beyond the BMP written as
+# an escaped surrogate pair, \ud83d\ude00 (what json.dumps writes by default).
+ESCAPED_CHAR_BYTES = 12
+
+
 def _body_limit(state: ServerState) -> int:
-    # Room for the longest text (4 bytes a character at worst) and the other fields.
-    return 4 * state.limits.max_text_chars + 16_384
+    # Room for the longest text and instructions, every character escaped, and the other fields.
+    return ESCAPED_CHAR_BYTES * (state.limits.max_text_chars + p.MAX_INSTRUCTIONS_CHARS) + 16_384
 
 
 async def _read_json(request: Request, limit: int) -> dict[str, Any]:
@@ -174,6 +179,9 @@ async def _read_json(request: Request, limit: int) -> dict[str, Any]:
         raise OpenAIError(413, f"body exceeds {limit} bytes", code="too_large") from None
     try:
         body = json.loads(data)
+    except RecursionError:
+        raise OpenAIError(400, "We could not parse the JSON body of your request: nested too deeply",
+                          code="invalid_json") from None
     except (ValueError, UnicodeDecodeError) as exc:
         raise OpenAIError(400, f"We could not parse the JSON body of your request: {exc}", code="invalid_json") from None
     if not isinstance(body, dict):

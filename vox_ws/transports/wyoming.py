@@ -12,8 +12,13 @@ Events are framed by the `wyoming` package (a JSON header line, optional JSON da
 binary payload). Wyoming carries no request ids, so one connection speaks one request at a time,
 in the order asked; Home Assistant's `synthesize` sent inside a streaming request (for older
 servers) is ignored there, as Wyoming's own servers do. A bad event is answered with an `error`
-event and the connection goes on; only a frame that cannot be read (too large, or not framed)
-closes it. Wyoming has no authentication: serve it on a trusted network only.
+event and the connection goes on; only a frame that cannot be read (too large, not framed, or
+not finished within `body_timeout_s` of its header) closes it.
+
+The v1 limits hold: connections per address and in all, a message budget per connection
+(`max_messages_per_s`), and a connection with no request being spoken that sends nothing for
+`idle_timeout_s` is closed, whatever it sent before. Wyoming has no authentication: serve it on
+a trusted network only.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import asyncio
 import itertools
 import json
 import logging
+from collections import Counter
 from typing import Any
 
 from wyoming.audio import AudioChunk, AudioStart, AudioStop
@@ -38,6 +44,7 @@ from ..service import AudioOutput, StreamService
 from ..service.events import Audio, Ended, Failed, Segment
 from ..service.stream import Stream
 from .protocol import code_for
+from .rate import MessageBudget
 
 log = logging.getLogger("vox_ws.wyoming")
 
@@ -58,6 +65,7 @@ class WyomingServer:
         self._server = AsyncServer.from_uri(uri)
         self._numbers = itertools.count(1)
         self.connections = 0
+        self.per_address: Counter[str] = Counter()
 
     async def start(self) -> None:
         await self._server.start(self._handler)
@@ -93,23 +101,40 @@ class WyomingHandler(AsyncEventHandler):
         self._speaking: asyncio.Task | None = None   # writes the current request's audio
         self._streaming = False                      # between synthesize-start and synthesize-stop
         self._request_ended_at = 0.0                 # loop time the last request's audio was written
+        self.budget = MessageBudget(self.service.limits.max_messages_per_s)
 
     async def run(self) -> None:
         limits = self.service.limits
-        self.server.connections += 1
+        server = self.server
+        server.connections += 1
+        server.per_address[self.peer] += 1
         try:
-            if self.server.connections > limits.max_connections:
+            if server.connections > limits.max_connections:
                 await self._error(ErrorKind.BUSY, f"over max_connections={limits.max_connections}")
+                return
+            if server.per_address[self.peer] > limits.max_connections_per_address:
+                await self._error(ErrorKind.BUSY, "too many connections from your address (over "
+                                                  f"max_connections_per_address={limits.max_connections_per_address})")
                 return
             while True:
                 event = await self._read_event()
                 if event is None:
                     return
+                if not self.budget.take():
+                    if self.budget.exhausted:
+                        await self._error(ErrorKind.BUSY, "message rate limit exceeded: closing the connection")
+                        return
+                    await self._error(ErrorKind.BUSY, f"over max_messages_per_s={limits.max_messages_per_s:g}: "
+                                                      f"{event.type!r} not served")
+                    continue
                 await self.handle_event(event)
         except (ConnectionError, asyncio.IncompleteReadError, asyncio.TimeoutError):
             return
         finally:
-            self.server.connections -= 1
+            server.connections -= 1
+            server.per_address[self.peer] -= 1
+            if server.per_address[self.peer] <= 0:
+                del server.per_address[self.peer]
             await self.disconnect()
             self.writer.close()
 
@@ -132,7 +157,9 @@ class WyomingHandler(AsyncEventHandler):
             raise ConnectionError("the client stopped reading") from None
 
     def _busy(self) -> bool:
-        return self._streaming or (self._speaking is not None and not self._speaking.done())
+        """A request's audio is being spoken (an open streaming request whose stream failed or
+        timed out is not: the connection is idle again)."""
+        return self._speaking is not None and not self._speaking.done()
 
     async def _next_line(self) -> bytes:
         """The next header line. A connection with no request in progress that sends nothing
@@ -299,23 +326,41 @@ class WyomingHandler(AsyncEventHandler):
                 payload_length = int(header.get("payload_length") or 0)
                 if not isinstance(kind, str) or not isinstance(data, dict):
                     raise TypeError("'type' must be a string and 'data' an object")
+            except RecursionError:
+                await self._error(ErrorKind.INVALID, "not a Wyoming event header: JSON nested too deeply")
+                continue
             except (ValueError, KeyError, TypeError) as exc:
                 await self._error(ErrorKind.INVALID, f"not a Wyoming event header: {type(exc).__name__}: {exc}")
                 continue
             if not 0 <= data_length <= MAX_HEADER_BYTES or not 0 <= payload_length <= MAX_HEADER_BYTES:
                 await self._error(ErrorKind.TOO_LARGE, f"event data or payload over {MAX_HEADER_BYTES} bytes")
                 return None
-            if data_length:
+            try:
+                raw_data, payload = await asyncio.wait_for(self._read_rest(data_length, payload_length),
+                                                           self.service.limits.body_timeout_s)
+            except asyncio.TimeoutError:
+                await self._error(ErrorKind.TIMEOUT, f"the event's data and payload did not follow its header within "
+                                                     f"{self.service.limits.body_timeout_s:g}s: closing the connection")
+                return None
+            if raw_data is not None:
                 try:
-                    more = json.loads(await self.reader.readexactly(data_length))
+                    more = json.loads(raw_data)
                     if not isinstance(more, dict):
                         raise TypeError("the event data must be an object")
+                except RecursionError:
+                    await self._error(ErrorKind.INVALID, "bad event data: JSON nested too deeply")
+                    continue
                 except (ValueError, TypeError) as exc:
                     await self._error(ErrorKind.INVALID, f"bad event data: {exc}")
                     continue
                 data.update(more)
-            payload = await self.reader.readexactly(payload_length) if payload_length else None
             return Event(type=kind, data=data, payload=payload)
+
+    async def _read_rest(self, data_length: int, payload_length: int) -> tuple[bytes | None, bytes | None]:
+        """An event's data and payload, after its header line."""
+        raw_data = await self.reader.readexactly(data_length) if data_length else None
+        payload = await self.reader.readexactly(payload_length) if payload_length else None
+        return raw_data, payload
 
 
 def _text(text: Any) -> str:

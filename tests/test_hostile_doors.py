@@ -1,0 +1,295 @@
+"""Attacks on the HTTP, Wyoming and voice-store doors (issue: Hardening III), each run against a
+real server, then a good request served. The attacker connects from 127.0.0.2, the victim
+from 127.0.0.1, as in the outside run."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+
+import httpx
+import pytest
+from conftest import WAIT_TIMEOUT, assert_good_stream, connect_client, wait_until
+from test_server_piper import LONG, SENTENCE
+
+from vox_ws.config import Limits
+from vox_ws.engines.piper import PiperEngine
+from vox_ws.transports.connections import BodyClock, HttpProtocol
+
+pytestmark = pytest.mark.hardening
+
+ATTACKER = "127.0.0.2"
+
+
+def attacker_socket(port: int, rcvbuf: int | None = None) -> socket.socket:
+    sock = socket.socket()
+    if rcvbuf is not None:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+    sock.bind((ATTACKER, 0))
+    sock.connect(("127.0.0.1", port))
+    return sock
+
+
+def read_until_closed(sock: socket.socket) -> bytes:
+    """Everything the server sends until it closes (or resets) the connection."""
+    sock.settimeout(WAIT_TIMEOUT)
+    received = b""
+    try:
+        while piece := sock.recv(65536):
+            received += piece
+    except ConnectionResetError:
+        pass
+    return received
+
+
+def speech_headers(length: int | None, chunked: bool = False) -> bytes:
+    framing = b"Transfer-Encoding: chunked\r\n" if chunked else b"Content-Length: %d\r\n" % length
+    return (b"POST /v1/audio/speech HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n" + framing + b"\r\n")
+
+
+def http_connections(server, port: int | None = None) -> list[HttpProtocol]:
+    """The server's HTTP connections (from the attacker's `port`, if given)."""
+    return [c for c in server.server._uvicorn.server_state.connections
+            if isinstance(c, HttpProtocol) and (port is None or (c.client and c.client[1] == port))]
+
+
+def assert_speaks(server) -> None:
+    """A good speech request from the victim's address is served whole."""
+    response = httpx.post(server.http + "/v1/audio/speech", json={"input": SENTENCE, "response_format": "pcm"},
+                          timeout=WAIT_TIMEOUT)
+    assert response.status_code == 200 and len(response.content) > 4800, response.text[:300]
+
+
+# ------------------------------------------------------------------ bodies that never finish
+
+
+def test_a_body_has_its_time_and_earns_more_by_arriving():
+    limits = Limits(body_timeout_s=20.0, body_min_rate=1000.0, body_max_s=120.0)
+    clock = BodyClock(limits, now=100.0)
+    assert clock.deadline() == 120.0
+    clock.received = 30_000
+    assert clock.deadline() == 150.0                       # 30 more seconds for 30 kB
+    clock.received = 10_000_000
+    assert clock.deadline() == 220.0                       # never past body_max_s
+
+
+async def test_bodies_that_never_finish_are_bounded_per_address_and_timed_out(start_server):
+    server = start_server(PiperEngine(), max_connections_per_address=4, body_timeout_s=1.0)
+    # Complete headers, 11 bytes of a 30,000-byte body, then nothing.
+    holders = [attacker_socket(server.port) for _ in range(4)]
+    for sock in holders:
+        sock.sendall(speech_headers(30_000) + b'{"input": "')
+    await wait_until(lambda: server.server.guard.requests_in_flight == 4)
+    # One more from the same address is refused at once, 429 with Retry-After.
+    extra = attacker_socket(server.port)
+    extra.sendall(speech_headers(30_000) + b'{"input": "')
+    refusal = await asyncio.to_thread(read_until_closed, extra)
+    assert refusal.startswith(b"HTTP/1.1 429") and b"retry-after: 1" in refusal.lower(), refusal
+    # The victim, from another address, is served meanwhile.
+    assert server.get("/healthz")[0] == 200
+    async with connect_client(server) as c:
+        assert_good_stream(await c.speak(SENTENCE, "victim"))
+    # The held ones: 408 once their body's time is out, and closed.
+    for sock in holders:
+        answer = await asyncio.to_thread(read_until_closed, sock)
+        assert answer.startswith(b"HTTP/1.1 408"), answer
+        assert json.loads(answer.split(b"\r\n\r\n", 1)[1])["error"]["code"] == "timeout"
+        sock.close()
+    await wait_until(lambda: server.server.guard.requests_in_flight == 0)
+    assert_speaks(server)
+
+
+async def test_a_chunked_body_that_trickles_extensions_or_crawls_is_cut_off(start_server):
+    server = start_server(PiperEngine(), body_timeout_s=1.0, body_min_rate=1000.0)
+    # Chunk extensions, a byte at a time: the body never grows.
+    trickler = attacker_socket(server.port)
+    trickler.sendall(speech_headers(None, chunked=True) + b"5;name=")
+
+    def trickle() -> bytes:
+        trickler.settimeout(0.05)
+        while True:
+            try:
+                answer = trickler.recv(65536)
+                return answer + read_until_closed(trickler)
+            except TimeoutError:
+                pass
+            try:
+                trickler.sendall(b"a")
+            except (BrokenPipeError, ConnectionResetError):
+                return b""
+    answer = await asyncio.to_thread(trickle)
+    assert answer.startswith(b"HTTP/1.1 408"), answer
+    # A body that comes at 500 bytes a second, half the minimum rate (any machine only makes it
+    # slower): its deadline recedes half as fast as time passes, and it is cut off.
+    crawler = attacker_socket(server.port)
+    crawler.sendall(speech_headers(30_000))
+
+    def crawl() -> bytes:
+        crawler.settimeout(0.1)
+        while True:
+            try:
+                answer = crawler.recv(65536)
+                return answer + read_until_closed(crawler)
+            except TimeoutError:
+                pass
+            try:
+                crawler.sendall(b" " * 50)                  # 50 bytes each 0.1 s at the most
+            except (BrokenPipeError, ConnectionResetError):
+                return b""
+    answer = await asyncio.to_thread(crawl)
+    assert answer.startswith(b"HTTP/1.1 408"), answer
+    assert server.server.guard.requests_in_flight == 0
+    assert_speaks(server)
+
+
+# ------------------------------------------------------------------ a reader that stops reading
+
+
+async def test_a_speech_response_nobody_reads_ends_and_its_connection_closes(start_server):
+    server = start_server(PiperEngine(), max_buffered_audio_s=1.0, write_stall_timeout_s=1.0, max_batch=2)
+    body = json.dumps({"input": LONG * 3, "response_format": "pcm"}).encode()
+    readers = [attacker_socket(server.port, rcvbuf=4096) for _ in range(3)]
+    ports = [sock.getsockname()[1] for sock in readers]
+    for sock in readers:
+        sock.sendall(speech_headers(len(body)) + body)     # and never reads
+    await wait_until(lambda: sum(c.write_paused for c in http_connections(server)) == 2)    # both slots
+    # Each stream ends slow_consumer, its slot goes to the next, and the connection is aborted.
+    await wait_until(lambda: server.scheduler.stats()["steps_total"] > 0
+                     and all(http_connections(server, port) == [] for port in ports))
+    await wait_until(lambda: server.scheduler.stats()["active"] == 0)
+    for sock in readers:
+        received = await asyncio.to_thread(read_until_closed, sock)
+        assert received.startswith(b"HTTP/1.1 200") and not received.endswith(b"0\r\n\r\n")   # cut short
+        sock.close()
+    assert_speaks(server)
+
+
+# ------------------------------------------------------------------ Wyoming
+
+
+@pytest.fixture(scope="module")
+def wyoming_server(start_server):
+    return start_server(PiperEngine(), max_batch=2, wyoming="tcp://127.0.0.1:0", idle_timeout_s=1.0,
+                        body_timeout_s=1.0, stream_timeout_s=1.0, max_connections_per_address=3)
+
+
+async def wyoming_connection(server, source: str = ATTACKER) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    return await asyncio.open_connection("127.0.0.1", server.server.wyoming.port, local_addr=(source, 0))
+
+
+async def next_event(reader: asyncio.StreamReader):
+    from wyoming.event import async_read_event
+
+    return await asyncio.wait_for(async_read_event(reader), WAIT_TIMEOUT)
+
+
+async def expect_wyoming_error(reader: asyncio.StreamReader, code: str) -> str:
+    from wyoming.error import Error
+
+    event = await next_event(reader)
+    assert event is not None and Error.is_type(event.type), event
+    error = Error.from_event(event)
+    assert error.code == code, error
+    return error.text
+
+
+async def assert_wyoming_speaks(server) -> None:
+    from wyoming.audio import AudioStart, AudioStop
+    from wyoming.event import async_write_event
+    from wyoming.tts import Synthesize
+
+    reader, writer = await wyoming_connection(server, "127.0.0.1")
+    await async_write_event(Synthesize(text=SENTENCE).event(), writer)
+    kinds = []
+    while not kinds or not AudioStop.is_type(kinds[-1]):
+        kinds.append((await next_event(reader)).type)
+    assert AudioStart.is_type(kinds[0]) and len(kinds) > 2, kinds
+    writer.close()
+
+
+async def test_wyoming_frames_that_never_finish_and_requests_gone_quiet_are_closed(wyoming_server):
+    from wyoming.event import async_write_event
+    from wyoming.tts import SynthesizeStart
+
+    # A header that declares a 1,000-byte payload, and 10 bytes of it.
+    reader, writer = await wyoming_connection(wyoming_server)
+    writer.write(json.dumps({"type": "ping", "payload_length": 1000}).encode() + b"\n" + b"x" * 10)
+    assert "did not follow its header" in await expect_wyoming_error(reader, "timeout")
+    assert await next_event(reader) is None
+    writer.close()
+    # synthesize-start, then silence: the stream times out, then the idle connection is closed.
+    reader, writer = await wyoming_connection(wyoming_server)
+    await async_write_event(SynthesizeStart().event(), writer)
+    await expect_wyoming_error(reader, "timeout")                     # the stream's input time-out
+    assert "idle" in await expect_wyoming_error(reader, "timeout")    # then the connection's
+    assert await next_event(reader) is None
+    writer.close()
+    await wait_until(lambda: wyoming_server.server.wyoming.connections == 0)
+    await assert_wyoming_speaks(wyoming_server)
+
+
+async def test_wyoming_connections_are_capped_per_address(wyoming_server):
+    from wyoming.event import async_write_event
+    from wyoming.ping import Ping, Pong
+
+    held = [await wyoming_connection(wyoming_server) for _ in range(3)]
+    for reader, writer in held:                     # each is a live connection, kept busy
+        await async_write_event(Ping().event(), writer)
+        assert Pong.is_type((await next_event(reader)).type)
+    reader, writer = await wyoming_connection(wyoming_server)
+    assert "your address" in await expect_wyoming_error(reader, "busy")
+    assert await next_event(reader) is None
+    writer.close()
+    await assert_wyoming_speaks(wyoming_server)    # another address is served meanwhile
+    for _, writer in held:
+        writer.close()
+
+
+async def test_wyoming_bad_json_of_any_shape_is_an_error_and_the_connection_goes_on(wyoming_server):
+    from wyoming.event import async_write_event
+    from wyoming.ping import Ping, Pong
+
+    reader, writer = await wyoming_connection(wyoming_server)
+    writer.write(b"[" * 50_000 + b"\n")                       # a header nested past any parser
+    await expect_wyoming_error(reader, "bad_request")
+    data = b"{\"a\":" * 10_000 + b"1" + b"}" * 10_000
+    writer.write(json.dumps({"type": "ping", "data_length": len(data)}).encode() + b"\n" + data)
+    await expect_wyoming_error(reader, "bad_request")
+    writer.write(json.dumps({"type": "synthesize", "data": {"text": "Hello \ud800 world."}}).encode() + b"\n")
+    assert "Unicode" in await expect_wyoming_error(reader, "bad_request")
+    await async_write_event(Ping().event(), writer)
+    assert Pong.is_type((await next_event(reader)).type)
+    writer.close()
+
+
+# ------------------------------------------------------------------ text and JSON of any shape
+
+
+async def test_deep_json_lone_surrogates_and_escaped_text_over_http(piper_server):
+    url = piper_server.http + "/v1/audio/speech"
+    for deep in (b"[" * 50_000, b'{"input": ' + b"[" * 30_000 + b"]" * 30_000 + b"}"):
+        response = httpx.post(url, content=deep, headers={"Content-Type": "application/json"}, timeout=WAIT_TIMEOUT)
+        assert response.status_code == 400 and response.json()["error"]["code"] == "invalid_json", response.text
+    # Python's json.dumps escapes every character by default: 3,100 emoji (under max_text_chars)
+    # are 37,239 bytes of body, and speak.
+    emoji = json.dumps({"input": "Hello. " + "\U0001F600" * 3100, "response_format": "pcm"})
+    assert emoji.isascii() and len(emoji) > 37_000
+    response = httpx.post(url, content=emoji, headers={"Content-Type": "application/json"}, timeout=WAIT_TIMEOUT)
+    assert response.status_code == 200, response.text[:300]
+    for body in ({"input": "Hello \ud800 world."}, {"input": "Hello.", "instructions": "calm \udfff"}):
+        response = httpx.post(url, content=json.dumps(body), headers={"Content-Type": "application/json"},
+                              timeout=WAIT_TIMEOUT)
+        assert response.status_code == 400 and "Unicode" in response.json()["error"]["message"], response.text
+    assert_speaks(piper_server)
+
+
+async def test_text_that_is_not_unicode_is_a_bad_request_over_v1(piper_server):
+    import msgpack
+
+    async with connect_client(piper_server) as c:
+        # msgpack carries UTF-8: a surrogate's bytes (CESU-8) are not UTF-8, and the frame is bad.
+        frame = msgpack.packb({"type": "start", "id": "s", "text": "x"}).replace(b"\xa1x", b"\xa3\xed\xa0\x80")
+        await c.send(frame)
+        assert (await c.error())["code"] == "bad_frame"
+        assert_good_stream(await c.speak(SENTENCE, "after"))
