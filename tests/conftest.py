@@ -13,6 +13,7 @@ import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any, Callable
 
 import msgpack
@@ -276,18 +277,18 @@ def start_serve(command: list[str], log_path, **popen_args: Any) -> tuple[subpro
     """Runs `command` (a `vox-ws serve --port 0 ...`, its output to `log_path`) until its engine
     is ready; gives the process and the port it chose (from its "listening on" log line).
     Fails if it exits first, or as a hang after WAIT_TIMEOUT."""
-    log = open(log_path, "w+")
-    proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, **popen_args)
-    log.close()                                  # the child holds its own copy
+    with open(log_path, "w") as log:             # the child keeps its own copy
+        proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, **popen_args)
+    log_path = Path(log_path)
     deadline = time.monotonic() + WAIT_TIMEOUT
     port = None
     while port is None or not _is_ready(port):
         if proc.poll() is not None:
-            raise AssertionError(f"vox-ws serve exited {proc.returncode}:\n{open(log_path).read()[-4000:]}")
+            raise AssertionError(f"vox-ws serve exited {proc.returncode}:\n{log_path.read_text()[-4000:]}")
         if time.monotonic() >= deadline:
             proc.kill()
-            raise AssertionError(f"vox-ws serve not ready in {WAIT_TIMEOUT:g}s:\n{open(log_path).read()[-4000:]}")
-        if port is None and (found := re.search(r"listening on ws://[^:]+:(\d+)/", open(log_path).read())):
+            raise AssertionError(f"vox-ws serve not ready in {WAIT_TIMEOUT:g}s:\n{log_path.read_text()[-4000:]}")
+        if port is None and (found := re.search(r"listening on ws://[^:]+:(\d+)/", log_path.read_text())):
             port = int(found.group(1))
         time.sleep(0.05)
     return proc, port

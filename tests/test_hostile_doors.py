@@ -97,7 +97,7 @@ async def test_bodies_that_never_finish_are_bounded_per_address_and_timed_out(st
         assert json.loads(answer.split(b"\r\n\r\n", 1)[1])["error"]["code"] == "timeout"
         sock.close()
     await wait_until(lambda: server.server.guard.requests_in_flight == 0)
-    assert_speaks(server)
+    await asyncio.to_thread(assert_speaks, server)
 
 
 async def test_a_chunked_body_that_trickles_extensions_or_crawls_is_cut_off(start_server):
@@ -140,7 +140,7 @@ async def test_a_chunked_body_that_trickles_extensions_or_crawls_is_cut_off(star
     answer = await asyncio.to_thread(crawl)
     assert answer.startswith(b"HTTP/1.1 408"), answer
     assert server.server.guard.requests_in_flight == 0
-    assert_speaks(server)
+    await asyncio.to_thread(assert_speaks, server)
 
 
 # ------------------------------------------------------------------ a reader that stops reading
@@ -162,7 +162,7 @@ async def test_a_speech_response_nobody_reads_ends_and_its_connection_closes(sta
         received = await asyncio.to_thread(read_until_closed, sock)
         assert received.startswith(b"HTTP/1.1 200") and not received.endswith(b"0\r\n\r\n")   # cut short
         sock.close()
-    assert_speaks(server)
+    await asyncio.to_thread(assert_speaks, server)
 
 
 # ------------------------------------------------------------------ Wyoming
@@ -266,7 +266,7 @@ async def test_wyoming_bad_json_of_any_shape_is_an_error_and_the_connection_goes
 # ------------------------------------------------------------------ text and JSON of any shape
 
 
-async def test_deep_json_lone_surrogates_and_escaped_text_over_http(piper_server):
+def test_deep_json_lone_surrogates_and_escaped_text_over_http(piper_server):
     url = piper_server.http + "/v1/audio/speech"
     for deep in (b"[" * 50_000, b'{"input": ' + b"[" * 30_000 + b"]" * 30_000 + b"}"):
         response = httpx.post(url, content=deep, headers={"Content-Type": "application/json"}, timeout=WAIT_TIMEOUT)
@@ -293,3 +293,57 @@ async def test_text_that_is_not_unicode_is_a_bad_request_over_v1(piper_server):
         await c.send(frame)
         assert (await c.error())["code"] == "bad_frame"
         assert_good_stream(await c.speak(SENTENCE, "after"))
+
+
+# ------------------------------------------------------------------ a store that refuses writes
+
+
+async def test_a_redis_that_refuses_writes_is_not_ready_and_every_request_is_answered(start_server, tiny_model,
+                                                                                        tmp_path, caplog):
+    import redis.asyncio
+    from conftest import RedisServer
+    from test_stream_service import tone_wav
+    from test_voice_store import register, speak, tiny_server
+
+    store = RedisServer(str(tmp_path))
+    try:
+        server = tiny_server(start_server, tiny_model, store.url)
+        voice_id, doomed = await register(server), await register(server, pitch=230)
+        admin = redis.asyncio.from_url(store.url)
+        # OOM at maxmemory (writes refused, reads served), then READONLY (a replica after a
+        # fail-over: its master here is a port nobody listens on).
+        refusals = [("config", "set", "maxmemory", "1"), ("replicaof", "127.0.0.1", "1")]
+        undo = [("config", "set", "maxmemory", "0"), ("replicaof", "no", "one")]
+        for refuse, restore in zip(refusals, undo):
+            await admin.execute_command(*refuse)
+            async with connect_client(server) as c:
+                await c.send({"type": "voice", "id": "r", "audio": tone_wav(1.0, pitch=260)})
+                error = await c.recv_where(lambda m: m.get("id") == "r")
+                assert error["type"] == "error" and error["code"] == "not_ready" and error["retryable"], error
+                if refuse[0] == "replicaof":            # (at maxmemory, deleting is allowed)
+                    await c.send({"type": "voice_delete", "id": "d", "voice": doomed})
+                    error = await c.recv_where(lambda m: m.get("id") == "d")
+                    assert error["type"] == "error" and error["code"] == "not_ready", error
+            response = await asyncio.to_thread(httpx.post, server.http + "/v1/voices", content=tone_wav(1.0, pitch=270),
+                                               headers={"Content-Type": "audio/wav"}, timeout=WAIT_TIMEOUT)
+            assert response.status_code == 503 and response.headers["Retry-After"], response.text
+            assert response.json()["error"]["code"] == "not_ready"
+            spoken = await speak(server, voice_id)                     # reads are still served
+            assert spoken.error is None and spoken.end["reason"] == "max_len", spoken.error
+            await admin.execute_command(*restore)
+        assert await register(server, pitch=280)                       # writes again
+        await admin.aclose()
+    finally:
+        store.stop()
+    unhandled = [r for r in caplog.records if r.exc_info or "Traceback" in r.getMessage()]
+    assert unhandled == [], [r.getMessage() for r in unhandled]
+
+
+def test_piper_refuses_a_voice_upload_before_reading_its_body(piper_server):
+    sock = socket.create_connection(("127.0.0.1", piper_server.port))
+    sock.sendall(b"POST /v1/voices HTTP/1.1\r\nHost: x\r\nContent-Type: audio/wav\r\nContent-Length: 2000000\r\n\r\n")
+    sock.settimeout(WAIT_TIMEOUT)
+    answer = sock.recv(65536)                                           # not a byte of the body sent
+    assert answer.startswith(b"HTTP/1.1 501"), answer
+    assert json.loads(answer.split(b"\r\n\r\n", 1)[1])["error"]["code"] == "unsupported"
+    sock.close()

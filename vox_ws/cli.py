@@ -58,8 +58,8 @@ _SERVE_OPTIONS: list[tuple[str, Callable[[str], Any], Any, str]] = [
     ("max-buffered-audio", float, Limits.max_buffered_audio_s, "audio seconds a stream may have unsent before generation pauses"),
     ("write-stall-timeout", float, Limits.write_stall_timeout_s, "seconds a paused stream may wait on its reader before `slow_consumer`"),
     ("body-timeout", float, Limits.body_timeout_s, "seconds an HTTP request body has before --body-min-rate counts"),
-    ("body-min-rate", float, Limits.body_min_rate, "bytes a second an HTTP body must keep up after that (each "
-                                                   "such many bytes earn one more second)"),
+    ("body-min-rate", float, Limits.body_min_rate, ("bytes a second an HTTP body must keep up after that (each "
+                                                    "such many bytes earn one more second)")),
     ("body-max", float, Limits.body_max_s, "seconds an HTTP request body may take at the most"),
     ("input-pause", float, Limits.input_pause_s, "input streaming: seconds of quiet after which buffered words "
                                                  "without a sentence end are spoken"),

@@ -257,6 +257,7 @@ class Session:
         return {"voice": voice, "deleted": await self.service.delete_voice(voice, owner=self.owner)}
 
     async def _answer(self, request_id: str | None, kind: str, work: Any) -> None:
+        """Every request is answered: its reply, or an error (a failure nobody foresaw too)."""
         try:
             result = await work
         except Refused as err:
@@ -264,6 +265,11 @@ class Session:
                 log.warning("%s request failed: %s", kind, err.message)
                 err.message = f"{kind} failed: {err.message}"
             self._error(p.ProtocolError.from_refused(err, request_id))
+            return
+        except Exception as exc:
+            log.error("%s request failed: %s: %s", kind, type(exc).__name__, exc)
+            self._error(p.ProtocolError.from_refused(
+                Refused(ErrorKind.INTERNAL, f"{kind} failed: {type(exc).__name__}"), request_id))
             return
         reply = {"type": kind, **result}
         if request_id is not None:

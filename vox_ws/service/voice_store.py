@@ -77,7 +77,8 @@ def voice_id(owner: str, audio: bytes, transcript: str | None, mode: str) -> str
 
 
 class StoreUnavailable(Refused):
-    """The store cannot be reached: voice operations fail, built-in voices are unaffected."""
+    """The store cannot be reached or refuses the operation: voice operations fail
+    (`not_ready`, retryable), built-in voices are unaffected."""
 
     def __init__(self, what: str, exc: BaseException) -> None:
         super().__init__(ErrorKind.NOT_READY, f"the voice store is unavailable ({what}): {type(exc).__name__}: {exc}")
@@ -339,7 +340,9 @@ class RedisStore(VoiceStore):
 
         try:
             return await work
-        except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
+        except (redis.RedisError, OSError) as exc:
+            # Unreachable, or refusing: READONLY after a fail-over, OOM at maxmemory, a script
+            # killed... whatever the cause, the store cannot serve now; the caller may retry.
             raise StoreUnavailable(what, exc) from None
 
     def _key(self, kind: str, name: str = "") -> str:

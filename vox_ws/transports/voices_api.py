@@ -10,17 +10,21 @@ registered here is usable from every front door (`voice` in a `start`, the HTTP 
 
 from __future__ import annotations
 
+import logging
+
 from starlette.datastructures import UploadFile
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
-from ..engine import Refused
+from ..engine import ErrorKind, Refused
 from . import protocol as p
 from .auth import is_authorized, origin_allowed, owner
 from .body import BodyTooLarge, read_body
 from .errors import error_response, refused_response, unauthorized_response
 from .state import ServerState
+
+log = logging.getLogger("vox_ws.voices")
 
 AUDIO_TYPES = ("audio/wav", "audio/x-wav", "audio/wave", "audio/vnd.wave", "audio/flac", "audio/x-flac",
                "audio/ogg", "application/octet-stream")
@@ -49,6 +53,9 @@ def routes(state: ServerState) -> list[BaseRoute]:
     async def register(request: Request) -> Response:
         if (refusal := guard(request)) is not None:
             return refusal
+        engine = state.service.engine
+        if not engine.supports_voices:            # refused before a byte of the body is read
+            return refused_response(Refused(ErrorKind.UNSUPPORTED, f"engine {engine.name} cannot clone voices"))
         limit = state.limits.max_frame_bytes
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
@@ -84,6 +91,8 @@ def routes(state: ServerState) -> list[BaseRoute]:
             result = await state.service.register_voice(audio, transcript, mode, owner=_owner(request))
         except Refused as err:
             return refused_response(err)
+        except Exception as exc:                  # answered, and logged in a line, not a traceback
+            return _failed("register", exc)
         return JSONResponse(result, status_code=201)
 
     async def delete(request: Request) -> Response:
@@ -94,6 +103,8 @@ def routes(state: ServerState) -> list[BaseRoute]:
             deleted = await state.service.delete_voice(voice, owner=_owner(request))
         except Refused as err:
             return refused_response(err)
+        except Exception as exc:
+            return _failed("delete", exc)
         if not deleted:
             return error_response(404, p.BAD_REQUEST, f"no registered voice {voice!r}")
         return JSONResponse({"voice": voice, "deleted": True})
@@ -103,6 +114,11 @@ def routes(state: ServerState) -> list[BaseRoute]:
         Route("/v1/voices", register, methods=["POST"]),
         Route("/v1/voices/{voice_id}", delete, methods=["DELETE"]),
     ]
+
+
+def _failed(what: str, exc: Exception) -> Response:
+    log.error("voice %s failed: %s: %s", what, type(exc).__name__, exc)
+    return error_response(500, p.INTERNAL, f"voice {what} failed: {type(exc).__name__}")
 
 
 def _text_field(value: object) -> str | None:
