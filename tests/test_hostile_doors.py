@@ -347,3 +347,82 @@ def test_piper_refuses_a_voice_upload_before_reading_its_body(piper_server):
     assert answer.startswith(b"HTTP/1.1 501"), answer
     assert json.loads(answer.split(b"\r\n\r\n", 1)[1])["error"]["code"] == "unsupported"
     sock.close()
+
+
+# ------------------------------------------------------------------ every door asks the store
+
+
+async def test_the_openai_door_speaks_a_stored_voice_this_process_never_built(start_server, tiny_model, tmp_path):
+    import openai
+    from test_voice_store import register, speak, tiny_server
+
+    store = f"dir:{tmp_path / 'voices'}"
+    first = tiny_server(start_server, tiny_model, store)
+    voice_id = await register(first)
+    reference = await speak(first, voice_id)
+    first.stop()
+    second = tiny_server(start_server, tiny_model, store)                 # as after a restart
+    assert not second.server.scheduler.engines[0].has_voice(voice_id)
+    client = openai.OpenAI(base_url=second.http + "/v1", api_key="unused")
+
+    def say(voice: str) -> bytes:
+        with client.audio.speech.with_streaming_response.create(
+                model="tts-1", voice=voice, input="Speak in the stored voice.", response_format="pcm",
+                extra_body={"seed": 9, "max_len": 4, "sample_rate": 16_000}) as response:
+            return response.read()
+    audio = await asyncio.to_thread(say, voice_id)
+    assert reference.seconds > 0 and abs(len(audio) / 2 / 16_000 - reference.seconds) < 0.01
+    with pytest.raises(openai.BadRequestError) as caught:
+        await asyncio.to_thread(say, "v_" + "a" * 32)
+    assert caught.value.body["param"] == "voice" and caught.value.body["code"] == "voice_not_found"
+
+
+# ------------------------------------------------------------------ a replica's voices follow the store
+
+
+def test_the_built_voices_are_a_cache_the_least_recently_used_leave(monkeypatch):
+    from vox_ws.engines.voxcpm import voices
+
+    monkeypatch.setattr(voices, "MAX_VOICES", 3)
+    book = voices.VoiceBook()
+    book.add({"n": "builtin"}, name="narrator")
+    for n in range(3):
+        book.add({"n": n}, voice_id=f"v{n}")
+    assert book.get("v0") == {"n": 0}                     # used: now the most recent
+    book.add({"n": 3}, voice_id="v3")
+    assert book.get("v1") is None and len(book) == 3      # the least recently used left
+    assert [book.get(v)["n"] for v in ("v0", "v2", "v3")] == [0, 2, 3]
+    for n in range(4, 10):
+        book.add({"n": n}, voice_id=f"v{n}")
+    assert len(book) == 3 and book.get("narrator") == {"n": "builtin"}     # built-ins stay
+
+
+async def test_voice_churn_through_one_replica_never_fills_another(start_server, tiny_model, redis_server,
+                                                                  monkeypatch):
+    import redis.asyncio
+    from test_voice_store import register, speak, tiny_server
+
+    from vox_ws.engines.voxcpm import voices
+
+    cap = 4
+    monkeypatch.setattr(voices, "MAX_VOICES", cap)
+    client = redis.asyncio.from_url(redis_server.url)
+    await client.flushdb()
+    await client.aclose()
+    a = tiny_server(start_server, tiny_model, redis_server.url, max_voices_per_owner=2)
+    b = tiny_server(start_server, tiny_model, redis_server.url, max_voices_per_owner=2)
+    registered = []
+    # Each cycle registers a new voice on A (which retires the owner's oldest beyond 2) and
+    # speaks with it once on B: three times B's capacity.
+    for cycle in range(3 * cap):
+        registered.append(await register(a, pitch=150.0 + 10 * cycle))
+        spoken = await speak(b, registered[-1])
+        assert spoken.error is None and spoken.end["reason"] == "max_len", (cycle, spoken.error)
+    engine_b = b.server.scheduler.engines[0]
+    assert len(engine_b._voices) <= cap
+    # A voice the store retired is refused on B too, whatever B had built.
+    gone = await speak(b, registered[0])
+    assert gone.error is not None and gone.error["code"] == "bad_request"
+    # One still in the store that B dropped is built again from it.
+    kept = await speak(b, registered[-2])
+    assert kept.error is None and kept.end["reason"] == "max_len"

@@ -227,6 +227,10 @@ class StreamService:
             self._delete_everywhere(old)
         return result
 
+    def may_be_registered(self, voice: str) -> bool:
+        """Whether `voice` could name a registered voice (only the store can tell whether it does)."""
+        return self.engine.supports_voices and is_registered_id(voice)
+
     def needs_store(self, voice: str | None, engine: Engine) -> bool:
         """Whether a stream with this voice must first ask the store: a registered voice this
         device has not built (registered through another server, or before a restart), or, with

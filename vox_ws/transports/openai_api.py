@@ -29,7 +29,7 @@ from starlette.routing import BaseRoute, Route
 from starlette.types import Receive, Scope, Send
 
 from ..codecs import CODECS, MAX_SPEED, MIN_SPEED
-from ..engine import Refused
+from ..engine import ErrorKind, Refused
 from ..service import AudioOutput, Stream
 from ..service.events import Audio, Ended, Failed
 from . import protocol as p
@@ -113,6 +113,7 @@ def routes(state: ServerState) -> list[BaseRoute]:
             guard(request)
             body = await _read_json(request, _body_limit(state))
             speech_request = parse_speech(body, state)
+            await _fetch_voice(state, speech_request.voice)
             ignored = ["instructions"] if speech_request.instructions and _ignores_instructions(state, speech_request) \
                 else []
             stream = _open(state, request, speech_request)
@@ -253,13 +254,27 @@ def _voice(value: Any, state: ServerState) -> str | None:
         raise OpenAIError(400, "'voice' must be a voice id (a string, or an object with 'id')", "voice",
                           "invalid_value")
     engine = state.service.engine
-    if engine.has_voice(value):
-        return value
+    if engine.has_voice(value) or state.service.may_be_registered(value):
+        return value                           # a registered one is looked up in the store next
     if value in OPENAI_VOICES:
         return None
     raise OpenAIError(400, f"unknown voice {value!r} (built-in: {state.service.voices()}"
                            f"{'; or register one at /v1/voices' if engine.supports_voices else ''})", "voice",
                       "voice_not_found")
+
+
+async def _fetch_voice(state: ServerState, voice: str | None) -> None:
+    """A registered voice this server has not built yet (registered through another replica,
+    or before a restart) is fetched from the store and built, as for every front door."""
+    service = state.service
+    if voice is None or not service.needs_store(voice, service.engine):
+        return
+    try:
+        await service.ensure_voice(voice)
+    except Refused as err:
+        if err.kind is ErrorKind.INVALID:
+            raise OpenAIError(400, err.message, "voice", "voice_not_found") from None
+        raise OpenAIError.from_refused(err, "voice") from None
 
 
 def _ignores_instructions(state: ServerState, speech: SpeechRequest) -> bool:

@@ -201,8 +201,11 @@ class VoxCPMEngine(Engine):
         return self._voices.get(voice) is not None
 
     def pin_voice(self, voice: str | None) -> Any:
-        self.check_voice(voice)
-        return self._voices.get(voice)
+        cache = self._voices.get(voice)        # one look: the book may drop it at any time after
+        if voice is not None and cache is None:
+            self.check_voice(voice)            # refused as any unknown voice
+            raise Refused(ErrorKind.INVALID, f"unknown voice {voice!r}: it was just dropped")
+        return cache
 
     def _voice_cache(self, request: GenerationRequest) -> dict | None:
         if request.voice_pin is not None:

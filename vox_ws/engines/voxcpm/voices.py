@@ -1,10 +1,13 @@
 """Voice prompts: built from reference audio once, kept by id, used by every stream that names them.
 
 A voice is the package's prompt cache (reference features, continuation features and their
-transcript). Built-in voices come from `--voices-dir`; registered ones are kept until deleted,
-up to `MAX_VOICES` (who may register and delete which is the stream service's business: the
-book never evicts one voice to make room for another). The event loop reads the book (`get`);
-the scheduler thread writes it.
+transcript). Built-in voices come from `--voices-dir` and stay. Registered ones are a cache of
+the voice store, which is where they live (who may register and delete which is the stream
+service's business): beyond `MAX_VOICES` the least recently used is dropped, and built again
+from the store when a stream next names it. So voices registered and retired through other
+replicas, which this one never hears of, cannot fill it. A stream holds its voice's prompt
+itself (`pin_voice`): dropping it from the book never touches a stream speaking with it. The
+event loop reads the book (`get`); the scheduler thread writes it.
 """
 
 from __future__ import annotations
@@ -12,18 +15,18 @@ from __future__ import annotations
 import logging
 import secrets
 import threading
+from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from ...audio import decode_audio_file
-from ...engine import ErrorKind, Refused
 from .prompt import clean_text
 
 log = logging.getLogger("vox_ws.engines.voxcpm")
 
-# A safety net only: the stream service's own limits (per owner and in all) are lower.
+# Registered voices kept built, most recently used first kept (a cache of the store's).
 MAX_VOICES = 1024
 _CACHE_MODES = {"reference": "reference", "continuation": "continuation", "both": "ref_continuation"}
 
@@ -31,7 +34,7 @@ _CACHE_MODES = {"reference": "reference", "continuation": "continuation", "both"
 class VoiceBook:
     def __init__(self) -> None:
         self._builtin: dict[str, dict] = {}
-        self._registered: dict[str, dict] = {}
+        self._registered: OrderedDict[str, dict] = OrderedDict()     # least recently used first
         self._lock = threading.Lock()
 
     def builtin(self) -> list[str]:
@@ -42,17 +45,30 @@ class VoiceBook:
         if voice is None:
             return None
         with self._lock:
-            return self._builtin.get(voice) or self._registered.get(voice)
+            if voice in self._registered:
+                self._registered.move_to_end(voice)
+                return self._registered[voice]
+            return self._builtin.get(voice)
 
     def add(self, cache: dict, name: str | None = None, voice_id: str | None = None) -> str:
         """Keep a voice; a name makes it built-in; else it is registered under `voice_id`, or
         an unguessable id made here."""
         voice_id = name or voice_id or "v_" + secrets.token_urlsafe(12)
         with self._lock:
-            if not name and voice_id not in self._registered and len(self._registered) >= MAX_VOICES:
-                raise Refused(ErrorKind.BUSY, f"the server holds {MAX_VOICES} registered voices: delete one first")
-            (self._builtin if name else self._registered)[voice_id] = cache
+            if name:
+                self._builtin[voice_id] = cache
+                return voice_id
+            self._registered[voice_id] = cache
+            self._registered.move_to_end(voice_id)
+            while len(self._registered) > MAX_VOICES:
+                dropped, _ = self._registered.popitem(last=False)
+                log.info("voice %s dropped from the built voices (least recently used; the store keeps it)",
+                         dropped)
         return voice_id
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._registered)
 
     def delete(self, voice_id: str) -> bool:
         with self._lock:
