@@ -22,11 +22,11 @@ pytestmark = pytest.mark.hardening
 ATTACKER = "127.0.0.2"
 
 
-def attacker_socket(port: int, rcvbuf: int | None = None) -> socket.socket:
+def attacker_socket(port: int, rcvbuf: int | None = None, source: str = ATTACKER) -> socket.socket:
     sock = socket.socket()
     if rcvbuf is not None:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
-    sock.bind((ATTACKER, 0))
+    sock.bind((source, 0))
     sock.connect(("127.0.0.1", port))
     return sock
 
@@ -426,3 +426,35 @@ async def test_voice_churn_through_one_replica_never_fills_another(start_server,
     # One still in the store that B dropped is built again from it.
     kept = await speak(b, registered[-2])
     assert kept.error is None and kept.end["reason"] == "max_len"
+
+
+# ------------------------------------------------------------------ slow readers and slots
+
+
+async def test_streams_waiting_on_slow_readers_give_their_slots_to_a_waiting_stream(start_server):
+    import msgpack
+    from websockets.asyncio.client import connect
+
+    # Neither a stall time-out, nor a queue wait, nor the keepalive in reach: the victim can
+    # speak only if the readers' slots are given back while they lag.
+    server = start_server(PiperEngine(), max_batch=2, write_stall_timeout_s=3600.0, max_queue_wait_s=3600.0,
+                          ping_interval=3600.0, ping_timeout=3600.0, max_buffered_audio_s=1.0)
+    readers = []
+    for address in (ATTACKER, "127.0.0.3"):             # two clients, one slot each: their share
+        sock = attacker_socket(server.port, rcvbuf=4096, source=address)
+        ws = await connect(server.url, sock=sock, max_queue=1)
+        await ws.recv()                                  # hello
+        await ws.send(msgpack.packb({"type": "start", "id": "slow", "text": LONG * 3}))
+        readers.append(ws)
+    await wait_until(lambda: server.scheduler.stats()["active"] + server.scheduler.stats()["parked"] == 2)
+    async with connect_client(server) as c:
+        assert_good_stream(await c.speak(SENTENCE, "victim"))
+    assert server.scheduler.stats()["parked"] >= 1        # still lagging: still parked
+    # A reader that catches up gets its slot back and its stream goes on to the end.
+    ws = readers[0]
+    kinds = []
+    while "end" not in kinds:
+        kinds.append(msgpack.unpackb(await asyncio.wait_for(ws.recv(), WAIT_TIMEOUT))["type"])
+    assert "error" not in kinds
+    for ws in readers:
+        ws.transport.abort()

@@ -184,7 +184,11 @@ class Scheduler:
             for request in dropped + expired:
                 self._waiting.remove(request)
             self._park_for_waiting()
-            admitted = self.fair.admissions(self._waiting, self._active, self.max_batch - len(self._active))
+            # A stream parked while its reader lags comes back only once the reader has caught up.
+            eligible = deque(r for r in self._waiting if not (r.parked and r.sink.backlogged()))
+            admitted = self.fair.admissions(eligible, self._active, self.max_batch - len(self._active))
+            for request in admitted:
+                self._waiting.remove(request)
             self._admitting = len(admitted)
         for request in dropped:
             if request.parked:
@@ -212,9 +216,20 @@ class Scheduler:
         return True
 
     def _park_for_waiting(self) -> None:
-        """With every slot taken, clients over their share give slots to waiting clients that
-        hold fewer (engines that can park only). Called with the lock held."""
+        """With every slot taken and a stream waiting, a slot is given back (engines that can
+        park only): first by streams waiting on their readers (a slot that generates nothing),
+        then by clients over their share, to waiting clients that hold fewer. Called with the
+        lock held."""
         if not self.engine.can_park or len(self._active) < self.max_batch:
+            return
+        claimants = sum(1 for r in self._waiting if not r.parked and not r.cancelled)
+        lagging = [r for r in self._active if not r.cancelled and r.sink.backlogged()][:claimants]
+        for victim in lagging:
+            self._active.remove(victim)
+            victim.parked = True
+            self._waiting.appendleft(victim)
+            log.debug("request %s parked: its reader lags while another stream waits", victim.id)
+        if len(self._active) < self.max_batch:
             return
         for victim in self.fair.to_park(self._waiting, self._active):
             self._active.remove(victim)
