@@ -245,8 +245,10 @@ async def test_a_flac_bomb_is_refused_without_decoding_it_whole(voxcpm_service_s
     assert len(bomb) < 2 << 20
     service = await service_on(voxcpm_service_scheduler)
     before = _rss_mb()
-    # Several at once, as the attack did: they are decoded one at a time.
-    results = await asyncio.gather(*(service.register_voice(bomb) for _ in range(4)), return_exceptions=True)
+    # Several at once, as the attack did (from four owners: one may have only two waiting):
+    # they are decoded one at a time.
+    results = await asyncio.gather(*(service.register_voice(bomb, owner=f"token:{n}") for n in range(4)),
+                                   return_exceptions=True)
     assert all(isinstance(r, Refused) and r.kind == ErrorKind.TOO_LARGE for r in results), results
     assert _rss_mb() - before < 150
     await service.close()

@@ -458,3 +458,160 @@ async def test_streams_waiting_on_slow_readers_give_their_slots_to_a_waiting_str
     assert "error" not in kinds
     for ws in readers:
         ws.transport.abort()
+
+
+# ------------------------------------------------------------------ real-time players with stock clients
+
+
+async def test_a_lookahead_keeps_the_stream_within_it_of_a_real_time_clock(start_server):
+    """Taken as fast as the consumer can: the audio handed over never runs more than
+    `lookahead_s` ahead of a real-time playback clock started at the first audio (a slower
+    machine only keeps it further behind)."""
+    from test_stream_service import service_on
+
+    from vox_ws.scheduler import Scheduler
+    from vox_ws.service import Audio, AudioOutput, Ended
+
+    scheduler = Scheduler(PiperEngine(), max_batch=2)
+    scheduler.start()
+    assert scheduler.ready_event.wait(WAIT_TIMEOUT)
+    service = await service_on(scheduler)
+    lookahead = 0.5
+    stream = service.open_stream(LONG[:240], output=AudioOutput("s16", lookahead_s=lookahead))
+    loop = asyncio.get_running_loop()
+    first_at, handed = None, 0.0
+    async for event in stream:
+        if isinstance(event, Audio):
+            now = loop.time()
+            first_at = first_at if first_at is not None else now
+            assert handed - (now - first_at) <= lookahead + 1e-3, (handed, now - first_at)
+            handed += event.seconds
+        last = event
+    assert isinstance(last, Ended) and handed > 3 * lookahead
+    with pytest.raises(Exception, match="lookahead_s must be in"):
+        service.open_stream(SENTENCE, output=AudioOutput("s16", lookahead_s=0.0))
+    scheduler.stop()
+    await service.close()
+
+
+@pytest.mark.slow
+async def test_a_stock_websockets_client_playing_in_real_time_hears_a_three_minute_text(start_server):
+    """Players that read a chunk, play it, read the next (a phone bridge at mu-law 8 kHz, a
+    speaker at s16 22,050 Hz), written with `websockets`' defaults (its own 20 s pings): with
+    `lookahead_s` the server stays a few seconds ahead of them, so their pongs are never stuck
+    behind a minute of audio, and they hear the whole text."""
+    import msgpack
+    from test_adversarial import STORY
+    from websockets.asyncio.client import connect
+
+    server = start_server(PiperEngine(), max_batch=2)
+    text = " ".join([STORY] * 15)
+
+    async def play(fmt: str, rate: int) -> tuple[dict, float]:
+        async with connect(server.url) as ws:                 # every setting its default
+            await ws.recv()                                   # hello
+            await ws.send(msgpack.packb({"type": "start", "id": "p", "text": text, "format": fmt,
+                                         "sample_rate": rate, "lookahead_s": 2.0}))
+            received = 0
+            while True:
+                message = msgpack.unpackb(await ws.recv())
+                if message["type"] == "chunk":
+                    samples = len(message["audio"]) // {"s16": 2, "mulaw": 1}[fmt]
+                    received += samples
+                    await asyncio.sleep(samples / rate)        # playing it
+                elif message["type"] in ("end", "error"):
+                    return message, received / rate
+
+    results = await asyncio.gather(play("mulaw", 8000), play("s16", 22050))
+    for end, seconds in results:
+        assert end["type"] == "end" and end["reason"] == "done", end
+        assert end["audio_s"] >= 170 and abs(seconds - end["audio_s"]) < 0.01, (end, seconds)
+
+
+# ------------------------------------------------------------------ voice uploads: bounded, fair
+
+
+async def test_registrations_wait_bounded_and_the_owner_served_longest_ago_goes_first():
+    from vox_ws.engine import Refused
+    from vox_ws.service.registrations import RegistrationQueue
+
+    queue = RegistrationQueue(per_owner=3, total=5)
+    order: list[str] = []
+    release = {name: asyncio.Event() for name in ("a1", "a2", "a3", "b1", "c1")}
+
+    async def register(name: str) -> None:
+        registration = queue.admit(name[0])
+        try:
+            async with registration:
+                order.append(name)
+                await release[name].wait()
+        finally:
+            registration.release()
+
+    tasks = [asyncio.create_task(register(name)) for name in ("a1", "a2", "a3")]
+    await wait_until(lambda: order == ["a1"])
+    with pytest.raises(Refused, match="of yours"):
+        queue.admit("a")                                      # its fourth
+    tasks += [asyncio.create_task(register(name)) for name in ("b1", "c1")]
+    await wait_until(lambda: queue.pending == 5)
+    with pytest.raises(Refused, match="5 voice registrations are waiting"):
+        queue.admit("d")
+    for name in ("a1", "b1", "c1", "a2", "a3"):
+        release[name].set()
+    await asyncio.gather(*tasks)
+    assert order == ["a1", "b1", "c1", "a2", "a3"]           # a's burst waits behind the others
+    assert queue.pending == 0
+
+
+class GatedVoxCPM:
+    """The tiny VoxCPM2's voice builds, held until the test lets them go (in the order made)."""
+
+    def __init__(self, engine) -> None:
+        import threading
+
+        self.gate = threading.Event()
+        self.built: list[str] = []
+        self._register = engine.register_voice
+        engine.register_voice = self
+
+    def __call__(self, *args, **kwargs):
+        self.gate.wait(WAIT_TIMEOUT)
+        self.built.append(args[-1])
+        return self._register(*args, **kwargs)
+
+
+async def test_an_owner_flooding_voice_uploads_is_refused_429_and_another_owner_is_served(start_server, tiny_model):
+    from test_stream_service import tone_wav
+    from test_voice_store import tiny_server
+
+    server = tiny_server(start_server, tiny_model, "memory")
+    gated = GatedVoxCPM(server.server.scheduler.engines[0])
+    service = server.server.service
+
+    def upload(pitch: float, source: str) -> httpx.Response:
+        transport = httpx.HTTPTransport(local_address=source)
+        with httpx.Client(transport=transport, timeout=WAIT_TIMEOUT) as client:
+            return client.post(server.http + "/v1/voices", content=tone_wav(1.0, pitch=pitch),
+                               headers={"Content-Type": "audio/wav"})
+
+    flood = [asyncio.create_task(asyncio.to_thread(upload, 200.0 + n, ATTACKER)) for n in range(6)]
+    # Two of the attacker's are admitted (one building, held; one waiting); the other four are
+    # refused at once, before their bodies are read.
+    refused = []
+    for task in asyncio.as_completed(flood):
+        response = await task
+        assert response.status_code == 429 and response.headers["Retry-After"], response.text
+        assert response.json()["error"]["code"] == "busy"
+        refused.append(response)
+        if len(refused) == 4:
+            break
+    assert service.registrations.pending == 2
+    victim = asyncio.create_task(asyncio.to_thread(upload, 330.0, "127.0.0.1"))
+    await wait_until(lambda: service.registrations.pending == 3)
+    gated.gate.set()
+    answered = await victim
+    assert answered.status_code == 201, answered.text
+    kept = [await task for task in flood if not task.done() or task.result().status_code != 429]
+    assert [r.status_code for r in kept] == [201, 201]
+    # The victim's voice was built before the attacker's second.
+    assert gated.built.index(answered.json()["voice"]) == 1

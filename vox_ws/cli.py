@@ -13,6 +13,10 @@ from typing import Any, Callable, Sequence
 from . import __version__, engines
 from .config import Limits, ServerConfig
 
+# `say --play`: seconds of audio the server may send ahead of what the speakers have played.
+PLAY_LOOKAHEAD_S = 3.0
+
+
 def _max_batch(text: str) -> int | None:
     if text == "auto":
         return None
@@ -246,8 +250,10 @@ async def _say(args: argparse.Namespace) -> int:
                     f.write(b"".join(encoded))
                 print(f"{args.output}: {sum(map(len, encoded))} bytes of {args.format}", file=sys.stderr)
                 return 0
+            # A player reads as it plays: the server keeps at most PLAY_LOOKAHEAD_S ahead of it.
             async for chunk in client.stream(args.text, voice=args.voice, format="f32", sample_rate=rate,
-                                             speed=args.speed, instructions=args.instructions):
+                                             speed=args.speed, instructions=args.instructions,
+                                             lookahead_s=PLAY_LOOKAHEAD_S if player is not None else None):
                 pcm = bytes_to_pcm(chunk, "f32")
                 pieces.append(pcm)
                 if player is not None:

@@ -208,10 +208,13 @@ class Stream:
         self._queue.put_nowait(message)
 
 
-def _delivery(speed: float, instructions: str | None, word_timestamps: bool = False) -> dict[str, Any]:
+def _delivery(speed: float, instructions: str | None, word_timestamps: bool = False,
+              lookahead_s: float | None = None) -> dict[str, Any]:
     fields: dict[str, Any] = {}
     if speed != 1.0:
         fields["speed"] = speed
+    if lookahead_s is not None:
+        fields["lookahead_s"] = lookahead_s
     if instructions:
         fields["instructions"] = instructions
     if word_timestamps:
@@ -236,11 +239,13 @@ class Client:
 
     async def stream(self, text: str, *, voice: str | None = None, format: str = "f32",
                      sample_rate: int | None = None, options: dict[str, Any] | None = None, speed: float = 1.0,
-                     instructions: str | None = None) -> AsyncIterator[bytes]:
+                     instructions: str | None = None, lookahead_s: float | None = None) -> AsyncIterator[bytes]:
         """Speak `text`; yields audio bytes in `format` (raw PCM, or a codec's file piece by
-        piece) as they are generated. Leaving the loop early cancels the stream on the server."""
+        piece) as they are generated. Leaving the loop early cancels the stream on the server.
+        A player that reads as it plays passes `lookahead_s` (the server then sends at most
+        that far ahead of real time); without it the audio comes as fast as it is read."""
         s = await self.start_stream(text, voice=voice, format=format, sample_rate=sample_rate, options=options,
-                                    speed=speed, instructions=instructions)
+                                    speed=speed, instructions=instructions, lookahead_s=lookahead_s)
         try:
             async for chunk in s:
                 yield chunk
@@ -250,16 +255,19 @@ class Client:
 
     async def start_stream(self, text: str, *, voice: str | None = None, format: str = "f32",
                            sample_rate: int | None = None, options: dict[str, Any] | None = None, speed: float = 1.0,
-                           instructions: str | None = None, word_timestamps: bool = False) -> Stream:
+                           instructions: str | None = None, word_timestamps: bool = False,
+                           lookahead_s: float | None = None) -> Stream:
         """Speak `text` on a stream of its own: iterate it for the audio, or `events()`."""
-        return await self._start({"text": text, **_delivery(speed, instructions, word_timestamps)}, voice, format,
-                                 sample_rate, options)
+        return await self._start({"text": text, **_delivery(speed, instructions, word_timestamps, lookahead_s)}, voice,
+                                 format, sample_rate, options)
 
     async def open_stream(self, *, voice: str | None = None, format: str = "f32", sample_rate: int | None = None,
                           options: dict[str, Any] | None = None, segment_events: bool = False, speed: float = 1.0,
-                          instructions: str | None = None, word_timestamps: bool = False) -> Stream:
+                          instructions: str | None = None, word_timestamps: bool = False,
+                          lookahead_s: float | None = None) -> Stream:
         """A stream whose text arrives piece by piece (`send_text`, `flush`, `end`)."""
-        extra: dict[str, Any] = {"stream_input": True, **_delivery(speed, instructions, word_timestamps)}
+        extra: dict[str, Any] = {"stream_input": True,
+                                 **_delivery(speed, instructions, word_timestamps, lookahead_s)}
         if segment_events:
             extra["segment_events"] = True
         return await self._start(extra, voice, format, sample_rate, options)

@@ -25,6 +25,9 @@ class Limits:
     max_voice_audio_s: float = 30.0
     max_voices: int = 256
     max_voices_per_owner: int = 32
+    # Voice registrations waiting or running (each holds its reference audio meanwhile).
+    max_pending_voices_per_owner: int = 2
+    max_pending_voices: int = 16
     max_connections: int = 256
     max_connections_per_address: int = 32
     max_messages_per_s: float = 50.0

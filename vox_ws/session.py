@@ -194,7 +194,7 @@ class Session:
         try:
             stream = self.service.open_stream(
                 start.text if (start.text or not start.stream_input) else None, voice=start.voice,
-                options=start.options, output=AudioOutput(start.format, start.sample_rate, start.speed),
+                options=start.options, output=AudioOutput(start.format, start.sample_rate, start.speed, start.lookahead_s),
                 input_streaming=start.stream_input, log_fields={"session": self.number, "id": sid},
                 owners=self._owners, instructions=start.instructions, word_timestamps=start.word_timestamps)
         except Refused as err:
@@ -382,7 +382,7 @@ def hello(state: ServerState) -> dict[str, Any]:
         "voices": service.voices(),
         "options": sorted(engine.honoured_options),
         "slots": service.devices.max_batch,
-        "features": ["input_streaming", "segment_events", "speed"]
+        "features": ["input_streaming", "segment_events", "speed", "lookahead"]
                     + (["voice_cloning"] if engine.supports_voices else [])
                     + (["instructions"] if engine.follows_instructions(None) else [])
                     + (["word_timestamps"] if engine.word_timings else []),

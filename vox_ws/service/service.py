@@ -22,6 +22,7 @@ from ..engine import VOICE_MODES, Engine, ErrorKind, Refused
 from ..metrics import Metrics
 from ..scheduler import Scheduler
 from .handoff import LoopMailbox
+from .registrations import Registration, RegistrationQueue
 from .stream import AudioOutput, Stream, check_output, check_text
 from .voice_store import ANY_OWNER, MemoryStore, StoreLimits, VoiceStore, is_registered_id, new_voice
 
@@ -44,6 +45,8 @@ class StreamService:
         self.limits = limits or Limits()
         # Registered voices: their reference audio, owners and limits (`voice_store.py`).
         self.store = voice_store or MemoryStore(store_limits(self.limits))
+        self.registrations = RegistrationQueue(self.limits.max_pending_voices_per_owner,
+                                               self.limits.max_pending_voices)
         self._fetching: dict[str, asyncio.Future] = {}      # voices being rebuilt from the store
         self.metrics = metrics or Metrics()
         self.accepting = True                   # False while draining: no new streams
@@ -190,12 +193,30 @@ class StreamService:
     def voices(self) -> list[str]:
         return self.engine.voices() if self.devices.status == "ready" else []
 
+    def admit_registration(self, owner: str = ANY_OWNER) -> Registration:
+        """A place among the voice registrations waiting (`registrations.py`), taken before the
+        reference audio is read; raises Refused(BUSY) when `owner`, or everyone, has too many
+        waiting. `register_voice` releases it."""
+        if not self.engine.supports_voices:
+            raise Refused(ErrorKind.UNSUPPORTED, f"engine {self.engine.name} cannot clone voices")
+        return self.registrations.admit(owner)
+
     async def register_voice(self, audio: bytes, transcript: str | None = None, mode: str | None = None,
-                             owner: str = ANY_OWNER) -> dict:
+                             owner: str = ANY_OWNER, registration: Registration | None = None) -> dict:
         """Clone a voice from reference audio (WAV, FLAC or OGG bytes) for `owner`; returns
         {voice, mode, audio_s}. The same audio, transcript and mode from the same owner give the
         same id. The voice is kept in the store (the rules of `voice_store.py`: an owner at its
-        cap loses its own oldest voice; a full store refuses) and built on every device."""
+        cap loses its own oldest voice; a full store refuses) and built on every device. It
+        waits its turn among the owners' registrations (`admit_registration`, here unless the
+        caller did it first)."""
+        registration = registration or self.admit_registration(owner)
+        try:
+            return await self._register_voice(audio, transcript, mode, owner, registration)
+        finally:
+            registration.release()
+
+    async def _register_voice(self, audio: bytes, transcript: str | None, mode: str | None, owner: str,
+                              registration: Registration) -> dict:
         if not self.engine.supports_voices:
             raise Refused(ErrorKind.UNSUPPORTED, f"engine {self.engine.name} cannot clone voices")
         has_transcript = bool(transcript and transcript.strip())
@@ -214,8 +235,8 @@ class StreamService:
         stored = new_voice(owner, audio, transcript if has_transcript else None, mode)
         await self.store.check_room(stored)
         # One reference at a time is decoded and encoded, on a worker thread: beside the
-        # engine's steps (which go on), never between them.
-        async with self._voice_jobs:
+        # engine's steps (which go on), never between them; owners take turns.
+        async with registration, self._voice_jobs:
             pcm, rate = await self._decode(audio)
             result = await self._build_everywhere(pcm, rate, stored.transcript, mode, stored.id)
         try:

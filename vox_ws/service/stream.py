@@ -85,11 +85,15 @@ def check_text(text: str, field: str = "text") -> None:
 @dataclass(frozen=True)
 class AudioOutput:
     """How a stream's audio is delivered: format (raw PCM or a codec, `codecs.OUTPUT_FORMATS`),
-    rate (None: the engine's own, or the nearest the codec takes) and speed (1: as spoken)."""
+    rate (None: the engine's own, or the nearest the codec takes), speed (1: as spoken) and
+    lookahead (None: as fast as the consumer takes it; else never more than that many seconds
+    ahead of a real-time playback clock that starts at the first audio, for players that read
+    as they play)."""
 
     format: str = "f32"
     sample_rate: int | None = None
     speed: float = 1.0
+    lookahead_s: float | None = None
 
     def rate_for(self, engine_rate: int) -> int:
         """The output rate; raises Refused where the codec cannot take the rate asked for."""
@@ -104,9 +108,17 @@ class AudioOutput:
         return self.sample_rate
 
 
+# The range of AudioOutput.lookahead_s, in seconds.
+MIN_LOOKAHEAD_S = 0.1
+MAX_LOOKAHEAD_S = 600.0
+
+
 def check_output(output: AudioOutput) -> None:
     if not MIN_SPEED <= output.speed <= MAX_SPEED:
         raise Refused(ErrorKind.INVALID, f"speed must be in [{MIN_SPEED:g}, {MAX_SPEED:g}], got {output.speed:g}")
+    if output.lookahead_s is not None and not MIN_LOOKAHEAD_S <= output.lookahead_s <= MAX_LOOKAHEAD_S:
+        raise Refused(ErrorKind.INVALID, f"lookahead_s must be in [{MIN_LOOKAHEAD_S:g}, {MAX_LOOKAHEAD_S:g}], "
+                                         f"got {output.lookahead_s:g}")
 
 
 class Stream:
@@ -129,6 +141,7 @@ class Stream:
         self.input_streaming = input_streaming
         self.format = output.format
         self.speed = output.speed
+        self.lookahead_s = output.lookahead_s
         self.sample_rate = output.rate_for(engine.sample_rate)
         # Raw PCM at speed 1 is packed on the scheduler thread as it is delivered; anything else
         # is resampled there to float32 and goes through the pipeline as the consumer takes it.
@@ -215,11 +228,10 @@ class Stream:
             while not self._events:
                 if self._drained or (self._finished and not self._events):
                     raise StopAsyncIteration
-                self._waiter = asyncio.get_running_loop().create_future()
-                try:
-                    await self._waiter
-                finally:
-                    self._waiter = None
+                await self._wait()
+            if isinstance(self._events[0], Audio) and (early := self._ahead_of_playback()) > 0:
+                await self._wait(early)           # or less: a cancel or close wakes it
+                continue
             event = self._take()
             if self._output is None:
                 return event
@@ -227,6 +239,26 @@ class Stream:
             # Audio encoded while the stream was cancelled or closed is never handed over.
             if not isinstance(event, Audio) or not (self._cancelled or self._drained_early):
                 self._ready.extend(ready)
+
+    async def _wait(self, timeout: float | None = None) -> None:
+        """Until the producer (or a cancel, a close) wakes the consumer, or `timeout` passes."""
+        loop = asyncio.get_running_loop()
+        self._waiter = loop.create_future()
+        timer = loop.call_later(timeout, self._wake) if timeout is not None else None
+        try:
+            await self._waiter
+        finally:
+            self._waiter = None
+            if timer is not None:
+                timer.cancel()
+
+    def _ahead_of_playback(self) -> float:
+        """Seconds the consumer is ahead of its lookahead on a real-time playback clock (<= 0:
+        the next audio may go now, as it always may without a lookahead)."""
+        if self.lookahead_s is None or self._first_taken_at is None:
+            return 0.0
+        played = time.monotonic() - self._first_taken_at
+        return self._taken_s / self.speed - played - self.lookahead_s
 
     def _take(self) -> Event:
         event = self._events.popleft()

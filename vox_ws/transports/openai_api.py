@@ -52,7 +52,7 @@ OPENAI_VOICES = ("alloy", "ash", "ballad", "coral", "echo", "fable", "nova", "on
 CONTENT_TYPES = {"pcm": "audio/pcm", **{name: CODECS[name].content_type for name in RESPONSE_FORMATS
                                          if name in CODECS}}
 KNOWN_FIELDS = {"model", "input", "voice", "response_format", "speed", "instructions", "stream_format",
-                "sample_rate"}
+                "sample_rate", "lookahead_s"}
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                404: "not_found_error", 408: "timeout_error", 413: "invalid_request_error",
                415: "invalid_request_error", 429: "rate_limit_error", 500: "server_error", 501: "invalid_request_error",
@@ -92,11 +92,12 @@ class SpeechRequest:
     sample_rate: int
     instructions: str | None
     options: dict[str, Any]
+    lookahead_s: float | None = None
 
     @property
     def output(self) -> AudioOutput:
         return AudioOutput("s16" if self.response_format == "pcm" else self.response_format, self.sample_rate,
-                           self.speed)
+                           self.speed, self.lookahead_s)
 
 
 def routes(state: ServerState) -> list[BaseRoute]:
@@ -235,6 +236,10 @@ def parse_speech(body: dict[str, Any], state: ServerState) -> SpeechRequest:
     if codec is not None and not codec.takes_rate(rate):
         raise OpenAIError(400, f"'{response_format}' takes sample rates {list(codec.rates or ())}, not {rate}",
                           "sample_rate", "invalid_value")
+    lookahead = body.get("lookahead_s")                # its range is the stream service's rule
+    if lookahead is not None and (isinstance(lookahead, bool) or not isinstance(lookahead, (int, float))):
+        raise OpenAIError(400, f"'lookahead_s' must be a number of seconds, got {lookahead!r}", "lookahead_s",
+                          "invalid_value")
     raw_options = {name: body[name] for name in body if name in specs and name not in KNOWN_FIELDS}
     try:
         options = p.parse_options(raw_options, specs)
@@ -242,7 +247,8 @@ def parse_speech(body: dict[str, Any], state: ServerState) -> SpeechRequest:
         param = err.message.split("'")[1].removeprefix("options.") if "'" in err.message else None
         raise OpenAIError(400, err.message.replace("options.", ""), param, "invalid_value") from None
     return SpeechRequest(text, voice, response_format, float(speed), stream_format == "sse", rate,
-                         instructions.strip() or None if instructions else None, options)
+                         instructions.strip() or None if instructions else None, options,
+                         None if lookahead is None else float(lookahead))
 
 
 def _voice(value: Any, state: ServerState) -> str | None:

@@ -105,6 +105,7 @@ class Start:
     speed: float = 1.0
     instructions: str | None = None
     word_timestamps: bool = False
+    lookahead_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -256,6 +257,9 @@ def _parse_start(obj: dict[str, Any], limits: Limits, specs: Mapping[str, Option
     if isinstance(speed, bool) or not isinstance(speed, (int, float)) or not MIN_SPEED <= speed <= MAX_SPEED:
         raise ProtocolError(BAD_REQUEST, f"field 'speed' must be a number in [{MIN_SPEED:g}, {MAX_SPEED:g}], "
                                          f"got {speed!r}", sid)
+    lookahead = obj.get("lookahead_s")                 # its range is the stream service's rule
+    if lookahead is not None and (isinstance(lookahead, bool) or not isinstance(lookahead, (int, float))):
+        raise ProtocolError(BAD_REQUEST, f"field 'lookahead_s' must be a number of seconds, got {lookahead!r}", sid)
     instructions = _optional(obj, "instructions", str, None)
     if instructions is not None and len(instructions) > MAX_INSTRUCTIONS_CHARS:
         raise ProtocolError(TOO_LARGE, f"field 'instructions' has {len(instructions)} characters, over "
@@ -265,7 +269,8 @@ def _parse_start(obj: dict[str, Any], limits: Limits, specs: Mapping[str, Option
     word_timestamps = _optional(obj, "word_timestamps", bool, False)
     return Start(id=sid, text=text, voice=voice, format=fmt, sample_rate=rate, options=options,
                  stream_input=stream_input, segment_events=segment_events, speed=float(speed),
-                 instructions=instructions or None, word_timestamps=word_timestamps)
+                 instructions=instructions or None, word_timestamps=word_timestamps,
+                 lookahead_s=None if lookahead is None else float(lookahead))
 
 
 def _parse_voice(obj: dict[str, Any], limits: Limits) -> Voice:

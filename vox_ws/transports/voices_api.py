@@ -10,14 +10,18 @@ registered here is usable from every front door (`voice` in a `start`, the HTTP 
 
 from __future__ import annotations
 
+import asyncio
 import logging
+from collections.abc import AsyncIterator
 
-from starlette.datastructures import UploadFile
+from starlette.datastructures import FormData, Headers, UploadFile
+from starlette.formparsers import MultiPartException, MultiPartParser
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
-from ..engine import ErrorKind, Refused
+from ..engine import Refused
+from ..service.registrations import Registration
 from . import protocol as p
 from .auth import is_authorized, origin_allowed, owner
 from .body import BodyTooLarge, read_body
@@ -53,9 +57,16 @@ def routes(state: ServerState) -> list[BaseRoute]:
     async def register(request: Request) -> Response:
         if (refusal := guard(request)) is not None:
             return refusal
-        engine = state.service.engine
-        if not engine.supports_voices:            # refused before a byte of the body is read
-            return refused_response(Refused(ErrorKind.UNSUPPORTED, f"engine {engine.name} cannot clone voices"))
+        try:                                      # refused before a byte of the body is read
+            registration = state.service.admit_registration(_owner(request))
+        except Refused as err:
+            return refused_response(err)
+        try:
+            return await _register(state, request, registration)
+        finally:
+            registration.release()
+
+    async def _register(state: ServerState, request: Request, registration: Registration) -> Response:
         limit = state.limits.max_frame_bytes
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
@@ -67,13 +78,17 @@ def routes(state: ServerState) -> list[BaseRoute]:
             if kind == "multipart/form-data":
                 if declared is None:
                     return error_response(411, p.BAD_REQUEST, "multipart uploads need a Content-Length")
-                form = await request.form(max_files=1, max_fields=8, max_part_size=limit)
-                upload = form.get("audio")
-                if not isinstance(upload, UploadFile):
+                body = await read_body(request, limit)
+                try:
+                    # Parsing is pure Python, and a hostile body makes it slow: off the loop.
+                    fields = await asyncio.to_thread(_parse_multipart, request.headers, body, limit)
+                except MultiPartException as exc:
+                    return error_response(400, p.BAD_REQUEST, f"bad multipart body: {exc.message}")
+                audio = fields.get("audio")
+                if not isinstance(audio, bytes):
                     return error_response(400, p.BAD_REQUEST, "multipart field 'audio' (a file) is required")
-                audio = await upload.read(limit + 1)
-                transcript = _text_field(form.get("transcript")) or transcript
-                mode = _text_field(form.get("mode")) or mode
+                transcript = _text_field(fields.get("transcript")) or transcript
+                mode = _text_field(fields.get("mode")) or mode
             elif kind in AUDIO_TYPES:
                 audio = await read_body(request, limit)
             else:
@@ -88,7 +103,8 @@ def routes(state: ServerState) -> list[BaseRoute]:
         if not audio:
             return error_response(400, p.BAD_REQUEST, "no audio in the request")
         try:
-            result = await state.service.register_voice(audio, transcript, mode, owner=_owner(request))
+            result = await state.service.register_voice(audio, transcript, mode, owner=_owner(request),
+                                                        registration=registration)
         except Refused as err:
             return refused_response(err)
         except Exception as exc:                  # answered, and logged in a line, not a traceback
@@ -114,6 +130,26 @@ def routes(state: ServerState) -> list[BaseRoute]:
         Route("/v1/voices", register, methods=["POST"]),
         Route("/v1/voices/{voice_id}", delete, methods=["DELETE"]),
     ]
+
+
+def _parse_multipart(headers: Headers, body: bytes, limit: int) -> dict[str, str | bytes]:
+    """A multipart body's fields (files as their bytes), parsed by Starlette's parser on a
+    loop of this worker thread's own."""
+    async def parse() -> FormData:
+        async def chunks() -> AsyncIterator[bytes]:
+            yield body
+        return await MultiPartParser(headers, chunks(), max_files=1, max_fields=8, max_part_size=limit).parse()
+
+    form = asyncio.run(parse())
+    fields: dict[str, str | bytes] = {}
+    for name, value in form.multi_items():
+        if isinstance(value, UploadFile):
+            value.file.seek(0)
+            fields.setdefault(name, value.file.read(limit + 1))
+            value.file.close()
+        else:
+            fields.setdefault(name, value)
+    return fields
 
 
 def _failed(what: str, exc: Exception) -> Response:
