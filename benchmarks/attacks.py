@@ -226,6 +226,94 @@ async def non_readers(port: int, until: float) -> None:
         ws.transport.abort()
 
 
+# ------------------------------------------------------------------ Hardening III: the HTTP doors
+
+
+async def slow_bodies(port: int, until: float) -> None:
+    """1,100 speech requests: whole headers, 11 bytes of a 30,000-byte body, then nothing (III.1)."""
+    def hold() -> None:
+        held = []
+        head = (b"POST /v1/audio/speech HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                b"Content-Length: 30000\r\n\r\n" + b'{"input": "')
+        for _ in range(1100):
+            try:
+                sock = socket.create_connection(("127.0.0.1", port), timeout=2, source_address=(ATTACKER_ADDRESS, 0))
+                sock.sendall(head)
+                held.append(sock)
+            except OSError:
+                pass
+        time.sleep(max(0.0, until - time.monotonic()))
+        for sock in held:
+            sock.close()
+    await asyncio.to_thread(hold)
+
+
+async def unread_speech(port: int, until: float) -> None:
+    """24 speech requests for long texts whose clients never read the response (III.2)."""
+    body = json.dumps({"input": LONG_TEXT, "response_format": "pcm"}).encode()
+    request = (b"POST /v1/audio/speech HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+               b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+
+    def hold() -> None:
+        held = []
+        for _ in range(24):
+            sock = socket.socket()
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            sock.bind((ATTACKER_ADDRESS, 0))
+            sock.connect(("127.0.0.1", port))
+            sock.sendall(request)
+            held.append(sock)
+        time.sleep(max(0.0, until - time.monotonic()))
+        for sock in held:
+            sock.close()
+    await asyncio.to_thread(hold)
+
+
+def _multipart(audio_bytes: int) -> tuple[bytes, bytes]:
+    """A 2 MB multipart body of back-to-back near-boundaries (the parser's slow path)."""
+    boundary = b"vox" * 20
+    near = b"\r\n--" + boundary[:-1] + b"X"
+    filler = near * (audio_bytes // len(near))
+    body = (b"--" + boundary + b'\r\nContent-Disposition: form-data; name="audio"; filename="a.wav"\r\n'
+            b"Content-Type: audio/wav\r\n\r\n" + filler + b"\r\n--" + boundary + b"--\r\n")
+    return boundary, body
+
+
+async def multipart_boundaries(port: int, until: float) -> None:
+    """Four clients posting 2 MB multipart bodies of near-boundaries to /v1/voices (III.8)."""
+    boundary, body = _multipart((2 << 20) - 4096)
+
+    def post() -> None:
+        while time.monotonic() < until:
+            request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/voices", data=body, method="POST",
+                                             headers={"Content-Type": "multipart/form-data; boundary="
+                                                      + boundary.decode()})
+            try:
+                urllib.request.urlopen(request, timeout=60).read()
+            except Exception:  # noqa: BLE001 - refused: again
+                pass
+    await asyncio.gather(*(asyncio.to_thread(post) for _ in range(4)))
+
+
+async def upload_flood(port: int, until: float) -> None:
+    """60 concurrent uploads of 30 s references over HTTP, from one address (III.7)."""
+    import soundfile
+
+    buf = io.BytesIO()
+    soundfile.write(buf, 0.1 * np.sin(np.arange(30 * 16000) / 10).astype(np.float32), 16000, format="WAV")
+    audio = buf.getvalue()
+
+    def post() -> None:
+        while time.monotonic() < until:
+            request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/voices", data=audio, method="POST",
+                                             headers={"Content-Type": "audio/wav"})
+            try:
+                urllib.request.urlopen(request, timeout=120).read()
+            except Exception:  # noqa: BLE001 - refused (429): again
+                time.sleep(0.05)
+    await asyncio.gather(*(asyncio.to_thread(post) for _ in range(60)))
+
+
 # name -> (attack, engine it needs)
 ATTACKS: dict[str, tuple[Callable[[int, float], Awaitable[None]], str]] = {
     "crash_text": (crash_text, "piper"),
@@ -239,6 +327,10 @@ ATTACKS: dict[str, tuple[Callable[[int, float], Awaitable[None]], str]] = {
     "voice_churn": (voice_churn, "voxcpm"),
     "half_open": (half_open, "piper"),
     "non_readers": (non_readers, "piper"),
+    "slow_bodies": (slow_bodies, "piper"),
+    "unread_speech": (unread_speech, "piper"),
+    "multipart_boundaries": (multipart_boundaries, "voxcpm"),
+    "upload_flood": (upload_flood, "voxcpm"),
 }
 
 

@@ -615,3 +615,48 @@ async def test_an_owner_flooding_voice_uploads_is_refused_429_and_another_owner_
     assert [r.status_code for r in kept] == [201, 201]
     # The victim's voice was built before the attacker's second.
     assert gated.built.index(answered.json()["voice"]) == 1
+
+
+# ------------------------------------------------------------------ codec streams free FFmpeg at once
+
+
+async def test_cancelled_codec_streams_free_their_ffmpeg_threads_without_the_garbage_collector():
+    import gc
+    import os
+
+    from test_stream_service import service_on
+
+    from vox_ws.scheduler import Scheduler
+    from vox_ws.service import Audio, AudioOutput
+
+    def threads() -> int:
+        return len(os.listdir("/proc/self/task"))
+
+    scheduler = Scheduler(PiperEngine(), max_batch=4)
+    scheduler.start()
+    assert scheduler.ready_event.wait(WAIT_TIMEOUT)
+    service = await service_on(scheduler)
+    warm = service.open_stream(SENTENCE, output=AudioOutput("mp3", speed=1.5))
+    async for _ in warm:
+        pass
+    gc.collect()
+    gc.disable()                        # what is freed now is freed by its owner, not by the collector
+    try:
+        await wait_until(lambda: threads() == threads())
+        before = threads()
+        for n in range(12):
+            stream = service.open_stream(LONG, output=AudioOutput(("mp3", "opus", "aac")[n % 3], speed=1.5))
+            async for event in stream:
+                if isinstance(event, Audio):
+                    break
+            if n % 2:
+                stream.cancel()
+                async for _ in stream:
+                    pass
+            else:
+                stream.close()          # the consumer went away
+        await wait_until(lambda: threads() <= before)
+    finally:
+        gc.enable()
+    scheduler.stop()
+    await service.close()

@@ -158,6 +158,8 @@ class CodecEncoder:
     @property
     def description(self) -> bytes | None:
         """The codec's setup bytes (Opus: the OpusHead, for WebCodecs' `description`)."""
+        if self._context is None:
+            return None
         extradata = self._context.extradata
         return bytes(extradata) if extradata else None
 
@@ -181,6 +183,16 @@ class CodecEncoder:
     def finish(self) -> Encoded:
         """Drain the encoder and close the file (the last Ogg page, say)."""
         return self._emit(self._encode(None), 0, last=True)
+
+    def close(self) -> None:
+        """Free FFmpeg's encoder (and its threads) now, not whenever the garbage collector
+        gets to the objects; nothing more can be encoded."""
+        if self._container is not None:
+            try:
+                self._container.close()
+            except Exception:  # noqa: BLE001 - closed already (after finish), or a cut-off file
+                pass
+        self._container = self._stream = self._context = None
 
     def _encode(self, frame: Any) -> list[Any]:
         if self._stream is not None:
@@ -325,6 +337,14 @@ class OutputPipeline:
             self.samples += last.samples
             return Encoded(tail.data + last.data, tail.samples + last.samples, tail.packets + last.packets,
                            tail.durations_us + last.durations_us)
+
+    def close(self) -> None:
+        """The stream is over: free the encoder and the tempo filter at once (idempotent)."""
+        with self._lock:
+            self._finished = True
+            self._tempo = None
+            if self._encoder is not None:
+                self._encoder.close()
 
     def _pack(self, pcm: np.ndarray) -> Encoded:
         if self._encoder is None:

@@ -42,8 +42,10 @@ class EncodedOutput:
             tail = []
             if event.reason != EndReason.CANCELLED:
                 tail = self._audio(await loop.run_in_executor(self._executor, pipeline.finish))
+            await loop.run_in_executor(self._executor, pipeline.close)
             return tail + [replace(event, stats=self._stats(event.stats, started_at))]
         if isinstance(event, Failed):
+            await loop.run_in_executor(self._executor, pipeline.close)
             return [replace(event, stats=self._stats(event.stats, started_at))]
         if isinstance(event, Segment):
             return [replace(event, start_s=self._scaled(event.start_s), end_s=self._scaled(event.end_s))]
@@ -52,6 +54,13 @@ class EncodedOutput:
         if isinstance(event, Flushed):
             return [Flushed(self._scaled(event.audio_s))]
         return [event]
+
+    def close_soon(self) -> None:
+        """The consumer is gone: free the pipeline's encoder (after any call still running)."""
+        try:
+            self._executor.submit(self._pipeline.close)
+        except RuntimeError:                  # the service is shutting down: the executor is gone
+            self._pipeline.close()
 
     def _audio(self, encoded: Encoded) -> list[Event]:
         if not encoded:

@@ -316,6 +316,8 @@ class Stream:
 
     def close(self) -> None:
         """The consumer is gone: stop at once, yield nothing more, log nothing."""
+        if self._output is not None and not self._drained:
+            self._output.close_soon()
         if not self._finished:
             self._stop_producing()
             self._events.clear()

@@ -58,4 +58,10 @@ def owner(conn: HTTPConnection, tokens: list[str], admin_tokens: list[str]) -> s
     for token in tokens:
         if token_matches(presented, [token]):
             return "token:" + hashlib.sha256(token.encode()).hexdigest()[:16]
-    return "address:" + (conn.client.host if conn.client is not None else "unknown")
+    return address_owner(conn.client.host if conn.client is not None else "unknown")
+
+
+def address_owner(host: str) -> str:
+    """The owner a client without a token is, by its address, at every door (so one client
+    speaking over several doors is one client to the fair shares)."""
+    return "address:" + host

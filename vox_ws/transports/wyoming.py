@@ -43,6 +43,7 @@ from ..engine import ErrorKind, Refused
 from ..service import AudioOutput, StreamService
 from ..service.events import Audio, Ended, Failed, Segment
 from ..service.stream import Stream
+from .auth import address_owner
 from .protocol import code_for
 from .rate import MessageBudget
 
@@ -239,7 +240,7 @@ class WyomingHandler(AsyncEventHandler):
             name = self._voice_for_language(name)
         stream = self.service.open_stream(
             text, voice=name, output=AudioOutput("s16"), input_streaming=streaming,
-            owners=(self.peer, f"wyoming-{self.number}"),
+            owners=(address_owner(self.peer), f"wyoming-{self.number}"),
             log_fields={"transport": "wyoming", "peer": self.peer})
         self._stream = stream
         return stream
