@@ -660,3 +660,22 @@ async def test_cancelled_codec_streams_free_their_ffmpeg_threads_without_the_gar
         gc.enable()
     scheduler.stop()
     await service.close()
+
+
+async def test_one_client_over_wyoming_and_v1_is_one_owner_to_the_fair_shares(wyoming_server):
+    from wyoming.event import async_write_event
+    from wyoming.tts import Synthesize
+
+    reader, writer = await wyoming_connection(wyoming_server, "127.0.0.1")
+    await async_write_event(Synthesize(text=LONG).event(), writer)
+    async with connect_client(wyoming_server) as c:
+        await c.send({"type": "start", "id": "v1", "text": LONG})
+        scheduler = wyoming_server.server.devices.schedulers[0]
+
+        def owners() -> list[str]:
+            with scheduler._cond:
+                return [r.owners[0] for r in scheduler._active + list(scheduler._waiting)]
+        await wait_until(lambda: len(owners()) == 2)
+        assert owners() == ["address:127.0.0.1"] * 2
+        await c.send({"type": "cancel", "id": "v1"})
+    writer.close()

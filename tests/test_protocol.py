@@ -114,3 +114,15 @@ def test_error_message_shape():
     assert msg == {"type": "error", "code": "busy", "message": "full", "retryable": True, "id": "a"}
     assert "id" not in p.error_message(p.ProtocolError(p.BAD_FRAME, "x"))
     assert msgpack.unpackb(p.encode({"type": "chunk", "audio": b"\x00\x01"}))["audio"] == b"\x00\x01"
+
+
+def test_protocol_md_lists_every_limit_hello_publishes():
+    import re
+    from pathlib import Path
+
+    from vox_ws.config import Limits
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "PROTOCOL.md").read_text()
+    row = next(line for line in doc.splitlines() if line.startswith("| `limits` | map |"))
+    listed = re.findall(r"`(\w+)`", row.split("| map |", 1)[1].split("(", 1)[0])
+    assert sorted(listed) == sorted(Limits().as_dict()), set(listed) ^ set(Limits().as_dict())
