@@ -192,20 +192,22 @@ async def voice_churn(port: int, until: float) -> None:
 
 async def half_open(port: int, until: float) -> None:
     """1,100 HTTP requests that never finish their headers (smaller items)."""
-    def hold() -> None:
-        held = []
-        for _ in range(1100):
-            try:
-                sock = socket.create_connection(("127.0.0.1", port), timeout=2,
-                                                source_address=(ATTACKER_ADDRESS, 0))
-                sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n")
-                held.append(sock)
-            except OSError:
-                pass
-        time.sleep(max(0.0, until - time.monotonic()))
-        for sock in held:
-            sock.close()
-    await asyncio.to_thread(hold)
+    await asyncio.to_thread(_hold_requests, port, until, b"GET /healthz HTTP/1.1\r\nHost: x\r\n")
+
+
+def _hold_requests(port: int, until: float, sent: bytes, count: int = 1100) -> None:
+    """`count` connections that send `sent` and then nothing, held until `until`."""
+    held = []
+    for _ in range(count):
+        try:
+            sock = socket.create_connection(("127.0.0.1", port), timeout=2, source_address=(ATTACKER_ADDRESS, 0))
+            sock.sendall(sent)
+            held.append(sock)
+        except OSError:
+            pass
+    time.sleep(max(0.0, until - time.monotonic()))
+    for sock in held:
+        sock.close()
 
 
 async def non_readers(port: int, until: float) -> None:
@@ -231,21 +233,9 @@ async def non_readers(port: int, until: float) -> None:
 
 async def slow_bodies(port: int, until: float) -> None:
     """1,100 speech requests: whole headers, 11 bytes of a 30,000-byte body, then nothing (III.1)."""
-    def hold() -> None:
-        held = []
-        head = (b"POST /v1/audio/speech HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                b"Content-Length: 30000\r\n\r\n" + b'{"input": "')
-        for _ in range(1100):
-            try:
-                sock = socket.create_connection(("127.0.0.1", port), timeout=2, source_address=(ATTACKER_ADDRESS, 0))
-                sock.sendall(head)
-                held.append(sock)
-            except OSError:
-                pass
-        time.sleep(max(0.0, until - time.monotonic()))
-        for sock in held:
-            sock.close()
-    await asyncio.to_thread(hold)
+    head = (b"POST /v1/audio/speech HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 30000\r\n\r\n" + b'{"input": "')
+    await asyncio.to_thread(_hold_requests, port, until, head)
 
 
 async def unread_speech(port: int, until: float) -> None:

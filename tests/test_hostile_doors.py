@@ -43,6 +43,21 @@ def read_until_closed(sock: socket.socket) -> bytes:
     return received
 
 
+def send_until_answered(sock: socket.socket, piece: bytes, every_s: float) -> bytes:
+    """Sends `piece` each `every_s` (or less often) until the server answers; its answer."""
+    sock.settimeout(every_s)
+    while True:
+        try:
+            answer = sock.recv(65536)
+            return answer + read_until_closed(sock)
+        except TimeoutError:
+            pass
+        try:
+            sock.sendall(piece)
+        except (BrokenPipeError, ConnectionResetError):
+            return b""
+
+
 def speech_headers(length: int | None, chunked: bool = False) -> bytes:
     framing = b"Transfer-Encoding: chunked\r\n" if chunked else b"Content-Length: %d\r\n" % length
     return (b"POST /v1/audio/speech HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n" + framing + b"\r\n")
@@ -106,38 +121,14 @@ async def test_a_chunked_body_that_trickles_extensions_or_crawls_is_cut_off(star
     trickler = attacker_socket(server.port)
     trickler.sendall(speech_headers(None, chunked=True) + b"5;name=")
 
-    def trickle() -> bytes:
-        trickler.settimeout(0.05)
-        while True:
-            try:
-                answer = trickler.recv(65536)
-                return answer + read_until_closed(trickler)
-            except TimeoutError:
-                pass
-            try:
-                trickler.sendall(b"a")
-            except (BrokenPipeError, ConnectionResetError):
-                return b""
-    answer = await asyncio.to_thread(trickle)
+    answer = await asyncio.to_thread(send_until_answered, trickler, b"a", 0.05)
     assert answer.startswith(b"HTTP/1.1 408"), answer
     # A body that comes at 500 bytes a second, half the minimum rate (any machine only makes it
     # slower): its deadline recedes half as fast as time passes, and it is cut off.
     crawler = attacker_socket(server.port)
     crawler.sendall(speech_headers(30_000))
 
-    def crawl() -> bytes:
-        crawler.settimeout(0.1)
-        while True:
-            try:
-                answer = crawler.recv(65536)
-                return answer + read_until_closed(crawler)
-            except TimeoutError:
-                pass
-            try:
-                crawler.sendall(b" " * 50)                  # 50 bytes each 0.1 s at the most
-            except (BrokenPipeError, ConnectionResetError):
-                return b""
-    answer = await asyncio.to_thread(crawl)
+    answer = await asyncio.to_thread(send_until_answered, crawler, b" " * 50, 0.1)   # 500 bytes/s at most
     assert answer.startswith(b"HTTP/1.1 408"), answer
     assert server.server.guard.requests_in_flight == 0
     await asyncio.to_thread(assert_speaks, server)

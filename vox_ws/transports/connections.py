@@ -194,7 +194,21 @@ class BodyClock:
         return self.started + min(limits.body_max_s, limits.body_timeout_s + earned)
 
 
-class HttpProtocol(HttpToolsProtocol):
+class _WatchedWrites:
+    """Arms a protocol's `stall` watch while its transport's writes are paused."""
+
+    stall: StallWatch
+
+    def pause_writing(self) -> None:
+        super().pause_writing()  # type: ignore[misc]
+        self.stall.arm()
+
+    def resume_writing(self) -> None:
+        super().resume_writing()  # type: ignore[misc]
+        self.stall.disarm()
+
+
+class HttpProtocol(_WatchedWrites, HttpToolsProtocol):
     def __init__(self, *args: Any, guard: ConnectionGuard, limits: Limits, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.guard = guard
@@ -257,14 +271,6 @@ class HttpProtocol(HttpToolsProtocol):
         if self.transport.get_write_buffer_size():
             self.stall.arm()                      # the client must still take it
         super().on_response_complete()
-
-    def pause_writing(self) -> None:
-        super().pause_writing()
-        self.stall.arm()
-
-    def resume_writing(self) -> None:
-        super().resume_writing()
-        self.stall.disarm()
 
     @property
     def write_paused(self) -> bool:
@@ -365,7 +371,7 @@ async def _too_many_requests(scope: Any, receive: Any, send: Any) -> None:
     await send({"type": "http.response.body", "body": body})
 
 
-class WebSocketProtocol(WebSocketsSansIOProtocol):
+class WebSocketProtocol(_WatchedWrites, WebSocketsSansIOProtocol):
     def __init__(self, *args: Any, limits: Limits, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.budget = MessageBudget(limits.max_messages_per_s)
@@ -391,13 +397,8 @@ class WebSocketProtocol(WebSocketsSansIOProtocol):
     def write_paused(self) -> bool:
         return not self.writable.is_set()
 
-    def pause_writing(self) -> None:
-        super().pause_writing()
-        self.stall.arm()
-
     def resume_writing(self) -> None:
         super().resume_writing()
-        self.stall.disarm()
         if self._owed_pong is not None and not self.transport.is_closing():
             self.transport.write(self._owed_pong)
         self._owed_pong = None
