@@ -3,9 +3,11 @@ absence where an engine has none (the tone engine here, VoxCPM2 in production)."
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 
-from conftest import connect_client
+from conftest import WAIT_TIMEOUT, connect_client
 from vox_ws.engines.piper_words import NO_WORD, text_words, word_owners, word_spans
 from vox_ws.testing.tone import ToneEngine
 
@@ -86,29 +88,47 @@ async def test_no_words_unless_asked(piper_server):
 
 
 async def test_a_cancel_reports_the_words_heard_of_the_cut_segment(piper_server):
+    """The cut falls inside the text by construction: the first step's audio and words are
+    delivered, and the engine thread waits after the second step (before delivering it) until
+    the test has cancelled."""
     text = "This one long sentence goes on and on for quite a while so that it is cut short in the middle."
-    async with connect_client(piper_server) as c:
-        await c.send({"type": "start", "id": "b", "text": text, "format": "s16", "word_timestamps": True})
-        words, received, chunks = [], 0.0, 0
-        rate = (await c.recv_where(lambda m: m["type"] == "start"))["sample_rate"]
-        while chunks < 2:
-            message = await c.recv_where(lambda m: m.get("id") == "b")
-            if message["type"] == "chunk":
-                chunks += 1
-                received += len(message["audio"]) / 2 / rate
-            elif message["type"] == "words":
-                words.extend(message["words"])
-            else:
-                pytest.fail(f"ended early: {message}")
-        await c.send({"type": "cancel", "id": "b"})
-        while True:
-            message = await c.recv_where(lambda m: m.get("id") == "b")
-            if message["type"] == "chunk":
-                received += len(message["audio"]) / 2 / rate
-            elif message["type"] == "words":
-                words.extend(message["words"])
-            elif message["type"] == "end":
-                break
+    (scheduler,) = piper_server.server.devices.schedulers
+    observe = scheduler.on_step                                # the server's metrics
+    held = threading.Event()
+    steps = []
+
+    def on_step(size: int, seconds: float) -> None:           # on the engine thread
+        observe(size, seconds)
+        steps.append(size)
+        if len(steps) == 2:
+            held.wait(WAIT_TIMEOUT)
+
+    scheduler.on_step = on_step
+    try:
+        async with connect_client(piper_server) as c:
+            await c.send({"type": "start", "id": "b", "text": text, "format": "s16", "word_timestamps": True})
+            words, received = [], 0.0
+            rate = (await c.recv_where(lambda m: m["type"] == "start"))["sample_rate"]
+            while not words:                                   # the first piece's words follow its audio
+                message = await c.recv_where(lambda m: m.get("id") == "b")
+                if message["type"] == "chunk":
+                    received += len(message["audio"]) / 2 / rate
+                elif message["type"] == "words":
+                    words.extend(message["words"])
+                else:
+                    pytest.fail(f"ended early: {message}")
+            await c.send({"type": "cancel", "id": "b"})
+            while True:
+                message = await c.recv_where(lambda m: m.get("id") == "b")
+                if message["type"] == "chunk":
+                    received += len(message["audio"]) / 2 / rate
+                elif message["type"] == "words":
+                    words.extend(message["words"])
+                elif message["type"] == "end":
+                    break
+    finally:
+        held.set()
+        scheduler.on_step = observe
     heard = message["heard"]
     assert heard["audio_s"] == pytest.approx(received, abs=1e-3)
     partial = heard["partial"]
