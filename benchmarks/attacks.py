@@ -24,6 +24,7 @@ import subprocess
 import tempfile
 import threading
 import time
+import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
@@ -286,7 +287,8 @@ async def multipart_boundaries(port: int, until: float) -> None:
 
 
 async def upload_flood(port: int, until: float) -> None:
-    """60 concurrent uploads of 30 s references over HTTP, from one address (III.7)."""
+    """60 concurrent uploads of 30 s references over HTTP, from one address, each sent again
+    after the `Retry-After` of its refusal (III.7)."""
     import soundfile
 
     buf = io.BytesIO()
@@ -299,8 +301,10 @@ async def upload_flood(port: int, until: float) -> None:
                                              headers={"Content-Type": "audio/wav"})
             try:
                 urllib.request.urlopen(request, timeout=120).read()
-            except Exception:  # noqa: BLE001 - refused (429): again
-                time.sleep(0.05)
+            except urllib.error.HTTPError as err:   # refused (429): again when it says
+                time.sleep(float(err.headers.get("Retry-After") or 1))
+            except OSError:
+                time.sleep(1.0)
     await asyncio.gather(*(asyncio.to_thread(post) for _ in range(60)))
 
 

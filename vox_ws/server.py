@@ -198,6 +198,7 @@ class VoxServer:
             self._uvicorn.stop()
             await asyncio.gather(self._serving, return_exceptions=True)
         await self.service.close()
+        self.state.multipart.close()
         await asyncio.to_thread(self.devices.stop)
         log.info("stopped (exit code %d)", self.exit_code)
         if self._stopped is not None:

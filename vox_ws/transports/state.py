@@ -13,6 +13,7 @@ from ..config import ServerConfig
 from ..engines import option_vocabulary
 from ..metrics import Metrics
 from ..service import StreamService
+from .multipart import MultipartParser
 
 
 class ServerState:
@@ -29,6 +30,7 @@ class ServerState:
         self.server_name = f"vox-ws/{__version__}"
         # Every option some engine knows is validated; the served engine's specs win.
         self.option_specs = option_vocabulary(service.engine)
+        self.multipart = MultipartParser()       # voice uploads' multipart bodies, off the process
 
     @property
     def limits(self):

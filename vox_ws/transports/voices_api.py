@@ -10,12 +10,8 @@ registered here is usable from every front door (`voice` in a `start`, the HTTP 
 
 from __future__ import annotations
 
-import asyncio
 import logging
-from collections.abc import AsyncIterator
 
-from starlette.datastructures import FormData, Headers, UploadFile
-from starlette.formparsers import MultiPartException, MultiPartParser
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
@@ -26,6 +22,7 @@ from . import protocol as p
 from .auth import is_authorized, origin_allowed, owner
 from .body import BodyTooLarge, read_body
 from .errors import error_response, refused_response, unauthorized_response
+from .multipart import MultiPartException
 from .state import ServerState
 
 log = logging.getLogger("vox_ws.voices")
@@ -80,8 +77,7 @@ def routes(state: ServerState) -> list[BaseRoute]:
                     return error_response(411, p.BAD_REQUEST, "multipart uploads need a Content-Length")
                 body = await read_body(request, limit)
                 try:
-                    # Parsing is pure Python, and a hostile body makes it slow: off the loop.
-                    fields = await asyncio.to_thread(_parse_multipart, request.headers, body, limit)
+                    fields = await state.multipart.parse(request.headers["content-type"], body, limit)
                 except MultiPartException as exc:
                     return error_response(400, p.BAD_REQUEST, f"bad multipart body: {exc.message}")
                 audio = fields.get("audio")
@@ -130,26 +126,6 @@ def routes(state: ServerState) -> list[BaseRoute]:
         Route("/v1/voices", register, methods=["POST"]),
         Route("/v1/voices/{voice_id}", delete, methods=["DELETE"]),
     ]
-
-
-def _parse_multipart(headers: Headers, body: bytes, limit: int) -> dict[str, str | bytes]:
-    """A multipart body's fields (files as their bytes), parsed by Starlette's parser on a
-    loop of this worker thread's own."""
-    async def parse() -> FormData:
-        async def chunks() -> AsyncIterator[bytes]:
-            yield body
-        return await MultiPartParser(headers, chunks(), max_files=1, max_fields=8, max_part_size=limit).parse()
-
-    form = asyncio.run(parse())
-    fields: dict[str, str | bytes] = {}
-    for name, value in form.multi_items():
-        if isinstance(value, UploadFile):
-            value.file.seek(0)
-            fields.setdefault(name, value.file.read(limit + 1))
-            value.file.close()
-        else:
-            fields.setdefault(name, value)
-    return fields
 
 
 def _failed(what: str, exc: Exception) -> Response:
