@@ -24,7 +24,6 @@ import subprocess
 import tempfile
 import threading
 import time
-import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
@@ -260,6 +259,21 @@ async def unread_speech(port: int, until: float) -> None:
     await asyncio.to_thread(hold)
 
 
+def _post(port: int, path: str, body: bytes, headers: dict[str, str], source: str = ATTACKER_ADDRESS,
+          timeout: float = 120.0) -> tuple[int, dict[str, str]]:
+    """One HTTP POST from `source`: its status and headers (the body is read and dropped)."""
+    import http.client
+
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout, source_address=(source, 0))
+    try:
+        conn.request("POST", path, body=body, headers=headers)
+        response = conn.getresponse()
+        response.read()
+        return response.status, dict(response.getheaders())
+    finally:
+        conn.close()
+
+
 def _multipart(audio_bytes: int) -> tuple[bytes, bytes]:
     """A 2 MB multipart body of back-to-back near-boundaries (the parser's slow path)."""
     boundary = b"vox" * 20
@@ -276,13 +290,10 @@ async def multipart_boundaries(port: int, until: float) -> None:
 
     def post() -> None:
         while time.monotonic() < until:
-            request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/voices", data=body, method="POST",
-                                             headers={"Content-Type": "multipart/form-data; boundary="
-                                                      + boundary.decode()})
             try:
-                urllib.request.urlopen(request, timeout=60).read()
-            except Exception:  # noqa: BLE001 - refused: again
-                pass
+                _post(port, "/v1/voices", body, {"Content-Type": "multipart/form-data; boundary=" + boundary.decode()})
+            except OSError:
+                time.sleep(0.2)
     await asyncio.gather(*(asyncio.to_thread(post) for _ in range(4)))
 
 
@@ -297,15 +308,37 @@ async def upload_flood(port: int, until: float) -> None:
 
     def post() -> None:
         while time.monotonic() < until:
-            request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/voices", data=audio, method="POST",
-                                             headers={"Content-Type": "audio/wav"})
             try:
-                urllib.request.urlopen(request, timeout=120).read()
-            except urllib.error.HTTPError as err:   # refused (429): again when it says
-                time.sleep(float(err.headers.get("Retry-After") or 1))
-            except OSError:
+                status, headers = _post(port, "/v1/voices", audio, {"Content-Type": "audio/wav"})
+            except OSError:                          # cut off while sending (refused early): again
                 time.sleep(1.0)
-    await asyncio.gather(*(asyncio.to_thread(post) for _ in range(60)))
+                continue
+            if status == 429:                        # again when it says
+                time.sleep(float(headers.get("Retry-After") or headers.get("retry-after") or 1))
+    # Another owner (the victim's address) registers a 1 s voice now and then: how long it takes.
+    one_second = io.BytesIO()
+    soundfile.write(one_second, 0.1 * np.sin(np.arange(16000) / 7).astype(np.float32), 16000, format="WAV")
+    took: list[float] = []
+
+    def other_owner() -> None:
+        while time.monotonic() < until - 1.0:
+            time.sleep(1.0)
+            started = time.monotonic()
+            try:
+                status, _ = _post(port, "/v1/voices", one_second.getvalue(), {"Content-Type": "audio/wav"},
+                                  source="127.0.0.1")
+            except OSError as exc:
+                print(f"upload_flood: the other owner's registration failed: {exc}", flush=True)
+                continue
+            if status == 201:
+                took.append(time.monotonic() - started)
+            else:
+                print(f"upload_flood: the other owner's registration got {status}", flush=True)
+
+    await asyncio.gather(*(asyncio.to_thread(post) for _ in range(60)), asyncio.to_thread(other_owner))
+    if took:
+        print(f"upload_flood: another owner's 1 s registration: median {np.median(took):.3f} s, "
+              f"longest {max(took):.3f} s ({len(took)} of them)", flush=True)
 
 
 # name -> (attack, engine it needs)

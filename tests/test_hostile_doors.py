@@ -469,6 +469,32 @@ async def test_streams_waiting_on_slow_readers_give_their_slots_to_a_waiting_str
         ws.transport.abort()
 
 
+async def test_a_stream_parked_while_its_reader_lags_holds_no_place_in_the_queue():
+    """One slot, a queue of one: two readers that take nothing rest parked, and a third stream
+    still finds room in the queue (it is not refused `busy` for streams that wait on nobody)."""
+    from test_stream_service import drain, loaded_scheduler, service_on
+
+    from vox_ws.engine import EndReason
+    from vox_ws.service import Ended
+
+    scheduler = loaded_scheduler(PiperEngine(), max_batch=1, max_queue=1)
+    service = await service_on(scheduler, max_buffered_audio_s=1.0, write_stall_timeout_s=3600.0,
+                               max_queue_wait_s=3600.0)
+    lagging = [service.open_stream(LONG, owners=(f"address:{n}", f"connection:{n}")) for n in (1, 2)]
+    # The first lags (nobody reads it), the second claims its slot: the first rests parked; then
+    # the second lags with nobody waiting, and keeps the slot.
+    await wait_until(lambda: scheduler.stats()["parked"] == 1 and lagging[1].backlogged())
+    assert scheduler.stats()["queued"] == 0
+    third = service.open_stream(SENTENCE, owners=("address:3", "connection:3"))
+    assert third.queued == 1
+    events = await drain(third)
+    assert isinstance(events[-1], Ended) and events[-1].reason == EndReason.DONE
+    for stream in lagging:
+        stream.cancel()
+    scheduler.stop()
+    await service.close()
+
+
 # ------------------------------------------------------------------ real-time players with stock clients
 
 

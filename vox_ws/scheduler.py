@@ -81,7 +81,7 @@ class Scheduler:
             if self.status != "ready":
                 raise Refused(ErrorKind.NOT_READY, f"engine is {self.status}" + (f": {self.error}" if self.error else ""))
             # Requests already waiting beyond the slots that the next turn frees.
-            ahead = len(self._waiting) - (self.max_batch - len(self._active) - self._admitting)
+            ahead = len(self._in_line()) - (self.max_batch - len(self._active) - self._admitting)
             if ahead >= self.max_queue:
                 if not self._push_out_for(request):
                     raise Refused(ErrorKind.BUSY, f"all {self.max_batch} slots busy and {self.max_queue} requests queued")
@@ -116,7 +116,7 @@ class Scheduler:
             return {
                 "status": self.status,
                 "active": len(self._active),
-                "queued": len(self._waiting),
+                "queued": len(self._in_line()),
                 "max_batch": self.max_batch or 0,
                 "slots_reason": self.slots_reason,
                 "max_queue": self.max_queue,
@@ -184,9 +184,7 @@ class Scheduler:
             for request in dropped + expired:
                 self._waiting.remove(request)
             self._park_for_waiting()
-            # A stream parked while its reader lags comes back only once the reader has caught up.
-            eligible = deque(r for r in self._waiting if not (r.parked and r.sink.backlogged()))
-            admitted = self.fair.admissions(eligible, self._active, self.max_batch - len(self._active))
+            admitted = self.fair.admissions(deque(self._in_line()), self._active, self.max_batch - len(self._active))
             for request in admitted:
                 self._waiting.remove(request)
             self._admitting = len(admitted)
@@ -214,6 +212,12 @@ class Scheduler:
             return True
         self._step(runnable)
         return True
+
+    def _in_line(self) -> list[GenerationRequest]:
+        """The waiting requests that want a slot: not those parked while their readers lag (they
+        come back once their reader has caught up, and meanwhile hold no place in the queue).
+        Called with the lock held."""
+        return [r for r in self._waiting if not (r.parked and r.sink.backlogged())]
 
     def _park_for_waiting(self) -> None:
         """With every slot taken and a stream waiting, a slot is given back (engines that can
