@@ -3,7 +3,9 @@
 #   1. CI=true bash .ci/run (a fresh venv, as CI does)     2-3. scripts/test.sh -q -rs
 #   4. taskset -c 0 beside a busy loop on core 1            5. a busy loop on each core
 # Logs and a line per run go to DIR (default /tmp/vox-ws-prove); one run:  scripts/prove-suite.sh DIR 4
-# About 15 + 15 + 15 + 13 + 27 minutes on the 2-core development machine.
+# About 15 + 15 + 15 + 13 + 27 minutes on the 2-core development machine. Run nothing else that
+# uses pytest meanwhile; to stop it, end its whole process group (kill -- -PGID): killing the
+# script alone leaves the run's pytest going.
 set -uo pipefail
 here="$(cd "$(dirname "$0")/.." && pwd)"
 out="${1:-/tmp/vox-ws-prove}"
@@ -24,7 +26,10 @@ run() {
   local n=$1 what=$2 started rc
   shift 2
   started=$(date +%s)
-  "$@" > "$out/run$n.log" 2>&1
+  # A temporary directory of the run's own: pytest deletes all but its three newest base
+  # directories, so another pytest session on the machine would delete this one's files.
+  rm -rf "$out/tmp$n" && mkdir -p "$out/tmp$n"
+  TMPDIR="$out/tmp$n" "$@" > "$out/run$n.log" 2>&1
   rc=$?
   unhog
   echo "run $n ($what) at $(git rev-parse --short HEAD): exit $rc in $(( $(date +%s) - started )) s: $(tail -1 "$out/run$n.log")" \
