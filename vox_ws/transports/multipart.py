@@ -2,15 +2,18 @@
 
 Starlette's parser (python-multipart) is pure Python, and a hostile body (megabytes of
 near-boundaries) keeps it busy for seconds. On a thread it would still hold the interpreter
-against the event loop and the engine thread; in a process it shares nothing but a core. One
-body is parsed at a time (a registration waits its turn anyway); the process starts at the first
-multipart upload and lives as long as the server.
+against the event loop and the engine thread; in a process it shares nothing but a core, and at
+the lowest CPU priority (nice 19) it takes only what the server's own threads and processes
+leave: an upload waits, the streams do not. One body is parsed at a time (a registration waits
+its turn anyway); the process starts at the first multipart upload and lives as long as the
+server.
 """
 
 from __future__ import annotations
 
 import asyncio
 import multiprocessing
+import os
 from collections.abc import AsyncIterator
 from concurrent.futures import ProcessPoolExecutor
 
@@ -28,7 +31,8 @@ class MultipartParser:
         """The body's fields, files as their bytes (the first of each name); raises
         MultiPartException for a body that is not multipart as declared."""
         if self._executor is None:
-            self._executor = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
+            self._executor = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"),
+                                                 initializer=_lowest_priority)
         loop = asyncio.get_running_loop()
         fields, error = await loop.run_in_executor(self._executor, parse_fields, content_type, body, limit)
         if error is not None:
@@ -39,6 +43,10 @@ class MultipartParser:
         if self._executor is not None:
             self._executor.shutdown(wait=False, cancel_futures=True)
             self._executor = None
+
+
+def _lowest_priority() -> None:
+    os.nice(19)
 
 
 def parse_fields(content_type: str, body: bytes, limit: int) -> tuple[dict[str, str | bytes], str | None]:
