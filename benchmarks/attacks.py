@@ -210,17 +210,23 @@ def _hold_requests(port: int, until: float, sent: bytes, count: int = 1100) -> N
         sock.close()
 
 
+def _reader_of_nothing(port: int) -> socket.socket:
+    """A connection from the attacker with a small receive buffer, which it will never read."""
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.bind((ATTACKER_ADDRESS, 0))
+    sock.connect(("127.0.0.1", port))
+    return sock
+
+
 async def non_readers(port: int, until: float) -> None:
     """Connections that start long streams and never read."""
     from websockets.asyncio.client import connect
 
     held = []
     for _ in range(8):
-        sock = socket.socket()
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-        sock.bind((ATTACKER_ADDRESS, 0))
-        sock.connect(("127.0.0.1", port))
-        ws = await connect(f"ws://127.0.0.1:{port}/v1/stream", sock=sock, max_queue=1, max_size=None)
+        ws = await connect(f"ws://127.0.0.1:{port}/v1/stream", sock=_reader_of_nothing(port), max_queue=1,
+                           max_size=None)
         await ws.send(msgpack.packb({"type": "start", "text": LONG_TEXT, "format": "f32"}))
         held.append(ws)
     await asyncio.sleep(max(0.0, until - time.monotonic()))
@@ -247,10 +253,7 @@ async def unread_speech(port: int, until: float) -> None:
     def hold() -> None:
         held = []
         for _ in range(24):
-            sock = socket.socket()
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-            sock.bind((ATTACKER_ADDRESS, 0))
-            sock.connect(("127.0.0.1", port))
+            sock = _reader_of_nothing(port)
             sock.sendall(request)
             held.append(sock)
         time.sleep(max(0.0, until - time.monotonic()))

@@ -217,8 +217,6 @@ class StreamService:
 
     async def _register_voice(self, audio: bytes, transcript: str | None, mode: str | None, owner: str,
                               registration: Registration) -> dict:
-        if not self.engine.supports_voices:
-            raise Refused(ErrorKind.UNSUPPORTED, f"engine {self.engine.name} cannot clone voices")
         has_transcript = bool(transcript and transcript.strip())
         mode = mode or ("both" if has_transcript else "reference")
         if mode not in VOICE_MODES:

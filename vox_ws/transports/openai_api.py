@@ -271,9 +271,10 @@ def _voice(value: Any, state: ServerState) -> str | None:
 
 async def _fetch_voice(state: ServerState, voice: str | None) -> None:
     """A registered voice this server has not built yet (registered through another replica,
-    or before a restart) is fetched from the store and built, as for every front door."""
+    or before a restart) is fetched from the store and built, as for every front door. One
+    already built is left to the stream, which asks a shared store once whether it still exists."""
     service = state.service
-    if voice is None or not service.needs_store(voice, service.engine):
+    if voice is None or service.engine.has_voice(voice) or not service.may_be_registered(voice):
         return
     try:
         await service.ensure_voice(voice)

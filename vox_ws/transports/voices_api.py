@@ -59,11 +59,11 @@ def routes(state: ServerState) -> list[BaseRoute]:
         except Refused as err:
             return refused_response(err)
         try:
-            return await _register(state, request, registration)
+            return await _register(request, registration)
         finally:
             registration.release()
 
-    async def _register(state: ServerState, request: Request, registration: Registration) -> Response:
+    async def _register(request: Request, registration: Registration) -> Response:
         limit = state.limits.max_frame_bytes
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
