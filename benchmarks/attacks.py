@@ -463,6 +463,30 @@ def _rss_mb(pid: int) -> float:
     return 0.0
 
 
+_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def _cpu_s(pid: int, tid: int | None = None) -> float:
+    """CPU seconds (user + system) of a process, or of one of its threads."""
+    path = f"/proc/{pid}/stat" if tid is None else f"/proc/{pid}/task/{tid}/stat"
+    try:
+        with open(path) as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / _TICKS
+
+
+def cpu_split(server_pid: int, attacker_pid: int) -> dict[str, float]:
+    """CPU seconds so far: the server's event-loop thread (its main thread), its other threads
+    (the engine's among them), its worker processes, the attacker's process, and this one (the
+    victim and the probe)."""
+    loop = _cpu_s(server_pid, server_pid)
+    workers = sum(_cpu_s(p) for p in _process_tree(server_pid)[1:])
+    return {"server loop": loop, "server other threads": _cpu_s(server_pid) - loop,
+            "server workers": workers, "attacker": _cpu_s(attacker_pid), "victim": _cpu_s(os.getpid())}
+
+
 def observe(port: int, pid: int, seconds: float, engine: str) -> Observed:
     seen = Observed()
     until = time.monotonic() + seconds
@@ -561,10 +585,14 @@ def measure(names: list[str], seconds: float, baseline_s: float) -> list[dict[st
                                                         "--port", str(server.port), "--seconds",
                                                         str(seconds + 2)), cwd=ROOT)
             time.sleep(2.0)                          # the attack under way first
+            cpu_before, started = cpu_split(server.proc.pid, attacker.pid), time.monotonic()
             seen = observe(server.port, server.proc.pid, seconds, engine)
+            cpu_after, took = cpu_split(server.proc.pid, attacker.pid), time.monotonic() - started
             attacker.wait(120)
             alive = server.proc.poll() is None
             row = summarize(name, base, seen, alive)
+            # Cores used while the victim was measured (1.0: one core the whole time).
+            row["cores_used"] = {k: round((cpu_after[k] - cpu_before[k]) / took, 2) for k in cpu_after}
         finally:
             server.stop()
         rows.append(row)
@@ -574,6 +602,7 @@ def measure(names: list[str], seconds: float, baseline_s: float) -> list[dict[st
               f"healthz p99 {row['healthz_p99_ms']} ms RSS {row['server_rss_peak_mb']} MB "
               f"(with workers {row['with_workers_rss_peak_mb']} MB, unloaded {row['with_workers_rss_unloaded_mb']}) "
               f"targets {'met' if row['targets_met'] else 'NOT met'}", flush=True)
+        print(f"{'':18s} cores used: " + ", ".join(f"{k} {v}" for k, v in row["cores_used"].items()), flush=True)
     return rows
 
 

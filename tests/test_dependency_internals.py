@@ -22,6 +22,12 @@ UVICORN_HTTP_METHODS = {
     "connection_made": ["self", "transport"],
     "on_message_begin": ["self"],
     "on_headers_complete": ["self"],
+    "on_body": ["self", "body"],
+    "on_message_complete": ["self"],
+    "on_response_complete": ["self"],
+    "pause_writing": ["self"],
+    "resume_writing": ["self"],
+    "shutdown": ["self"],
     "connection_lost": ["self", "exc"],
 }
 UVICORN_WS_METHODS = {
@@ -38,7 +44,10 @@ UVICORN_WS_METHODS = {
     "shutdown": ["self"],
 }
 # Attributes of a live connection that connections.py reads or sets.
-UVICORN_HTTP_ATTRIBUTES = ["client", "transport", "loop"]
+UVICORN_HTTP_ATTRIBUTES = ["client", "transport", "loop", "app", "headers", "flow", "cycle"]
+# ... and of its request-response cycle (a request's), read or set there.
+UVICORN_CYCLE_ATTRIBUTES = ["keep_alive", "response_started", "response_complete", "on_response", "disconnected",
+                            "message_event"]
 UVICORN_WS_ATTRIBUTES = ["client", "transport", "loop", "conn", "queue", "scope", "writable", "close_sent",
                          "close_timeout", "close_timer", "ping_timeout", "pong_timer", "read_paused"]
 
@@ -82,6 +91,10 @@ async def test_a_live_uvicorn_connection_has_the_attributes_vox_ws_uses(tone_ser
     # An HTTP connection with its headers half sent: the protocol object is live, and waiting.
     sock = socket.create_connection(("127.0.0.1", tone_server.port))
     sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n")
+    # And one whose request waits for its body: it has a request-response cycle.
+    waiting = socket.create_connection(("127.0.0.1", tone_server.port))
+    waiting.sendall(b"POST /v1/audio/speech HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                    b"Content-Length: 100\r\n\r\n{")
     try:
         async with connect_client(tone_server):
             live = _live_connections(tone_server)
@@ -91,6 +104,11 @@ async def test_a_live_uvicorn_connection_has_the_attributes_vox_ws_uses(tone_ser
             for name in UVICORN_HTTP_ATTRIBUTES:
                 if not hasattr(http[0], name):
                     problems.append(f"uvicorn's HttpToolsProtocol instances no longer have .{name}")
+            cycles = [c.cycle for c in http if getattr(c, "cycle", None) is not None]
+            assert cycles, "no HTTP request waiting for its body"
+            for name in UVICORN_CYCLE_ATTRIBUTES:
+                if not hasattr(cycles[0], name):
+                    problems.append(f"uvicorn's RequestResponseCycle instances no longer have .{name}")
             for name in UVICORN_WS_ATTRIBUTES:
                 if not hasattr(ws[0], name):
                     problems.append(f"uvicorn's WebSocketsSansIOProtocol instances no longer have .{name}")
@@ -100,6 +118,7 @@ async def test_a_live_uvicorn_connection_has_the_attributes_vox_ws_uses(tone_ser
                 problems.append("uvicorn's WebSocketsSansIOProtocol.conn is no longer a websockets sans-I/O protocol")
     finally:
         sock.close()
+        waiting.close()
     assert not problems, "uvicorn changed what vox_ws/transports/connections.py builds on:\n" + "\n".join(problems)
 
 

@@ -360,6 +360,47 @@ def test_piper_refuses_a_voice_upload_before_reading_its_body(piper_server):
     sock.close()
 
 
+def _answer(sock: socket.socket) -> http.client.HTTPResponse:
+    sock.settimeout(WAIT_TIMEOUT)
+    answer = http.client.HTTPResponse(sock)
+    answer.begin()
+    answer.read()
+    return answer
+
+
+async def test_a_large_body_answered_before_it_is_read_closes_its_connection(piper_server):
+    """A refused upload costs the server no more than its headers: rather than reading and
+    dropping megabytes to reach a next request, it closes the connection after the answer."""
+    voice_upload = b"POST /v1/voices HTTP/1.1\r\nHost: x\r\nContent-Type: audio/wav\r\nContent-Length: %d\r\n\r\n"
+    large = attacker_socket(piper_server.port)
+    port = large.getsockname()[1]
+    large.sendall(voice_upload % 2_000_000 + b"RIFF" * 1000)
+    answer = _answer(large)
+    assert answer.status == 501 and answer.getheader("connection") == "close"
+    assert read_until_closed(large) == b""
+    await wait_until(lambda: not http_connections(piper_server, port))
+    large.close()
+
+    # A small one is read and dropped: the connection serves the next request.
+    small = attacker_socket(piper_server.port)
+    small.sendall(voice_upload % 100 + b"R" * 100)
+    answer = _answer(small)
+    assert answer.status == 501 and answer.getheader("connection") is None
+    small.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert _answer(small).status == 200
+    small.close()
+
+    # A large one the app reads to the end keeps its connection too.
+    body = json.dumps({"input": SENTENCE, "response_format": "pcm"}).encode() + b" " * 70_000
+    kept = attacker_socket(piper_server.port)
+    kept.sendall(speech_headers(len(body)) + body)
+    answer = _answer(kept)
+    assert answer.status == 200 and answer.getheader("connection") is None
+    kept.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert _answer(kept).status == 200
+    kept.close()
+
+
 # ------------------------------------------------------------------ every door asks the store
 
 

@@ -64,6 +64,11 @@ WRITE_BUFFER_LOW = 8 * 1024
 KERNEL_UNSENT_BYTES = 16 * 1024
 # After shutdown starts, seconds a connection with unsent data has before it is aborted.
 SHUTDOWN_ABORT_S = 1.0
+# A response sent before its request's body was read keeps the connection only when what is
+# left of the body is at most this (uvicorn reads and drops it, to reach the next request);
+# a larger or chunked one closes the connection after the response and the kernel drops the
+# rest, so a body the server refused costs it no more (Go's net/http does the same at 256 KiB).
+DISCARDABLE_BODY_BYTES = 64 * 1024
 
 _PONG = 0x0A
 # struct tcp_info (linux/tcp.h): tcpi_bytes_acked is the u64 at offset 120 (Linux >= 4.1).
@@ -218,6 +223,7 @@ class HttpProtocol(_WatchedWrites, HttpToolsProtocol):
         self._in_flight = 0                       # this connection's requests counted by the guard
         self._body: BodyClock | None = None
         self._body_timer: asyncio.TimerHandle | None = None
+        self._keep_alive_once_read: bool | None = None   # the request's keep-alive, held until its body is read
         self.stall = StallWatch(self, limits.write_stall_timeout_s)
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
@@ -245,11 +251,14 @@ class HttpProtocol(_WatchedWrites, HttpToolsProtocol):
             self._start_with(_too_many_requests)
             return
         self._in_flight += 1
-        if self._has_body():
+        declared = self._declared_body()
+        if declared != 0:
             self._body = BodyClock(self.limits, self.loop.time())
             self._arm_body_timer()
         super().on_headers_complete()
         self.cycle.on_response = self._counted_response_complete
+        if declared is None or declared > DISCARDABLE_BODY_BYTES:
+            self._keep_alive_once_read, self.cycle.keep_alive = self.cycle.keep_alive, False
 
     def _counted_response_complete(self) -> None:
         if self._in_flight:
@@ -264,7 +273,15 @@ class HttpProtocol(_WatchedWrites, HttpToolsProtocol):
 
     def on_message_complete(self) -> None:
         self._end_body()
+        if self._keep_alive_once_read is not None and not self.cycle.response_complete:
+            self.cycle.keep_alive = self._keep_alive_once_read     # read whole: the next request may follow
+        self._keep_alive_once_read = None
         super().on_message_complete()
+
+    def shutdown(self) -> None:
+        if self._keep_alive_once_read:
+            self._keep_alive_once_read = False    # shutting down: no request may follow
+        super().shutdown()
 
     def on_response_complete(self) -> None:
         self._end_body()                          # answered before its body was read
@@ -295,13 +312,15 @@ class HttpProtocol(_WatchedWrites, HttpToolsProtocol):
             self.app = served
         self.cycle.keep_alive = False             # what the client still sends is not read
 
-    def _has_body(self) -> bool:
+    def _declared_body(self) -> int | None:
+        """The request body's declared length (0: none), None when it is chunked (or unknown)."""
         for name, value in self.headers:
             if name == b"content-length":
-                return value.strip() not in (b"", b"0")
+                value = value.strip()
+                return int(value) if value.isdigit() else None
             if name == b"transfer-encoding":
-                return True
-        return False
+                return None
+        return 0
 
     # ---------------------------------------------------------------- time bounds
 
