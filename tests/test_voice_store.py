@@ -4,6 +4,9 @@ is usable through another replica, and an unreachable store fails voice operatio
 
 from __future__ import annotations
 
+import asyncio
+
+import httpx
 import numpy as np
 import pytest
 
@@ -11,8 +14,8 @@ from conftest import connect_client
 from test_stream_service import tone_wav
 from vox_ws.engine import ErrorKind, Refused
 from vox_ws.engines.voxcpm.engine import VoxCPMEngine
-from vox_ws.service.voice_store import (ANY_OWNER, DirectoryStore, MemoryStore, RedisStore, StoreLimits, new_voice,
-                                        owner_key)
+from vox_ws.service.voice_store import (ANY_OWNER, DirectoryStore, MemoryStore, RedisStore, StoreLimits,
+                                        is_registered_id, new_voice, owner_key)
 
 LIMITS = StoreLimits(per_owner=2, max_voices=4, max_bytes=200_000)
 
@@ -48,6 +51,12 @@ async def test_the_rules_hold_in_every_store(store):
     stored = await store.get(alice[1].id)
     assert stored.audio == alice[1].audio and stored.transcript == "A transcript." and stored.mode == "both"
     assert stored.owner == owner_key("token:alice") != "token:alice"       # no token is stored
+    # An owner is shown its own voices, oldest first, without their audio; no one else's.
+    listed = await store.owned_by("token:alice")
+    assert [(v.id, v.mode, v.transcript, v.audio_bytes) for v in listed] == \
+        [(v.id, "both", "A transcript.", len(v.audio)) for v in alice[1:]]
+    assert listed[0].created <= listed[1].created
+    assert await store.owned_by("token:bob") == []
     # Full (4 voices): refused, nothing evicted.
     await store.put(voice("token:bob", 300))
     await store.put(voice("token:carol", 300))
@@ -65,6 +74,7 @@ async def test_the_rules_hold_in_every_store(store):
     # Only the owner (or an admin) deletes.
     assert await store.delete(alice[1].id, "token:bob") is False
     assert await store.delete(alice[1].id, "token:alice") is True
+    assert [v.id for v in await store.owned_by("token:alice")] == [alice[2].id]
     assert await store.delete(alice[2].id, ANY_OWNER) is True
     assert await store.delete(alice[2].id, ANY_OWNER) is False
     # The byte cap: 200 kB; a 6 s reference is 192 kB (16-bit, 16 kHz) beside the 32 kB kept.
@@ -208,3 +218,60 @@ async def test_a_full_store_refuses_before_the_prompt_is_built(start_server, tin
     assert refused["type"] == "error" and refused["code"] == "busy", refused
     assert built == [first]                           # no VAE pass was spent on it
     assert await register(server, pitch=300) == first  # the voice kept is registered again as is
+
+
+# ------------------------------------------------------------------ OpenAI-shaped voice routes
+
+
+async def test_openai_shaped_voice_routes_register_list_speak_and_delete_per_owner(start_server, tiny_model):
+    """`/v1/audio/voices` as vLLM-Omni's clients use it, through the `openai` SDK's own request
+    methods: each owner (a token) sees the built-in voices and its own, never another's."""
+    import openai
+
+    server = tiny_server(start_server, tiny_model, "memory", tokens=["alice-token", "bob-token"])
+    alice = openai.OpenAI(base_url=server.http + "/v1", api_key="alice-token", max_retries=0)
+    bob = openai.OpenAI(base_url=server.http + "/v1", api_key="bob-token", max_retries=0)
+    multipart = {"headers": {"Content-Type": "multipart/form-data"}}
+
+    def upload(client: openai.OpenAI, pitch: float, **fields) -> dict:
+        return client.post("/audio/voices", cast_to=object, options=multipart, body=fields,
+                           files=[("audio_sample", ("sample.wav", tone_wav(1.0, pitch=pitch), "audio/wav"))])
+
+    builtin = (await asyncio.to_thread(alice.get, "/audio/voices", cast_to=object))
+    assert builtin["uploaded_voices"] == [] and builtin["voices"] == server.server.service.voices()
+    added = await asyncio.to_thread(upload, alice, 210.0, name="narrator", consent="consent-1",
+                                    ref_text="The reference says this.")
+    assert added["success"] is True
+    voice = added["voice"]
+    assert is_registered_id(voice["name"]) and voice["id"] == voice["name"]
+    assert voice["mode"] == "both" and voice["ref_text"] == "The reference says this."
+    assert voice["file_size"] == len(tone_wav(1.0, pitch=210.0)) and voice["audio_s"] == 1.0
+    # The same operation as POST /v1/voices: the same audio from the same owner is the same voice.
+    again = httpx.post(server.http + "/v1/voices?transcript=The%20reference%20says%20this.",
+                       content=tone_wav(1.0, pitch=210.0),
+                       headers={"Content-Type": "audio/wav", "Authorization": "Bearer alice-token"})
+    assert again.status_code == 201 and again.json()["voice"] == voice["name"]
+
+    listed = await asyncio.to_thread(alice.get, "/audio/voices", cast_to=object)
+    assert listed["voices"] == [*builtin["voices"], voice["name"]]
+    assert [v["name"] for v in listed["uploaded_voices"]] == [voice["name"]]
+    assert (await asyncio.to_thread(bob.get, "/audio/voices", cast_to=object))["uploaded_voices"] == []
+
+    def say(client: openai.OpenAI, name: str) -> bytes:
+        return client.audio.speech.create(model="tts-1", voice=name, input="In the uploaded voice.",
+                                          response_format="pcm", extra_body={"max_len": 4}).content
+    assert len(await asyncio.to_thread(say, alice, voice["name"])) > 0
+
+    # Another owner's voice looks like no voice; the same errors as /v1/voices.
+    with pytest.raises(openai.NotFoundError) as missing:
+        await asyncio.to_thread(bob.delete, f"/audio/voices/{voice['name']}", cast_to=object)
+    assert missing.value.body["code"] == "bad_request"
+    with pytest.raises(openai.BadRequestError) as no_audio:
+        await asyncio.to_thread(alice.post, "/audio/voices", cast_to=object, options=multipart,
+                                body={"name": "x"}, files=[("other", ("a.txt", b"text", "text/plain"))])
+    assert "'audio'" in no_audio.value.body["message"]
+    deleted = await asyncio.to_thread(alice.delete, f"/audio/voices/{voice['name']}", cast_to=object)
+    assert deleted["success"] is True and deleted["deleted"] is True and deleted["voice"] == voice["name"]
+    assert (await asyncio.to_thread(alice.get, "/audio/voices", cast_to=object))["uploaded_voices"] == []
+    with pytest.raises(openai.BadRequestError):
+        await asyncio.to_thread(say, alice, voice["name"])

@@ -24,7 +24,8 @@ from ..scheduler import Scheduler
 from .handoff import LoopMailbox
 from .registrations import Registration, RegistrationQueue
 from .stream import AudioOutput, Stream, check_output, check_text
-from .voice_store import ANY_OWNER, MemoryStore, StoreLimits, VoiceStore, is_registered_id, new_voice
+from .voice_store import (ANY_OWNER, MemoryStore, StoreLimits, VoiceStore, VoiceSummary, is_registered_id,
+                          new_voice)
 
 # Reference audio shorter than this cannot carry a voice.
 MIN_VOICE_AUDIO_S = 0.2
@@ -192,6 +193,12 @@ class StreamService:
 
     def voices(self) -> list[str]:
         return self.engine.voices() if self.devices.status == "ready" else []
+
+    async def voices_of(self, owner: str) -> list[VoiceSummary]:
+        """The voices `owner` registered, oldest first (none where the engine cannot clone)."""
+        if not self.engine.supports_voices:
+            return []
+        return await self.store.owned_by(owner)
 
     def admit_registration(self, owner: str = ANY_OWNER) -> Registration:
         """A place among the voice registrations waiting (`registrations.py`), taken before the

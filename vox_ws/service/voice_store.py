@@ -49,6 +49,16 @@ class StoredVoice:
 
 
 @dataclass(frozen=True)
+class VoiceSummary:
+    """What an owner is told of one of its voices (never the audio)."""
+    id: str
+    mode: str
+    transcript: str | None
+    audio_bytes: int
+    created: float
+
+
+@dataclass(frozen=True)
 class StoreLimits:
     per_owner: int
     max_voices: int
@@ -125,6 +135,10 @@ class VoiceStore(ABC):
         """How many voices `owner` (hashed, as StoredVoice.owner) has."""
 
     @abstractmethod
+    async def owned_by(self, owner: str) -> list[VoiceSummary]:
+        """The voices `owner` registered (at most `per_owner`), oldest first."""
+
+    @abstractmethod
     async def delete(self, voice: str, owner: str) -> bool:
         """Delete a voice of `owner` (ANY_OWNER: any voice); False when there is none it may delete."""
 
@@ -180,6 +194,10 @@ class MemoryStore(VoiceStore):
 
     async def _owned(self, owner: str) -> int:
         return len(self._voices_of(owner))
+
+    async def owned_by(self, owner: str) -> list[VoiceSummary]:
+        return [VoiceSummary(v.id, v.mode, v.transcript, len(v.audio), v.created)
+                for v in self._voices_of(owner_key(owner))]
 
     def _voices_of(self, owner: str) -> list[StoredVoice]:
         """The owner's voices, oldest first."""
@@ -362,6 +380,16 @@ class RedisStore(VoiceStore):
 
     async def _owned(self, owner: str) -> int:
         return int(await self._call("count", self._redis.zcard(self._key("owner", owner))))
+
+    async def owned_by(self, owner: str) -> list[VoiceSummary]:
+        ids = await self._call("list", self._redis.zrange(self._key("owner", owner_key(owner)), 0, -1))
+        pipe = self._redis.pipeline(transaction=False)
+        for voice in ids:
+            pipe.hmget(self._key("voice", voice.decode()), "mode", "transcript", "size", "created")
+        rows = await self._call("list", pipe.execute()) if ids else []
+        return [VoiceSummary(voice.decode(), mode.decode(), transcript.decode() or None, int(size), float(created))
+                for voice, (mode, transcript, size, created) in zip(ids, rows)
+                if mode is not None]                 # deleted between the two reads
 
     async def put(self, voice: StoredVoice) -> list[str]:
         limits = self.limits

@@ -6,6 +6,13 @@ registered here is usable from every front door (`voice` in a `start`, the HTTP 
     GET    /v1/voices            {"voices": [{"id", "kind": "builtin"}], "cloning": bool}
     POST   /v1/voices            201 {"voice", "mode", "audio_s"}
     DELETE /v1/voices/{id}       200 {"voice", "deleted": true} | 404
+
+The same operations in the shape OpenAI-style servers give them (vLLM-Omni, Kokoro-FastAPI),
+for their clients; a caller is shown the voices it registered, never another owner's:
+
+    GET    /v1/audio/voices      {"voices": [built-in and own ids], "uploaded_voices": [{"name", ...}]}
+    POST   /v1/audio/voices      200 {"success": true, "voice": {"name": id, ...}}
+    DELETE /v1/audio/voices/{id} 200 {"success": true, "voice", "deleted": true, "message"} | 404
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ from starlette.routing import BaseRoute, Route
 
 from ..engine import Refused
 from ..service.registrations import Registration
+from ..service.voice_store import VoiceSummary
 from . import protocol as p
 from .auth import is_authorized, origin_allowed, owner
 from .body import BodyTooLarge, read_body
@@ -52,6 +60,21 @@ def routes(state: ServerState) -> list[BaseRoute]:
         return JSONResponse({"voices": voices, "cloning": state.service.engine.supports_voices})
 
     async def register(request: Request) -> Response:
+        result = await _registered(request)
+        return result if isinstance(result, Response) else JSONResponse(result, status_code=201)
+
+    async def register_openai_style(request: Request) -> Response:
+        result = await _registered(request)
+        if isinstance(result, Response):
+            return result
+        owned = {v.id: v for v in await state.service.voices_of(_owner(request))}
+        voice = owned.get(result["voice"])
+        described = _described(voice) if voice is not None else {"name": result["voice"], "id": result["voice"]}
+        return JSONResponse({"success": True, "voice": {**described, "mode": result["mode"],
+                                                        "audio_s": result["audio_s"]}})
+
+    async def _registered(request: Request) -> dict | Response:
+        """{voice, mode, audio_s} of a registration, or the response that refuses it."""
         if (refusal := guard(request)) is not None:
             return refusal
         try:                                      # refused before a byte of the body is read
@@ -63,7 +86,7 @@ def routes(state: ServerState) -> list[BaseRoute]:
         finally:
             registration.release()
 
-    async def _register(request: Request, registration: Registration) -> Response:
+    async def _register(request: Request, registration: Registration) -> dict | Response:
         limit = state.limits.max_frame_bytes
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
@@ -80,10 +103,11 @@ def routes(state: ServerState) -> list[BaseRoute]:
                     fields = await state.multipart.parse(request.headers["content-type"], body, limit)
                 except MultiPartException as exc:
                     return error_response(400, p.BAD_REQUEST, f"bad multipart body: {exc.message}")
-                audio = fields.get("audio")
+                # `audio_sample` and `ref_text` are what vLLM-Omni's clients send.
+                audio = fields.get("audio", fields.get("audio_sample"))
                 if not isinstance(audio, bytes):
                     return error_response(400, p.BAD_REQUEST, "multipart field 'audio' (a file) is required")
-                transcript = _text_field(fields.get("transcript")) or transcript
+                transcript = _text_field(fields.get("transcript")) or _text_field(fields.get("ref_text")) or transcript
                 mode = _text_field(fields.get("mode")) or mode
             elif kind in AUDIO_TYPES:
                 audio = await read_body(request, limit)
@@ -99,13 +123,22 @@ def routes(state: ServerState) -> list[BaseRoute]:
         if not audio:
             return error_response(400, p.BAD_REQUEST, "no audio in the request")
         try:
-            result = await state.service.register_voice(audio, transcript, mode, owner=_owner(request),
-                                                        registration=registration)
+            return await state.service.register_voice(audio, transcript, mode, owner=_owner(request),
+                                                      registration=registration)
         except Refused as err:
             return refused_response(err)
         except Exception as exc:                  # answered, and logged in a line, not a traceback
             return _failed("register", exc)
-        return JSONResponse(result, status_code=201)
+
+    async def list_openai_style(request: Request) -> Response:
+        if (refusal := guard(request)) is not None:
+            return refusal
+        try:
+            owned = await state.service.voices_of(_owner(request))
+        except Refused as err:
+            return refused_response(err)
+        return JSONResponse({"voices": [*state.service.voices(), *(v.id for v in owned)],
+                             "uploaded_voices": [_described(v) for v in owned]})
 
     async def delete(request: Request) -> Response:
         if (refusal := guard(request)) is not None:
@@ -119,13 +152,28 @@ def routes(state: ServerState) -> list[BaseRoute]:
             return _failed("delete", exc)
         if not deleted:
             return error_response(404, p.BAD_REQUEST, f"no registered voice {voice!r}")
-        return JSONResponse({"voice": voice, "deleted": True})
+        answer = {"voice": voice, "deleted": True}
+        if request.url.path.startswith("/v1/audio/"):
+            answer = {"success": True, **answer, "message": f"voice {voice!r} deleted"}
+        return JSONResponse(answer)
 
     return [
         Route("/v1/voices", list_voices, methods=["GET"]),
         Route("/v1/voices", register, methods=["POST"]),
         Route("/v1/voices/{voice_id}", delete, methods=["DELETE"]),
+        Route("/v1/audio/voices", list_openai_style, methods=["GET"]),
+        Route("/v1/audio/voices", register_openai_style, methods=["POST"]),
+        Route("/v1/audio/voices/{voice_id}", delete, methods=["DELETE"]),
     ]
+
+
+def _described(voice: VoiceSummary) -> dict:
+    """A registered voice as vLLM-Omni describes an uploaded one: its `name` is the id to speak it by."""
+    described = {"name": voice.id, "id": voice.id, "mode": voice.mode, "created_at": int(voice.created),
+                 "file_size": voice.audio_bytes}
+    if voice.transcript:
+        described["ref_text"] = voice.transcript
+    return described
 
 
 def _failed(what: str, exc: Exception) -> Response:
