@@ -46,7 +46,7 @@ UVICORN_WS_METHODS = {
 # Attributes of a live connection that connections.py reads or sets.
 UVICORN_HTTP_ATTRIBUTES = ["client", "transport", "loop", "app", "headers", "flow", "cycle"]
 # ... and of its request-response cycle (a request's), read or set there.
-UVICORN_CYCLE_ATTRIBUTES = ["keep_alive", "response_started", "response_complete", "on_response", "disconnected",
+UVICORN_CYCLE_ATTRIBUTES = ["keep_alive", "response_started", "on_response", "disconnected",
                             "message_event"]
 UVICORN_WS_ATTRIBUTES = ["client", "transport", "loop", "conn", "queue", "scope", "writable", "close_sent",
                          "close_timeout", "close_timer", "ping_timeout", "pong_timer", "read_paused"]

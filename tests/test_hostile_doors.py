@@ -368,37 +368,39 @@ def _answer(sock: socket.socket) -> http.client.HTTPResponse:
     return answer
 
 
-async def test_a_large_body_answered_before_it_is_read_closes_its_connection(piper_server):
-    """A refused upload costs the server no more than its headers: rather than reading and
-    dropping megabytes to reach a next request, it closes the connection after the answer."""
-    voice_upload = b"POST /v1/voices HTTP/1.1\r\nHost: x\r\nContent-Type: audio/wav\r\nContent-Length: %d\r\n\r\n"
-    large = attacker_socket(piper_server.port)
-    port = large.getsockname()[1]
-    large.sendall(voice_upload % 2_000_000 + b"RIFF" * 1000)
-    answer = _answer(large)
-    assert answer.status == 501 and answer.getheader("connection") == "close"
-    assert read_until_closed(large) == b""
-    await wait_until(lambda: not http_connections(piper_server, port))
-    large.close()
+async def test_bodies_answered_before_they_are_read_are_dropped_within_a_budget_then_cut_off(start_server):
+    """A refused upload's body is read and dropped, so that its client reads the answer and
+    may send its next request on the connection; but only up to the address's budget (one
+    `max_frame_bytes` bodies, then `discard_bytes_per_s`): beyond, the connection is closed and
+    the kernel drops the rest, so a client that sends refused bodies again and again costs the
+    server their headers, not their megabytes."""
+    from vox_ws.transports.connections import DISCARD_BURST_FRAMES
 
-    # A small one is read and dropped: the connection serves the next request.
-    small = attacker_socket(piper_server.port)
-    small.sendall(voice_upload % 100 + b"R" * 100)
-    answer = _answer(small)
+    server = start_server(PiperEngine(), discard_bytes_per_s=1.0)       # the burst, then next to nothing
+    burst = DISCARD_BURST_FRAMES * server.config.limits.max_frame_bytes
+    upload = b"POST /v1/voices HTTP/1.1\r\nHost: x\r\nContent-Type: audio/wav\r\nContent-Length: %d\r\n\r\n"
+    size = burst * 3 // 4
+    first = attacker_socket(server.port)
+    first.sendall(upload % size)
+    answer = _answer(first)                                  # answered before a byte of the body
     assert answer.status == 501 and answer.getheader("connection") is None
-    small.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
-    assert _answer(small).status == 200
-    small.close()
+    first.sendall(b"\0" * size)                             # dropped within the budget ...
+    first.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert _answer(first).status == 200                      # ... and the connection goes on
+    first.close()
 
-    # A large one the app reads to the end keeps its connection too.
-    body = json.dumps({"input": SENTENCE, "response_format": "pcm"}).encode() + b" " * 70_000
-    kept = attacker_socket(piper_server.port)
-    kept.sendall(speech_headers(len(body)) + body)
-    answer = _answer(kept)
-    assert answer.status == 200 and answer.getheader("connection") is None
-    kept.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
-    assert _answer(kept).status == 200
-    kept.close()
+    second = attacker_socket(server.port)                     # the budget has a quarter left
+    second.sendall(upload % size)
+    assert _answer(second).status == 501
+    try:
+        second.sendall(b"\0" * size + b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+    except (BrokenPipeError, ConnectionResetError):
+        pass                                                 # closed while the body was coming
+    assert read_until_closed(second) == b""                  # no answer to the next request: closed
+    await wait_until(lambda: not http_connections(server, second.getsockname()[1]))
+    second.close()
+    # Another address has its own budget, and the server serves on.
+    assert_speaks(server)
 
 
 # ------------------------------------------------------------------ every door asks the store

@@ -1,6 +1,7 @@
 """End to end over a real WebSocket against a real server with the real Piper voice."""
 
 import asyncio
+import math
 
 import httpx
 import msgpack
@@ -10,6 +11,7 @@ from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 
 from vox_ws.engines.piper import PiperEngine
+from vox_ws.scheduler import LOADING_RETRY_AFTER_S
 
 SENTENCE = "The quick brown fox jumps over the lazy dog."
 LONG = " ".join(
@@ -222,12 +224,13 @@ async def test_readiness_before_and_after_load(start_server):
     assert status == 503 and body["status"] == "loading"
     speech = httpx.post(server.http + "/v1/audio/speech", json={"input": "hi"})
     assert speech.status_code == 503 and speech.json()["error"]["code"] == "not_ready"
-    assert speech.headers["retry-after"] == "1"
+    assert speech.headers["retry-after"] == str(math.ceil(LOADING_RETRY_AFTER_S))
     async with connect_client(server) as c:
         assert c.hello["status"] == "loading"
         await c.send({"type": "start", "id": "early", "text": "hi"})
         err = await c.error("early")
         assert err["code"] == "not_ready" and err["retryable"] is True
+        assert err["retry_after_s"] == LOADING_RETRY_AFTER_S
         engine.gate.set()
         server.wait_ready()
         assert server.get("/readyz")[0] == 200

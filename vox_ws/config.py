@@ -36,6 +36,10 @@ class Limits:
     body_timeout_s: float = 20.0
     body_min_rate: float = 1000.0
     body_max_s: float = 120.0
+    # Bytes a second per address of request bodies answered before they were read (refused)
+    # that the server still reads, to drop them and keep the connection; in bursts of four
+    # `max_frame_bytes` bodies. Beyond, such a connection is closed.
+    discard_bytes_per_s: float = float(1 << 20)
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)

@@ -127,9 +127,15 @@ class Devices:
             if best_free is None or free > best_free:
                 best, best_free = index, free
         if best is None:
-            raise Refused(ErrorKind.NOT_READY, f"engine is {self.status}" + (f": {self.error}" if self.error else ""))
+            raise self.not_ready()
         self._placed[best] += 1
         return self.schedulers[best]
+
+    def not_ready(self) -> Refused:
+        """The refusal of work while no device is ready, with a retry hint while one loads."""
+        loading = [s for s in self.schedulers if s.status == "loading"]
+        return Refused(ErrorKind.NOT_READY, f"engine is {self.status}" + (f": {self.error}" if self.error else ""),
+                       loading[0].not_ready_retry_s() if loading else None)
 
     def release(self, scheduler: Scheduler) -> None:
         index = self.schedulers.index(scheduler)

@@ -47,12 +47,14 @@ _RETRYABLE = frozenset({ErrorKind.BUSY, ErrorKind.NOT_READY, ErrorKind.TIMEOUT, 
 
 
 class Refused(Exception):
-    """Work the engine (or the stream service) will not do, and why."""
+    """Work the engine (or the stream service) will not do, and why; for a refusal that may
+    pass later, when to try again (seconds, estimated), where that is known."""
 
-    def __init__(self, kind: ErrorKind, message: str) -> None:
+    def __init__(self, kind: ErrorKind, message: str, retry_after_s: float | None = None) -> None:
         super().__init__(message)
         self.kind = kind
         self.message = message
+        self.retry_after_s = retry_after_s
 
 
 class EndReason(str, enum.Enum):
@@ -125,7 +127,7 @@ class RequestSink(Protocol):
 
     def finish(self, reason: EndReason) -> None: ...
 
-    def fail(self, kind: ErrorKind, message: str) -> None: ...
+    def fail(self, kind: ErrorKind, message: str, retry_after_s: float | None = None) -> None: ...
 
     def backlogged(self) -> bool:
         """True while the consumer has not taken enough of what was already delivered: skip stepping."""
@@ -166,6 +168,7 @@ class GenerationRequest:
     instructions: str | None = None
     steps: int = 0
     submitted_at: float = field(default_factory=time.monotonic)
+    admitted_at: float | None = None      # when it first took a slot (the queue's pace is measured from it)
     # Who the request is for, broadest first (a token or address, then a connection): the
     # scheduler shares slots fairly among these. Empty: nobody in particular.
     owners: tuple[str, ...] = ()

@@ -11,6 +11,8 @@ CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0, 5.0, 10.0)
 _STEP_BUCKETS = (0.002, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.2, 0.5, 1.0, 2.0)
+# Owners given series of their own in the usage counters; the others are counted as "other".
+MAX_OWNER_SERIES = 256
 
 
 class Metrics:
@@ -44,6 +46,12 @@ class Metrics:
         self.device_queued = Gauge("voxws_device_queued_streams", "Streams waiting for a slot, per device",
                                    ["index", "device"], registry=r)
         self.device_up = Gauge("voxws_device_up", "1 while the device's engine serves", ["index", "device"], registry=r)
+        # Usage per owner (a hash of its token or address), for billing and quotas.
+        self.owner_characters = Counter("voxws_owner_characters", "Characters of text taken in, per owner",
+                                        ["owner"], registry=r)
+        self.owner_audio_seconds = Counter("voxws_owner_audio_seconds", "Seconds of audio sent, per owner",
+                                           ["owner"], registry=r)
+        self._owners: set[str] = set()
 
     def bind(self, active: Callable[[], float], queued: Callable[[], float], sessions: Callable[[], float],
              ready: Callable[[], float]) -> None:
@@ -58,6 +66,15 @@ class Metrics:
         self.device_active.labels(*labels).set_function(lambda: stats()["active"])
         self.device_queued.labels(*labels).set_function(lambda: stats()["queued"])
         self.device_up.labels(*labels).set_function(lambda: 1.0 if stats()["status"] == "ready" else 0.0)
+
+    def count_usage(self, owner: str, characters: int, audio_s: float) -> None:
+        """A stream's usage, under its owner's series: one of the first MAX_OWNER_SERIES owners
+        seen, or "other" (a scrape stays bounded whoever connects)."""
+        if owner not in self._owners and len(self._owners) < MAX_OWNER_SERIES:
+            self._owners.add(owner)
+        label = owner if owner in self._owners else "other"
+        self.owner_characters.labels(label).inc(characters)
+        self.owner_audio_seconds.labels(label).inc(audio_s)
 
     def observe_step(self, batch: int, seconds: float) -> None:
         self.step_time.observe(seconds)

@@ -30,6 +30,39 @@ from .fair_share import FairShare
 
 log = logging.getLogger("vox_ws.scheduler")
 
+# What a retry hint may say: never sooner than this, never later.
+MIN_RETRY_AFTER_S = 0.1
+MAX_RETRY_AFTER_S = 60.0
+# While the engine loads, nothing is measured yet: a client is told to try again after this.
+LOADING_RETRY_AFTER_S = 2.0
+
+
+class QueuePace:
+    """How fast a queue moves: how long a request holds its slot, on average (a moving mean over
+    the requests that left their slots lately, whatever ended them), and from it when a slot
+    or a place is likely to free."""
+
+    WEIGHT = 0.2                       # of the newest hold in the mean
+    UNMEASURED_HOLD_S = 1.0            # until a hold has been measured
+
+    def __init__(self) -> None:
+        self.hold_s: float | None = None
+        self.observed = 0
+
+    def observe(self, hold_s: float) -> None:
+        self.hold_s = hold_s if self.hold_s is None else self.hold_s + self.WEIGHT * (hold_s - self.hold_s)
+        self.observed += 1
+
+    def wait_s(self, holding: list[float], slots: int, after: int = 0) -> float:
+        """Seconds until the next of `slots` slots frees (`holding`: how long each taken one has
+        been held so far; fewer than `slots`: one is free now), and `after` more after it; the
+        retry hint of a refusal, so clamped to [MIN_RETRY_AFTER_S, MAX_RETRY_AFTER_S]."""
+        hold = self.hold_s if self.hold_s is not None else self.UNMEASURED_HOLD_S
+        slots = max(slots, 1)
+        first = 0.0 if len(holding) < slots else min(max(0.0, hold - held) for held in holding)
+        estimate = first + max(after, 0) * hold / slots
+        return round(min(MAX_RETRY_AFTER_S, max(MIN_RETRY_AFTER_S, estimate)), 2)
+
 
 class Scheduler:
     """Owns the engine thread. Thread-safe entry points: submit, cancel, wake, stats, stop."""
@@ -54,6 +87,7 @@ class Scheduler:
         self.max_wait_s = max_wait_s
         self.status = "loading"          # loading -> ready | failed; ready -> failed
         self.error: str | None = None
+        self.pace = QueuePace()
         self._on_fatal = on_fatal
         self._cond = threading.Condition()
         self._waiting: deque[GenerationRequest] = deque()
@@ -79,12 +113,14 @@ class Scheduler:
         """Queue a request. Returns its queue position (0: it gets a slot at the next turn)."""
         with self._cond:
             if self.status != "ready":
-                raise Refused(ErrorKind.NOT_READY, f"engine is {self.status}" + (f": {self.error}" if self.error else ""))
+                raise Refused(ErrorKind.NOT_READY, f"engine is {self.status}" + (f": {self.error}" if self.error else ""),
+                              self.not_ready_retry_s())
             # Requests already waiting beyond the slots that the next turn frees.
             ahead = len(self._in_line()) - (self.max_batch - len(self._active) - self._admitting)
             if ahead >= self.max_queue:
                 if not self._push_out_for(request):
-                    raise Refused(ErrorKind.BUSY, f"all {self.max_batch} slots busy and {self.max_queue} requests queued")
+                    raise Refused(ErrorKind.BUSY, f"all {self.max_batch} slots busy and {self.max_queue} requests queued",
+                                  self._place_wait_s())
                 ahead -= 1
             self._waiting.append(request)
             self._cond.notify()
@@ -96,7 +132,7 @@ class Scheduler:
         future: Future = Future()
         with self._cond:
             if self.status != "ready":
-                future.set_exception(Refused(ErrorKind.NOT_READY, f"engine is {self.status}"))
+                future.set_exception(Refused(ErrorKind.NOT_READY, f"engine is {self.status}", self.not_ready_retry_s()))
                 return future
             self._calls.append((fn, future))
             self._cond.notify()
@@ -110,6 +146,25 @@ class Scheduler:
     def wake(self) -> None:
         with self._cond:
             self._cond.notify()
+
+    def not_ready_retry_s(self) -> float | None:
+        """The retry hint while the engine is not ready: while it loads, a short wait; once it
+        has failed, none (trying again will not help)."""
+        return LOADING_RETRY_AFTER_S if self.status == "loading" else None
+
+    def retry_after_s(self) -> float:
+        """When a request refused for a full queue now should try again (its retry hint)."""
+        with self._cond:
+            return self._place_wait_s()
+
+    def _place_wait_s(self) -> float:
+        """Seconds until the queue has a place for one more request, at the pace measured: the
+        next slot to free (the head of the queue takes it), and one more for every request
+        beyond the queue's bound. Called with the lock held."""
+        ahead = len(self._in_line()) - ((self.max_batch or 0) - len(self._active) - self._admitting)
+        now = time.monotonic()
+        holding = [now - r.admitted_at for r in self._active if r.admitted_at is not None]
+        return self.pace.wait_s(holding, self.max_batch or 1, after=ahead - self.max_queue)
 
     def stats(self) -> dict[str, Any]:
         with self._cond:
@@ -126,6 +181,7 @@ class Scheduler:
                 "mean_step_ms": round(sum(self._recent_steps) / len(self._recent_steps) * 1000, 3)
                                 if self._recent_steps else 0.0,
                 "last_batch_size": self.last_batch_size,
+                "slot_hold_s": None if self.pace.hold_s is None else round(self.pace.hold_s, 3),
             }
 
     def stop(self, timeout: float = 5.0) -> None:
@@ -192,8 +248,11 @@ class Scheduler:
             if request.parked:
                 self._release(request)
             request.sink.finish(EndReason.CANCELLED)
+        if expired:
+            retry_after = self.retry_after_s()   # hint: when one would get a place again
         for request in expired:
-            request.sink.fail(ErrorKind.BUSY, f"waited over {self.max_wait_s:g}s for a slot: every slot stayed busy")
+            request.sink.fail(ErrorKind.BUSY, f"waited over {self.max_wait_s:g}s for a slot: every slot stayed busy",
+                              retry_after)
         for fn, future in calls:
             if future.set_running_or_notify_cancel():
                 try:
@@ -250,7 +309,7 @@ class Scheduler:
             return False
         self._waiting.remove(victim)
         victim.sink.fail(ErrorKind.BUSY, "pushed out of the full queue by another client's stream: this client "
-                                         "has more streams waiting or running than others")
+                                         "has more streams waiting or running than others", self._place_wait_s())
         return True
 
     def _admit(self, request: GenerationRequest) -> bool:
@@ -272,6 +331,7 @@ class Scheduler:
             with self._cond:
                 self._active.append(request)
             return True
+        request.admitted_at = time.monotonic()
         try:
             self.engine.prefill(request)
         except Refused as exc:     # the engine found, late, that it cannot serve this one
@@ -351,6 +411,10 @@ class Scheduler:
             self._release(request)
 
     def _release(self, request: GenerationRequest) -> None:
+        if request.admitted_at is not None:
+            held = time.monotonic() - request.admitted_at
+            with self._cond:
+                self.pace.observe(held)
         try:
             self.engine.release(request)
         except Exception:  # noqa: BLE001

@@ -235,7 +235,8 @@ class Session:
         """Requests that run on the engine thread between steps and answer later."""
         if isinstance(message, p.Voice):
             if self._voice_task is not None and not self._voice_task.done():
-                raise p.ProtocolError(p.BUSY, "one voice registration at a time per connection", message.id)
+                raise p.ProtocolError(p.BUSY, "one voice registration at a time per connection", message.id,
+                                      self.service.registrations.retry_after_s())
             work = self.service.register_voice(message.audio, message.transcript, message.mode, owner=self.owner)
             kind = "voice"
         elif isinstance(message, p.VoiceDelete):
@@ -309,7 +310,7 @@ class Session:
                     self.last_activity = time.monotonic()
                     code = p.code_for(event.kind)
                     self.metrics.errors.labels(code).inc()
-                    frame = p.encode(p.error_message(p.ProtocolError(code, event.message, sid)))
+                    frame = p.encode(p.error_message(p.ProtocolError(code, event.message, sid, event.retry_after_s)))
                 if not await self._write(frame):
                     return
         finally:
@@ -382,9 +383,6 @@ def hello(state: ServerState) -> dict[str, Any]:
         "voices": service.voices(),
         "options": sorted(engine.honoured_options),
         "slots": service.devices.max_batch,
-        "features": ["input_streaming", "segment_events", "speed", "lookahead"]
-                    + (["voice_cloning"] if engine.supports_voices else [])
-                    + (["instructions"] if engine.follows_instructions(None) else [])
-                    + (["word_timestamps"] if engine.word_timings else []),
+        "features": state.features(),
         "limits": state.limits.as_dict(),
     }

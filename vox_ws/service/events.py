@@ -73,6 +73,7 @@ class Failed:
     kind: ErrorKind
     message: str
     stats: dict[str, Any] = field(default_factory=dict)
+    retry_after_s: float | None = None     # when the same request may pass, where that is known
 
 
 Event = Union[Audio, Segment, Words, Flushed, Ended, Failed]

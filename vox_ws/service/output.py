@@ -94,6 +94,7 @@ class EncodedOutput:
                                                               "sent_s": self._scaled(partial["sent_s"])}}
             stats = {**stats, "heard": heard}
         return {**stats, "chunks": self._seq, "audio_s": round(audio_s, 4),
+                "usage": {**stats["usage"], "audio_s": round(audio_s, 4), "chunks": self._seq},
                 "ttfa_ms": None if first is None else round((first - started_at) * 1000, 1),
                 "rtf": round(wall / audio_s, 4) if audio_s > 0 else None,
                 "segments": [self._scaled_span(seg) for seg in stats.get("segments", [])]}

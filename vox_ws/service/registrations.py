@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import time
 from collections import Counter, deque
 from types import TracebackType
 
 from ..engine import ErrorKind, Refused
+from ..scheduler import QueuePace
 
 
 class RegistrationQueue:
@@ -26,20 +28,30 @@ class RegistrationQueue:
         self._served: dict[str, int] = {}             # owner -> when it last had a turn (a count)
         self._clock = itertools.count()
         self._busy = False
+        self.pace = QueuePace()                       # how long a turn at the worker takes
+        self._turn_started = 0.0
 
     @property
     def pending(self) -> int:
         return sum(self._pending.values())
 
     def admit(self, owner: str) -> Registration:
-        """A place in the queue for `owner`; raises Refused(BUSY) over the bounds."""
+        """A place in the queue for `owner`; raises Refused(BUSY) over the bounds, with a retry
+        hint: the pending registrations' turns at the worker, at the pace measured."""
         if self._pending[owner] >= self.per_owner:
             raise Refused(ErrorKind.BUSY, f"{self.per_owner} voice registrations of yours are already waiting "
-                                          "or running: try again when one is done")
+                                          "or running: try again when one is done", self.retry_after_s())
         if self.pending >= self.total:
-            raise Refused(ErrorKind.BUSY, f"{self.total} voice registrations are waiting: try again shortly")
+            raise Refused(ErrorKind.BUSY, f"{self.total} voice registrations are waiting: try again shortly",
+                          self.retry_after_s())
         self._pending[owner] += 1
         return Registration(self, owner)
+
+    def retry_after_s(self) -> float:
+        """When a refused registration should try again: the pending ones' turns at the worker
+        (the one running, then the others), at the pace measured."""
+        holding = [time.monotonic() - self._turn_started] if self._busy else []
+        return self.pace.wait_s(holding, 1, after=self.pending - 1)
 
     async def _take_turn(self, owner: str) -> None:
         if not self._busy and not self._waiting:
@@ -95,10 +107,12 @@ class Registration:
 
     async def __aenter__(self) -> Registration:
         await self._queue._take_turn(self.owner)
+        self._queue._turn_started = time.monotonic()
         return self
 
     async def __aexit__(self, kind: type[BaseException] | None, exc: BaseException | None,
                         tb: TracebackType | None) -> None:
+        self._queue.pace.observe(time.monotonic() - self._queue._turn_started)
         self._queue._pass_turn()
 
     def release(self) -> None:

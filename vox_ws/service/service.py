@@ -111,7 +111,7 @@ class StreamService:
         if not self.accepting:
             raise Refused(ErrorKind.GOING_AWAY, "server shutting down: no new streams")
         if self.devices.status != "ready":
-            raise Refused(ErrorKind.NOT_READY, f"engine is {self.devices.status}")
+            raise self.devices.not_ready()
         if self.mailbox is None:
             raise RuntimeError("StreamService.start() was not awaited")
         streamed_text = text is not None and not isinstance(text, str)
@@ -135,7 +135,8 @@ class StreamService:
             voice_pin = None if from_store else scheduler.engine.pin_voice(voice)
             stream = Stream(self, scheduler, next(self._numbers), voice, dict(options or {}), output,
                             input_streaming, dict(log_fields or {}),
-                            text_chars=len(text) if isinstance(text, str) else 0, voice_pin=voice_pin,
+                            text_chars=len(text) if isinstance(text, str) and not input_streaming else 0,
+                            voice_pin=voice_pin,
                             owners=owners, instructions=instructions,
                             word_timestamps=word_timestamps and self.engine.word_timings)
             if from_store:
@@ -235,7 +236,7 @@ class StreamService:
         if transcript is not None:
             check_text(transcript, "field 'transcript'")
         if self.devices.status != "ready":
-            raise Refused(ErrorKind.NOT_READY, f"engine is {self.devices.status}")
+            raise self.devices.not_ready()
         assert self._voice_jobs is not None, "StreamService.start() was not awaited"
         stored = new_voice(owner, audio, transcript if has_transcript else None, mode)
         await self.store.check_room(stored)
@@ -338,7 +339,7 @@ class StreamService:
         active = self.devices.stats()["active"]
         futures = self.devices.call_all(lambda engine: engine.lora_op(op, name))
         if not futures:
-            raise Refused(ErrorKind.NOT_READY, f"engine is {self.devices.status}")
+            raise self.devices.not_ready()
         results = [await _engine_work(asyncio.wrap_future(f)) for f in futures]
         return {**results[0], "streams_in_flight": active}
 

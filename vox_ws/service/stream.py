@@ -38,6 +38,7 @@ from ..text import StreamSegmenter
 from .events import Audio, Ended, Event, Failed, Flushed, Segment, Word, Words
 from .handoff import LoopMailbox
 from .output import EncodedOutput
+from .voice_store import owner_key
 
 stream_log = logging.getLogger("vox_ws.stream")
 
@@ -158,7 +159,7 @@ class Stream:
         self.queued = 0                          # queue position when opened (0: a slot at once)
         self.ignored_options = sorted(set(options) - engine.honoured_options)
         self._log_fields = log_fields
-        self._text_chars = text_chars            # for the log line when no segment was spoken
+        self.characters = text_chars             # of text taken in (usage), one-shot or sent since
         self._limits = service.limits
         # Events for the consumer, and audio among them not yet taken (back-pressure).
         self._events: deque[Event] = deque()
@@ -286,6 +287,7 @@ class Stream:
             raise Refused(ErrorKind.TOO_LARGE, f"more than max_text_chars={self._limits.max_text_chars} "
                                                "characters waiting to be spoken")
         self._last_input_at = time.monotonic()
+        self.characters += len(text)
         self._pending.extend(self._segmenter.push(text))
         self._arm_delay()
         self._pump()
@@ -346,7 +348,7 @@ class Stream:
                 if not self._finished:
                     self.end_input()
             except Refused as err:
-                self._fail(err.kind, err.message)
+                self._refused(err)
             except Exception as exc:  # noqa: BLE001 - the caller's iterator broke: end the stream, say why
                 self._fail(ErrorKind.INTERNAL, f"the text input failed: {type(exc).__name__}: {exc}")
         self._feeder = asyncio.ensure_future(run())
@@ -380,8 +382,8 @@ class Stream:
     def finish(self, reason: EndReason) -> None:
         self._service.mailbox.post(self._on_request_finished, self._request, reason)
 
-    def fail(self, kind: ErrorKind, message: str) -> None:
-        self._service.mailbox.post(self._fail, kind, message)
+    def fail(self, kind: ErrorKind, message: str, retry_after_s: float | None = None) -> None:
+        self._service.mailbox.post(self._fail, kind, message, retry_after_s)
 
     def backlogged(self) -> bool:
         return self._queued_audio_s >= self._limits.max_buffered_audio_s
@@ -429,7 +431,7 @@ class Stream:
                 self._queue(text, prepared, prepared=True)
         except Refused as err:
             self._preparing = None
-            self._fail(err.kind, err.message)
+            self._refused(err)
 
     def say(self, text: str) -> int:
         """Speak a one-shot text: queue it (cut by the engine where one generation cannot carry
@@ -453,7 +455,7 @@ class Stream:
             self._voice_pin = self._engine.pin_voice(self.voice)
         except Refused as err:
             self._preparing = None
-            self._fail(err.kind, err.message)
+            self._refused(err)
             return
         self._preparing = None
         if self._finished:
@@ -464,7 +466,7 @@ class Stream:
             else:
                 self._pump()
         except Refused as err:
-            self._fail(err.kind, err.message)
+            self._refused(err)
 
     def _say(self, pieces: list[str]) -> int:
         self._continues = len(pieces) > 1
@@ -479,7 +481,7 @@ class Stream:
                 self._say(pieces)
         except Refused as err:
             self._preparing = None
-            self._fail(err.kind, err.message)
+            self._refused(err)
 
     def _queue(self, text: str, engine_text: str, prepared: bool) -> int:
         request = GenerationRequest(text=engine_text, sink=self, voice=self.voice, voice_pin=self._voice_pin,
@@ -552,12 +554,12 @@ class Stream:
             try:
                 self._queue(piece, piece, prepared=True)
             except Refused as err:
-                self._fail(err.kind, err.message)
+                self._refused(err)
         elif self._pending:
             try:
                 self.submit(self._pending.popleft())
             except Refused as err:
-                self._fail(err.kind, err.message)
+                self._refused(err)
         elif self._input_closed:
             self._end(EndReason.MAX_LEN if self._capped else EndReason.DONE)
 
@@ -612,18 +614,23 @@ class Stream:
         if heard is not None:
             stats["heard"] = heard
         self._emit(Ended(reason, stats))
+        self._count_usage()
         metrics = self._service.metrics
         metrics.streams.labels(reason.value).inc()
         if reason == EndReason.CANCELLED:
             metrics.cancellations.inc()
         self._log({"reason": reason.value, **stats})
 
-    def _fail(self, kind: ErrorKind, message: str) -> None:
+    def _refused(self, err: Refused) -> None:
+        self._fail(err.kind, err.message, err.retry_after_s)
+
+    def _fail(self, kind: ErrorKind, message: str, retry_after_s: float | None = None) -> None:
         if self._finished:
             return
         self._stop_producing()
         stats = self.stats()
-        self._emit(Failed(kind, message, stats))
+        self._emit(Failed(kind, message, stats, retry_after_s))
+        self._count_usage()
         self._service.metrics.streams.labels(kind.value).inc()
         self._log({"error": kind.value, "message": message})
 
@@ -700,13 +707,24 @@ class Stream:
             "ttfa_ms": ttfa,
             "rtf": round(wall / self.audio_s, 4) if self.audio_s > 0 else None,
             "segments": list(self.segments),
+            "usage": self.usage(),
         }
+
+    def _count_usage(self) -> None:
+        # Per owner (the broadest: its token or address), hashed: a token never reaches /metrics.
+        owner = owner_key(self._owners[0]) if self._owners else "none"
+        self._service.metrics.count_usage(owner, self.characters, max(self.audio_s, 0.0))
+
+    def usage(self) -> dict[str, Any]:
+        """What the stream used: characters of text taken in, and the audio sent (what the
+        consumer took: after a cancel, not what was dropped)."""
+        return {"characters": self.characters, "audio_s": round(max(self.audio_s, 0.0), 4), "chunks": self.chunks}
 
     def _log(self, outcome: dict[str, Any]) -> None:
         """One structured line per stream, for log pipelines."""
-        outcome = {k: v for k, v in outcome.items() if k != "segments"}
+        outcome = {k: v for k, v in outcome.items() if k not in ("segments", "usage")}
         record = {"event": "stream", "id": self.number, **self._log_fields, "engine": self._engine.name,
                   "voice": self.voice, "format": self.format, "input": self.input_streaming,
                   "sample_rate": self.sample_rate, "segments": len(self.segments),
-                  "text_chars": sum(len(s["text"]) for s in self.segments) or self._text_chars, **outcome}
+                  "text_chars": self.characters, **outcome}
         stream_log.info(json.dumps(record, separators=(",", ":")))

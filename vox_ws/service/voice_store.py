@@ -86,12 +86,18 @@ def voice_id(owner: str, audio: bytes, transcript: str | None, mode: str) -> str
     return "v_" + base64.b32encode(digest.digest()[:20]).decode().lower().rstrip("=")
 
 
+# How long an unavailable store is given before a client tries again: nothing measures when it
+# comes back (a Redis fail-over takes seconds).
+STORE_RETRY_AFTER_S = 1.0
+
+
 class StoreUnavailable(Refused):
     """The store cannot be reached or refuses the operation: voice operations fail
     (`not_ready`, retryable), built-in voices are unaffected."""
 
     def __init__(self, what: str, exc: BaseException) -> None:
-        super().__init__(ErrorKind.NOT_READY, f"the voice store is unavailable ({what}): {type(exc).__name__}: {exc}")
+        super().__init__(ErrorKind.NOT_READY, f"the voice store is unavailable ({what}): {type(exc).__name__}: {exc}",
+                         STORE_RETRY_AFTER_S)
 
 
 class VoiceStore(ABC):

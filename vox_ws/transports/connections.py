@@ -51,7 +51,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
 
 from ..config import Limits
-from .rate import BUDGET_EXTENSION, MessageBudget
+from .rate import BUDGET_EXTENSION, MessageBudget, TokenBucket
 
 log = logging.getLogger("vox_ws.connections")
 
@@ -64,11 +64,11 @@ WRITE_BUFFER_LOW = 8 * 1024
 KERNEL_UNSENT_BYTES = 16 * 1024
 # After shutdown starts, seconds a connection with unsent data has before it is aborted.
 SHUTDOWN_ABORT_S = 1.0
-# A response sent before its request's body was read keeps the connection only when what is
-# left of the body is at most this (uvicorn reads and drops it, to reach the next request);
-# a larger or chunked one closes the connection after the response and the kernel drops the
-# rest, so a body the server refused costs it no more (Go's net/http does the same at 256 KiB).
-DISCARDABLE_BODY_BYTES = 64 * 1024
+# Addresses whose budget for dropped bodies is kept (beyond, those with a full budget are forgotten).
+DISCARD_BUDGETS_KEPT = 1024
+# The burst of that budget, in `max_frame_bytes` bodies: a client's occasional refused upload,
+# even one well over the limit, is read and dropped and its client reads the answer.
+DISCARD_BURST_FRAMES = 4
 
 _PONG = 0x0A
 # struct tcp_info (linux/tcp.h): tcpi_bytes_acked is the u64 at offset 120 (Linux >= 4.1).
@@ -82,6 +82,9 @@ class ConnectionGuard:
     def __init__(self, limits: Limits) -> None:
         self.per_address_limit = limits.max_connections_per_address
         self.total_limit = limits.max_connections
+        self._discard_rate = limits.discard_bytes_per_s
+        self._discard_burst = float(DISCARD_BURST_FRAMES * limits.max_frame_bytes)
+        self._discards: dict[str, TokenBucket] = {}   # address -> what it may still have dropped
         self._pending: dict[Any, str] = {}       # transport -> address
         self._per_address: Counter[str] = Counter()
         self.refused = 0
@@ -104,6 +107,18 @@ class ConnectionGuard:
         self._requests[address] -= count
         if self._requests[address] <= 0:
             del self._requests[address]
+
+    def may_discard(self, address: str, size: int) -> bool:
+        """Whether the server reads and drops `size` more bytes of a body it answered before
+        reading (so that the connection can serve a next request): `discard_bytes_per_s` per
+        address, in bursts of DISCARD_BURST_FRAMES `max_frame_bytes` bodies. Beyond, the
+        connection is closed."""
+        bucket = self._discards.get(address)
+        if bucket is None:
+            if len(self._discards) >= DISCARD_BUDGETS_KEPT:
+                self._discards = {a: b for a, b in self._discards.items() if not b.full}
+            bucket = self._discards[address] = TokenBucket(self._discard_rate, self._discard_burst)
+        return bucket.take(size)
 
     @property
     def pending(self) -> int:
@@ -223,7 +238,7 @@ class HttpProtocol(_WatchedWrites, HttpToolsProtocol):
         self._in_flight = 0                       # this connection's requests counted by the guard
         self._body: BodyClock | None = None
         self._body_timer: asyncio.TimerHandle | None = None
-        self._keep_alive_once_read: bool | None = None   # the request's keep-alive, held until its body is read
+        self._answered = False                    # the request's response is complete
         self.stall = StallWatch(self, limits.write_stall_timeout_s)
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
@@ -251,40 +266,45 @@ class HttpProtocol(_WatchedWrites, HttpToolsProtocol):
             self._start_with(_too_many_requests)
             return
         self._in_flight += 1
-        declared = self._declared_body()
-        if declared != 0:
+        self._answered = False
+        if self._has_body():
             self._body = BodyClock(self.limits, self.loop.time())
             self._arm_body_timer()
         super().on_headers_complete()
         self.cycle.on_response = self._counted_response_complete
-        if declared is None or declared > DISCARDABLE_BODY_BYTES:
-            self._keep_alive_once_read, self.cycle.keep_alive = self.cycle.keep_alive, False
 
     def _counted_response_complete(self) -> None:
+        # A request answered before its body was read is in flight until the rest of its body
+        # has been dropped (with the body's own time bound): it holds the connection that long.
+        self._answered = True
+        if self._body is None:
+            self._request_done()
+        self.on_response_complete()
+
+    def _request_done(self) -> None:
         if self._in_flight:
             self._in_flight -= 1
             self.guard.end_request(self._address)
-        self.on_response_complete()
 
     def on_body(self, body: bytes) -> None:
         if self._body is not None:
             self._body.received += len(body)
+        if self._answered and not self.guard.may_discard(self._address, len(body)):
+            # Answered already: reading the rest only to drop it is free up to the address's
+            # budget; beyond, the connection is closed and the kernel drops what follows.
+            log.info("%s: dropping more of an answered request's body than its budget: closing", self.client)
+            self._end_body()
+            self.transport.close()
+            return
         super().on_body(body)
 
     def on_message_complete(self) -> None:
         self._end_body()
-        if self._keep_alive_once_read is not None and not self.cycle.response_complete:
-            self.cycle.keep_alive = self._keep_alive_once_read     # read whole: the next request may follow
-        self._keep_alive_once_read = None
+        if self._answered:
+            self._request_done()
         super().on_message_complete()
 
-    def shutdown(self) -> None:
-        if self._keep_alive_once_read:
-            self._keep_alive_once_read = False    # shutting down: no request may follow
-        super().shutdown()
-
     def on_response_complete(self) -> None:
-        self._end_body()                          # answered before its body was read
         if self.transport.get_write_buffer_size():
             self.stall.arm()                      # the client must still take it
         super().on_response_complete()
@@ -312,15 +332,13 @@ class HttpProtocol(_WatchedWrites, HttpToolsProtocol):
             self.app = served
         self.cycle.keep_alive = False             # what the client still sends is not read
 
-    def _declared_body(self) -> int | None:
-        """The request body's declared length (0: none), None when it is chunked (or unknown)."""
+    def _has_body(self) -> bool:
         for name, value in self.headers:
             if name == b"content-length":
-                value = value.strip()
-                return int(value) if value.isdigit() else None
+                return value.strip() not in (b"", b"0")
             if name == b"transfer-encoding":
-                return None
-        return 0
+                return True
+        return False
 
     # ---------------------------------------------------------------- time bounds
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from starlette.responses import JSONResponse
 
 from ..engine import ErrorKind, Refused
@@ -25,9 +27,16 @@ def error_response(status: int, code: str, message: str, headers: dict[str, str]
     return JSONResponse({"error": {"code": code, "message": message}}, status_code=status, headers=headers)
 
 
+def retry_headers(err: Refused) -> dict[str, str] | None:
+    """`Retry-After` (whole seconds, at least one) for a refusal that may pass later: the
+    refusal's own estimate where it has one (a full queue: the queue's measured pace)."""
+    if not err.kind.retryable:
+        return None
+    return {"Retry-After": str(max(1, math.ceil(err.retry_after_s))) if err.retry_after_s else "1"}
+
+
 def refused_response(err: Refused) -> JSONResponse:
-    headers = {"Retry-After": "1"} if err.kind.retryable else None
-    return error_response(HTTP_STATUS[err.kind], p.code_for(err.kind), err.message, headers)
+    return error_response(HTTP_STATUS[err.kind], p.code_for(err.kind), err.message, retry_headers(err))
 
 
 def unauthorized_response() -> JSONResponse:

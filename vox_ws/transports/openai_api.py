@@ -35,7 +35,7 @@ from ..service.events import Audio, Ended, Failed
 from . import protocol as p
 from .auth import is_authorized, origin_allowed, owner
 from .body import BodyTooLarge, read_body
-from .errors import HTTP_STATUS
+from .errors import HTTP_STATUS, retry_headers
 from .state import ServerState
 
 log = logging.getLogger("vox_ws.openai")
@@ -72,9 +72,7 @@ class OpenAIError(Exception):
 
     @classmethod
     def from_refused(cls, err: Refused, param: str | None = None) -> "OpenAIError":
-        status = HTTP_STATUS[err.kind]
-        headers = {"Retry-After": "1"} if err.kind.retryable else None
-        return cls(status, err.message, param, p.code_for(err.kind), headers)
+        return cls(HTTP_STATUS[err.kind], err.message, param, p.code_for(err.kind), retry_headers(err))
 
     def response(self) -> JSONResponse:
         body = {"error": {"message": self.message, "type": ERROR_TYPES.get(self.status, "invalid_request_error"),
@@ -347,8 +345,8 @@ class SpeechResponse(Response):
         if first is None:
             return                                       # closed: the client is gone
         if isinstance(first, Failed):
-            await OpenAIError.from_refused(Refused(first.kind, first.message)).response()({"type": "http"}, _no_receive,
-                                                                                          send)
+            refusal = Refused(first.kind, first.message, first.retry_after_s)
+            await OpenAIError.from_refused(refusal).response()({"type": "http"}, _no_receive, send)
             return
         await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
         started = time.monotonic()
@@ -394,8 +392,8 @@ def _sse(event: dict[str, Any]) -> bytes:
 
 
 def _usage(stats: dict[str, Any]) -> dict[str, Any]:
-    """OpenAI's usage fields, counted here in characters spoken and audio chunks sent."""
-    chars = sum(len(segment["text"]) for segment in stats.get("segments", []))
-    chunks = int(stats.get("chunks", 0))
-    return {"input_tokens": chars, "output_tokens": chunks, "total_tokens": chars + chunks,
-            "audio_s": stats.get("audio_s")}
+    """The stream's usage (characters taken in, audio sent, chunks), and OpenAI's token fields
+    for clients that read those: characters in, chunks out."""
+    usage = stats["usage"]
+    return {**usage, "input_tokens": usage["characters"], "output_tokens": usage["chunks"],
+            "total_tokens": usage["characters"] + usage["chunks"]}

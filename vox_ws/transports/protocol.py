@@ -69,11 +69,13 @@ MAX_ID_CHARS = 128
 class ProtocolError(Exception):
     """A request the server refuses; becomes one `error` message on the wire."""
 
-    def __init__(self, code: str, message: str, stream_id: str | None = None) -> None:
+    def __init__(self, code: str, message: str, stream_id: str | None = None,
+                 retry_after_s: float | None = None) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
         self.stream_id = stream_id
+        self.retry_after_s = retry_after_s
 
     @property
     def retryable(self) -> bool:
@@ -81,7 +83,7 @@ class ProtocolError(Exception):
 
     @classmethod
     def from_refused(cls, err: Refused, stream_id: str | None = None) -> "ProtocolError":
-        return cls(code_for(err.kind), err.message, stream_id)
+        return cls(code_for(err.kind), err.message, stream_id, err.retry_after_s)
 
 
 def code_for(kind: ErrorKind) -> str:
@@ -375,4 +377,6 @@ def error_message(err: ProtocolError) -> dict[str, Any]:
     msg: dict[str, Any] = {"type": "error", "code": err.code, "message": err.message, "retryable": err.retryable}
     if err.stream_id is not None:
         msg["id"] = err.stream_id
+    if err.retry_after_s is not None:
+        msg["retry_after_s"] = err.retry_after_s
     return msg

@@ -10,6 +10,34 @@ BUDGET_EXTENSION = "vox_ws.message_budget"
 CLOSE_AFTER_REFUSED = 200
 
 
+class TokenBucket:
+    """`rate` a second on average, in bursts up to `burst`."""
+
+    def __init__(self, rate: float, burst: float) -> None:
+        self.rate = rate
+        self.burst = burst
+        self._tokens = burst
+        self._at = time.monotonic()
+
+    def take(self, amount: float = 1.0) -> bool:
+        """Whether `amount` more is within the budget (and if so, it is taken)."""
+        self._refill()
+        if self._tokens >= amount:
+            self._tokens -= amount
+            return True
+        return False
+
+    @property
+    def full(self) -> bool:
+        self._refill()
+        return self._tokens >= self.burst
+
+    def _refill(self) -> None:
+        now = time.monotonic()
+        self._tokens = min(self.burst, self._tokens + (now - self._at) * self.rate)
+        self._at = now
+
+
 class MessageBudget:
     """A token bucket: `rate` messages a second on average, bursts up to twice that.
 
@@ -19,18 +47,11 @@ class MessageBudget:
     server a pong to write, so a ping flood is a message flood."""
 
     def __init__(self, rate: float) -> None:
-        self.rate = rate
-        self.burst = max(1.0, 2 * rate)
-        self._tokens = self.burst
-        self._at = time.monotonic()
+        self._bucket = TokenBucket(rate, max(1.0, 2 * rate))
         self.refused_in_a_row = 0
 
     def take(self) -> bool:
-        now = time.monotonic()
-        self._tokens = min(self.burst, self._tokens + (now - self._at) * self.rate)
-        self._at = now
-        if self._tokens >= 1.0:
-            self._tokens -= 1.0
+        if self._bucket.take():
             self.refused_in_a_row = 0
             return True
         self.refused_in_a_row += 1

@@ -66,6 +66,14 @@ class ServerState:
             return "draining"
         return status
 
+    def features(self) -> list[str]:
+        """What this server can do, as `hello.features` and `/v1/info` name it."""
+        engine = self.service.engine
+        return (["input_streaming", "segment_events", "speed", "lookahead", "usage", "retry_after"]
+                + (["voice_cloning"] if engine.supports_voices else [])
+                + (["instructions"] if engine.follows_instructions(None) else [])
+                + (["word_timestamps"] if engine.word_timings else []))
+
     def info(self) -> dict[str, Any]:
         devices = self.service.devices
         stats = devices.stats()
@@ -78,6 +86,7 @@ class ServerState:
             "device": ",".join(engine.device for engine in devices.engines),
             "voice_store": self.service.store.describe(),
             "voices": self.service.voices() if status == "ready" else [],
+            "features": self.features(),
             "sessions": len(self.sessions),
             "streams_open": self.service.open_streams,
             **stats,

@@ -1,0 +1,198 @@
+"""What agents are told of their use and of when to come back: `usage` at the end of every
+stream (protocol v1's `end`, OpenAI's SSE `speech.audio.done`) adding up to what the client
+received; usage per owner in /metrics, hashed and bounded; retry hints (`retry_after_s`,
+`Retry-After`) computed from the queue's measured pace, shrinking as the queue moves."""
+
+from __future__ import annotations
+
+import base64
+import json
+import math
+
+import httpx
+import pytest
+from conftest import assert_good_stream, bytes_to_pcm, connect_client, wait_until
+
+from vox_ws.engines.piper import PiperEngine
+from vox_ws.metrics import MAX_OWNER_SERIES, Metrics
+from vox_ws.scheduler import MAX_RETRY_AFTER_S, MIN_RETRY_AFTER_S, QueuePace
+from vox_ws.service.voice_store import owner_key
+from vox_ws.testing.tone import ToneEngine
+
+TEXT = "Usage adds up. It counts what was sent."
+
+
+def chunk_seconds(chunks: list[dict], fmt: str, rate: int) -> float:
+    return sum(len(bytes_to_pcm(c["audio"], fmt)) for c in chunks) / rate
+
+
+def assert_usage_is_what_was_received(result, characters: int) -> None:
+    usage = result.end["usage"]
+    assert usage["characters"] == characters
+    assert usage["chunks"] == len(result.chunks)
+    sent = chunk_seconds(result.chunks, result.start["format"], result.start["sample_rate"])
+    assert abs(usage["audio_s"] - sent) < 1e-3
+
+
+def metric(server, name: str, owner: str) -> float:
+    status, text = server.get("/metrics")
+    assert status == 200
+    for line in text.splitlines():
+        if line.startswith(f'{name}{{owner="{owner}"}}'):
+            return float(line.split()[-1])
+    return 0.0
+
+
+@pytest.fixture(scope="module")
+def piper(start_server):
+    return start_server(PiperEngine(), max_batch=2)
+
+
+async def test_usage_over_v1_adds_up_for_one_shot_streamed_and_cancelled_text(piper):
+    owner = owner_key("address:127.0.0.1")
+    characters_before = metric(piper, "voxws_owner_characters_total", owner)
+    audio_before = metric(piper, "voxws_owner_audio_seconds_total", owner)
+    async with connect_client(piper) as c:
+        one_shot = await c.speak(TEXT, "one")
+        assert_good_stream(one_shot)
+        assert_usage_is_what_was_received(one_shot, len(TEXT))
+
+        pieces = ["Streamed in ", "three pieces, ", "then ended."]
+        await c.send({"type": "start", "id": "in", "stream_input": True})
+        for piece in pieces:
+            await c.send({"type": "chunk", "id": "in", "text": piece})
+        await c.send({"type": "end", "id": "in"})
+        streamed = await c.collect("in")
+        assert_good_stream(streamed)
+        assert_usage_is_what_was_received(streamed, sum(map(len, pieces)))
+
+        # Cancelled at its first chunk: usage is what was sent, not what was generated.
+        long_text = "A long text that will be cut off at its first chunk, long before its end. " * 8
+        await c.send({"type": "start", "id": "cut", "text": long_text})
+        first = await c.recv_where(lambda m: m["type"] == "chunk" and m["id"] == "cut")
+        await c.send({"type": "cancel", "id": "cut"})
+        cut = await c.collect("cut")
+        cut.chunks.insert(0, first)
+        assert cut.end["reason"] == "cancelled"
+        assert_usage_is_what_was_received(cut, len(long_text))
+        assert cut.end["usage"]["audio_s"] == cut.end["heard"]["audio_s"]
+    # Per owner in /metrics: the address, hashed.
+    used = one_shot.end["usage"], streamed.end["usage"], cut.end["usage"]
+    assert metric(piper, "voxws_owner_characters_total", owner) - characters_before == sum(u["characters"]
+                                                                                            for u in used)
+    assert metric(piper, "voxws_owner_audio_seconds_total", owner) - audio_before == \
+        pytest.approx(sum(u["audio_s"] for u in used), abs=1e-3)
+
+
+def test_usage_in_openais_sse_done_event_adds_up(piper):
+    import openai
+
+    client = openai.OpenAI(base_url=piper.http + "/v1", api_key="unused", max_retries=0)
+    deltas, done = [], None
+    with client.audio.speech.with_streaming_response.create(model="tts-1", voice="alloy", input=TEXT,
+                                                            response_format="pcm", stream_format="sse") as response:
+        for line in response.iter_lines():
+            if line.startswith("data: "):
+                event = json.loads(line[6:])
+                if event["type"] == "speech.audio.delta":
+                    deltas.append(base64.b64decode(event["audio"]))
+                elif event["type"] == "speech.audio.done":
+                    done = event
+    usage = done["usage"]
+    assert usage["characters"] == len(TEXT) and usage["chunks"] == len(deltas)
+    assert usage["audio_s"] == pytest.approx(sum(len(d) for d in deltas) / 2 / 24_000, abs=1e-3)
+    assert usage["input_tokens"] == len(TEXT) and usage["total_tokens"] == usage["input_tokens"] + usage["output_tokens"]
+
+
+async def test_usage_on_the_tiny_voxcpm(start_server, tiny_model):
+    from vox_ws.engines.voxcpm.engine import VoxCPMEngine
+
+    server = start_server(VoxCPMEngine(model=str(tiny_model), device="cpu", max_batch=2), max_batch=2)
+    async with connect_client(server) as c:
+        result = await c.speak(TEXT, "v", options={"max_len": 6})
+        assert result.end["reason"] == "max_len"
+        assert_usage_is_what_was_received(result, len(TEXT))
+
+
+def test_usage_series_per_owner_are_bounded():
+    metrics = Metrics()
+    for n in range(MAX_OWNER_SERIES + 10):
+        metrics.count_usage(f"owner-{n}", 10, 1.0)
+    text = metrics.exposition().decode()
+    series = [line for line in text.splitlines() if line.startswith("voxws_owner_characters_total{")]
+    assert len(series) == MAX_OWNER_SERIES + 1
+    assert 'voxws_owner_characters_total{owner="other"} 100.0' in series
+
+
+# ------------------------------------------------------------------ retry hints
+
+
+def test_the_pace_says_when_the_next_slot_frees_and_how_long_each_place_after_takes():
+    pace = QueuePace()
+    assert pace.wait_s([0.2], slots=1) == pytest.approx(QueuePace.UNMEASURED_HOLD_S - 0.2)
+    for held in (4.0, 4.0):
+        pace.observe(held)
+    assert pace.hold_s == 4.0 and pace.observed == 2
+    pace.observe(9.0)                                     # a moving mean: a fifth of the newest
+    assert pace.hold_s == pytest.approx(5.0)
+    # Two slots held 1 s and 3 s: the second frees in 2 s; two places after it take 5 s each
+    # over two slots.
+    assert pace.wait_s([1.0, 3.0], slots=2) == pytest.approx(2.0)
+    assert pace.wait_s([1.0, 3.0], slots=2, after=2) == pytest.approx(7.0)
+    assert pace.wait_s([1.0], slots=2) == MIN_RETRY_AFTER_S         # a slot is free now
+    assert pace.wait_s([9.0], slots=1) == MIN_RETRY_AFTER_S         # overdue: any moment
+    assert pace.wait_s([0.0], slots=1, after=100) == MAX_RETRY_AFTER_S
+
+
+async def test_busy_refusals_carry_a_retry_hint_from_the_queues_pace_that_shrinks_as_it_moves(start_server):
+    # One slot, one queue place. The holder reads nothing, so its stream (of a text far longer
+    # than what the socket buffers hold) keeps the slot until the test ends it: no keepalive,
+    # stall or queue-wait limit is in reach.
+    server = start_server(ToneEngine(max_batch=1), max_batch=1, max_queue=1, write_stall_timeout_s=600,
+                          ping_interval=None, max_queue_wait_s=None)
+    scheduler = server.scheduler.schedulers[0]
+    async with connect_client(server) as c:
+        assert_good_stream(await c.speak("Measured first.", "first"))        # a hold is measured
+    await wait_until(lambda: scheduler.pace.observed >= 1)
+    assert scheduler.stats()["slot_hold_s"] is not None
+    scheduler.pace.hold_s = 30.0          # a pace the checks below can tell from their own time
+    async with connect_client(server) as holder, connect_client(server) as c:
+        await holder.send({"type": "start", "id": "hold", "text": "x" * 4000})
+        await wait_until(lambda: scheduler.stats()["active"] == 1)
+        await c.send({"type": "start", "id": "waits", "text": "I wait in the queue."})
+        queued = await c.recv_where(lambda m: m["type"] == "start")
+        assert queued["queued"] == 1
+        before = scheduler.retry_after_s()
+        await c.send({"type": "start", "id": "refused", "text": "No room for me."})
+        refused = await c.error("refused")
+        after = scheduler.retry_after_s()
+        assert refused["code"] == "busy" and refused["retryable"] is True
+        # The slot frees when the holder has held it 30 s, so the hint is what is left of that.
+        assert after <= refused["retry_after_s"] <= before < 30.0
+        # As the holder's time passes, the hint shrinks.
+        await wait_until(lambda: scheduler.retry_after_s() < refused["retry_after_s"])
+        await c.send({"type": "start", "id": "later", "text": "Nor for me."})
+        later = await c.error("later")
+        assert later["retry_after_s"] < refused["retry_after_s"]
+        # HTTP says the same in whole seconds.
+        before = scheduler.retry_after_s()
+        async with httpx.AsyncClient(timeout=60) as http:
+            full = await http.post(server.http + "/v1/audio/speech", json={"input": "Over HTTP.", "voice": "tone"})
+        after = scheduler.retry_after_s()
+        assert full.status_code == 429 and full.json()["error"]["code"] == "busy"
+        assert math.ceil(after) <= int(full.headers["Retry-After"]) <= math.ceil(before)
+        await holder.send({"type": "cancel", "id": "hold"})
+        waited = await c.collect("waits")
+        waited.start = queued
+        assert_good_stream(waited)
+
+
+def test_a_voice_store_that_is_down_and_a_loading_engine_say_when_to_retry():
+    from vox_ws.scheduler import LOADING_RETRY_AFTER_S, Scheduler
+    from vox_ws.service.voice_store import STORE_RETRY_AFTER_S, StoreUnavailable
+
+    assert StoreUnavailable("put", OSError("refused")).retry_after_s == STORE_RETRY_AFTER_S
+    loading = Scheduler(ToneEngine())
+    assert loading.not_ready_retry_s() == LOADING_RETRY_AFTER_S
+    loading.status = "failed"
+    assert loading.not_ready_retry_s() is None          # trying again will not help
