@@ -38,15 +38,18 @@ from .transports import protocol as p
 
 
 class VoxError(Exception):
-    """A protocol error from the server. `code` is the protocol's error code."""
+    """A protocol error from the server. `code` is the protocol's error code; `retry_after_s`
+    the server's estimate of when the same request may pass (`busy`, `not_ready`), if any."""
 
     code = "error"
 
-    def __init__(self, message: str, stream_id: str | None = None, retryable: bool = False) -> None:
+    def __init__(self, message: str, stream_id: str | None = None, retryable: bool = False,
+                 retry_after_s: float | None = None) -> None:
         super().__init__(message)
         self.message = message
         self.stream_id = stream_id
         self.retryable = retryable
+        self.retry_after_s = retry_after_s
 
 
 def _error_class(code: str) -> type[VoxError]:
@@ -90,7 +93,8 @@ def error_from(message: dict[str, Any]) -> VoxError:
         return ConnectionLost(message.get("message", ""), message.get("id"), bool(message.get("retryable")),
                               close_code=message.get("close_code"))
     cls = ERRORS.get(message.get("code", ""), VoxError)
-    return cls(message.get("message", ""), message.get("id"), bool(message.get("retryable")))
+    return cls(message.get("message", ""), message.get("id"), bool(message.get("retryable")),
+               message.get("retry_after_s"))
 
 
 class Stream:

@@ -208,7 +208,8 @@ def _api_errors() -> Iterator[None]:
     except (ConnectionLost, OSError) as e:
         raise APIConnectionError(f"vox-ws: {e}") from None
     except VoxError as e:
-        raise APIError(f"vox-ws {e.code}: {e.message}", retryable=e.retryable) from None
+        hint = f" (retry after {e.retry_after_s:g}s)" if e.retry_after_s is not None else ""
+        raise APIError(f"vox-ws {e.code}: {e.message}{hint}", retryable=e.retryable) from None
 
 
 def _emit(output_emitter: tts.AudioEmitter, message: dict[str, Any]) -> None:

@@ -192,7 +192,7 @@ class VoxWSTTSService(WebsocketTTSService):
         elif kind == "error":
             if context_id in self._open or self.audio_context_available(context_id):
                 self._open.discard(context_id)
-                error = f"vox-ws {message.get('code')}: {message.get('message')}"
+                error = _describe_error(message)
                 if self.audio_context_available(context_id):
                     await self.append_to_audio_context(context_id, ErrorFrame(error=error))
                     await self.append_to_audio_context(context_id, TTSStoppedFrame(context_id=context_id))
@@ -200,7 +200,7 @@ class VoxWSTTSService(WebsocketTTSService):
                 else:
                     await self.push_error(error_msg=error)
             else:
-                await self.push_error(error_msg=f"vox-ws {message.get('code')}: {message.get('message')}")
+                await self.push_error(error_msg=_describe_error(message))
         # start, segment, flushed: nothing for Pipecat
 
     # ------------------------------------------------------------------ Pipecat -> server
@@ -257,3 +257,8 @@ class VoxWSTTSService(WebsocketTTSService):
             except (ConnectionError, OSError) as e:
                 logger.warning(f"{self}: cannot cancel {context_id}: {e}")
         await super().on_audio_context_interrupted(context_id)
+
+
+def _describe_error(message: dict) -> str:
+    hint = message.get("retry_after_s")
+    return f"vox-ws {message.get('code')}: {message.get('message')}" + (f" (retry after {hint:g}s)" if hint else "")
