@@ -125,14 +125,14 @@ class _Sink:
     def __init__(self, job: Job, rate: int, events: queue.Queue) -> None:
         self.job, self.rate, self.events = job, rate, events
 
-    def deliver(self, pcm: np.ndarray, words=None) -> None:
+    def deliver(self, pcm: np.ndarray, words=None, phonemes=None) -> None:
         self.job.chunks.append((time.perf_counter(), len(pcm) / self.rate))
 
     def finish(self, reason) -> None:
         self.job.done_at = time.perf_counter()
         self.events.put(self.job)
 
-    def fail(self, kind, message: str) -> None:
+    def fail(self, kind, message: str, retry_after_s=None) -> None:
         print(f"request failed: {kind.value}: {message}", file=sys.stderr)
         self.finish("error")
 

@@ -1,5 +1,6 @@
-"""True word timings: Piper's durations, per word, over protocol v1 (`words` messages), and their
-absence where an engine has none (the tone engine here, VoxCPM2 in production)."""
+"""True word and phoneme timings: Piper's durations, per word and per phoneme, over protocol v1
+(`words` and `phonemes` messages), and their absence where an engine has none (the tone engine
+here, VoxCPM2 in production)."""
 
 from __future__ import annotations
 
@@ -8,14 +9,15 @@ import threading
 import pytest
 
 from conftest import WAIT_TIMEOUT, connect_client
-from vox_ws.engines.piper_words import NO_WORD, text_words, word_owners, word_spans
+from vox_ws.engines.piper_words import NO_WORD, phoneme_spans, text_words, word_owners, word_spans
 from vox_ws.testing.tone import ToneEngine
 
 TEXT = "Hello there, my friend. It is 1999 and I want to go to the shop."
 
 
-async def read_stream(c, sid: str) -> tuple[list[dict], list[dict], list[dict], dict]:
-    """A stream's words, segments and chunks, and its `end` (or `error`)."""
+async def read_stream(c, sid: str, phonemes: list | None = None) -> tuple[list[dict], list[dict], list[dict], dict]:
+    """A stream's words, segments and chunks, and its `end` (or `error`); its phonemes into
+    `phonemes`, if given."""
     words, segments, chunks = [], [], []
     while True:
         message = await c.recv_where(lambda m: m.get("id") == sid)
@@ -24,6 +26,9 @@ async def read_stream(c, sid: str) -> tuple[list[dict], list[dict], list[dict], 
             return words, segments, chunks, message
         if kind == "words":
             words.extend(message["words"])
+        elif kind == "phonemes":
+            assert phonemes is not None, "phonemes sent unasked"
+            phonemes.extend(message["phonemes"])
         elif kind == "segment":
             segments.append(message)
         elif kind == "chunk":
@@ -142,13 +147,40 @@ async def test_a_cancel_reports_the_words_heard_of_the_cut_segment(piper_server)
 async def test_an_engine_without_word_timings_says_so_and_sends_none(start_server):
     server = start_server(ToneEngine())
     async with connect_client(server) as c:
-        assert "word_timestamps" not in c.hello["features"]
-        await c.send({"type": "start", "id": "t", "text": "No times here.", "format": "s16", "word_timestamps": True})
+        assert "word_timestamps" not in c.hello["features"] and "phoneme_timestamps" not in c.hello["features"]
+        await c.send({"type": "start", "id": "t", "text": "No times here.", "format": "s16", "word_timestamps": True,
+                      "phoneme_timestamps": True})
         start = await c.recv_where(lambda m: m["type"] == "start")
-        assert "word_timestamps" in start["ignored_options"]
+        assert {"word_timestamps", "phoneme_timestamps"} <= set(start["ignored_options"])
         result = await c.collect("t")
     assert result.end["reason"] == "done"
-    assert not [m for m in c.log if m[0] == "words"]
+    assert not [m for m in c.log if m[0] in ("words", "phonemes")]
+
+
+async def test_phoneme_times_lie_inside_their_words_in_order(piper_server):
+    async with connect_client(piper_server) as c:
+        assert "phoneme_timestamps" in c.hello["features"]
+        await c.send({"type": "start", "id": "p", "text": TEXT, "format": "s16", "word_timestamps": True,
+                      "phoneme_timestamps": True, "speed": 1.25})
+        phonemes: list[dict] = []
+        words, _, _, end = await read_stream(c, "p", phonemes)
+    assert end["type"] == "end" and end["reason"] == "done"
+    assert len(phonemes) > 3 * len(words)
+    assert all(p["phoneme"] and p["phoneme"] not in " ˈˌ.,!?" for p in phonemes)
+    for a, b in zip(phonemes, phonemes[1:]):
+        assert a["start_s"] < a["end_s"] <= b["start_s"] + 1e-3
+    assert phonemes[-1]["end_s"] <= end["audio_s"] + 1e-3          # scaled with the speed, as words are
+    # Every phoneme lies inside one word, and every word has phonemes.
+    inside = [[p for p in phonemes if w["start_s"] - 1e-3 <= p["start_s"] and p["end_s"] <= w["end_s"] + 1e-3]
+              for w in words]
+    assert all(inside) and sum(map(len, inside)) == len(phonemes)
+
+
+def test_phoneme_spans_give_stress_to_the_next_phoneme_and_no_time_to_pauses():
+    phonemes = ["h", "ə", "l", "ˈ", "o", "ʊ", " ", ",", "w"]
+    samples = [10, 20, 30, 5, 40, 50, 60, 70, 80]
+    assert phoneme_spans(phonemes, 100, samples) == [
+        ("h", 100, 110), ("ə", 110, 130), ("l", 130, 160), ("o", 160, 205), ("ʊ", 205, 255), ("w", 385, 465)]
 
 
 def test_words_are_matched_to_phonemes_even_where_espeak_merges_or_splits_them():

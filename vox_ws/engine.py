@@ -123,7 +123,8 @@ def type_name(value: Any) -> str:
 class RequestSink(Protocol):
     """Where a request's results go. Called from the scheduler thread; must not block."""
 
-    def deliver(self, pcm: np.ndarray, words: list[tuple[str, int, int]] | None = None) -> None: ...
+    def deliver(self, pcm: np.ndarray, words: list[tuple[str, int, int]] | None = None,
+                phonemes: list[tuple[str, int, int]] | None = None) -> None: ...
 
     def finish(self, reason: EndReason) -> None: ...
 
@@ -186,6 +187,8 @@ class StepResult:
     # The words spoken in `audio`, where the engine knows when: (word, first sample, end sample)
     # counted from the start of `audio`, at the engine's rate.
     words: list[tuple[str, int, int]] | None = None
+    # The same for each phoneme (IPA), where the engine knows (`Engine.phoneme_timings`).
+    phonemes: list[tuple[str, int, int]] | None = None
 
 
 # --------------------------------------------------------------------------- the interface
@@ -219,6 +222,8 @@ class Engine(ABC):
     # Whether steps report when each word is spoken (`StepResult.words`), from the model's own
     # durations; engines that cannot know do not guess.
     word_timings: bool = False
+    # Whether steps report when each phoneme is spoken (`StepResult.phonemes`), likewise.
+    phoneme_timings: bool = False
     # The languages its voices speak (BCP 47-ish tags, for front doors that list voices by
     # language: Wyoming); empty where unknown.
     languages: tuple[str, ...] = ()

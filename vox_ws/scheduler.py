@@ -395,7 +395,7 @@ class Scheduler:
                 if request.cancelled:
                     continue
                 if result.audio is not None and result.audio.size:
-                    request.sink.deliver(result.audio, result.words)
+                    request.sink.deliver(result.audio, result.words, result.phonemes)
                 if result.finished is not None:
                     finished.append((request, result.finished))
             if finished:

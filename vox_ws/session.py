@@ -22,7 +22,7 @@ from typing import Any
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from .engine import ErrorKind, Refused
-from .service import Audio, AudioOutput, Ended, Failed, Flushed, Segment, Stream, Words
+from .service import Audio, AudioOutput, Ended, Failed, Flushed, Phonemes, Segment, Stream, Words
 from .transports import protocol as p
 from .transports.rate import BUDGET_EXTENSION, MessageBudget
 from .transports.state import ServerState
@@ -196,7 +196,8 @@ class Session:
                 start.text if (start.text or not start.stream_input) else None, voice=start.voice,
                 options=start.options, output=AudioOutput(start.format, start.sample_rate, start.speed, start.lookahead_s),
                 input_streaming=start.stream_input, log_fields={"session": self.number, "id": sid},
-                owners=self._owners, instructions=start.instructions, word_timestamps=start.word_timestamps)
+                owners=self._owners, instructions=start.instructions, word_timestamps=start.word_timestamps,
+                phoneme_timestamps=start.phoneme_timestamps)
         except Refused as err:
             raise p.ProtocolError.from_refused(err, sid) from None
         reply: dict[str, Any] = {"type": "start", "id": sid, "sample_rate": stream.sample_rate,
@@ -208,6 +209,8 @@ class Session:
             ignored.append("instructions")
         if start.word_timestamps and not stream.word_timestamps:
             ignored.append("word_timestamps")
+        if start.phoneme_timestamps and not stream.phoneme_timestamps:
+            ignored.append("phoneme_timestamps")
         if ignored:
             reply["ignored_options"] = ignored
         entry = _OpenStream(sid, start, stream)
@@ -298,6 +301,9 @@ class Session:
                 elif isinstance(event, Words):
                     frame = p.encode({"type": "words", "id": sid, "words": [
                         {"word": w.word, "start_s": w.start_s, "end_s": w.end_s} for w in event.words]})
+                elif isinstance(event, Phonemes):
+                    frame = p.encode({"type": "phonemes", "id": sid, "phonemes": [
+                        {"phoneme": ph.phoneme, "start_s": ph.start_s, "end_s": ph.end_s} for ph in event.phonemes]})
                 elif isinstance(event, Flushed):
                     frame = p.encode({"type": "flushed", "id": sid, "audio_s": event.audio_s})
                 elif isinstance(event, Ended):

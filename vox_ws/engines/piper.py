@@ -13,12 +13,11 @@ import logging
 import re
 from dataclasses import dataclass, field
 
-import numpy as np
 
 from ..engine import EndReason, Engine, GenerationRequest, OptionSpec, StepResult
 from ..text import segment
 from . import EnginePlugin
-from .piper_words import word_spans
+from .piper_words import NO_WORD, phoneme_spans, word_spans
 from .piper_worker import Piece, PiperWorker
 
 log = logging.getLogger("vox_ws.engines.piper")
@@ -50,8 +49,10 @@ class _PiperState:
     steps_cap: int | None = None          # segments spoken at most
     words: list[str] = field(default_factory=list)          # the current segment's words
     pieces: list[Piece] = field(default_factory=list)       # the current segment's, not yet spoken
-    last_word: int = -1                   # the last word whose time was given (a word cut in two
-                                          # pieces is given once, where it starts)
+    last_word: int = -1                   # the last word whose time was given
+    # A word cut in two pieces is given once, with its last piece: (index, first sample, end
+    # sample) so far, counted from the start of the next piece's audio.
+    held: tuple[int, int, int] | None = None
 
 
 class PiperEngine(Engine):
@@ -72,7 +73,7 @@ class PiperEngine(Engine):
         self._worker = PiperWorker(self._threads)
         self._worker.start()
         self.sample_rate = self._worker.sample_rate
-        self.word_timings = self._worker.word_timings
+        self.word_timings = self.phoneme_timings = self._worker.word_timings
 
     def close(self) -> None:
         if self._worker is not None:
@@ -107,24 +108,38 @@ class PiperEngine(Engine):
             state.next_index += 1
         if not state.pieces:
             return [StepResult(finished=EndReason.DONE)]
-        audio, words = self._speak(state, *state.pieces.pop(0))
+        result = self._speak(state, *state.pieces.pop(0))
         if not state.pieces and state.next_index >= len(state.segments):
-            return [StepResult(audio=audio, words=words, finished=EndReason.DONE)]
-        if not state.pieces and state.steps_cap is not None and state.next_index >= state.steps_cap:
-            return [StepResult(audio=audio, words=words, finished=EndReason.MAX_LEN)]
-        return [StepResult(audio=audio, words=words)]
+            result.finished = EndReason.DONE
+        elif not state.pieces and state.steps_cap is not None and state.next_index >= state.steps_cap:
+            result.finished = EndReason.MAX_LEN
+        return [result]
 
-    def _speak(self, state: _PiperState, phonemes: list[str],
-               owners: list[int]) -> tuple[np.ndarray, list[tuple[str, int, int]] | None]:
+    def _speak(self, state: _PiperState, phonemes: list[str], owners: list[int]) -> StepResult:
         audio, alignment = self._worker.speak(phonemes)
         if alignment is None:
-            return audio, None
+            return StepResult(audio=audio)
+        spans = [(index, start, min(end, len(audio))) for index, start, end in word_spans(owners, *alignment)]
+        held, state.held = state.held, None
+        if held is not None:
+            if spans and spans[0][0] == held[0]:
+                spans[0] = (held[0], held[1], spans[0][2])
+            else:
+                spans.insert(0, held)
+        if spans and state.pieces and _first_word(state.pieces[0][1]) == spans[-1][0]:
+            index, start, end = spans.pop()               # it goes on in the next piece
+            state.held = (index, start - len(audio), end - len(audio))
         words = []
-        for index, start, end in word_spans(owners, *alignment):
+        for index, start, end in spans:
             if index > state.last_word:
-                words.append((state.words[index], start, min(end, len(audio))))
+                words.append((state.words[index], start, end))
                 state.last_word = index
-        return audio, words
+        spoken = [(ph, start, min(end, len(audio))) for ph, start, end in phoneme_spans(phonemes, *alignment)]
+        return StepResult(audio=audio, words=words, phonemes=spoken)
+
+
+def _first_word(owners: list[int]) -> int:
+    return next((owner for owner in owners if owner != NO_WORD), NO_WORD)
 
 
 def _probe(settings: dict) -> tuple[bool, str]:

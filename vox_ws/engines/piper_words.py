@@ -85,6 +85,24 @@ def phoneme_samples(phonemes: Sequence[str], id_samples: Sequence[int], id_map: 
     return lead, samples
 
 
+def phoneme_spans(phonemes: Sequence[str], lead: int, samples: Sequence[int]) -> list[tuple[str, int, int]]:
+    """(phoneme, first sample, end sample) of each phoneme that is a sound, in order: a stress
+    mark's time goes to the phoneme after it; spaces and punctuation (pauses) are none."""
+    spans: list[tuple[str, int, int]] = []
+    position = lead
+    stress_from: int | None = None
+    for phoneme, count in zip(phonemes, samples):
+        if phoneme in "ˈˌ":
+            stress_from = position if stress_from is None else stress_from
+        elif phoneme not in _MARKS and count > 0:
+            spans.append((phoneme, position if stress_from is None else stress_from, position + count))
+            stress_from = None
+        elif phoneme in _MARKS:
+            stress_from = None
+        position += count
+    return spans
+
+
 def word_spans(owners: Sequence[int], lead: int, samples: Sequence[int]) -> list[tuple[int, int, int]]:
     """(word index, first sample, end sample) of each word spoken in a piece, in order."""
     spans: list[tuple[int, int, int]] = []

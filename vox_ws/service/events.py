@@ -52,6 +52,23 @@ class Words:
 
 
 @dataclass(frozen=True, slots=True)
+class Phoneme:
+    """One phoneme (IPA) and when it is spoken in the output audio (seconds)."""
+
+    phoneme: str
+    start_s: float
+    end_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class Phonemes:
+    """Phonemes whose audio has just been yielded, with their times (for lip-sync): given only
+    for streams that asked for them, by engines that know them (`Engine.phoneme_timings`)."""
+
+    phonemes: tuple[Phoneme, ...]
+
+
+@dataclass(frozen=True, slots=True)
 class Flushed:
     """The audio of all the text sent before a `flush()` has been yielded."""
 
@@ -76,4 +93,4 @@ class Failed:
     retry_after_s: float | None = None     # when the same request may pass, where that is known
 
 
-Event = Union[Audio, Segment, Words, Flushed, Ended, Failed]
+Event = Union[Audio, Segment, Words, Phonemes, Flushed, Ended, Failed]

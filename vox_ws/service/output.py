@@ -20,7 +20,7 @@ import numpy as np
 
 from ..codecs import Encoded, OutputPipeline
 from ..engine import EndReason
-from .events import Audio, Ended, Event, Failed, Flushed, Segment, Word, Words
+from .events import Audio, Ended, Event, Failed, Flushed, Phoneme, Phonemes, Segment, Word, Words
 
 
 class EncodedOutput:
@@ -51,6 +51,9 @@ class EncodedOutput:
             return [replace(event, start_s=self._scaled(event.start_s), end_s=self._scaled(event.end_s))]
         if isinstance(event, Words):
             return [Words(tuple(Word(w.word, self._scaled(w.start_s), self._scaled(w.end_s)) for w in event.words))]
+        if isinstance(event, Phonemes):
+            return [Phonemes(tuple(Phoneme(p.phoneme, self._scaled(p.start_s), self._scaled(p.end_s))
+                                   for p in event.phonemes))]
         if isinstance(event, Flushed):
             return [Flushed(self._scaled(event.audio_s))]
         return [event]

@@ -95,7 +95,7 @@ class StreamService:
                     options: dict[str, Any] | None = None, output: AudioOutput = AudioOutput(),
                     input_streaming: bool = False, log_fields: dict[str, Any] | None = None,
                     owners: tuple[str, ...] = (), instructions: str | None = None,
-                    word_timestamps: bool = False) -> Stream:
+                    word_timestamps: bool = False, phoneme_timestamps: bool = False) -> Stream:
         """Open a stream and start generating.
 
         `text` a string: say it (with `input_streaming`, it is the first piece and more may
@@ -104,7 +104,8 @@ class StreamService:
         clients the stream is for, broadest first (its token or address, its connection),
         among which the scheduler shares its slots fairly. `instructions` describe the voice or
         style in words, where the engine follows them (`ignores_instructions`). `word_timestamps`
-        asks for `Words` events, where the engine knows word times (`Engine.word_timings`). A one-shot text
+        asks for `Words` events, where the engine knows word times (`Engine.word_timings`), and
+        `phoneme_timestamps` for `Phonemes` events likewise (`Engine.phoneme_timings`). A one-shot text
         too long for one generation is spoken in pieces, each continuing the one before.
         Raises `Refused`.
         """
@@ -138,7 +139,8 @@ class StreamService:
                             text_chars=len(text) if isinstance(text, str) and not input_streaming else 0,
                             voice_pin=voice_pin,
                             owners=owners, instructions=instructions,
-                            word_timestamps=word_timestamps and self.engine.word_timings)
+                            word_timestamps=word_timestamps and self.engine.word_timings,
+                            phoneme_timestamps=phoneme_timestamps and self.engine.phoneme_timings)
             if from_store:
                 # Fetched (and built) first; what the stream says waits for it.
                 stream.after_voice(self.ensure_voice(voice), text if not input_streaming else None)

@@ -35,7 +35,7 @@ from ..engine import EndReason, ErrorKind, GenerationRequest, Refused
 from ..metrics import Metrics
 from ..scheduler import Scheduler
 from ..text import StreamSegmenter
-from .events import Audio, Ended, Event, Failed, Flushed, Segment, Word, Words
+from .events import Audio, Ended, Event, Failed, Flushed, Phoneme, Phonemes, Segment, Word, Words
 from .handoff import LoopMailbox
 from .output import EncodedOutput
 from .voice_store import owner_key
@@ -129,7 +129,7 @@ class Stream:
                  options: dict[str, Any],
                  output: AudioOutput, input_streaming: bool, log_fields: dict[str, Any], text_chars: int = 0,
                  voice_pin: Any = None, owners: tuple[str, ...] = (), instructions: str | None = None,
-                 word_timestamps: bool = False) -> None:
+                 word_timestamps: bool = False, phoneme_timestamps: bool = False) -> None:
         engine = scheduler.engine
         self._service = service
         self.scheduler = scheduler                # its device's: every request of it goes there
@@ -153,6 +153,7 @@ class Stream:
         self.encoder = StreamEncoder(engine.sample_rate, self.sample_rate,
                                      "f32" if self._output is not None else output.format)
         self.word_timestamps = word_timestamps
+        self.phoneme_timestamps = phoneme_timestamps
         self._engine_samples = 0                 # delivered so far, at the engine's rate (scheduler thread)
         self._timed_words: list[Word] = []       # every word time yielded (for `heard`)
         self._ready: deque[Event] = deque()      # encoded output not yet handed over
@@ -361,7 +362,8 @@ class Stream:
 
     # ------------------------------------------------------------------ RequestSink (scheduler thread)
 
-    def deliver(self, pcm: np.ndarray, words: list[tuple[str, int, int]] | None = None) -> None:
+    def deliver(self, pcm: np.ndarray, words: list[tuple[str, int, int]] | None = None,
+                phonemes: list[tuple[str, int, int]] | None = None) -> None:
         # An engine may hand over many seconds at once (Piper: a whole sentence); a chunk
         # carries at most MAX_CHUNK_S, so that a paced reader's progress is visible chunk by
         # chunk and no frame holds the socket for long.
@@ -378,6 +380,10 @@ class Stream:
             timed = tuple(Word(word, round((offset + a) / rate, 4), round((offset + b) / rate, 4))
                           for word, a, b in words)
             self._service.mailbox.post(self._on_words, timed)
+        if phonemes and self.phoneme_timestamps:
+            spoken = tuple(Phoneme(ph, round((offset + a) / rate, 4), round((offset + b) / rate, 4))
+                           for ph, a, b in phonemes)
+            self._service.mailbox.post(self._on_phonemes, spoken)
 
     def finish(self, reason: EndReason) -> None:
         self._service.mailbox.post(self._on_request_finished, self._request, reason)
@@ -522,6 +528,10 @@ class Stream:
             self._timed_words.extend(words)
             self._emit(Words(words))
 
+    def _on_phonemes(self, phonemes: tuple[Phoneme, ...]) -> None:
+        if not self._finished:
+            self._emit(Phonemes(phonemes))
+
     def _on_request_finished(self, request: GenerationRequest | None, reason: EndReason) -> None:
         if self._finished or request is not self._request:
             return
@@ -658,7 +668,7 @@ class Stream:
                 self.chunks -= 1
                 self.audio_s -= event.seconds
                 dropped = True
-            elif not (dropped and isinstance(event, (Segment, Words, Flushed))):
+            elif not (dropped and isinstance(event, (Segment, Words, Phonemes, Flushed))):
                 kept.append(event)
         self._events = kept
         self._queued_audio_s = 0.0

@@ -107,6 +107,7 @@ class Start:
     speed: float = 1.0
     instructions: str | None = None
     word_timestamps: bool = False
+    phoneme_timestamps: bool = False
     lookahead_s: float | None = None
 
 
@@ -269,9 +270,11 @@ def _parse_start(obj: dict[str, Any], limits: Limits, specs: Mapping[str, Option
     options = parse_options(obj.get("options"), specs, sid)
     segment_events = _optional(obj, "segment_events", bool, False)
     word_timestamps = _optional(obj, "word_timestamps", bool, False)
+    phoneme_timestamps = _optional(obj, "phoneme_timestamps", bool, False)
     return Start(id=sid, text=text, voice=voice, format=fmt, sample_rate=rate, options=options,
                  stream_input=stream_input, segment_events=segment_events, speed=float(speed),
                  instructions=instructions or None, word_timestamps=word_timestamps,
+                 phoneme_timestamps=phoneme_timestamps,
                  lookahead_s=None if lookahead is None else float(lookahead))
 
 

@@ -72,7 +72,8 @@ class ServerState:
         return (["input_streaming", "segment_events", "speed", "lookahead", "usage", "retry_after"]
                 + (["voice_cloning"] if engine.supports_voices else [])
                 + (["instructions"] if engine.follows_instructions(None) else [])
-                + (["word_timestamps"] if engine.word_timings else []))
+                + (["word_timestamps"] if engine.word_timings else [])
+                + (["phoneme_timestamps"] if engine.phoneme_timings else []))
 
     def info(self) -> dict[str, Any]:
         devices = self.service.devices
