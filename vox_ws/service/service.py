@@ -22,6 +22,7 @@ from ..engine import VOICE_MODES, Engine, ErrorKind, Refused
 from ..metrics import Metrics
 from ..scheduler import Scheduler
 from .handoff import LoopMailbox
+from .markup import parse_ssml, wants_markup
 from .registrations import Registration, RegistrationQueue
 from .stream import AudioOutput, Stream, check_output, check_text
 from .voice_store import (ANY_OWNER, MemoryStore, StoreLimits, VoiceStore, VoiceSummary, is_registered_id,
@@ -95,7 +96,8 @@ class StreamService:
                     options: dict[str, Any] | None = None, output: AudioOutput = AudioOutput(),
                     input_streaming: bool = False, log_fields: dict[str, Any] | None = None,
                     owners: tuple[str, ...] = (), instructions: str | None = None,
-                    word_timestamps: bool = False, phoneme_timestamps: bool = False) -> Stream:
+                    word_timestamps: bool = False, phoneme_timestamps: bool = False,
+                    markup: str | None = None) -> Stream:
         """Open a stream and start generating.
 
         `text` a string: say it (with `input_streaming`, it is the first piece and more may
@@ -105,7 +107,9 @@ class StreamService:
         among which the scheduler shares its slots fairly. `instructions` describe the voice or
         style in words, where the engine follows them (`ignores_instructions`). `word_timestamps`
         asks for `Words` events, where the engine knows word times (`Engine.word_timings`), and
-        `phoneme_timestamps` for `Phonemes` events likewise (`Engine.phoneme_timings`). A one-shot text
+        `phoneme_timestamps` for `Phonemes` events likewise (`Engine.phoneme_timings`). A
+        one-shot text is SSML (`markup.py`) when `markup` is "ssml", or unsaid and the text
+        starts with `<speak`; its breaks are exact silence. A one-shot text
         too long for one generation is spoken in pieces, each continuing the one before.
         Raises `Refused`.
         """
@@ -127,6 +131,13 @@ class StreamService:
                                                f"max_text_chars={self.limits.max_text_chars}")
         if not input_streaming and (not isinstance(text, str) or not text.strip()):
             raise Refused(ErrorKind.INVALID, "nothing to say: the text is empty")
+        spoken: str | list = text if isinstance(text, str) else ""
+        if input_streaming and wants_markup("", markup):
+            raise Refused(ErrorKind.INVALID, "SSML is read in one-shot texts, not in streamed input")
+        if isinstance(text, str) and not input_streaming and wants_markup(text, markup):
+            spoken = parse_ssml(text)
+            if not any(isinstance(part, str) for part in spoken):
+                raise Refused(ErrorKind.INVALID, "nothing to say: the SSML has no text")
         scheduler = self.devices.place()          # the stream stays on this device to its end
         try:
             from_store = self.needs_store(voice, scheduler.engine)
@@ -143,9 +154,9 @@ class StreamService:
                             phoneme_timestamps=phoneme_timestamps and self.engine.phoneme_timings)
             if from_store:
                 # Fetched (and built) first; what the stream says waits for it.
-                stream.after_voice(self.ensure_voice(voice), text if not input_streaming else None)
+                stream.after_voice(self.ensure_voice(voice), spoken if not input_streaming else None)
             elif not input_streaming:
-                stream.queued = stream.say(text)
+                stream.queued = stream.say(spoken)
         except BaseException:
             self.devices.release(scheduler)
             raise

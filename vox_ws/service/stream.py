@@ -37,6 +37,7 @@ from ..scheduler import Scheduler
 from ..text import StreamSegmenter
 from .events import Audio, Ended, Event, Failed, Flushed, Phoneme, Phonemes, Segment, Word, Words
 from .handoff import LoopMailbox
+from .markup import Part, Pause
 from .output import EncodedOutput
 from .voice_store import owner_key
 
@@ -186,7 +187,7 @@ class Stream:
         self._preparing: asyncio.Future | None = None     # the next segment's text, being prepared
         self._segment_text = ""
         self._segmenter = StreamSegmenter()
-        self._pending: deque[str] = deque()
+        self._pending: deque[Part] = deque()     # texts to speak next (and, marked up, pauses)
         self._prepared_pieces: deque[str] = deque()   # normalised text cut again, next in line
         self.segments: list[dict[str, Any]] = []
         self._segment_start_s = 0.0
@@ -439,23 +440,30 @@ class Stream:
             self._preparing = None
             self._refused(err)
 
-    def say(self, text: str) -> int:
-        """Speak a one-shot text: queue it (cut by the engine where one generation cannot carry
-        it, the pieces one after another, continuing); its queue position (0 while a long text
-        is cut, off the loop: tokenising thousands of characters would hold up every stream)."""
+    def say(self, text: str | list[Part]) -> int:
+        """Speak a one-shot text, or the parts of a marked-up one (texts and pauses): queue it
+        (cut by the engine where one generation cannot carry it, the pieces one after another,
+        continuing); its queue position (0 while a long text is cut, off the loop: tokenising
+        thousands of characters would hold up every stream)."""
+        parts = [text] if isinstance(text, str) else text
         if not self._engine.cuts_texts:
-            return self._say([text])
-        if len(text) > SPLIT_ON_LOOP_CHARS:
-            self._preparing = asyncio.ensure_future(self._split_then_say(text))
+            return self._say(parts)
+        if sum(len(p) for p in parts if isinstance(p, str)) > SPLIT_ON_LOOP_CHARS:
+            self._preparing = asyncio.ensure_future(self._split_then_say(parts))
             return 0
-        return self._say(self._engine.split_text(text, self.options, self._voice_pin))
+        return self._say(self._split(parts))
 
-    def after_voice(self, fetch: Any, text: str | None) -> None:
+    def _split(self, parts: list[Part]) -> list[Part]:
+        return [piece for part in parts
+                for piece in ([part] if isinstance(part, Pause) else
+                              self._engine.split_text(part, self.options, self._voice_pin))]
+
+    def after_voice(self, fetch: Any, text: str | list[Part] | None) -> None:
         """The voice is fetched from the store first (`fetch`, awaitable); then the stream says
         `text` (one-shot) or takes its input (streaming); a voice the store lacks fails it."""
         self._preparing = asyncio.ensure_future(self._voice_then_start(fetch, text))
 
-    async def _voice_then_start(self, fetch: Any, text: str | None) -> None:
+    async def _voice_then_start(self, fetch: Any, text: str | list[Part] | None) -> None:
         try:
             await fetch
             self._voice_pin = self._engine.pin_voice(self.voice)
@@ -474,14 +482,19 @@ class Stream:
         except Refused as err:
             self._refused(err)
 
-    def _say(self, pieces: list[str]) -> int:
+    def _say(self, pieces: list[Part]) -> int:
         self._continues = len(pieces) > 1
-        self._pending.extend(pieces[1:])
-        return self.submit(pieces[0])
+        self._pending.extend(pieces)
+        while self._pending and isinstance(self._pending[0], Pause):
+            self._silence(self._pending.popleft().seconds)        # a break before any text
+        return self.submit(self._pending.popleft())
 
-    async def _split_then_say(self, text: str) -> None:
+    async def _split_then_say(self, parts: list[Part]) -> None:
         try:
-            pieces = await self._service.split_text(text, self.options, self._voice_pin)
+            pieces: list[Part] = []
+            for part in parts:
+                pieces += [part] if isinstance(part, Pause) else \
+                    await self._service.split_text(part, self.options, self._voice_pin)
             self._preparing = None
             if not self._finished:
                 self._say(pieces)
@@ -522,6 +535,18 @@ class Stream:
             self._backlog_since = now
         self._emit(Audio(data, self._seq, samples, seconds))
         self._seq += 1
+
+    def _silence(self, seconds: float) -> None:
+        """Exact silence in the stream's audio (a break in marked-up text), here on the loop
+        between two segments, when the scheduler thread holds none of this stream's requests."""
+        rate = self.encoder.in_rate
+        pcm = np.zeros(int(round(seconds * rate)), dtype=np.float32)
+        self._engine_samples += len(pcm)
+        step = max(1, int(rate * MAX_CHUNK_S))
+        for start in range(0, len(pcm), step):
+            data = self.encoder.encode(pcm[start:start + step])
+            if data:
+                self._on_audio(data)
 
     def _on_words(self, words: tuple[Word, ...]) -> None:
         if not self._finished:
@@ -566,6 +591,11 @@ class Stream:
             except Refused as err:
                 self._refused(err)
         elif self._pending:
+            while self._pending and isinstance(self._pending[0], Pause):
+                self._silence(self._pending.popleft().seconds)
+            if not self._pending:
+                self._pump()                          # the break was the last part
+                return
             try:
                 self.submit(self._pending.popleft())
             except Refused as err:

@@ -109,6 +109,7 @@ class Start:
     word_timestamps: bool = False
     phoneme_timestamps: bool = False
     lookahead_s: float | None = None
+    markup: str | None = None
 
 
 @dataclass(frozen=True)
@@ -271,11 +272,14 @@ def _parse_start(obj: dict[str, Any], limits: Limits, specs: Mapping[str, Option
     segment_events = _optional(obj, "segment_events", bool, False)
     word_timestamps = _optional(obj, "word_timestamps", bool, False)
     phoneme_timestamps = _optional(obj, "phoneme_timestamps", bool, False)
+    markup = _optional(obj, "markup", str, None)
+    if markup is not None and markup not in ("ssml", "none"):
+        raise ProtocolError(BAD_REQUEST, f"field 'markup' must be 'ssml' or 'none', got {markup!r}", sid)
     return Start(id=sid, text=text, voice=voice, format=fmt, sample_rate=rate, options=options,
                  stream_input=stream_input, segment_events=segment_events, speed=float(speed),
                  instructions=instructions or None, word_timestamps=word_timestamps,
                  phoneme_timestamps=phoneme_timestamps,
-                 lookahead_s=None if lookahead is None else float(lookahead))
+                 lookahead_s=None if lookahead is None else float(lookahead), markup=markup)
 
 
 def _parse_voice(obj: dict[str, Any], limits: Limits) -> Voice:

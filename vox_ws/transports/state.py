@@ -69,7 +69,7 @@ class ServerState:
     def features(self) -> list[str]:
         """What this server can do, as `hello.features` and `/v1/info` name it."""
         engine = self.service.engine
-        return (["input_streaming", "segment_events", "speed", "lookahead", "usage", "retry_after"]
+        return (["input_streaming", "segment_events", "speed", "lookahead", "usage", "retry_after", "ssml"]
                 + (["voice_cloning"] if engine.supports_voices else [])
                 + (["instructions"] if engine.follows_instructions(None) else [])
                 + (["word_timestamps"] if engine.word_timings else [])
