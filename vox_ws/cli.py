@@ -72,6 +72,8 @@ _SERVE_OPTIONS: list[tuple[str, Callable[[str], Any], Any, str]] = [
     ("unready-when-full", engines.parse_bool, False, "readiness 503 and new connections closed 1013 while every "
                                                      "slot is busy (behind a balancer)"),
     ("drain-timeout", float, 10.0, "seconds streams may finish after SIGTERM"),
+    ("lexicon", str, None, "the server's pronunciations: a JSON or TSV file (see docs/PROTOCOL.md); reloaded on "
+                           "SIGHUP and by POST /v1/lexicon with an admin token"),
     ("demo-dir", str, None, "directory of the browser demo served at / (default: web/demo of the source tree)"),
     ("wyoming", str, None, "also serve the Wyoming protocol (Home Assistant) at this URI, e.g. "
                            "tcp://0.0.0.0:10200; it has no authentication: trusted networks only"),

@@ -83,6 +83,9 @@ class ServerConfig:
     voice_store_max_mb: float = 512.0
     # Also serve the Wyoming protocol (Home Assistant) here: tcp://HOST:PORT or unix://PATH.
     wyoming: str | None = None
+    # The server's pronunciations (a JSON or TSV file, vox_ws/lexicon.py); reloaded on SIGHUP
+    # and by `POST /v1/lexicon` with an admin token.
+    lexicon: str | None = None
     limits: Limits = field(default_factory=Limits)
 
     def engine_options(self) -> dict[str, Any]:

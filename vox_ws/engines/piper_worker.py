@@ -34,6 +34,8 @@ __all__ = ["MAX_PHONEMES", "Piece", "PiperWorker", "WorkerCrashed"]
 # A piece of phonemes spoken by one `speak`, and for each phoneme the index of the text word it
 # belongs to (piper_words.NO_WORD for spaces, stress and punctuation).
 Piece = tuple[list[str], list[int]]
+# Words said another way (a pronunciation): (first word, end word, "ipa" or "say", what).
+Said = tuple[int, int, str, str]
 
 WORKER_MODULE = "vox_ws.engines.piper_worker"
 # A piece takes well under a second; a worker silent for this long is presumed hung.
@@ -69,10 +71,10 @@ class PiperWorker(Worker):
     def restart(self) -> None:
         self.start()
 
-    def phonemize(self, text: str) -> tuple[list[str], list[Piece]]:
+    def phonemize(self, text: str, said: list[Said] | None = None) -> tuple[list[str], list[Piece]]:
         """Text to its words and to pieces of at most MAX_PHONEMES phonemes, each spoken by one
-        `speak`, each phoneme marked with its word."""
-        return self.ask(("phonemize", text), SPEAK_TIMEOUT_S, "phonemizing")
+        `speak`, each phoneme marked with its word; the words of `said` said as it says."""
+        return self.ask(("phonemize", (text, said or [])), SPEAK_TIMEOUT_S, "phonemizing")
 
     def speak(self, phonemes: list[str]) -> tuple[np.ndarray, tuple[int, list[int]] | None]:
         """The audio of a piece, and where its phonemes lie in it: (samples before the first,
@@ -119,15 +121,25 @@ def _model_with_durations(path: str) -> tuple[str | bytes, bool]:
     return model.SerializeToString(), True
 
 
-def phonemize(voice, text: str) -> tuple[list[str], list[Piece]]:
+def phonemize(voice, text: str, said: list[Said] = ()) -> tuple[list[str], list[Piece]]:
     """Text to its words, and to pieces of whole words, at most MAX_PHONEMES phonemes each (a
     word longer than that alone excepted), each phoneme marked with its word. A sentence too
     long for one piece is cut into pieces of about equal length, at a clause (a comma's
     phoneme) where one is near, else between words; short sentences in a row share a piece
-    ("a. b. c." is one utterance, not three steps)."""
+    ("a. b. c." is one utterance, not three steps). The words of a pronunciation (`said`) are
+    said as it says, with the phonemes given (IPA) or those of the respelling; a phrase is
+    then one word."""
     words = text_words(text)
     sentences = [s for s in voice.phonemize(text) if s]
     owners = word_owners(words, sentences, voice.phonemize)
+    for first, end, kind, what in said:
+        phonemes = list(what) if kind == "ipa" else [ph for s in voice.phonemize(what) for ph in s]
+        for sentence, owner in zip(sentences, owners):
+            held = [i for i, o in enumerate(owner) if first <= o < end]
+            if held:
+                sentence[held[0]:held[-1] + 1] = phonemes
+                owner[held[0]:held[-1] + 1] = [first] * len(phonemes)
+        words[first] = " ".join(words[first:end])
     pieces: list[Piece] = []
     for sentence, owner in zip(sentences, owners):
         count = -(-len(sentence) // MAX_PHONEMES)
@@ -201,7 +213,7 @@ def _start(init: tuple) -> tuple[tuple[int, bool, float], Callable[[str, Any], t
 
     def handle(kind: str, payload: Any) -> tuple:
         if kind == "phonemize":
-            return ("pieces", phonemize(voice, payload))
+            return ("pieces", phonemize(voice, *payload))
         audio, alignment = speak(voice, payload, aligned)
         return ("audio", (audio.tobytes(), alignment))
     return (rate, aligned, speed), handle

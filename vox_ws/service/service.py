@@ -19,6 +19,7 @@ from ..audio import AudioTooLong, decode_audio_file
 from ..config import Limits
 from ..devices import Devices
 from ..engine import VOICE_MODES, Engine, ErrorKind, Refused
+from ..lexicon import Lexicon, Pronunciation, combined, parse_lexicon
 from ..metrics import Metrics
 from ..scheduler import Scheduler
 from .handoff import LoopMailbox
@@ -50,6 +51,7 @@ class StreamService:
         self.registrations = RegistrationQueue(self.limits.max_pending_voices_per_owner,
                                                self.limits.max_pending_voices)
         self._fetching: dict[str, asyncio.Future] = {}      # voices being rebuilt from the store
+        self.lexicon = Lexicon()                # the server's pronunciations (`load_lexicon`)
         self.metrics = metrics or Metrics()
         self.accepting = True                   # False while draining: no new streams
         self.mailbox: LoopMailbox | None = None
@@ -97,7 +99,7 @@ class StreamService:
                     input_streaming: bool = False, log_fields: dict[str, Any] | None = None,
                     owners: tuple[str, ...] = (), instructions: str | None = None,
                     word_timestamps: bool = False, phoneme_timestamps: bool = False,
-                    markup: str | None = None) -> Stream:
+                    markup: str | None = None, pronunciations: tuple[Pronunciation, ...] = ()) -> Stream:
         """Open a stream and start generating.
 
         `text` a string: say it (with `input_streaming`, it is the first piece and more may
@@ -109,7 +111,8 @@ class StreamService:
         asks for `Words` events, where the engine knows word times (`Engine.word_timings`), and
         `phoneme_timestamps` for `Phonemes` events likewise (`Engine.phoneme_timings`). A
         one-shot text is SSML (`markup.py`) when `markup` is "ssml", or unsaid and the text
-        starts with `<speak`; its breaks are exact silence. A one-shot text
+        starts with `<speak`; its breaks are exact silence. `pronunciations` come before the
+        server's lexicon (`lexicon.py`). A one-shot text
         too long for one generation is spoken in pieces, each continuing the one before.
         Raises `Refused`.
         """
@@ -132,6 +135,8 @@ class StreamService:
         if not input_streaming and (not isinstance(text, str) or not text.strip()):
             raise Refused(ErrorKind.INVALID, "nothing to say: the text is empty")
         spoken: str | list = text if isinstance(text, str) else ""
+        for item in pronunciations:
+            self.engine.check_pronunciation(item)
         if input_streaming and wants_markup("", markup):
             raise Refused(ErrorKind.INVALID, "SSML is read in one-shot texts, not in streamed input")
         if isinstance(text, str) and not input_streaming and wants_markup(text, markup):
@@ -151,7 +156,8 @@ class StreamService:
                             voice_pin=voice_pin,
                             owners=owners, instructions=instructions,
                             word_timestamps=word_timestamps and self.engine.word_timings,
-                            phoneme_timestamps=phoneme_timestamps and self.engine.phoneme_timings)
+                            phoneme_timestamps=phoneme_timestamps and self.engine.phoneme_timings,
+                            lexicon=combined(pronunciations, self.lexicon))
             if from_store:
                 # Fetched (and built) first; what the stream says waits for it.
                 stream.after_voice(self.ensure_voice(voice), spoken if not input_streaming else None)
@@ -202,6 +208,25 @@ class StreamService:
             now = time.monotonic()
             for stream in list(self._streams):
                 stream.check_timers(now)
+
+    # ------------------------------------------------------------------ pronunciations
+
+    async def load_lexicon(self, path: str) -> list[str]:
+        """(Re)load the server's lexicon from a file, off the loop. Returns what is wrong with the
+        file, a line each: then the lexicon in use is kept as it was."""
+        try:
+            data = await asyncio.to_thread(_read_bytes, path)
+        except OSError as exc:
+            return [f"{path}: {exc.strerror or exc}"]
+        lexicon, problems = parse_lexicon(data, path)
+        for item in lexicon.entries:
+            try:
+                self.engine.check_pronunciation(item)
+            except Refused as err:
+                problems.append(f"{path}: {err.message}")
+        if not problems:
+            self.lexicon = lexicon
+        return problems
 
     # ------------------------------------------------------------------ voices and LoRA
 
@@ -359,6 +384,11 @@ class StreamService:
     async def _off_thread(self, fn: Any, *args: Any) -> Any:
         """Run thread-safe engine work on a worker thread."""
         return await _engine_work(asyncio.to_thread(fn, *args))
+
+
+def _read_bytes(path: str) -> bytes:
+    with open(path, "rb") as f:
+        return f.read()
 
 
 def store_limits(limits: Limits, max_bytes: int = 512 << 20) -> StoreLimits:

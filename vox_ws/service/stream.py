@@ -32,6 +32,7 @@ from ..audio import StreamEncoder
 from ..codecs import CODECS, MAX_SPEED, MIN_SPEED, OutputPipeline, needs_pipeline
 from ..config import Limits
 from ..engine import EndReason, ErrorKind, GenerationRequest, Refused
+from ..lexicon import Lexicon, respell
 from ..metrics import Metrics
 from ..scheduler import Scheduler
 from ..text import StreamSegmenter
@@ -130,7 +131,8 @@ class Stream:
                  options: dict[str, Any],
                  output: AudioOutput, input_streaming: bool, log_fields: dict[str, Any], text_chars: int = 0,
                  voice_pin: Any = None, owners: tuple[str, ...] = (), instructions: str | None = None,
-                 word_timestamps: bool = False, phoneme_timestamps: bool = False) -> None:
+                 word_timestamps: bool = False, phoneme_timestamps: bool = False,
+                 lexicon: Lexicon | None = None) -> None:
         engine = scheduler.engine
         self._service = service
         self.scheduler = scheduler                # its device's: every request of it goes there
@@ -155,6 +157,7 @@ class Stream:
                                      "f32" if self._output is not None else output.format)
         self.word_timestamps = word_timestamps
         self.phoneme_timestamps = phoneme_timestamps
+        self._lexicon = lexicon if lexicon is not None and len(lexicon) else None
         self._engine_samples = 0                 # delivered so far, at the engine's rate (scheduler thread)
         self._timed_words: list[Word] = []       # every word time yielded (for `heard`)
         self._ready: deque[Event] = deque()      # encoded output not yet handed over
@@ -412,15 +415,20 @@ class Stream:
 
     def submit(self, text: str) -> int:
         """Queue a generation request for (the next segment of) this stream; its queue position
-        (0 also while the text is first prepared by the engine: normalised, say)."""
+        (0 also while the text is first prepared by the engine: normalised, say). Engines that
+        do not take phonemes are given the text with its pronunciations respelled, before
+        normalisation; the segment keeps the text as sent."""
+        engine_text = text
+        if self._lexicon is not None and not self._engine.takes_phonemes:
+            engine_text = respell(text, self._lexicon)
         if self._engine.prepares_text(self.options):
-            self._preparing = asyncio.ensure_future(self._prepare_then_queue(text))
+            self._preparing = asyncio.ensure_future(self._prepare_then_queue(text, engine_text))
             return 0
-        return self._queue(text, text, prepared=False)
+        return self._queue(text, engine_text, prepared=False)
 
-    async def _prepare_then_queue(self, text: str) -> None:
+    async def _prepare_then_queue(self, text: str, engine_text: str) -> None:
         try:
-            prepared = await self._service.prepare_text(text, self.options)
+            prepared = await self._service.prepare_text(engine_text, self.options)
             self._preparing = None
             if self._finished:
                 return
@@ -506,7 +514,8 @@ class Stream:
         request = GenerationRequest(text=engine_text, sink=self, voice=self.voice, voice_pin=self._voice_pin,
                                     options=dict(self.options), owners=self._owners, prepared=prepared,
                                     context=self._context, keep_continuation=self._continues,
-                                    instructions=self._instructions if not self.segments else None)
+                                    instructions=self._instructions if not self.segments else None,
+                                    pronunciations=self._lexicon if self._engine.takes_phonemes else None)
         self._engine.check(request)
         position = self.scheduler.submit(request)
         self._request = request

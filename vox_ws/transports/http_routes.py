@@ -1,4 +1,5 @@
-"""The plain HTTP routes on the server's port: health, readiness, load, info, metrics, the demo page."""
+"""The plain HTTP routes on the server's port: health, readiness, load, info, metrics, the lexicon's
+reload, the demo page."""
 
 from __future__ import annotations
 
@@ -9,8 +10,9 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import BaseRoute, Route
 
 from ..metrics import CONTENT_TYPE
-from .auth import is_authorized
-from .errors import unauthorized_response
+from . import protocol as p
+from .auth import is_admin, is_authorized
+from .errors import error_response, unauthorized_response
 from .state import ServerState
 
 NO_STORE = {"Cache-Control": "no-store"}
@@ -62,8 +64,19 @@ def routes(state: ServerState, demo_dir: Path | None) -> list[BaseRoute]:
     async def metrics(request: Request) -> Response:
         return refused(request) or Response(state.metrics.exposition(), media_type=CONTENT_TYPE, headers=NO_STORE)
 
+    async def reload_lexicon(request: Request) -> Response:
+        if not is_admin(request, state.config.admin_tokens):
+            return error_response(403 if is_authorized(request, state.config.tokens, state.config.admin_tokens)
+                                  else 401, p.UNAUTHORIZED, "reloading the lexicon needs the admin token")
+        problems = await state.reload_lexicon()
+        if problems:
+            return JSONResponse({"error": {"code": p.BAD_REQUEST, "message": "the lexicon was not reloaded (the one "
+                                           "in use is kept)", "problems": problems}}, status_code=400)
+        return JSONResponse({"lexicon": state.config.lexicon, "entries": len(state.service.lexicon)})
+
     found = [
         Route("/healthz", healthz, methods=["GET"]),
+        Route("/v1/lexicon", reload_lexicon, methods=["POST"]),
         Route("/readyz", readyz, methods=["GET"]),
         Route("/v1/load", load, methods=["GET"]),
         Route("/v1/info", info, methods=["GET"]),

@@ -30,6 +30,7 @@ from starlette.types import Receive, Scope, Send
 
 from ..codecs import CODECS, MAX_SPEED, MIN_SPEED
 from ..engine import ErrorKind, Refused
+from ..lexicon import request_entries
 from ..service import AudioOutput, Stream
 from ..service.events import Audio, Ended, Failed
 from . import protocol as p
@@ -52,7 +53,7 @@ OPENAI_VOICES = ("alloy", "ash", "ballad", "coral", "echo", "fable", "nova", "on
 CONTENT_TYPES = {"pcm": "audio/pcm", **{name: CODECS[name].content_type for name in RESPONSE_FORMATS
                                          if name in CODECS}}
 KNOWN_FIELDS = {"model", "input", "voice", "response_format", "speed", "instructions", "stream_format",
-                "sample_rate", "lookahead_s", "markup"}
+                "sample_rate", "lookahead_s", "markup", "pronunciations"}
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                404: "not_found_error", 408: "timeout_error", 413: "invalid_request_error",
                415: "invalid_request_error", 429: "rate_limit_error", 500: "server_error", 501: "invalid_request_error",
@@ -92,6 +93,7 @@ class SpeechRequest:
     options: dict[str, Any]
     lookahead_s: float | None = None
     markup: str | None = None
+    pronunciations: tuple = ()
 
     @property
     def output(self) -> AudioOutput:
@@ -242,6 +244,10 @@ def parse_speech(body: dict[str, Any], state: ServerState) -> SpeechRequest:
     markup = body.get("markup")
     if markup is not None and markup not in ("ssml", "none"):
         raise OpenAIError(400, f"'markup' must be 'ssml' or 'none', got {markup!r}", "markup", "invalid_value")
+    try:
+        pronunciations = request_entries(body.get("pronunciations"))
+    except Refused as err:
+        raise OpenAIError.from_refused(err, "pronunciations") from None
     raw_options = {name: body[name] for name in body if name in specs and name not in KNOWN_FIELDS}
     try:
         options = p.parse_options(raw_options, specs)
@@ -250,7 +256,7 @@ def parse_speech(body: dict[str, Any], state: ServerState) -> SpeechRequest:
         raise OpenAIError(400, err.message.replace("options.", ""), param, "invalid_value") from None
     return SpeechRequest(text, voice, response_format, float(speed), stream_format == "sse", rate,
                          instructions.strip() or None if instructions else None, options,
-                         None if lookahead is None else float(lookahead), markup)
+                         None if lookahead is None else float(lookahead), markup, pronunciations)
 
 
 def _voice(value: Any, state: ServerState) -> str | None:
@@ -303,7 +309,7 @@ def _open(state: ServerState, request: Request, speech: SpeechRequest) -> Stream
         return state.service.open_stream(speech.text, voice=speech.voice, options=speech.options,
                                          output=speech.output, log_fields={"http": client},
                                          owners=(who, f"http:{id(request)}"), instructions=speech.instructions,
-                                         markup=speech.markup)
+                                         markup=speech.markup, pronunciations=speech.pronunciations)
     except Refused as err:
         raise OpenAIError.from_refused(err) from None
 

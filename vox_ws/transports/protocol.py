@@ -16,6 +16,7 @@ import msgpack
 from ..codecs import MAX_SPEED, MIN_SPEED, OUTPUT_FORMATS
 from ..config import Limits
 from ..engine import LORA_OPS, VOICE_MODES, EndReason, ErrorKind, OptionSpec, Refused, type_name
+from ..lexicon import Pronunciation, request_entries
 from ..service.events import Audio
 
 PROTOCOL_VERSION = 1
@@ -110,6 +111,7 @@ class Start:
     phoneme_timestamps: bool = False
     lookahead_s: float | None = None
     markup: str | None = None
+    pronunciations: tuple[Pronunciation, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -272,6 +274,10 @@ def _parse_start(obj: dict[str, Any], limits: Limits, specs: Mapping[str, Option
     segment_events = _optional(obj, "segment_events", bool, False)
     word_timestamps = _optional(obj, "word_timestamps", bool, False)
     phoneme_timestamps = _optional(obj, "phoneme_timestamps", bool, False)
+    try:
+        pronunciations = request_entries(obj.get("pronunciations"))
+    except Refused as err:
+        raise ProtocolError.from_refused(err, sid) from None
     markup = _optional(obj, "markup", str, None)
     if markup is not None and markup not in ("ssml", "none"):
         raise ProtocolError(BAD_REQUEST, f"field 'markup' must be 'ssml' or 'none', got {markup!r}", sid)
@@ -279,7 +285,8 @@ def _parse_start(obj: dict[str, Any], limits: Limits, specs: Mapping[str, Option
                  stream_input=stream_input, segment_events=segment_events, speed=float(speed),
                  instructions=instructions or None, word_timestamps=word_timestamps,
                  phoneme_timestamps=phoneme_timestamps,
-                 lookahead_s=None if lookahead is None else float(lookahead), markup=markup)
+                 lookahead_s=None if lookahead is None else float(lookahead), markup=markup,
+                 pronunciations=pronunciations)
 
 
 def _parse_voice(obj: dict[str, Any], limits: Limits) -> Voice:

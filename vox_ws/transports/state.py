@@ -3,6 +3,7 @@ open sessions, and whether the server is draining."""
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections import Counter
@@ -14,6 +15,8 @@ from ..engines import option_vocabulary
 from ..metrics import Metrics
 from ..service import StreamService
 from .multipart import MultipartParser
+
+log = logging.getLogger("vox_ws.server")
 
 
 class ServerState:
@@ -66,10 +69,24 @@ class ServerState:
             return "draining"
         return status
 
+    async def reload_lexicon(self) -> list[str]:
+        """Read the lexicon file again (SIGHUP, `POST /v1/lexicon`); with errors, they are logged
+        and returned, and the lexicon in use is kept."""
+        path = self.config.lexicon
+        if not path:
+            return ["no lexicon: the server runs without --lexicon"]
+        problems = await self.service.load_lexicon(path)
+        if problems:
+            log.error("lexicon %s not reloaded (the one in use is kept):\n  %s", path, "\n  ".join(problems))
+        else:
+            log.info("lexicon %s reloaded: %d pronunciations", path, len(self.service.lexicon))
+        return problems
+
     def features(self) -> list[str]:
         """What this server can do, as `hello.features` and `/v1/info` name it."""
         engine = self.service.engine
-        return (["input_streaming", "segment_events", "speed", "lookahead", "usage", "retry_after", "ssml"]
+        return (["input_streaming", "segment_events", "speed", "lookahead", "usage", "retry_after", "ssml",
+                 "pronunciations"]
                 + (["voice_cloning"] if engine.supports_voices else [])
                 + (["instructions"] if engine.follows_instructions(None) else [])
                 + (["word_timestamps"] if engine.word_timings else [])
@@ -88,6 +105,7 @@ class ServerState:
             "voice_store": self.service.store.describe(),
             "voices": self.service.voices() if status == "ready" else [],
             "features": self.features(),
+            "lexicon": {"path": self.config.lexicon, "entries": len(self.service.lexicon)},
             "sessions": len(self.sessions),
             "streams_open": self.service.open_streams,
             **stats,

@@ -1,0 +1,224 @@
+"""Pronunciations: a server lexicon (JSON or TSV, reloaded on SIGHUP and by an admin call, a bad
+file reported and the old lexicon kept) and a request's own entries. A respelling changes what
+Piper phonemizes and the text the tiny VoxCPM2 is given; IPA is Piper's own phoneme input; the
+client is told its own text back. Bad entries are typed errors naming them."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+
+import httpx
+import pytest
+from conftest import assert_good_stream, connect_client, wait_until
+
+from vox_ws.engine import ErrorKind, Refused
+from vox_ws.lexicon import (MAX_ENTRY_CHARS, MAX_REQUEST_ENTRIES, Lexicon, entry, parse_lexicon, request_entries,
+                            respell)
+
+TOMATO_IPA = "təmˈɑːtoʊ"
+
+
+def phonemes_of(word: dict, phonemes: list[dict]) -> list[str]:
+    return [p["phoneme"] for p in phonemes
+            if word["start_s"] - 1e-3 <= p["start_s"] and p["end_s"] <= word["end_s"] + 1e-3]
+
+
+async def speak_timed(server, text: str, **fields) -> tuple[list[dict], list[dict], dict]:
+    """The words, the phonemes and the end of one stream."""
+    async with connect_client(server) as c:
+        await c.send({"type": "start", "id": "p", "text": text, "format": "s16", "word_timestamps": True,
+                      "phoneme_timestamps": True, **fields})
+        words, phonemes = [], []
+        while True:
+            message = await c.recv_where(lambda m: m.get("id") == "p")
+            if message["type"] == "words":
+                words += message["words"]
+            elif message["type"] == "phonemes":
+                phonemes += message["phonemes"]
+            elif message["type"] in ("end", "error"):
+                return words, phonemes, message
+
+
+# ------------------------------------------------------------------ the lexicon
+
+
+def test_a_lexicon_reads_json_or_tsv_and_reports_its_bad_lines():
+    lexicon, problems = parse_lexicon(json.dumps([{"match": "SQL", "say": "sequel"},
+                                                  {"match": "US", "say": "U S", "case_sensitive": True},
+                                                  {"match": "New York", "ipa": "nuː jɔːk"}]).encode(), "a.json")
+    assert not problems and len(lexicon) == 3
+    assert len(parse_lexicon(b'{"SQL": "sequel", "GIF": "jif"}', "b.json")[0]) == 2
+    tsv = "# comment\nSQL\tsequel\ntomato\t/" + TOMATO_IPA + "/\n\nno tab here\n\tno match\n"
+    lexicon, problems = parse_lexicon(tsv.encode(), "c.tsv")
+    assert len(lexicon) == 2 and [e.ipa for e in lexicon.entries] == [None, TOMATO_IPA]
+    assert len(problems) == 2 and "c.tsv line 5" in problems[0] and "c.tsv line 6" in problems[1]
+    assert parse_lexicon(b"[{", "d.json")[1][0].startswith("d.json: not JSON")
+    assert "not UTF-8" in parse_lexicon(b"\xff\xfe", "e.tsv")[1][0]
+
+
+def test_entries_match_whole_words_the_longest_phrase_first_and_keep_the_punctuation():
+    lexicon = Lexicon([entry({"match": "New York", "say": "Noo Yawk"}, "x"), entry({"match": "new", "say": "gnu"}, "x"),
+                       entry({"match": "US", "say": "U S", "case_sensitive": True}, "x")])
+    assert respell("New York, new us, US. Newer.", lexicon) == "Noo Yawk, gnu us, U S. Newer."
+    assert [(a, b) for a, b, _ in lexicon.find("in new york".split())] == [(1, 3)]
+
+
+@pytest.mark.parametrize("value, kind, named", [
+    ([{"match": "x"}], ErrorKind.INVALID, "one of 'say' and 'ipa'"),
+    ([{"match": "x", "say": "y", "ipa": "z"}], ErrorKind.INVALID, "one of"),
+    ([{"match": "x", "say": "y", "loud": True}], ErrorKind.INVALID, "'loud'"),
+    ([{"match": "...", "say": "y"}], ErrorKind.INVALID, "words"),
+    ([{"match": "x", "say": "y" * (MAX_ENTRY_CHARS + 1)}], ErrorKind.TOO_LARGE, "'say'"),
+    ([{"match": "x", "say": "y"}] * (MAX_REQUEST_ENTRIES + 1), ErrorKind.TOO_LARGE, "entries"),
+    ("SQL=sequel", ErrorKind.INVALID, "a list"),
+])
+def test_bad_entries_are_typed_errors_naming_them(value, kind, named):
+    with pytest.raises(Refused) as refused:
+        request_entries(value)
+    assert refused.value.kind == kind and named in refused.value.message
+
+
+# ------------------------------------------------------------------ Piper
+
+
+async def test_piper_says_a_respelling_and_ipa_and_reports_the_clients_words(piper_server):
+    text = "I like tomato soup and SQL."
+    words, phonemes, end = await speak_timed(piper_server, text)
+    plain = {w["word"]: phonemes_of(w, phonemes) for w in words}
+    entries = [{"match": "tomato", "ipa": TOMATO_IPA}, {"match": "sql", "say": "sequel"}]
+    words, phonemes, end = await speak_timed(piper_server, text, pronunciations=entries)
+    assert end["type"] == "end", end
+    assert [w["word"] for w in words] == text.split()                    # the client's words, as sent
+    assert end["segments"][0]["text"] == text
+    said = {w["word"]: phonemes_of(w, phonemes) for w in words}
+    assert said["tomato"] == [ph for ph in TOMATO_IPA if ph not in "ˈˌ"]  # the IPA, phoneme by phoneme
+    assert said["SQL."] != plain["SQL."] and said["SQL."][0] == "s"        # "sequel", not "S Q L"
+    assert said["like"] == plain["like"]
+
+
+async def test_a_bad_pronunciation_is_an_error_and_the_connection_serves_on(piper_server):
+    async with connect_client(piper_server) as c:
+        await c.send({"type": "start", "id": "x", "text": "Hi.", "pronunciations": [{"match": "hi", "ipa": "hЖ"}]})
+        error = await c.error("x")
+        assert error["code"] == "bad_request" and "'hi'" in error["message"] and "Ж" in error["message"]
+        await c.send({"type": "start", "id": "y", "text": "Hi.", "pronunciations": [{"match": "hi"}]})
+        assert (await c.error("y"))["code"] == "bad_request"
+        assert_good_stream(await c.speak("Still here.", "ok"))
+
+
+def test_pronunciations_over_openais_api(piper_server):
+    import openai
+
+    client = openai.OpenAI(base_url=piper_server.http + "/v1", api_key="unused", max_retries=0)
+    audio = client.audio.speech.create(model="tts-1", voice="alloy", input="SQL.", response_format="pcm",
+                                       extra_body={"pronunciations": [{"match": "SQL", "say": "sequel"}]}).content
+    assert len(audio) > 4800
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.audio.speech.create(model="tts-1", voice="alloy", input="SQL.",
+                                   extra_body={"pronunciations": [{"match": "SQL", "say": ""}]})
+    assert refused.value.body["param"] == "pronunciations"
+
+
+# ------------------------------------------------------------------ VoxCPM2: the text it is given
+
+
+async def test_the_tiny_voxcpm_is_given_the_respelled_text_and_the_client_its_own(start_server, tiny_model):
+    from vox_ws.engines.voxcpm.engine import VoxCPMEngine
+
+    class Recording(VoxCPMEngine):
+        def prefill(self, request):
+            given.append(request.text)
+            return super().prefill(request)
+
+    given: list[str] = []
+    server = start_server(Recording(model=str(tiny_model), device="cpu", max_batch=2), max_batch=2)
+    async with connect_client(server) as c:
+        result = await c.speak("Ask the VoxWS team.", "v", options={"max_len": 4, "normalize": False},
+                               pronunciations=[{"match": "voxws", "say": "vox double-u ess"}])
+        assert result.end is not None, result.error
+        assert given[-1] == "Ask the vox double-u ess team."
+        assert result.end["segments"][0]["text"] == "Ask the VoxWS team."
+        await c.send({"type": "start", "id": "i", "text": "Hi.", "pronunciations": [{"match": "hi", "ipa": "haɪ"}]})
+        error = await c.error("i")
+        assert error["code"] == "unsupported" and "'hi'" in error["message"]
+
+
+# ------------------------------------------------------------------ the server's lexicon
+
+
+async def test_the_server_lexicon_reloads_by_an_admin_call_and_keeps_the_old_one_on_errors(start_server, tmp_path):
+    from vox_ws.engines.piper import PiperEngine
+
+    path = tmp_path / "lexicon.tsv"
+    path.write_text("tomato\t/" + TOMATO_IPA + "/\n", encoding="utf-8")
+    server = start_server(PiperEngine(), lexicon=str(path), admin_tokens=["admin-secret"])
+    words, phonemes, _ = await speak_timed(server, "A tomato.")
+    assert phonemes_of(words[1], phonemes) == [ph for ph in TOMATO_IPA if ph not in "ˈˌ"]
+
+    admin = {"Authorization": "Bearer admin-secret"}
+    async with httpx.AsyncClient(base_url=server.http) as http:
+        assert (await http.post("/v1/lexicon")).status_code in (401, 403)
+        path.write_text("tomato\t/" + TOMATO_IPA + "/\nSQL\tsequel\n", encoding="utf-8")
+        reloaded = await http.post("/v1/lexicon", headers=admin)
+        assert reloaded.status_code == 200 and reloaded.json()["entries"] == 2
+        path.write_text("SQL\tsequel\nbroken line\n", encoding="utf-8")
+        bad = await http.post("/v1/lexicon", headers=admin)
+        assert bad.status_code == 400 and "line 2" in bad.json()["error"]["problems"][0]
+        assert (await http.get("/v1/info")).json()["lexicon"]["entries"] == 2          # the old one kept
+    words, phonemes, _ = await speak_timed(server, "A tomato.")
+    assert phonemes_of(words[1], phonemes) == [ph for ph in TOMATO_IPA if ph not in "ˈˌ"]
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _info(port: int) -> dict:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/info", timeout=5) as response:
+        return json.loads(response.read())
+
+
+@pytest.mark.slow
+def test_vox_ws_serve_reloads_its_lexicon_on_sighup_and_refuses_to_start_with_a_bad_one(tmp_path):
+    path = tmp_path / "lexicon.json"
+    path.write_text(json.dumps([{"match": "SQL", "say": "sequel"}]), encoding="utf-8")
+    port = _free_port()
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    log = open(tmp_path / "serve.log", "w+")
+    serve = subprocess.Popen([sys.executable, "-m", "vox_ws", "serve", "--engine", "piper", "--port", str(port),
+                              "--lexicon", str(path)], stdout=log, stderr=subprocess.STDOUT, env=env)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert serve.poll() is None, (tmp_path / "serve.log").read_text()
+            try:
+                if _info(port)["status"] == "ready":
+                    break
+            except OSError:
+                pass
+            assert time.monotonic() < deadline, "the server did not start"
+            time.sleep(0.1)
+        assert _info(port)["lexicon"]["entries"] == 1
+        path.write_text(json.dumps([{"match": "SQL", "say": "sequel"}, {"match": "GIF", "say": "jif"}]),
+                        encoding="utf-8")
+        serve.send_signal(signal.SIGHUP)
+        asyncio.run(wait_until(lambda: _info(port)["lexicon"]["entries"] == 2))
+    finally:
+        serve.terminate()
+        serve.wait(60)
+        log.close()
+    path.write_text('[{"match": "SQL"}]', encoding="utf-8")
+    failed = subprocess.run([sys.executable, "-m", "vox_ws", "serve", "--engine", "piper", "--port", str(_free_port()),
+                             "--lexicon", str(path)], capture_output=True, text=True, env=env, timeout=120)
+    assert failed.returncode != 0 and "entry 0" in failed.stderr + failed.stdout
