@@ -135,3 +135,14 @@ async def test_an_unknown_voice_is_an_api_error(server):
         assert "nobody" in str(caught.value) or "nobody" in str(caught.value.__cause__)
     finally:
         await voice.aclose()
+
+
+async def test_pronunciations_reach_the_server_and_the_transcript_keeps_the_words_sent(server):
+    voice = TTS(url=server.url, sample_rate=RATE, word_timestamps=True,
+                pronunciations=[{"match": "New York", "say": "Noo Yawk"}])
+    try:
+        events = [e async for e in voice.synthesize("I love New York.")]
+        timed = [str(w).strip() for e in events for w in e.frame.userdata.get(USERDATA_TIMED_TRANSCRIPT, [])]
+        assert timed == ["I", "love", "New York."]          # the phrase said by one entry is one word
+    finally:
+        await voice.aclose()

@@ -199,3 +199,11 @@ async def test_a_server_restart_is_survived_by_reconnecting(start_server):
         after = await sink.wait_for(lambda f: isinstance(f, TTSStoppedFrame) and f.context_id != before.context_id)
         assert audio_s(sink.of(TTSAudioRawFrame, after.context_id)) > 0.3
         assert second.server.metrics is not None
+
+
+async def test_pronunciations_reach_the_server_and_the_spoken_text_keeps_the_words_sent(server):
+    async with pipeline(server.url, pronunciations=[{"match": "New York", "say": "Noo Yawk"}]) as (worker, tts, sink):
+        await say(worker, ["I ", "love ", "New ", "York. "])
+        await sink.wait_for(lambda f: isinstance(f, TTSStoppedFrame))
+        assert [f.text.strip() for f in sink.of(TTSTextFrame)] == ["I", "love", "New York."]
+        assert not sink.of(ErrorFrame)

@@ -19,8 +19,8 @@ import pytest
 from conftest import assert_good_stream, connect_client, wait_until
 
 from vox_ws.engine import ErrorKind, Refused
-from vox_ws.lexicon import (MAX_ENTRY_CHARS, MAX_REQUEST_ENTRIES, Lexicon, entry, parse_lexicon, request_entries,
-                            respell)
+from vox_ws.lexicon import (MAX_ENTRY_CHARS, MAX_LEXICON_BYTES, MAX_LEXICON_ENTRIES, MAX_REQUEST_ENTRIES, Lexicon,
+                            entry, parse_lexicon, request_entries, respell)
 
 TOMATO_IPA = "təmˈɑːtoʊ"
 
@@ -60,6 +60,9 @@ def test_a_lexicon_reads_json_or_tsv_and_reports_its_bad_lines():
     assert len(lexicon) == 2 and [e.ipa for e in lexicon.entries] == [None, TOMATO_IPA]
     assert len(problems) == 2 and "c.tsv line 5" in problems[0] and "c.tsv line 6" in problems[1]
     assert parse_lexicon(b"[{", "d.json")[1][0].startswith("d.json: not JSON")
+    assert "over" in parse_lexicon(b"x\ty\n" * (MAX_LEXICON_BYTES // 4 + 1), "big.tsv")[1][0]
+    many = "".join(f"w{n}\tsay {n}\n" for n in range(MAX_LEXICON_ENTRIES + 1)).encode()
+    assert f"{MAX_LEXICON_ENTRIES + 1} entries, over" in parse_lexicon(many, "many.tsv")[1][-1]
     assert "not UTF-8" in parse_lexicon(b"\xff\xfe", "e.tsv")[1][0]
 
 
@@ -148,6 +151,15 @@ async def test_the_tiny_voxcpm_is_given_the_respelled_text_and_the_client_its_ow
         await c.send({"type": "start", "id": "i", "text": "Hi.", "pronunciations": [{"match": "hi", "ipa": "haɪ"}]})
         error = await c.error("i")
         assert error["code"] == "unsupported" and "'hi'" in error["message"]
+    # The same over OpenAI's API, the entries in the SDK's extra_body.
+    import openai
+
+    client = openai.OpenAI(base_url=server.http + "/v1", api_key="unused", max_retries=0)
+    await asyncio.to_thread(lambda: client.audio.speech.create(
+        model="tts-1", voice="alloy", input="Ask the VoxWS team.", response_format="pcm",
+        extra_body={"max_len": 4, "normalize": False,
+                    "pronunciations": [{"match": "VoxWS", "say": "vox double-u ess"}]}).content)
+    assert given[-1] == "Ask the vox double-u ess team."
 
 
 # ------------------------------------------------------------------ the server's lexicon

@@ -109,9 +109,13 @@ async def test_usage_on_the_tiny_voxcpm(start_server, tiny_model):
 
     server = start_server(VoxCPMEngine(model=str(tiny_model), device="cpu", max_batch=2), max_batch=2)
     async with connect_client(server) as c:
-        result = await c.speak(TEXT, "v", options={"max_len": 6})
+        result = await c.speak(TEXT, "v", options={"max_len": 6}, phoneme_timestamps=True)
         assert result.end["reason"] == "max_len"
         assert_usage_is_what_was_received(result, len(TEXT))
+        # VoxCPM2 knows no phoneme times: it says so, and sends none.
+        assert "phoneme_timestamps" in result.start["ignored_options"]
+        assert "phoneme_timestamps" not in c.hello["features"]
+        assert not [m for m in c.log if m[0] == "phonemes"]
 
 
 def test_usage_series_per_owner_are_bounded():

@@ -213,8 +213,10 @@ class Stream:
 
 
 def _delivery(speed: float, instructions: str | None, word_timestamps: bool = False,
-              lookahead_s: float | None = None) -> dict[str, Any]:
+              lookahead_s: float | None = None, pronunciations: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     fields: dict[str, Any] = {}
+    if pronunciations:
+        fields["pronunciations"] = pronunciations
     if speed != 1.0:
         fields["speed"] = speed
     if lookahead_s is not None:
@@ -243,13 +245,16 @@ class Client:
 
     async def stream(self, text: str, *, voice: str | None = None, format: str = "f32",
                      sample_rate: int | None = None, options: dict[str, Any] | None = None, speed: float = 1.0,
-                     instructions: str | None = None, lookahead_s: float | None = None) -> AsyncIterator[bytes]:
+                     instructions: str | None = None, lookahead_s: float | None = None,
+                     pronunciations: list[dict[str, Any]] | None = None) -> AsyncIterator[bytes]:
         """Speak `text`; yields audio bytes in `format` (raw PCM, or a codec's file piece by
         piece) as they are generated. Leaving the loop early cancels the stream on the server.
         A player that reads as it plays passes `lookahead_s` (the server then sends at most
-        that far ahead of real time); without it the audio comes as fast as it is read."""
+        that far ahead of real time); without it the audio comes as fast as it is read.
+        `pronunciations`: entries `{match, say}` or `{match, ipa}` (docs/PROTOCOL.md)."""
         s = await self.start_stream(text, voice=voice, format=format, sample_rate=sample_rate, options=options,
-                                    speed=speed, instructions=instructions, lookahead_s=lookahead_s)
+                                    speed=speed, instructions=instructions, lookahead_s=lookahead_s,
+                                    pronunciations=pronunciations)
         try:
             async for chunk in s:
                 yield chunk
@@ -260,18 +265,20 @@ class Client:
     async def start_stream(self, text: str, *, voice: str | None = None, format: str = "f32",
                            sample_rate: int | None = None, options: dict[str, Any] | None = None, speed: float = 1.0,
                            instructions: str | None = None, word_timestamps: bool = False,
-                           lookahead_s: float | None = None) -> Stream:
+                           lookahead_s: float | None = None,
+                           pronunciations: list[dict[str, Any]] | None = None) -> Stream:
         """Speak `text` on a stream of its own: iterate it for the audio, or `events()`."""
-        return await self._start({"text": text, **_delivery(speed, instructions, word_timestamps, lookahead_s)}, voice,
-                                 format, sample_rate, options)
+        return await self._start({"text": text, **_delivery(speed, instructions, word_timestamps, lookahead_s,
+                                                            pronunciations)}, voice, format, sample_rate, options)
 
     async def open_stream(self, *, voice: str | None = None, format: str = "f32", sample_rate: int | None = None,
                           options: dict[str, Any] | None = None, segment_events: bool = False, speed: float = 1.0,
                           instructions: str | None = None, word_timestamps: bool = False,
-                          lookahead_s: float | None = None) -> Stream:
+                          lookahead_s: float | None = None,
+                          pronunciations: list[dict[str, Any]] | None = None) -> Stream:
         """A stream whose text arrives piece by piece (`send_text`, `flush`, `end`)."""
         extra: dict[str, Any] = {"stream_input": True,
-                                 **_delivery(speed, instructions, word_timestamps, lookahead_s)}
+                                 **_delivery(speed, instructions, word_timestamps, lookahead_s, pronunciations)}
         if segment_events:
             extra["segment_events"] = True
         return await self._start(extra, voice, format, sample_rate, options)

@@ -41,10 +41,12 @@ class _Options:
     speed: float = 1.0
     instructions: str | None = None
     word_timestamps: bool = False
+    pronunciations: list[dict[str, Any]] | None = None
 
     def stream_fields(self) -> dict[str, Any]:
         return {"voice": self.voice, "format": "s16", "sample_rate": self.sample_rate,
-                "options": self.options or None, "speed": self.speed, "instructions": self.instructions}
+                "options": self.options or None, "speed": self.speed, "instructions": self.instructions,
+                "pronunciations": self.pronunciations}
 
 
 class TTS(tts.TTS):
@@ -53,16 +55,19 @@ class TTS(tts.TTS):
     `url` (ws://HOST:PORT/v1/stream), `token`, `voice` (None: the engine's default),
     `sample_rate` (the server resamples), `options` (engine options), `speed` (0.25-4, pitch
     kept), `instructions` (VoxCPM2), `word_timestamps` (aligned transcripts, where the engine
-    has true word timings: Piper yes, VoxCPM2 no).
+    has true word timings: Piper yes, VoxCPM2 no), `pronunciations` (entries `{match, say}` or
+    `{match, ipa}`, before the server's lexicon).
     """
 
     def __init__(self, *, url: str = "ws://127.0.0.1:8765/v1/stream", token: str | None = None,
                  voice: str | None = None, sample_rate: int = 24000, options: dict[str, Any] | None = None,
-                 speed: float = 1.0, instructions: str | None = None, word_timestamps: bool = False) -> None:
+                 speed: float = 1.0, instructions: str | None = None, word_timestamps: bool = False,
+                 pronunciations: list[dict[str, Any]] | None = None) -> None:
         super().__init__(capabilities=tts.TTSCapabilities(streaming=True, aligned_transcript=word_timestamps),
                          sample_rate=sample_rate, num_channels=1)
         self._opts = _Options(url=url, token=token, voice=voice, sample_rate=sample_rate, options=dict(options or {}),
-                              speed=speed, instructions=instructions, word_timestamps=word_timestamps)
+                              speed=speed, instructions=instructions, word_timestamps=word_timestamps,
+                              pronunciations=list(pronunciations) if pronunciations else None)
         self._pool = utils.ConnectionPool[Client](connect_cb=self._connect, close_cb=self._close,
                                                  max_session_duration=MAX_IDLE_S, mark_refreshed_on_get=True)
 

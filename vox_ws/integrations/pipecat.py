@@ -51,7 +51,8 @@ class VoxWSTTSService(WebsocketTTSService):
     id; None: the engine's default), `sample_rate` (None: the pipeline's output rate), `options`
     (engine options, e.g. {"cfg": 2.0} for VoxCPM2), `speed` (0.25-4, pitch kept),
     `instructions` (VoxCPM2: how to speak, in words), `word_timestamps` (ask for word timings
-    where the server's engine has true ones).
+    where the server's engine has true ones), `pronunciations` (entries `{match, say}` or
+    `{match, ipa}`, before the server's lexicon).
 
     Event handlers (besides the base class's): `on_heard(service, context_id, heard)`, after
     an interruption: the server's account of what was sent before the cancel took effect
@@ -61,7 +62,7 @@ class VoxWSTTSService(WebsocketTTSService):
     def __init__(self, *, url: str = "ws://127.0.0.1:8765/v1/stream", token: str | None = None,
                  voice: str | None = None, sample_rate: int | None = None, options: dict[str, Any] | None = None,
                  speed: float = 1.0, instructions: str | None = None, word_timestamps: bool = True,
-                 **kwargs: Any) -> None:
+                 pronunciations: list[dict[str, Any]] | None = None, **kwargs: Any) -> None:
         # Pipecat hands over sentences without the space after them; vox-ws streams text in,
         # so "Hello!" + "How are you?" would run together and the first sentence's end go
         # unseen until more text came. (Tokens, in token aggregation mode, keep their own spaces.)
@@ -75,6 +76,7 @@ class VoxWSTTSService(WebsocketTTSService):
         self._speed = speed
         self._instructions = instructions
         self._want_words = word_timestamps
+        self._pronunciations = list(pronunciations) if pronunciations else None
         self.hello: dict[str, Any] | None = None
         self._words = False                       # this server's engine gives true word timings
         self._open: set[str] = set()              # contexts with a live stream on this socket
@@ -235,6 +237,8 @@ class VoxWSTTSService(WebsocketTTSService):
             message["instructions"] = self._instructions
         if self._words:
             message["word_timestamps"] = True
+        if self._pronunciations:
+            message["pronunciations"] = self._pronunciations
         return message
 
     async def flush_audio(self, context_id: str | None = None) -> None:
