@@ -82,6 +82,18 @@ async def test_one_shot_synthesis_is_one_utterance(server):
         assert len(again) > 0
 
 
+async def test_ssml_from_home_assistant_has_its_break_as_exact_silence(server):
+    # Piper's s16 output quantises its quietest samples to zero here and there; the break is
+    # the one long run of them.
+    from test_ssml import FRAME_S, longest_zero_run
+
+    async with client(server) as c:
+        await c.write_event(Synthesize(text='<speak>Lights on.<break time="600ms"/>Done.</speak>').event())
+        fmt, pcm = await read_utterance(c)
+    run = longest_zero_run(pcm)[1] / fmt.rate
+    assert abs(run - 0.6) <= 3 * FRAME_S, run
+
+
 async def test_a_voice_named_by_its_language_is_the_engines_voice(server):
     async with client(server) as c:
         await c.write_event(Synthesize(text="By language.", voice=SynthesizeVoice(name="en_US")).event())
