@@ -8,10 +8,11 @@ from __future__ import annotations
 import base64
 import json
 import math
+import threading
 
 import httpx
 import pytest
-from conftest import assert_good_stream, bytes_to_pcm, connect_client, wait_until
+from conftest import WAIT_TIMEOUT, assert_good_stream, bytes_to_pcm, connect_client, wait_until
 
 from vox_ws.engines.piper import PiperEngine
 from vox_ws.metrics import MAX_OWNER_SERIES, Metrics
@@ -148,20 +149,32 @@ def test_the_pace_says_when_the_next_slot_frees_and_how_long_each_place_after_ta
     assert pace.wait_s([0.0], slots=1, after=100) == MAX_RETRY_AFTER_S
 
 
+class HeldTone(ToneEngine):
+    """The tone engine, whose steps wait while the test holds its gate."""
+
+    def __init__(self) -> None:
+        super().__init__(max_batch=1)
+        self.gate = threading.Event()
+        self.gate.set()
+
+    def step(self, batch):
+        assert self.gate.wait(WAIT_TIMEOUT)
+        return super().step(batch)
+
+
 async def test_busy_refusals_carry_a_retry_hint_from_the_queues_pace_that_shrinks_as_it_moves(start_server):
-    # One slot, one queue place. The holder reads nothing, so its stream (of a text far longer
-    # than what the socket buffers hold) keeps the slot until the test ends it: no keepalive,
-    # stall or queue-wait limit is in reach.
-    server = start_server(ToneEngine(max_batch=1), max_batch=1, max_queue=1, write_stall_timeout_s=600,
-                          ping_interval=None, max_queue_wait_s=None)
+    # One slot, one queue place; while the gate is held, the stream in the slot keeps it.
+    engine = HeldTone()
+    server = start_server(engine, max_batch=1, max_queue=1, max_queue_wait_s=None)
     scheduler = server.scheduler.schedulers[0]
     async with connect_client(server) as c:
         assert_good_stream(await c.speak("Measured first.", "first"))        # a hold is measured
     await wait_until(lambda: scheduler.pace.observed >= 1)
     assert scheduler.stats()["slot_hold_s"] is not None
     scheduler.pace.hold_s = 30.0          # a pace the checks below can tell from their own time
+    engine.gate.clear()
     async with connect_client(server) as holder, connect_client(server) as c:
-        await holder.send({"type": "start", "id": "hold", "text": "x" * 4000})
+        await holder.send({"type": "start", "id": "hold", "text": "I hold the slot."})
         await wait_until(lambda: scheduler.stats()["active"] == 1)
         await c.send({"type": "start", "id": "waits", "text": "I wait in the queue."})
         queued = await c.recv_where(lambda m: m["type"] == "start")
@@ -185,7 +198,8 @@ async def test_busy_refusals_carry_a_retry_hint_from_the_queues_pace_that_shrink
         after = scheduler.retry_after_s()
         assert full.status_code == 429 and full.json()["error"]["code"] == "busy"
         assert math.ceil(after) <= int(full.headers["Retry-After"]) <= math.ceil(before)
-        await holder.send({"type": "cancel", "id": "hold"})
+        engine.gate.set()
+        assert_good_stream(await holder.collect("hold"))
         waited = await c.collect("waits")
         waited.start = queued
         assert_good_stream(waited)
