@@ -20,7 +20,7 @@ from conftest import assert_good_stream, connect_client, wait_until
 
 from vox_ws.engine import ErrorKind, Refused
 from vox_ws.lexicon import (MAX_ENTRY_CHARS, MAX_LEXICON_BYTES, MAX_LEXICON_ENTRIES, MAX_REQUEST_ENTRIES, Lexicon,
-                            entry, parse_lexicon, request_entries, respell)
+                            combined, entry, parse_lexicon, request_entries, respell)
 
 TOMATO_IPA = "təmˈɑːtoʊ"
 
@@ -71,6 +71,9 @@ def test_entries_match_whole_words_the_longest_phrase_first_and_keep_the_punctua
                        entry({"match": "US", "say": "U S", "case_sensitive": True}, "x")])
     assert respell("New York, new us, US. Newer.", lexicon) == "Noo Yawk, gnu us, U S. Newer."
     assert [(a, b) for a, b, _ in lexicon.find("in new york".split())] == [(1, 3)]
+    # A request's entries come before the server's, which stay in use for the other words.
+    mine = combined([entry({"match": "new", "say": "knew"}, "x")], lexicon)
+    assert respell("new car in New York", mine) == "knew car in knew York" and len(mine) == 4
 
 
 @pytest.mark.parametrize("value, kind, named", [

@@ -102,10 +102,13 @@ def request_entries(value: Any) -> tuple[Pronunciation, ...]:
 
 
 class Lexicon:
-    """Entries, indexed by their first word: matching costs a look-up per word of the text."""
+    """Entries, indexed by their first word: matching costs a look-up per word of the text.
+    With `under` (the server's lexicon beneath a request's entries), a word is looked up here
+    first, then there; neither is copied."""
 
-    def __init__(self, entries: Iterable[Pronunciation] = ()) -> None:
+    def __init__(self, entries: Iterable[Pronunciation] = (), under: Lexicon | None = None) -> None:
         self.entries = tuple(entries)
+        self._under = under
         self._by_first: dict[str, list[Pronunciation]] = {}
         for item in self.entries:
             self._by_first.setdefault(item.words[0], []).append(item)
@@ -113,7 +116,11 @@ class Lexicon:
             group.sort(key=lambda e: -len(e.words))           # the longest phrase first
 
     def __len__(self) -> int:
-        return len(self.entries)
+        return len(self.entries) + (len(self._under) if self._under is not None else 0)
+
+    def _candidates(self, keys: set[str]) -> Iterable[Pronunciation]:
+        for key in keys:
+            yield from self._by_first.get(key, ())
 
     def find(self, words: Sequence[str]) -> list[tuple[int, int, Pronunciation]]:
         """(first word, end word, entry) of every match in `words` (a text's whitespace-split
@@ -121,16 +128,18 @@ class Lexicon:
         found = []
         folded = [_key(w, False) for w in words]
         exact = [_bare(w) for w in words]
+        layers = [self] if self._under is None else [self, self._under]
         i = 0
         while i < len(words):
             hit = None
-            for key in {folded[i], exact[i]}:
-                for item in self._by_first.get(key, ()):
+            for layer in layers:
+                for item in layer._candidates({folded[i], exact[i]}):
                     keys = exact if item.case_sensitive else folded
                     n = len(item.words)
                     if tuple(keys[i:i + n]) == item.words and (hit is None or n > len(hit.words)):
                         hit = item
-                        break
+                if hit is not None:
+                    break                                      # a request's entry before the server's
             if hit is None:
                 i += 1
                 continue
@@ -141,7 +150,7 @@ class Lexicon:
 
 def combined(first: Sequence[Pronunciation], then: Lexicon) -> Lexicon:
     """A request's entries before the server's."""
-    return Lexicon([*first, *then.entries]) if first else then
+    return Lexicon(first, under=then) if first else then
 
 
 def respell(text: str, lexicon: Lexicon) -> str:
