@@ -10,7 +10,6 @@ import json
 import math
 import threading
 
-import httpx
 import pytest
 from conftest import WAIT_TIMEOUT, assert_good_stream, bytes_to_pcm, connect_client, wait_until
 
@@ -191,13 +190,17 @@ async def test_busy_refusals_carry_a_retry_hint_from_the_queues_pace_that_shrink
         await c.send({"type": "start", "id": "later", "text": "Nor for me."})
         later = await c.error("later")
         assert later["retry_after_s"] < refused["retry_after_s"]
-        # HTTP says the same in whole seconds.
+        # HTTP says the same in whole seconds (the `openai` SDK, not retrying).
+        import openai
+
+        sdk = openai.AsyncOpenAI(base_url=server.http + "/v1", api_key="unused", max_retries=0)
         before = scheduler.retry_after_s()
-        async with httpx.AsyncClient(timeout=60) as http:
-            full = await http.post(server.http + "/v1/audio/speech", json={"input": "Over HTTP.", "voice": "tone"})
+        with pytest.raises(openai.RateLimitError) as full:
+            await sdk.audio.speech.create(model="tts-1", voice="alloy", input="Over HTTP.")
         after = scheduler.retry_after_s()
-        assert full.status_code == 429 and full.json()["error"]["code"] == "busy"
-        assert math.ceil(after) <= int(full.headers["Retry-After"]) <= math.ceil(before)
+        assert full.value.status_code == 429 and full.value.body["code"] == "busy"
+        assert math.ceil(after) <= int(full.value.response.headers["Retry-After"]) <= math.ceil(before)
+        await sdk.close()
         engine.gate.set()
         assert_good_stream(await holder.collect("hold"))
         waited = await c.collect("waits")
