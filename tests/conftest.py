@@ -247,6 +247,24 @@ def tiny_model(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_voxcpm(start_server, tiny_model) -> RunningServer:
+    """One server on the tiny VoxCPM2 for the tests that only speak on it; its engine keeps the
+    text of every request it was given (`server.engine.given`)."""
+    from vox_ws.engines.voxcpm.engine import VoxCPMEngine
+
+    class Recording(VoxCPMEngine):
+        def __init__(self, **kwargs: Any) -> None:
+            super().__init__(**kwargs)
+            self.given: list[str] = []
+
+        def prefill(self, request):
+            self.given.append(request.text)
+            return super().prefill(request)
+
+    return start_server(Recording(model=str(tiny_model), device="cpu", max_batch=2), max_batch=2)
+
+
+@pytest.fixture(scope="session")
 def tiny_model_stops(tmp_path_factory):
     """The same, with a stop head that stops as soon as min_len allows."""
     from vox_ws.testing.tiny_voxcpm import build

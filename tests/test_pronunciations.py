@@ -135,16 +135,8 @@ def test_pronunciations_over_openais_api(piper_server):
 # ------------------------------------------------------------------ VoxCPM2: the text it is given
 
 
-async def test_the_tiny_voxcpm_is_given_the_respelled_text_and_the_client_its_own(start_server, tiny_model):
-    from vox_ws.engines.voxcpm.engine import VoxCPMEngine
-
-    class Recording(VoxCPMEngine):
-        def prefill(self, request):
-            given.append(request.text)
-            return super().prefill(request)
-
-    given: list[str] = []
-    server = start_server(Recording(model=str(tiny_model), device="cpu", max_batch=2), max_batch=2)
+async def test_the_tiny_voxcpm_is_given_the_respelled_text_and_the_client_its_own(tiny_voxcpm):
+    server, given = tiny_voxcpm, tiny_voxcpm.engine.given
     async with connect_client(server) as c:
         result = await c.speak("Ask the VoxWS team.", "v", options={"max_len": 4, "normalize": False},
                                pronunciations=[{"match": "voxws", "say": "vox double-u ess"}])

@@ -124,11 +124,10 @@ async def test_unknown_markup_is_an_error_and_the_connection_serves_on(piper_ser
         assert_good_stream(await c.speak("Two < three, and <speak> comes later.", "plain"))
 
 
-async def test_a_break_over_openais_api_on_the_tiny_voxcpm(start_server, tiny_model):
+async def test_a_break_over_openais_api_on_the_tiny_voxcpm(tiny_voxcpm):
     import openai
-    from vox_ws.engines.voxcpm.engine import VoxCPMEngine
 
-    server = start_server(VoxCPMEngine(model=str(tiny_model), device="cpu", max_batch=2), max_batch=2)
+    server = tiny_voxcpm
     client = openai.OpenAI(base_url=server.http + "/v1", api_key="unused", max_retries=0)
 
     def say(text: str, **extra) -> np.ndarray:

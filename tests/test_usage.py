@@ -104,11 +104,8 @@ def test_usage_in_openais_sse_done_event_adds_up(piper):
     assert usage["input_tokens"] == len(TEXT) and usage["total_tokens"] == usage["input_tokens"] + usage["output_tokens"]
 
 
-async def test_usage_on_the_tiny_voxcpm(start_server, tiny_model):
-    from vox_ws.engines.voxcpm.engine import VoxCPMEngine
-
-    server = start_server(VoxCPMEngine(model=str(tiny_model), device="cpu", max_batch=2), max_batch=2)
-    async with connect_client(server) as c:
+async def test_usage_on_the_tiny_voxcpm(tiny_voxcpm):
+    async with connect_client(tiny_voxcpm) as c:
         result = await c.speak(TEXT, "v", options={"max_len": 6}, phoneme_timestamps=True)
         assert result.end["reason"] == "max_len"
         assert_usage_is_what_was_received(result, len(TEXT))
