@@ -214,3 +214,17 @@ def test_a_voice_store_that_is_down_and_a_loading_engine_say_when_to_retry():
     assert loading.not_ready_retry_s() == LOADING_RETRY_AFTER_S
     loading.status = "failed"
     assert loading.not_ready_retry_s() is None          # trying again will not help
+
+
+async def test_usage_per_token_is_under_the_label_vox_ws_owner_prints(start_server, capsys):
+    from vox_ws.cli import main
+
+    server = start_server(PiperEngine(), tokens=["team-a-token"])
+    async with connect_client(server, additional_headers={"Authorization": "Bearer team-a-token"}) as c:
+        result = await c.speak(TEXT, "t")
+    assert main(["owner", "--token", "team-a-token"]) == 0
+    label = capsys.readouterr().out.strip()
+    assert "team-a-token" not in label and len(label) == 32
+    assert metric(server, "voxws_owner_characters_total", label) == result.end["usage"]["characters"]
+    assert metric(server, "voxws_owner_audio_seconds_total", label) == pytest.approx(result.end["usage"]["audio_s"],
+                                                                                     abs=1e-3)

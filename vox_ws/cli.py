@@ -135,6 +135,11 @@ def build_parser() -> argparse.ArgumentParser:
     say.add_argument("--voice")
     say.add_argument("--sample-rate", type=int)
 
+    owner = commands.add_parser("owner", help="the label /metrics counts a token's or an address's usage under")
+    who = owner.add_mutually_exclusive_group(required=True)
+    who.add_argument("--token", help="a client token (as given to --token)")
+    who.add_argument("--address", help="a client address (clients without a token)")
+
     from . import loadtest
 
     bench = commands.add_parser("bench", help="load a running server and report first audio, RTF, underruns",
@@ -228,6 +233,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         from . import loadtest
 
         return loadtest.main(args)
+    if args.command == "owner":
+        from .service.voice_store import owner_key
+        from .transports.auth import address_owner, token_owner
+
+        print(owner_key(token_owner(args.token) if args.token else address_owner(args.address)))
+        return 0
     return 2
 
 
