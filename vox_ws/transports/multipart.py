@@ -3,8 +3,8 @@
 Starlette's parser (python-multipart) is pure Python, and a hostile body (megabytes of
 near-boundaries) keeps it busy for seconds. On a thread it would still hold the interpreter
 against the event loop and the engine thread; in a process it shares nothing but a core, and at
-the lowest CPU priority (nice 19) it takes only what the server's own threads and processes
-leave: an upload waits, the streams do not. One body is parsed at a time (a registration waits
+the lowest CPU priority (Linux's SCHED_IDLE, else nice 19) it takes only what the server's own
+threads and processes leave: an upload waits, the streams do not. One body is parsed at a time (a registration waits
 its turn anyway); the process starts at the first multipart upload and lives as long as the
 server.
 """
@@ -46,7 +46,12 @@ class MultipartParser:
 
 
 def _lowest_priority() -> None:
-    os.nice(19)
+    # SCHED_IDLE runs only where a core would otherwise idle (nice 19 still takes a share
+    # beside busy threads); nice 19 where there is no SCHED_IDLE.
+    try:
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+    except (AttributeError, OSError):
+        os.nice(19)
 
 
 def parse_fields(content_type: str, body: bytes, limit: int) -> tuple[dict[str, str | bytes], str | None]:
