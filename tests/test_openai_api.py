@@ -311,3 +311,14 @@ def test_a_failure_after_the_first_bytes_truncates_the_body(failing):
     # The server goes on serving.
     assert httpx.post(failing.http + "/v1/audio/speech", json={"input": "Fine.", "response_format": "pcm"},
                       timeout=30).status_code == 200
+
+
+def test_openai_shaped_voice_routes_on_an_engine_that_cannot_clone(client, piper_server):
+    """Piper: `/v1/audio/voices` lists its built-in voice and no uploads; an upload is 501, as
+    over `/v1/voices`."""
+    listed = client.get("/audio/voices", cast_to=object)
+    assert listed == {"voices": ["joe"], "uploaded_voices": []}
+    with pytest.raises(openai.APIStatusError) as refused:
+        client.post("/audio/voices", cast_to=object, options={"headers": {"Content-Type": "multipart/form-data"}},
+                    body={"name": "me"}, files=[("audio_sample", ("a.wav", b"RIFF", "audio/wav"))])
+    assert refused.value.status_code == 501 and refused.value.body["code"] == "unsupported"
