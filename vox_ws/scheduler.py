@@ -115,8 +115,7 @@ class Scheduler:
             if self.status != "ready":
                 raise Refused(ErrorKind.NOT_READY, f"engine is {self.status}" + (f": {self.error}" if self.error else ""),
                               self.not_ready_retry_s())
-            # Requests already waiting beyond the slots that the next turn frees.
-            ahead = len(self._in_line()) - (self.max_batch - len(self._active) - self._admitting)
+            ahead = self._ahead()
             if ahead >= self.max_queue:
                 if not self._push_out_for(request):
                     raise Refused(ErrorKind.BUSY, f"all {self.max_batch} slots busy and {self.max_queue} requests queued",
@@ -161,10 +160,14 @@ class Scheduler:
         """Seconds until the queue has a place for one more request, at the pace measured: the
         next slot to free (the head of the queue takes it), and one more for every request
         beyond the queue's bound. Called with the lock held."""
-        ahead = len(self._in_line()) - ((self.max_batch or 0) - len(self._active) - self._admitting)
+        ahead = self._ahead()
         now = time.monotonic()
         holding = [now - r.admitted_at for r in self._active if r.admitted_at is not None]
         return self.pace.wait_s(holding, self.max_batch or 1, after=ahead - self.max_queue)
+
+    def _ahead(self) -> int:
+        """Requests waiting beyond the slots that the next turn frees. Called with the lock held."""
+        return len(self._in_line()) - ((self.max_batch or 0) - len(self._active) - self._admitting)
 
     def stats(self) -> dict[str, Any]:
         with self._cond:

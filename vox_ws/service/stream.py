@@ -373,12 +373,8 @@ class Stream:
         # chunk and no frame holds the socket for long.
         rate = self.encoder.in_rate
         offset = self._engine_samples
-        self._engine_samples += len(pcm)
-        step = max(1, int(rate * MAX_CHUNK_S))
-        for start in range(0, len(pcm), step):
-            data = self.encoder.encode(pcm[start:start + step])
-            if data:
-                self._service.mailbox.post(self._on_audio, data)
+        for data in self._encoded(pcm):
+            self._service.mailbox.post(self._on_audio, data)
         if words and self.word_timestamps:
             # After the audio they are in: a cancel that drops that audio drops them too.
             timed = tuple(Word(word, round((offset + a) / rate, 4), round((offset + b) / rate, 4))
@@ -548,14 +544,17 @@ class Stream:
     def _silence(self, seconds: float) -> None:
         """Exact silence in the stream's audio (a break in marked-up text), here on the loop
         between two segments, when the scheduler thread holds none of this stream's requests."""
-        rate = self.encoder.in_rate
-        pcm = np.zeros(int(round(seconds * rate)), dtype=np.float32)
+        for data in self._encoded(np.zeros(int(round(seconds * self.encoder.in_rate)), dtype=np.float32)):
+            self._on_audio(data)
+
+    def _encoded(self, pcm: np.ndarray) -> list[bytes]:
+        """Engine audio encoded for the stream, in chunks of at most MAX_CHUNK_S; counted as
+        delivered (on whichever thread holds the stream's encoder: the scheduler's, or the
+        loop's between two segments)."""
         self._engine_samples += len(pcm)
-        step = max(1, int(rate * MAX_CHUNK_S))
-        for start in range(0, len(pcm), step):
-            data = self.encoder.encode(pcm[start:start + step])
-            if data:
-                self._on_audio(data)
+        step = max(1, int(self.encoder.in_rate * MAX_CHUNK_S))
+        pieces = (self.encoder.encode(pcm[start:start + step]) for start in range(0, len(pcm), step))
+        return [data for data in pieces if data]
 
     def _on_words(self, words: tuple[Word, ...]) -> None:
         if not self._finished:
