@@ -12,7 +12,7 @@ import inspect
 import socket
 
 import pytest
-from conftest import connect_client
+from conftest import connect_client, wait_until
 
 from vox_ws.testing.tone import ToneEngine
 
@@ -96,7 +96,12 @@ async def test_a_live_uvicorn_connection_has_the_attributes_vox_ws_uses(tone_ser
     waiting.sendall(b"POST /v1/audio/speech HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                     b"Content-Length: 100\r\n\r\n{")
     try:
+        def waits_for_a_body() -> bool:
+            """the server has read the waiting request's headers"""
+            return any(getattr(c, "cycle", None) is not None for c in _live_connections(tone_server))
+
         async with connect_client(tone_server):
+            await wait_until(waits_for_a_body)       # a failure here: uvicorn's cycle is gone
             live = _live_connections(tone_server)
             http = [c for c in live if isinstance(c, HttpProtocol)]
             ws = [c for c in live if isinstance(c, WebSocketProtocol)]
