@@ -113,6 +113,54 @@ async def test_bodies_that_never_finish_are_bounded_per_address(start_server):
     await wait_until(lambda: server.server.guard.requests_in_flight == 0)
 
 
+async def test_an_address_that_goes_on_after_429s_is_not_heard_and_another_is_served(start_server):
+    """Refused requests cost the server their headers, routing and answer; past its budget of
+    them an address's new connections are closed at accept, before any HTTP is read."""
+    # A budget that does not refill within the test: one refusal (the least burst) and no more.
+    server = start_server(PiperEngine(), max_connections_per_address=1, body_timeout_s=3600.0,
+                          refused_requests_per_s=0.001)
+    guard = server.server.guard
+    holder = attacker_socket(server.port)
+    holder.sendall(speech_headers(30_000) + b'{"input": "')
+    await wait_until(lambda: guard.requests_in_flight == 1)
+    refused = attacker_socket(server.port)
+    refused.sendall(speech_headers(30_000) + b'{"input": "')
+    assert (await asyncio.to_thread(read_until_closed, refused)).startswith(b"HTTP/1.1 429")
+    # The budget spent: the next connection is closed before a byte of its request is read.
+    unheard = attacker_socket(server.port)
+    try:
+        unheard.sendall(speech_headers(30_000) + b'{"input": "')
+    except (BrokenPipeError, ConnectionResetError):
+        pass
+    assert await asyncio.to_thread(read_until_closed, unheard) == b""
+    assert guard.unheard == 1 and not guard.heard(ATTACKER)
+    # The victim's address is heard as before, over HTTP and WebSocket.
+    assert guard.heard("127.0.0.1")
+    await asyncio.to_thread(assert_speaks, server)
+    async with connect_client(server) as c:
+        assert_good_stream(await c.speak(SENTENCE, "victim"))
+    for sock in (holder, refused, unheard):
+        sock.close()
+    await wait_until(lambda: guard.requests_in_flight == 0)
+
+
+def test_the_budget_of_refusals_refills_at_its_rate():
+    from vox_ws.transports.connections import ConnectionGuard
+
+    now = [1000.0]
+    guard = ConnectionGuard(Limits(refused_requests_per_s=2.0), clock=lambda: now[0])   # bursts of 10
+    for _ in range(9):
+        guard.refused_request(ATTACKER)
+    assert guard.heard(ATTACKER)
+    guard.refused_request(ATTACKER)
+    assert not guard.heard(ATTACKER) and guard.heard("127.0.0.1")
+    now[0] += 0.5                                                     # one more at 2 a second
+    assert guard.heard(ATTACKER)
+    guard.refused_request(ATTACKER)
+    assert not guard.heard(ATTACKER)
+    assert guard.admit(object(), ATTACKER) is not None and guard.unheard == 1
+
+
 async def test_a_body_that_never_finishes_is_answered_408_when_its_time_runs_out(start_server):
     server = start_server(PiperEngine(), body_timeout_s=1.0)
     holder = attacker_socket(server.port)

@@ -126,3 +126,18 @@ def test_protocol_md_lists_every_limit_hello_publishes():
     row = next(line for line in doc.splitlines() if line.startswith("| `limits` | map |"))
     listed = re.findall(r"`(\w+)`", row.split("| map |", 1)[1].split("(", 1)[0])
     assert sorted(listed) == sorted(Limits().as_dict()), set(listed) ^ set(Limits().as_dict())
+
+
+def test_option_refusals_name_their_field_for_every_door():
+    from vox_ws.engine import ErrorKind, Refused
+    from vox_ws.service.validation import check_options
+
+    assert check_options({"cfg_value": 2}, OPTIONS) == {"cfg_value": 2.0}
+    for raw, field in (([1], "options"), ({"nope": 1}, "options.nope"), ({"cfg_value": "x"}, "options.cfg_value"),
+                       ({"min_len": 9, "max_len": 3}, "options.min_len")):
+        with pytest.raises(Refused) as shared:
+            check_options(raw, OPTIONS)
+        assert shared.value.kind == ErrorKind.INVALID and shared.value.field == field
+        # Protocol v1 says the same as a bad_request of the stream.
+        v1 = refused({"type": "start", "id": "s", "text": "Hi.", "options": raw})
+        assert v1.code == p.BAD_REQUEST and v1.message == shared.value.message and v1.stream_id == "s"

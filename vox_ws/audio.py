@@ -26,7 +26,6 @@ class StreamEncoder:
         self._resampler = (
             soxr.ResampleStream(in_rate, out_rate, 1, dtype="float32", quality="HQ") if in_rate != out_rate else None
         )
-        self.samples_out = 0
         self.bytes_per_sample = bytes_per_sample(fmt)
 
     def encode(self, pcm: np.ndarray) -> bytes:
@@ -41,7 +40,6 @@ class StreamEncoder:
         return self._pack(self._resampler.resample_chunk(np.zeros(0, np.float32), last=True))
 
     def _pack(self, pcm: np.ndarray) -> bytes:
-        self.samples_out += pcm.shape[0]
         return pcm_to_bytes(pcm, self.format)
 
 

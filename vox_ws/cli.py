@@ -67,6 +67,8 @@ _SERVE_OPTIONS: list[tuple[str, Callable[[str], Any], Any, str]] = [
     ("body-max", float, Limits.body_max_s, "seconds an HTTP request body may take at the most"),
     ("discard-rate", float, Limits.discard_bytes_per_s, ("bytes a second per address of refused HTTP bodies "
                                                           "read to keep their connections (then closed)")),
+    ("refused-rate", float, Limits.refused_requests_per_s, ("HTTP requests a second per address answered 429 "
+                                                             "before its new connections are closed at accept")),
     ("input-pause", float, Limits.input_pause_s, "input streaming: seconds of quiet after which buffered words "
                                                  "without a sentence end are spoken"),
     ("unready-when-full", engines.parse_bool, False, "readiness 503 and new connections closed 1013 while every "
@@ -169,6 +171,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         body_min_rate=args.body_min_rate,
         body_max_s=args.body_max,
         discard_bytes_per_s=args.discard_rate,
+        refused_requests_per_s=args.refused_rate,
     )
     fields = {f.name for f in dataclasses.fields(ServerConfig)}
     values = {k: v for k, v in vars(args).items() if k in fields}

@@ -40,6 +40,10 @@ class Limits:
     # that the server still reads, to drop them and keep the connection; in bursts of four
     # `max_frame_bytes` bodies. Beyond, such a connection is closed.
     discard_bytes_per_s: float = float(1 << 20)
+    # HTTP requests a second per address the server answers 429 (too many, busy) before it stops
+    # hearing that address: its new connections are closed at accept, before any HTTP is read,
+    # until the budget (bursts of five seconds' worth) has refilled.
+    refused_requests_per_s: float = 20.0
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)

@@ -48,13 +48,16 @@ _RETRYABLE = frozenset({ErrorKind.BUSY, ErrorKind.NOT_READY, ErrorKind.TIMEOUT, 
 
 class Refused(Exception):
     """Work the engine (or the stream service) will not do, and why; for a refusal that may
-    pass later, when to try again (seconds, estimated), where that is known."""
+    pass later, when to try again (seconds, estimated), where that is known; for a bad field of
+    the request, which (`field`, e.g. "options.cfg_value"), so a front door can name it."""
 
-    def __init__(self, kind: ErrorKind, message: str, retry_after_s: float | None = None) -> None:
+    def __init__(self, kind: ErrorKind, message: str, retry_after_s: float | None = None,
+                 field: str | None = None) -> None:
         super().__init__(message)
         self.kind = kind
         self.message = message
         self.retry_after_s = retry_after_s
+        self.field = field
 
 
 class EndReason(str, enum.Enum):

@@ -5,6 +5,9 @@ For each concurrency level, N clients send requests back to back for `--duration
 `--stream-input` each request's text is streamed in word by word at `--words-per-second` (as an
 LLM would produce it), and first audio counts from the first word sent. Results are printed as a
 table and can be written as JSON and as a PNG chart of first audio against concurrency.
+
+With `--rate` the load is open-loop instead (`vox_ws.capacity`): listeners arrive at random at
+each rate, whatever the server is doing, and the capacity is the highest rate it holds.
 """
 
 from __future__ import annotations
@@ -160,6 +163,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--url", default="ws://127.0.0.1:8765/v1/stream")
     ap.add_argument("--token")
     ap.add_argument("--concurrency", default="1,2,4,8", help="comma-separated levels")
+    ap.add_argument("--rate", help="open-loop instead: listeners arriving at these rates a second "
+                                   "(comma-separated), each a real-time player; prints the capacity")
+    ap.add_argument("--label", help="the configuration's name in the --rate chart")
     ap.add_argument("--duration", type=float, default=20.0, help="seconds per level")
     ap.add_argument("--stream-input", action="store_true", help="stream each text in word by word")
     ap.add_argument("--words-per-second", type=float, default=12.0)
@@ -175,6 +181,10 @@ def main(args: argparse.Namespace) -> int:
     local = host == "localhost" or _is_loopback(host)
     if not local and not args.allow_remote:
         raise SystemExit(f"{host} is not a loopback address; pass --allow-remote to load a server you run there")
+    if args.rate:
+        from . import capacity
+
+        return capacity.main(args)
     levels = []
     print(f"{'N':>4} {'streams':>8} {'first p50':>10} {'p95':>8} {'p99':>8} {'RTF':>7} {'underruns':>10} "
           f"{'audio s/s':>10}  errors")

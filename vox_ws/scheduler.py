@@ -126,8 +126,8 @@ class Scheduler:
             return max(0, ahead + 1)
 
     def call(self, fn: Callable[[], Any]) -> Future:
-        """Run `fn` on the scheduler thread between two steps (voice encoding, LoRA swaps):
-        the model is never used by two threads, and no step sees half-changed weights."""
+        """Run `fn` on the scheduler thread between two steps (LoRA swaps): no step sees
+        half-changed weights. (Voices are built beside the steps, not here.)"""
         future: Future = Future()
         with self._cond:
             if self.status != "ready":

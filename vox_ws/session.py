@@ -236,7 +236,9 @@ class Session:
             raise p.ProtocolError.from_refused(err, message.id) from None
 
     def _on_request(self, message: p.Voice | p.VoiceDelete | p.Lora) -> None:
-        """Requests that run on the engine thread between steps and answer later."""
+        """Requests answered later, while the connection's streams go on: voice registration
+        and deletion (the stream service's work, beside the engine's steps) and LoRA operations
+        (on each engine thread, between two steps)."""
         if isinstance(message, p.Voice):
             if self._voice_task is not None and not self._voice_task.done():
                 raise p.ProtocolError(p.BUSY, "one voice registration at a time per connection", message.id,

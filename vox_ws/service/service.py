@@ -276,7 +276,8 @@ class StreamService:
         if self.devices.status != "ready":
             raise self.devices.not_ready()
         assert self._voice_jobs is not None, "StreamService.start() was not awaited"
-        stored = new_voice(owner, audio, transcript if has_transcript else None, mode)
+        # Hashing megabytes would hold the loop for milliseconds; hashlib lets go of the GIL.
+        stored = await asyncio.to_thread(new_voice, owner, audio, transcript if has_transcript else None, mode)
         await self.store.check_room(stored)
         # One reference at a time is decoded and encoded, on a worker thread: beside the
         # engine's steps (which go on), never between them; owners take turns.

@@ -12,6 +12,12 @@ HTTP (httptools):
   coming: it has `limits.body_timeout_s`, one more second for every `limits.body_min_rate`
   bytes received, and never more than `limits.body_max_s` in all; one that falls behind is
   answered 408 and its connection closed.
+- An address that goes on sending requests the server refuses (429: too many in flight, busy)
+  is not heard for a while: past `limits.refused_requests_per_s` such answers (in bursts of
+  REFUSAL_BURST_S seconds' worth), its new connections are closed as they are accepted, before
+  any HTTP is read, until its budget has refilled. A refused request costs the server its
+  headers, its routing and its answer; a connection closed at accept costs almost nothing, so
+  a client that ignores `Retry-After` cannot keep the event loop busy with refusals.
 - Writes are bounded as a WebSocket's are (below): a response nobody reads is aborted once the
   client has acknowledged nothing for `limits.write_stall_timeout_s`, whether the app is
   still writing or the response is complete and waits in the buffers.
@@ -44,8 +50,9 @@ import logging
 import socket
 import struct
 import termios
+import time
 from collections import Counter
-from typing import Any
+from typing import Any, Callable
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
@@ -69,6 +76,11 @@ DISCARD_BUDGETS_KEPT = 1024
 # The burst of that budget, in `max_frame_bytes` bodies: a client's occasional refused upload,
 # even one well over the limit, is read and dropped and its client reads the answer.
 DISCARD_BURST_FRAMES = 4
+# The burst of the refused-requests budget, in seconds of its rate.
+REFUSAL_BURST_S = 5.0
+# Addresses whose refusal budget is kept (beyond, those with a full budget are forgotten).
+REFUSAL_BUDGETS_KEPT = 1024
+REFUSAL_LOG_EVERY_S = 60.0
 
 _PONG = 0x0A
 # struct tcp_info (linux/tcp.h): tcpi_bytes_acked is the u64 at offset 120 (Linux >= 4.1).
@@ -79,7 +91,8 @@ class ConnectionGuard:
     """Counts half-open connections, and HTTP requests in flight, per address and in total,
     for every protocol of a server."""
 
-    def __init__(self, limits: Limits) -> None:
+    def __init__(self, limits: Limits, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
         self.per_address_limit = limits.max_connections_per_address
         self.total_limit = limits.max_connections
         self._discard_rate = limits.discard_bytes_per_s
@@ -90,6 +103,10 @@ class ConnectionGuard:
         self.refused = 0
         self._requests: Counter[str] = Counter()  # address -> HTTP requests in flight
         self.requests_refused = 0
+        self._refusal_rate = limits.refused_requests_per_s
+        self._refusals: dict[str, TokenBucket] = {}   # address -> refusals it may still get
+        self._told: dict[str, float] = {}             # address -> when the log last said so
+        self.unheard = 0                          # connections closed at accept for that
 
     @property
     def requests_in_flight(self) -> int:
@@ -117,20 +134,46 @@ class ConnectionGuard:
         if bucket is None:
             if len(self._discards) >= DISCARD_BUDGETS_KEPT:
                 self._discards = {a: b for a, b in self._discards.items() if not b.full}
-            bucket = self._discards[address] = TokenBucket(self._discard_rate, self._discard_burst)
+            bucket = self._discards[address] = TokenBucket(self._discard_rate, self._discard_burst, self._clock)
         return bucket.take(size)
+
+    def refused_request(self, address: str) -> None:
+        """`address` was answered 429; past its budget, its next connections are not heard."""
+        bucket = self._refusals.get(address)
+        if bucket is None:
+            if len(self._refusals) >= REFUSAL_BUDGETS_KEPT:
+                self._refusals = {a: b for a, b in self._refusals.items() if not b.full}
+                self._told = {a: t for a, t in self._told.items() if a in self._refusals}
+            burst = max(1.0, REFUSAL_BURST_S * self._refusal_rate)
+            bucket = self._refusals[address] = TokenBucket(self._refusal_rate, burst, self._clock)
+        if bucket.take() and bucket.tokens < 1.0:
+            # Once a minute at the most: an address kept at its budget runs it out again and again.
+            now = self._clock()
+            if now - self._told.get(address, -REFUSAL_LOG_EVERY_S) >= REFUSAL_LOG_EVERY_S:
+                self._told[address] = now
+                log.warning("%s goes on sending requests after being refused: its new connections are "
+                            "closed at accept while it does", address)
+
+    def heard(self, address: str) -> bool:
+        """Whether a new connection from `address` is read at all."""
+        bucket = self._refusals.get(address)
+        return bucket is None or bucket.tokens >= 1.0
 
     @property
     def pending(self) -> int:
         return len(self._pending)
 
-    def admit(self, transport: asyncio.BaseTransport, address: str) -> bool:
+    def admit(self, transport: asyncio.BaseTransport, address: str) -> str | None:
+        """None if a new connection is admitted; else why not."""
+        if not self.heard(address):
+            self.unheard += 1
+            return "its address goes on sending requests after being refused"
         if len(self._pending) >= self.total_limit or self._per_address[address] >= self.per_address_limit:
             self.refused += 1
-            return False
+            return "too many unfinished connections (from its address or in all)"
         self._pending[transport] = address
         self._per_address[address] += 1
-        return True
+        return None
 
     def settle(self, transport: asyncio.BaseTransport) -> None:
         """The connection sent a whole request's headers, or is gone."""
@@ -244,10 +287,14 @@ class HttpProtocol(_WatchedWrites, HttpToolsProtocol):
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         self._address = self.client[0] if self.client else "unknown"
-        if not self.guard.admit(transport, self._address):
-            log.warning("too many unfinished connections (from %s or in all): closing a new one", self._address)
+        refused = self.guard.admit(transport, self._address)
+        if refused is not None:
+            # Not heard: said once, when its budget ran out (a log line each would be a flood).
+            if self.guard.heard(self._address):
+                log.warning("closing a new connection from %s: %s", self._address, refused)
             transport.abort()
             return
+        self.app = _RefusalWatch(self.app, self.guard, self._address)
         bound_writes(transport)
         self._arm_header_timer()
 
@@ -263,6 +310,7 @@ class HttpProtocol(_WatchedWrites, HttpToolsProtocol):
             return
         if not self.guard.begin_request(self._address):
             log.warning("too many HTTP requests in flight (from %s or in all): refusing one", self._address)
+            self.guard.refused_request(self._address)
             self._start_with(_too_many_requests)
             return
         self._in_flight += 1
@@ -397,6 +445,20 @@ class HttpProtocol(_WatchedWrites, HttpToolsProtocol):
 _REQUEST_TIMEOUT_BODY = b'{"error":{"code":"timeout","message":"the request body did not arrive in time"}}'
 _REQUEST_TIMEOUT = (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\nconnection: close\r\n"
                     b"content-length: %d\r\n\r\n%s" % (len(_REQUEST_TIMEOUT_BODY), _REQUEST_TIMEOUT_BODY))
+
+
+class _RefusalWatch:
+    """The connection's app, telling the guard of every request it answers 429."""
+
+    def __init__(self, app: Any, guard: ConnectionGuard, address: str) -> None:
+        self.app, self.guard, self.address = app, guard, address
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        async def watched(message: Any) -> None:
+            if message["type"] == "http.response.start" and message["status"] == 429:
+                self.guard.refused_request(self.address)
+            await send(message)
+        await self.app(scope, receive, watched)
 
 
 async def _too_many_requests(scope: Any, receive: Any, send: Any) -> None:

@@ -33,6 +33,7 @@ from ..engine import ErrorKind, Refused
 from ..lexicon import request_entries
 from ..service import AudioOutput, Stream
 from ..service.events import Audio, Ended, Failed
+from ..service.validation import check_options
 from . import protocol as p
 from .auth import is_authorized, origin_allowed, owner
 from .body import BodyTooLarge, read_body
@@ -250,10 +251,10 @@ def parse_speech(body: dict[str, Any], state: ServerState) -> SpeechRequest:
         raise OpenAIError.from_refused(err, "pronunciations") from None
     raw_options = {name: body[name] for name in body if name in specs and name not in KNOWN_FIELDS}
     try:
-        options = p.parse_options(raw_options, specs)
-    except p.ProtocolError as err:
-        param = err.message.split("'")[1].removeprefix("options.") if "'" in err.message else None
-        raise OpenAIError(400, err.message.replace("options.", ""), param, "invalid_value") from None
+        options = check_options(raw_options, specs)
+    except Refused as err:                             # OpenAI's options are top-level fields
+        raise OpenAIError(400, err.message.replace("options.", ""), (err.field or "").removeprefix("options.")
+                          or None, "invalid_value") from None
     return SpeechRequest(text, voice, response_format, float(speed), stream_format == "sse", rate,
                          instructions.strip() or None if instructions else None, options,
                          None if lookahead is None else float(lookahead), markup, pronunciations)

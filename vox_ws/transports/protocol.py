@@ -3,7 +3,7 @@
 Pure functions and plain data only (no sockets, no asyncio), so that every rule here can be
 tested exhaustively and cheaply. ``docs/PROTOCOL.md`` is the prose version of this module;
 the two must agree. Generation options are validated against the specs the served engine
-declares (`vox_ws.engines.option_vocabulary`), not a list kept here.
+declares, by the rule every front door shares (`vox_ws.service.validation`), not a list kept here.
 """
 
 from __future__ import annotations
@@ -15,9 +15,10 @@ import msgpack
 
 from ..codecs import MAX_SPEED, MIN_SPEED, OUTPUT_FORMATS
 from ..config import Limits
-from ..engine import LORA_OPS, VOICE_MODES, EndReason, ErrorKind, OptionSpec, Refused, type_name
+from ..engine import LORA_OPS, VOICE_MODES, ErrorKind, OptionSpec, Refused, type_name
 from ..lexicon import Pronunciation, request_entries
 from ..service.events import Audio
+from ..service.validation import check_options
 
 PROTOCOL_VERSION = 1
 
@@ -41,24 +42,15 @@ ERROR_CODES = (
     BAD_FRAME, BAD_REQUEST, UNKNOWN_STREAM, DUPLICATE_STREAM, TOO_LARGE, TOO_MANY_STREAMS,
     BUSY, NOT_READY, TIMEOUT, INTERNAL, SLOW_CONSUMER, UNSUPPORTED, UNAUTHORIZED, RATE_LIMITED, GOING_AWAY,
 )
-# A client may retry these later with the same request and expect it to work.
-RETRYABLE = frozenset({BUSY, NOT_READY, TIMEOUT, SLOW_CONSUMER, RATE_LIMITED, GOING_AWAY})
 
 # WebSocket close codes used by the server.
-CLOSE_NORMAL = 1000
 CLOSE_SERVICE_RESTART = 1012     # the server is draining (shutting down): reconnect, elsewhere
 CLOSE_POLICY = 1008              # policy violation: flooding, or not reading while sending
-CLOSE_TOO_BIG = 1009             # frame beyond the hard transport limit
 CLOSE_INTERNAL = 1011            # the engine died
 CLOSE_TRY_AGAIN_LATER = 1013     # server at its connection limit, or full: reconnect, elsewhere or later
 CLOSE_IDLE = 4000                # idle timeout: no open stream and no message
 CLOSE_UNAUTHORIZED = 4001        # no valid token presented
 CLOSE_TOO_MANY_FROM_ADDRESS = 4029  # too many connections from this client address
-
-# Stream end reasons, as the engine layer names them.
-END_DONE = EndReason.DONE.value
-END_CANCELLED = EndReason.CANCELLED.value
-END_MAX_LEN = EndReason.MAX_LEN.value
 
 MIN_SAMPLE_RATE = 8000
 # Instructions describe a voice in a sentence or two; they are spoken to the model as text.
@@ -90,6 +82,11 @@ class ProtocolError(Exception):
 def code_for(kind: ErrorKind) -> str:
     """The wire code of an engine or stream-service error kind."""
     return BAD_REQUEST if kind == ErrorKind.INVALID else kind.value
+
+
+# A client may retry these later with the same request and expect it to work: the service's
+# retryable kinds (`ErrorKind.retryable`, the one table), and this door's own flood refusal.
+RETRYABLE = frozenset({code_for(kind) for kind in ErrorKind if kind.retryable} | {RATE_LIMITED})
 
 
 # --------------------------------------------------------------------------- messages
@@ -270,7 +267,10 @@ def _parse_start(obj: dict[str, Any], limits: Limits, specs: Mapping[str, Option
     if instructions is not None and len(instructions) > MAX_INSTRUCTIONS_CHARS:
         raise ProtocolError(TOO_LARGE, f"field 'instructions' has {len(instructions)} characters, over "
                                        f"{MAX_INSTRUCTIONS_CHARS}", sid)
-    options = parse_options(obj.get("options"), specs, sid)
+    try:
+        options = check_options(obj.get("options"), specs)
+    except Refused as err:
+        raise ProtocolError.from_refused(err, sid) from None
     segment_events = _optional(obj, "segment_events", bool, False)
     word_timestamps = _optional(obj, "word_timestamps", bool, False)
     phoneme_timestamps = _optional(obj, "phoneme_timestamps", bool, False)
@@ -298,26 +298,6 @@ def _parse_voice(obj: dict[str, Any], limits: Limits) -> Voice:
     if mode is not None and mode not in VOICE_MODES:
         raise ProtocolError(BAD_REQUEST, f"field 'mode' must be one of {list(VOICE_MODES)}, got {mode!r}")
     return Voice(id=_request_id(obj), audio=audio, transcript=transcript, mode=mode)
-
-
-def parse_options(raw: Any, specs: Mapping[str, OptionSpec], sid: str | None = None) -> dict[str, Any]:
-    """Validate the `options` map of a start message; unknown keys and bad values are refused."""
-    if raw is None:
-        return {}
-    if not isinstance(raw, dict):
-        raise ProtocolError(BAD_REQUEST, f"field 'options' must be a map, got {_kind(raw)}", sid)
-    out: dict[str, Any] = {}
-    for name, value in raw.items():
-        spec = specs.get(name)
-        if spec is None:
-            raise ProtocolError(BAD_REQUEST, f"unknown option 'options.{name}' (known: {sorted(specs)})", sid)
-        try:
-            out[name] = spec.check(value)
-        except ValueError as exc:
-            raise ProtocolError(BAD_REQUEST, f"option 'options.{name}' {exc}", sid) from None
-    if "min_len" in out and "max_len" in out and out["min_len"] > out["max_len"]:
-        raise ProtocolError(BAD_REQUEST, "option 'options.min_len' must not exceed 'options.max_len'", sid)
-    return out
 
 
 def _stream_id(obj: dict[str, Any]) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from typing import Callable
 
 # The ASGI scope extension through which the app finds its connection's budget.
 BUDGET_EXTENSION = "vox_ws.message_budget"
@@ -13,11 +14,12 @@ CLOSE_AFTER_REFUSED = 200
 class TokenBucket:
     """`rate` a second on average, in bursts up to `burst`."""
 
-    def __init__(self, rate: float, burst: float) -> None:
+    def __init__(self, rate: float, burst: float, clock: Callable[[], float] = time.monotonic) -> None:
         self.rate = rate
         self.burst = burst
+        self._clock = clock
         self._tokens = burst
-        self._at = time.monotonic()
+        self._at = clock()
 
     def take(self, amount: float = 1.0) -> bool:
         """Whether `amount` more is within the budget (and if so, it is taken)."""
@@ -32,8 +34,13 @@ class TokenBucket:
         self._refill()
         return self._tokens >= self.burst
 
+    @property
+    def tokens(self) -> float:
+        self._refill()
+        return self._tokens
+
     def _refill(self) -> None:
-        now = time.monotonic()
+        now = self._clock()
         self._tokens = min(self.burst, self._tokens + (now - self._at) * self.rate)
         self._at = now
 
