@@ -159,6 +159,10 @@ def test_the_budget_of_refusals_refills_at_its_rate():
     guard.refused_request(ATTACKER)
     assert not guard.heard(ATTACKER)
     assert guard.admit(object(), ATTACKER) is not None and guard.unheard == 1
+    off = ConnectionGuard(Limits(refused_requests_per_s=0.0), clock=lambda: now[0])
+    for _ in range(1000):
+        off.refused_request(ATTACKER)
+    assert off.heard(ATTACKER)
 
 
 async def test_a_body_that_never_finishes_is_answered_408_when_its_time_runs_out(start_server):

@@ -10,8 +10,8 @@ dry before the next chunk arrives it has a gap.
 Per rate: first audio p50/p95/p99, the share of streams with no gap over 100 ms (the
 continuity criterion of sglang-omni's benchmark), audio seconds per second, and the server's
 slot and queue occupancy (sampled from `/v1/load`). The **capacity** is the highest rate with
-first audio p95 <= 300 ms and >= 99 % of streams gap-free, and the concurrent listeners it gives
-(the mean number of streams open at that rate).
+first audio p95 <= 300 ms and >= 99 % of streams gap-free, and the listeners it gives at once
+(on average, each from its arrival until its player has played the last of its audio).
 """
 
 from __future__ import annotations
@@ -163,20 +163,19 @@ class RateResult:
         listening = sum(max(x.played_until or 0.0, x.ended or x.started) - x.started for x in self.listeners)
         return listening / self.wall_s
 
-    def held(self) -> bool:
-        s = self.summary()
-        return (s["streams"] > 0 and s["first_audio_ms"]["p95"] <= TARGET_P95_S * 1000
-                and (s["gap_free_share"] or 0.0) >= TARGET_GAP_FREE)
+
+def held(summary: dict[str, Any]) -> bool:
+    """Whether a rate's summary is within both targets: first audio p95 and the gap-free share."""
+    return bool(summary["streams"] and summary["first_audio_ms"]["p95"] <= TARGET_P95_S * 1000
+                and (summary["gap_free_share"] or 0.0) >= TARGET_GAP_FREE)
 
 
 def capacity(summaries: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """The highest rate that held (first audio p95 and gap-free share within the targets), with
-    the concurrent listeners it gave; None when none did."""
-    held = [s for s in summaries if s["streams"] and s["first_audio_ms"]["p95"] <= TARGET_P95_S * 1000
-            and (s["gap_free_share"] or 0.0) >= TARGET_GAP_FREE]
-    if not held:
+    """The highest rate that held, with the listeners it gave at once; None when none did."""
+    held_rates = [s for s in summaries if held(s)]
+    if not held_rates:
         return None
-    best = max(held, key=lambda s: s["rate_per_s"])
+    best = max(held_rates, key=lambda s: s["rate_per_s"])
     return {"rate_per_s": best["rate_per_s"], "concurrent_listeners": best["concurrent_listeners"]}
 
 

@@ -42,7 +42,7 @@ class Limits:
     discard_bytes_per_s: float = float(1 << 20)
     # HTTP requests a second per address the server answers 429 (too many, busy) before it stops
     # hearing that address: its new connections are closed at accept, before any HTTP is read,
-    # until the budget (bursts of five seconds' worth) has refilled.
+    # until the budget (bursts of five seconds' worth) has refilled. 0: always heard.
     refused_requests_per_s: float = 20.0
 
     def as_dict(self) -> dict[str, Any]:

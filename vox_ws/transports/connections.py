@@ -89,7 +89,8 @@ _TCP_INFO_BYTES_ACKED = 120
 
 class ConnectionGuard:
     """Counts half-open connections, and HTTP requests in flight, per address and in total,
-    for every protocol of a server."""
+    for every protocol of a server; and the requests refused per address, to stop hearing one
+    that goes on after its refusals."""
 
     def __init__(self, limits: Limits, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
@@ -138,7 +139,10 @@ class ConnectionGuard:
         return bucket.take(size)
 
     def refused_request(self, address: str) -> None:
-        """`address` was answered 429; past its budget, its next connections are not heard."""
+        """`address` was answered 429; past its budget, its next connections are not heard
+        (with `refused_requests_per_s` 0, every address is always heard)."""
+        if self._refusal_rate <= 0:
+            return
         bucket = self._refusals.get(address)
         if bucket is None:
             if len(self._refusals) >= REFUSAL_BUDGETS_KEPT:
