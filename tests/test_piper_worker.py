@@ -52,6 +52,7 @@ def test_letter_runs_are_spaced_out_and_other_text_is_left_alone():
     assert defuse_letter_runs("x" * 10 + "." * 10) == "x" * 10 + "." * 10
 
 
+@pytest.mark.hardening                   # a fault: the full lane's
 def test_a_crash_in_the_worker_raises_and_the_next_text_gets_a_new_worker():
     worker = PiperWorker(threads=1)
     worker.start()
@@ -76,6 +77,7 @@ async def test_the_known_triggers_are_spoken(piper_server, text):
         assert_good_stream(await c.speak(text, "t", format="s16"), 1.0)
 
 
+@pytest.mark.hardening                   # a fault: the full lane's
 async def test_a_crash_fails_only_its_stream(start_server):
     engine = CrashOnCue()
     server = start_server(engine, max_batch=4)

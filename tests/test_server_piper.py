@@ -255,6 +255,7 @@ class FaultyPiper(PiperEngine):
         return super().step(batch)
 
 
+@pytest.mark.hardening                   # a fault: the full lane's
 async def test_engine_exception_in_one_stream_leaves_others_intact(start_server):
     server = start_server(FaultyPiper(), max_batch=4)
     async with connect_client(server) as c:

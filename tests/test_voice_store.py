@@ -168,6 +168,7 @@ async def test_replicas_on_one_redis_share_voices(start_server, tiny_model, redi
     assert gone.error is not None and gone.error["code"] == "bad_request" and voice_id in gone.error["message"]
 
 
+@pytest.mark.hardening                   # a fault: the full lane's
 async def test_an_unreachable_store_fails_voice_operations_only(start_server, tiny_model, tmp_path):
     from conftest import RedisServer
 

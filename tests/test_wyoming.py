@@ -246,6 +246,7 @@ async def test_a_connection_inside_a_request_is_not_idle(strict_server):
         await expect_error(c, "timeout")
 
 
+@pytest.mark.hardening                   # a hostile client: the full lane's
 def test_a_client_that_never_reads_loses_its_connection_and_its_slot(strict_server):
     """The socket's buffers fill and the server's writes wait: after write_stall_timeout_s the
     connection is aborted and its stream cancelled, while others are served."""
@@ -288,6 +289,7 @@ def test_a_client_that_never_reads_loses_its_connection_and_its_slot(strict_serv
     asyncio.run(served())
 
 
+@pytest.mark.hardening                   # a client over its cap: the full lane's
 async def test_connections_over_the_cap_are_refused_busy(start_server):
     server = start_server(PiperEngine(), max_batch=2, wyoming="tcp://127.0.0.1:0", max_connections=2)
     async with client(server) as a, client(server) as b:

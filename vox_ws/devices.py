@@ -18,7 +18,7 @@ from collections import Counter
 from concurrent.futures import Future
 from typing import Any, Callable
 
-from .engine import Engine, ErrorKind, Refused
+from .engine import Engine, ErrorKind, Readiness, Refused
 from .scheduler import Scheduler
 
 
@@ -55,7 +55,7 @@ class Devices:
     def engine(self) -> Engine:
         """The engine that speaks for all (every device serves the same model and options)."""
         for scheduler in self.schedulers:
-            if scheduler.status == "ready":
+            if scheduler.status == Readiness.READY:
                 return scheduler.engine
         return self.schedulers[0].engine
 
@@ -64,12 +64,13 @@ class Devices:
         return [s.engine for s in self.schedulers]
 
     @property
-    def status(self) -> str:
-        """ready while one device is; loading while one loads and none is ready; else failed."""
+    def status(self) -> Readiness:
+        """Ready while one device is; loading while one loads and none is ready; else failed.
+        The model's readiness: the rest of the server asks this."""
         statuses = {s.status for s in self.schedulers}
-        if "ready" in statuses:
-            return "ready"
-        return "loading" if "loading" in statuses else "failed"
+        if Readiness.READY in statuses:
+            return Readiness.READY
+        return Readiness.LOADING if Readiness.LOADING in statuses else Readiness.FAILED
 
     @property
     def error(self) -> str | None:
@@ -97,7 +98,7 @@ class Devices:
     def stats(self) -> dict[str, Any]:
         """The totals, and each device's own figures under `devices`."""
         each = [{"device": s.engine.device, **s.stats()} for s in self.schedulers]
-        ready = [d for d in each if d["status"] == "ready"]
+        ready = [d for d in each if d["status"] == Readiness.READY]
         return {
             "status": self.status,
             "active": sum(d["active"] for d in each),
@@ -120,7 +121,7 @@ class Devices:
         first among equals). Call `release` when the stream ends."""
         best, best_free = None, None
         for index, scheduler in enumerate(self.schedulers):
-            if scheduler.status != "ready":
+            if scheduler.status != Readiness.READY:
                 continue
             slots = scheduler.max_batch or 1
             free = (slots - self._placed[index]) / slots
@@ -133,7 +134,7 @@ class Devices:
 
     def not_ready(self) -> Refused:
         """The refusal of work while no device is ready, with a retry hint while one loads."""
-        loading = [s for s in self.schedulers if s.status == "loading"]
+        loading = [s for s in self.schedulers if s.status == Readiness.LOADING]
         return Refused(ErrorKind.NOT_READY, f"engine is {self.status}" + (f": {self.error}" if self.error else ""),
                        loading[0].not_ready_retry_s() if loading else None)
 
@@ -145,4 +146,4 @@ class Devices:
 
     def call_all(self, fn: Callable[[Engine], Any]) -> list[Future]:
         """Run `fn(engine)` on every ready device's scheduler thread, between two steps."""
-        return [s.call(lambda engine=s.engine: fn(engine)) for s in self.schedulers if s.status == "ready"]
+        return [s.call(lambda engine=s.engine: fn(engine)) for s in self.schedulers if s.status == Readiness.READY]

@@ -60,6 +60,20 @@ class Refused(Exception):
         self.field = field
 
 
+class Readiness(str, enum.Enum):
+    """Whether the model can serve: each device's scheduler has one (loading -> ready | failed;
+    ready -> failed), the device set answers for all of them (`Devices.status`), and the server
+    adds draining (`ServerState.status`). Its value is what `/readyz`, `/v1/info` and `hello` say."""
+
+    LOADING = "loading"
+    READY = "ready"
+    FAILED = "failed"
+    DRAINING = "draining"
+
+    def __str__(self) -> str:          # the value in messages, on every Python
+        return self.value
+
+
 class EndReason(str, enum.Enum):
     DONE = "done"              # the model finished
     CANCELLED = "cancelled"    # the consumer cancelled

@@ -7,6 +7,8 @@ from typing import Callable
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from .engine import Readiness
+
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0, 5.0, 10.0)
@@ -65,7 +67,7 @@ class Metrics:
         labels = (str(index), device)
         self.device_active.labels(*labels).set_function(lambda: stats()["active"])
         self.device_queued.labels(*labels).set_function(lambda: stats()["queued"])
-        self.device_up.labels(*labels).set_function(lambda: 1.0 if stats()["status"] == "ready" else 0.0)
+        self.device_up.labels(*labels).set_function(lambda: 1.0 if stats()["status"] == Readiness.READY else 0.0)
 
     def count_usage(self, owner: str, characters: int, audio_s: float) -> None:
         """A stream's usage, under its owner's series: one of the first MAX_OWNER_SERIES owners

@@ -25,7 +25,7 @@ from collections import deque
 from concurrent.futures import Future
 from typing import Any, Callable
 
-from .engine import EndReason, Engine, EngineFailure, ErrorKind, GenerationRequest, Refused
+from .engine import EndReason, Engine, EngineFailure, ErrorKind, GenerationRequest, Readiness, Refused
 from .fair_share import FairShare
 
 log = logging.getLogger("vox_ws.scheduler")
@@ -85,7 +85,7 @@ class Scheduler:
         self.max_share = max_share or max(1, (max_batch or 2) // 2)
         self.fair = FairShare(self.max_share)
         self.max_wait_s = max_wait_s
-        self.status = "loading"          # loading -> ready | failed; ready -> failed
+        self.status = Readiness.LOADING
         self.error: str | None = None
         self.pace = QueuePace()
         self._on_fatal = on_fatal
@@ -112,7 +112,7 @@ class Scheduler:
     def submit(self, request: GenerationRequest) -> int:
         """Queue a request. Returns its queue position (0: it gets a slot at the next turn)."""
         with self._cond:
-            if self.status != "ready":
+            if self.status != Readiness.READY:
                 raise Refused(ErrorKind.NOT_READY, f"engine is {self.status}" + (f": {self.error}" if self.error else ""),
                               self.not_ready_retry_s())
             ahead = self._ahead()
@@ -130,7 +130,7 @@ class Scheduler:
         half-changed weights. (Voices are built beside the steps, not here.)"""
         future: Future = Future()
         with self._cond:
-            if self.status != "ready":
+            if self.status != Readiness.READY:
                 future.set_exception(Refused(ErrorKind.NOT_READY, f"engine is {self.status}", self.not_ready_retry_s()))
                 return future
             self._calls.append((fn, future))
@@ -149,7 +149,7 @@ class Scheduler:
     def not_ready_retry_s(self) -> float | None:
         """The retry hint while the engine is not ready: while it loads, a short wait; once it
         has failed, none (trying again will not help)."""
-        return LOADING_RETRY_AFTER_S if self.status == "loading" else None
+        return LOADING_RETRY_AFTER_S if self.status == Readiness.LOADING else None
 
     def retry_after_s(self) -> float:
         """When a request refused for a full queue now should try again (its retry hint)."""
@@ -207,7 +207,7 @@ class Scheduler:
             log.info("engine %s loaded in %.2fs: %s; %d slots (%s)", self.engine.name, time.monotonic() - started,
                      self.engine.describe(), self.max_batch, self.slots_reason)
             with self._cond:
-                self.status = "ready"
+                self.status = Readiness.READY
             self.ready_event.set()
         except BaseException as exc:  # noqa: BLE001 - a failed load must be reported, not raised into nothing
             self._die(exc, "load failed", during_load=True)
@@ -426,7 +426,7 @@ class Scheduler:
     def _die(self, exc: BaseException, what: str, during_load: bool) -> None:
         log.error("%s: %s: %s", what, type(exc).__name__, exc, exc_info=exc)
         with self._cond:
-            self.status = "failed"
+            self.status = Readiness.FAILED
             self.error = f"{what}: {type(exc).__name__}: {exc}"
             orphans = list(self._active) + list(self._waiting)
             self._active.clear()

@@ -17,7 +17,7 @@ from typing import Any, Iterator
 import uvicorn
 
 from .config import ServerConfig
-from .engine import Engine, ErrorKind
+from .engine import Engine, ErrorKind, Readiness
 from .metrics import Metrics
 from .devices import Devices
 from .scheduler import Scheduler
@@ -222,10 +222,10 @@ class VoxServer:
         # (`internal`) and its device takes no more streams. While another device serves, the
         # server goes on with it (`/v1/info` shows the failed device); once none is left,
         # readiness is 503 and the process exits with code 3 for its supervisor.
-        if during_load or self.devices.status == "ready":
+        if during_load or self.devices.status == Readiness.READY:
             if not during_load:
                 log.error("a device failed and takes no more streams; %d of %d still serve",
-                          sum(s.status == "ready" for s in self.devices.schedulers), len(self.devices.schedulers))
+                          sum(s.status == Readiness.READY for s in self.devices.schedulers), len(self.devices.schedulers))
             return
         self.exit_code = 3
         if self._loop is not None and not self._loop.is_closed():

@@ -18,7 +18,7 @@ from typing import Any, AsyncIterator, Awaitable
 from ..audio import AudioTooLong, decode_audio_file
 from ..config import Limits
 from ..devices import Devices
-from ..engine import VOICE_MODES, Engine, ErrorKind, Refused
+from ..engine import VOICE_MODES, Engine, ErrorKind, Readiness, Refused
 from ..lexicon import Lexicon, Pronunciation, combined, parse_lexicon
 from ..metrics import Metrics
 from ..scheduler import Scheduler
@@ -118,7 +118,7 @@ class StreamService:
         """
         if not self.accepting:
             raise Refused(ErrorKind.GOING_AWAY, "server shutting down: no new streams")
-        if self.devices.status != "ready":
+        if self.devices.status != Readiness.READY:
             raise self.devices.not_ready()
         if self.mailbox is None:
             raise RuntimeError("StreamService.start() was not awaited")
@@ -231,7 +231,7 @@ class StreamService:
     # ------------------------------------------------------------------ voices and LoRA
 
     def voices(self) -> list[str]:
-        return self.engine.voices() if self.devices.status == "ready" else []
+        return self.engine.voices() if self.devices.status == Readiness.READY else []
 
     async def voices_of(self, owner: str) -> list[VoiceSummary]:
         """The voices `owner` registered, oldest first (none where the engine cannot clone)."""
@@ -273,7 +273,7 @@ class StreamService:
             raise Refused(ErrorKind.TOO_LARGE, f"field 'transcript' is over max_text_chars={self.limits.max_text_chars}")
         if transcript is not None:
             check_text(transcript, "field 'transcript'")
-        if self.devices.status != "ready":
+        if self.devices.status != Readiness.READY:
             raise self.devices.not_ready()
         assert self._voice_jobs is not None, "StreamService.start() was not awaited"
         # Hashing megabytes would hold the loop for milliseconds; hashlib lets go of the GIL.

@@ -9,6 +9,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import BaseRoute, Route
 
+from ..engine import Readiness
 from ..metrics import CONTENT_TYPE
 from . import protocol as p
 from .auth import is_admin, is_authorized
@@ -45,7 +46,7 @@ def routes(state: ServerState, demo_dir: Path | None) -> list[BaseRoute]:
         if state.ready():
             if state.config.unready_when_full and state.full():
                 return JSONResponse({"status": "full"}, status_code=503, headers=NO_STORE)
-            return JSONResponse({"status": "ready"}, headers=NO_STORE)
+            return JSONResponse({"status": Readiness.READY}, headers=NO_STORE)
         return JSONResponse({"status": state.status(), "error": state.service.devices.error}, status_code=503,
                             headers=NO_STORE)
 

@@ -11,6 +11,7 @@ from typing import Any
 
 from .. import __version__
 from ..config import ServerConfig
+from ..engine import Readiness
 from ..engines import option_vocabulary
 from ..metrics import Metrics
 from ..service import StreamService
@@ -40,7 +41,7 @@ class ServerState:
         return self.config.limits
 
     def ready(self) -> bool:
-        return self.service.devices.status == "ready" and self.listening and not self.draining
+        return self.service.devices.status == Readiness.READY and self.listening and not self.draining
 
     def full(self) -> bool:
         """Every generation slot is busy: a new stream would wait in the queue."""
@@ -63,10 +64,10 @@ class ServerState:
             "sessions": len(self.sessions),
         }
 
-    def status(self) -> str:
+    def status(self) -> Readiness:
         status = self.service.devices.status
-        if status == "ready" and (not self.listening or self.draining):
-            return "draining"
+        if status == Readiness.READY and (not self.listening or self.draining):
+            return Readiness.DRAINING
         return status
 
     async def reload_lexicon(self) -> list[str]:
@@ -103,7 +104,7 @@ class ServerState:
             **self.service.engine.describe(),
             "device": ",".join(engine.device for engine in devices.engines),
             "voice_store": self.service.store.describe(),
-            "voices": self.service.voices() if status == "ready" else [],
+            "voices": self.service.voices() if status == Readiness.READY else [],
             "features": self.features(),
             "lexicon": {"path": self.config.lexicon, "entries": len(self.service.lexicon)},
             "sessions": len(self.sessions),
