@@ -53,12 +53,13 @@ LISTENER_TIMEOUT_S = 300.0
 def playback_gaps(arrivals: list[tuple[float, float]]) -> list[float]:
     """The gaps a player hears that starts at the first chunk and plays at 1x: for each chunk
     that arrives after the audio before it has finished playing, how long the player waited.
-    `arrivals`: (arrival time, seconds of audio) per chunk, in order."""
+    `arrivals`: (arrival time, seconds of audio) per chunk, in order. A chunk within a
+    microsecond of its time is on time (float sums of chunk lengths are not exact)."""
     gaps, due = [], None
     for arrived, seconds in arrivals:
         if due is None:
             due = arrived
-        elif arrived > due:
+        elif arrived > due + 1e-6:
             gaps.append(arrived - due)
             due = arrived
         due += seconds

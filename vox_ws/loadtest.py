@@ -26,6 +26,7 @@ from urllib.parse import urlsplit
 import numpy as np
 
 from .audio import bytes_per_sample
+from .capacity import playback_gaps
 from .client import VoxError, connect
 
 TEXTS = [
@@ -64,15 +65,7 @@ class Level:
 def count_underruns(arrivals: list[tuple[float, float]]) -> int:
     """A player that starts at the first chunk: a chunk arriving after the audio before it has
     finished playing is an underrun (the player then waits and resumes)."""
-    stalls, due = 0, None
-    for arrived, seconds in arrivals:
-        if due is None:
-            due = arrived
-        elif arrived > due + 1e-6:
-            stalls += 1
-            due = arrived
-        due += seconds
-    return stalls
+    return len(playback_gaps(arrivals))
 
 
 async def one_request(client, text: str, stream_input: bool, words_per_second: float, fmt: str,
