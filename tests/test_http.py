@@ -150,3 +150,23 @@ async def test_info_and_metrics_need_a_token_only_when_asked(guarded, start_serv
             assert (await http.get(path, headers={"authorization": f"Bearer {TOKEN}"})).status_code == 200
         assert (await http.get("/healthz")).status_code == 200
         assert (await http.get("/readyz")).status_code == 200
+
+
+async def test_each_endpoint_stands_alone_on_an_app_that_carries_a_servers_state(piper_server):
+    """The HTTP endpoints are module-level functions that find the server's state on their
+    app (Starlette's `request.app.state`): mounted alone, under other paths, they answer as
+    they do on the server."""
+    from starlette.applications import Starlette
+    from starlette.routing import Route
+
+    from vox_ws.transports import http_routes, openai_api, voices_api
+
+    app = Starlette(routes=[Route("/ready", http_routes.readyz), Route("/voices", voices_api.list_voices),
+                            Route("/models", openai_api.models)])
+    app.state.vox = piper_server.server.state
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://alone") as alone, \
+            httpx.AsyncClient(base_url=piper_server.http) as server:
+        for path, on_server in (("/ready", "/readyz"), ("/voices", "/v1/voices"), ("/models", "/v1/models")):
+            mine, theirs = await alone.get(path), await server.get(on_server)
+            assert (mine.status_code, mine.json()) == (theirs.status_code, theirs.json()), path
+        assert (await alone.get("/ready")).json() == {"status": "ready"}

@@ -80,6 +80,23 @@ class EndReason(str, enum.Enum):
     MAX_LEN = "max_len"        # a length cap was reached
 
 
+class RequestStatus(str, enum.Enum):
+    """Where a generation request is in the scheduler; only the scheduler thread moves it on.
+
+    WAITING -> PREFILLING -> RUNNING -> FINISHED, with RUNNING -> PARKED -> RUNNING where the
+    engine can pause a prefilled request (`Engine.can_park`); any of them -> FINISHED when it is
+    cancelled, refused or fails."""
+
+    WAITING = "waiting"          # in the queue for a slot
+    PREFILLING = "prefilling"    # taken from the queue, its prompt going into the engine
+    RUNNING = "running"          # holds a slot: stepped every turn its reader keeps up
+    PARKED = "parked"            # prefilled, gave its slot back; resumes where it was
+    FINISHED = "finished"        # done, cancelled or failed: its engine state released
+
+    def __str__(self) -> str:
+        return self.value
+
+
 class EngineFailure(Exception):
     """The engine can no longer serve anyone (a helper process died, the device is gone).
 
@@ -170,7 +187,10 @@ class GenerationRequest:
     voice_pin: Any = None
     options: dict[str, Any] = field(default_factory=dict)
     id: int = field(default_factory=itertools.count(1).__next__)
-    # Written by the event loop, read by the scheduler thread (a plain bool is enough in CPython).
+    # Where it is in the scheduler (moved on by the scheduler thread alone).
+    status: RequestStatus = RequestStatus.WAITING
+    # Asked for by the event loop, acted on by the scheduler thread at its next turn (a plain
+    # bool is enough in CPython).
     cancelled: bool = False
     # Engine-private per-request state, created by Engine.prefill.
     state: Any = None
@@ -193,9 +213,10 @@ class GenerationRequest:
     # Who the request is for, broadest first (a token or address, then a connection): the
     # scheduler shares slots fairly among these. Empty: nobody in particular.
     owners: tuple[str, ...] = ()
-    # Prefilled, then moved out of the active set to give its slot to another client (see
-    # `Engine.can_park`); it resumes with its state.
-    parked: bool = False
+
+    @property
+    def parked(self) -> bool:
+        return self.status is RequestStatus.PARKED
 
 
 @dataclass

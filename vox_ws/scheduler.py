@@ -1,8 +1,12 @@
 """The shared scheduler: one thread serves every stream's requests on one engine.
 
-Data flows one way per turn of the scheduler thread:
+Data flows one way per turn of the scheduler thread (`Scheduler._turn`):
 
-    retire (cancelled) -> admit (waiting -> active, per-request prefill) -> step -> hand off
+    schedule (under the lock: drop, expire, park, admit) -> prefill -> step -> hand off
+
+and each request's `RequestStatus` says where it is:
+
+    WAITING -> PREFILLING -> RUNNING -> FINISHED      (RUNNING <-> PARKED; any -> FINISHED)
 
 Slots and turns are shared fairly among the clients a request names (`fair_share.py`: which
 waiting request gets a free slot, which client gives a slot back or loses its place in a full
@@ -12,8 +16,8 @@ than `max_wait_s` for its first slot is failed (BUSY), so a queue never holds an
 An engine says how many requests one `step` call may advance (`max_step_batch`): a batching
 engine advances all active requests in one call. An engine that cannot batch advances one
 request per turn, chosen by the fair-share policy (the owner served the fewest steps lately,
-then the listener closest to running out of audio), so no stream waits for another to finish. The scheduler never touches
-asyncio: results go to each request's `RequestSink` (the stream service's thread-safe hand-off).
+then the listener closest to running out of audio), so no stream waits for another to finish.
+The scheduler never touches asyncio: results go to each request's `RequestSink` (the stream service's thread-safe hand-off).
 """
 
 from __future__ import annotations
@@ -23,9 +27,10 @@ import threading
 import time
 from collections import deque
 from concurrent.futures import Future
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
-from .engine import EndReason, Engine, EngineFailure, ErrorKind, GenerationRequest, Readiness, Refused
+from .engine import (EndReason, Engine, EngineFailure, ErrorKind, GenerationRequest, Readiness, Refused,
+                     RequestStatus, StepResult)
 from .fair_share import FairShare
 
 log = logging.getLogger("vox_ws.scheduler")
@@ -227,13 +232,49 @@ class Scheduler:
         except Exception:  # noqa: BLE001 - nothing is left to tell
             log.exception("closing engine %s failed", self.engine.name)
 
+    # One turn reads top-down as nano-vllm's engine loop does: schedule (who gets a slot, who
+    # leaves the queue, under the lock), prefill the newcomers, step every runnable request,
+    # hand each result to its request's sink. Each request's `status` says where it is.
+
     def _turn(self) -> bool:
         """One turn of the loop; False when the scheduler is stopping."""
+        plan = self._schedule()
+        if plan is None:
+            return False
+        self._run_calls(plan.calls)
+        for request in plan.dropped:
+            self._finish(request, EndReason.CANCELLED)
+        if plan.expired:
+            retry_after = self.retry_after_s()   # hint: when one would get a place again
+            for request in plan.expired:
+                self._fail(request, ErrorKind.BUSY, f"waited over {self.max_wait_s:g}s for a slot: every slot "
+                                                    "stayed busy", retry_after)
+        self._retire_cancelled()
+        fresh = [r for r in plan.admitted if self._prefill(r)]
+        batch = fresh + [r for r in self._active
+                         if r not in fresh and not r.cancelled and not r.sink.backlogged()]
+        if not batch:
+            if self._active:
+                # Every active stream waits on its client; sleep until one drains (wake) or briefly.
+                with self._cond:
+                    self._cond.wait(0.02)
+            return True
+        for group in self._groups(batch):
+            results = self._step(group)
+            if results is not None:
+                self._hand_off(group, results)
+        self._retire_cancelled()
+        return True
+
+    def _schedule(self) -> "_Plan | None":
+        """Under the lock: wait for work, then decide this turn: the engine calls to run, the
+        waiting requests that leave the queue (cancelled, or waited too long), the streams that
+        give their slots back (parked), and those admitted to the free slots."""
         with self._cond:
             while not self._stopping and not self._active and not self._waiting and not self._calls:
                 self._cond.wait()
             if self._stopping:
-                return False
+                return None
             calls = list(self._calls)
             self._calls.clear()
             now = time.monotonic()
@@ -246,34 +287,16 @@ class Scheduler:
             admitted = self.fair.admissions(deque(self._in_line()), self._active, self.max_batch - len(self._active))
             for request in admitted:
                 self._waiting.remove(request)
-            self._admitting = len(admitted)
-        for request in dropped:
-            if request.parked:
-                self._release(request)
-            request.sink.finish(EndReason.CANCELLED)
-        if expired:
-            retry_after = self.retry_after_s()   # hint: when one would get a place again
-        for request in expired:
-            request.sink.fail(ErrorKind.BUSY, f"waited over {self.max_wait_s:g}s for a slot: every slot stayed busy",
-                              retry_after)
+            self._admitting = len(admitted)       # out of the queue, not yet in a slot
+        return _Plan(calls, dropped, expired, admitted)
+
+    def _run_calls(self, calls: list[tuple[Callable[[], Any], Future]]) -> None:
         for fn, future in calls:
             if future.set_running_or_notify_cancel():
                 try:
                     future.set_result(fn())
                 except BaseException as exc:  # noqa: BLE001 - the caller gets the error
                     future.set_exception(exc)
-        self._retire_cancelled()
-        fresh = [r for r in admitted if self._admit(r)]
-        runnable = fresh + [r for r in self._active
-                            if r not in fresh and not r.cancelled and not r.sink.backlogged()]
-        if not runnable:
-            if self._active:
-                # Every active stream waits on its client; sleep until one drains (wake) or briefly.
-                with self._cond:
-                    self._cond.wait(0.02)
-            return True
-        self._step(runnable)
-        return True
 
     def _in_line(self) -> list[GenerationRequest]:
         """The waiting requests that want a slot: not those parked while their readers lag (they
@@ -291,18 +314,19 @@ class Scheduler:
         claimants = sum(1 for r in self._waiting if not r.parked and not r.cancelled)
         lagging = [r for r in self._active if not r.cancelled and r.sink.backlogged()][:claimants]
         for victim in lagging:
-            self._active.remove(victim)
-            victim.parked = True
-            self._waiting.appendleft(victim)
+            self._park(victim)
             log.debug("request %s parked: its reader lags while another stream waits", victim.id)
         if len(self._active) < self.max_batch:
             return
         for victim in self.fair.to_park(self._waiting, self._active):
-            self._active.remove(victim)
-            victim.parked = True
-            self._waiting.appendleft(victim)
+            self._park(victim)
             log.debug("request %s parked: its client holds over %d slots while another waits", victim.id,
                       self.max_share)
+
+    def _park(self, request: GenerationRequest) -> None:
+        self._active.remove(request)
+        request.status = RequestStatus.PARKED
+        self._waiting.appendleft(request)
 
     def _push_out_for(self, request: GenerationRequest) -> bool:
         """The queue is full: fail the newest waiting request of a client that outweighs the
@@ -311,44 +335,36 @@ class Scheduler:
         if victim is None:
             return False
         self._waiting.remove(victim)
-        victim.sink.fail(ErrorKind.BUSY, "pushed out of the full queue by another client's stream: this client "
-                                         "has more streams waiting or running than others", self._place_wait_s())
+        self._fail(victim, ErrorKind.BUSY, "pushed out of the full queue by another client's stream: this client "
+                                           "has more streams waiting or running than others", self._place_wait_s())
         return True
 
-    def _admit(self, request: GenerationRequest) -> bool:
-        """Prefill a request into the active set; False if it did not get there."""
+    def _prefill(self, request: GenerationRequest) -> bool:
+        """An admitted request into the active set (RUNNING): prefilled, or a parked one
+        resumed where it was; False if it did not get there."""
         try:
-            return self._prefill_into_active(request)
-        finally:
-            with self._cond:
-                self._admitting -= 1
-
-    def _prefill_into_active(self, request: GenerationRequest) -> bool:
-        if request.cancelled:
-            if request.parked:
-                self._release(request)
-            request.sink.finish(EndReason.CANCELLED)
-            return False
-        if request.parked:                           # resumes where it was
-            request.parked = False
+            if request.cancelled:
+                self._finish(request, EndReason.CANCELLED)
+                return False
+            if request.status is RequestStatus.WAITING:
+                request.status = RequestStatus.PREFILLING
+                request.admitted_at = time.monotonic()
+                try:
+                    self.engine.prefill(request)
+                except Refused as exc:     # the engine found, late, that it cannot serve this one
+                    self._fail(request, exc.kind, exc.message)
+                    return False
+                except Exception as exc:  # noqa: BLE001 - one bad request must not stop the others
+                    log.exception("prefill failed for request %s", request.id)
+                    self._fail(request, ErrorKind.INTERNAL, f"prefill failed: {type(exc).__name__}: {exc}")
+                    return False
+            request.status = RequestStatus.RUNNING
             with self._cond:
                 self._active.append(request)
             return True
-        request.admitted_at = time.monotonic()
-        try:
-            self.engine.prefill(request)
-        except Refused as exc:     # the engine found, late, that it cannot serve this one
-            self._release(request)
-            request.sink.fail(exc.kind, exc.message)
-            return False
-        except Exception as exc:  # noqa: BLE001 - one bad request must not stop the others
-            log.exception("prefill failed for request %s", request.id)
-            self._release(request)
-            request.sink.fail(ErrorKind.INTERNAL, f"prefill failed: {type(exc).__name__}: {exc}")
-            return False
-        with self._cond:
-            self._active.append(request)
-        return True
+        finally:
+            with self._cond:
+                self._admitting -= 1
 
     def _retire_cancelled(self) -> None:
         gone = [r for r in self._active if r.cancelled]
@@ -357,63 +373,81 @@ class Scheduler:
         with self._cond:
             self._active = [r for r in self._active if not r.cancelled]
         for request in gone:
-            self._release(request)
-            request.sink.finish(EndReason.CANCELLED)
+            self._finish(request, EndReason.CANCELLED)
 
-    def _step(self, runnable: list[GenerationRequest]) -> None:
+    def _groups(self, batch: list[GenerationRequest]) -> list[list[GenerationRequest]]:
+        """The engine calls this turn makes: the batch in pieces the engine takes at once, or
+        (an engine that cannot batch) the one request whose turn it is."""
         if self.engine.max_step_batch > 1:
-            groups = [runnable[i:i + self.engine.max_step_batch]
-                      for i in range(0, len(runnable), self.engine.max_step_batch)]
-        else:
-            groups = [[self.fair.next_turn(runnable)]]
-        for group in groups:
-            group = [r for r in group if not r.cancelled]
-            if not group:
-                continue
-            started = time.perf_counter()
-            try:
-                results = self.engine.step(group)
-                if len(results) != len(group):
-                    raise RuntimeError(f"engine returned {len(results)} results for {len(group)} requests")
-            except EngineFailure:
-                raise
-            except Exception as exc:  # noqa: BLE001 - fail this step's requests, keep serving the rest
-                log.exception("step failed for requests %s", [r.id for r in group])
-                self._remove(group)
-                for request in group:
-                    request.sink.fail(ErrorKind.INTERNAL, f"generation failed: {type(exc).__name__}: {exc}")
-                continue
-            elapsed = time.perf_counter() - started
-            self.steps_total += 1
-            self.last_step_s = elapsed
-            with self._cond:                  # stats() reads them from other threads
-                self._recent_steps.append(elapsed)
-            self.last_batch_size = len(group)
-            if self.on_step is not None:
-                self.on_step(len(group), elapsed)
-            self.fair.charge(group)
-            finished = []
-            for request, result in zip(group, results):
-                request.steps += 1
-                if request.cancelled:
-                    continue
-                if result.audio is not None and result.audio.size:
-                    request.sink.deliver(result.audio, result.words, result.phonemes)
-                if result.finished is not None:
-                    finished.append((request, result.finished))
-            if finished:
-                self._remove([r for r, _ in finished])
-                for request, reason in finished:
-                    request.sink.finish(reason)
-        self._retire_cancelled()
+            size = self.engine.max_step_batch
+            return [batch[i:i + size] for i in range(0, len(batch), size)]
+        return [[self.fair.next_turn(batch)]]
 
-    def _remove(self, requests: list[GenerationRequest]) -> None:
+    def _step(self, group: list[GenerationRequest]) -> list[StepResult] | None:
+        """One engine step for `group`; None where it failed (its requests failed, the others
+        go on) or nothing in it is left to step."""
+        group[:] = [r for r in group if not r.cancelled]
+        if not group:
+            return None
+        started = time.perf_counter()
+        try:
+            results = self.engine.step(group)
+            if len(results) != len(group):
+                raise RuntimeError(f"engine returned {len(results)} results for {len(group)} requests")
+        except EngineFailure:
+            raise
+        except Exception as exc:  # noqa: BLE001 - fail this step's requests, keep serving the rest
+            log.exception("step failed for requests %s", [r.id for r in group])
+            self._leave_active(group)
+            for request in group:
+                self._fail(request, ErrorKind.INTERNAL, f"generation failed: {type(exc).__name__}: {exc}")
+            return None
+        elapsed = time.perf_counter() - started
+        self.steps_total += 1
+        self.last_step_s = elapsed
+        with self._cond:                  # stats() reads them from other threads
+            self._recent_steps.append(elapsed)
+        self.last_batch_size = len(group)
+        if self.on_step is not None:
+            self.on_step(len(group), elapsed)
+        self.fair.charge(group)
+        return results
+
+    def _hand_off(self, group: list[GenerationRequest], results: list[StepResult]) -> None:
+        """Each result to its request's sink; finished requests leave their slots."""
+        finished = []
+        for request, result in zip(group, results):
+            request.steps += 1
+            if request.cancelled:
+                continue
+            if result.audio is not None and result.audio.size:
+                request.sink.deliver(result.audio, result.words, result.phonemes)
+            if result.finished is not None:
+                finished.append((request, result.finished))
+        if finished:
+            self._leave_active([r for r, _ in finished])
+            for request, reason in finished:
+                self._finish(request, reason)
+
+    def _leave_active(self, requests: list[GenerationRequest]) -> None:
         with self._cond:
             self._active = [r for r in self._active if r not in requests]
-        for request in requests:
-            self._release(request)
+
+    def _finish(self, request: GenerationRequest, reason: EndReason) -> None:
+        self._release(request)
+        request.sink.finish(reason)
+
+    def _fail(self, request: GenerationRequest, kind: ErrorKind, message: str,
+              retry_after_s: float | None = None) -> None:
+        self._release(request)
+        request.sink.fail(kind, message, retry_after_s)
 
     def _release(self, request: GenerationRequest) -> None:
+        """FINISHED: the engine's state of a request that was prefilled is let go."""
+        prefilled = request.status in (RequestStatus.PREFILLING, RequestStatus.RUNNING, RequestStatus.PARKED)
+        request.status = RequestStatus.FINISHED
+        if not prefilled:
+            return
         if request.admitted_at is not None:
             held = time.monotonic() - request.admitted_at
             with self._cond:
@@ -438,6 +472,16 @@ class Scheduler:
                 future.set_exception(Refused(ErrorKind.INTERNAL, self.error))
         self.ready_event.set()
         for request in orphans:
+            request.status = RequestStatus.FINISHED
             request.sink.fail(ErrorKind.INTERNAL, self.error)
         if self._on_fatal is not None:
             self._on_fatal(exc, during_load)
+
+
+class _Plan(NamedTuple):
+    """What one turn does, decided under the lock (`Scheduler._schedule`)."""
+
+    calls: list[tuple[Callable[[], Any], Future]]
+    dropped: list[GenerationRequest]          # cancelled while waiting
+    expired: list[GenerationRequest]          # waited over max_wait_s for a first slot
+    admitted: list[GenerationRequest]         # to the free slots, in order

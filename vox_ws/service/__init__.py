@@ -1,16 +1,21 @@
 """The transport-neutral stream service: every front door opens its streams here.
 
     service.py   StreamService: open streams, voices, LoRA; readiness and draining; timers
-    stream.py    Stream: one stream's state machine, consumed as an async iterator of events
+    stream.py    Stream: the consumer's handle (StreamState), owner of the pieces below
+    text_plan.py   TextPlan: what is still to be said, in which pieces, and what was (pure)
+    sink.py      SegmentSink: a request's results on the engine thread, posted to the loop
+    pacing.py    Pacing: events waiting for the consumer, back-pressure, the playback clock
+    output.py    OutputStage: engine audio -> what the consumer receives, and the figures
     events.py    the events a stream yields (Audio, Segment, Words, Phonemes, Flushed, Ended, Failed)
-    validation.py  the rules a request passes at every front door (generation options)
+    validation.py  the rules a request passes at every front door (text, speed, options)
     voice_store.py  registered voices (memory, a directory, Redis): owners, limits, ids
     handoff.py   the scheduler thread's way onto the event loop
 """
 
 from .events import Audio, Ended, Event, Failed, Flushed, Phoneme, Phonemes, Segment, Word, Words
 from .service import ANY_OWNER, StreamService
-from .stream import AudioOutput, Stream
+from .output import AudioOutput
+from .stream import Stream, StreamState
 
 __all__ = ["ANY_OWNER", "Audio", "AudioOutput", "Ended", "Event", "Failed", "Flushed", "Phoneme", "Phonemes", "Segment",
-           "Stream", "StreamService", "Word", "Words"]
+           "Stream", "StreamService", "StreamState", "Word", "Words"]

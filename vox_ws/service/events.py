@@ -1,4 +1,7 @@
-"""What a stream yields to its consumer, in order. Plain data: no wire format, no socket."""
+"""What a stream yields to its consumer, in order. Plain data: no wire format, no socket.
+
+`Audio` is always what the consumer receives (the output format's bytes); `Produced` is the
+stream's audio before its output stage (`output.py`), never handed to a consumer."""
 
 from __future__ import annotations
 
@@ -22,6 +25,16 @@ class Audio:
     durations_us: tuple[int, ...] = ()
     description: bytes | None = None
     pre_skip: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Produced:
+    """Audio as the stream produced it, before its output stage: packed in the output format
+    already (raw PCM at speed 1), or float32 at the output rate for a codec or tempo."""
+
+    data: bytes
+    samples: int
+    seconds: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,3 +107,7 @@ class Failed:
 
 
 Event = Union[Audio, Segment, Words, Phonemes, Flushed, Ended, Failed]
+"""What a consumer receives."""
+
+Queued = Union[Produced, Segment, Words, Phonemes, Flushed, Ended, Failed]
+"""What waits between a stream's producer and its output stage (`pacing.py`)."""

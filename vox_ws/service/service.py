@@ -25,7 +25,9 @@ from ..scheduler import Scheduler
 from .handoff import LoopMailbox
 from .markup import parse_ssml, wants_markup
 from .registrations import Registration, RegistrationQueue
-from .stream import AudioOutput, Stream, check_output, check_text
+from .output import AudioOutput
+from .stream import Stream
+from .validation import check_length, check_output, check_text
 from .voice_store import (ANY_OWNER, MemoryStore, StoreLimits, VoiceStore, VoiceSummary, is_registered_id,
                           new_voice)
 
@@ -124,14 +126,12 @@ class StreamService:
             raise RuntimeError("StreamService.start() was not awaited")
         streamed_text = text is not None and not isinstance(text, str)
         input_streaming = input_streaming or streamed_text
-        check_output(output)
+        check_output(output.speed, output.lookahead_s)
         if isinstance(text, str):
             check_text(text)
+            check_length(text, self.limits.max_text_chars)
         if instructions is not None:
             check_text(instructions, "instructions")
-        if isinstance(text, str) and len(text) > self.limits.max_text_chars:
-            raise Refused(ErrorKind.TOO_LARGE, f"text has {len(text)} characters, over "
-                                               f"max_text_chars={self.limits.max_text_chars}")
         if not input_streaming and (not isinstance(text, str) or not text.strip()):
             raise Refused(ErrorKind.INVALID, "nothing to say: the text is empty")
         spoken: str | list = text if isinstance(text, str) else ""
@@ -158,11 +158,9 @@ class StreamService:
                             word_timestamps=word_timestamps and self.engine.word_timings,
                             phoneme_timestamps=phoneme_timestamps and self.engine.phoneme_timings,
                             lexicon=combined(pronunciations, self.lexicon))
-            if from_store:
-                # Fetched (and built) first; what the stream says waits for it.
-                stream.after_voice(self.ensure_voice(voice), spoken if not input_streaming else None)
-            elif not input_streaming:
-                stream.queued = stream.say(spoken)
+            # A voice from the store is fetched (and built) first; what the stream says waits for it.
+            stream.queued = stream.start(None if input_streaming else spoken,
+                                         self.ensure_voice(voice) if from_store else None)
         except BaseException:
             self.devices.release(scheduler)
             raise

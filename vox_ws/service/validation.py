@@ -3,9 +3,44 @@ refusal for its wire (`Refused.field` names what was wrong)."""
 
 from __future__ import annotations
 
+import re
 from typing import Any, Mapping
 
+from ..codecs import MAX_SPEED, MIN_SPEED
 from ..engine import ErrorKind, OptionSpec, Refused, type_name
+
+# The range of a stream's lookahead (`AudioOutput.lookahead_s`), in seconds.
+MIN_LOOKAHEAD_S = 0.1
+MAX_LOOKAHEAD_S = 600.0
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def check_text(text: str, field: str = "text") -> None:
+    """Text no engine can take is refused up front: a NUL (tokenizers and espeak stop there),
+    or a lone surrogate (legal in JSON's escapes, but not Unicode text: no encoder takes it)."""
+    if "\x00" in text:
+        raise Refused(ErrorKind.INVALID, f"{field} must not contain NUL characters")
+    if (found := _SURROGATE.search(text)) is not None:
+        raise Refused(ErrorKind.INVALID, f"{field} is not valid Unicode: a lone surrogate "
+                                         f"U+{ord(found.group()):04X} at character {found.start()}")
+
+
+def check_output(speed: float, lookahead_s: float | None) -> None:
+    """A stream's speed and lookahead (`AudioOutput`) in their ranges."""
+    if not MIN_SPEED <= speed <= MAX_SPEED:
+        raise Refused(ErrorKind.INVALID, f"speed must be in [{MIN_SPEED:g}, {MAX_SPEED:g}], got {speed:g}",
+                      field="speed")
+    if lookahead_s is not None and not MIN_LOOKAHEAD_S <= lookahead_s <= MAX_LOOKAHEAD_S:
+        raise Refused(ErrorKind.INVALID, f"lookahead_s must be in [{MIN_LOOKAHEAD_S:g}, {MAX_LOOKAHEAD_S:g}], "
+                                         f"got {lookahead_s:g}", field="lookahead_s")
+
+
+def check_length(text: str, max_chars: int, field: str = "text") -> None:
+    """At most `max_chars` characters (Limits.max_text_chars): TOO_LARGE."""
+    if len(text) > max_chars:
+        raise Refused(ErrorKind.TOO_LARGE, f"{field} has {len(text)} characters, over max_text_chars={max_chars}",
+                      field=field)
 
 
 def check_options(raw: Any, specs: Mapping[str, OptionSpec]) -> dict[str, Any]:

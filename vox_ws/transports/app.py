@@ -20,46 +20,52 @@ from ..session import Session
 from . import http_routes, openai_api, voices_api
 from . import protocol as p
 from .auth import is_admin, is_authorized, origin_allowed, owner
-from .state import ServerState
+from .state import ServerState, server_state
 
 log = logging.getLogger("vox_ws.server")
 
 STREAM_PATH = "/v1/stream"
 
 
-def build_app(state: ServerState, demo_dir: Path | None = None) -> Starlette:
-    async def stream_endpoint(ws: WebSocket) -> None:
-        if not origin_allowed(ws, state.config.allow_origins):
-            state.metrics.rejected.labels("origin").inc()
-            await ws.close()               # before the handshake: HTTP 403
-            return
-        await ws.accept()
-        refusal = _admission(state, ws)
-        if refusal is not None:
-            code, reason, label = refusal
-            state.metrics.rejected.labels(label).inc()
-            log.info("connection from %s refused: %s", _address(ws), reason)
-            await ws.close(code, reason)
-            return
-        address = _address(ws)
-        config = state.config
-        session = Session(ws, state, is_admin=is_admin(ws, config.admin_tokens),
-                          owner=owner(ws, config.tokens, config.admin_tokens))
-        state.sessions.add(session)
-        state.per_address[address] += 1
-        log.info("session %d open from %s", session.number, address)
-        try:
-            await session.run()
-        finally:
-            state.sessions.discard(session)
-            state.per_address[address] -= 1
-            if state.per_address[address] <= 0:
-                del state.per_address[address]
-            log.info("session %d closed (code %s)", session.number, session.close_code)
+async def stream_endpoint(ws: WebSocket) -> None:
+    """Protocol v1: one session per connection, admitted before any engine work."""
+    state = server_state(ws)
+    if not origin_allowed(ws, state.config.allow_origins):
+        state.metrics.rejected.labels("origin").inc()
+        await ws.close()               # before the handshake: HTTP 403
+        return
+    await ws.accept()
+    refusal = _admission(state, ws)
+    if refusal is not None:
+        code, reason, label = refusal
+        state.metrics.rejected.labels(label).inc()
+        log.info("connection from %s refused: %s", _address(ws), reason)
+        await ws.close(code, reason)
+        return
+    address = _address(ws)
+    config = state.config
+    session = Session(ws, state, is_admin=is_admin(ws, config.admin_tokens),
+                      owner=owner(ws, config.tokens, config.admin_tokens))
+    state.sessions.add(session)
+    state.per_address[address] += 1
+    log.info("session %d open from %s", session.number, address)
+    try:
+        await session.run()
+    finally:
+        state.sessions.discard(session)
+        state.per_address[address] -= 1
+        if state.per_address[address] <= 0:
+            del state.per_address[address]
+        log.info("session %d closed (code %s)", session.number, session.close_code)
 
-    routes = [WebSocketRoute(STREAM_PATH, stream_endpoint), *voices_api.routes(state),
-              *openai_api.routes(state), *http_routes.routes(state, demo_dir)]
-    return Starlette(routes=routes)
+
+def build_app(state: ServerState, demo_dir: Path | None = None) -> Starlette:
+    """Every route, module-level endpoints all: each finds the server's state on its app."""
+    routes = [WebSocketRoute(STREAM_PATH, stream_endpoint), *voices_api.ROUTES, *openai_api.ROUTES,
+              *http_routes.routes(demo_dir)]
+    app = Starlette(routes=routes)
+    app.state.vox = state
+    return app
 
 
 def _admission(state: ServerState, ws: WebSocket) -> tuple[int, str, str] | None:

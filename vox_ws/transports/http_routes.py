@@ -14,7 +14,7 @@ from ..metrics import CONTENT_TYPE
 from . import protocol as p
 from .auth import is_admin, is_authorized
 from .errors import error_response, unauthorized_response
-from .state import ServerState
+from .state import ServerState, server_state
 
 NO_STORE = {"Cache-Control": "no-store"}
 CONTENT_TYPES = {
@@ -38,52 +38,69 @@ def default_demo_dir() -> Path | None:
     return None
 
 
-def routes(state: ServerState, demo_dir: Path | None) -> list[BaseRoute]:
-    async def healthz(request: Request) -> Response:
-        return PlainTextResponse("ok\n")
+async def healthz(request: Request) -> Response:
+    return PlainTextResponse("ok\n")
 
-    async def readyz(request: Request) -> Response:
-        if state.ready():
-            if state.config.unready_when_full and state.full():
-                return JSONResponse({"status": "full"}, status_code=503, headers=NO_STORE)
-            return JSONResponse({"status": Readiness.READY}, headers=NO_STORE)
-        return JSONResponse({"status": state.status(), "error": state.service.devices.error}, status_code=503,
-                            headers=NO_STORE)
 
-    async def load(request: Request) -> Response:
-        return JSONResponse(state.load(), headers=NO_STORE)
+async def readyz(request: Request) -> Response:
+    state = server_state(request)
+    if state.ready():
+        if state.config.unready_when_full and state.full():
+            return JSONResponse({"status": "full"}, status_code=503, headers=NO_STORE)
+        return JSONResponse({"status": Readiness.READY}, headers=NO_STORE)
+    return JSONResponse({"status": state.status(), "error": state.service.devices.error}, status_code=503,
+                        headers=NO_STORE)
 
-    def refused(request: Request) -> Response | None:
-        config = state.config
-        if config.private_info and not is_authorized(request, config.tokens, config.admin_tokens):
-            return unauthorized_response()
-        return None
 
-    async def info(request: Request) -> Response:
-        return refused(request) or JSONResponse(state.info(), headers=NO_STORE)
+async def load(request: Request) -> Response:
+    return JSONResponse(server_state(request).load(), headers=NO_STORE)
 
-    async def metrics(request: Request) -> Response:
-        return refused(request) or Response(state.metrics.exposition(), media_type=CONTENT_TYPE, headers=NO_STORE)
 
-    async def reload_lexicon(request: Request) -> Response:
-        if not is_admin(request, state.config.admin_tokens):
-            return error_response(403 if is_authorized(request, state.config.tokens, state.config.admin_tokens)
-                                  else 401, p.UNAUTHORIZED, "reloading the lexicon needs the admin token")
-        problems = await state.reload_lexicon()
-        if problems:
-            return JSONResponse({"error": {"code": p.BAD_REQUEST, "message": "the lexicon was not reloaded (the one "
-                                           "in use is kept)", "problems": problems}}, status_code=400)
-        return JSONResponse({"lexicon": state.config.lexicon, "entries": len(state.service.lexicon)})
+async def info(request: Request) -> Response:
+    state = server_state(request)
+    return _private(request, state) or JSONResponse(state.info(), headers=NO_STORE)
 
-    found = [
-        Route("/healthz", healthz, methods=["GET"]),
-        Route("/v1/lexicon", reload_lexicon, methods=["POST"]),
-        Route("/readyz", readyz, methods=["GET"]),
-        Route("/v1/load", load, methods=["GET"]),
-        Route("/v1/info", info, methods=["GET"]),
-        Route("/metrics", metrics, methods=["GET"]),
-    ]
-    return found + _demo_routes(demo_dir) if demo_dir is not None else found
+
+async def metrics(request: Request) -> Response:
+    state = server_state(request)
+    return _private(request, state) or Response(state.metrics.exposition(), media_type=CONTENT_TYPE,
+                                                headers=NO_STORE)
+
+
+async def reload_lexicon(request: Request) -> Response:
+    state = server_state(request)
+    config = state.config
+    if not is_admin(request, config.admin_tokens):
+        return error_response(403 if is_authorized(request, config.tokens, config.admin_tokens)
+                              else 401, p.UNAUTHORIZED, "reloading the lexicon needs the admin token")
+    problems = await state.reload_lexicon()
+    if problems:
+        return JSONResponse({"error": {"code": p.BAD_REQUEST, "message": "the lexicon was not reloaded (the one "
+                                       "in use is kept)", "problems": problems}}, status_code=400)
+    return JSONResponse({"lexicon": config.lexicon, "entries": len(state.service.lexicon)})
+
+
+def _private(request: Request, state: ServerState) -> Response | None:
+    """The refusal of a request for what `--private-info` keeps to token holders, if it is one."""
+    config = state.config
+    if config.private_info and not is_authorized(request, config.tokens, config.admin_tokens):
+        return unauthorized_response()
+    return None
+
+
+ROUTES: list[BaseRoute] = [
+    Route("/healthz", healthz, methods=["GET"]),
+    Route("/v1/lexicon", reload_lexicon, methods=["POST"]),
+    Route("/readyz", readyz, methods=["GET"]),
+    Route("/v1/load", load, methods=["GET"]),
+    Route("/v1/info", info, methods=["GET"]),
+    Route("/metrics", metrics, methods=["GET"]),
+]
+
+
+def routes(demo_dir: Path | None) -> list[BaseRoute]:
+    """The operations' routes, and the demo's files where there is a demo."""
+    return ROUTES + _demo_routes(demo_dir) if demo_dir is not None else list(ROUTES)
 
 
 def _demo_routes(demo_dir: Path) -> list[BaseRoute]:

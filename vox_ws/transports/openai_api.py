@@ -38,7 +38,7 @@ from . import protocol as p
 from .auth import is_authorized, origin_allowed, owner
 from .body import BodyTooLarge, read_body
 from .errors import HTTP_STATUS, retry_headers
-from .state import ServerState
+from .state import ServerState, server_state
 
 log = logging.getLogger("vox_ws.openai")
 
@@ -102,55 +102,65 @@ class SpeechRequest:
                            self.speed, self.lookahead_s)
 
 
-def routes(state: ServerState) -> list[BaseRoute]:
-    def guard(request: Request) -> None:
-        config = state.config
-        if not origin_allowed(request, config.allow_origins):
-            raise OpenAIError(403, "origin not allowed", code="origin_not_allowed")
-        if not is_authorized(request, config.tokens, config.admin_tokens):
-            raise OpenAIError(401, "Incorrect API key provided: present a valid token as `Authorization: Bearer`",
-                              code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+def _guard(request: Request, state: ServerState) -> None:
+    """Raises OpenAIError for a request from an origin or without a key the server does not take."""
+    config = state.config
+    if not origin_allowed(request, config.allow_origins):
+        raise OpenAIError(403, "origin not allowed", code="origin_not_allowed")
+    if not is_authorized(request, config.tokens, config.admin_tokens):
+        raise OpenAIError(401, "Incorrect API key provided: present a valid token as `Authorization: Bearer`",
+                          code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
 
-    async def speech(request: Request) -> Response:
-        try:
-            guard(request)
-            body = await _read_json(request, _body_limit(state))
-            speech_request = parse_speech(body, state)
-            await _fetch_voice(state, speech_request.voice)
-            ignored = ["instructions"] if speech_request.instructions and _ignores_instructions(state, speech_request) \
-                else []
-            stream = _open(state, request, speech_request)
-        except OpenAIError as err:
-            return err.response()
-        except ClientDisconnect:
-            return Response(status_code=400)
-        headers = {**NO_STORE, "X-Sample-Rate": str(stream.sample_rate)}
-        ignored += stream.ignored_options
-        if ignored:
-            headers["X-Ignored-Parameters"] = ",".join(ignored)
-        media_type = "text/event-stream" if speech_request.sse else CONTENT_TYPES[speech_request.response_format]
-        return SpeechResponse(stream, speech_request.sse, media_type, headers)
 
-    async def models(request: Request) -> Response:
-        try:
-            guard(request)
-        except OpenAIError as err:
-            return err.response()
-        return JSONResponse({"object": "list", "data": [_model_card(state)]})
+async def speech(request: Request) -> Response:
+    state = server_state(request)
+    try:
+        _guard(request, state)
+        body = await _read_json(request, _body_limit(state))
+        speech_request = parse_speech(body, state)
+        await _fetch_voice(state, speech_request.voice)
+        ignored = ["instructions"] if speech_request.instructions and _ignores_instructions(state, speech_request) \
+            else []
+        stream = _open(state, request, speech_request)
+    except OpenAIError as err:
+        return err.response()
+    except ClientDisconnect:
+        return Response(status_code=400)
+    headers = {**NO_STORE, "X-Sample-Rate": str(stream.sample_rate)}
+    ignored += stream.ignored_options
+    if ignored:
+        headers["X-Ignored-Parameters"] = ",".join(ignored)
+    media_type = "text/event-stream" if speech_request.sse else CONTENT_TYPES[speech_request.response_format]
+    return SpeechResponse(stream, speech_request.sse, media_type, headers)
 
-    async def model(request: Request) -> Response:
-        try:
-            guard(request)
-        except OpenAIError as err:
-            return err.response()
-        card = _model_card(state)
-        if request.path_params["model"] not in (card["id"], *OPENAI_MODELS):
-            return OpenAIError(404, f"The model '{request.path_params['model']}' does not exist", "model",
-                               "model_not_found").response()
-        return JSONResponse(card)
 
-    return [Route("/v1/audio/speech", speech, methods=["POST"]), Route("/v1/models", models, methods=["GET"]),
-            Route("/v1/models/{model:path}", model, methods=["GET"])]
+async def models(request: Request) -> Response:
+    state = server_state(request)
+    try:
+        _guard(request, state)
+    except OpenAIError as err:
+        return err.response()
+    return JSONResponse({"object": "list", "data": [_model_card(state)]})
+
+
+async def model(request: Request) -> Response:
+    state = server_state(request)
+    try:
+        _guard(request, state)
+    except OpenAIError as err:
+        return err.response()
+    card = _model_card(state)
+    if request.path_params["model"] not in (card["id"], *OPENAI_MODELS):
+        return OpenAIError(404, f"The model '{request.path_params['model']}' does not exist", "model",
+                           "model_not_found").response()
+    return JSONResponse(card)
+
+
+ROUTES: list[BaseRoute] = [
+    Route("/v1/audio/speech", speech, methods=["POST"]),
+    Route("/v1/models", models, methods=["GET"]),
+    Route("/v1/models/{model:path}", model, methods=["GET"]),
+]
 
 
 def _model_card(state: ServerState) -> dict[str, Any]:

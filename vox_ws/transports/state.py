@@ -9,6 +9,8 @@ import time
 from collections import Counter
 from typing import Any
 
+from starlette.requests import HTTPConnection
+
 from .. import __version__
 from ..config import ServerConfig
 from ..engine import Readiness
@@ -123,3 +125,9 @@ def rss_mb() -> float | None:
     except (OSError, ValueError, IndexError):
         return None
     return round(pages * os.sysconf("SC_PAGE_SIZE") / 2**20, 1)
+
+
+def server_state(connection: HTTPConnection) -> ServerState:
+    """The state of the server a request or WebSocket came to (`build_app` puts it on the app),
+    for module-level endpoints, Starlette's way."""
+    return connection.app.state.vox

@@ -31,7 +31,7 @@ from .auth import is_authorized, origin_allowed, owner
 from .body import BodyTooLarge, read_body
 from .errors import error_response, refused_response, unauthorized_response
 from .multipart import MultiPartException
-from .state import ServerState
+from .state import ServerState, server_state
 
 log = logging.getLogger("vox_ws.voices")
 
@@ -39,132 +39,148 @@ AUDIO_TYPES = ("audio/wav", "audio/x-wav", "audio/wave", "audio/vnd.wave", "audi
                "audio/ogg", "application/octet-stream")
 
 
-def routes(state: ServerState) -> list[BaseRoute]:
-    def _owner(request: Request) -> str:
-        return owner(request, state.config.tokens, state.config.admin_tokens)
+def _owner(request: Request, state: ServerState) -> str:
+    return owner(request, state.config.tokens, state.config.admin_tokens)
 
-    def guard(request: Request) -> Response | None:
-        config = state.config
-        if not origin_allowed(request, config.allow_origins):
-            return error_response(403, p.UNAUTHORIZED, "origin not allowed")
-        if not is_authorized(request, config.tokens, config.admin_tokens):
-            return unauthorized_response()
-        return None
 
-    async def list_voices(request: Request) -> Response:
-        if (refusal := guard(request)) is not None:
-            return refusal
-        # Registered voice ids are capabilities (unguessable, handed to whoever registered
-        # them): they are never listed.
-        voices = [{"id": v, "kind": "builtin"} for v in state.service.voices()]
-        return JSONResponse({"voices": voices, "cloning": state.service.engine.supports_voices})
+def _guard(request: Request, state: ServerState) -> Response | None:
+    """The refusal of a request from an origin or without a token the server does not take."""
+    config = state.config
+    if not origin_allowed(request, config.allow_origins):
+        return error_response(403, p.UNAUTHORIZED, "origin not allowed")
+    if not is_authorized(request, config.tokens, config.admin_tokens):
+        return unauthorized_response()
+    return None
 
-    async def register(request: Request) -> Response:
-        result = await _registered(request)
-        return result if isinstance(result, Response) else JSONResponse(result, status_code=201)
 
-    async def register_openai_style(request: Request) -> Response:
-        result = await _registered(request)
-        if isinstance(result, Response):
-            return result
-        owned = {v.id: v for v in await state.service.voices_of(_owner(request))}
-        voice = owned.get(result["voice"])
-        described = _described(voice) if voice is not None else {"name": result["voice"], "id": result["voice"]}
-        return JSONResponse({"success": True, "voice": {**described, "mode": result["mode"],
-                                                        "audio_s": result["audio_s"]}})
+async def list_voices(request: Request) -> Response:
+    state = server_state(request)
+    if (refusal := _guard(request, state)) is not None:
+        return refusal
+    # Registered voice ids are capabilities (unguessable, handed to whoever registered
+    # them): they are never listed.
+    voices = [{"id": v, "kind": "builtin"} for v in state.service.voices()]
+    return JSONResponse({"voices": voices, "cloning": state.service.engine.supports_voices})
 
-    async def _registered(request: Request) -> dict | Response:
-        """{voice, mode, audio_s} of a registration, or the response that refuses it."""
-        if (refusal := guard(request)) is not None:
-            return refusal
-        try:                                      # refused before a byte of the body is read
-            registration = state.service.admit_registration(_owner(request))
-        except Refused as err:
-            return refused_response(err)
-        try:
-            return await _register(request, registration)
-        finally:
-            registration.release()
 
-    async def _register(request: Request, registration: Registration) -> dict | Response:
-        limit = state.limits.max_frame_bytes
-        declared = request.headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > limit:
-            return error_response(413, p.TOO_LARGE, f"body of {declared} bytes exceeds {limit} bytes")
-        kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
-        transcript = request.query_params.get("transcript")
-        mode = request.query_params.get("mode")
-        try:
-            if kind == "multipart/form-data":
-                if declared is None:
-                    return error_response(411, p.BAD_REQUEST, "multipart uploads need a Content-Length")
-                body = await read_body(request, limit)
-                try:
-                    fields = await state.multipart.parse(request.headers["content-type"], body, limit)
-                except MultiPartException as exc:
-                    return error_response(400, p.BAD_REQUEST, f"bad multipart body: {exc.message}")
-                # `audio_sample` and `ref_text` are what vLLM-Omni's clients send.
-                audio = fields.get("audio", fields.get("audio_sample"))
-                if not isinstance(audio, bytes):
-                    return error_response(400, p.BAD_REQUEST, "multipart field 'audio' (a file) is required")
-                transcript = _text_field(fields.get("transcript")) or _text_field(fields.get("ref_text")) or transcript
-                mode = _text_field(fields.get("mode")) or mode
-            elif kind in AUDIO_TYPES:
-                audio = await read_body(request, limit)
-            else:
-                return error_response(415, p.BAD_REQUEST, f"content type {kind or 'none'!r} is not accepted: send "
-                                                          "WAV, FLAC or OGG audio, or multipart/form-data")
-        except BodyTooLarge:
-            return error_response(413, p.TOO_LARGE, f"body exceeds {limit} bytes")
-        except ClientDisconnect:
-            return Response(status_code=400)
-        if len(audio) > limit:
-            return error_response(413, p.TOO_LARGE, f"audio exceeds {limit} bytes")
-        if not audio:
-            return error_response(400, p.BAD_REQUEST, "no audio in the request")
-        try:
-            return await state.service.register_voice(audio, transcript, mode, owner=_owner(request),
-                                                      registration=registration)
-        except Refused as err:
-            return refused_response(err)
-        except Exception as exc:                  # answered, and logged in a line, not a traceback
-            return _failed("register", exc)
+async def register(request: Request) -> Response:
+    state = server_state(request)
+    result = await _registered(request, state)
+    return result if isinstance(result, Response) else JSONResponse(result, status_code=201)
 
-    async def list_openai_style(request: Request) -> Response:
-        if (refusal := guard(request)) is not None:
-            return refusal
-        try:
-            owned = await state.service.voices_of(_owner(request))
-        except Refused as err:
-            return refused_response(err)
-        return JSONResponse({"voices": [*state.service.voices(), *(v.id for v in owned)],
-                             "uploaded_voices": [_described(v) for v in owned]})
 
-    async def delete(request: Request) -> Response:
-        if (refusal := guard(request)) is not None:
-            return refusal
-        voice = request.path_params["voice_id"]
-        try:
-            deleted = await state.service.delete_voice(voice, owner=_owner(request))
-        except Refused as err:
-            return refused_response(err)
-        except Exception as exc:
-            return _failed("delete", exc)
-        if not deleted:
-            return error_response(404, p.BAD_REQUEST, f"no registered voice {voice!r}")
-        answer = {"voice": voice, "deleted": True}
-        if request.url.path.startswith("/v1/audio/"):
-            answer = {"success": True, **answer, "message": f"voice {voice!r} deleted"}
-        return JSONResponse(answer)
+async def register_openai_style(request: Request) -> Response:
+    state = server_state(request)
+    result = await _registered(request, state)
+    if isinstance(result, Response):
+        return result
+    owned = {v.id: v for v in await state.service.voices_of(_owner(request, state))}
+    voice = owned.get(result["voice"])
+    described = _described(voice) if voice is not None else {"name": result["voice"], "id": result["voice"]}
+    return JSONResponse({"success": True, "voice": {**described, "mode": result["mode"],
+                                                    "audio_s": result["audio_s"]}})
 
-    return [
-        Route("/v1/voices", list_voices, methods=["GET"]),
-        Route("/v1/voices", register, methods=["POST"]),
-        Route("/v1/voices/{voice_id}", delete, methods=["DELETE"]),
-        Route("/v1/audio/voices", list_openai_style, methods=["GET"]),
-        Route("/v1/audio/voices", register_openai_style, methods=["POST"]),
-        Route("/v1/audio/voices/{voice_id}", delete, methods=["DELETE"]),
-    ]
+
+async def _registered(request: Request, state: ServerState) -> dict | Response:
+    """{voice, mode, audio_s} of a registration, or the response that refuses it."""
+    if (refusal := _guard(request, state)) is not None:
+        return refusal
+    try:                                      # refused before a byte of the body is read
+        registration = state.service.admit_registration(_owner(request, state))
+    except Refused as err:
+        return refused_response(err)
+    try:
+        return await _register(request, state, registration)
+    finally:
+        registration.release()
+
+
+async def _register(request: Request, state: ServerState, registration: Registration) -> dict | Response:
+    limit = state.limits.max_frame_bytes
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        return error_response(413, p.TOO_LARGE, f"body of {declared} bytes exceeds {limit} bytes")
+    kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    transcript = request.query_params.get("transcript")
+    mode = request.query_params.get("mode")
+    try:
+        if kind == "multipart/form-data":
+            if declared is None:
+                return error_response(411, p.BAD_REQUEST, "multipart uploads need a Content-Length")
+            body = await read_body(request, limit)
+            try:
+                fields = await state.multipart.parse(request.headers["content-type"], body, limit)
+            except MultiPartException as exc:
+                return error_response(400, p.BAD_REQUEST, f"bad multipart body: {exc.message}")
+            # `audio_sample` and `ref_text` are what vLLM-Omni's clients send.
+            audio = fields.get("audio", fields.get("audio_sample"))
+            if not isinstance(audio, bytes):
+                return error_response(400, p.BAD_REQUEST, "multipart field 'audio' (a file) is required")
+            transcript = _text_field(fields.get("transcript")) or _text_field(fields.get("ref_text")) or transcript
+            mode = _text_field(fields.get("mode")) or mode
+        elif kind in AUDIO_TYPES:
+            audio = await read_body(request, limit)
+        else:
+            return error_response(415, p.BAD_REQUEST, f"content type {kind or 'none'!r} is not accepted: send "
+                                                      "WAV, FLAC or OGG audio, or multipart/form-data")
+    except BodyTooLarge:
+        return error_response(413, p.TOO_LARGE, f"body exceeds {limit} bytes")
+    except ClientDisconnect:
+        return Response(status_code=400)
+    if len(audio) > limit:
+        return error_response(413, p.TOO_LARGE, f"audio exceeds {limit} bytes")
+    if not audio:
+        return error_response(400, p.BAD_REQUEST, "no audio in the request")
+    try:
+        return await state.service.register_voice(audio, transcript, mode, owner=_owner(request, state),
+                                                  registration=registration)
+    except Refused as err:
+        return refused_response(err)
+    except Exception as exc:                  # answered, and logged in a line, not a traceback
+        return _failed("register", exc)
+
+
+async def list_openai_style(request: Request) -> Response:
+    state = server_state(request)
+    if (refusal := _guard(request, state)) is not None:
+        return refusal
+    try:
+        owned = await state.service.voices_of(_owner(request, state))
+    except Refused as err:
+        return refused_response(err)
+    return JSONResponse({"voices": [*state.service.voices(), *(v.id for v in owned)],
+                         "uploaded_voices": [_described(v) for v in owned]})
+
+
+async def delete(request: Request) -> Response:
+    state = server_state(request)
+    if (refusal := _guard(request, state)) is not None:
+        return refusal
+    voice = request.path_params["voice_id"]
+    try:
+        deleted = await state.service.delete_voice(voice, owner=_owner(request, state))
+    except Refused as err:
+        return refused_response(err)
+    except Exception as exc:
+        return _failed("delete", exc)
+    if not deleted:
+        return error_response(404, p.BAD_REQUEST, f"no registered voice {voice!r}")
+    answer = {"voice": voice, "deleted": True}
+    if request.url.path.startswith("/v1/audio/"):
+        answer = {"success": True, **answer, "message": f"voice {voice!r} deleted"}
+    return JSONResponse(answer)
+
+
+ROUTES: list[BaseRoute] = [
+    Route("/v1/voices", list_voices, methods=["GET"]),
+    Route("/v1/voices", register, methods=["POST"]),
+    Route("/v1/voices/{voice_id}", delete, methods=["DELETE"]),
+    Route("/v1/audio/voices", list_openai_style, methods=["GET"]),
+    Route("/v1/audio/voices", register_openai_style, methods=["POST"]),
+    Route("/v1/audio/voices/{voice_id}", delete, methods=["DELETE"]),
+]
+
+
 
 
 def _described(voice: VoiceSummary) -> dict:

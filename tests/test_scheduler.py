@@ -1,0 +1,144 @@
+"""The scheduler's turn, request by request: where each request is (`RequestStatus`) at every
+step, on an engine whose steps the test lets go one at a time (no timing involved)."""
+
+from __future__ import annotations
+
+import queue
+import threading
+
+import numpy as np
+import pytest
+
+from vox_ws.engine import EndReason, GenerationRequest, RequestStatus, StepResult
+from vox_ws.scheduler import Scheduler
+from vox_ws.testing.tone import ToneEngine
+
+WAIT_S = 60.0        # a bound for a hang, never reached when the scheduler works
+
+
+class HeldTone(ToneEngine):
+    """The tone engine, each step held until the test lets it go; it can park (its state is
+    where it is in its tone). One character is one step."""
+
+    can_park = True
+
+    def __init__(self) -> None:
+        super().__init__(max_batch=8, chunk_s=0.08, seconds_per_char=0.08)
+        self.entered = threading.Semaphore(0)
+        self.go = threading.Semaphore(0)
+        self.batches: list[list[int]] = []
+        self.prefilled: list[int] = []
+
+    def prefill(self, request: GenerationRequest) -> None:
+        self.prefilled.append(request.id)
+        super().prefill(request)
+
+    def step(self, batch: list[GenerationRequest]) -> list[StepResult]:
+        self.batches.append([r.id for r in batch])
+        self.entered.release()
+        assert self.go.acquire(timeout=WAIT_S)
+        return super().step(batch)
+
+    def inside_step(self) -> list[int]:
+        """Wait until the scheduler thread is held in a step; the ids of its batch."""
+        assert self.entered.acquire(timeout=WAIT_S), "the scheduler never stepped"
+        return self.batches[-1]
+
+
+class RecordingSink:
+    """What a stream would be told, and whether its reader lags (the test says)."""
+
+    def __init__(self) -> None:
+        self.told: queue.Queue = queue.Queue()
+        self.lagging = False
+
+    def deliver(self, pcm: np.ndarray, words=None, phonemes=None) -> None:
+        self.told.put(("audio", len(pcm)))
+
+    def finish(self, reason: EndReason) -> None:
+        self.told.put(("finish", reason))
+
+    def fail(self, kind, message: str, retry_after_s: float | None = None) -> None:
+        self.told.put(("fail", kind))
+
+    def backlogged(self) -> bool:
+        return self.lagging
+
+    def audio_ahead_s(self) -> float:
+        return 0.0
+
+    def last(self) -> tuple:
+        """The next thing it is told that is not audio."""
+        while True:
+            told = self.told.get(timeout=WAIT_S)
+            if told[0] != "audio":
+                return told
+
+
+@pytest.fixture()
+def held():
+    engine = HeldTone()
+    scheduler = Scheduler(engine, max_batch=1, max_queue=4)
+    scheduler.start()
+    assert scheduler.ready_event.wait(WAIT_S)
+    yield engine, scheduler
+    scheduler.stop()
+
+
+def request(text: str, owner: str) -> GenerationRequest:
+    return GenerationRequest(text=text, sink=RecordingSink(), owners=(owner,))
+
+
+def test_a_request_waits_runs_and_finishes_and_the_next_takes_its_slot(held):
+    engine, scheduler = held
+    first, second = request("a", "one"), request("a", "two")
+    assert scheduler.submit(first) == 0
+    assert scheduler.submit(second) == 1
+    assert engine.inside_step() == [first.id]
+    assert (first.status, second.status) == (RequestStatus.RUNNING, RequestStatus.WAITING)
+    engine.go.release()
+    assert engine.inside_step() == [second.id]
+    assert first.status is RequestStatus.FINISHED and first.sink.last() == ("finish", EndReason.DONE)
+    assert second.status is RequestStatus.RUNNING
+    engine.go.release()
+    assert second.sink.last() == ("finish", EndReason.DONE)
+    assert second.status is RequestStatus.FINISHED
+    assert engine.prefilled == [first.id, second.id]
+
+
+def test_a_request_cancelled_while_it_waits_finishes_without_being_prefilled(held):
+    engine, scheduler = held
+    running, waiting = request("a" * 40, "one"), request("a", "two")
+    scheduler.submit(running)
+    scheduler.submit(waiting)
+    assert engine.inside_step() == [running.id]
+    scheduler.cancel(waiting)
+    engine.go.release()
+    assert engine.inside_step() == [running.id]
+    assert waiting.status is RequestStatus.FINISHED and waiting.sink.last() == ("finish", EndReason.CANCELLED)
+    assert waiting.id not in engine.prefilled
+    scheduler.cancel(running)
+    engine.go.release()
+    assert running.sink.last() == ("finish", EndReason.CANCELLED)
+    assert running.status is RequestStatus.FINISHED
+
+
+def test_a_stream_whose_reader_lags_is_parked_for_a_waiting_one_and_resumes_unprefilled(held):
+    engine, scheduler = held
+    lagging, newcomer = request("a" * 40, "one"), request("a", "two")
+    scheduler.submit(lagging)
+    assert engine.inside_step() == [lagging.id]
+    lagging.sink.lagging = True
+    scheduler.submit(newcomer)
+    engine.go.release()
+    assert engine.inside_step() == [newcomer.id]
+    assert (lagging.status, newcomer.status) == (RequestStatus.PARKED, RequestStatus.RUNNING)
+    assert scheduler.stats()["parked"] == 1
+    lagging.sink.lagging = False
+    engine.go.release()
+    assert engine.inside_step() == [lagging.id]
+    assert lagging.status is RequestStatus.RUNNING and newcomer.status is RequestStatus.FINISHED
+    assert engine.prefilled == [lagging.id, newcomer.id]      # it resumed where it was
+    scheduler.cancel(lagging)
+    engine.go.release()
+    assert lagging.sink.last() == ("finish", EndReason.CANCELLED)
