@@ -27,7 +27,7 @@ from .markup import parse_ssml, wants_markup
 from .registrations import Registration, RegistrationQueue
 from .output import AudioOutput
 from .stream import Stream
-from .validation import check_length, check_output, check_text
+from .validation import check_instructions, check_length, check_output, check_text
 from .voice_store import (ANY_OWNER, MemoryStore, StoreLimits, VoiceStore, VoiceSummary, is_registered_id,
                           new_voice)
 
@@ -132,6 +132,7 @@ class StreamService:
             check_length(text, self.limits.max_text_chars)
         if instructions is not None:
             check_text(instructions, "instructions")
+            check_instructions(instructions)
         if not input_streaming and (not isinstance(text, str) or not text.strip()):
             raise Refused(ErrorKind.INVALID, "nothing to say: the text is empty")
         spoken: str | list = text if isinstance(text, str) else ""

@@ -3,6 +3,7 @@ refusal for its wire (`Refused.field` names what was wrong)."""
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Any, Mapping
 
@@ -12,6 +13,8 @@ from ..engine import ErrorKind, OptionSpec, Refused, type_name
 # The range of a stream's lookahead (`AudioOutput.lookahead_s`), in seconds.
 MIN_LOOKAHEAD_S = 0.1
 MAX_LOOKAHEAD_S = 600.0
+# Instructions describe a voice in a sentence or two; they are spoken to the model as text.
+MAX_INSTRUCTIONS_CHARS = 500
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
@@ -37,10 +40,26 @@ def check_output(speed: float, lookahead_s: float | None) -> None:
 
 
 def check_length(text: str, max_chars: int, field: str = "text") -> None:
-    """At most `max_chars` characters (Limits.max_text_chars): TOO_LARGE."""
+    """A text of at most `max_chars` characters (`Limits.max_text_chars`), else TOO_LARGE."""
     if len(text) > max_chars:
-        raise Refused(ErrorKind.TOO_LARGE, f"{field} has {len(text)} characters, over max_text_chars={max_chars}",
-                      field=field)
+        raise Refused(ErrorKind.TOO_LARGE, f"field '{field}' has {len(text)} characters, over "
+                                           f"max_text_chars={max_chars}", field=field)
+
+
+def check_speed(value: Any, field: str = "speed") -> float:
+    """A speed as a door received it: a finite number in [MIN_SPEED, MAX_SPEED], else INVALID."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+            or not MIN_SPEED <= value <= MAX_SPEED:
+        raise Refused(ErrorKind.INVALID, f"field '{field}' must be a number in [{MIN_SPEED:g}, {MAX_SPEED:g}], "
+                                         f"got {value!r}", field=field)
+    return float(value)
+
+
+def check_instructions(text: str, field: str = "instructions") -> None:
+    """Instructions of at most MAX_INSTRUCTIONS_CHARS, else TOO_LARGE."""
+    if len(text) > MAX_INSTRUCTIONS_CHARS:
+        raise Refused(ErrorKind.TOO_LARGE, f"field '{field}' has {len(text)} characters, over "
+                                           f"{MAX_INSTRUCTIONS_CHARS}", field=field)
 
 
 def check_options(raw: Any, specs: Mapping[str, OptionSpec]) -> dict[str, Any]:

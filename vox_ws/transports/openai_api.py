@@ -18,7 +18,6 @@ import asyncio
 import base64
 import json
 import logging
-import math
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -28,12 +27,13 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 from starlette.types import Receive, Scope, Send
 
-from ..codecs import CODECS, MAX_SPEED, MIN_SPEED
+from ..codecs import CODECS
 from ..engine import ErrorKind, Refused
 from ..lexicon import request_entries
 from ..service import AudioOutput, Stream
 from ..service.events import Audio, Ended, Failed
-from ..service.validation import check_options
+from ..service.validation import (MAX_INSTRUCTIONS_CHARS, check_instructions, check_length, check_options,
+                                  check_speed)
 from . import protocol as p
 from .auth import is_authorized, origin_allowed, owner
 from .body import BodyTooLarge, read_body
@@ -176,7 +176,7 @@ ESCAPED_CHAR_BYTES = 12
 
 def _body_limit(state: ServerState) -> int:
     # Room for the longest text and instructions, every character escaped, and the other fields.
-    return ESCAPED_CHAR_BYTES * (state.limits.max_text_chars + p.MAX_INSTRUCTIONS_CHARS) + 16_384
+    return ESCAPED_CHAR_BYTES * (state.limits.max_text_chars + MAX_INSTRUCTIONS_CHARS) + 16_384
 
 
 async def _read_json(request: Request, limit: int) -> dict[str, Any]:
@@ -217,19 +217,13 @@ def parse_speech(body: dict[str, Any], state: ServerState) -> SpeechRequest:
     text = body.get("input")
     if not isinstance(text, str) or not text.strip():
         raise OpenAIError(400, "'input' must be a non-empty string", "input", "invalid_value")
-    if len(text) > state.limits.max_text_chars:
-        raise OpenAIError(413, f"'input' has {len(text)} characters, over max_text_chars="
-                               f"{state.limits.max_text_chars}", "input", "too_large")
+    _checked(check_length, text, state.limits.max_text_chars, "input")
     voice = _voice(body.get("voice"), state)
     response_format = body.get("response_format", "mp3")
     if response_format not in RESPONSE_FORMATS:
         raise OpenAIError(400, f"'response_format' must be one of {list(RESPONSE_FORMATS)}, got {response_format!r}",
                           "response_format", "invalid_value")
-    speed = body.get("speed", 1.0)
-    if isinstance(speed, bool) or not isinstance(speed, (int, float)) or not math.isfinite(speed) \
-            or not MIN_SPEED <= speed <= MAX_SPEED:
-        raise OpenAIError(400, f"'speed' must be a number from {MIN_SPEED:g} to {MAX_SPEED:g}, got {speed!r}",
-                          "speed", "invalid_value")
+    speed = _checked(check_speed, body.get("speed", 1.0))
     stream_format = body.get("stream_format", "audio")
     if stream_format not in ("audio", "sse"):
         raise OpenAIError(400, f"'stream_format' must be 'audio' or 'sse', got {stream_format!r}", "stream_format",
@@ -237,9 +231,8 @@ def parse_speech(body: dict[str, Any], state: ServerState) -> SpeechRequest:
     instructions = body.get("instructions")
     if instructions is not None and not isinstance(instructions, str):
         raise OpenAIError(400, "'instructions' must be a string", "instructions", "invalid_value")
-    if instructions is not None and len(instructions) > p.MAX_INSTRUCTIONS_CHARS:
-        raise OpenAIError(413, f"'instructions' has {len(instructions)} characters, over "
-                               f"{p.MAX_INSTRUCTIONS_CHARS}", "instructions", "too_large")
+    if instructions is not None:
+        _checked(check_instructions, instructions)
     rate = body.get("sample_rate", DEFAULT_RATE)
     if isinstance(rate, bool) or not isinstance(rate, int) or not p.MIN_SAMPLE_RATE <= rate <= p.MAX_SAMPLE_RATE:
         raise OpenAIError(400, f"'sample_rate' must be an integer from {p.MIN_SAMPLE_RATE} to {p.MAX_SAMPLE_RATE}, "
@@ -265,9 +258,18 @@ def parse_speech(body: dict[str, Any], state: ServerState) -> SpeechRequest:
     except Refused as err:                             # OpenAI's options are top-level fields
         raise OpenAIError(400, err.message.replace("options.", ""), (err.field or "").removeprefix("options.")
                           or None, "invalid_value") from None
-    return SpeechRequest(text, voice, response_format, float(speed), stream_format == "sse", rate,
+    return SpeechRequest(text, voice, response_format, speed, stream_format == "sse", rate,
                          instructions.strip() or None if instructions else None, options,
                          None if lookahead is None else float(lookahead), markup, pronunciations)
+
+
+def _checked(rule: Any, *args: Any) -> Any:
+    """A service rule (`service.validation`), its refusal worded as OpenAI's error naming the field."""
+    try:
+        return rule(*args)
+    except Refused as err:
+        raise OpenAIError(HTTP_STATUS[err.kind], err.message, err.field,
+                          "too_large" if err.kind is ErrorKind.TOO_LARGE else "invalid_value") from None
 
 
 def _voice(value: Any, state: ServerState) -> str | None:

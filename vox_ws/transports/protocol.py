@@ -13,12 +13,12 @@ from typing import Any, Mapping
 
 import msgpack
 
-from ..codecs import MAX_SPEED, MIN_SPEED, OUTPUT_FORMATS
+from ..codecs import OUTPUT_FORMATS
 from ..config import Limits
 from ..engine import LORA_OPS, VOICE_MODES, ErrorKind, OptionSpec, Refused, type_name
 from ..lexicon import Pronunciation, request_entries
 from ..service.events import Audio
-from ..service.validation import check_options
+from ..service.validation import check_instructions, check_length, check_options, check_speed
 
 PROTOCOL_VERSION = 1
 
@@ -53,8 +53,6 @@ CLOSE_UNAUTHORIZED = 4001        # no valid token presented
 CLOSE_TOO_MANY_FROM_ADDRESS = 4029  # too many connections from this client address
 
 MIN_SAMPLE_RATE = 8000
-# Instructions describe a voice in a sentence or two; they are spoken to the model as text.
-MAX_INSTRUCTIONS_CHARS = 500
 MAX_SAMPLE_RATE = 48000
 MAX_ID_CHARS = 128
 
@@ -256,18 +254,14 @@ def _parse_start(obj: dict[str, Any], limits: Limits, specs: Mapping[str, Option
             BAD_REQUEST, f"field 'sample_rate' must be in [{MIN_SAMPLE_RATE}, {MAX_SAMPLE_RATE}], got {rate}", sid
         )
     speed = obj.get("speed")
-    speed = 1.0 if speed is None else speed
-    if isinstance(speed, bool) or not isinstance(speed, (int, float)) or not MIN_SPEED <= speed <= MAX_SPEED:
-        raise ProtocolError(BAD_REQUEST, f"field 'speed' must be a number in [{MIN_SPEED:g}, {MAX_SPEED:g}], "
-                                         f"got {speed!r}", sid)
     lookahead = obj.get("lookahead_s")                 # its range is the stream service's rule
     if lookahead is not None and (isinstance(lookahead, bool) or not isinstance(lookahead, (int, float))):
         raise ProtocolError(BAD_REQUEST, f"field 'lookahead_s' must be a number of seconds, got {lookahead!r}", sid)
     instructions = _optional(obj, "instructions", str, None)
-    if instructions is not None and len(instructions) > MAX_INSTRUCTIONS_CHARS:
-        raise ProtocolError(TOO_LARGE, f"field 'instructions' has {len(instructions)} characters, over "
-                                       f"{MAX_INSTRUCTIONS_CHARS}", sid)
-    try:
+    try:                                               # the service's rules, in one place
+        speed = 1.0 if speed is None else check_speed(speed)
+        if instructions is not None:
+            check_instructions(instructions)
         options = check_options(obj.get("options"), specs)
     except Refused as err:
         raise ProtocolError.from_refused(err, sid) from None
@@ -327,10 +321,10 @@ def _text(obj: dict[str, Any], name: str, limits: Limits, allow_empty: bool = Fa
         raise ProtocolError(BAD_REQUEST, f"field '{name}' must be a string, got {_kind(value)}")
     if not allow_empty and not value.strip():
         raise ProtocolError(BAD_REQUEST, f"field '{name}' must not be empty")
-    if len(value) > limits.max_text_chars:
-        raise ProtocolError(
-            TOO_LARGE, f"field '{name}' has {len(value)} characters, over max_text_chars={limits.max_text_chars}"
-        )
+    try:
+        check_length(value, limits.max_text_chars, name)
+    except Refused as err:
+        raise ProtocolError.from_refused(err) from None
     return value
 
 
