@@ -2,6 +2,7 @@
 
     service.py   StreamService: open streams, voices, LoRA; readiness and draining; timers
     stream.py    Stream: the consumer's handle (StreamState), owner of the pieces below
+    generation.py  Generation: a stream's production on the loop; the service's side of it
     text_plan.py   TextPlan: what is still to be said, in which pieces, and what was (pure)
     sink.py      SegmentSink: a request's results on the engine thread, posted to the loop
     pacing.py    Pacing: events waiting for the consumer, back-pressure, the playback clock
@@ -15,7 +16,8 @@
 from .events import Audio, Ended, Event, Failed, Flushed, Phoneme, Phonemes, Segment, Word, Words
 from .service import ANY_OWNER, StreamService
 from .output import AudioOutput
-from .stream import Stream, StreamState
+from .generation import StreamState
+from .stream import Stream
 
 __all__ = ["ANY_OWNER", "Audio", "AudioOutput", "Ended", "Event", "Failed", "Flushed", "Phoneme", "Phonemes", "Segment",
            "Stream", "StreamService", "StreamState", "Word", "Words"]

@@ -26,6 +26,7 @@ from .handoff import LoopMailbox
 from .markup import parse_ssml, wants_markup
 from .registrations import Registration, RegistrationQueue
 from .output import AudioOutput
+from .generation import Generation
 from .stream import Stream
 from .validation import check_instructions, check_length, check_output, check_text
 from .voice_store import (ANY_OWNER, MemoryStore, StoreLimits, VoiceStore, VoiceSummary, is_registered_id,
@@ -57,7 +58,7 @@ class StreamService:
         self.metrics = metrics or Metrics()
         self.accepting = True                   # False while draining: no new streams
         self.mailbox: LoopMailbox | None = None
-        self._streams: set[Stream] = set()
+        self._live: set[Generation] = set()     # the streams still producing
         self._numbers = itertools.count(1)
         self._watchdog: asyncio.Task | None = None
         self._voice_jobs: asyncio.Semaphore | None = None
@@ -94,7 +95,7 @@ class StreamService:
 
     @property
     def open_streams(self) -> int:
-        return len(self._streams)
+        return len(self._live)
 
     def open_stream(self, text: str | AsyncIterator[str] | None = None, *, voice: str | None = None,
                     options: dict[str, Any] | None = None, output: AudioOutput = AudioOutput(),
@@ -160,16 +161,16 @@ class StreamService:
                             phoneme_timestamps=phoneme_timestamps and self.engine.phoneme_timings,
                             lexicon=combined(pronunciations, self.lexicon))
             # A voice from the store is fetched (and built) first; what the stream says waits for it.
-            stream.queued = stream.start(None if input_streaming else spoken,
-                                         self.ensure_voice(voice) if from_store else None)
+            stream.queued = stream.generation.start(None if input_streaming else spoken,
+                                                    self.ensure_voice(voice) if from_store else None)
         except BaseException:
             self.devices.release(scheduler)
             raise
-        self._streams.add(stream)
+        self._live.add(stream.generation)
         if isinstance(text, str) and input_streaming and text:
             stream.send_text(text)
         elif streamed_text:
-            stream.feed(text)
+            stream.generation.feed(text)
         return stream
 
     async def split_text(self, text: str, options: dict[str, Any], voice_pin: Any) -> list[str]:
@@ -184,11 +185,11 @@ class StreamService:
             return not self.engine.follows_instructions(None) if self.engine.supports_voices else True
         return not self.engine.follows_instructions(self.engine.pin_voice(voice))
 
-    def forget(self, stream: Stream) -> None:
-        """A stream has stopped producing (called by the stream itself)."""
-        if stream in self._streams:
-            self._streams.discard(stream)
-            self.devices.release(stream.scheduler)
+    def forget(self, generation: Generation) -> None:
+        """A stream has stopped producing (called by its generation)."""
+        if generation in self._live:
+            self._live.discard(generation)
+            self.devices.release(generation.scheduler)
 
     async def prepare_text(self, text: str, options: dict[str, Any]) -> str:
         work = asyncio.get_running_loop().run_in_executor(self._preparer, self.engine.prepare_text, text, options)
@@ -196,8 +197,8 @@ class StreamService:
 
     def abort_all(self, kind: ErrorKind, message: str) -> None:
         """End every live stream with an error (the drain time ran out)."""
-        for stream in list(self._streams):
-            stream.abort(kind, message)
+        for generation in list(self._live):
+            generation.abort(kind, message)
 
     async def _watch(self) -> None:
         limits = self.limits
@@ -205,8 +206,8 @@ class StreamService:
         while True:
             await asyncio.sleep(tick)
             now = time.monotonic()
-            for stream in list(self._streams):
-                stream.check_timers(now)
+            for generation in list(self._live):
+                generation.check_timers(now)
 
     # ------------------------------------------------------------------ pronunciations
 

@@ -181,7 +181,7 @@ class BatchedVoxCPM2:
 
     # ------------------------------------------------------------------ one step
 
-    def step(self, rows: list[RowState]) -> list[tuple[torch.Tensor | None, str | None]]:
+    def step(self, rows: list[RowState]) -> list[tuple[torch.Tensor | None, EndReason | None]]:
         """Advance every row by one patch. Returns, per row, (audio [samples] float32 on CPU or
         None, end reason or None). A row reports its end reason only with its last audio.
 
@@ -218,10 +218,10 @@ class BatchedVoxCPM2:
         return now
 
     def _gather(self, rows: list[RowState], earlier: dict[int, tuple[Future, int]],
-                now: dict[int, tuple[torch.Tensor, int]], stepped: bool) -> list[tuple[torch.Tensor | None, str | None]]:
+                now: dict[int, tuple[torch.Tensor, int]], stepped: bool) -> list[tuple[torch.Tensor | None, EndReason | None]]:
         """Each row's audio: what the decoder process made of its previous patch, then what was
         decoded here in this step."""
-        results: list[tuple[torch.Tensor | None, str | None]] = []
+        results: list[tuple[torch.Tensor | None, EndReason | None]] = []
         waited, jobs = 0.0, {}
         for row in rows:
             parts = []
