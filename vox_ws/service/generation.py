@@ -5,7 +5,7 @@ scheduler, up to the pacing queue. The service's side of a stream (`start`, `fee
     text in -> TextPlan (what next) -> _advance (the one path that starts generation)
             -> prepared / cut off the loop where needed -> _queue: a GenerationRequest and its
                SegmentSink -> scheduler
-    the sink posts (request, event) -> _on_request_event -> Pacing (audio, timings, segments)
+    each request's sink posts (sink, event) -> _on_request_event -> Pacing (audio, timings, segments)
     the last event (Ended, Failed) -> Pacing, closed; usage, metrics and one log line
 
 Its state: OPENING (its voice is fetched or its text cut: nothing queued yet) -> SPEAKING
@@ -22,7 +22,7 @@ import json
 import logging
 import time
 from concurrent.futures import Executor
-from typing import Any, AsyncIterator, Awaitable, Protocol
+from typing import Any, AsyncIterator, Awaitable, Iterable, Protocol
 
 from ..config import Limits
 from ..engine import EndReason, ErrorKind, GenerationRequest, Refused
@@ -306,7 +306,6 @@ class Generation:
                                     context=self._context, keep_continuation=self.plan.continues,
                                     instructions=self._instructions if not self.plan.segments else None,
                                     pronunciations=self._lexicon if self._engine.takes_phonemes else None)
-        sink.request = request
         self._engine.check(request)
         position = self.scheduler.submit(request)
         self._request = request
@@ -347,11 +346,12 @@ class Generation:
 
     # ------------------------------------------------------------------ what a request's sink posts (loop)
 
-    def _on_request_event(self, request: GenerationRequest, event: RequestEvent) -> None:
-        if request is not self._request or self.done:
+    def _on_request_event(self, sink: SegmentSink, event: RequestEvent) -> None:
+        request = self._request
+        if request is None or sink is not request.sink or self.done:
             return                                 # a request this stream no longer waits for
         if isinstance(event, Produced):
-            self._produced([event])
+            self._produced((event,))
         elif isinstance(event, Words):
             self._timed_words.extend(event.words)
             self._pacing.put(event)
@@ -374,7 +374,7 @@ class Generation:
                 self._pacing.put(Segment(len(self.plan.segments) - 1, **segment))
         self._advance()
 
-    def _produced(self, chunks: list[Produced]) -> None:
+    def _produced(self, chunks: Iterable[Produced]) -> None:
         metrics = self._service.metrics
         for chunk in chunks:
             now = time.monotonic()
@@ -385,7 +385,7 @@ class Generation:
                 metrics.chunk_gap.observe(now - self._last_audio_at)
             self._last_audio_at = now
             metrics.audio_seconds.inc(chunk.seconds)
-            self._pacing.put(chunk)
+            self._pacing.put(chunk, now)
 
     # ------------------------------------------------------------------ endings
 

@@ -109,24 +109,40 @@ class OutputStage:
 
     # ------------------------------------------------------------------ handing over
 
+    @property
+    def immediate(self) -> bool:
+        """Raw PCM at speed 1: handed over as it is (`hand_over_now`), no pipeline to wait for."""
+        return self._pipeline is None
+
+    def hand_over_now(self, event: Queued, started_at: float) -> list[Event]:
+        """`hand_over` where the stage is `immediate`."""
+        if isinstance(event, Produced):
+            if self._seq == 0:
+                self._first_handed_at = time.monotonic()
+            audio = Audio(event.data, self._seq, event.samples, event.seconds)
+            self._seq += 1
+            self._handed_s += event.seconds
+            return [audio]
+        if isinstance(event, (Ended, Failed)):
+            return [replace(event, stats=self._figures(event.stats, started_at))]
+        return [event]
+
     async def hand_over(self, event: Queued, started_at: float) -> list[Event]:
         """What the consumer gets for one queued event (none, one or two events)."""
         pipeline = self._pipeline
+        if pipeline is None:
+            return self.hand_over_now(event, started_at)
         if isinstance(event, Produced):
-            if pipeline is None:
-                return self._audio(Encoded(event.data, event.samples))
             pcm = np.frombuffer(event.data, dtype="<f4")
             return self._audio(await self._off_loop(pipeline.encode, pcm))
         if isinstance(event, Ended):
             tail: list[Event] = []
-            if pipeline is not None:
-                if event.reason != EndReason.CANCELLED:
-                    tail = self._audio(await self._off_loop(pipeline.finish))
-                await self._off_loop(pipeline.close)
+            if event.reason != EndReason.CANCELLED:
+                tail = self._audio(await self._off_loop(pipeline.finish))
+            await self._off_loop(pipeline.close)
             return tail + [replace(event, stats=self._figures(event.stats, started_at))]
         if isinstance(event, Failed):
-            if pipeline is not None:
-                await self._off_loop(pipeline.close)
+            await self._off_loop(pipeline.close)
             return [replace(event, stats=self._figures(event.stats, started_at))]
         if self._speed == 1.0:
             return [event]
@@ -157,16 +173,14 @@ class OutputStage:
         if not encoded:
             return []
         pipeline = self._pipeline
+        assert pipeline is not None
         first = self._seq == 0
         if first:
             self._first_handed_at = time.monotonic()
-        if pipeline is None:
-            audio = Audio(encoded.data, self._seq, encoded.samples, encoded.samples / self.rate)
-        else:
-            audio = Audio(encoded.data, self._seq, encoded.samples, encoded.samples / pipeline.rate,
-                          packets=encoded.packets, durations_us=encoded.durations_us,
-                          description=pipeline.description if first else None,
-                          pre_skip=pipeline.pre_skip if first else 0)
+        audio = Audio(encoded.data, self._seq, encoded.samples, encoded.samples / pipeline.rate,
+                      packets=encoded.packets, durations_us=encoded.durations_us,
+                      description=pipeline.description if first else None,
+                      pre_skip=pipeline.pre_skip if first else 0)
         self._seq += 1
         self._handed_s += audio.seconds
         return [audio]

@@ -45,9 +45,10 @@ class Pacing:
 
     # ------------------------------------------------------------------ the producer's side
 
-    def put(self, event: Queued) -> None:
+    def put(self, event: Queued, now: float | None = None) -> None:
+        """One more event for the consumer (`now`: the time, where the caller has it)."""
         if isinstance(event, Produced):
-            now = time.monotonic()
+            now = time.monotonic() if now is None else now
             if self.first_produced_at is None:
                 self.first_produced_at = now
             self.produced_s += event.seconds
@@ -105,16 +106,25 @@ class Pacing:
             if isinstance(self._events[0], Produced) and (early := self._ahead_of_playback()) > 0:
                 await self._wait(early)           # or less: a cancel or close wakes it
                 continue
-            event = self._events.popleft()
-            if isinstance(event, Produced):
-                now = time.monotonic()
-                self._last_taken_at = now
-                if self._first_taken_at is None:
-                    self._first_taken_at = now
-                self.taken_s += event.seconds
-                self.queued_s = max(0.0, self.queued_s - event.seconds)
-                self._update_backlog(now)
-            return event
+            return self._take()
+
+    def take_now(self) -> Queued | None:
+        """The next event if it may be taken now, without waiting (None: `take` must wait)."""
+        if not self._events or (isinstance(self._events[0], Produced) and self._ahead_of_playback() > 0):
+            return None
+        return self._take()
+
+    def _take(self) -> Queued:
+        event = self._events.popleft()
+        if isinstance(event, Produced):
+            now = time.monotonic()
+            self._last_taken_at = now
+            if self._first_taken_at is None:
+                self._first_taken_at = now
+            self.taken_s += event.seconds
+            self.queued_s = max(0.0, self.queued_s - event.seconds)
+            self._update_backlog(now)
+        return event
 
     def stalled_s(self, now: float) -> float:
         """How long a backlogged consumer has taken nothing it could not still be playing (0

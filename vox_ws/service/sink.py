@@ -2,23 +2,25 @@
 
 The scheduler thread calls a `SegmentSink` (the engine's `RequestSink`); it produces the
 request's audio through the stream's output stage (resampling and packing stay off the event
-loop) and posts `(request, event)` to the loop through the service's mailbox. It reads no
-state of the stream but the pacing's two figures the scheduler asks for; the stream, on the
-loop, drops what a request it no longer waits for posts.
+loop) and posts `(sink, event)` to the loop through the service's mailbox: the sink stands for
+its request (one each), and holds no reference to it (the request holds the sink; a reference
+back would make a cycle for the garbage collector per segment). It reads no state of the
+stream but the pacing's two figures the scheduler asks for; the stream's generation, on the
+loop, drops what a sink of a request it no longer waits for posts.
 
     scheduler thread                                     event loop
-    deliver(pcm, words, phonemes) -> produce -> post ──▶  Stream._on_request_event(request, event)
+    deliver(pcm, words, phonemes) -> produce -> post ──▶  Generation._on_request_event(sink, event)
     finish(reason) / fail(kind, ...)          -> post ──▶
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Union
+from typing import Callable, Union
 
 import numpy as np
 
-from ..engine import EndReason, ErrorKind, GenerationRequest
+from ..engine import EndReason, ErrorKind
 from .events import Phoneme, Phonemes, Produced, Word, Words
 from .output import OutputStage
 from .pacing import Pacing
@@ -39,13 +41,12 @@ class RequestFailed:
 RequestEvent = Union[Produced, Words, Phonemes, RequestEnded, RequestFailed]
 """What a request's sink posts to its stream."""
 
-Post = Callable[[GenerationRequest, RequestEvent], None]
+Post = Callable[["SegmentSink", RequestEvent], None]
 
 
 class SegmentSink:
     def __init__(self, post: Post, output: OutputStage, pacing: Pacing, word_timestamps: bool,
                  phoneme_timestamps: bool) -> None:
-        self.request: GenerationRequest | None = None     # set once the request is made
         self._post = post
         self._output = output
         self._pacing = pacing
@@ -54,34 +55,29 @@ class SegmentSink:
 
     def deliver(self, pcm: np.ndarray, words: list[tuple[str, int, int]] | None = None,
                 phonemes: list[tuple[str, int, int]] | None = None) -> None:
-        request = self._request()
         output = self._output
         rate, offset = output.engine_rate, output.engine_samples
         for chunk in output.produce(pcm):
-            self._post(request, chunk)
+            self._post(self, chunk)
         # After the audio they are in: a cancel that drops that audio drops them too.
         if words and self._words:
-            self._post(request, Words(tuple(Word(w, _at(offset + a, rate), _at(offset + b, rate))
+            self._post(self, Words(tuple(Word(w, _at(offset + a, rate), _at(offset + b, rate))
                                             for w, a, b in words)))
         if phonemes and self._phonemes:
-            self._post(request, Phonemes(tuple(Phoneme(p, _at(offset + a, rate), _at(offset + b, rate))
+            self._post(self, Phonemes(tuple(Phoneme(p, _at(offset + a, rate), _at(offset + b, rate))
                                                for p, a, b in phonemes)))
 
     def finish(self, reason: EndReason) -> None:
-        self._post(self._request(), RequestEnded(reason))
+        self._post(self, RequestEnded(reason))
 
     def fail(self, kind: ErrorKind, message: str, retry_after_s: float | None = None) -> None:
-        self._post(self._request(), RequestFailed(kind, message, retry_after_s))
+        self._post(self, RequestFailed(kind, message, retry_after_s))
 
     def backlogged(self) -> bool:
         return self._pacing.backlogged
 
     def audio_ahead_s(self) -> float:
         return self._pacing.audio_ahead_s()
-
-    def _request(self) -> Any:
-        assert self.request is not None, "the sink's request was never set"
-        return self.request
 
 
 def _at(sample: int, rate: int) -> float:

@@ -92,10 +92,14 @@ class Stream:
         while not self._handed:
             if self._over is not None:
                 raise StopAsyncIteration
-            queued = await self._pacing.take()
-            if queued is None:
+            # The common case, raw PCM already waiting, takes no await (one chunk per step per stream).
+            queued = self._pacing.take_now()
+            if queued is None and (queued := await self._pacing.take()) is None:
                 raise StopAsyncIteration
-            handed = await self._output.hand_over(queued, self.generation.started_at)
+            if self._output.immediate:
+                handed = self._output.hand_over_now(queued, self.generation.started_at)
+            else:
+                handed = await self._output.hand_over(queued, self.generation.started_at)
             # Audio encoded while the stream was cancelled or closed is never handed over.
             if not (isinstance(queued, Produced) and (self.generation.cancelled or self._over is not None)):
                 self._handed.extend(handed)
