@@ -85,6 +85,10 @@ class Stream:
         """The segments spoken so far: {"text", "start_s", "end_s"}."""
         return self.generation.plan.segments
 
+    def backlogged(self) -> bool:
+        """More audio waits untaken than the stream may buffer: its generation is paused."""
+        return self._pacing.backlogged
+
     def __aiter__(self) -> "Stream":
         return self
 
