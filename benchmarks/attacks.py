@@ -523,17 +523,20 @@ def serve(engine_name: str, port_file: str) -> None:
 
     from ._transport_server import run_server
 
-    if engine_name == "voxcpm":
+    slots = 8
+    if engine_name in ("voxcpm", "voxcpm-deadline"):
         from vox_ws.engines.voxcpm.engine import VoxCPMEngine
         from vox_ws.testing.tiny_voxcpm import build
 
         model = build(tempfile.mkdtemp(prefix="vox-ws-attacks-"), stop="never")
-        engine = VoxCPMEngine(model=str(model), device="cpu", max_batch=8)
+        # voxcpm-deadline: four times the KV slots, each step still eight rows, picked by slack.
+        slots = 32 if engine_name == "voxcpm-deadline" else 8
+        engine = VoxCPMEngine(model=str(model), device="cpu", max_batch=slots, step_rows=8)
     else:
         from vox_ws.engines.piper import PiperEngine
 
         engine = PiperEngine()
-    run_server(engine, 0, ServerConfig(port=0, max_batch=8, limits=Limits()), port_file=port_file)
+    run_server(engine, 0, ServerConfig(port=0, max_batch=slots, limits=Limits()), port_file=port_file)
 
 
 class Server:

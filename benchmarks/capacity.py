@@ -1,12 +1,13 @@
 """Benchmark: open-loop capacity (`vox_ws.capacity`) of each configuration, in one run.
 
-For every configuration a fresh server is started (the same as the attack benchmark's: eight
-slots, default limits), listeners arrive at each rate of `--rates` (Poisson, 3-15 s of speech
+For every configuration a fresh server is started (the attack benchmark's: eight slots, or 32
+with eight rows a step for `voxcpm-deadline`; default limits), listeners arrive at each rate of `--rates` (Poisson, 3-15 s of speech
 each, every one a real-time player), and per rate the table of `vox-ws bench --rate` is
 printed; then each configuration's capacity, and one PNG of first-audio p95 and the gap-free
 share against the rate, a line per configuration.
 
-    python -m benchmarks.capacity [--configurations piper,voxcpm] [--rates 0.5,1,2,4] [--seconds 30]
+    python -m benchmarks.capacity [--configurations piper,voxcpm,voxcpm-deadline] [--rates 0.5,1,2,4]
+        [--seconds 30]
         [--json out.json] [--chart docs/capacity.png]
 
 `voxcpm` is the tiny random-weight VoxCPM2, the CPU's stand-in for the real model's step.
@@ -22,7 +23,9 @@ from vox_ws import capacity
 
 from .attacks import Server
 
-CONFIGURATIONS = {"piper": "piper", "voxcpm": "voxcpm"}   # label -> the engine its server runs
+# label -> the server it runs: Piper; the tiny VoxCPM2 with eight slots, each step carrying every
+# runnable one (today's policy); with 32 slots, eight rows a step picked by slack (deadline-aware).
+CONFIGURATIONS = {"piper": "piper", "voxcpm": "voxcpm", "voxcpm-deadline": "voxcpm-deadline"}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -24,8 +24,8 @@ async def test_load_reports_slots_queue_step_time_and_one_figure(start_server):
     server = start_server(slow_tone(), max_batch=2)
     status, idle = server.get("/v1/load")
     assert status == 200
-    assert idle == {"ready": True, "draining": False, "slots": 2, "active": 0, "queued": 0, "free_slots": 2,
-                    "mean_step_ms": 0.0, "load": 0.0, "sessions": 0}
+    assert idle == {"ready": True, "draining": False, "slots": 2, "step_rows": 2, "active": 0, "queued": 0,
+                    "free_slots": 2, "mean_step_ms": 0.0, "load": 0.0, "sessions": 0}
     async with connect_client(server) as c:
         for sid in ("a", "b", "c"):
             await c.send({"type": "start", "id": sid, "text": "x" * 200})

@@ -51,6 +51,7 @@ class RecordingSink:
     def __init__(self) -> None:
         self.told: queue.Queue = queue.Queue()
         self.lagging = False
+        self.ahead_s = 0.0
 
     def deliver(self, pcm: np.ndarray, words=None, phonemes=None) -> None:
         self.told.put(("audio", len(pcm)))
@@ -65,7 +66,7 @@ class RecordingSink:
         return self.lagging
 
     def audio_ahead_s(self) -> float:
-        return 0.0
+        return self.ahead_s
 
     def last(self) -> tuple:
         """The next thing it is told that is not audio."""
@@ -142,3 +143,32 @@ def test_a_stream_whose_reader_lags_is_parked_for_a_waiting_one_and_resumes_unpr
     scheduler.cancel(lagging)
     engine.go.release()
     assert lagging.sink.last() == ("finish", EndReason.CANCELLED)
+
+
+def test_with_more_slots_than_rows_each_step_carries_the_listeners_closest_to_running_out():
+    engine = HeldTone()
+    engine.max_step_batch = 2                 # rows a step: compute
+    scheduler = Scheduler(engine, max_batch=4, max_queue=4)     # KV slots: memory
+    scheduler.start()
+    try:
+        assert scheduler.ready_event.wait(WAIT_S)
+        assert (scheduler.stats()["max_batch"], scheduler.stats()["step_rows"]) == (4, 2)
+        ahead = {"a": 5.0, "b": -0.5, "c": 0.3, "d": 9.0}         # seconds ahead of each listener
+        streams = {name: request("a" * 40, name) for name in ahead}
+        for name, each in streams.items():
+            each.sink.ahead_s = ahead[name]
+            assert scheduler.submit(each) == 0               # every one has a slot at once
+        ids = {each.id: name for name, each in streams.items()}
+        assert [ids[i] for i in engine.inside_step()] == ["b", "c"]
+        assert all(each.status is RequestStatus.RUNNING for each in streams.values())
+        for name, seconds in {"a": 0.1, "b": 3.0, "c": 4.0, "d": 0.2}.items():
+            streams[name].sink.ahead_s = seconds
+        engine.go.release()
+        assert [ids[i] for i in engine.inside_step()] == ["a", "d"]
+        for each in streams.values():
+            scheduler.cancel(each)
+        engine.go.release()
+        for each in streams.values():
+            assert each.sink.last() == ("finish", EndReason.CANCELLED)
+    finally:
+        scheduler.stop()

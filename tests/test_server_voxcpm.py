@@ -131,6 +131,47 @@ async def test_concurrent_streams_are_batched_and_match_the_package(voxcpm_serve
         assert np.max(np.abs(got - want)) < 1e-4
 
 
+async def test_with_more_slots_than_rows_each_stream_is_still_the_packages(start_server, tiny_model):
+    """Four KV slots, two rows a step: every stream is open at once, each step carries two of
+    them (those whose listeners are closest to running out), and each stream's audio still
+    equals the package's output for that request alone. `hello`, `/v1/load` and `/v1/info`
+    report both numbers."""
+    from vox_ws.engines.voxcpm.engine import VoxCPMEngine
+
+    server = start_server(VoxCPMEngine(model=str(tiny_model), device="cpu", max_batch=4, step_rows=2), max_batch=4)
+    (scheduler,) = server.server.devices.schedulers
+    sizes: list[int] = []
+    observe = scheduler.on_step
+
+    def on_step(size: int, seconds: float) -> None:            # on the engine thread
+        observe(size, seconds)
+        sizes.append(size)
+
+    plan = [("One stream of four.", 11, 12), ("Another one.", 22, 9), ("A third here.", 33, 10),
+            ("And the fourth.", 44, 8)]
+    async def one(i: int, text: str, seed: int, max_len: int):
+        async with connect_client(server) as c:
+            assert (c.hello["slots"], c.hello["step_rows"]) == (4, 2)
+            return await c.speak(text, f"s{i}", options={"seed": seed, "max_len": max_len})
+
+    scheduler.on_step = on_step
+    try:
+        results = await asyncio.gather(*(one(i, *each) for i, each in enumerate(plan)))
+    finally:
+        scheduler.on_step = observe
+    assert max(sizes) == 2 and sum(sizes) >= sum(n for *_, n in plan), sizes
+    for (text, seed, max_len), result in zip(plan, results):
+        assert_good_stream(result)
+        want = reference(tiny_model, text, seed, max_len=max_len)
+        got = result.pcm()
+        assert got.shape == want.shape
+        assert np.max(np.abs(got - want)) < 1e-4
+    _, load = server.get("/v1/load")
+    _, info = server.get("/v1/info")
+    assert (load["slots"], load["step_rows"]) == (4, 2)
+    assert (info["max_batch"], info["step_rows"], info["devices"][0]["step_rows"]) == (4, 2, 2)
+
+
 async def test_same_seed_same_audio_other_seed_other_audio(voxcpm_server):
     async with connect_client(voxcpm_server) as c:
         one = await c.speak("Reproducible.", "a", options={"seed": 7, "max_len": 4})

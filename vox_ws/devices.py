@@ -79,7 +79,13 @@ class Devices:
 
     @property
     def max_batch(self) -> int:
+        """KV slots, all devices together: streams generated at once."""
         return sum(s.max_batch or 0 for s in self.schedulers)
+
+    @property
+    def step_rows(self) -> int:
+        """Rows one step carries, all devices together (at most their slots)."""
+        return sum(min(s.engine.max_step_batch, s.max_batch or 0) for s in self.schedulers)
 
     def start(self) -> None:
         for scheduler in self.schedulers:
@@ -104,6 +110,7 @@ class Devices:
             "active": sum(d["active"] for d in each),
             "queued": sum(d["queued"] for d in each),
             "max_batch": sum(d["max_batch"] for d in ready) if ready else self.max_batch,
+            "step_rows": sum(d["step_rows"] for d in ready) if ready else self.step_rows,
             "max_queue": sum(d["max_queue"] for d in each),
             "parked": sum(d["parked"] for d in each),
             "steps_total": sum(d["steps_total"] for d in each),

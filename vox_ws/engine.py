@@ -245,7 +245,9 @@ class Engine(ABC):
     model: str = ""
     device: str = "cpu"
     sample_rate: int = 0
-    # How many requests one `step` call may advance together; 1 means it cannot batch.
+    # How many requests one `step` call may advance together (its rows: compute); 1 means it
+    # cannot batch. It may be fewer than the scheduler's slots (memory: streams open at once):
+    # each step then carries the requests whose listeners run out of audio soonest.
     max_step_batch: int = 1
     # Whether a prefilled request may wait out of the active set and resume later with its state
     # (true where that state holds no memory worth a slot): the scheduler then takes slots back

@@ -12,6 +12,8 @@ level, so connections that share an owner are told apart by what each holds.
   prefilled request (`Engine.can_park`).
 - **Push-out**: a full queue makes room for a newcomer by failing the newest waiting request
   of a client that holds at least two more (slots and places).
+- **Rows** (a batching engine with more slots than one step carries): by slack, the listener
+  closest to running out of audio first, then the client served the fewest steps lately.
 - **Turns** (engines that step one request at a time): the owner served the fewest steps
   lately (each step counts for less as others follow), then, of its requests, the one whose
   listener is closest to running out of audio (a new stream counts as 1 s ahead: before
@@ -85,6 +87,16 @@ class FairShare:
             served = [self._served.get(k, 0.0) for k in r.owners]
             return (served[:1], r.sink.audio_ahead_s(), served[1:], r.submitted_at)
         return min(runnable, key=key)
+
+    def most_urgent(self, runnable: list[GenerationRequest], rows: int) -> list[GenerationRequest]:
+        """The `rows` requests one step carries when more are runnable: by slack, the listener
+        that will run out of audio soonest first (a new stream counts as 1 s ahead, as for
+        turns: after a listener about to run out, before one comfortably ahead), then the
+        client served the fewest steps lately, then the oldest. Kept in their order."""
+        def key(r: GenerationRequest) -> tuple:
+            return (r.sink.audio_ahead_s(), [self._served.get(k, 0.0) for k in r.owners], r.submitted_at)
+        chosen = set(map(id, sorted(runnable, key=key)[:rows]))
+        return [r for r in runnable if id(r) in chosen]
 
     def charge(self, group: list[GenerationRequest]) -> None:
         """Count a step against the clients it served. Steps, not seconds: two clients then

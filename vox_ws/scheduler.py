@@ -13,10 +13,13 @@ waiting request gets a free slot, which client gives a slot back or loses its pl
 queue, which request an engine that cannot batch steps next); a request that waited longer
 than `max_wait_s` for its first slot is failed (BUSY), so a queue never holds anyone forever.
 
-An engine says how many requests one `step` call may advance (`max_step_batch`): a batching
-engine advances all active requests in one call. An engine that cannot batch advances one
-request per turn, chosen by the fair-share policy (the owner served the fewest steps lately,
-then the listener closest to running out of audio), so no stream waits for another to finish.
+An engine says how many requests one `step` call may advance (`max_step_batch`, its rows). A
+batching engine advances every runnable request in one call while they fit; with more slots
+than rows (KV memory for more streams than one step should carry), each step takes the rows
+whose listeners will run out of audio soonest, and a stream far ahead waits. An engine that
+cannot batch advances one request per turn, chosen by the fair-share policy (the owner served
+the fewest steps lately, then the listener closest to running out of audio), so no stream
+waits for another to finish.
 The scheduler never touches asyncio: results go to each request's `RequestSink` (the stream service's thread-safe hand-off).
 """
 
@@ -181,6 +184,7 @@ class Scheduler:
                 "active": len(self._active),
                 "queued": len(self._in_line()),
                 "max_batch": self.max_batch or 0,
+                "step_rows": min(self.engine.max_step_batch, self.max_batch or 0),
                 "slots_reason": self.slots_reason,
                 "max_queue": self.max_queue,
                 "parked": sum(1 for r in self._waiting if r.parked),
@@ -376,12 +380,16 @@ class Scheduler:
             self._finish(request, EndReason.CANCELLED)
 
     def _groups(self, batch: list[GenerationRequest]) -> list[list[GenerationRequest]]:
-        """The engine calls this turn makes: the batch in pieces the engine takes at once, or
-        (an engine that cannot batch) the one request whose turn it is."""
-        if self.engine.max_step_batch > 1:
-            size = self.engine.max_step_batch
-            return [batch[i:i + size] for i in range(0, len(batch), size)]
-        return [[self.fair.next_turn(batch)]]
+        """The engine call this turn makes: every runnable request where one step carries them
+        all; else the rows one step carries (`Engine.max_step_batch`: fewer than the slots),
+        those whose listeners run out of audio soonest (`FairShare.most_urgent`); an engine
+        that cannot batch steps the one request whose turn it is."""
+        rows = self.engine.max_step_batch
+        if rows <= 1:
+            return [[self.fair.next_turn(batch)]]
+        if len(batch) <= rows:
+            return [batch]
+        return [self.fair.most_urgent(batch, rows)]
 
     def _step(self, group: list[GenerationRequest]) -> list[StepResult] | None:
         """One engine step for `group`; None where it failed (its requests failed, the others

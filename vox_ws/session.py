@@ -392,6 +392,7 @@ def hello(state: ServerState) -> dict[str, Any]:
         "voices": service.voices(),
         "options": sorted(engine.honoured_options),
         "slots": service.devices.max_batch,
+        "step_rows": service.devices.step_rows,
         "features": state.features(),
         "limits": state.limits.as_dict(),
     }

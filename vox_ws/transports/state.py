@@ -58,6 +58,7 @@ class ServerState:
             "ready": self.ready(),
             "draining": self.draining,
             "slots": slots,
+            "step_rows": stats["step_rows"],
             "active": stats["active"],
             "queued": stats["queued"],
             "free_slots": max(0, slots - busy),

@@ -31,6 +31,10 @@ log = logging.getLogger("vox_ws.engines.voxcpm")
 # CPU at most this many rows are tried.
 AUTO_MAX_SLOTS = 64
 AUTO_MAX_SLOTS_CPU = 32
+# `--max-batch auto` on a CPU: the KV slots, as many times the rows one step carries (sized by
+# measuring): a stream well ahead of its listener holds a slot without a row, so more streams
+# are open than one step carries, and the steps go to those about to run out.
+CPU_SLOTS_PER_ROW = 4
 
 
 class VoxCPMEngine(Engine):
@@ -41,13 +45,21 @@ class VoxCPMEngine(Engine):
     languages = ("zh", "en")
 
     def __init__(self, model: str | None = None, device: str = "auto", threads: int = 1, optimize: bool = False,
-                 load_denoiser: bool = False, max_batch: int | None = 8, voices_dir: str | None = None,
+                 load_denoiser: bool = False, max_batch: int | None = 8, step_rows: int | None = None,
+                 voices_dir: str | None = None,
                  lora_rank: int = 0, lora_alpha: int | None = None, lora_dir: str | None = None,
                  warm_normalizer: bool = False, normalize_timeout: float = NORMALIZE_TIMEOUT_S) -> None:
         self.model = model or DEFAULT_MODEL
         self.device = device or "auto"
-        self.max_step_batch = max_batch        # None: sized to the device in `load` (`slots`)
-        self._slots_reason = "--max-batch"
+        # KV slots (streams open at once: memory) and the rows one step carries (compute); None:
+        # sized to the device in `load` (`slots`). Rows never exceed slots.
+        self._slots = max_batch
+        self._rows_asked = step_rows
+        if max_batch is not None:
+            self.max_step_batch = min(step_rows or max_batch, max_batch)
+        else:
+            self.max_step_batch = step_rows or 1     # until `load` sizes both
+        self._slots_reason = "--max-batch" + (" and --step-rows" if step_rows is not None else "")
         self._threads = threads
         self._optimize = optimize
         self._load_denoiser = load_denoiser
@@ -106,10 +118,10 @@ class VoxCPMEngine(Engine):
         self.dtype = str(model.config.dtype)
         self.sample_rate = int(model.sample_rate)
         self.voice_sample_rate = int(model._encode_sample_rate)
-        if self.max_step_batch is None:
+        if self._slots is None:
             self.runner = self._size_slots(model)
         else:
-            self.runner = BatchedVoxCPM2(model, self.max_step_batch)
+            self.runner = BatchedVoxCPM2(model, self._slots, warm_rows=self.max_step_batch)
         if self._warm_normalizer:
             self._normalizer.ensure_started()
         if self._voices_dir is not None:
@@ -127,7 +139,7 @@ class VoxCPMEngine(Engine):
         self.runner.wait_ready()
 
     def slots(self) -> tuple[int, str]:
-        return self.max_step_batch, self._slots_reason
+        return self._slots, self._slots_reason
 
     def _size_slots(self, model: Any) -> Any:
         """`--max-batch auto`: on a GPU, as many slots as the KV caches of 80% of the free memory
@@ -145,11 +157,13 @@ class VoxCPMEngine(Engine):
             free, _ = torch.cuda.mem_get_info(torch.device(self.device))
             # KV is most of a slot; activations and the streaming VAE's state take a quarter more.
             slots = max(1, min(AUTO_MAX_SLOTS, int(free * 0.8 // (per_slot * 1.25))))
-            self.max_step_batch = slots
+            self._slots = slots
+            self.max_step_batch = min(self._rows_asked or slots, slots)
             self._slots_reason = (f"{free / 2**30:.1f} GiB free on {self.device} after loading, {per_slot / 2**20:.0f} MiB "
                                   f"of KV per slot (whole context) + 25%: 80% of the free memory holds {slots}"
-                                  + (f" (capped at {AUTO_MAX_SLOTS})" if slots == AUTO_MAX_SLOTS else ""))
-            return BatchedVoxCPM2(model, slots)
+                                  + (f" (capped at {AUTO_MAX_SLOTS})" if slots == AUTO_MAX_SLOTS else "")
+                                  + f"; {self.max_step_batch} rows a step")
+            return BatchedVoxCPM2(model, slots, warm_rows=self.max_step_batch)
         # Rows tried: at most what half of the free memory holds.
         available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
         trial = max(1, min(AUTO_MAX_SLOTS_CPU, int(available * 0.5 // per_slot)))
@@ -175,12 +189,17 @@ class VoxCPMEngine(Engine):
                 break
             chosen = size
             size *= 2
-        self.max_step_batch = chosen
+        rows = min(self._rows_asked or chosen, trial)
+        slots = min(trial, CPU_SLOTS_PER_ROW * rows)
+        self._slots, self.max_step_batch = slots, rows
         self._slots_reason = (f"on {self.device} a step of B rows took {timings} ms for {step_audio_s * 1000:.0f} ms "
-                              f"of audio each: the most rows within half of that is {chosen}")
-        if chosen < trial:                   # the caches of slots never used are given back
+                              f"of audio each: the most rows within half of that is {chosen}; "
+                              + (f"{rows} rows a step (--step-rows), " if self._rows_asked else "")
+                              + f"{slots} slots ({CPU_SLOTS_PER_ROW} per row"
+                              + (f", at most {trial} in half the free memory)" if slots == trial else ")"))
+        if slots < trial:                    # the caches of slots never used are given back
             runner.close()
-            runner = BatchedVoxCPM2(model, chosen)
+            runner = BatchedVoxCPM2(model, slots, warm_rows=rows)
         return runner
 
     def close(self) -> None:
@@ -190,7 +209,7 @@ class VoxCPMEngine(Engine):
 
     def describe(self) -> dict[str, Any]:
         return {**super().describe(), "dtype": self.dtype, "lora": dict(self.lora),
-                "max_batch": self.max_step_batch}
+                "max_batch": self._slots, "step_rows": self.max_step_batch}
 
     # ------------------------------------------------------------------ requests
 

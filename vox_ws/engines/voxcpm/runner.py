@@ -71,7 +71,9 @@ class RowState:
 class BatchedVoxCPM2:
     """Runs prefill per request and one batched generation step for any set of requests."""
 
-    def __init__(self, model: Any, max_batch: int, decode_process: bool | None = None) -> None:
+    def __init__(self, model: Any, max_batch: int, decode_process: bool | None = None,
+                 warm_rows: int | None = None) -> None:
+        """`max_batch` KV slots; steps of up to `warm_rows` rows (default: every slot) are warmed up."""
         self.model = model
         self.device = next(model.parameters()).device
         self.dtype = model._dtype()
@@ -96,10 +98,11 @@ class BatchedVoxCPM2:
             vae = model.audio_vae
             self._decoder = DecoderProcess(type(vae), getattr(model.config, "audio_vae_config", None),
                                            vae.state_dict(), threads=torch.get_num_threads(),
-                                           rows_per_call=rows_per_call, warm_up=(model.patch_size, max_batch))
+                                           rows_per_call=rows_per_call,
+                                           warm_up=(model.patch_size, warm_rows or max_batch))
         self.vae = BatchedStreamingVAE(model.audio_vae, rows_per_call=rows_per_call, fold_depthwise=on_cpu)
         if on_cpu:
-            self.vae.warm_up(model.patch_size, max_batch)
+            self.vae.warm_up(model.patch_size, warm_rows or max_batch)
         self._free_slots = list(range(max_batch))
         self._row_keys = itertools.count(1)
         cfg = model.config.lm_config
