@@ -114,13 +114,14 @@ async def test_one_device_failing_leaves_the_others_serving(start_server):
 @pytest.mark.slow
 async def test_max_batch_auto_sizes_the_slots_to_the_device(start_server, tiny_model):
     """`--max-batch auto` on a CPU: the engine times its batched step and keeps the most rows
-    whose step takes at most half the audio it makes; hello and /v1/info say how many and why."""
+    whose step takes at most half the audio it makes as the rows a step carries, and four KV
+    slots a row (at most 32); hello and /v1/info say how many and why."""
     server = start_server(VoxCPMEngine(model=str(tiny_model), device="cpu", max_batch=None), max_batch=None)
     info = server.get("/v1/info")[1]
-    assert 1 <= info["max_batch"] <= 32
+    assert 1 <= info["step_rows"] <= info["max_batch"] <= min(32, 4 * info["step_rows"])
     assert "a step of B rows took" in info["slots_reason"] and "ms of audio each" in info["slots_reason"]
     async with connect_client(server) as c:
-        assert c.hello["slots"] == info["max_batch"]
+        assert (c.hello["slots"], c.hello["step_rows"]) == (info["max_batch"], info["step_rows"])
         result = await c.speak("Sized to the device.", "a", options={"seed": 1, "max_len": 4})
     assert result.end["reason"] == "max_len"
 
