@@ -65,6 +65,16 @@ def reference(tiny_model, text: str, seed: int, **options) -> np.ndarray:
     return np.concatenate(list(tts.generate_streaming(text=text, retry_badcase=False, **options)))
 
 
+def assert_each_is_the_packages(tiny_model, plan, results) -> None:
+    """Each stream's audio equals the package's output for that request alone."""
+    for (text, seed, max_len), result in zip(plan, results):
+        assert_good_stream(result)
+        want = reference(tiny_model, text, seed, max_len=max_len)
+        got = result.pcm()
+        assert got.shape == want.shape
+        assert np.max(np.abs(got - want)) < 1e-4
+
+
 async def test_hello_and_info_describe_the_model(voxcpm_server):
     async with connect_client(voxcpm_server) as c:
         hello = c.hello
@@ -123,12 +133,7 @@ async def test_concurrent_streams_are_batched_and_match_the_package(voxcpm_serve
             gate.set()
         scheduler.on_step = observe
     assert batch_sizes[:5] == [1, 2, 2, 2, 3], batch_sizes
-    for (text, seed, max_len), result in zip(plan, results):
-        assert_good_stream(result)
-        want = reference(tiny_model, text, seed, max_len=max_len)
-        got = result.pcm()
-        assert got.shape == want.shape
-        assert np.max(np.abs(got - want)) < 1e-4
+    assert_each_is_the_packages(tiny_model, plan, results)
 
 
 async def test_with_more_slots_than_rows_each_stream_is_still_the_packages(start_server, tiny_model):
@@ -160,12 +165,7 @@ async def test_with_more_slots_than_rows_each_stream_is_still_the_packages(start
     finally:
         scheduler.on_step = observe
     assert max(sizes) == 2 and sum(sizes) >= sum(n for *_, n in plan), sizes
-    for (text, seed, max_len), result in zip(plan, results):
-        assert_good_stream(result)
-        want = reference(tiny_model, text, seed, max_len=max_len)
-        got = result.pcm()
-        assert got.shape == want.shape
-        assert np.max(np.abs(got - want)) < 1e-4
+    assert_each_is_the_packages(tiny_model, plan, results)
     _, load = server.get("/v1/load")
     _, info = server.get("/v1/info")
     assert (load["slots"], load["step_rows"]) == (4, 2)

@@ -17,15 +17,6 @@ from .config import Limits, ServerConfig
 PLAY_LOOKAHEAD_S = 3.0
 
 
-def _max_batch(text: str) -> int | None:
-    if text == "auto":
-        return None
-    value = int(text)
-    if value < 1:
-        raise ValueError("at least 1, or auto")
-    return value
-
-
 # (option, type, default, help); the destination is the option name with '-' -> '_'. The engines'
 # own settings come from the engine registry (see `_engine_options`).
 _SERVE_OPTIONS: list[tuple[str, Callable[[str], Any], Any, str]] = [
@@ -41,7 +32,7 @@ _SERVE_OPTIONS: list[tuple[str, Callable[[str], Any], Any, str]] = [
     ("max-connections-per-address", int, Limits.max_connections_per_address,
      "open connections per client address (then close 4029)"),
     ("max-messages-per-second", float, Limits.max_messages_per_s, "client messages per second per connection"),
-    ("max-batch", _max_batch, "auto", "slots per device: streams generated together; auto sizes them to the "
+    ("max-batch", engines.parse_count, "auto", "slots per device: streams generated together; auto sizes them to the "
                                       "device (GPU memory, CPU step time; see docs/DEPLOY.md)"),
     ("max-queue", int, Limits.max_queue, "streams that may wait for a slot; beyond it, `busy`"),
     ("max-queue-wait", float, Limits.max_queue_wait_s, "seconds a stream may wait for a slot; then `busy`"),

@@ -24,6 +24,16 @@ BUILT_IN = (
 )
 
 
+def parse_count(text: str) -> int | None:
+    """A count setting that may also be `auto` (None: sized once the engine has loaded)."""
+    if text == "auto":
+        return None
+    value = int(text)
+    if value < 1:
+        raise ValueError("at least 1, or auto")
+    return value
+
+
 def parse_bool(text: str) -> bool:
     """A boolean setting from the command line or the environment."""
     value = str(text).strip().lower()

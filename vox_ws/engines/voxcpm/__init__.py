@@ -19,25 +19,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from .. import EnginePlugin, Setting, parse_bool
+from .. import EnginePlugin, Setting, parse_bool, parse_count
 from .loading import DEFAULT_MODEL, weights_available
 from .options import OPTIONS
-
-def _rows(text: str) -> int | None:
-    if text == "auto":
-        return None
-    value = int(text)
-    if value < 1:
-        raise ValueError("at least 1, or auto")
-    return value
-
 
 SETTINGS = (
     Setting("model", str, None, "VoxCPM checkpoint directory or hub id (offline: from the local HF cache)"),
     Setting("optimize", parse_bool, False, "torch.compile the model where it works (CUDA)"),
     Setting("load-denoiser", parse_bool, False,
             "load the ZipEnhancer denoiser (needs modelscope and its weights)"),
-    Setting("step-rows", _rows, "auto", "rows one step carries at most (compute), below --max-batch's slots (memory): "
+    Setting("step-rows", parse_count, "auto", "rows one step carries at most (compute), below --max-batch's slots (memory): "
                                       "the streams closest to running out of audio go first; default: measured "
                                       "on a CPU (with --max-batch auto: 4 slots a row), every slot on a GPU"),
     Setting("voices-dir", str, None, "built-in voices: NAME.wav (+ optional NAME.txt transcript) per voice"),
