@@ -108,7 +108,6 @@ class Generation:
         self.state = StreamState.OPENING
         self.cancelled = False
         self.started_at = time.monotonic()
-        self.first_audio_at: float | None = None
         self._last_audio_at = 0.0
         self._request: GenerationRequest | None = None    # of the segment being generated
         self._context: Any = None                # the previous segment's continuation
@@ -378,8 +377,7 @@ class Generation:
         metrics = self._service.metrics
         for chunk in chunks:
             now = time.monotonic()
-            if self.first_audio_at is None:
-                self.first_audio_at = now
+            if self._pacing.first_produced_at is None:       # the pacing keeps that time
                 metrics.first_audio.observe(now - self.started_at)
             else:
                 metrics.chunk_gap.observe(now - self._last_audio_at)
@@ -447,7 +445,8 @@ class Generation:
         return {"segments": list(self.plan.segments), "usage": {"characters": self.characters}}
 
     def _produced_figures(self) -> dict[str, Any]:
-        return figures(self._pacing.produced_chunks, self._pacing.produced_s, self.first_audio_at, self.started_at)
+        pacing = self._pacing
+        return figures(pacing.produced_chunks, pacing.produced_s, pacing.first_produced_at, self.started_at)
 
     def _log(self, outcome: dict[str, Any]) -> None:
         """One structured line per stream, for log pipelines."""

@@ -117,12 +117,7 @@ class OutputStage:
     def hand_over_now(self, event: Queued, started_at: float) -> list[Event]:
         """`hand_over` where the stage is `immediate`."""
         if isinstance(event, Produced):
-            if self._seq == 0:
-                self._first_handed_at = time.monotonic()
-            audio = Audio(event.data, self._seq, event.samples, event.seconds)
-            self._seq += 1
-            self._handed_s += event.seconds
-            return [audio]
+            return [self._counted(Audio(event.data, self._seq, event.samples, event.seconds))]
         if isinstance(event, (Ended, Failed)):
             return [replace(event, stats=self._figures(event.stats, started_at))]
         return [event]
@@ -175,15 +170,18 @@ class OutputStage:
         pipeline = self._pipeline
         assert pipeline is not None
         first = self._seq == 0
-        if first:
+        return [self._counted(Audio(encoded.data, self._seq, encoded.samples, encoded.samples / pipeline.rate,
+                                    packets=encoded.packets, durations_us=encoded.durations_us,
+                                    description=pipeline.description if first else None,
+                                    pre_skip=pipeline.pre_skip if first else 0))]
+
+    def _counted(self, audio: Audio) -> Audio:
+        """Audio as it is handed over, counted for the figures of the last event."""
+        if self._seq == 0:
             self._first_handed_at = time.monotonic()
-        audio = Audio(encoded.data, self._seq, encoded.samples, encoded.samples / pipeline.rate,
-                      packets=encoded.packets, durations_us=encoded.durations_us,
-                      description=pipeline.description if first else None,
-                      pre_skip=pipeline.pre_skip if first else 0)
         self._seq += 1
         self._handed_s += audio.seconds
-        return [audio]
+        return audio
 
     def _scaled(self, seconds: float) -> float:
         return round(seconds / self._speed, 4)
