@@ -6,7 +6,10 @@ own `generate_streaming` produces for that request alone (same weights, same see
 it on the tiny model on the CPU (`tests/test_voxcpm_equivalence.py`); `scripts/gpu-check.sh` on a
 GPU, in float32 and bfloat16 (a checkpoint built with that dtype):
 
-    python -m benchmarks.equivalence --model DIR --device cuda --json equivalence.json
+    python -m benchmarks.equivalence --model DIR --device cuda --json equivalence.json [--loras]
+
+`--loras` adds the LoRA case (`compare_loras`): requests with two different adapters and none
+in one batch, each against the package with only its own adapter loaded.
 """
 
 from __future__ import annotations
@@ -71,10 +74,13 @@ def reference_audio(tts: Any, text: str, seed: int, voice: tuple | None = None, 
     return np.concatenate(chunks)
 
 
-def run_batched(model: Any, requests: list, max_batch: int = 4,
-                decode_process: bool | None = None) -> tuple[dict[int, np.ndarray], list[int], Any]:
+def run_batched(model: Any, requests: list, max_batch: int = 4, decode_process: bool | None = None,
+                adapters: Any = None, adapter_slots: list[int] | None = None,
+                ) -> tuple[dict[int, np.ndarray], list[int], Any]:
     """Every request through one BatchedVoxCPM2, each joining at its step: (audio per request,
-    batch size per step, the closed runner)."""
+    batch size per step, the closed runner). With `adapters` (the model's LoRA slots), request
+    i speaks with adapter slot `adapter_slots[i]`."""
+    from vox_ws.engines.voxcpm.lora import NO_ADAPTER
     from vox_ws.engines.voxcpm.prompt import build_prompt
     from vox_ws.engines.voxcpm.runner import BatchedVoxCPM2
 
@@ -87,7 +93,7 @@ def run_batched(model: Any, requests: list, max_batch: int = 4,
                 prompt_wav_path=str(path) if mode != "reference" else None,
                 reference_wav_path=str(path) if mode != "continuation" else None,
             )
-    runner = BatchedVoxCPM2(model, max_batch=max_batch, decode_process=decode_process)
+    runner = BatchedVoxCPM2(model, max_batch=max_batch, decode_process=decode_process, adapters=adapters)
     outputs: dict[int, list[np.ndarray]] = {i: [] for i in range(len(requests))}
     rows = {}
     pending = sorted(range(len(requests)), key=lambda i: requests[i][2])
@@ -100,7 +106,8 @@ def run_batched(model: Any, requests: list, max_batch: int = 4,
             prompt = build_prompt(model, text, caches.get(voice[:2]) if voice else None)
             rows[i] = runner.prefill(prompt, seed=seed, cfg_value=opts.get("cfg_value", 2.0),
                                      timesteps=opts.get("inference_timesteps", 10), min_len=opts.get("min_len", 2),
-                                     max_len=opts.get("max_len", 4096))
+                                     max_len=opts.get("max_len", 4096),
+                                     adapter=adapter_slots[i] if adapter_slots else NO_ADAPTER)
         if rows:
             ids = list(rows)
             batch_sizes.append(len(ids))
@@ -141,13 +148,67 @@ def compare(model_dir: str, device: str, work_dir: Path, decode_process: bool | 
             "slots_returned": sorted(runner._free_slots) == list(range(runner.max_batch))}
 
 
+# LoRA: per request of `scenario`, its adapter (None: the base model): one alone at first, then
+# a mix of two adapters and none in one batch.
+LORA_PLAN = ("a", None, "b", "a", "b")
+# Adapter a: the server's rank and alpha (8 / 4); b: rank 2 under a rank-4 slot (zero-padded),
+# with its own lora_config.json (alpha 2: scaling 1).
+LORA_ADAPTERS = {"a": dict(rank=4, alpha=8, seed=1, scale=0.25, with_config=False),
+                 "b": dict(rank=2, alpha=2, seed=2, scale=0.25, with_config=True)}
+SLOT_RANK, SLOT_ALPHA = 4, 8
+
+
+def compare_loras(model_dir: str, device: str, work_dir: Path) -> dict[str, Any]:
+    """Requests with different adapters (and none) batched together, each against the package
+    alone with only its own adapter loaded (`load_lora_weights`)."""
+    from vox_ws.engines.voxcpm.adapters import AdapterBook
+    from vox_ws.engines.voxcpm.loading import import_voxcpm
+    from vox_ws.engines.voxcpm.lora import NO_ADAPTER, install_row_lora
+    from vox_ws.testing.lora_adapters import package_model, write_adapter
+
+    voxcpm = import_voxcpm()
+    references = {None: voxcpm.VoxCPM.from_pretrained(model_dir, load_denoiser=False, optimize=False, device=device)}
+    for name, spec in LORA_ADAPTERS.items():
+        tts = package_model(model_dir, spec["rank"], spec["alpha"], device)
+        write_adapter(model_dir, work_dir / "loras" / name, model=tts, **spec)
+        loaded, skipped = tts.tts_model.load_lora_weights(str(work_dir / "loras" / name))
+        if not loaded or skipped:
+            raise RuntimeError(f"the package took {len(loaded)} keys of adapter {name} and skipped {skipped}")
+        references[name] = tts
+    requests = scenario(voice_wavs(work_dir))
+    expected = [reference_audio(references[LORA_PLAN[i]], text, seed, voice, **opts)
+                for i, (text, seed, _, voice, opts) in enumerate(requests)]
+    served = package_model(model_dir, SLOT_RANK, SLOT_ALPHA, device).tts_model
+    keys = frozenset(k for k, _ in served.named_parameters() if "lora_" not in k)
+    adapters, layers = install_row_lora(served, slots=3, rank=SLOT_RANK)
+    book = AdapterBook(adapters, layers, str(work_dir / "loras"), SLOT_ALPHA, keys)
+    slots = {name: book.load(book.read(name))["slot"] for name in LORA_ADAPTERS}
+    got, batch_sizes, _ = run_batched(served, requests, adapters=adapters,
+                                      adapter_slots=[slots[name] if name else NO_ADAPTER for name in LORA_PLAN])
+    diffs = [float(np.max(np.abs(got[i] - want))) if got[i].shape == want.shape else float("inf")
+             for i, want in enumerate(expected)]
+    # Each adapter must change its requests' audio, or the comparison proves nothing.
+    plain = [reference_audio(references[None], text, seed, voice, **opts) for text, seed, _, voice, opts in requests]
+    changes = [None if LORA_PLAN[i] is None else float("inf") if want.shape != plain[i].shape
+               else float(np.max(np.abs(want - plain[i]))) for i, want in enumerate(expected)]
+    return {"device": device, "plan": list(LORA_PLAN), "max_batch": max(batch_sizes), "max_abs_diff": diffs,
+            "change_by_adapter": changes,
+            "adapters_change_audio": all(c is None or c > 100 * TOLERANCE["float32"] for c in changes),
+            "equal": all(d < TOLERANCE["float32"] for d in diffs)}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True, help="a VoxCPM2 checkpoint directory")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--json", help="write the result here")
+    ap.add_argument("--loras", action="store_true", help="also requests with different LoRA adapters in one batch")
     args = ap.parse_args(argv)
-    result = compare(args.model, args.device, Path(tempfile.mkdtemp(prefix="vox-ws-equivalence-")))
+    work = Path(tempfile.mkdtemp(prefix="vox-ws-equivalence-"))
+    result = compare(args.model, args.device, work)
+    if args.loras:
+        result["loras"] = compare_loras(args.model, args.device, work)
+        result["equal"] = result["equal"] and result["loras"]["equal"] and result["loras"]["adapters_change_audio"]
     print(json.dumps(result))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))

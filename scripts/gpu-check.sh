@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The device check, ready for the day a GPU is lent: on a bare CUDA machine with PyTorch and no
 # network, build a random-weight VoxCPM2 of the real size, check the batched loop against the
-# voxcpm package on CUDA in float32 and bfloat16, and run the scheduler benchmark at N = 1, 8,
+# voxcpm package on CUDA in float32 and bfloat16 (in float32 also rows with different LoRA
+# adapters in one batch, each against the package with only its adapter: four more models to
+# load, about two minutes at the real size), and run the scheduler benchmark at N = 1, 8,
 # 32, 64 (throughput, first audio, step time, memory). Writes OUT/gpu-check.json and
 # OUT/gpu-check.txt. On a CPU, end to end with the tiny model (what CI-less sessions run):
 #
@@ -39,7 +41,9 @@ for dtype in $dtypes; do
   echo "== building a $size VoxCPM2 ($dtype)" >&2
   "$python" -m vox_ws.testing.tiny_voxcpm "$work/$dtype" --size "$size" --dtype "$dtype" >&2
   echo "== equivalence: batched loop vs the package, $device, $dtype" >&2
-  "$python" -m benchmarks.equivalence --model "$work/$dtype" --device "$device" \
+  loras=""
+  [ "$dtype" = float32 ] && loras="--loras"
+  "$python" -m benchmarks.equivalence --model "$work/$dtype" --device "$device" $loras \
     --json "$out/equivalence-$dtype.json" >&2 || true      # the figures say whether it held
 done
 echo "== scheduler benchmark at N = $concurrency ($device, float32)" >&2
@@ -58,6 +62,11 @@ lines = [f"vox-ws device check: {device}, {size} model, {seconds} s", "",
 for d, e in equivalence.items():
     lines.append(f"  {d:9s} {'equal' if e['equal'] else 'DIFFERENT'} (tolerance {e['tolerance']:g}): "
                  + ", ".join(f"{x:.2e}" for x in e["max_abs_diff"]))
+    if "loras" in e:
+        l = e["loras"]
+        lines.append(f"  {'LoRA':9s} {'equal' if l['equal'] else 'DIFFERENT'} (adapters {l['plan']} in one batch, "
+                     f"each changing its audio: {l['adapters_change_audio']}): "
+                     + ", ".join(f"{x:.2e}" for x in l["max_abs_diff"]))
 lines += ["", f"{'N':>3} {'audio s/s':>10} {'x serial':>9} {'ttfa p50':>9} {'ttfa p95':>9} {'step ms':>8} {'memory MB':>10}"]
 for r in bench:
     b = r["batched"]

@@ -144,19 +144,20 @@ def test_the_command_line_takes_auto_or_a_number():
 
 
 async def test_a_lora_adapter_loads_on_every_device(start_server, tiny_model, tmp_path):
-    import torch
-    from safetensors.torch import save_file
+    """Loaded once, it is in a slot on each device; a stream naming it speaks the same on
+    either, and one naming none speaks with the base model on either."""
+    from vox_ws.testing.lora_adapters import write_adapter
 
+    write_adapter(tiny_model, tmp_path / "bright", rank=4, alpha=8, seed=1, scale=0.25)
     engines = [VoxCPMEngine(model=str(tiny_model), device="cpu", max_batch=1, lora_rank=4, lora_dir=str(tmp_path))
                for _ in range(2)]
     server = start_server(engines, max_batch=1, admin_tokens=["admin-secret"])
-    state = engines[0].tts.tts_model.get_lora_state_dict()
-    save_file({k: torch.randn_like(v) * 0.05 for k, v in state.items()}, str(tmp_path / "bright.safetensors"))
 
-    async def pair(c) -> tuple:
+    async def pair(c, **fields) -> tuple:
         """The same request on each device (one slot each: opened together, one per device)."""
         for sid in ("d0", "d1"):
-            await c.send({"type": "start", "id": sid, "text": "Adapter.", "options": {"seed": 5, "max_len": 4}})
+            await c.send({"type": "start", "id": sid, "text": "Adapter.", "options": {"seed": 5, "max_len": 4},
+                          **fields})
         return (await c.collect("d0")).pcm(), (await c.collect("d1")).pcm()
 
     async with connect_client(server, additional_headers={"Authorization": "Bearer admin-secret"}) as c:
@@ -164,7 +165,10 @@ async def test_a_lora_adapter_loads_on_every_device(start_server, tiny_model, tm
         await c.send({"type": "lora", "id": "l", "op": "load", "name": "bright"})
         loaded = await c.recv_where(lambda m: m.get("id") == "l")
         assert loaded["type"] == "lora" and loaded["loaded"] > 0, loaded
-        adapted = await pair(c)
-    assert all(engine.lora["loaded"] == "bright" for engine in engines)
+        adapted = await pair(c, lora="bright")
+        unadapted = await pair(c)
+    assert all([a["name"] for a in engine.lora["adapters"]] == ["bright"] for engine in engines)
     np.testing.assert_array_equal(adapted[0], adapted[1])            # both devices changed alike
     assert not np.allclose(adapted[0], plain[0])
+    for pcm in (*unadapted, plain[1]):
+        np.testing.assert_array_equal(pcm, plain[0])

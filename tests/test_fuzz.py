@@ -40,6 +40,7 @@ field_values = {
     "transcript": values,
     "op": st.one_of(st.sampled_from(p.LORA_OPS), values),
     "name": values,
+    "lora": st.one_of(st.sampled_from(["bright", "", "../x"]), values),
 }
 messages = st.fixed_dictionaries(
     {"type": st.one_of(st.sampled_from(TYPES), values)},

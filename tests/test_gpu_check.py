@@ -21,6 +21,7 @@ def test_the_device_check_runs_on_a_cpu(tmp_path):
     assert run.returncode == 0, run.stderr[-3000:]
     report = json.loads((tmp_path / "gpu-check.json").read_text())
     assert report["equivalence"]["float32"]["equal"]
+    assert report["equivalence"]["float32"]["loras"]["equal"] and "LoRA" in (tmp_path / "gpu-check.txt").read_text()
     assert [r["n"] for r in report["scheduler"]] == [1, 4]
     for row in report["scheduler"]:
         batched = row["batched"]

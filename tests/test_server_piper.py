@@ -320,4 +320,7 @@ async def test_voice_and_lora_are_refused_clearly_by_piper(piper_server):
         await c.send({"type": "lora", "id": "l1", "op": "load", "name": "x"})
         err = await c.error("l1")
         assert err["code"] == "unauthorized"
+        await c.send({"type": "start", "id": "adapted", "text": "Hi.", "lora": "x"})
+        err = await c.error("adapted")
+        assert err["code"] == "unsupported" and "no LoRA support" in err["message"]
         assert_good_stream(await c.speak("Still fine.", "after"))

@@ -49,14 +49,7 @@ def voxcpm_server(start_server, tiny_model, tmp_path_factory):
     lora_dir = tmp_path_factory.mktemp("lora")
     engine = VoxCPMEngine(model=str(tiny_model), device="cpu", max_batch=4, voices_dir=str(voices), lora_rank=4,
                           lora_dir=str(lora_dir))
-    server = start_server(engine, max_batch=4, max_streams=8, admin_tokens=[ADMIN])
-    # An adapter with the model's own LoRA parameter names, and one that matches nothing.
-    from safetensors.torch import save_file
-
-    state = engine.tts.tts_model.get_lora_state_dict()
-    save_file({k: torch.randn_like(v) * 0.05 for k, v in state.items()}, str(lora_dir / "bright.safetensors"))
-    save_file({"nothing.here": torch.zeros(2)}, str(lora_dir / "empty.safetensors"))
-    return server
+    return start_server(engine, max_batch=4, max_streams=8, admin_tokens=[ADMIN])
 
 
 def reference(tiny_model, text: str, seed: int, **options) -> np.ndarray:
@@ -82,7 +75,7 @@ async def test_hello_and_info_describe_the_model(voxcpm_server):
     assert set(hello["options"]) == {"cfg_value", "inference_timesteps", "min_len", "max_len", "normalize", "seed"}
     status, info = voxcpm_server.get("/v1/info")
     assert info["device"] == "cpu" and info["dtype"] == "float32" and info["max_batch"] == 4
-    assert info["lora"] == {"configured": True, "loaded": None, "enabled": False}
+    assert info["lora"]["configured"] is True and info["lora"]["adapters"] == [] and info["lora"]["default"] is None
 
 
 async def test_streams_160ms_chunks_at_48khz(voxcpm_server):
@@ -345,41 +338,6 @@ async def test_lora_needs_the_admin_token(voxcpm_server):
     async with connect_client(voxcpm_server, additional_headers={"Authorization": "Bearer wrong"}) as c:
         await c.send({"type": "lora", "id": "l", "op": "load", "name": "bright"})
         assert (await c.error("l"))["code"] == "unauthorized"
-
-
-async def test_lora_load_unload_with_a_stream_in_flight(voxcpm_server):
-    headers = {"Authorization": f"Bearer {ADMIN}"}
-    async with connect_client(voxcpm_server, additional_headers=headers) as admin, \
-            connect_client(voxcpm_server) as user:
-        before = await user.speak("Adapter test.", "before", options={"seed": 5, "max_len": 4})
-        await user.send({"type": "start", "id": "flight", "text": "In flight.", "options": {"max_len": 60}})
-        await user.recv_where(lambda m: m["type"] == "chunk" and m["id"] == "flight")
-
-        await admin.send({"type": "lora", "id": "l1", "op": "load", "name": "bright"})
-        loaded = await admin.recv_where(lambda m: m.get("id") == "l1")
-        assert loaded["type"] == "lora", loaded
-        assert loaded["loaded"] > 0 and loaded["skipped"] == 0 and loaded["lora"]["enabled"] is True
-        assert loaded["streams_in_flight"] >= 1
-        # The stream in flight goes on (with the adapter from its next step) and ends normally.
-        flight = await user.collect("flight")
-        assert flight.end["reason"] == "max_len"
-        assert [c["seq"] for c in flight.chunks] == list(range(1, 60))   # chunk 0 was read above
-        with_lora = await user.speak("Adapter test.", "with", options={"seed": 5, "max_len": 4})
-        assert not np.allclose(with_lora.pcm(), before.pcm()), "the adapter must change the audio"
-
-        await admin.send({"type": "lora", "id": "l2", "op": "disable"})
-        assert (await admin.recv_where(lambda m: m.get("id") == "l2"))["lora"]["enabled"] is False
-        disabled = await user.speak("Adapter test.", "off", options={"seed": 5, "max_len": 4})
-        assert np.allclose(disabled.pcm(), before.pcm(), atol=1e-5)
-
-        await admin.send({"type": "lora", "id": "l3", "op": "unload"})
-        assert (await admin.recv_where(lambda m: m.get("id") == "l3"))["lora"]["loaded"] is None
-        after = await user.speak("Adapter test.", "after", options={"seed": 5, "max_len": 4})
-        assert np.allclose(after.pcm(), before.pcm(), atol=1e-5)
-
-        for name, code in (("missing", "bad_request"), ("../etc/passwd", "bad_request"), ("empty", "bad_request")):
-            await admin.send({"type": "lora", "id": "bad", "op": "load", "name": name})
-            assert (await admin.error("bad"))["code"] == code
 
 
 # ------------------------------------------------------------------ loading

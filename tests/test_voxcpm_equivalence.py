@@ -63,6 +63,19 @@ def test_the_equivalence_check_as_scripts_run_it(tiny_model, tmp_path):
     assert result["dtype"] == "float32" and max(result["max_abs_diff"]) < 1e-4
 
 
+def test_rows_with_different_adapters_match_the_package_with_only_theirs(tiny_model, tmp_path):
+    """Two adapters (one of rank 2 in rank-4 slots, with its own alpha) and none, in one batch:
+    each request equals the package alone with only its adapter loaded (`load_lora_weights`),
+    and each adapter changes its requests' audio far beyond the tolerance."""
+    from benchmarks.equivalence import compare_loras
+
+    torch.set_num_threads(1)
+    result = compare_loras(str(tiny_model), "cpu", tmp_path)
+    assert result["max_batch"] == 4, "the scenario must batch rows with different adapters"
+    assert result["adapters_change_audio"], result["change_by_adapter"]
+    assert result["equal"], result["max_abs_diff"]
+
+
 def test_prompt_positions_count_what_build_prompt_builds(tiny_model, wavs):
     from vox_ws.engines.voxcpm.prompt import prompt_positions
 

@@ -213,8 +213,11 @@ class Stream:
 
 
 def _delivery(speed: float, instructions: str | None, word_timestamps: bool = False,
-              lookahead_s: float | None = None, pronunciations: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+              lookahead_s: float | None = None, pronunciations: list[dict[str, Any]] | None = None,
+              lora: str | None = None) -> dict[str, Any]:
     fields: dict[str, Any] = {}
+    if lora:
+        fields["lora"] = lora
     if pronunciations:
         fields["pronunciations"] = pronunciations
     if speed != 1.0:
@@ -246,15 +249,17 @@ class Client:
     async def stream(self, text: str, *, voice: str | None = None, format: str = "f32",
                      sample_rate: int | None = None, options: dict[str, Any] | None = None, speed: float = 1.0,
                      instructions: str | None = None, lookahead_s: float | None = None,
-                     pronunciations: list[dict[str, Any]] | None = None) -> AsyncIterator[bytes]:
+                     pronunciations: list[dict[str, Any]] | None = None,
+                     lora: str | None = None) -> AsyncIterator[bytes]:
         """Speak `text`; yields audio bytes in `format` (raw PCM, or a codec's file piece by
         piece) as they are generated. Leaving the loop early cancels the stream on the server.
         A player that reads as it plays passes `lookahead_s` (the server then sends at most
         that far ahead of real time); without it the audio comes as fast as it is read.
-        `pronunciations`: entries `{match, say}` or `{match, ipa}` (docs/PROTOCOL.md)."""
+        `pronunciations`: entries `{match, say}` or `{match, ipa}` (docs/PROTOCOL.md); `lora`: a
+        loaded LoRA adapter to speak with."""
         s = await self.start_stream(text, voice=voice, format=format, sample_rate=sample_rate, options=options,
                                     speed=speed, instructions=instructions, lookahead_s=lookahead_s,
-                                    pronunciations=pronunciations)
+                                    pronunciations=pronunciations, lora=lora)
         try:
             async for chunk in s:
                 yield chunk
@@ -266,28 +271,29 @@ class Client:
                            sample_rate: int | None = None, options: dict[str, Any] | None = None, speed: float = 1.0,
                            instructions: str | None = None, word_timestamps: bool = False,
                            lookahead_s: float | None = None,
-                           pronunciations: list[dict[str, Any]] | None = None) -> Stream:
+                           pronunciations: list[dict[str, Any]] | None = None, lora: str | None = None) -> Stream:
         """Speak `text` on a stream of its own: iterate it for the audio, or `events()`."""
         return await self._start({"text": text, **_delivery(speed, instructions, word_timestamps, lookahead_s,
-                                                            pronunciations)}, voice, format, sample_rate, options)
+                                                            pronunciations, lora)}, voice, format, sample_rate, options)
 
     async def open_stream(self, *, voice: str | None = None, format: str = "f32", sample_rate: int | None = None,
                           options: dict[str, Any] | None = None, segment_events: bool = False, speed: float = 1.0,
                           instructions: str | None = None, word_timestamps: bool = False,
                           lookahead_s: float | None = None,
-                          pronunciations: list[dict[str, Any]] | None = None) -> Stream:
+                          pronunciations: list[dict[str, Any]] | None = None, lora: str | None = None) -> Stream:
         """A stream whose text arrives piece by piece (`send_text`, `flush`, `end`)."""
         extra: dict[str, Any] = {"stream_input": True,
-                                 **_delivery(speed, instructions, word_timestamps, lookahead_s, pronunciations)}
+                                 **_delivery(speed, instructions, word_timestamps, lookahead_s, pronunciations, lora)}
         if segment_events:
             extra["segment_events"] = True
         return await self._start(extra, voice, format, sample_rate, options)
 
     async def synthesize(self, text: str, *, voice: str | None = None, sample_rate: int | None = None,
                          options: dict[str, Any] | None = None, speed: float = 1.0,
-                         instructions: str | None = None) -> bytes:
+                         instructions: str | None = None, lora: str | None = None) -> bytes:
         """The whole utterance as a 16-bit WAV file."""
-        s = await self._start({"text": text, **_delivery(speed, instructions)}, voice, "f32", sample_rate, options)
+        s = await self._start({"text": text, **_delivery(speed, instructions, lora=lora)}, voice, "f32", sample_rate,
+                              options)
         pcm = bytes_to_pcm(await s.read_all(), "f32")
         return wav_bytes(pcm, s.sample_rate)
 
@@ -304,7 +310,9 @@ class Client:
         return (await self._request({"type": "voice_delete", "voice": voice}))["deleted"]
 
     async def lora(self, op: str, name: str | None = None) -> dict[str, Any]:
-        """Admin: load / unload / enable / disable a LoRA adapter (needs the admin token)."""
+        """Admin (needs the admin token): `load` an adapter from the server's LoRA directory into a
+        free slot, `unload` it (streams using it finish first), `enable` it as the adapter of
+        streams that name none, `disable` that default."""
         message: dict[str, Any] = {"type": "lora", "op": op}
         if name:
             message["name"] = name

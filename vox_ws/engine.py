@@ -185,6 +185,9 @@ class GenerationRequest:
     # What `Engine.pin_voice` returned when the stream opened: the voice itself, kept for the
     # stream's whole life even if the voice is deleted meanwhile.
     voice_pin: Any = None
+    # What `Engine.pin_lora` returned when the stream opened: its LoRA adapter (None: none),
+    # kept loaded until the stream ends.
+    lora_pin: Any = None
     options: dict[str, Any] = field(default_factory=dict)
     id: int = field(default_factory=itertools.count(1).__next__)
     # Where it is in the scheduler (moved on by the scheduler thread alone).
@@ -237,9 +240,10 @@ class StepResult:
 
 class Engine(ABC):
     """A speech model behind the scheduler. Everything here runs on the scheduler thread,
-    except `describe`, `voices`, `has_voice`, `pin_voice`, `check` and `delete_voice`, which
-    the event loop may call at any time, and `prepare_text` and `register_voice`, which run on
-    worker threads beside the steps: they must only read what the steps use."""
+    except `describe`, `voices`, `has_voice`, `pin_voice`, `pin_lora`, `unpin_lora`, `check` and
+    `delete_voice`, which the event loop may call at any time, and `prepare_text`,
+    `register_voice` and `read_lora`, which run on worker threads beside the steps: they must
+    only read what the steps use."""
 
     name: str = "engine"
     model: str = ""
@@ -350,7 +354,25 @@ class Engine(ABC):
     def delete_voice(self, voice_id: str) -> bool:
         return False
 
-    def lora_op(self, op: str, name: str | None) -> dict[str, Any]:
+    def pin_lora(self, name: str | None) -> Any:
+        """The LoRA adapter a new stream speaks with (`name`, or the device's default where it
+        names none), held until `unpin_lora`; None: the base model. Refuses an adapter that is
+        not loaded. Cheap: the event loop calls it."""
+        if name is not None:
+            raise Refused(ErrorKind.UNSUPPORTED, f"engine {self.name} has no LoRA support", field="lora")
+        return None
+
+    def unpin_lora(self, pin: Any) -> None:
+        """The stream that pinned it has ended (the event loop calls it)."""
+
+    def read_lora(self, name: str | None) -> Any:
+        """Read and check an adapter from disk, for `lora_op("load")` on every device. Runs on a
+        worker thread, beside the steps."""
+        raise Refused(ErrorKind.UNSUPPORTED, f"engine {self.name} has no LoRA support")
+
+    def lora_op(self, op: str, name: str | None, adapter_file: Any = None) -> dict[str, Any]:
+        """Load (what `read_lora` read) into a free slot, unload, or set (`enable`) or clear
+        (`disable`) the default adapter. Runs on the scheduler thread, between two steps."""
         raise Refused(ErrorKind.UNSUPPORTED, f"engine {self.name} has no LoRA support")
 
     @abstractmethod

@@ -198,7 +198,7 @@ class Session:
                 input_streaming=start.stream_input, log_fields={"session": self.number, "id": sid},
                 owners=self._owners, instructions=start.instructions, word_timestamps=start.word_timestamps,
                 phoneme_timestamps=start.phoneme_timestamps, markup=start.markup,
-                pronunciations=start.pronunciations)
+                pronunciations=start.pronunciations, lora=start.lora)
         except Refused as err:
             raise p.ProtocolError.from_refused(err, sid) from None
         reply: dict[str, Any] = {"type": "start", "id": sid, "sample_rate": stream.sample_rate,

@@ -85,13 +85,14 @@ class Generation:
                  options: dict[str, Any], output: OutputStage, pacing: Pacing, input_streaming: bool,
                  log_fields: dict[str, Any], text_chars: int = 0, voice_pin: Any = None,
                  owners: tuple[str, ...] = (), instructions: str | None = None, word_timestamps: bool = False,
-                 phoneme_timestamps: bool = False, lexicon: Lexicon | None = None) -> None:
+                 phoneme_timestamps: bool = False, lexicon: Lexicon | None = None, lora_pin: Any = None) -> None:
         self._service = service
         self.scheduler = scheduler                # its device's: every request of it goes there
         self._engine = scheduler.engine
         self.number = number
         self.voice = voice
         self._voice_pin = voice_pin
+        self._lora_pin = lora_pin                # its adapter, held until it stops producing
         self._owners = owners
         self.options = options
         self.input_streaming = input_streaming
@@ -301,7 +302,8 @@ class Generation:
         sink = SegmentSink(functools.partial(self._service.mailbox.post, self._on_request_event), self._output,
                            self._pacing, self.word_timestamps, self.phoneme_timestamps)
         request = GenerationRequest(text=engine_text, sink=sink, voice=self.voice, voice_pin=self._voice_pin,
-                                    options=dict(self.options), owners=self._owners, prepared=prepared,
+                                    lora_pin=self._lora_pin, options=dict(self.options), owners=self._owners,
+                                    prepared=prepared,
                                     context=self._context, keep_continuation=self.plan.continues,
                                     instructions=self._instructions if not self.plan.segments else None,
                                     pronunciations=self._lexicon if self._engine.takes_phonemes else None)
@@ -429,7 +431,14 @@ class Generation:
                 task.cancel()
         if self._request is not None and not self._request.cancelled:
             self.scheduler.cancel(self._request)
+        self.release_lora()
         self._service.forget(self)
+
+    def release_lora(self) -> None:
+        """Let go of the stream's adapter (the engine frees its slot once no request uses it)."""
+        pin, self._lora_pin = self._lora_pin, None
+        if pin is not None:
+            self._engine.unpin_lora(pin)
 
     def _last(self, event: Ended | Failed) -> None:
         """The stream's last event: usage is counted, the consumer stops after it."""

@@ -102,7 +102,8 @@ class StreamService:
                     input_streaming: bool = False, log_fields: dict[str, Any] | None = None,
                     owners: tuple[str, ...] = (), instructions: str | None = None,
                     word_timestamps: bool = False, phoneme_timestamps: bool = False,
-                    markup: str | None = None, pronunciations: tuple[Pronunciation, ...] = ()) -> Stream:
+                    markup: str | None = None, pronunciations: tuple[Pronunciation, ...] = (),
+                    lora: str | None = None) -> Stream:
         """Open a stream and start generating.
 
         `text` a string: say it (with `input_streaming`, it is the first piece and more may
@@ -115,9 +116,10 @@ class StreamService:
         `phoneme_timestamps` for `Phonemes` events likewise (`Engine.phoneme_timings`). A
         one-shot text is SSML (`markup.py`) when `markup` is "ssml", or unsaid and the text
         starts with `<speak`; its breaks are exact silence. `pronunciations` come before the
-        server's lexicon (`lexicon.py`). A one-shot text
-        too long for one generation is spoken in pieces, each continuing the one before.
-        Raises `Refused`.
+        server's lexicon (`lexicon.py`). `lora` names a loaded LoRA adapter to speak with
+        (None: the device's default adapter, or the base model); the stream keeps it to its end.
+        A one-shot text too long for one generation is spoken in pieces, each continuing the one
+        before. Raises `Refused`.
         """
         if not self.accepting:
             raise Refused(ErrorKind.GOING_AWAY, "server shutting down: no new streams")
@@ -146,7 +148,9 @@ class StreamService:
             if not any(isinstance(part, str) for part in spoken):
                 raise Refused(ErrorKind.INVALID, "nothing to say: the SSML has no text")
         scheduler = self.devices.place()          # the stream stays on this device to its end
+        stream = lora_pin = None
         try:
+            lora_pin = scheduler.engine.pin_lora(lora)
             from_store = self.needs_store(voice, scheduler.engine)
             if from_store and self.store.known_now(voice) is False:
                 scheduler.engine.check_voice(voice)     # refused now, as any unknown voice
@@ -159,12 +163,16 @@ class StreamService:
                             owners=owners, instructions=instructions,
                             word_timestamps=word_timestamps and self.engine.word_timings,
                             phoneme_timestamps=phoneme_timestamps and self.engine.phoneme_timings,
-                            lexicon=combined(pronunciations, self.lexicon))
+                            lexicon=combined(pronunciations, self.lexicon), lora_pin=lora_pin)
             # A voice from the store is fetched (and built) first; what the stream says waits for it.
             stream.queued = stream.generation.start(None if input_streaming else spoken,
                                                     self.ensure_voice(voice) if from_store else None)
         except BaseException:
             self.devices.release(scheduler)
+            if stream is not None:
+                stream.generation.release_lora()
+            else:
+                scheduler.engine.unpin_lora(lora_pin)
             raise
         self._live.add(stream.generation)
         if isinstance(text, str) and input_streaming and text:
@@ -374,13 +382,44 @@ class StreamService:
         return deleted
 
     async def lora(self, op: str, name: str | None) -> dict[str, Any]:
-        """On every device, between two of its steps."""
-        active = self.devices.stats()["active"]
-        futures = self.devices.call_all(lambda engine: engine.lora_op(op, name))
-        if not futures:
+        """A LoRA operation on every device, between two of its steps: `load` an adapter (read
+        from disk once, off the engines' threads) into a free slot, `unload` it (streams using
+        it finish first), `enable` it as the default of streams that name none, `disable` that.
+        A load refused by one device is undone on the others."""
+        if self.devices.status != Readiness.READY:
             raise self.devices.not_ready()
-        results = [await _engine_work(asyncio.wrap_future(f)) for f in futures]
-        return {**results[0], "streams_in_flight": active}
+        adapter_file = await self._off_thread(self.engine.read_lora, name) if op == "load" else None
+        ready = [s for s in self.devices.schedulers if s.status == Readiness.READY]
+        if not ready:
+            raise self.devices.not_ready()
+        outcomes = await _on_each(ready, lambda engine: engine.lora_op(op, name, adapter_file))
+        refusals = [o for o in outcomes if isinstance(o, BaseException)]
+        if refusals:
+            if op == "load":
+                loaded = [s for s, o in zip(ready, outcomes) if not isinstance(o, BaseException)]
+                await _on_each(loaded, lambda engine: engine.lora_op("unload", name))
+            raise refusals[0]
+        result = {**outcomes[0], "lora": self.loras()}
+        if op == "unload":       # each device frees its slot once its own streams have ended
+            result.update(unloaded=all(o["unloaded"] for o in outcomes),
+                          streams_using=sum(o["streams_using"] for o in outcomes))
+        return result
+
+    def loras(self) -> dict[str, Any]:
+        """The adapters loaded (the same on every device), the slots and what a slot costs; an
+        adapter's streams counted on every device, and unloading while any device has it so."""
+        each = [engine.describe().get("lora", {"configured": False}) for engine in self.devices.engines]
+        first = each[0]
+        if not first.get("configured"):
+            return first
+        merged: dict[str, dict[str, Any]] = {}
+        for described in each:
+            for adapter in described["adapters"]:
+                seen = merged.setdefault(adapter["name"], {**adapter, "streams": 0})
+                seen["streams"] += adapter["streams"]
+                if adapter["state"] == "unloading":
+                    seen["state"] = "unloading"
+        return {**first, "adapters": sorted(merged.values(), key=lambda a: a["slot"])}
 
     async def _off_thread(self, fn: Any, *args: Any) -> Any:
         """Run thread-safe engine work on a worker thread."""
@@ -394,6 +433,12 @@ def _read_bytes(path: str) -> bytes:
 
 def store_limits(limits: Limits, max_bytes: int = 512 << 20) -> StoreLimits:
     return StoreLimits(per_owner=limits.max_voices_per_owner, max_voices=limits.max_voices, max_bytes=max_bytes)
+
+
+async def _on_each(schedulers: list[Scheduler], fn: Any) -> list[Any]:
+    """`fn(engine)` on each scheduler's thread, between two steps: each one's result or refusal."""
+    calls = [_engine_work(asyncio.wrap_future(s.call(lambda engine=s.engine: fn(engine)))) for s in schedulers]
+    return await asyncio.gather(*calls, return_exceptions=True)
 
 
 async def _engine_work(work: Awaitable[Any], failed: str = "") -> Any:

@@ -42,7 +42,7 @@ class Stream:
                  options: dict[str, Any], output: AudioOutput, input_streaming: bool, log_fields: dict[str, Any],
                  text_chars: int = 0, voice_pin: Any = None, owners: tuple[str, ...] = (),
                  instructions: str | None = None, word_timestamps: bool = False, phoneme_timestamps: bool = False,
-                 lexicon: Lexicon | None = None) -> None:
+                 lexicon: Lexicon | None = None, lora_pin: Any = None) -> None:
         engine = scheduler.engine
         self.scheduler = scheduler
         self.format = output.format
@@ -57,7 +57,7 @@ class Stream:
         self._pacing = Pacing(service.limits.max_buffered_audio_s, output.speed, output.lookahead_s, scheduler.wake)
         self.generation = Generation(service, scheduler, number, voice, options, self._output, self._pacing,
                                      input_streaming, log_fields, text_chars, voice_pin, owners, instructions,
-                                     word_timestamps, phoneme_timestamps, lexicon)
+                                     word_timestamps, phoneme_timestamps, lexicon, lora_pin)
         self._handed: deque[Event] = deque()     # handed over by the output stage, not yet returned
         self._over: StreamState | None = None    # how the consumer ended: ENDED, FAILED or CLOSED
 

@@ -2,6 +2,7 @@
 
     /v1/stream          protocol v1 (WebSocket; `vox_ws/session.py`)
     /v1/voices...       voices over REST (`voices_api.py`)
+    /v1/loras...        LoRA adapters over REST (`loras_api.py`)
     /v1/audio/speech, /v1/models   OpenAI's speech API (`openai_api.py`)
     /healthz /readyz /v1/info /metrics   operations (`http_routes.py`)
     /                   the browser demo
@@ -17,7 +18,7 @@ from starlette.routing import WebSocketRoute
 from starlette.websockets import WebSocket
 
 from ..session import Session
-from . import http_routes, openai_api, voices_api
+from . import http_routes, loras_api, openai_api, voices_api
 from . import protocol as p
 from .auth import is_admin, is_authorized, origin_allowed, owner
 from .state import ServerState, server_state
@@ -61,8 +62,8 @@ async def stream_endpoint(ws: WebSocket) -> None:
 
 def build_app(state: ServerState, demo_dir: Path | None = None) -> Starlette:
     """Every route, module-level endpoints all: each finds the server's state on its app."""
-    routes = [WebSocketRoute(STREAM_PATH, stream_endpoint), *voices_api.ROUTES, *openai_api.ROUTES,
-              *http_routes.routes(demo_dir)]
+    routes = [WebSocketRoute(STREAM_PATH, stream_endpoint), *voices_api.ROUTES, *loras_api.ROUTES,
+              *openai_api.ROUTES, *http_routes.routes(demo_dir)]
     app = Starlette(routes=routes)
     app.state.vox = state
     return app

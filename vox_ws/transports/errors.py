@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import math
 
+from starlette.requests import Request
 from starlette.responses import JSONResponse
 
+from ..config import ServerConfig
 from ..engine import ErrorKind, Refused
 from . import protocol as p
+from .auth import is_admin, is_authorized
 
 HTTP_STATUS = {
     ErrorKind.INVALID: 400,
@@ -41,3 +44,12 @@ def refused_response(err: Refused) -> JSONResponse:
 
 def unauthorized_response() -> JSONResponse:
     return error_response(401, p.UNAUTHORIZED, "unauthorized: present a valid token", {"WWW-Authenticate": "Bearer"})
+
+
+def admin_refusal(request: Request, config: ServerConfig, what: str) -> JSONResponse | None:
+    """The refusal of an admin operation to a caller without the admin token: 403 for a caller
+    the server otherwise serves, 401 for one it does not."""
+    if is_admin(request, config.admin_tokens):
+        return None
+    allowed = is_authorized(request, config.tokens, config.admin_tokens)
+    return error_response(403 if allowed else 401, p.UNAUTHORIZED, f"{what} needs the admin token")

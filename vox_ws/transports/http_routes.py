@@ -12,8 +12,8 @@ from starlette.routing import BaseRoute, Route
 from ..engine import Readiness
 from ..metrics import CONTENT_TYPE
 from . import protocol as p
-from .auth import is_admin, is_authorized
-from .errors import error_response, unauthorized_response
+from .auth import is_authorized
+from .errors import admin_refusal, unauthorized_response
 from .state import ServerState, server_state
 
 NO_STORE = {"Cache-Control": "no-store"}
@@ -70,9 +70,8 @@ async def metrics(request: Request) -> Response:
 async def reload_lexicon(request: Request) -> Response:
     state = server_state(request)
     config = state.config
-    if not is_admin(request, config.admin_tokens):
-        return error_response(403 if is_authorized(request, config.tokens, config.admin_tokens)
-                              else 401, p.UNAUTHORIZED, "reloading the lexicon needs the admin token")
+    if (refusal := admin_refusal(request, config, "reloading the lexicon")) is not None:
+        return refusal
     problems = await state.reload_lexicon()
     if problems:
         return JSONResponse({"error": {"code": p.BAD_REQUEST, "message": "the lexicon was not reloaded (the one "

@@ -54,7 +54,7 @@ OPENAI_VOICES = ("alloy", "ash", "ballad", "coral", "echo", "fable", "nova", "on
 CONTENT_TYPES = {"pcm": "audio/pcm", **{name: CODECS[name].content_type for name in RESPONSE_FORMATS
                                          if name in CODECS}}
 KNOWN_FIELDS = {"model", "input", "voice", "response_format", "speed", "instructions", "stream_format",
-                "sample_rate", "lookahead_s", "markup", "pronunciations"}
+                "sample_rate", "lookahead_s", "markup", "pronunciations", "lora"}
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                404: "not_found_error", 408: "timeout_error", 413: "invalid_request_error",
                415: "invalid_request_error", 429: "rate_limit_error", 500: "server_error", 501: "invalid_request_error",
@@ -95,6 +95,7 @@ class SpeechRequest:
     lookahead_s: float | None = None
     markup: str | None = None
     pronunciations: tuple = ()
+    lora: str | None = None
 
     @property
     def output(self) -> AudioOutput:
@@ -252,6 +253,9 @@ def parse_speech(body: dict[str, Any], state: ServerState) -> SpeechRequest:
         pronunciations = request_entries(body.get("pronunciations"))
     except Refused as err:
         raise OpenAIError.from_refused(err, "pronunciations") from None
+    lora = body.get("lora")
+    if lora is not None and (not isinstance(lora, str) or not lora):
+        raise OpenAIError(400, "'lora' must be the name of a loaded LoRA adapter", "lora", "invalid_value")
     raw_options = {name: body[name] for name in body if name in specs and name not in KNOWN_FIELDS}
     try:
         options = check_options(raw_options, specs)
@@ -260,7 +264,7 @@ def parse_speech(body: dict[str, Any], state: ServerState) -> SpeechRequest:
                           or None, "invalid_value") from None
     return SpeechRequest(text, voice, response_format, speed, stream_format == "sse", rate,
                          instructions.strip() or None if instructions else None, options,
-                         None if lookahead is None else float(lookahead), markup, pronunciations)
+                         None if lookahead is None else float(lookahead), markup, pronunciations, lora)
 
 
 def _checked(rule: Any, *args: Any) -> Any:
@@ -322,9 +326,10 @@ def _open(state: ServerState, request: Request, speech: SpeechRequest) -> Stream
         return state.service.open_stream(speech.text, voice=speech.voice, options=speech.options,
                                          output=speech.output, log_fields={"http": client},
                                          owners=(who, f"http:{id(request)}"), instructions=speech.instructions,
-                                         markup=speech.markup, pronunciations=speech.pronunciations)
+                                         markup=speech.markup, pronunciations=speech.pronunciations,
+                                         lora=speech.lora)
     except Refused as err:
-        raise OpenAIError.from_refused(err) from None
+        raise OpenAIError.from_refused(err, "lora" if err.field == "lora" else None) from None
 
 
 class SpeechResponse(Response):

@@ -107,6 +107,7 @@ class Start:
     lookahead_s: float | None = None
     markup: str | None = None
     pronunciations: tuple[Pronunciation, ...] = ()
+    lora: str | None = None
 
 
 @dataclass(frozen=True)
@@ -275,12 +276,15 @@ def _parse_start(obj: dict[str, Any], limits: Limits, specs: Mapping[str, Option
     markup = _optional(obj, "markup", str, None)
     if markup is not None and markup not in ("ssml", "none"):
         raise ProtocolError(BAD_REQUEST, f"field 'markup' must be 'ssml' or 'none', got {markup!r}", sid)
+    lora = _optional(obj, "lora", str, None)
+    if lora == "":
+        raise ProtocolError(BAD_REQUEST, "field 'lora' must name a loaded LoRA adapter", sid)
     return Start(id=sid, text=text, voice=voice, format=fmt, sample_rate=rate, options=options,
                  stream_input=stream_input, segment_events=segment_events, speed=float(speed),
                  instructions=instructions or None, word_timestamps=word_timestamps,
                  phoneme_timestamps=phoneme_timestamps,
                  lookahead_s=None if lookahead is None else float(lookahead), markup=markup,
-                 pronunciations=pronunciations)
+                 pronunciations=pronunciations, lora=lora)
 
 
 def _parse_voice(obj: dict[str, Any], limits: Limits) -> Voice:

@@ -94,17 +94,21 @@ class ServerState:
                 + (["voice_cloning"] if engine.supports_voices else [])
                 + (["instructions"] if engine.follows_instructions(None) else [])
                 + (["word_timestamps"] if engine.word_timings else [])
-                + (["phoneme_timestamps"] if engine.phoneme_timings else []))
+                + (["phoneme_timestamps"] if engine.phoneme_timings else [])
+                + (["lora"] if self.service.loras().get("configured") else []))
 
     def info(self) -> dict[str, Any]:
         devices = self.service.devices
         stats = devices.stats()
         stats.pop("status")
         status = self.status()
+        described = self.service.engine.describe()
+        if "lora" in described:                    # its streams counted on every device
+            described["lora"] = self.service.loras()
         return {
             "status": status,
             "error": devices.error,
-            **self.service.engine.describe(),
+            **described,
             "device": ",".join(engine.device for engine in devices.engines),
             "voice_store": self.service.store.describe(),
             "voices": self.service.voices() if status == Readiness.READY else [],

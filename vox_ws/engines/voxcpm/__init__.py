@@ -9,7 +9,8 @@
     vae.py              the causal streaming VAE decode for a batch of streams
     decoder_process.py  the VAE decode in a process of its own (CPU), overlapped with generation
     decoder_main.py     that process's entry point
-    lora.py             LoRA adapters
+    lora.py             per-row LoRA layers: every adapter slot's weights, each row its own
+    adapters.py         LoRA adapters by name: files, slots, the streams that use them
     engine.py           the Engine the scheduler drives
 
 This module registers the engine and must import cheaply: no torch here.
@@ -32,9 +33,12 @@ SETTINGS = (
                                       "the streams closest to running out of audio go first; default: measured "
                                       "on a CPU (with --max-batch auto: 4 slots a row), every slot on a GPU"),
     Setting("voices-dir", str, None, "built-in voices: NAME.wav (+ optional NAME.txt transcript) per voice"),
-    Setting("lora-rank", int, 0, "build the model with LoRA layers of this rank so adapters can load at run time"),
-    Setting("lora-alpha", int, None, "LoRA alpha (default: 2 x rank)"),
-    Setting("lora-dir", str, None, "directory of LoRA adapters that admin `lora` requests may load by name"),
+    Setting("lora-rank", int, 0, "LoRA adapter slots of this rank (adapters up to it load at run time, smaller ranks "
+                                 "zero-padded); 0: no LoRA"),
+    Setting("lora-alpha", int, None, "LoRA alpha of adapters without a lora_config.json (scaling alpha / rank; "
+                                     "default: 2 x rank)"),
+    Setting("lora-dir", str, None, "directory of LoRA adapters that admins may load by name"),
+    Setting("max-loras", int, 4, "LoRA adapters loaded at once per device (slots; /v1/info lora.slot_bytes each)"),
     Setting("warm-normalizer", parse_bool, False,
             "load the text normalizer at start-up (first use costs seconds)"),
     Setting("normalize-timeout", float, 3.0,

@@ -18,7 +18,7 @@ import numpy as np
 from ...engine import Engine, ErrorKind, GenerationRequest, Refused, StepResult
 from ...text import pack
 from .loading import DEFAULT_MODEL, architecture, import_voxcpm, resolve_model_path, verify_weights
-from .lora import LoraControl
+from .adapters import AdapterBook, AdapterFile, AdapterPin
 from .normalizer import NORMALIZE_TIMEOUT_S, Normalizer
 from .options import DEFAULTS, OPTIONS
 from .prompt import build_prompt, clean_text, prompt_positions
@@ -48,7 +48,8 @@ class VoxCPMEngine(Engine):
                  load_denoiser: bool = False, max_batch: int | None = 8, step_rows: int | None = None,
                  voices_dir: str | None = None,
                  lora_rank: int = 0, lora_alpha: int | None = None, lora_dir: str | None = None,
-                 warm_normalizer: bool = False, normalize_timeout: float = NORMALIZE_TIMEOUT_S) -> None:
+                 max_loras: int = 4, warm_normalizer: bool = False,
+                 normalize_timeout: float = NORMALIZE_TIMEOUT_S) -> None:
         self.model = model or DEFAULT_MODEL
         self.device = device or "auto"
         # KV slots (streams open at once: memory) and the rows one step carries (compute); None:
@@ -66,8 +67,12 @@ class VoxCPMEngine(Engine):
         self._voices_dir = Path(voices_dir) if voices_dir else None
         self._lora_rank = lora_rank
         self._lora_alpha = lora_alpha if lora_alpha is not None else 2 * lora_rank
+        self._lora_dir = lora_dir
+        if lora_rank > 0 and max_loras < 1:
+            raise ValueError("--max-loras must be at least 1 with --lora-rank")
+        self._max_loras = max_loras
         self._warm_normalizer = warm_normalizer
-        self._lora = LoraControl(lora_rank, lora_dir)
+        self._lora = AdapterBook(None, {}, lora_dir, 0.0)    # until `load` builds the slots
         self.tts = None            # voxcpm.VoxCPM
         self.runner = None         # runner.BatchedVoxCPM2
         self._voices = VoiceBook()
@@ -77,7 +82,7 @@ class VoxCPMEngine(Engine):
 
     @property
     def lora(self) -> dict[str, Any]:
-        return self._lora.state
+        return self._lora.describe()
 
     @property
     def honoured_options(self) -> frozenset[str]:
@@ -114,6 +119,8 @@ class VoxCPMEngine(Engine):
         )
         model = self.tts.tts_model
         verify_weights(model, path)
+        if lora_config is not None:
+            self._lora = self._adapter_slots(model)
         self.device = str(model.device)
         self.dtype = str(model.config.dtype)
         self.sample_rate = int(model.sample_rate)
@@ -121,7 +128,8 @@ class VoxCPMEngine(Engine):
         if self._slots is None:
             self.runner = self._size_slots(model)
         else:
-            self.runner = BatchedVoxCPM2(model, self._slots, warm_rows=self.max_step_batch)
+            self.runner = BatchedVoxCPM2(model, self._slots, warm_rows=self.max_step_batch,
+                                         adapters=self._lora.adapters)
         if self._warm_normalizer:
             self._normalizer.ensure_started()
         if self._voices_dir is not None:
@@ -137,6 +145,17 @@ class VoxCPMEngine(Engine):
         finally:
             self.runner.release(row)
         self.runner.wait_ready()
+
+    def _adapter_slots(self, model: Any) -> AdapterBook:
+        """Every LoRA layer the package built becomes one with `--max-loras` slots."""
+        from .lora import install_row_lora
+
+        package_keys = frozenset(k for k, _ in model.named_parameters() if "lora_" not in k)
+        adapters, layers = install_row_lora(model, self._max_loras, self._lora_rank)
+        book = AdapterBook(adapters, layers, self._lora_dir, self._lora_alpha, package_keys)
+        log.info("LoRA: %d adapter slots of rank %d over %d layers, %.1f MiB a slot", self._max_loras,
+                 self._lora_rank, len(layers), book.slot_bytes() / 2**20)
+        return book
 
     def slots(self) -> tuple[int, str]:
         return self._slots, self._slots_reason
@@ -163,11 +182,11 @@ class VoxCPMEngine(Engine):
                                   f"of KV per slot (whole context) + 25%: 80% of the free memory holds {slots}"
                                   + (f" (capped at {AUTO_MAX_SLOTS})" if slots == AUTO_MAX_SLOTS else "")
                                   + f"; {self.max_step_batch} rows a step")
-            return BatchedVoxCPM2(model, slots, warm_rows=self.max_step_batch)
+            return BatchedVoxCPM2(model, slots, warm_rows=self.max_step_batch, adapters=self._lora.adapters)
         # Rows tried: at most what half of the free memory holds.
         available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
         trial = max(1, min(AUTO_MAX_SLOTS_CPU, int(available * 0.5 // per_slot)))
-        runner = BatchedVoxCPM2(model, trial)
+        runner = BatchedVoxCPM2(model, trial, adapters=self._lora.adapters)
         runner.wait_ready()                  # the decoder process has loaded: time steps, not that
         step_audio_s = runner.samples_per_step / model.sample_rate
         chosen, timings = 1, {}
@@ -199,7 +218,7 @@ class VoxCPMEngine(Engine):
                               + (f", at most {trial} in half the free memory)" if slots == trial else ")"))
         if slots < trial:                    # the caches of slots never used are given back
             runner.close()
-            runner = BatchedVoxCPM2(model, slots, warm_rows=rows)
+            runner = BatchedVoxCPM2(model, slots, warm_rows=rows, adapters=self._lora.adapters)
         return runner
 
     def close(self) -> None:
@@ -293,9 +312,15 @@ class VoxCPMEngine(Engine):
                 cache = merged
         if not self.runner.fits(*prompt_positions(model, text, cache), options["max_len"]):
             raise Refused(ErrorKind.TOO_LARGE, "text too long for the model's context after normalization")
-        request.state = self.runner.prefill(build_prompt(model, text, cache), seed=options["seed"],
-                                            cfg_value=options["cfg_value"], timesteps=options["inference_timesteps"],
-                                            min_len=options["min_len"], max_len=options["max_len"])
+        adapter = self._lora.row_started(request.lora_pin)
+        try:
+            request.state = self.runner.prefill(build_prompt(model, text, cache), seed=options["seed"],
+                                                cfg_value=options["cfg_value"],
+                                                timesteps=options["inference_timesteps"], min_len=options["min_len"],
+                                                max_len=options["max_len"], adapter=adapter)
+        except BaseException:
+            self._lora.row_ended(request.lora_pin)
+            raise
         if request.keep_continuation:
             request.state.patches = []
             request.state.text = text
@@ -309,6 +334,7 @@ class VoxCPMEngine(Engine):
         row = request.state
         if row is not None:
             self.runner.release(row)
+            self._lora.row_ended(request.lora_pin)
             if row.patches:
                 import torch
 
@@ -334,8 +360,29 @@ class VoxCPMEngine(Engine):
     def delete_voice(self, voice_id: str) -> bool:
         return self._voices.delete(voice_id)
 
-    def lora_op(self, op: str, name: str | None) -> dict[str, Any]:
-        return self._lora.apply(self.tts.tts_model, op, name)
+    def pin_lora(self, name: str | None) -> AdapterPin | None:
+        return self._lora.pin(name)
+
+    def unpin_lora(self, pin: Any) -> None:
+        self._lora.unpin(pin)
+
+    def read_lora(self, name: str | None) -> AdapterFile:
+        return self._lora.read(name)
+
+    def lora_op(self, op: str, name: str | None, adapter_file: Any = None) -> dict[str, Any]:
+        book = self._lora
+        if op == "load":
+            result = book.load(adapter_file if adapter_file is not None else book.read(name))
+        elif op == "unload":
+            result = book.unload(name)
+        elif op == "enable":
+            result = book.set_default(name if name is not None else book.only_loaded())
+        elif op == "disable":
+            result = book.set_default(None)
+        else:
+            raise Refused(ErrorKind.INVALID, f"field 'op' must be load, unload, enable or disable, got {op!r}",
+                          field="op")
+        return {"op": op, **result, "lora": book.describe()}
 
 
 def _check_denoiser_dependencies() -> None:

@@ -1,55 +1,125 @@
-"""LoRA adapters: load, unload, enable and disable, by name from the configured directory only."""
+"""Per-row LoRA: every row of a batch speaks with its own adapter, or none, in one step.
+
+The voxcpm package holds one adapter at a time: a `LoRALinear` per adapted layer with one
+`lora_A` [r, in] and `lora_B` [out, r]. Here each of those layers becomes a `RowLoRALinear`
+holding every adapter slot's weights stacked side by side, slot s in columns s*R:(s+1)*R of
+
+    A [S*R, in]      B^T [S*R, out]      (R: the slot rank; a smaller rank is zero-padded)
+
+and a forward adds, for every row at once, `(x A^T * mask) B^T`, where the row's mask is its
+adapter's scaling on its own slot's columns and zero elsewhere (zero everywhere for "none"). So
+one matmul pair serves any mix of adapters, with shapes that do not depend on the mix (a
+compiled step would take the mask as one more input: one graph for every mix). A batch whose
+rows all use one adapter takes that slot's block alone; a batch without adapters, nothing.
+
+Which slot each row uses is set by the runner around each call (`RowAdapters.rows`): the LMs
+see the batch's rows in order, the LocDiT its rows twice (the CFG's conditioned and
+unconditioned halves).
+"""
 
 from __future__ import annotations
 
-import re
-from pathlib import Path
-from typing import Any
+from contextlib import contextmanager
+from typing import Any, Iterator
 
-from ...engine import ErrorKind, Refused
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+NO_ADAPTER = -1
 
 
-class LoraControl:
-    """Runs on the scheduler thread, between two steps: streams in flight continue with the new
-    weights from their next chunk."""
+class RowAdapters:
+    """The adapter slots of one model: each slot's scaling, and which slot the rows of the
+    forward in progress use. Shared by every `RowLoRALinear` of the model."""
 
-    def __init__(self, rank: int, directory: str | None) -> None:
-        self.directory = Path(directory) if directory else None
-        self.state: dict[str, Any] = {"configured": rank > 0, "loaded": None, "enabled": False}
+    def __init__(self, slots: int, rank: int, device: Any, dtype: torch.dtype) -> None:
+        self.slots = slots
+        self.rank = rank
+        self.scaling = [0.0] * slots
+        self._device, self._dtype = device, dtype
+        self.single: int | None = None          # every row uses this slot
+        self.mask: torch.Tensor | None = None   # [rows, S*R]: rows with different adapters
 
-    def apply(self, model: Any, op: str, name: str | None) -> dict[str, Any]:
-        if not self.state["configured"]:
-            raise Refused(ErrorKind.UNSUPPORTED, "LoRA is not configured: start the server with --lora-rank N")
-        result: dict[str, Any] = {"op": op}
-        if op == "load":
-            path = self._path(name)
-            loaded, skipped = model.load_lora_weights(str(path))
-            if not loaded:
-                raise Refused(ErrorKind.INVALID, f"LoRA {name!r} matched no parameter of this model "
-                                                 f"({len(skipped)} skipped)")
-            model.set_lora_enabled(True)
-            self.state.update(loaded=name, enabled=True)
-            result.update(name=name, loaded=len(loaded), skipped=len(skipped))
-        elif op == "unload":
-            model.reset_lora_weights()
-            self.state.update(loaded=None, enabled=False)
-        elif op in ("enable", "disable"):
-            if self.state["loaded"] is None:
-                raise Refused(ErrorKind.INVALID, "no LoRA is loaded")
-            model.set_lora_enabled(op == "enable")
-            self.state["enabled"] = op == "enable"
-        else:
-            raise Refused(ErrorKind.INVALID, f"field 'op' must be load, unload, enable or disable, got {op!r}")
-        result["lora"] = dict(self.state)
-        return result
+    @contextmanager
+    def rows(self, slots: list[int]) -> Iterator[None]:
+        """For the calls inside: row i uses adapter slot `slots[i]` (`NO_ADAPTER`: none)."""
+        used = set(slots)
+        self.single, self.mask = None, None
+        if used != {NO_ADAPTER}:
+            if len(used) == 1:
+                self.single = slots[0]
+            else:
+                mask = torch.zeros(len(slots), self.slots, self.rank, dtype=self._dtype)
+                for row, slot in enumerate(slots):
+                    if slot != NO_ADAPTER:
+                        mask[row, slot] = self.scaling[slot]
+                self.mask = mask.view(len(slots), -1).to(self._device)
+        try:
+            yield
+        finally:
+            self.single, self.mask = None, None
 
-    def _path(self, name: str | None) -> Path:
-        if self.directory is None:
-            raise Refused(ErrorKind.UNSUPPORTED, "no --lora-dir configured: adapters load only from that directory")
-        if not name or not re.fullmatch(r"[\w.-]+", name) or name.startswith("."):
-            raise Refused(ErrorKind.INVALID, "field 'name' must be an adapter name (letters, digits, '.', '_', '-')")
-        for candidate in (self.directory / name, self.directory / f"{name}.safetensors",
-                          self.directory / f"{name}.ckpt", self.directory / f"{name}.pth"):
-            if candidate.exists():
-                return candidate
-        raise Refused(ErrorKind.INVALID, f"no LoRA adapter named {name!r} in the LoRA directory")
+
+class RowLoRALinear(nn.Module):
+    """A linear layer with every adapter slot's LoRA weights; each row adds its own slot's."""
+
+    def __init__(self, base: nn.Module, adapters: RowAdapters) -> None:
+        super().__init__()
+        self.weight = base.weight
+        self.bias = base.bias
+        self.in_features, self.out_features = base.in_features, base.out_features
+        self.adapters = adapters
+        width = adapters.slots * adapters.rank
+        like = dict(device=base.lora_A.device, dtype=base.lora_A.dtype)
+        self.register_buffer("stacked_a", torch.zeros(width, self.in_features, **like), persistent=False)
+        self.register_buffer("stacked_bt", torch.zeros(width, self.out_features, **like), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = F.linear(x, self.weight, self.bias)
+        adapters = self.adapters
+        if adapters.single is not None:
+            block = slice(adapters.single * adapters.rank, (adapters.single + 1) * adapters.rank)
+            delta = F.linear(x, self.stacked_a[block]) @ self.stacked_bt[block]
+            return out + delta * adapters.scaling[adapters.single]
+        if adapters.mask is not None:
+            h = F.linear(x, self.stacked_a)
+            mask = adapters.mask.view(x.shape[0], *([1] * (h.dim() - 2)), -1)
+            return out + (h * mask) @ self.stacked_bt
+        return out
+
+    def put(self, slot: int, lora_a: torch.Tensor | None, lora_b: torch.Tensor | None) -> None:
+        """Write one slot's weights (None: zeros); a rank under the slot's is zero-padded."""
+        rank = self.adapters.rank
+        block = slice(slot * rank, (slot + 1) * rank)
+        self.stacked_a[block].zero_()
+        self.stacked_bt[block].zero_()
+        if lora_a is not None and lora_b is not None:
+            r = lora_a.shape[0]
+            self.stacked_a[block][:r] = lora_a.to(self.stacked_a)
+            self.stacked_bt[block][:r] = lora_b.t().to(self.stacked_bt)
+
+    def slot_bytes(self) -> int:
+        rank = self.adapters.rank
+        return rank * (self.in_features + self.out_features) * self.stacked_a.element_size()
+
+
+def install_row_lora(model: nn.Module, slots: int, rank: int) -> tuple[RowAdapters, dict[str, RowLoRALinear]]:
+    """Replace every package `LoRALinear` of `model` (built with a LoRA config of this rank) by a
+    `RowLoRALinear` with `slots` adapter slots. Returns the shared row selection and the new
+    layers by the package's module name (its adapter files' keys are NAME.lora_A, NAME.lora_B)."""
+    from voxcpm.modules.layers.lora import LoRALinear
+
+    targets = [(name, module) for name, module in model.named_modules() if isinstance(module, LoRALinear)]
+    if not targets:
+        raise ValueError("the model has no LoRA layers: build it with a LoRA config")
+    first = targets[0][1]
+    adapters = RowAdapters(slots, rank, first.lora_A.device, first.lora_A.dtype)
+    layers: dict[str, RowLoRALinear] = {}
+    for name, module in targets:
+        parent_name, _, attribute = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        layer = RowLoRALinear(module, adapters)
+        setattr(parent, attribute, layer)
+        layers[name] = layer
+    return adapters, layers

@@ -21,6 +21,7 @@ checks it.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import time
@@ -34,6 +35,7 @@ from torch import nn
 from ...engine import EndReason
 from .decoder_process import DecoderProcess
 from .kv import SlotKV, lm_step
+from .lora import NO_ADAPTER, RowAdapters
 from .prompt import Prompt
 from .vae import BatchedStreamingVAE, fold_weight_norm
 
@@ -65,6 +67,7 @@ class RowState:
     patches: list[torch.Tensor] | None = None   # generated latents, kept to continue from
     text: str = ""                              # the text these latents say
     pending: tuple[Future, int] | None = None   # (decode job, row in it) still in flight
+    adapter: int = NO_ADAPTER                   # its LoRA adapter slot
 
 
 
@@ -72,9 +75,11 @@ class BatchedVoxCPM2:
     """Runs prefill per request and one batched generation step for any set of requests."""
 
     def __init__(self, model: Any, max_batch: int, decode_process: bool | None = None,
-                 warm_rows: int | None = None) -> None:
-        """`max_batch` KV slots; steps of up to `warm_rows` rows (default: every slot) are warmed up."""
+                 warm_rows: int | None = None, adapters: RowAdapters | None = None) -> None:
+        """`max_batch` KV slots; steps of up to `warm_rows` rows (default: every slot) are warmed up;
+        `adapters`: the model's LoRA slots (`lora.install_row_lora`), where it has them."""
         self.model = model
+        self.adapters = adapters
         self.device = next(model.parameters()).device
         self.dtype = model._dtype()
         self.max_batch = max_batch
@@ -133,7 +138,7 @@ class BatchedVoxCPM2:
 
     @torch.inference_mode()
     def prefill(self, prompt: Prompt, *, seed: int, cfg_value: float, timesteps: int, min_len: int,
-                max_len: int) -> RowState:
+                max_len: int, adapter: int = NO_ADAPTER) -> RowState:
         if not self._free_slots:
             raise RuntimeError("no free KV slot")
         m = self.model
@@ -149,12 +154,13 @@ class BatchedVoxCPM2:
             text_embed = m.base_lm.embed_tokens(text) * self.scale_emb
             combined = text_mask.unsqueeze(-1) * text_embed + feat_mask.unsqueeze(-1) * feat_embed
 
-            enc_outputs, kv = m.base_lm(inputs_embeds=combined, is_causal=True)
-            self.base_kv.fill(slot, kv)
-            enc_outputs = m.fsq_layer(enc_outputs) * feat_mask.unsqueeze(-1) + enc_outputs * text_mask.unsqueeze(-1)
-            residual_in = m.fusion_concat_proj(torch.cat((enc_outputs, feat_mask.unsqueeze(-1) * feat_embed), dim=-1))
-            residual_out, residual_kv = m.residual_lm(inputs_embeds=residual_in, is_causal=True)
-            self.residual_kv.fill(slot, residual_kv)
+            with self._adapted([adapter]):
+                enc_outputs, kv = m.base_lm(inputs_embeds=combined, is_causal=True)
+                self.base_kv.fill(slot, kv)
+                enc_outputs = m.fsq_layer(enc_outputs) * feat_mask.unsqueeze(-1) + enc_outputs * text_mask.unsqueeze(-1)
+                residual_in = m.fusion_concat_proj(torch.cat((enc_outputs, feat_mask.unsqueeze(-1) * feat_embed), dim=-1))
+                residual_out, residual_kv = m.residual_lm(inputs_embeds=residual_in, is_causal=True)
+                self.residual_kv.fill(slot, residual_kv)
         except BaseException:
             self._free_slots.append(slot)
             raise
@@ -172,7 +178,12 @@ class BatchedVoxCPM2:
             timesteps=timesteps,
             min_len=min_len,
             max_steps=self.max_steps(prompt.target_tokens, max_len),
+            adapter=adapter,
         )
+
+    def _adapted(self, slots: list[int]) -> Any:
+        """Row i of the calls inside speaks with adapter slot `slots[i]`."""
+        return self.adapters.rows(slots) if self.adapters is not None else contextlib.nullcontext()
 
     def release(self, row: RowState) -> None:
         if row.slot not in self._free_slots:
@@ -278,8 +289,10 @@ class BatchedVoxCPM2:
                             dtype=self.dtype) for i in index
             ])
             cfg = torch.tensor([rows[i].cfg_value for i in index], device=self.device, dtype=self.dtype)
-            solved = _cfm_solve(m.feat_decoder, dit_hidden[idx], cond[idx].transpose(1, 2).contiguous(), noise,
-                                timesteps, cfg)
+            group_adapters = [rows[i].adapter for i in index]
+            with self._adapted(group_adapters + group_adapters):      # the CFG's two halves
+                solved = _cfm_solve(m.feat_decoder, dit_hidden[idx], cond[idx].transpose(1, 2).contiguous(), noise,
+                                    timesteps, cfg)
             pred_feat[idx] = solved.transpose(1, 2)                            # [b, P, D]
 
         curr_embed = m.enc_to_lm_proj(m.feat_encoder(pred_feat.unsqueeze(1)))[:, 0, :]   # [B, H]
@@ -307,10 +320,11 @@ class BatchedVoxCPM2:
         m = self.model
         slots = torch.tensor([r.slot for r in rows], device=self.device)
         positions = torch.tensor([r.position for r in rows], device=self.device)
-        lm_hidden = lm_step(m.base_lm, self.base_kv, curr_embed, slots, positions)
-        lm_hidden = m.fsq_layer(lm_hidden)
-        residual_in = m.fusion_concat_proj(torch.cat((lm_hidden, curr_embed), dim=-1))
-        residual_hidden = lm_step(m.residual_lm, self.residual_kv, residual_in, slots, positions)
+        with self._adapted([r.adapter for r in rows]):
+            lm_hidden = lm_step(m.base_lm, self.base_kv, curr_embed, slots, positions)
+            lm_hidden = m.fsq_layer(lm_hidden)
+            residual_in = m.fusion_concat_proj(torch.cat((lm_hidden, curr_embed), dim=-1))
+            residual_hidden = lm_step(m.residual_lm, self.residual_kv, residual_in, slots, positions)
         for i, row in enumerate(rows):
             row.lm_hidden = lm_hidden[i]
             row.residual_hidden = residual_hidden[i]
