@@ -8,6 +8,7 @@ GPU, in float32 and bfloat16 (a checkpoint built with that dtype):
 
     python -m benchmarks.equivalence --model DIR --device cuda --json equivalence.json [--loras]
 
+`--compile 1,2,4` runs the batched side with the step compiled for those batch sizes.
 `--loras` adds the LoRA case (`compare_loras`): requests with two different adapters and none
 in one batch, each against the package with only its own adapter loaded.
 """
@@ -76,10 +77,12 @@ def reference_audio(tts: Any, text: str, seed: int, voice: tuple | None = None, 
 
 def run_batched(model: Any, requests: list, max_batch: int = 4, decode_process: bool | None = None,
                 adapters: Any = None, adapter_slots: list[int] | None = None,
+                compiled_buckets: tuple[int, ...] | None = None, compile_cache: Any = None,
                 ) -> tuple[dict[int, np.ndarray], list[int], Any]:
     """Every request through one BatchedVoxCPM2, each joining at its step: (audio per request,
     batch size per step, the closed runner). With `adapters` (the model's LoRA slots), request
-    i speaks with adapter slot `adapter_slots[i]`."""
+    i speaks with adapter slot `adapter_slots[i]`; with `compiled_buckets`, the step compiled
+    for those batch sizes (`compiled.py`)."""
     from vox_ws.engines.voxcpm.lora import NO_ADAPTER
     from vox_ws.engines.voxcpm.prompt import build_prompt
     from vox_ws.engines.voxcpm.runner import BatchedVoxCPM2
@@ -94,6 +97,11 @@ def run_batched(model: Any, requests: list, max_batch: int = 4, decode_process: 
                 reference_wav_path=str(path) if mode != "continuation" else None,
             )
     runner = BatchedVoxCPM2(model, max_batch=max_batch, decode_process=decode_process, adapters=adapters)
+    if compiled_buckets:
+        from vox_ws.engines.voxcpm.compiled import CompiledStep
+
+        runner.compiled = CompiledStep(model, compiled_buckets, adapters, compile_cache)
+        runner.compiled.warm_up(runner.solve, timesteps=2, on_bucket=lambda i, n: None)
     outputs: dict[int, list[np.ndarray]] = {i: [] for i in range(len(requests))}
     rows = {}
     pending = sorted(range(len(requests)), key=lambda i: requests[i][2])
@@ -121,9 +129,10 @@ def run_batched(model: Any, requests: list, max_batch: int = 4, decode_process: 
     return {i: np.concatenate(chunks) for i, chunks in outputs.items()}, batch_sizes, runner
 
 
-def compare(model_dir: str, device: str, work_dir: Path, decode_process: bool | None = None) -> dict[str, Any]:
+def compare(model_dir: str, device: str, work_dir: Path, decode_process: bool | None = None,
+            compiled_buckets: tuple[int, ...] | None = None) -> dict[str, Any]:
     """Both sides on one device; per request the largest difference, and whether every one is
-    within the dtype's tolerance."""
+    within the dtype's tolerance (with `compiled_buckets`: the step compiled for those sizes)."""
     import torch
 
     from vox_ws.engines.voxcpm.loading import import_voxcpm
@@ -137,13 +146,15 @@ def compare(model_dir: str, device: str, work_dir: Path, decode_process: bool | 
     dtype = str(next(batched_model.tts_model.base_lm.parameters()).dtype).replace("torch.", "")
     requests = scenario(voice_wavs(work_dir))
     expected = [reference_audio(reference_model, text, seed, voice, **opts) for text, seed, _, voice, opts in requests]
-    got, batch_sizes, runner = run_batched(batched_model.tts_model, requests, decode_process=decode_process)
+    got, batch_sizes, runner = run_batched(batched_model.tts_model, requests, decode_process=decode_process,
+                                           compiled_buckets=compiled_buckets, compile_cache=work_dir / "compiled")
     diffs = []
     for i, want in enumerate(expected):
         have = got[i]
         diffs.append(float(np.max(np.abs(have - want))) if have.shape == want.shape else float("inf"))
     tolerance = TOLERANCE.get(dtype, 1e-4)
-    return {"device": device, "dtype": dtype, "requests": len(requests), "max_batch": max(batch_sizes),
+    return {"device": device, "dtype": dtype, "compiled": list(compiled_buckets or ()),
+            "requests": len(requests), "max_batch": max(batch_sizes),
             "max_abs_diff": diffs, "tolerance": tolerance, "equal": all(d < tolerance for d in diffs),
             "slots_returned": sorted(runner._free_slots) == list(range(runner.max_batch))}
 
@@ -158,9 +169,11 @@ LORA_ADAPTERS = {"a": dict(rank=4, alpha=8, seed=1, scale=0.25, with_config=Fals
 SLOT_RANK, SLOT_ALPHA = 4, 8
 
 
-def compare_loras(model_dir: str, device: str, work_dir: Path) -> dict[str, Any]:
+def compare_loras(model_dir: str, device: str, work_dir: Path,
+                  compiled_buckets: tuple[int, ...] | None = None) -> dict[str, Any]:
     """Requests with different adapters (and none) batched together, each against the package
-    alone with only its own adapter loaded (`load_lora_weights`)."""
+    alone with only its own adapter loaded (`load_lora_weights`); with `compiled_buckets`, the
+    step compiled for those sizes."""
     from vox_ws.engines.voxcpm.adapters import AdapterBook
     from vox_ws.engines.voxcpm.loading import import_voxcpm
     from vox_ws.engines.voxcpm.lora import NO_ADAPTER, install_row_lora
@@ -184,14 +197,16 @@ def compare_loras(model_dir: str, device: str, work_dir: Path) -> dict[str, Any]
     book = AdapterBook(adapters, layers, str(work_dir / "loras"), SLOT_ALPHA, keys)
     slots = {name: book.load(book.read(name))["slot"] for name in LORA_ADAPTERS}
     got, batch_sizes, _ = run_batched(served, requests, adapters=adapters,
-                                      adapter_slots=[slots[name] if name else NO_ADAPTER for name in LORA_PLAN])
+                                      adapter_slots=[slots[name] if name else NO_ADAPTER for name in LORA_PLAN],
+                                      compiled_buckets=compiled_buckets, compile_cache=work_dir / "compiled")
     diffs = [float(np.max(np.abs(got[i] - want))) if got[i].shape == want.shape else float("inf")
              for i, want in enumerate(expected)]
     # Each adapter must change its requests' audio, or the comparison proves nothing.
     plain = [reference_audio(references[None], text, seed, voice, **opts) for text, seed, _, voice, opts in requests]
     changes = [None if LORA_PLAN[i] is None else float("inf") if want.shape != plain[i].shape
                else float(np.max(np.abs(want - plain[i]))) for i, want in enumerate(expected)]
-    return {"device": device, "plan": list(LORA_PLAN), "max_batch": max(batch_sizes), "max_abs_diff": diffs,
+    return {"device": device, "compiled": list(compiled_buckets or ()), "plan": list(LORA_PLAN),
+            "max_batch": max(batch_sizes), "max_abs_diff": diffs,
             "change_by_adapter": changes,
             "adapters_change_audio": all(c is None or c > 100 * TOLERANCE["float32"] for c in changes),
             "equal": all(d < TOLERANCE["float32"] for d in diffs)}
@@ -203,11 +218,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--json", help="write the result here")
     ap.add_argument("--loras", action="store_true", help="also requests with different LoRA adapters in one batch")
+    ap.add_argument("--compile", help="with the step compiled for these batch sizes, e.g. 1,2,4")
     args = ap.parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="vox-ws-equivalence-"))
-    result = compare(args.model, args.device, work)
+    buckets = tuple(int(b) for b in args.compile.split(",")) if args.compile else None
+    result = compare(args.model, args.device, work, compiled_buckets=buckets)
     if args.loras:
-        result["loras"] = compare_loras(args.model, args.device, work)
+        result["loras"] = compare_loras(args.model, args.device, work, compiled_buckets=buckets)
         result["equal"] = result["equal"] and result["loras"]["equal"] and result["loras"]["adapters_change_audio"]
     print(json.dumps(result))
     if args.json:

@@ -13,7 +13,7 @@ before it would have finished playing; playback starts at the first chunk and re
 after each underrun), and the throughput ratio (b)/(a). `--profile` also times the parts of
 one batched step at several batch sizes.
 
-    python -m benchmarks.scheduler [--model DIR] [--concurrency 1,2,4,8,16] [--profile]
+    python -m benchmarks.scheduler [--model DIR] [--concurrency 1,2,4,8,16] [--profile] [--compile on]
 
 Without --model it builds the tiny random-weight VoxCPM2 in a temporary directory.
 """
@@ -143,13 +143,15 @@ class _Sink:
         return 0.0
 
 
-def run_batched(model_dir: str, device: str, clients: list[list[Job]], offsets: list[float], threads: int) -> dict:
+def run_batched(model_dir: str, device: str, clients: list[list[Job]], offsets: list[float], threads: int,
+                compile: str = "off", compile_cache: str | None = None) -> dict:
     from vox_ws.engine import GenerationRequest
     from vox_ws.engines.voxcpm.engine import VoxCPMEngine
     from vox_ws.scheduler import Scheduler
 
     n = len(clients)
-    engine = VoxCPMEngine(model=model_dir, device=device, threads=threads, max_batch=n)
+    engine = VoxCPMEngine(model=model_dir, device=device, threads=threads, max_batch=n, compile=compile,
+                          compile_cache=compile_cache)
     scheduler = Scheduler(engine, max_batch=n, max_queue=n)
     scheduler.start()
     scheduler.ready_event.wait()
@@ -294,6 +296,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-steps", type=int, default=60, help="longest request, in 160 ms chunks")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--profile", action="store_true", help="also time the parts of one step")
+    ap.add_argument("--compile", choices=["off", "on", "auto"], default="off",
+                    help="the batched arm's --compile (compiled at each N's load; cached across them)")
     ap.add_argument("--json", help="write all results to this file")
     args = ap.parse_args(argv)
 
@@ -314,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
     list(tts.generate_streaming(text="Warm up.", max_len=3, retry_badcase=False))
 
     print(f"# vox-ws scheduler benchmark: model={model_dir} device={args.device} threads={args.threads} "
-          f"lengths={args.min_steps}-{args.max_steps} steps, {args.rounds} requests per client, "
+          f"compile={args.compile} lengths={args.min_steps}-{args.max_steps} steps, {args.rounds} requests per client, "
           f"client starts {args.stagger}s apart on average", flush=True)
     header = (f"{'N':>3} {'arm':>8} {'audio s':>8} {'wall s':>7} {'audio s/s':>9} {'ttfa p50':>9} "
               f"{'ttfa p95':>9} {'underruns':>9} {'(b)/(a)':>8}")
@@ -327,7 +331,8 @@ def main(argv: list[str] | None = None) -> int:
             return make_clients(n, args.rounds, args.min_steps, args.max_steps, args.seed)
 
         serial = run_serial(tts, traffic(), offsets, rate)
-        batched = run_batched(model_dir, args.device, traffic(), offsets, args.threads)
+        batched = run_batched(model_dir, args.device, traffic(), offsets, args.threads, args.compile,
+                              os.path.join(model_dir, "compile-cache"))
         ratio = batched["throughput"] / serial["throughput"]
         for arm, r in (("serial", serial), ("batched", batched)):
             print(f"{n:>3} {arm:>8} {r['audio_s']:>8.1f} {r['wall_s']:>7.2f} {r['throughput']:>9.2f} "

@@ -3,8 +3,11 @@
 # network, build a random-weight VoxCPM2 of the real size, check the batched loop against the
 # voxcpm package on CUDA in float32 and bfloat16 (in float32 also rows with different LoRA
 # adapters in one batch, each against the package with only its adapter: four more models to
-# load, about two minutes at the real size), and run the scheduler benchmark at N = 1, 8,
-# 32, 64 (throughput, first audio, step time, memory). Writes OUT/gpu-check.json and
+# load, about two minutes at the real size), run the scheduler benchmark at N = 1, 8,
+# 32, 64 (throughput, first audio, step time, memory), and time the compiled step against
+# eager (`benchmarks.compiled`: step times at B = 1, 8, 32, and the engine's start eager, compiled
+# with an empty cache and again with it; some four minutes at the real size, most of it
+# compiling). Writes OUT/gpu-check.json and
 # OUT/gpu-check.txt. On a CPU, end to end with the tiny model (what CI-less sessions run):
 #
 #   scripts/gpu-check.sh --device cpu --size tiny --out /tmp/gpu-check
@@ -50,12 +53,20 @@ echo "== scheduler benchmark at N = $concurrency ($device, float32)" >&2
 "$python" -m benchmarks.scheduler --model "$work/float32" --device "$device" --concurrency "$concurrency" \
   --rounds 1 --min-steps 10 --max-steps 20 --json "$out/scheduler.json" | tee "$out/scheduler.txt" >&2
 
+compiled_batches="1,8,32"
+[ "$device" = cpu ] && compiled_batches="1,4"          # a CPU compiles slowly: a short check
+echo "== compiled step vs eager at B = $compiled_batches ($device, float32)" >&2
+"$python" -m benchmarks.compiled --model "$work/float32" --device "$device" --batches "$compiled_batches" \
+  --steps 10 --repeats 2 --json "$out/compiled.json" | tee "$out/compiled.txt" >&2
+
 "$python" - "$out" "$dtypes" "$device" "$size" "$((SECONDS - started))" <<'PY'
 import json, sys
 out, dtypes, device, size, seconds = sys.argv[1], sys.argv[2].split(), sys.argv[3], sys.argv[4], int(sys.argv[5])
 equivalence = {d: json.load(open(f"{out}/equivalence-{d}.json")) for d in dtypes}
 bench = json.load(open(f"{out}/scheduler.json"))["results"]
-report = {"device": device, "size": size, "seconds": seconds, "equivalence": equivalence, "scheduler": bench}
+compiled = json.load(open(f"{out}/compiled.json"))
+report = {"device": device, "size": size, "seconds": seconds, "equivalence": equivalence, "scheduler": bench,
+          "compiled": compiled}
 json.dump(report, open(f"{out}/gpu-check.json", "w"), indent=1)
 lines = [f"vox-ws device check: {device}, {size} model, {seconds} s", "",
          "equivalence (batched loop vs the package, largest |difference| per request):"]
@@ -73,6 +84,14 @@ for r in bench:
     memory = b.get("peak_gpu_mb", b.get("peak_rss_mb"))
     lines.append(f"{r['n']:>3} {b['throughput']:>10.2f} {r['ratio']:>9.2f} {b['ttfa_p50_ms']:>7.0f}ms "
                  f"{b['ttfa_p95_ms']:>7.0f}ms {b['mean_step_ms']:>8.1f} {memory:>10.0f}")
+lines += ["", f"{'B':>3} {'eager ms':>9} {'compiled ms':>12} {'compiled/eager':>15}"]
+for r in compiled["steps_ms"]:
+    lines.append(f"{r['batch']:>3} {r['eager_ms']:>9.2f} {r['compiled_ms']:>12.2f} {r['compiled_vs_eager']:>15.3f}")
+st = compiled["starts"]
+lines.append(f"start: eager {st['eager_s']} s, compiled first {st['compiled_first_s']} s, second "
+             f"{st['compiled_second_s']} s")
+lines += ["", "published (nanovllm-voxcpm, RTX 4090, VoxCPM2): first audio p50 67 ms at 1 stream, 114 ms at 32, "
+          "189 ms at 64"]
 open(f"{out}/gpu-check.txt", "w").write("\n".join(lines) + "\n")
 print("\n".join(lines))
 PY

@@ -26,5 +26,7 @@ def test_the_device_check_runs_on_a_cpu(tmp_path):
     for row in report["scheduler"]:
         batched = row["batched"]
         assert batched["throughput"] > 0 and batched["mean_step_ms"] > 0 and batched["peak_rss_mb"] > 0
+    assert [r["batch"] for r in report["compiled"]["steps_ms"]] == [1, 4]
+    assert report["compiled"]["starts"]["compiled_second_s"] > 0
     table = (tmp_path / "gpu-check.txt").read_text()
-    assert "equal" in table and "step ms" in table
+    assert "equal" in table and "step ms" in table and "compiled/eager" in table and "nanovllm-voxcpm" in table

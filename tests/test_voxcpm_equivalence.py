@@ -76,6 +76,22 @@ def test_rows_with_different_adapters_match_the_package_with_only_theirs(tiny_mo
     assert result["equal"], result["max_abs_diff"]
 
 
+@pytest.mark.slow
+def test_the_compiled_step_matches_the_package_with_and_without_adapters(tiny_model, tmp_path):
+    """The scenarios above with the step compiled (one bucket of 4 rows: every batch of the
+    scenario padded up to it), each request within the float32 tolerance of the package."""
+    from benchmarks.equivalence import compare, compare_loras
+
+    torch.set_num_threads(1)
+    (tmp_path / "plain").mkdir()
+    (tmp_path / "loras").mkdir()
+    plain = compare(str(tiny_model), "cpu", tmp_path / "plain", compiled_buckets=(4,))
+    assert plain["compiled"] == [4] and plain["max_batch"] == 4
+    assert plain["equal"], plain["max_abs_diff"]
+    adapted = compare_loras(str(tiny_model), "cpu", tmp_path / "loras", compiled_buckets=(4,))
+    assert adapted["adapters_change_audio"] and adapted["equal"], adapted["max_abs_diff"]
+
+
 def test_prompt_positions_count_what_build_prompt_builds(tiny_model, wavs):
     from vox_ws.engines.voxcpm.prompt import prompt_positions
 

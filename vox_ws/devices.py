@@ -65,12 +65,16 @@ class Devices:
 
     @property
     def status(self) -> Readiness:
-        """Ready while one device is; loading while one loads and none is ready; else failed.
+        """Ready while one device is; loading while one loads and none is ready (compiling while
+        every one still loading is compiling its step); else failed.
         The model's readiness: the rest of the server asks this."""
         statuses = {s.status for s in self.schedulers}
         if Readiness.READY in statuses:
             return Readiness.READY
-        return Readiness.LOADING if Readiness.LOADING in statuses else Readiness.FAILED
+        loading = [s for s in self.schedulers if s.status == Readiness.LOADING]
+        if loading and all(s.engine.loading_phase == "compiling" for s in loading):
+            return Readiness.COMPILING
+        return Readiness.LOADING if loading else Readiness.FAILED
 
     @property
     def error(self) -> str | None:

@@ -66,6 +66,7 @@ class Readiness(str, enum.Enum):
     adds draining (`ServerState.status`). Its value is what `/readyz`, `/v1/info` and `hello` say."""
 
     LOADING = "loading"
+    COMPILING = "compiling"      # loaded, its step being compiled (`Engine.loading_phase`)
     READY = "ready"
     FAILED = "failed"
     DRAINING = "draining"
@@ -276,6 +277,8 @@ class Engine(ABC):
     # The languages its voices speak (BCP 47-ish tags, for front doors that list voices by
     # language: Wyoming); empty where unknown.
     languages: tuple[str, ...] = ()
+    # Set by `load` while it is in a phase worth reporting ("compiling"), for readiness.
+    loading_phase: str | None = None
 
     @abstractmethod
     def load(self) -> None:

@@ -9,6 +9,7 @@
     vae.py              the causal streaming VAE decode for a batch of streams
     decoder_process.py  the VAE decode in a process of its own (CPU), overlapped with generation
     decoder_main.py     that process's entry point
+    compiled.py         the step's CFM and LocEnc compiled per batch bucket (`--compile`)
     lora.py             per-row LoRA layers: every adapter slot's weights, each row its own
     adapters.py         LoRA adapters by name: files, slots, the streams that use them
     engine.py           the Engine the scheduler drives
@@ -23,6 +24,21 @@ from typing import Any
 from .. import EnginePlugin, Setting, parse_bool, parse_count
 from .loading import DEFAULT_MODEL, weights_available
 from .options import OPTIONS
+
+def parse_compile(text: str) -> str:
+    value = str(text).strip().lower()
+    if value not in ("off", "auto", "on"):
+        raise ValueError("off, auto or on")
+    return value
+
+
+def parse_buckets(text: str) -> tuple[int, ...]:
+    """Batch sizes, comma-separated: 1,2,4,8."""
+    sizes = tuple(sorted({int(part) for part in str(text).split(",") if part.strip()}))
+    if not sizes or sizes[0] < 1:
+        raise ValueError("batch sizes of at least 1, comma-separated")
+    return sizes
+
 
 SETTINGS = (
     Setting("model", str, None, "VoxCPM checkpoint directory or hub id (offline: from the local HF cache)"),
@@ -39,6 +55,13 @@ SETTINGS = (
                                      "default: 2 x rank)"),
     Setting("lora-dir", str, None, "directory of LoRA adapters that admins may load by name"),
     Setting("max-loras", int, 4, "LoRA adapters loaded at once per device (slots; /v1/info lora.slot_bytes each)"),
+    Setting("compile", parse_compile, "auto", "compile the step's CFM and LocEnc per batch bucket (torch.compile) at "
+                                              "load: auto = on for CUDA, off on a CPU (compiling costs some 17 s a "
+                                              "bucket there; docs/PERFORMANCE.md)"),
+    Setting("compile-cache", str, None, "where compiled code is kept between starts (default: "
+                                        "~/.cache/vox-ws/compile)"),
+    Setting("compile-buckets", parse_buckets, None, "batch sizes to compile for (default 1,2,4,...,64 up to the "
+                                                    "rows a step carries; a batch runs padded up to its bucket)"),
     Setting("warm-normalizer", parse_bool, False,
             "load the text normalizer at start-up (first use costs seconds)"),
     Setting("normalize-timeout", float, 3.0,

@@ -19,6 +19,7 @@ from ...engine import Engine, ErrorKind, GenerationRequest, Refused, StepResult
 from ...text import pack
 from .loading import DEFAULT_MODEL, architecture, import_voxcpm, resolve_model_path, verify_weights
 from .adapters import AdapterBook, AdapterFile, AdapterPin
+from .compiled import BUCKETS, COMPILE_MODES, CompiledStep, buckets_for
 from .normalizer import NORMALIZE_TIMEOUT_S, Normalizer
 from .options import DEFAULTS, OPTIONS
 from .prompt import build_prompt, clean_text, prompt_positions
@@ -49,7 +50,8 @@ class VoxCPMEngine(Engine):
                  voices_dir: str | None = None,
                  lora_rank: int = 0, lora_alpha: int | None = None, lora_dir: str | None = None,
                  max_loras: int = 4, warm_normalizer: bool = False,
-                 normalize_timeout: float = NORMALIZE_TIMEOUT_S) -> None:
+                 normalize_timeout: float = NORMALIZE_TIMEOUT_S, compile: str = "off",
+                 compile_cache: str | None = None, compile_buckets: tuple[int, ...] | None = None) -> None:
         self.model = model or DEFAULT_MODEL
         self.device = device or "auto"
         # KV slots (streams open at once: memory) and the rows one step carries (compute); None:
@@ -71,6 +73,12 @@ class VoxCPMEngine(Engine):
         if lora_rank > 0 and max_loras < 1:
             raise ValueError("--max-loras must be at least 1 with --lora-rank")
         self._max_loras = max_loras
+        if compile not in COMPILE_MODES:
+            raise ValueError(f"--compile must be one of {', '.join(COMPILE_MODES)}, got {compile!r}")
+        self._compile = compile
+        self._compile_cache = compile_cache
+        self._compile_buckets = tuple(compile_buckets) if compile_buckets else BUCKETS
+        self.compiled = None       # compiled.CompiledStep, when the step is compiled
         self._warm_normalizer = warm_normalizer
         self._lora = AdapterBook(None, {}, lora_dir, 0.0)    # until `load` builds the slots
         self.tts = None            # voxcpm.VoxCPM
@@ -137,6 +145,8 @@ class VoxCPMEngine(Engine):
                 mode = "both" if transcript else "reference"
                 self.register_voice(audio, rate, transcript, mode, name=name)
                 log.info("built-in voice %r from %s (%s)", name, self._voices_dir, mode)
+        if self._compile == "on" or (self._compile == "auto" and self.device.startswith("cuda")):
+            self._compile_step(model)
         # One short generation warms every code path before the first user arrives.
         row = self.runner.prefill(build_prompt(model, "Hello.", None), seed=0, cfg_value=2.0, timesteps=2,
                                   min_len=0, max_len=1)
@@ -145,6 +155,23 @@ class VoxCPMEngine(Engine):
         finally:
             self.runner.release(row)
         self.runner.wait_ready()
+
+    def _compile_step(self, model: Any) -> None:
+        """Compile the step for every bucket up to the rows a step carries, now: `/readyz` says
+        `compiling` meanwhile; the compile cache makes a second start fast."""
+        buckets = buckets_for(self.max_step_batch, self._compile_buckets)
+        self.compiled = CompiledStep(model, buckets, self._lora.adapters, self._compile_cache)
+        self.runner.compiled = self.compiled
+        self.loading_phase = "compiling"
+        started = time.perf_counter()
+        try:
+            self.compiled.warm_up(self.runner.solve, timesteps=2,
+                                  on_bucket=lambda i, n: log.info("compiling the step: bucket %d of %d (%d rows)",
+                                                                  i + 1, n, buckets[i]))
+        finally:
+            self.loading_phase = None
+        log.info("the step is compiled for %s rows in %.1f s (cache %s)", list(buckets),
+                 time.perf_counter() - started, self.compiled.cache_dir)
 
     def _adapter_slots(self, model: Any) -> AdapterBook:
         """Every LoRA layer the package built becomes one with `--max-loras` slots."""
@@ -227,8 +254,12 @@ class VoxCPMEngine(Engine):
             self.runner.close()
 
     def describe(self) -> dict[str, Any]:
+        compiled = self.compiled
         return {**super().describe(), "dtype": self.dtype, "lora": dict(self.lora),
-                "max_batch": self._slots, "step_rows": self.max_step_batch}
+                "max_batch": self._slots, "step_rows": self.max_step_batch,
+                "compile": {"mode": self._compile, "compiled": compiled is not None,
+                            "buckets": list(compiled.buckets) if compiled else [],
+                            "compile_s": dict(compiled.compile_s) if compiled else {}}}
 
     # ------------------------------------------------------------------ requests
 

@@ -42,12 +42,14 @@ class RowAdapters:
         self.mask: torch.Tensor | None = None   # [rows, S*R]: rows with different adapters
 
     @contextmanager
-    def rows(self, slots: list[int]) -> Iterator[None]:
-        """For the calls inside: row i uses adapter slot `slots[i]` (`NO_ADAPTER`: none)."""
+    def rows(self, slots: list[int], masked: bool = False) -> Iterator[None]:
+        """For the calls inside: row i uses adapter slot `slots[i]` (`NO_ADAPTER`: none).
+        `masked`: every mix through the mask, none and one adapter too (a compiled graph then
+        serves them all)."""
         used = set(slots)
         self.single, self.mask = None, None
-        if used != {NO_ADAPTER}:
-            if len(used) == 1:
+        if masked or used != {NO_ADAPTER}:
+            if len(used) == 1 and not masked:
                 self.single = slots[0]
             else:
                 mask = torch.zeros(len(slots), self.slots, self.rank, dtype=self._dtype)

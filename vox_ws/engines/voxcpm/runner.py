@@ -34,6 +34,7 @@ from torch import nn
 
 from ...engine import EndReason
 from .decoder_process import DecoderProcess
+from .compiled import CompiledStep, encode, padded, velocity
 from .kv import SlotKV, lm_step
 from .lora import NO_ADAPTER, RowAdapters
 from .prompt import Prompt
@@ -75,11 +76,14 @@ class BatchedVoxCPM2:
     """Runs prefill per request and one batched generation step for any set of requests."""
 
     def __init__(self, model: Any, max_batch: int, decode_process: bool | None = None,
-                 warm_rows: int | None = None, adapters: RowAdapters | None = None) -> None:
+                 warm_rows: int | None = None, adapters: RowAdapters | None = None,
+                 compiled: CompiledStep | None = None) -> None:
         """`max_batch` KV slots; steps of up to `warm_rows` rows (default: every slot) are warmed up;
-        `adapters`: the model's LoRA slots (`lora.install_row_lora`), where it has them."""
+        `adapters`: the model's LoRA slots (`lora.install_row_lora`), where it has them;
+        `compiled`: the step's compiled pieces (`compiled.py`), None for eager."""
         self.model = model
         self.adapters = adapters
+        self.compiled = compiled
         self.device = next(model.parameters()).device
         self.dtype = model._dtype()
         self.max_batch = max_batch
@@ -289,13 +293,14 @@ class BatchedVoxCPM2:
                             dtype=self.dtype) for i in index
             ])
             cfg = torch.tensor([rows[i].cfg_value for i in index], device=self.device, dtype=self.dtype)
-            group_adapters = [rows[i].adapter for i in index]
-            with self._adapted(group_adapters + group_adapters):      # the CFG's two halves
-                solved = _cfm_solve(m.feat_decoder, dit_hidden[idx], cond[idx].transpose(1, 2).contiguous(), noise,
-                                    timesteps, cfg)
+            solved = self.solve(dit_hidden[idx], cond[idx].transpose(1, 2).contiguous(), noise, timesteps, cfg,
+                                [rows[i].adapter for i in index])
             pred_feat[idx] = solved.transpose(1, 2)                            # [b, P, D]
 
-        curr_embed = m.enc_to_lm_proj(m.feat_encoder(pred_feat.unsqueeze(1)))[:, 0, :]   # [B, H]
+        if self.compiled is not None:
+            curr_embed = self.compiled.encode(pred_feat)                       # [B, H]
+        else:
+            curr_embed = encode(m, pred_feat)
         latents = pred_feat.transpose(1, 2).to(torch.float32)                  # b d p  (t = 1)
 
         stop = m.stop_head(m.stop_actn(m.stop_proj(lm_hidden))).argmax(dim=-1).cpu().tolist()
@@ -314,6 +319,22 @@ class BatchedVoxCPM2:
         if going:
             self._advance([rows[i] for i in going], curr_embed[going])
         return latents
+
+    def solve(self, mu: torch.Tensor, cond: torch.Tensor, noise: torch.Tensor, timesteps: int, cfg: torch.Tensor,
+              adapters: list[int]) -> torch.Tensor:
+        """The CFM solve of these rows (row i with LoRA adapter slot `adapters[i]`): eager, or
+        compiled for the rows' bucket, padded up to it."""
+        cfm = self.model.feat_decoder
+        if self.compiled is None:
+            with self._adapted(adapters + adapters):                  # the CFG's two halves
+                return _cfm_solve(cfm, mu, cond, noise, timesteps, cfg)
+        count = mu.shape[0]
+        rows = self.compiled.bucket(count)
+        compiled_velocity, context = self.compiled.velocity_for(adapters + [NO_ADAPTER] * (rows - count))
+        with context:
+            solved = _cfm_solve(cfm, padded(mu, rows), padded(cond, rows), padded(noise, rows), timesteps,
+                                padded(cfg, rows), compiled_velocity)
+        return solved[:count]
 
     def _advance(self, rows: list[RowState], curr_embed: torch.Tensor) -> None:
         """Feed the new patch through the base and residual LMs (one decode step each)."""
@@ -374,8 +395,9 @@ def _groups(rows: list[RowState], key) -> list[tuple[Any, list[int]]]:
 
 
 def _cfm_solve(cfm: nn.Module, mu: torch.Tensor, cond: torch.Tensor, noise: torch.Tensor, n_timesteps: int,
-               cfg_value: torch.Tensor) -> torch.Tensor:
-    """UnifiedCFM.forward + solve_euler with a per-row cfg_value and caller-drawn noise.
+               cfg_value: torch.Tensor, velocity_of: Any = velocity) -> torch.Tensor:
+    """UnifiedCFM.forward + solve_euler with a per-row cfg_value and caller-drawn noise; each
+    step's velocity from `velocity_of` (`compiled.velocity`, eager or compiled).
 
     mu [b, H_dit*2], cond [b, D, P], noise [b, D, P], cfg_value [b] -> x [b, D, P].
     """
@@ -387,17 +409,13 @@ def _cfm_solve(cfm: nn.Module, mu: torch.Tensor, cond: torch.Tensor, noise: torc
     zero_init_steps = max(1, int(len(t_span) * 0.04))
     mu_in = torch.cat([mu, torch.zeros_like(mu)])
     cond_in = torch.cat([cond, cond])
-    cfg = cfg_value.view(b, 1, 1)
     for step in range(1, len(t_span)):
         if step <= zero_init_steps:
             dphi_dt = torch.zeros_like(x)
         else:
             t_in = t.expand(2 * b)
             dt_in = dt.expand(2 * b) if cfm.mean_mode else torch.zeros(2 * b, device=x.device, dtype=x.dtype)
-            out = cfm.estimator(torch.cat([x, x]), mu_in, t_in, cond_in, dt_in)
-            positive, negative = out[:b], out[b:]
-            st_star = cfm.optimized_scale(positive.reshape(b, -1), negative.reshape(b, -1)).view(b, 1, 1)
-            dphi_dt = negative * st_star + cfg * (positive - negative * st_star)
+            dphi_dt = velocity_of(cfm, x, mu_in, t_in, cond_in, dt_in, cfg_value)
         x = x - dt * dphi_dt
         t = t - dt
         if step < len(t_span) - 1:

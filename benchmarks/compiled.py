@@ -1,0 +1,132 @@
+"""Benchmark: the compiled step (`--compile on`) against eager, and what compiling costs a start.
+
+Per batch size B: the mean time of one generation step (`runner.step`, VAE decode inline so
+that the two sides time the same work on a small CPU) of B rows, eager and compiled, measured in
+one process, interleaved. Then the engine's start (`VoxCPMEngine.load`, each in a fresh process):
+eager; compiled with an empty compile cache (first start); compiled again with that cache
+(second start).
+
+    python -m benchmarks.compiled [--model DIR] [--batches 1,8,16] [--steps 20] [--repeats 5] [--json FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TQDM_DISABLE", "1")
+
+TEXT = "Compiled or eager, the same audio; one of them sooner."
+
+
+def _engine(model_dir: str, slots: int, compile: str, cache: str | None, device: str = "cpu") -> Any:
+    from vox_ws.engines.voxcpm.engine import VoxCPMEngine
+
+    return VoxCPMEngine(model=model_dir, device=device, threads=1, max_batch=slots, compile=compile,
+                        compile_cache=cache)
+
+
+def start_seconds(model_dir: str, slots: int, compile: str, cache: str | None, device: str) -> float:
+    """One engine start in a process of its own (no compiled code in memory from before)."""
+    code = ("import json, sys, time; from benchmarks.compiled import _engine; started = time.perf_counter(); "
+            f"engine = _engine({model_dir!r}, {slots}, {compile!r}, {cache!r}, {device!r}); engine.load(); "
+            "took = time.perf_counter() - started; engine.close(); print(json.dumps(took))")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={**os.environ, "PYTHONPATH": os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")])})
+    return float(run.stdout.strip().splitlines()[-1])
+
+
+def step_ms(engine: Any, batch: int, steps: int) -> float:
+    from vox_ws.engines.voxcpm.prompt import build_prompt
+
+    runner = engine.runner
+    rows = [runner.prefill(build_prompt(engine.tts.tts_model, TEXT, None), seed=i, cfg_value=2.0, timesteps=10,
+                           min_len=2, max_len=4096) for i in range(batch)]
+    try:
+        for _ in range(2):
+            runner.step(rows)
+        started = time.perf_counter()
+        for _ in range(steps):
+            runner.step(rows)
+        return (time.perf_counter() - started) / steps * 1000
+    finally:
+        for row in rows:
+            runner.release(row)
+
+
+def run(model_dir: str, batches: list[int], steps: int, repeats: int, device: str) -> dict[str, Any]:
+    import torch
+
+    from vox_ws.engines.voxcpm.runner import BatchedVoxCPM2
+
+    torch.set_num_threads(1)
+    slots = max(batches)
+    cache = tempfile.mkdtemp(prefix="vox-ws-compile-cache-")
+    starts = {"eager_s": start_seconds(model_dir, slots, "off", None, device),
+              "compiled_first_s": start_seconds(model_dir, slots, "on", cache, device),
+              "compiled_second_s": start_seconds(model_dir, slots, "on", cache, device)}
+    engines = {"eager": _engine(model_dir, slots, "off", None, device),
+               "compiled": _engine(model_dir, slots, "on", cache, device)}
+    for engine in engines.values():
+        engine.load()
+        compiled = engine.runner.compiled
+        engine.runner.close()
+        engine.runner = BatchedVoxCPM2(engine.tts.tts_model, slots, decode_process=False, compiled=compiled)
+    samples: dict[tuple[str, int], list[float]] = {}
+    try:
+        for _ in range(repeats):
+            for batch in batches:
+                for name, engine in engines.items():
+                    samples.setdefault((name, batch), []).append(step_ms(engine, batch, steps))
+    finally:
+        for engine in engines.values():
+            engine.close()
+    table = []
+    for batch in batches:
+        eager = statistics.median(samples[("eager", batch)])
+        compiled = statistics.median(samples[("compiled", batch)])
+        table.append({"batch": batch, "eager_ms": round(eager, 2), "compiled_ms": round(compiled, 2),
+                      "compiled_vs_eager": round(compiled / eager, 3)})
+    return {"device": device, "steps": steps, "repeats": repeats, "steps_ms": table, "starts": {
+        **{k: round(v, 1) for k, v in starts.items()},
+        "second_vs_eager": round(starts["compiled_second_s"] / starts["eager_s"], 2)}}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", help="VoxCPM2 checkpoint directory (default: build the tiny model)")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--batches", default="1,8,16")
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--json", help="write the result here")
+    args = ap.parse_args(argv)
+    model_dir = args.model
+    if model_dir is None:
+        from vox_ws.testing.tiny_voxcpm import build
+
+        model_dir = str(build(tempfile.mkdtemp(prefix="vox-ws-tiny-"), stop="never"))
+    result = run(model_dir, [int(b) for b in args.batches.split(",")], args.steps, args.repeats, args.device)
+    print(f"one step, median of {result['repeats']} interleaved runs of {result['steps']} steps (VAE inline):")
+    print(f"{'B':>4}{'eager ms':>10}{'compiled ms':>13}{'compiled/eager':>16}")
+    for row in result["steps_ms"]:
+        print(f"{row['batch']:>4}{row['eager_ms']:>10.2f}{row['compiled_ms']:>13.2f}{row['compiled_vs_eager']:>16.3f}")
+    s = result["starts"]
+    print(f"start: eager {s['eager_s']} s; compiled, first (empty cache) {s['compiled_first_s']} s, second "
+          f"{s['compiled_second_s']} s ({s['second_vs_eager']}x eager)")
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
