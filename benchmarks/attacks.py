@@ -524,14 +524,18 @@ def serve(engine_name: str, port_file: str) -> None:
     from ._transport_server import run_server
 
     slots = 8
-    if engine_name in ("voxcpm", "voxcpm-deadline"):
+    if engine_name.startswith("voxcpm"):
         from vox_ws.engines.voxcpm.engine import VoxCPMEngine
         from vox_ws.testing.tiny_voxcpm import build
 
         model = build(tempfile.mkdtemp(prefix="vox-ws-attacks-"), stop="never")
-        # voxcpm-deadline: four times the KV slots, each step still eight rows, picked by slack.
-        slots = 32 if engine_name == "voxcpm-deadline" else 8
-        engine = VoxCPMEngine(model=str(model), device="cpu", max_batch=slots, step_rows=8)
+        # -deadline: four times the KV slots, each step still eight rows, picked by slack;
+        # -compiled: the step compiled (`--compile on`), its code cached for the next server.
+        slots = 32 if "deadline" in engine_name else 8
+        compiled = "compiled" in engine_name
+        engine = VoxCPMEngine(model=str(model), device="cpu", max_batch=slots, step_rows=8,
+                              compile="on" if compiled else "off",
+                              compile_cache=os.path.join(tempfile.gettempdir(), "vox-ws-bench-compile-cache"))
     else:
         from vox_ws.engines.piper import PiperEngine
 

@@ -25,7 +25,9 @@ from .attacks import Server
 
 # label -> the server it runs: Piper; the tiny VoxCPM2 with eight slots, each step carrying every
 # runnable one (today's policy); with 32 slots, eight rows a step picked by slack (deadline-aware).
-CONFIGURATIONS = {"piper": "piper", "voxcpm": "voxcpm", "voxcpm-deadline": "voxcpm-deadline"}
+# `-compiled`: the same with the step compiled (`--compile on`).
+CONFIGURATIONS = {name: name for name in ("piper", "voxcpm", "voxcpm-deadline", "voxcpm-compiled",
+                                          "voxcpm-deadline-compiled")}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -7,6 +7,7 @@ eager; compiled with an empty compile cache (first start); compiled again with t
 (second start).
 
     python -m benchmarks.compiled [--model DIR] [--batches 1,8,16] [--steps 20] [--repeats 5] [--json FILE]
+        [--no-starts]
 """
 
 from __future__ import annotations
@@ -41,29 +42,44 @@ def start_seconds(model_dir: str, slots: int, compile: str, cache: str | None, d
             f"engine = _engine({model_dir!r}, {slots}, {compile!r}, {cache!r}, {device!r}); engine.load(); "
             "took = time.perf_counter() - started; engine.close(); print(json.dumps(took))")
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                         env={**os.environ, "PYTHONPATH": os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")])})
+                         env={**os.environ, "PYTHONPATH": os.pathsep.join([os.getcwd(),
+                                                                           os.environ.get("PYTHONPATH", "")])})
     return float(run.stdout.strip().splitlines()[-1])
 
 
-def step_ms(engine: Any, batch: int, steps: int) -> float:
+def step_ms(engine: Any, batch: int, steps: int) -> tuple[float, float]:
+    """(the whole step, of it the generation: CFM, LocEnc, stop head, LMs), in ms."""
     from vox_ws.engines.voxcpm.prompt import build_prompt
 
     runner = engine.runner
     rows = [runner.prefill(build_prompt(engine.tts.tts_model, TEXT, None), seed=i, cfg_value=2.0, timesteps=10,
                            min_len=2, max_len=4096) for i in range(batch)]
+    generate, generated = runner._generate, [0.0]
+
+    def timed(step_rows):
+        started = time.perf_counter()
+        try:
+            return generate(step_rows)
+        finally:
+            generated[0] += time.perf_counter() - started
+
+    runner._generate = timed
     try:
         for _ in range(2):
             runner.step(rows)
+        generated[0] = 0.0
         started = time.perf_counter()
         for _ in range(steps):
             runner.step(rows)
-        return (time.perf_counter() - started) / steps * 1000
+        return (time.perf_counter() - started) / steps * 1000, generated[0] / steps * 1000
     finally:
+        runner._generate = generate
         for row in rows:
             runner.release(row)
 
 
-def run(model_dir: str, batches: list[int], steps: int, repeats: int, device: str) -> dict[str, Any]:
+def run(model_dir: str, batches: list[int], steps: int, repeats: int, device: str,
+        starts: bool = True) -> dict[str, Any]:
     import torch
 
     from vox_ws.engines.voxcpm.runner import BatchedVoxCPM2
@@ -71,9 +87,11 @@ def run(model_dir: str, batches: list[int], steps: int, repeats: int, device: st
     torch.set_num_threads(1)
     slots = max(batches)
     cache = tempfile.mkdtemp(prefix="vox-ws-compile-cache-")
-    starts = {"eager_s": start_seconds(model_dir, slots, "off", None, device),
-              "compiled_first_s": start_seconds(model_dir, slots, "on", cache, device),
-              "compiled_second_s": start_seconds(model_dir, slots, "on", cache, device)}
+    started = {}
+    if starts:
+        started = {"eager_s": start_seconds(model_dir, slots, "off", None, device),
+                   "compiled_first_s": start_seconds(model_dir, slots, "on", cache, device),
+                   "compiled_second_s": start_seconds(model_dir, slots, "on", cache, device)}
     engines = {"eager": _engine(model_dir, slots, "off", None, device),
                "compiled": _engine(model_dir, slots, "on", cache, device)}
     for engine in engines.values():
@@ -81,7 +99,7 @@ def run(model_dir: str, batches: list[int], steps: int, repeats: int, device: st
         compiled = engine.runner.compiled
         engine.runner.close()
         engine.runner = BatchedVoxCPM2(engine.tts.tts_model, slots, decode_process=False, compiled=compiled)
-    samples: dict[tuple[str, int], list[float]] = {}
+    samples: dict[tuple[str, int], list[tuple[float, float]]] = {}
     try:
         for _ in range(repeats):
             for batch in batches:
@@ -92,13 +110,17 @@ def run(model_dir: str, batches: list[int], steps: int, repeats: int, device: st
             engine.close()
     table = []
     for batch in batches:
-        eager = statistics.median(samples[("eager", batch)])
-        compiled = statistics.median(samples[("compiled", batch)])
-        table.append({"batch": batch, "eager_ms": round(eager, 2), "compiled_ms": round(compiled, 2),
-                      "compiled_vs_eager": round(compiled / eager, 3)})
-    return {"device": device, "steps": steps, "repeats": repeats, "steps_ms": table, "starts": {
-        **{k: round(v, 1) for k, v in starts.items()},
-        "second_vs_eager": round(starts["compiled_second_s"] / starts["eager_s"], 2)}}
+        eager = [statistics.median(s[k] for s in samples[("eager", batch)]) for k in (0, 1)]
+        compiled = [statistics.median(s[k] for s in samples[("compiled", batch)]) for k in (0, 1)]
+        table.append({"batch": batch, "eager_ms": round(eager[0], 2), "compiled_ms": round(compiled[0], 2),
+                      "compiled_vs_eager": round(compiled[0] / eager[0], 3),
+                      "eager_generate_ms": round(eager[1], 2), "compiled_generate_ms": round(compiled[1], 2),
+                      "generate_compiled_vs_eager": round(compiled[1] / eager[1], 3)})
+    result = {"device": device, "steps": steps, "repeats": repeats, "steps_ms": table, "starts": {}}
+    if started:
+        result["starts"] = {**{k: round(v, 1) for k, v in started.items()},
+                            "second_vs_eager": round(started["compiled_second_s"] / started["eager_s"], 2)}
+    return result
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -109,20 +131,26 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--json", help="write the result here")
+    ap.add_argument("--no-starts", action="store_true", help="time the steps only")
     args = ap.parse_args(argv)
     model_dir = args.model
     if model_dir is None:
         from vox_ws.testing.tiny_voxcpm import build
 
         model_dir = str(build(tempfile.mkdtemp(prefix="vox-ws-tiny-"), stop="never"))
-    result = run(model_dir, [int(b) for b in args.batches.split(",")], args.steps, args.repeats, args.device)
+    result = run(model_dir, [int(b) for b in args.batches.split(",")], args.steps, args.repeats, args.device,
+                 starts=not args.no_starts)
     print(f"one step, median of {result['repeats']} interleaved runs of {result['steps']} steps (VAE inline):")
-    print(f"{'B':>4}{'eager ms':>10}{'compiled ms':>13}{'compiled/eager':>16}")
+    print(f"{'B':>4}{'eager ms':>10}{'compiled ms':>13}{'compiled/eager':>16}{'generation: eager':>19}"
+          f"{'compiled':>10}{'ratio':>7}")
     for row in result["steps_ms"]:
-        print(f"{row['batch']:>4}{row['eager_ms']:>10.2f}{row['compiled_ms']:>13.2f}{row['compiled_vs_eager']:>16.3f}")
+        print(f"{row['batch']:>4}{row['eager_ms']:>10.2f}{row['compiled_ms']:>13.2f}{row['compiled_vs_eager']:>16.3f}"
+              f"{row['eager_generate_ms']:>19.2f}{row['compiled_generate_ms']:>10.2f}"
+              f"{row['generate_compiled_vs_eager']:>7.3f}")
     s = result["starts"]
-    print(f"start: eager {s['eager_s']} s; compiled, first (empty cache) {s['compiled_first_s']} s, second "
-          f"{s['compiled_second_s']} s ({s['second_vs_eager']}x eager)")
+    if s:
+        print(f"start: eager {s['eager_s']} s; compiled, first (empty cache) {s['compiled_first_s']} s, second "
+              f"{s['compiled_second_s']} s ({s['second_vs_eager']}x eager)")
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
     return 0

@@ -16,13 +16,15 @@ fi
 
 # System packages: Node.js for the demo's JavaScript unit tests; for the full run also Debian's
 # Chromium for the browser tests (Playwright drives it; it never downloads a browser of its
-# own), and redis-server and HAProxy for the scale-out tests.
+# own), redis-server and HAProxy for the scale-out tests, and a C++ compiler for the compiled
+# step's tests.
 missing=()
 command -v node >/dev/null 2>&1 || missing+=(nodejs)
 if [ "$quick" -eq 0 ]; then
   command -v chromium >/dev/null 2>&1 || missing+=(chromium)
   command -v redis-server >/dev/null 2>&1 || missing+=(redis-server)
   command -v haproxy >/dev/null 2>&1 || missing+=(haproxy)
+  command -v g++ >/dev/null 2>&1 || missing+=(g++)        # torch.compile on a CPU writes C++
 fi
 if [ ${#missing[@]} -gt 0 ]; then
   sudo=""

@@ -181,8 +181,12 @@ async def test_slots_run_out_and_free_up(server):
         third = await lora(admin, "load", "third")
         assert third["slot"] == 1, third
         assert sorted(a["name"] for a in listed(server)["adapters"]) == ["bright", "third"]
+        unnamed = await lora(admin, "unload")
+        assert unnamed["type"] == "error" and "'name' is needed: 2 adapters" in unnamed["message"], unnamed
         await lora(admin, "unload", "bright")
-        await lora(admin, "unload", "third")
+        assert (await lora(admin, "enable"))["default"] == "third"       # the only one loaded
+        gone = await lora(admin, "unload")
+        assert gone["name"] == "third" and gone["unloaded"] is True and gone["lora"]["default"] is None
 
 
 @pytest.mark.parametrize("name, code, words", [

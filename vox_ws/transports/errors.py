@@ -10,7 +10,7 @@ from starlette.responses import JSONResponse
 from ..config import ServerConfig
 from ..engine import ErrorKind, Refused
 from . import protocol as p
-from .auth import is_admin, is_authorized
+from .auth import is_admin, is_authorized, origin_allowed
 
 HTTP_STATUS = {
     ErrorKind.INVALID: 400,
@@ -44,6 +44,15 @@ def refused_response(err: Refused) -> JSONResponse:
 
 def unauthorized_response() -> JSONResponse:
     return error_response(401, p.UNAUTHORIZED, "unauthorized: present a valid token", {"WWW-Authenticate": "Bearer"})
+
+
+def access_refusal(request: Request, config: ServerConfig) -> JSONResponse | None:
+    """The refusal of a request from an origin or without a token the server does not take."""
+    if not origin_allowed(request, config.allow_origins):
+        return error_response(403, p.UNAUTHORIZED, "origin not allowed")
+    if not is_authorized(request, config.tokens, config.admin_tokens):
+        return unauthorized_response()
+    return None
 
 
 def admin_refusal(request: Request, config: ServerConfig, what: str) -> JSONResponse | None:

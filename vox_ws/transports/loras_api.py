@@ -18,31 +18,22 @@ from starlette.routing import BaseRoute, Route
 
 from ..engine import Refused
 from . import protocol as p
-from .auth import is_authorized, origin_allowed
 from .body import BodyTooLarge, read_body
-from .errors import admin_refusal, error_response, refused_response, unauthorized_response
-from .state import ServerState, server_state
+from .errors import access_refusal, admin_refusal, error_response, refused_response
+from .state import server_state
 
 MAX_BODY_BYTES = 1024
 
 
-def _guard(request: Request, state: ServerState) -> Response | None:
-    config = state.config
-    if not origin_allowed(request, config.allow_origins):
-        return error_response(403, p.UNAUTHORIZED, "origin not allowed")
-    if not is_authorized(request, config.tokens, config.admin_tokens):
-        return unauthorized_response()
-    return None
-
-
 async def list_loras(request: Request) -> Response:
     state = server_state(request)
-    return _guard(request, state) or JSONResponse(state.service.loras())
+    return access_refusal(request, state.config) or JSONResponse(state.service.loras())
 
 
 async def load_lora(request: Request) -> Response:
     state = server_state(request)
-    if (refusal := _guard(request, state) or admin_refusal(request, state.config, "loading a LoRA adapter")):
+    refusal = access_refusal(request, state.config) or admin_refusal(request, state.config, "loading a LoRA adapter")
+    if refusal is not None:
         return refusal
     try:
         body = await read_body(request, MAX_BODY_BYTES)
@@ -69,7 +60,9 @@ async def load_lora(request: Request) -> Response:
 
 async def unload_lora(request: Request) -> Response:
     state = server_state(request)
-    if (refusal := _guard(request, state) or admin_refusal(request, state.config, "unloading a LoRA adapter")):
+    refusal = access_refusal(request, state.config) or admin_refusal(request, state.config,
+                                                                     "unloading a LoRA adapter")
+    if refusal is not None:
         return refusal
     name = request.path_params["name"]
     if name not in {a["name"] for a in state.service.loras().get("adapters", [])}:

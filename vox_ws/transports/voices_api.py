@@ -27,9 +27,9 @@ from ..engine import Refused
 from ..service.registrations import Registration
 from ..service.voice_store import VoiceSummary
 from . import protocol as p
-from .auth import is_authorized, origin_allowed, owner
+from .auth import owner
 from .body import BodyTooLarge, read_body
-from .errors import error_response, refused_response, unauthorized_response
+from .errors import access_refusal, error_response, refused_response
 from .multipart import MultiPartException
 from .state import ServerState, server_state
 
@@ -43,19 +43,9 @@ def _owner(request: Request, state: ServerState) -> str:
     return owner(request, state.config.tokens, state.config.admin_tokens)
 
 
-def _guard(request: Request, state: ServerState) -> Response | None:
-    """The refusal of a request from an origin or without a token the server does not take."""
-    config = state.config
-    if not origin_allowed(request, config.allow_origins):
-        return error_response(403, p.UNAUTHORIZED, "origin not allowed")
-    if not is_authorized(request, config.tokens, config.admin_tokens):
-        return unauthorized_response()
-    return None
-
-
 async def list_voices(request: Request) -> Response:
     state = server_state(request)
-    if (refusal := _guard(request, state)) is not None:
+    if (refusal := access_refusal(request, state.config)) is not None:
         return refusal
     # Registered voice ids are capabilities (unguessable, handed to whoever registered
     # them): they are never listed.
@@ -83,7 +73,7 @@ async def register_openai_style(request: Request) -> Response:
 
 async def _registered(request: Request, state: ServerState) -> dict | Response:
     """{voice, mode, audio_s} of a registration, or the response that refuses it."""
-    if (refusal := _guard(request, state)) is not None:
+    if (refusal := access_refusal(request, state.config)) is not None:
         return refusal
     try:                                      # refused before a byte of the body is read
         registration = state.service.admit_registration(_owner(request, state))
@@ -142,7 +132,7 @@ async def _register(request: Request, state: ServerState, registration: Registra
 
 async def list_openai_style(request: Request) -> Response:
     state = server_state(request)
-    if (refusal := _guard(request, state)) is not None:
+    if (refusal := access_refusal(request, state.config)) is not None:
         return refusal
     try:
         owned = await state.service.voices_of(_owner(request, state))
@@ -154,7 +144,7 @@ async def list_openai_style(request: Request) -> Response:
 
 async def delete(request: Request) -> Response:
     state = server_state(request)
-    if (refusal := _guard(request, state)) is not None:
+    if (refusal := access_refusal(request, state.config)) is not None:
         return refusal
     voice = request.path_params["voice_id"]
     try:

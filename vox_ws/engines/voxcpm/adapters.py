@@ -306,13 +306,9 @@ class AdapterBook:
     def unload(self, name: str | None) -> dict[str, Any]:
         """New streams may no longer use it; its slot frees once the streams using it end."""
         self._configured()
+        if name is None:
+            name = self.only_loaded()
         with self._lock:
-            if name is None:
-                loaded = [a.name for a in self._by_name.values() if not a.unloading]
-                if len(loaded) != 1:
-                    raise Refused(ErrorKind.INVALID, f"field 'name' is needed: {len(loaded)} adapters are loaded",
-                                  field="name")
-                name = loaded[0]
             adapter = self._by_name.get(name)
             if adapter is None:
                 raise Refused(ErrorKind.INVALID, f"unknown LoRA adapter {name!r} (loaded: {sorted(self._by_name)})",
@@ -340,6 +336,7 @@ class AdapterBook:
         return {"default": self.default}
 
     def only_loaded(self) -> str:
+        """The one adapter loaded, for an operation that names none."""
         with self._lock:
             loaded = [a.name for a in self._by_name.values() if not a.unloading]
         if len(loaded) != 1:
