@@ -19,9 +19,10 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
+
+from ._steps import decode_inline, time_steps
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TQDM_DISABLE", "1")
@@ -47,42 +48,11 @@ def start_seconds(model_dir: str, slots: int, compile: str, cache: str | None, d
     return float(run.stdout.strip().splitlines()[-1])
 
 
-def step_ms(engine: Any, batch: int, steps: int) -> tuple[float, float]:
-    """(the whole step, of it the generation: CFM, LocEnc, stop head, LMs), in ms."""
-    from vox_ws.engines.voxcpm.prompt import build_prompt
-
-    runner = engine.runner
-    rows = [runner.prefill(build_prompt(engine.tts.tts_model, TEXT, None), seed=i, cfg_value=2.0, timesteps=10,
-                           min_len=2, max_len=4096) for i in range(batch)]
-    generate, generated = runner._generate, [0.0]
-
-    def timed(step_rows):
-        started = time.perf_counter()
-        try:
-            return generate(step_rows)
-        finally:
-            generated[0] += time.perf_counter() - started
-
-    runner._generate = timed
-    try:
-        for _ in range(2):
-            runner.step(rows)
-        generated[0] = 0.0
-        started = time.perf_counter()
-        for _ in range(steps):
-            runner.step(rows)
-        return (time.perf_counter() - started) / steps * 1000, generated[0] / steps * 1000
-    finally:
-        runner._generate = generate
-        for row in rows:
-            runner.release(row)
-
-
 def run(model_dir: str, batches: list[int], steps: int, repeats: int, device: str,
         starts: bool = True) -> dict[str, Any]:
     import torch
 
-    from vox_ws.engines.voxcpm.runner import BatchedVoxCPM2
+    from vox_ws.engines.voxcpm.lora import NO_ADAPTER
 
     torch.set_num_threads(1)
     slots = max(batches)
@@ -96,15 +66,14 @@ def run(model_dir: str, batches: list[int], steps: int, repeats: int, device: st
                "compiled": _engine(model_dir, slots, "on", cache, device)}
     for engine in engines.values():
         engine.load()
-        compiled = engine.runner.compiled
-        engine.runner.close()
-        engine.runner = BatchedVoxCPM2(engine.tts.tts_model, slots, decode_process=False, compiled=compiled)
+        decode_inline(engine, slots)
     samples: dict[tuple[str, int], list[tuple[float, float]]] = {}
     try:
         for _ in range(repeats):
             for batch in batches:
                 for name, engine in engines.items():
-                    samples.setdefault((name, batch), []).append(step_ms(engine, batch, steps))
+                    samples.setdefault((name, batch), []).append(
+                        time_steps(engine, TEXT, [NO_ADAPTER] * batch, steps, warm_up=2))
     finally:
         for engine in engines.values():
             engine.close()

@@ -19,9 +19,10 @@ import os
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
+
+from ._steps import decode_inline, time_steps
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TQDM_DISABLE", "1")
@@ -55,46 +56,15 @@ def slot_bytes(size: str, rank: int, element: int = 4) -> int:
 
 def measure(engine: Any, adapters: int | None, slots: list[int], batch: int, steps: int) -> dict[str, float]:
     from vox_ws.engines.voxcpm.lora import NO_ADAPTER
-    from vox_ws.engines.voxcpm.prompt import build_prompt
 
-    runner = engine.runner
-    model = engine.tts.tts_model
-    generated = [0.0]
-    generate = runner._generate
-
-    def timed(rows):
-        started = time.perf_counter()
-        try:
-            return generate(rows)
-        finally:
-            generated[0] += time.perf_counter() - started
-
-    if adapters:
-        row_slots = [slots[i % adapters] for i in range(batch)]
-    else:
-        row_slots = [NO_ADAPTER] * batch
-    rows = [runner.prefill(build_prompt(model, TEXT, None), seed=i, cfg_value=2.0, timesteps=10, min_len=2,
-                           max_len=4096, adapter=row_slots[i]) for i in range(batch)]
-    runner._generate = timed
-    try:
-        for _ in range(3):                       # warm-up, and the decoder process's pipeline filled
-            runner.step(rows)
-        generated[0] = 0.0
-        started = time.perf_counter()
-        for _ in range(steps):
-            runner.step(rows)
-        step_s = (time.perf_counter() - started) / steps
-    finally:
-        runner._generate = generate
-        for row in rows:
-            runner.release(row)
-    return {"step_ms": step_s * 1000, "generate_ms": generated[0] / steps * 1000,
-            "audio_s_per_s": batch * runner.samples_per_step / model.sample_rate / step_s}
+    row_slots = [slots[i % adapters] for i in range(batch)] if adapters else [NO_ADAPTER] * batch
+    step_ms, generate_ms = time_steps(engine, TEXT, row_slots, steps)
+    step_audio_s = engine.runner.samples_per_step / engine.tts.tts_model.sample_rate
+    return {"step_ms": step_ms, "generate_ms": generate_ms, "audio_s_per_s": batch * step_audio_s / (step_ms / 1000)}
 
 
 def run(model_dir: str, rank: int, batch: int, steps: int, repeats: int, threads: int) -> dict[str, Any]:
     from vox_ws.engines.voxcpm.engine import VoxCPMEngine
-    from vox_ws.engines.voxcpm.runner import BatchedVoxCPM2
     from vox_ws.testing.lora_adapters import package_model, write_adapter
 
     folder = Path(tempfile.mkdtemp(prefix="vox-ws-loras-"))
@@ -104,14 +74,9 @@ def run(model_dir: str, rank: int, batch: int, steps: int, repeats: int, threads
     plain = VoxCPMEngine(model=model_dir, device="cpu", threads=threads, max_batch=batch)
     adapted = VoxCPMEngine(model=model_dir, device="cpu", threads=threads, max_batch=batch, lora_rank=rank,
                            max_loras=8, lora_dir=str(folder))
-    plain.load()
-    adapted.load()
-    # The decode inline: on a small CPU the decoder process beside it would time-share the
-    # cores with the generation being measured.
     for engine in (plain, adapted):
-        adapters = engine.runner.adapters
-        engine.runner.close()
-        engine.runner = BatchedVoxCPM2(engine.tts.tts_model, batch, decode_process=False, adapters=adapters)
+        engine.load()
+        decode_inline(engine, batch)
     try:
         slots = [adapted.lora_op("load", f"voice{n}")["slot"] for n in range(8)]
         samples: dict[str, list[dict[str, float]]] = {name: [] for name, _ in CASES}

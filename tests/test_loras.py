@@ -47,6 +47,8 @@ def adapters(tiny_model, tmp_path_factory) -> Path:
     save_file({**state, base_key: dict(rank4.tts_model.named_parameters())[base_key].detach().clone()},
               str(folder / "base.safetensors"))
     (folder / "corrupt.safetensors").write_bytes(b"not a safetensors file")
+    write_adapter(tiny_model, folder / "listconfig", model=rank4, seed=5)
+    (folder / "listconfig" / "lora_config.json").write_text("[4, 8]")
     outside = tmp_path_factory.mktemp("outside")
     write_adapter(tiny_model, outside / "evil", model=rank4, seed=9)
     (folder / "escape").symlink_to(outside / "evil")
@@ -200,6 +202,7 @@ async def test_slots_run_out_and_free_up(server):
     ("wide", "too_large", "rank 8"),
     ("base", "bad_request", "weights of the base model"),
     ("corrupt", "bad_request", "cannot be read"),
+    ("listconfig", "bad_request", "lora_config.json is not a JSON object"),
 ])
 async def test_bad_adapters_are_refused_and_nothing_changes(server, name, code, words):
     async with connect_client(server, additional_headers=ADMIN_HEADERS) as admin:
@@ -207,6 +210,18 @@ async def test_bad_adapters_are_refused_and_nothing_changes(server, name, code, 
         assert refused["type"] == "error" and refused["code"] == code and words in refused["message"], refused
         result = await admin.speak(TEXT, "after", options={"seed": 1, "max_len": 2})
     assert_good_stream(result, reason="max_len")
+    assert listed(server)["adapters"] == []
+
+
+async def test_an_adapter_file_over_the_size_bound_is_refused_before_it_is_read(server, monkeypatch):
+    from vox_ws.engines.voxcpm import adapters as adapter_files
+
+    monkeypatch.setattr(adapter_files, "MAX_ADAPTER_BYTES", 1024)     # the tiny adapters are larger
+    async with connect_client(server, additional_headers=ADMIN_HEADERS) as admin:
+        refused = await lora(admin, "load", "bright")
+        assert refused["type"] == "error" and refused["code"] == "too_large", refused
+        assert "over the 1024 an adapter file may have" in refused["message"]
+        assert_good_stream(await admin.speak(TEXT, "after", options={"seed": 1, "max_len": 2}), reason="max_len")
     assert listed(server)["adapters"] == []
 
 
@@ -228,6 +243,8 @@ async def test_admin_token_over_v1_and_http_and_the_default_adapter(server, tiny
         assert (await http.post("/v1/loras/bright")).status_code == 403
         assert (await http.post("/v1/loras/bright", headers={"Authorization": "Bearer wrong"})).status_code == 403
         assert (await http.post("/v1/loras/bright", headers=ADMIN_HEADERS, content=b"[1]")).status_code == 400
+        huge = await http.post("/v1/loras/bright", headers=ADMIN_HEADERS, content=b" " * 4096)
+        assert huge.status_code == 413 and huge.json()["error"]["code"] == "too_large"
         made = await http.post("/v1/loras/bright", headers=ADMIN_HEADERS, json={"default": True})
         assert made.status_code == 201 and made.json()["default"] == "bright", made.text
         assert made.json()["slot"] == 0 and made.json()["loaded"] > 0

@@ -52,12 +52,15 @@ class Devices:
     # ------------------------------------------------------------------ the set as one
 
     @property
+    def ready(self) -> list[Scheduler]:
+        """The schedulers of the devices that serve now."""
+        return [s for s in self.schedulers if s.status == Readiness.READY]
+
+    @property
     def engine(self) -> Engine:
         """The engine that speaks for all (every device serves the same model and options)."""
-        for scheduler in self.schedulers:
-            if scheduler.status == Readiness.READY:
-                return scheduler.engine
-        return self.schedulers[0].engine
+        ready = self.ready
+        return (ready[0] if ready else self.schedulers[0]).engine
 
     @property
     def engines(self) -> list[Engine]:
@@ -89,7 +92,7 @@ class Devices:
     @property
     def step_rows(self) -> int:
         """Rows one step carries, all devices together (at most their slots)."""
-        return sum(min(s.engine.max_step_batch, s.max_batch or 0) for s in self.schedulers)
+        return sum(s.step_rows for s in self.schedulers)
 
     def start(self) -> None:
         for scheduler in self.schedulers:
@@ -157,4 +160,4 @@ class Devices:
 
     def call_all(self, fn: Callable[[Engine], Any]) -> list[Future]:
         """Run `fn(engine)` on every ready device's scheduler thread, between two steps."""
-        return [s.call(lambda engine=s.engine: fn(engine)) for s in self.schedulers if s.status == Readiness.READY]
+        return [s.call(lambda engine=s.engine: fn(engine)) for s in self.ready]

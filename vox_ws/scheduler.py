@@ -177,6 +177,11 @@ class Scheduler:
         """Requests waiting beyond the slots that the next turn frees. Called with the lock held."""
         return len(self._in_line()) - ((self.max_batch or 0) - len(self._active) - self._admitting)
 
+    @property
+    def step_rows(self) -> int:
+        """The most requests one step carries: the engine's rows, at most the slots."""
+        return min(self.engine.max_step_batch, self.max_batch or 0)
+
     def stats(self) -> dict[str, Any]:
         with self._cond:
             return {
@@ -184,7 +189,7 @@ class Scheduler:
                 "active": len(self._active),
                 "queued": len(self._in_line()),
                 "max_batch": self.max_batch or 0,
-                "step_rows": min(self.engine.max_step_batch, self.max_batch or 0),
+                "step_rows": self.step_rows,
                 "slots_reason": self.slots_reason,
                 "max_queue": self.max_queue,
                 "parked": sum(1 for r in self._waiting if r.parked),

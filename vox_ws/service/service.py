@@ -389,7 +389,7 @@ class StreamService:
         if self.devices.status != Readiness.READY:
             raise self.devices.not_ready()
         adapter_file = await self._off_thread(self.engine.read_lora, name) if op == "load" else None
-        ready = [s for s in self.devices.schedulers if s.status == Readiness.READY]
+        ready = self.devices.ready
         if not ready:
             raise self.devices.not_ready()
         outcomes = await _on_each(ready, lambda engine: engine.lora_op(op, name, adapter_file))

@@ -25,10 +25,14 @@ from .. import EnginePlugin, Setting, parse_bool, parse_count
 from .loading import DEFAULT_MODEL, weights_available
 from .options import OPTIONS
 
+# `--compile`: never; on CUDA only; always.
+COMPILE_MODES = ("off", "auto", "on")
+
+
 def parse_compile(text: str) -> str:
     value = str(text).strip().lower()
-    if value not in ("off", "auto", "on"):
-        raise ValueError("off, auto or on")
+    if value not in COMPILE_MODES:
+        raise ValueError(", ".join(COMPILE_MODES))
     return value
 
 

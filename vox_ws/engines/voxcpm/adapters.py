@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import re
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +46,9 @@ class AdapterFile:
 
 @dataclass(eq=False)
 class Adapter:
+    """One loaded adapter: its slot, and who uses it. What `AdapterBook.pin` gives a stream,
+    which holds it (the adapter stays) until `unpin`."""
+
     name: str
     slot: int
     rank: int
@@ -60,21 +63,6 @@ class Adapter:
         return {"name": self.name, "slot": self.slot, "rank": self.rank, "scaling": self.scaling,
                 "streams": self.streams, "state": "unloading" if self.unloading else "loaded",
                 "default": self.name == default}
-
-
-@dataclass(frozen=True, eq=False)
-class AdapterPin:
-    """What a stream holds while it speaks with an adapter: the adapter stays until it ends."""
-
-    adapter: Adapter = field(repr=False)
-
-    @property
-    def name(self) -> str:
-        return self.adapter.name
-
-    @property
-    def slot(self) -> int:
-        return self.adapter.slot
 
 
 class AdapterBook:
@@ -109,7 +97,7 @@ class AdapterBook:
 
     # ------------------------------------------------------------------ streams (event loop)
 
-    def pin(self, name: str | None) -> AdapterPin | None:
+    def pin(self, name: str | None) -> Adapter | None:
         """The adapter a new stream speaks with: `name`, or the default where it names none
         (None: the base model). Raises Refused."""
         with self._lock:
@@ -122,42 +110,45 @@ class AdapterBook:
                               field="lora")
             adapter = self._by_name.get(name)
             if adapter is None:
-                raise Refused(ErrorKind.INVALID, f"unknown LoRA adapter {name!r} (loaded: {sorted(self._by_name)})",
-                              field="lora")
+                raise self._unknown(name, "lora")
             if adapter.unloading:
                 raise Refused(ErrorKind.INVALID, f"LoRA adapter {name!r} is being unloaded: {adapter.streams} "
                                                  "stream(s) still speak with it, no new one may", field="lora")
             adapter.streams += 1
-            return AdapterPin(adapter)
+            return adapter
 
-    def unpin(self, pin: AdapterPin | None) -> None:
-        if pin is None:
+    def unpin(self, adapter: Adapter | None) -> None:
+        if adapter is None:
             return
         with self._lock:
-            pin.adapter.streams -= 1
-            self._free_if_unused(pin.adapter)
+            adapter.streams -= 1
+            self._free_if_unused(adapter)
 
     # ------------------------------------------------------------------ requests (scheduler thread)
 
-    def row_started(self, pin: AdapterPin | None) -> int:
-        """A request with this pin took a row: its slot (`NO_ADAPTER` for none)."""
-        if pin is None:
+    def row_started(self, adapter: Adapter | None) -> int:
+        """A request of a stream pinning `adapter` took a row: its slot (`NO_ADAPTER` for none)."""
+        if adapter is None:
             return NO_ADAPTER
         with self._lock:
-            pin.adapter.rows += 1
-        return pin.slot
+            adapter.rows += 1
+        return adapter.slot
 
-    def row_ended(self, pin: AdapterPin | None) -> None:
-        if pin is None:
+    def row_ended(self, adapter: Adapter | None) -> None:
+        if adapter is None:
             return
         with self._lock:
-            pin.adapter.rows -= 1
-            self._free_if_unused(pin.adapter)
+            adapter.rows -= 1
+            self._free_if_unused(adapter)
 
     def _free_if_unused(self, adapter: Adapter) -> None:
         if adapter.unloading and adapter.streams <= 0 and adapter.rows <= 0 \
                 and self._by_name.get(adapter.name) is adapter:
             del self._by_name[adapter.name]
+
+    def _unknown(self, name: str, field: str) -> Refused:
+        loaded = sorted(n for n, a in self._by_name.items() if not a.unloading)
+        return Refused(ErrorKind.INVALID, f"unknown LoRA adapter {name!r} (loaded: {loaded})", field=field)
 
     # ------------------------------------------------------------------ files (any thread)
 
@@ -171,8 +162,10 @@ class AdapterBook:
         if not weights_file.is_file() or not weights_file.resolve().is_relative_to(self.directory):
             raise Refused(ErrorKind.INVALID, f"LoRA adapter {name!r} has no lora_weights.safetensors or "
                                              "lora_weights.ckpt", field="name")
-        if weights_file.stat().st_size > MAX_ADAPTER_BYTES:
-            raise Refused(ErrorKind.TOO_LARGE, f"LoRA adapter {name!r} is over {MAX_ADAPTER_BYTES >> 20} MiB")
+        size = weights_file.stat().st_size              # checked before a byte is read
+        if size > MAX_ADAPTER_BYTES:
+            raise Refused(ErrorKind.TOO_LARGE, f"LoRA adapter {name!r} is {size} bytes, over the "
+                                               f"{MAX_ADAPTER_BYTES} an adapter file may have", field="name")
         try:
             if weights_file.suffix == ".safetensors":
                 from safetensors.torch import load_file
@@ -186,7 +179,7 @@ class AdapterBook:
                                              f"{str(exc)[:200]}", field="name") from None
         if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
             raise Refused(ErrorKind.INVALID, f"LoRA adapter {name!r} is not a map of tensors", field="name")
-        return self._check(name, state, self._config(path if path.is_dir() else path.parent, path))
+        return self._check(name, state, self._config(path))
 
     def _check(self, name: str, state: dict[str, torch.Tensor], config: dict[str, Any]) -> AdapterFile:
         halves: dict[str, dict[str, torch.Tensor]] = {}
@@ -235,23 +228,25 @@ class AdapterBook:
         return AdapterFile(name, weights, rank, scaling, tuple(loaded), tuple(skipped))
 
     @staticmethod
-    def _config(folder: Path, path: Path) -> dict[str, Any]:
+    def _config(path: Path) -> dict[str, Any]:
         """The adapter's own r and alpha: `lora_config.json` in its directory (or NAME.json
         beside its file), either at the top or under "lora_config" or "lora"."""
-        candidates = [folder / "lora_config.json"] if path.is_dir() else [path.with_suffix(".json")]
-        for candidate in candidates:
-            if candidate.is_file():
-                try:
-                    config = json.loads(candidate.read_text())
-                except (OSError, ValueError) as exc:
-                    raise Refused(ErrorKind.INVALID, f"{candidate.name} is not JSON: {exc}", field="name") from None
-                for inner in (config.get("lora_config"), config.get("lora"), config):
-                    if isinstance(inner, dict) and "r" in inner and "alpha" in inner:
-                        r, alpha = inner["r"], inner["alpha"]
-                        if not all(_positive(v) for v in (r, alpha)):
-                            raise Refused(ErrorKind.INVALID, f"{candidate.name}: r and alpha must be positive numbers",
-                                          field="name")
-                        return {"r": r, "alpha": alpha}
+        candidate = path / "lora_config.json" if path.is_dir() else path.with_suffix(".json")
+        if not candidate.is_file():
+            return {}
+        try:
+            config = json.loads(candidate.read_text())
+        except (OSError, ValueError) as exc:
+            raise Refused(ErrorKind.INVALID, f"{candidate.name} is not JSON: {exc}", field="name") from None
+        if not isinstance(config, dict):
+            raise Refused(ErrorKind.INVALID, f"{candidate.name} is not a JSON object", field="name")
+        for inner in (config.get("lora_config"), config.get("lora"), config):
+            if isinstance(inner, dict) and "r" in inner and "alpha" in inner:
+                r, alpha = inner["r"], inner["alpha"]
+                if not all(_positive(v) for v in (r, alpha)):
+                    raise Refused(ErrorKind.INVALID, f"{candidate.name}: r and alpha must be positive numbers",
+                                  field="name")
+                return {"r": r, "alpha": alpha}
         return {}
 
     def _configured(self) -> None:
@@ -311,8 +306,7 @@ class AdapterBook:
         with self._lock:
             adapter = self._by_name.get(name)
             if adapter is None:
-                raise Refused(ErrorKind.INVALID, f"unknown LoRA adapter {name!r} (loaded: {sorted(self._by_name)})",
-                              field="name")
+                raise self._unknown(name, "name")
             adapter.unloading = True
             if self.default == name:
                 self.default = None
@@ -330,8 +324,7 @@ class AdapterBook:
             else:
                 adapter = self._by_name.get(name)
                 if adapter is None or adapter.unloading:
-                    loaded = sorted(n for n, a in self._by_name.items() if not a.unloading)
-                    raise Refused(ErrorKind.INVALID, f"unknown LoRA adapter {name!r} (loaded: {loaded})", field="name")
+                    raise self._unknown(name, "name")
                 self.default = name
         return {"default": self.default}
 

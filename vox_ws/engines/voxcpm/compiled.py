@@ -11,8 +11,8 @@ repeating its last row, whose outputs are dropped):
   serves every `inference_timesteps`;
 - the LocEnc and its projection into the LM (`encode`).
 
-Rows with different LoRA adapters go through the same graph: inside these calls every row
-carries a mask (zeros for no adapter), so the graph does not depend on the mix.
+Rows with different LoRA adapters go through the same graph: the runner gives every row a
+mask inside these calls (zeros for no adapter), so the graph does not depend on the mix.
 
 Not compiled (yet): the LMs' decode step (its attention length grows with each row's
 position) and the streaming VAE (its carried state is per row, in the decoder process on a CPU).
@@ -23,22 +23,22 @@ second start with the same model, buckets and PyTorch only loads it.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 from torch import nn
 
-from .lora import NO_ADAPTER, RowAdapters
+from .lora import NO_ADAPTER
 
 log = logging.getLogger("vox_ws.engines.voxcpm")
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)
-COMPILE_MODES = ("off", "auto", "on")
+# One velocity call: what a solve of two timesteps makes (the first is CFG-zero*'s zero step).
+WARM_UP_TIMESTEPS = 2
 
 
 def default_cache_dir() -> Path:
@@ -80,11 +80,9 @@ def padded(tensor: torch.Tensor, rows: int) -> torch.Tensor:
 class CompiledStep:
     """The compiled pieces of one model's step, and the buckets they were compiled for."""
 
-    def __init__(self, model: nn.Module, buckets: tuple[int, ...], adapters: RowAdapters | None,
-                 cache_dir: str | os.PathLike | None = None) -> None:
+    def __init__(self, model: nn.Module, buckets: tuple[int, ...], cache_dir: str | os.PathLike | None = None) -> None:
         self.model = model
         self.buckets = tuple(sorted(buckets))
-        self.adapters = adapters
         self.cache_dir = Path(cache_dir) if cache_dir else default_cache_dir()
         self.cache_dir.mkdir(parents=True, exist_ok=True)
         # Read by inductor when it first compiles; a process compiles for one cache.
@@ -94,7 +92,7 @@ class CompiledStep:
         for name in ("recompile_limit", "cache_size_limit"):
             if hasattr(dynamo, name) and getattr(dynamo, name) < limit:
                 setattr(dynamo, name, limit)
-        self._velocity = torch.compile(velocity, fullgraph=True, dynamic=False)
+        self.velocity = torch.compile(velocity, fullgraph=True, dynamic=False)
         self._encode = torch.compile(encode, fullgraph=True, dynamic=False)
         self.compile_s: dict[int, float] = {}
 
@@ -104,33 +102,26 @@ class CompiledStep:
                 return size
         raise ValueError(f"{rows} rows: over the largest compiled bucket ({self.buckets[-1]})")
 
-    def velocity_for(self, slots: list[int]) -> tuple[Callable[..., torch.Tensor], Any]:
-        """The velocity for a CFM solve of these rows' adapter slots, and the context it runs in."""
-        if self.adapters is None:
-            return self._velocity, contextlib.nullcontext()
-        return self._velocity, self.adapters.rows(slots + slots, masked=True)
-
     def encode(self, pred_feat: torch.Tensor) -> torch.Tensor:
         rows = pred_feat.shape[0]
         return self._encode(self.model, padded(pred_feat, self.bucket(rows)))[:rows]
 
     @torch.inference_mode()
-    def warm_up(self, solve: Callable[..., torch.Tensor], timesteps: int, on_bucket: Callable[[int, int], None]) -> None:
-        """Compile every bucket now (or load it from the cache): a CFM solve and an encode of
-        that many rows each. `solve` is the runner's CFM solve; `on_bucket(i, n)` reports progress."""
+    def warm_up(self, solve: Callable[..., torch.Tensor]) -> None:
+        """Compile every bucket now (or load it from the cache): a CFM solve (`solve`, the
+        runner's) and an encode of that many rows each, the log counting the buckets."""
         m = self.model
         dtype = next(m.parameters()).dtype
         device = next(m.parameters()).device
         hidden = m.lm_to_dit_proj.out_features + m.res_to_dit_proj.out_features
         for i, rows in enumerate(self.buckets):
-            on_bucket(i, len(self.buckets))
+            log.info("compiling the step for %d rows (%d/%d)", rows, i + 1, len(self.buckets))
             started = time.perf_counter()
             mu = torch.zeros(rows, hidden, device=device, dtype=dtype)
             cond = torch.zeros(rows, m.feat_dim, m.patch_size, device=device, dtype=dtype)
             noise = torch.randn(rows, m.feat_dim, m.patch_size, device=device, dtype=dtype)
             cfg = torch.full((rows,), 2.0, device=device, dtype=dtype)
-            solved = solve(mu, cond, noise, timesteps, cfg, [NO_ADAPTER] * rows)
+            solved = solve(mu, cond, noise, WARM_UP_TIMESTEPS, cfg, [NO_ADAPTER] * rows)
             self.encode(solved.transpose(1, 2).contiguous())
             self.compile_s[rows] = round(time.perf_counter() - started, 1)
-            log.info("compiled the step for %d rows in %.1f s (%d/%d)", rows, self.compile_s[rows], i + 1,
-                     len(self.buckets))
+            log.info("compiled the step for %d rows in %.1f s", rows, self.compile_s[rows])

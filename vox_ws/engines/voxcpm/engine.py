@@ -18,8 +18,9 @@ import numpy as np
 from ...engine import Engine, ErrorKind, GenerationRequest, Refused, StepResult
 from ...text import pack
 from .loading import DEFAULT_MODEL, architecture, import_voxcpm, resolve_model_path, verify_weights
-from .adapters import AdapterBook, AdapterFile, AdapterPin
-from .compiled import BUCKETS, COMPILE_MODES, CompiledStep, buckets_for
+from .adapters import Adapter, AdapterBook, AdapterFile
+from . import COMPILE_MODES
+from .compiled import BUCKETS, CompiledStep, buckets_for
 from .normalizer import NORMALIZE_TIMEOUT_S, Normalizer
 from .options import DEFAULTS, OPTIONS
 from .prompt import build_prompt, clean_text, prompt_positions
@@ -160,14 +161,12 @@ class VoxCPMEngine(Engine):
         """Compile the step for every bucket up to the rows a step carries, now: `/readyz` says
         `compiling` meanwhile; the compile cache makes a second start fast."""
         buckets = buckets_for(self.max_step_batch, self._compile_buckets)
-        self.compiled = CompiledStep(model, buckets, self._lora.adapters, self._compile_cache)
+        self.compiled = CompiledStep(model, buckets, self._compile_cache)
         self.runner.compiled = self.compiled
         self.loading_phase = "compiling"
         started = time.perf_counter()
         try:
-            self.compiled.warm_up(self.runner.solve, timesteps=2,
-                                  on_bucket=lambda i, n: log.info("compiling the step: bucket %d of %d (%d rows)",
-                                                                  i + 1, n, buckets[i]))
+            self.compiled.warm_up(self.runner.solve)
         finally:
             self.loading_phase = None
         log.info("the step is compiled for %s rows in %.1f s (cache %s)", list(buckets),
@@ -255,7 +254,7 @@ class VoxCPMEngine(Engine):
 
     def describe(self) -> dict[str, Any]:
         compiled = self.compiled
-        return {**super().describe(), "dtype": self.dtype, "lora": dict(self.lora),
+        return {**super().describe(), "dtype": self.dtype, "lora": self.lora,
                 "max_batch": self._slots, "step_rows": self.max_step_batch,
                 "compile": {"mode": self._compile, "compiled": compiled is not None,
                             "buckets": list(compiled.buckets) if compiled else [],
@@ -391,7 +390,7 @@ class VoxCPMEngine(Engine):
     def delete_voice(self, voice_id: str) -> bool:
         return self._voices.delete(voice_id)
 
-    def pin_lora(self, name: str | None) -> AdapterPin | None:
+    def pin_lora(self, name: str | None) -> Adapter | None:
         return self._lora.pin(name)
 
     def unpin_lora(self, pin: Any) -> None:

@@ -185,9 +185,10 @@ class BatchedVoxCPM2:
             adapter=adapter,
         )
 
-    def _adapted(self, slots: list[int]) -> Any:
-        """Row i of the calls inside speaks with adapter slot `slots[i]`."""
-        return self.adapters.rows(slots) if self.adapters is not None else contextlib.nullcontext()
+    def _adapted(self, slots: list[int], masked: bool = False) -> Any:
+        """Row i of the calls inside speaks with adapter slot `slots[i]` (`masked`: through the
+        mask whatever the mix, as a compiled graph takes it)."""
+        return self.adapters.rows(slots, masked) if self.adapters is not None else contextlib.nullcontext()
 
     def release(self, row: RowState) -> None:
         if row.slot not in self._free_slots:
@@ -330,10 +331,10 @@ class BatchedVoxCPM2:
                 return _cfm_solve(cfm, mu, cond, noise, timesteps, cfg)
         count = mu.shape[0]
         rows = self.compiled.bucket(count)
-        compiled_velocity, context = self.compiled.velocity_for(adapters + [NO_ADAPTER] * (rows - count))
-        with context:
+        slots = adapters + [NO_ADAPTER] * (rows - count)
+        with self._adapted(slots + slots, masked=True):
             solved = _cfm_solve(cfm, padded(mu, rows), padded(cond, rows), padded(noise, rows), timesteps,
-                                padded(cfg, rows), compiled_velocity)
+                                padded(cfg, rows), self.compiled.velocity)
         return solved[:count]
 
     def _advance(self, rows: list[RowState], curr_embed: torch.Tensor) -> None:
