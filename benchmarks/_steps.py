@@ -9,14 +9,15 @@ from typing import Any
 
 def decode_inline(engine: Any, slots: int) -> None:
     """Give `engine` a runner that decodes its audio inline (its LoRA slots and compiled step
-    kept): on a small CPU the decoder process would time-share the cores with the generation
-    being timed."""
+    kept, the VAE compiled here too): on a small CPU the decoder process would time-share the
+    cores with the generation being timed."""
     from vox_ws.engines.voxcpm.runner import BatchedVoxCPM2
 
     old = engine.runner
     old.close()
-    engine.runner = BatchedVoxCPM2(engine.tts.tts_model, slots, decode_process=False, adapters=old.adapters,
-                                   compiled=old.compiled)
+    engine.runner = BatchedVoxCPM2(engine.tts.tts_model, slots, decode_process=False, adapters=old.adapters)
+    if old.compiled is not None:
+        engine.runner.compile(old.compiled)
 
 
 def time_steps(engine: Any, text: str, row_adapters: list[int], steps: int, warm_up: int = 3) -> tuple[float, float]:

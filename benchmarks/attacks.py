@@ -518,7 +518,7 @@ def observe(port: int, pid: int, seconds: float, engine: str) -> Observed:
 # ------------------------------------------------------------------ the server
 
 
-def serve(engine_name: str, port_file: str) -> None:
+def serve(engine_name: str, port_file: str, model: str | None = None, device: str = "cpu") -> None:
     from vox_ws.config import Limits, ServerConfig
 
     from ._transport_server import run_server
@@ -528,12 +528,15 @@ def serve(engine_name: str, port_file: str) -> None:
         from vox_ws.engines.voxcpm.engine import VoxCPMEngine
         from vox_ws.testing.tiny_voxcpm import build
 
-        model = build(tempfile.mkdtemp(prefix="vox-ws-attacks-"), stop="never")
-        # -deadline: four times the KV slots, each step still eight rows, picked by slack;
-        # -compiled: the step compiled (`--compile on`), its code cached for the next server.
-        slots = 32 if "deadline" in engine_name else 8
+        model = model or str(build(tempfile.mkdtemp(prefix="vox-ws-attacks-"), stop="never"))
+        # Each step carries `rows` (8 on a CPU, 32 on a GPU): every stream of `rows` slots (today's
+        # policy), or with -deadline of more slots (four times on a CPU; twice on a GPU, where a
+        # real-size slot holds 0.6 GB of float32 KV), the rows picked by slack;
+        # -compiled: the step compiled (`--compile on`), its graphs kept for the next server.
+        rows = 8 if device == "cpu" else 32
+        slots = (4 if device == "cpu" else 2) * rows if "deadline" in engine_name else rows
         compiled = "compiled" in engine_name
-        engine = VoxCPMEngine(model=str(model), device="cpu", max_batch=slots, step_rows=8,
+        engine = VoxCPMEngine(model=model, device=device, max_batch=slots, step_rows=rows,
                               compile="on" if compiled else "off",
                               compile_cache=os.path.join(tempfile.gettempdir(), "vox-ws-bench-compile-cache"))
     else:
@@ -544,12 +547,16 @@ def serve(engine_name: str, port_file: str) -> None:
 
 
 class Server:
-    def __init__(self, engine: str) -> None:
+    def __init__(self, engine: str, model: str | None = None, device: str = "cpu") -> None:
+        """`engine` (see `serve`) in a process of its own; VoxCPM2 from `model` (default: the tiny
+        one, built) on `device`."""
         self.engine = engine
         self._port_file = tempfile.mktemp(prefix="vox-ws-port-")
-        self.proc = subprocess.Popen(module_command("attacks", "--serve", engine,
-                                                    "--port-file", self._port_file), cwd=ROOT)
-        deadline = time.monotonic() + 180
+        where = (["--model", model] if model else []) + ["--device", device]
+        self.proc = subprocess.Popen(module_command("attacks", "--serve", engine, "--port-file", self._port_file,
+                                                    *where), cwd=ROOT)
+        # A compiled step compiles every bucket before it listens: minutes on a small CPU.
+        deadline = time.monotonic() + (900 if "compiled" in engine else 180)
         while not os.path.exists(self._port_file) or not open(self._port_file).read().strip():
             if time.monotonic() > deadline or self.proc.poll() is not None:
                 raise RuntimeError("the server did not start")
@@ -639,11 +646,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", help="write the figures here")
     parser.add_argument("--serve", help=argparse.SUPPRESS)
     parser.add_argument("--port-file", help=argparse.SUPPRESS)
+    parser.add_argument("--model", help=argparse.SUPPRESS)
+    parser.add_argument("--device", default="cpu", help=argparse.SUPPRESS)
     parser.add_argument("--attack", help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.serve:
-        serve(args.serve, args.port_file)
+        serve(args.serve, args.port_file, args.model, args.device)
         return 0
     if args.attack:
         run_attack(args.attack, args.port, args.seconds)

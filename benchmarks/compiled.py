@@ -7,7 +7,7 @@ eager; compiled with an empty compile cache (first start); compiled again with t
 (second start).
 
     python -m benchmarks.compiled [--model DIR] [--batches 1,8,16] [--steps 20] [--repeats 5] [--json FILE]
-        [--no-starts]
+        [--no-starts] [--buckets 1,8,16]
 """
 
 from __future__ import annotations
@@ -22,6 +22,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from vox_ws.engines.voxcpm import parse_buckets
+
 from ._steps import decode_inline, time_steps
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -30,17 +32,20 @@ os.environ.setdefault("TQDM_DISABLE", "1")
 TEXT = "Compiled or eager, the same audio; one of them sooner."
 
 
-def _engine(model_dir: str, slots: int, compile: str, cache: str | None, device: str = "cpu") -> Any:
+def _engine(model_dir: str, slots: int, compile: str, cache: str | None, device: str = "cpu",
+            buckets: tuple[int, ...] | None = None) -> Any:
     from vox_ws.engines.voxcpm.engine import VoxCPMEngine
 
     return VoxCPMEngine(model=model_dir, device=device, threads=1, max_batch=slots, compile=compile,
-                        compile_cache=cache)
+                        compile_cache=cache, compile_buckets=buckets)
 
 
-def start_seconds(model_dir: str, slots: int, compile: str, cache: str | None, device: str) -> float:
+def start_seconds(model_dir: str, slots: int, compile: str, cache: str | None, device: str,
+                  buckets: tuple[int, ...] | None = None) -> float:
     """One engine start in a process of its own (no compiled code in memory from before)."""
     code = ("import json, sys, time; from benchmarks.compiled import _engine; started = time.perf_counter(); "
-            f"engine = _engine({model_dir!r}, {slots}, {compile!r}, {cache!r}, {device!r}); engine.load(); "
+            f"engine = _engine({model_dir!r}, {slots}, {compile!r}, {cache!r}, {device!r}, {buckets!r}); "
+            "engine.load(); "
             "took = time.perf_counter() - started; engine.close(); print(json.dumps(took))")
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env={**os.environ, "PYTHONPATH": os.pathsep.join([os.getcwd(),
@@ -49,7 +54,7 @@ def start_seconds(model_dir: str, slots: int, compile: str, cache: str | None, d
 
 
 def run(model_dir: str, batches: list[int], steps: int, repeats: int, device: str,
-        starts: bool = True) -> dict[str, Any]:
+        starts: bool = True, buckets: tuple[int, ...] | None = None) -> dict[str, Any]:
     import torch
 
     from vox_ws.engines.voxcpm.lora import NO_ADAPTER
@@ -60,10 +65,10 @@ def run(model_dir: str, batches: list[int], steps: int, repeats: int, device: st
     started = {}
     if starts:
         started = {"eager_s": start_seconds(model_dir, slots, "off", None, device),
-                   "compiled_first_s": start_seconds(model_dir, slots, "on", cache, device),
-                   "compiled_second_s": start_seconds(model_dir, slots, "on", cache, device)}
+                   "compiled_first_s": start_seconds(model_dir, slots, "on", cache, device, buckets),
+                   "compiled_second_s": start_seconds(model_dir, slots, "on", cache, device, buckets)}
     engines = {"eager": _engine(model_dir, slots, "off", None, device),
-               "compiled": _engine(model_dir, slots, "on", cache, device)}
+               "compiled": _engine(model_dir, slots, "on", cache, device, buckets)}
     for engine in engines.values():
         engine.load()
         decode_inline(engine, slots)
@@ -101,6 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--json", help="write the result here")
     ap.add_argument("--no-starts", action="store_true", help="time the steps only")
+    ap.add_argument("--buckets", help="batch sizes to compile for (default: 1, 2, 4, ... up to the largest batch)")
     args = ap.parse_args(argv)
     model_dir = args.model
     if model_dir is None:
@@ -108,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
 
         model_dir = str(build(tempfile.mkdtemp(prefix="vox-ws-tiny-"), stop="never"))
     result = run(model_dir, [int(b) for b in args.batches.split(",")], args.steps, args.repeats, args.device,
-                 starts=not args.no_starts)
+                 starts=not args.no_starts, buckets=parse_buckets(args.buckets) if args.buckets else None)
     print(f"one step, median of {result['repeats']} interleaved runs of {result['steps']} steps (VAE inline):")
     print(f"{'B':>4}{'eager ms':>10}{'compiled ms':>13}{'compiled/eager':>16}{'generation: eager':>19}"
           f"{'compiled':>10}{'ratio':>7}")

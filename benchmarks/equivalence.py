@@ -100,8 +100,7 @@ def run_batched(model: Any, requests: list, max_batch: int = 4, decode_process: 
     if compiled_buckets:
         from vox_ws.engines.voxcpm.compiled import CompiledStep
 
-        runner.compiled = CompiledStep(model, compiled_buckets, compile_cache)
-        runner.compiled.warm_up(runner.solve)
+        runner.compile(CompiledStep(model, compiled_buckets, compile_cache, adapters=adapters))
     outputs: dict[int, list[np.ndarray]] = {i: [] for i in range(len(requests))}
     rows = {}
     pending = sorted(range(len(requests)), key=lambda i: requests[i][2])

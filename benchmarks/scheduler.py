@@ -257,16 +257,14 @@ def profile_step(model_dir: str, device: str, threads: int, batch_sizes: list[in
         engine.close()
     # Inline, so that the parts add up to the step.
     runner = engine.runner = vb.BatchedVoxCPM2(engine.tts.tts_model, max(batch_sizes), decode_process=False)
-    encoder = runner.model.feat_encoder
-    originals = (vb._cfm_solve, vb.lm_step, runner.vae.decode, encoder.forward)
+    originals = (vb._cfm_solve, vb.advance, runner.vae.decode)
     vb._cfm_solve = timed("cfm", vb._cfm_solve)
-    vb.lm_step = timed("lm+residual", vb.lm_step)
+    vb.advance = timed("stop+locenc+lms", vb.advance)
     runner.vae.decode = timed("vae", runner.vae.decode)
-    encoder.forward = timed("locenc", encoder.forward)
     try:
         inline = run(runner)
     finally:
-        vb._cfm_solve, vb.lm_step, runner.vae.decode, encoder.forward = originals
+        vb._cfm_solve, vb.advance, runner.vae.decode = originals
     return {"as_served": served, "decoder_process": decoder is not None, "inline": inline}
 
 

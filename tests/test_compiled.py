@@ -1,16 +1,23 @@
-"""The compiled step (`--compile`): readiness while it compiles, the compile cache, and what
-`auto` picks. (Its audio equals the package's: tests/test_voxcpm_equivalence.py.)"""
+"""The compiled step (`--compile`): readiness while it compiles, the graphs kept on disk and a
+second start that loads them, what a saved graph refuses, and what `auto` picks. (Its audio
+equals the package's: tests/test_voxcpm_equivalence.py.)"""
 
 from __future__ import annotations
 
+import logging
 import threading
 
 from conftest import WAIT_TIMEOUT, assert_good_stream, connect_client
+import numpy as np
 import pytest
+import torch
 
 from vox_ws.engines.voxcpm import parse_buckets, parse_compile
 from vox_ws.engines.voxcpm.compiled import buckets_for
+from vox_ws.engines.voxcpm.decoder_process import DecoderProcess
 from vox_ws.engines.voxcpm.engine import VoxCPMEngine
+from vox_ws.engines.voxcpm.graphs import GraphMismatch, GraphStore
+from vox_ws.engines.voxcpm.prompt import build_prompt
 
 
 def test_buckets_cover_every_batch_up_to_the_rows():
@@ -34,7 +41,8 @@ def test_auto_leaves_the_step_eager_on_a_cpu(tiny_model):
     engine.load()
     try:
         assert engine.compiled is None and engine.runner.compiled is None
-        assert engine.describe()["compile"] == {"mode": "auto", "compiled": False, "buckets": [], "compile_s": {}}
+        assert engine.describe()["compile"] == {"mode": "auto", "compiled": False, "buckets": [], "compile_s": {},
+                                                "graphs": {"loaded": 0, "compiled": 0}}
     finally:
         engine.close()
 
@@ -68,6 +76,121 @@ async def test_readyz_says_compiling_until_the_step_is_compiled_then_it_serves(s
     server.wait_ready()
     status, info = server.get("/v1/info")
     assert info["compile"]["compiled"] is True and info["compile"]["buckets"] == [1], info["compile"]
-    assert any(cache.rglob("*")), "the compiled code must be kept in the cache directory"
+    # The CFM velocity, the advance and the VAE decode here (and in the decoder process, if any).
+    assert info["compile"]["graphs"]["compiled"] >= 3 and info["compile"]["graphs"]["loaded"] == 0, info["compile"]
+    assert len(list((cache / "graphs").glob("*.pt2"))) == info["compile"]["graphs"]["compiled"]
     async with connect_client(server) as c:
         assert_good_stream(await c.speak("Compiled now.", options={"seed": 1, "max_len": 3}), reason="max_len")
+
+
+def _speak(engine: VoxCPMEngine, text: str = "A second start says the same.") -> np.ndarray:
+    """One request through the engine's runner, start to end: its audio."""
+    runner = engine.runner
+    row = runner.prefill(build_prompt(engine.tts.tts_model, text, None), seed=3, cfg_value=2.0, timesteps=4,
+                         min_len=2, max_len=6)
+    audio = []
+    try:
+        while True:
+            [(chunk, reason)] = runner.step([row])
+            if chunk is not None:
+                audio.append(chunk.numpy())
+            if reason is not None:
+                return np.concatenate(audio)
+    finally:
+        runner.release(row)
+
+
+@pytest.mark.slow
+def test_a_second_start_loads_every_compiled_graph_from_the_disk_and_says_the_same(tiny_model, tmp_path):
+    def start() -> VoxCPMEngine:
+        engine = VoxCPMEngine(model=str(tiny_model), device="cpu", max_batch=2, compile="on", compile_buckets=(2,),
+                              compile_cache=str(tmp_path / "cache"))
+        engine.load()
+        return engine
+
+    first = start()
+    try:
+        made = first.describe()["compile"]["graphs"]
+        said = _speak(first)
+    finally:
+        first.close()
+    assert made["loaded"] == 0 and made["compiled"] >= 3, made
+    second = start()
+    try:
+        assert second.describe()["compile"]["graphs"] == {"loaded": made["compiled"], "compiled": 0}
+        again = _speak(second)
+    finally:
+        second.close()
+    assert said.shape == again.shape and said.shape[0] > 0
+    np.testing.assert_allclose(again, said, atol=1e-6)
+
+
+def _affine(layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return torch.relu(layer(x)) * 2
+
+
+@pytest.mark.slow
+def test_a_saved_graph_takes_new_weights_refuses_other_shapes_and_a_broken_file_is_compiled_again(tmp_path, caplog):
+    layer, x = torch.nn.Linear(4, 3), torch.randn(2, 4)
+    store = GraphStore(tmp_path, "test")
+    graph = store.graph("affine", _affine, (layer, x))
+    assert (store.loaded, store.compiled) == (0, 1)
+    torch.testing.assert_close(graph(layer, x), _affine(layer, x))
+    for wrong in (torch.randn(3, 4), torch.randn(2, 4, dtype=torch.float64), torch.randn(4, 2).t()):
+        with pytest.raises(GraphMismatch, match="affine: argument 1"):
+            graph(layer, wrong)
+
+    # Read back by a new store (a new start): the weights are inputs, not baked in.
+    again = GraphStore(tmp_path, "test")
+    loaded = again.graph("affine", _affine, (layer, x))
+    assert (again.loaded, again.compiled) == (1, 0)
+    retrained = torch.nn.Linear(4, 3)
+    torch.testing.assert_close(loaded(retrained, x), _affine(retrained, x))
+    # Other shapes of the module, or another context: another graph, compiled.
+    wider = GraphStore(tmp_path, "test")
+    wider.graph("affine", _affine, (torch.nn.Linear(4, 5), x))
+    other = GraphStore(tmp_path, "another model")
+    other.graph("affine", _affine, (layer, x))
+    assert (wider.compiled, other.compiled) == (1, 1)
+    assert len(list((tmp_path / "graphs").glob("affine-*.pt2"))) == 3
+
+    for saved in (tmp_path / "graphs").glob("affine-*.pt2"):
+        saved.write_bytes(b"not a graph")
+    fresh = GraphStore(tmp_path, "test")
+    with caplog.at_level(logging.WARNING, logger="vox_ws.engines.voxcpm"):
+        rebuilt = fresh.graph("affine", _affine, (layer, x))
+    assert (fresh.loaded, fresh.compiled) == (0, 1) and "unreadable" in caplog.text
+    torch.testing.assert_close(rebuilt(layer, x), _affine(layer, x))
+
+
+@pytest.mark.slow
+def test_a_dynamic_size_takes_any_length_of_two_or_more(tmp_path):
+    def scaled_sum(x: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+        return (x[:, :keys.shape[0]] * keys).sum(-1)
+
+    x, keys = torch.randn(2, 16), torch.arange(4.0)
+    graph = GraphStore(tmp_path, "test").graph("scaled_sum", scaled_sum, (x, keys), dynamic={id(keys): 0})
+    for length in (2, 4, 9, 16):
+        keys = torch.arange(float(length))
+        torch.testing.assert_close(graph(x, keys), scaled_sum(x, keys))
+    with pytest.raises(GraphMismatch):
+        graph(x, torch.arange(1.0))
+
+
+def test_a_decode_compile_that_fails_is_refused_with_its_reason_and_the_process_goes_on(tiny_model, tmp_path):
+    engine = VoxCPMEngine(model=str(tiny_model), device="cpu", max_batch=1)
+    engine.load()
+    vae = engine.tts.tts_model.audio_vae
+    decoder = DecoderProcess(type(vae), engine.tts.tts_model.config.audio_vae_config, vae.state_dict(), threads=1,
+                             rows_per_call=8, warm_up=(4, 1))
+    try:
+        decoder.wait_ready()
+        decoder.compile((), str(tmp_path), 4)               # no bucket to compile for
+        with pytest.raises(RuntimeError, match="compiling the VAE decode failed: ValueError"):
+            decoder.wait_compiled()
+        latents = torch.zeros(1, vae.latent_dim, 4)
+        audio = decoder.wait(decoder.submit(latents, [1], {}))
+        assert audio.shape[0] == 1 and audio.shape[1] > 0 and np.isfinite(audio).all()
+    finally:
+        decoder.close()
+        engine.close()

@@ -9,7 +9,8 @@
     vae.py              the causal streaming VAE decode for a batch of streams
     decoder_process.py  the VAE decode in a process of its own (CPU), overlapped with generation
     decoder_main.py     that process's entry point
-    compiled.py         the step's CFM and LocEnc compiled per batch bucket (`--compile`)
+    compiled.py         the step compiled per batch bucket (`--compile`): CFM velocity, LocEnc +
+                        stop head + both LMs' decode step, and (vae.py) the streaming VAE decode
     lora.py             per-row LoRA layers: every adapter slot's weights, each row its own
     adapters.py         LoRA adapters by name: files, slots, the streams that use them
     engine.py           the Engine the scheduler drives
@@ -59,11 +60,12 @@ SETTINGS = (
                                      "default: 2 x rank)"),
     Setting("lora-dir", str, None, "directory of LoRA adapters that admins may load by name"),
     Setting("max-loras", int, 4, "LoRA adapters loaded at once per device (slots; /v1/info lora.slot_bytes each)"),
-    Setting("compile", parse_compile, "auto", "compile the step's CFM and LocEnc per batch bucket (torch.compile) at "
-                                              "load: auto = on for CUDA, off on a CPU (compiling costs some 17 s a "
-                                              "bucket there; docs/PERFORMANCE.md)"),
-    Setting("compile-cache", str, None, "where compiled code is kept between starts (default: "
-                                        "~/.cache/vox-ws/compile)"),
+    Setting("compile", parse_compile, "auto", "compile the whole step per batch bucket (torch.compile: CFM, LocEnc, "
+                                              "stop head, both LMs' decode, VAE decode) at load: auto = on for "
+                                              "CUDA, off on a CPU (a first start compiles for minutes there; "
+                                              "docs/PERFORMANCE.md)"),
+    Setting("compile-cache", str, None, "where compiled graphs are kept between starts, so that a second start "
+                                        "loads them (default: ~/.cache/vox-ws/compile)"),
     Setting("compile-buckets", parse_buckets, None, "batch sizes to compile for (default 1,2,4,...,64 up to the "
                                                     "rows a step carries; a batch runs padded up to its bucket)"),
     Setting("warm-normalizer", parse_bool, False,

@@ -9,30 +9,36 @@ repeating its last row, whose outputs are dropped):
 - the CFM velocity: one LocDiT call on the conditioned and unconditioned halves, CFG-zero* and
   the guidance (`velocity`); the Euler loop around it stays in Python, so one graph per bucket
   serves every `inference_timesteps`;
-- the LocEnc and its projection into the LM (`encode`).
+- the rest of the generation (`advance`): the LocEnc and its projection, the stop head, and one
+  decode step of both LMs over the KV slots, each row's new K and V written into its slot in
+  place and attended up to its own position. The attention length is the one symbolic size
+  (`kv.key_positions`): one graph per bucket serves every length. Nothing in it reads a value
+  back to the host; the runner reads the stop flags once, after the whole step is queued;
+- the streaming VAE decode (`vae.BatchedStreamingVAE.compile`), each row's carried convolution
+  state an input and an output of the graph; in the decoder process too, on a CPU.
 
-Rows with different LoRA adapters go through the same graph: the runner gives every row a
-mask inside these calls (zeros for no adapter), so the graph does not depend on the mix.
+Rows with different LoRA adapters go through the same graphs: the runner gives every row a
+mask inside these calls (zeros for no adapter), so a graph does not depend on the mix.
 
-Not compiled (yet): the LMs' decode step (its attention length grows with each row's
-position) and the streaming VAE (its carried state is per row, in the decoder process on a CPU).
-
-Compiled code is cached on disk (`TORCHINDUCTOR_CACHE_DIR`, set from `--compile-cache`): a
-second start with the same model, buckets and PyTorch only loads it.
+Compiled graphs are kept on disk (`--compile-cache`; `graphs.GraphStore`): a second start with
+the same model, buckets and PyTorch loads them without tracing or compiling.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 from torch import nn
 
-from .lora import NO_ADAPTER
+from .graphs import GraphStore
+from .kv import SlotKV, key_positions, lm_step
+from .lora import NO_ADAPTER, RowAdapters
 
 log = logging.getLogger("vox_ws.engines.voxcpm")
 
@@ -69,6 +75,40 @@ def encode(model: nn.Module, pred_feat: torch.Tensor) -> torch.Tensor:
     return model.enc_to_lm_proj(model.feat_encoder(pred_feat.unsqueeze(1)))[:, 0, :]
 
 
+def advance(model: nn.Module, base_k: list[torch.Tensor], base_v: list[torch.Tensor], residual_k: list[torch.Tensor],
+            residual_v: list[torch.Tensor], pred_feat: torch.Tensor, lm_hidden: torch.Tensor, slots: torch.Tensor,
+            positions: torch.Tensor, keys_at: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The generation after the CFM, for every row (`VoxCPM2Model._inference`'s loop body): the
+    stop head on the LM state the patch was made from, the patch through the LocEnc into both
+    LMs' next decode step (K and V written at `positions` of the caches, `SlotKV.k` / `.v`).
+    pred_feat [b, P, D], lm_hidden [b, H] -> (stop flags [b] (1: stop), the LM's next hidden
+    [b, H], the residual LM's [b, H])."""
+    stop = model.stop_head(model.stop_actn(model.stop_proj(lm_hidden))).argmax(dim=-1)
+    curr_embed = encode(model, pred_feat)
+    hidden = model.fsq_layer(lm_step(model.base_lm, base_k, base_v, curr_embed, slots, positions, keys_at))
+    residual_in = model.fusion_concat_proj(torch.cat((hidden, curr_embed), dim=-1))
+    return stop, hidden, lm_step(model.residual_lm, residual_k, residual_v, residual_in, slots, positions, keys_at)
+
+
+def _masked(adapters: RowAdapters | None, mask: torch.Tensor | None, fn: Callable, *args: Any) -> Any:
+    """`fn(*args)` with the rows' LoRA mask an input of the graph (read from the adapters, it
+    would be a constant of a saved graph)."""
+    if adapters is not None:
+        adapters.mask = mask
+    return fn(*args)
+
+
+def masked_velocity(adapters: RowAdapters | None, mask: torch.Tensor | None, cfm: nn.Module, x: torch.Tensor,
+                    mu_in: torch.Tensor, t_in: torch.Tensor, cond_in: torch.Tensor, dt_in: torch.Tensor,
+                    cfg: torch.Tensor) -> torch.Tensor:
+    return _masked(adapters, mask, velocity, cfm, x, mu_in, t_in, cond_in, dt_in, cfg)
+
+
+def masked_advance(adapters: RowAdapters | None, mask: torch.Tensor | None, *args: Any
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _masked(adapters, mask, advance, *args)
+
+
 def padded(tensor: torch.Tensor, rows: int) -> torch.Tensor:
     """`tensor` with its last row repeated up to `rows` rows."""
     extra = rows - tensor.shape[0]
@@ -80,20 +120,17 @@ def padded(tensor: torch.Tensor, rows: int) -> torch.Tensor:
 class CompiledStep:
     """The compiled pieces of one model's step, and the buckets they were compiled for."""
 
-    def __init__(self, model: nn.Module, buckets: tuple[int, ...], cache_dir: str | os.PathLike | None = None) -> None:
+    def __init__(self, model: nn.Module, buckets: tuple[int, ...], cache_dir: str | os.PathLike | None = None,
+                 adapters: RowAdapters | None = None) -> None:
+        """`adapters`: the model's LoRA slots, where it has them (the runner masks every row)."""
         self.model = model
+        self.adapters = adapters
         self.buckets = tuple(sorted(buckets))
         self.cache_dir = Path(cache_dir) if cache_dir else default_cache_dir()
-        self.cache_dir.mkdir(parents=True, exist_ok=True)
-        # Read by inductor when it first compiles; a process compiles for one cache.
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(self.cache_dir)
-        dynamo = torch._dynamo.config
-        limit = max(64, 4 * len(self.buckets))
-        for name in ("recompile_limit", "cache_size_limit"):
-            if hasattr(dynamo, name) and getattr(dynamo, name) < limit:
-                setattr(dynamo, name, limit)
-        self.velocity = torch.compile(velocity, fullgraph=True, dynamic=False)
-        self._encode = torch.compile(encode, fullgraph=True, dynamic=False)
+        use_cache_dir(self.cache_dir)
+        self.store = GraphStore(self.cache_dir, model.config.model_dump_json())
+        self._velocity: dict[int, Callable] = {}
+        self._advance: dict[int, Callable] = {}
         self.compile_s: dict[int, float] = {}
 
     def bucket(self, rows: int) -> int:
@@ -102,14 +139,44 @@ class CompiledStep:
                 return size
         raise ValueError(f"{rows} rows: over the largest compiled bucket ({self.buckets[-1]})")
 
-    def encode(self, pred_feat: torch.Tensor) -> torch.Tensor:
+    def velocity(self, cfm: nn.Module, x: torch.Tensor, mu_in: torch.Tensor, t_in: torch.Tensor,
+                 cond_in: torch.Tensor, dt_in: torch.Tensor, cfg: torch.Tensor) -> torch.Tensor:
+        """`velocity` compiled for x's rows (a bucket: the runner pads)."""
+        args = (self.adapters, self._mask(), cfm, x, mu_in, t_in, cond_in, dt_in, cfg)
+        graph = self._velocity.get(x.shape[0])
+        if graph is None:
+            graph = self._velocity[x.shape[0]] = self.store.graph("velocity", masked_velocity, args)
+        return graph(*args)
+
+    def advance(self, base_kv: SlotKV, residual_kv: SlotKV, pred_feat: torch.Tensor, lm_hidden: torch.Tensor,
+                slots: torch.Tensor, positions: torch.Tensor, keys_at: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`advance` compiled for the rows' bucket; a padding row repeats the last row's inputs
+        but writes into the KV's padding slot."""
         rows = pred_feat.shape[0]
-        return self._encode(self.model, padded(pred_feat, self.bucket(rows)))[:rows]
+        size = self.bucket(rows)
+        padding_slots = slots.new_full((size - rows,), base_kv.padding_slot)
+        args = (self.adapters, self._mask(), self.model, base_kv.k, base_kv.v, residual_kv.k, residual_kv.v,
+                padded(pred_feat, size), padded(lm_hidden, size), torch.cat([slots, padding_slots]),
+                padded(positions, size), keys_at)
+        graph = self._advance.get(size)
+        if graph is None:      # one graph for every attention length
+            graph = self._advance[size] = self.store.graph("advance", masked_advance, args, dynamic={id(keys_at): 0})
+        return tuple(t[:rows] for t in graph(*args))
+
+    def _mask(self) -> torch.Tensor | None:
+        """The rows' LoRA mask the runner set for this call (`RowAdapters.rows(..., masked=True)`)."""
+        if self.adapters is None:
+            return None
+        if self.adapters.mask is None:
+            raise RuntimeError("a compiled call with LoRA slots needs every row masked")
+        return self.adapters.mask
 
     @torch.inference_mode()
-    def warm_up(self, solve: Callable[..., torch.Tensor]) -> None:
-        """Compile every bucket now (or load it from the cache): a CFM solve (`solve`, the
-        runner's) and an encode of that many rows each, the log counting the buckets."""
+    def warm_up(self, solve: Callable[..., torch.Tensor], base_kv: SlotKV, residual_kv: SlotKV) -> None:
+        """Compile every bucket now (or load it from the disk): a CFM solve (`solve`, the
+        runner's) and an advance of that many rows each, the log counting the buckets. The
+        advance writes K and V into the padding slot alone."""
         m = self.model
         dtype = next(m.parameters()).dtype
         device = next(m.parameters()).device
@@ -122,6 +189,37 @@ class CompiledStep:
             noise = torch.randn(rows, m.feat_dim, m.patch_size, device=device, dtype=dtype)
             cfg = torch.full((rows,), 2.0, device=device, dtype=dtype)
             solved = solve(mu, cond, noise, WARM_UP_TIMESTEPS, cfg, [NO_ADAPTER] * rows)
-            self.encode(solved.transpose(1, 2).contiguous())
+            # Position 1 of 0..1: a length of 2, as no real step has less (a symbolic size is
+            # specialised for 0 and 1).
+            slots = torch.full((rows,), base_kv.padding_slot, dtype=torch.long, device=device)
+            positions = torch.ones(rows, dtype=torch.long, device=device)
+            masked = self.adapters.rows([NO_ADAPTER] * rows, masked=True) if self.adapters else contextlib.nullcontext()
+            with masked:
+                self.advance(base_kv, residual_kv, solved.transpose(1, 2).contiguous(),
+                             torch.zeros(rows, m.base_lm.config.hidden_size, device=device, dtype=dtype),
+                             slots, positions, key_positions([1], device))
             self.compile_s[rows] = round(time.perf_counter() - started, 1)
             log.info("compiled the step for %d rows in %.1f s", rows, self.compile_s[rows])
+
+
+def warm_compiler(device_type: str) -> None:
+    """What a process pays once before its first compiled graph, done ahead (in a thread while
+    the weights load: it mostly waits on subprocesses): importing inductor and, on a CPU,
+    probing which vector instructions its C++ may use (a build and a load in a child process
+    per instruction set, some 4 s on a small CPU)."""
+    import torch._inductor.codecache  # noqa: F401
+    from torch._inductor import cpu_vec_isa
+
+    if device_type == "cpu":
+        cpu_vec_isa.pick_vec_isa()
+
+
+def use_cache_dir(cache_dir: Path) -> None:
+    """Keep compiled code in `cache_dir` (this process compiles for one cache), and allow a
+    recompile per bucket for every compiled function."""
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir)
+    dynamo = torch._dynamo.config
+    for name in ("recompile_limit", "cache_size_limit"):
+        if hasattr(dynamo, name) and getattr(dynamo, name) < 64:
+            setattr(dynamo, name, 64)

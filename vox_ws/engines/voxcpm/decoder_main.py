@@ -42,6 +42,9 @@ def serve(conn: Connection) -> None:
                 for row in message[1]:
                     states.pop(row, None)
                 continue
+            if message[0] == "compile":
+                send(conn, compile_decode(decoder, *message[1:]))
+                continue
             _, latents, rows, new_states = message
             try:
                 for row, state in new_states.items():
@@ -53,6 +56,23 @@ def serve(conn: Connection) -> None:
             except Exception as exc:  # noqa: BLE001 - the parent fails those rows and goes on
                 reply = ("error", f"{type(exc).__name__}: {exc}")
             send(conn, reply)
+
+
+def compile_decode(decoder, buckets: tuple[int, ...], cache_dir: str, patch_size: int) -> tuple[str, object]:
+    """Compile the decode per bucket into the parent's compile cache (or load it from there):
+    the reply to send, with the graphs loaded and compiled."""
+    from pathlib import Path
+
+    from .compiled import use_cache_dir
+    from .graphs import GraphStore
+
+    try:
+        use_cache_dir(Path(cache_dir))
+        store = GraphStore(Path(cache_dir), "vae")
+        decoder.compile(buckets, patch_size, store)
+    except Exception as exc:  # noqa: BLE001 - the parent's load fails with it
+        return ("compile failed", f"{type(exc).__name__}: {exc}")
+    return ("compiled", (store.loaded, store.compiled))
 
 
 def main() -> None:

@@ -12,6 +12,8 @@ every row's carried state until told to forget it. Messages are pickled numpy ar
 tensors: torch would pickle tensors as shared-memory handles.
 
     parent                                   decoder process
+    compile(buckets)        ── compile ─▶    compile the decode per bucket
+    wait_compiled()         ◀── compiled ─
     submit(latents k, rows) ── decode ──▶    decode, keep state
     (generates step k+1)                     ...
     job k.result()          ◀── audio ───    reply
@@ -34,6 +36,9 @@ from ..child import receive, send, start_child, stop_child
 # How long one decode may take before the process is presumed hung (a real-size decode of 16
 # rows on a slow CPU takes seconds, not minutes).
 REPLY_TIMEOUT_S = 120.0
+# How long compiling the decode (`--compile`) may take: a few buckets, tens of seconds each on a
+# small CPU, while the parent compiles beside it.
+COMPILE_TIMEOUT_S = 1800.0
 # The module the decoder process runs.
 DECODER_MAIN = "vox_ws.engines.voxcpm.decoder_main"
 
@@ -54,6 +59,7 @@ class DecoderProcess:
         self._closed = False
         weights = {name: tensor.detach().cpu().numpy() for name, tensor in state_dict.items()}
         self._ready: Future = Future()
+        self._compiled: Future | None = None
         self._send(("init", vae_class, vae_config, weights, threads, rows_per_call, warm_up))
         self._reader = threading.Thread(target=self._read_replies, name="vox-ws-vae-replies", daemon=True)
         self._reader.start()
@@ -74,6 +80,16 @@ class DecoderProcess:
             self._outstanding.append(job)
         self._send(("decode", latents.numpy(), rows, states))
         return job
+
+    def compile(self, buckets: tuple[int, ...], cache_dir: str, patch_size: int) -> None:
+        """Have the process compile its decode for these row counts (`vae.BatchedStreamingVAE.compile`),
+        keeping the compiled code in `cache_dir`; `wait_compiled` waits for it."""
+        self._compiled = Future()
+        self._send(("compile", buckets, cache_dir, patch_size))
+
+    def wait_compiled(self, timeout: float = COMPILE_TIMEOUT_S) -> tuple[int, int]:
+        """Block until the process has compiled (`compile`): the graphs it loaded and compiled."""
+        return self.wait(self._compiled, timeout)
 
     def wait_ready(self, timeout: float = REPLY_TIMEOUT_S) -> None:
         """Block until the process has built and warmed its VAE."""
@@ -114,6 +130,12 @@ class DecoderProcess:
             if kind == "ready":
                 self._ready.set_result(None)
                 continue
+            if kind in ("compiled", "compile failed"):
+                if kind == "compiled":
+                    self._compiled.set_result(payload)
+                else:
+                    self._compiled.set_exception(RuntimeError(f"compiling the VAE decode failed: {payload}"))
+                continue
             with self._lock:
                 job = self._outstanding.popleft()
             if kind == "audio":
@@ -128,7 +150,8 @@ class DecoderProcess:
                                 + (f" (exit code {code})" if code is not None else ""))
         with self._lock:
             self._failed = self._failed or failure
-            orphans = list(self._outstanding) + ([self._ready] if not self._ready.done() else [])
+            waiting = [self._ready, self._compiled]
+            orphans = list(self._outstanding) + [f for f in waiting if f is not None and not f.done()]
             self._outstanding.clear()
         for job in orphans:
             job.set_exception(self._failed)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import secrets
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -20,7 +21,7 @@ from ...text import pack
 from .loading import DEFAULT_MODEL, architecture, import_voxcpm, resolve_model_path, verify_weights
 from .adapters import Adapter, AdapterBook, AdapterFile
 from . import COMPILE_MODES
-from .compiled import BUCKETS, CompiledStep, buckets_for
+from .compiled import BUCKETS, CompiledStep, buckets_for, warm_compiler
 from .normalizer import NORMALIZE_TIMEOUT_S, Normalizer
 from .options import DEFAULTS, OPTIONS
 from .prompt import build_prompt, clean_text, prompt_positions
@@ -119,6 +120,13 @@ class VoxCPMEngine(Engine):
                                      alpha=self._lora_alpha)
         if self._load_denoiser:
             _check_denoiser_dependencies()
+        # Where the step will be compiled, the compiler warms up while the weights load.
+        expected = self.device if self.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+        compiler = None
+        if self._compiles(expected):
+            compiler = threading.Thread(target=warm_compiler, args=(expected.split(":")[0],),
+                                        name="vox-ws-warm-compiler", daemon=True)
+            compiler.start()
         self.architecture = architecture(path)
         if self.architecture != "voxcpm2":
             raise ValueError(f"{path} is a {self.architecture!r} checkpoint; the batched engine serves VoxCPM2 only")
@@ -146,7 +154,9 @@ class VoxCPMEngine(Engine):
                 mode = "both" if transcript else "reference"
                 self.register_voice(audio, rate, transcript, mode, name=name)
                 log.info("built-in voice %r from %s (%s)", name, self._voices_dir, mode)
-        if self._compile == "on" or (self._compile == "auto" and self.device.startswith("cuda")):
+        if compiler is not None:
+            compiler.join()
+        if self._compiles(self.device):
             self._compile_step(model)
         # One short generation warms every code path before the first user arrives.
         row = self.runner.prefill(build_prompt(model, "Hello.", None), seed=0, cfg_value=2.0, timesteps=2,
@@ -157,18 +167,22 @@ class VoxCPMEngine(Engine):
             self.runner.release(row)
         self.runner.wait_ready()
 
+    def _compiles(self, device: str) -> bool:
+        """Whether the step is compiled on `device` (`--compile`)."""
+        return self._compile == "on" or (self._compile == "auto" and device.startswith("cuda"))
+
     def _compile_step(self, model: Any) -> None:
         """Compile the step for every bucket up to the rows a step carries, now: `/readyz` says
         `compiling` meanwhile; the compile cache makes a second start fast."""
         buckets = buckets_for(self.max_step_batch, self._compile_buckets)
-        self.compiled = CompiledStep(model, buckets, self._compile_cache)
-        self.runner.compiled = self.compiled
+        compiled = CompiledStep(model, buckets, self._compile_cache, adapters=self._lora.adapters)
         self.loading_phase = "compiling"
         started = time.perf_counter()
         try:
-            self.compiled.warm_up(self.runner.solve)
+            self.runner.compile(compiled)
         finally:
             self.loading_phase = None
+        self.compiled = compiled
         log.info("the step is compiled for %s rows in %.1f s (cache %s)", list(buckets),
                  time.perf_counter() - started, self.compiled.cache_dir)
 
@@ -258,7 +272,9 @@ class VoxCPMEngine(Engine):
                 "max_batch": self._slots, "step_rows": self.max_step_batch,
                 "compile": {"mode": self._compile, "compiled": compiled is not None,
                             "buckets": list(compiled.buckets) if compiled else [],
-                            "compile_s": dict(compiled.compile_s) if compiled else {}}}
+                            "compile_s": dict(compiled.compile_s) if compiled else {},
+                            "graphs": ({"loaded": compiled.store.loaded, "compiled": compiled.store.compiled}
+                                       if compiled else {"loaded": 0, "compiled": 0})}}
 
     # ------------------------------------------------------------------ requests
 

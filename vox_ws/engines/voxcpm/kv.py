@@ -11,24 +11,29 @@ from torch import nn
 
 
 class SlotKV:
-    """Per-layer K and V for `slots` requests of up to `max_len` positions each."""
+    """K and V for `slots` requests of up to `max_len` positions each, one tensor per layer
+    ([slots + 1, kv heads, max_len, head dim]: a compiled step writes each in place, where one
+    tensor for every layer would be copied whole at each layer's write), and one slot more,
+    `padding_slot`, where the rows a compiled step pads its batch with write (never a
+    request's: a padding row writing into a real row's slot would race with it)."""
 
     def __init__(self, lm: nn.Module, slots: int, max_len: int, device: Any, dtype: torch.dtype) -> None:
         cfg = lm.config
         head_dim = cfg.kv_channels or cfg.hidden_size // cfg.num_attention_heads
-        shape = (cfg.num_hidden_layers, slots, cfg.num_key_value_heads, max_len, head_dim)
-        self.k = torch.zeros(shape, device=device, dtype=dtype)
-        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self.padding_slot = slots
+        shape = (slots + 1, cfg.num_key_value_heads, max_len, head_dim)
+        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.num_hidden_layers)]
+        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.num_hidden_layers)]
         self.max_len = max_len
 
     def fill(self, slot: int, caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        # Zero the whole slot first: masked-out positions must hold finite values.
-        self.k[:, slot].zero_()
-        self.v[:, slot].zero_()
         length = caches[0][0].size(2)
         for layer, (k, v) in enumerate(caches):
-            self.k[layer, slot, :, :length] = k[0]
-            self.v[layer, slot, :, :length] = v[0]
+            # Zero the whole slot first: masked-out positions must hold finite values.
+            self.k[layer][slot].zero_()
+            self.v[layer][slot].zero_()
+            self.k[layer][slot, :, :length] = k[0]
+            self.v[layer][slot, :, :length] = v[0]
 
 
 
@@ -39,18 +44,25 @@ def slot_bytes(lm: nn.Module, max_len: int, dtype: torch.dtype) -> int:
     return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * max_len * head_dim * torch.empty(0, dtype=dtype).element_size()
 
 
-def lm_step(lm: nn.Module, kv: SlotKV, x: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """MiniCPMModel.forward_step for a batch whose rows sit at different positions in their own
-    KV slots. x: [B, H] -> [B, H]."""
-    from voxcpm.modules.minicpm4.model import apply_rotary_pos_emb
+def key_positions(positions: list[int], device: Any) -> torch.Tensor:
+    """The key positions a decode step attends over: 0 .. the furthest row's position. Its
+    length is the step's attention length, read by `lm_step` from the tensor's shape (a compiled
+    step takes it as a symbolic size: one graph for every length, and no host sync to learn it)."""
+    return torch.arange(max(positions) + 1, device=device)
 
+
+def lm_step(lm: nn.Module, cache_k: list[torch.Tensor], cache_v: list[torch.Tensor], x: torch.Tensor,
+            slots: torch.Tensor, positions: torch.Tensor, keys_at: torch.Tensor) -> torch.Tensor:
+    """MiniCPMModel.forward_step for a batch whose rows sit at different positions in their own
+    KV slots (`SlotKV.k`, `.v`). x: [B, H] -> [B, H]; `keys_at` from `key_positions`. Writes each
+    row's new K and V into its slot in place, then attends over the slot's keys up to its own
+    position."""
     batch = x.shape[0]
-    length = int(positions.max().item()) + 1
+    length = keys_at.shape[0]
     if lm.rope_emb is not None:
         cos = lm.rope_emb.cos_cached[positions].view(batch, 1, 1, -1)
         sin = lm.rope_emb.sin_cached[positions].view(batch, 1, 1, -1)
-    mask = (torch.arange(length, device=x.device).view(1, -1) <= positions.view(-1, 1)).view(batch, 1, 1, length)
-    contiguous = bool(torch.equal(slots, torch.arange(batch, device=slots.device)))
+    mask = (keys_at.view(1, -1) <= positions.view(-1, 1)).view(batch, 1, 1, length)
     hidden = x
     for index, layer in enumerate(lm.layers):
         attn = layer.self_attn
@@ -60,21 +72,25 @@ def lm_step(lm: nn.Module, kv: SlotKV, x: torch.Tensor, slots: torch.Tensor, pos
         k = attn.k_proj(h).view(batch, 1, attn.num_key_value_heads, attn.head_dim).transpose(1, 2)
         v = attn.v_proj(h).view(batch, 1, attn.num_key_value_heads, attn.head_dim).transpose(1, 2)
         if lm.rope_emb is not None:
-            q, k = apply_rotary_pos_emb(q, k, cos, sin)
-        layer_k, layer_v = kv.k[index], kv.v[index]
+            q, k = _rotary(q, cos, sin), _rotary(k, cos, sin)
+        layer_k, layer_v = cache_k[index], cache_v[index]
         layer_k[slots, :, positions] = k[:, :, 0]
         layer_v[slots, :, positions] = v[:, :, 0]
-        if contiguous:
-            keys, values = layer_k[:batch, :, :length], layer_v[:batch, :, :length]
-        else:
-            keys, values = layer_k[slots, :, :length], layer_v[slots, :, :length]
-        out = F.scaled_dot_product_attention(q.contiguous(), keys.contiguous(), values.contiguous(), attn_mask=mask,
-                                             enable_gqa=True)
+        keys, values = layer_k[slots, :, :length], layer_v[slots, :, :length]
+        out = F.scaled_dot_product_attention(q.contiguous(), keys, values, attn_mask=mask, enable_gqa=True)
         out = attn.o_proj(out.transpose(1, 2).reshape(batch, attn.num_heads * attn.head_dim))
         hidden = residual + _depth_scaled(layer, out)
         residual = hidden
         hidden = residual + _depth_scaled(layer, layer.mlp(layer.post_attention_layernorm(hidden)))
     return lm.norm(hidden)
+
+
+def _rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """minicpm4's apply_rotary_pos_emb for one tensor (in float32, as there), written here so that
+    a compiled step imports nothing while it runs (an import is a guard a saved graph cannot keep)."""
+    x32 = x.to(torch.float32)
+    first, second = x32.chunk(2, dim=-1)
+    return (x32 * cos + torch.cat((-second, first), dim=-1) * sin).to(x.dtype)
 
 
 def _depth_scaled(layer: nn.Module, h: torch.Tensor) -> torch.Tensor:

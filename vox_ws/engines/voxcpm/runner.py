@@ -6,10 +6,11 @@ forwards. This runner keeps every piece of per-request state apart so that any s
 admitted at different times, advances together:
 
 - KV caches: one slot per request in per-layer tensors; each row has its own position and
-  attends to its own prefix through a mask (`kv.lm_step`).
+  attends to its own prefix through a mask (`kv.lm_step`, in `compiled.advance`).
 - CFM: one Euler solve per group of requests sharing `inference_timesteps`, each row with its
   own `cfg_value` and its own noise drawn from the request's generator (`_cfm_solve`).
-- Stop head, LocEnc, projections: plain batched calls.
+- Stop head, LocEnc, projections, both LMs' decode step: one batched call (`compiled.advance`,
+  eager or compiled), whose stop flags are read back once, after the whole step is queued.
 - VAE: the package's causal streaming decode, with each request's carried convolution state
   stacked into the batch for one call and split back after (`vae.BatchedStreamingVAE`); on a
   CPU it runs in the decoder process (`decoder_process.py`), overlapped with the next step.
@@ -34,8 +35,8 @@ from torch import nn
 
 from ...engine import EndReason
 from .decoder_process import DecoderProcess
-from .compiled import CompiledStep, encode, padded, velocity
-from .kv import SlotKV, lm_step
+from .compiled import CompiledStep, advance, padded, velocity
+from .kv import SlotKV, key_positions
 from .lora import NO_ADAPTER, RowAdapters
 from .prompt import Prompt
 from .vae import BatchedStreamingVAE, fold_weight_norm
@@ -76,14 +77,13 @@ class BatchedVoxCPM2:
     """Runs prefill per request and one batched generation step for any set of requests."""
 
     def __init__(self, model: Any, max_batch: int, decode_process: bool | None = None,
-                 warm_rows: int | None = None, adapters: RowAdapters | None = None,
-                 compiled: CompiledStep | None = None) -> None:
+                 warm_rows: int | None = None, adapters: RowAdapters | None = None) -> None:
         """`max_batch` KV slots; steps of up to `warm_rows` rows (default: every slot) are warmed up;
-        `adapters`: the model's LoRA slots (`lora.install_row_lora`), where it has them;
-        `compiled`: the step's compiled pieces (`compiled.py`), None for eager."""
+        `adapters`: the model's LoRA slots (`lora.install_row_lora`), where it has them. Eager
+        until `compile`."""
         self.model = model
         self.adapters = adapters
-        self.compiled = compiled
+        self.compiled: CompiledStep | None = None
         self.device = next(model.parameters()).device
         self.dtype = model._dtype()
         self.max_batch = max_batch
@@ -122,6 +122,20 @@ class BatchedVoxCPM2:
         """Block until the decoder process, if there is one, can take work."""
         if self._decoder is not None:
             self._decoder.wait_ready()
+
+    def compile(self, compiled: CompiledStep) -> None:
+        """Generate through `compiled` from now on, and decode through a compiled VAE here and in
+        the decoder process, compiling every bucket of every piece now; the decoder process
+        compiles beside this thread."""
+        if self._decoder is not None:
+            self._decoder.compile(compiled.buckets, str(compiled.cache_dir), self.model.patch_size)
+        compiled.warm_up(self._solve_with(compiled), self.base_kv, self.residual_kv)
+        self.vae.compile(compiled.buckets, self.model.patch_size, compiled.store)
+        if self._decoder is not None:
+            loaded, compiled_there = self._decoder.wait_compiled()
+            compiled.store.loaded += loaded
+            compiled.store.compiled += compiled_there
+        self.compiled = compiled
 
     def close(self) -> None:
         """Stop the decoder process, if there is one."""
@@ -298,16 +312,12 @@ class BatchedVoxCPM2:
                                 [rows[i].adapter for i in index])
             pred_feat[idx] = solved.transpose(1, 2)                            # [b, P, D]
 
-        if self.compiled is not None:
-            curr_embed = self.compiled.encode(pred_feat)                       # [B, H]
-        else:
-            curr_embed = encode(m, pred_feat)
+        # Every row advances, also one that ends here (what it writes in its slot is never read):
+        # the step stays one call, and its stop flags are read back once, after it is queued.
+        stop, lm_next, residual_next = self._advance(rows, pred_feat, lm_hidden)
         latents = pred_feat.transpose(1, 2).to(torch.float32)                  # b d p  (t = 1)
-
-        stop = m.stop_head(m.stop_actn(m.stop_proj(lm_hidden))).argmax(dim=-1).cpu().tolist()
-        going: list[int] = []
-        for i, row in enumerate(rows):
-            if row.step > row.min_len and stop[i] == 1:
+        for i, (row, stops) in enumerate(zip(rows, stop.tolist())):
+            if row.step > row.min_len and stops == 1:
                 row.end_reason = EndReason.DONE
             elif row.step + 1 >= row.max_steps:
                 row.end_reason = EndReason.MAX_LEN
@@ -316,41 +326,48 @@ class BatchedVoxCPM2:
             if row.patches is not None:
                 row.patches.append(pred_feat[i].detach().to("cpu", torch.float32))
             if row.end_reason is None:
-                going.append(i)
-        if going:
-            self._advance([rows[i] for i in going], curr_embed[going])
+                row.lm_hidden, row.residual_hidden = lm_next[i], residual_next[i]
+                row.position += 1
         return latents
 
     def solve(self, mu: torch.Tensor, cond: torch.Tensor, noise: torch.Tensor, timesteps: int, cfg: torch.Tensor,
               adapters: list[int]) -> torch.Tensor:
         """The CFM solve of these rows (row i with LoRA adapter slot `adapters[i]`): eager, or
         compiled for the rows' bucket, padded up to it."""
-        cfm = self.model.feat_decoder
-        if self.compiled is None:
-            with self._adapted(adapters + adapters):                  # the CFG's two halves
-                return _cfm_solve(cfm, mu, cond, noise, timesteps, cfg)
-        count = mu.shape[0]
-        rows = self.compiled.bucket(count)
-        slots = adapters + [NO_ADAPTER] * (rows - count)
-        with self._adapted(slots + slots, masked=True):
-            solved = _cfm_solve(cfm, padded(mu, rows), padded(cond, rows), padded(noise, rows), timesteps,
-                                padded(cfg, rows), self.compiled.velocity)
-        return solved[:count]
+        return self._solve_with(self.compiled)(mu, cond, noise, timesteps, cfg, adapters)
 
-    def _advance(self, rows: list[RowState], curr_embed: torch.Tensor) -> None:
-        """Feed the new patch through the base and residual LMs (one decode step each)."""
-        m = self.model
+    def _solve_with(self, compiled: CompiledStep | None):
+        cfm = self.model.feat_decoder
+
+        def solve(mu: torch.Tensor, cond: torch.Tensor, noise: torch.Tensor, timesteps: int, cfg: torch.Tensor,
+                  adapters: list[int]) -> torch.Tensor:
+            if compiled is None:
+                with self._adapted(adapters + adapters):                  # the CFG's two halves
+                    return _cfm_solve(cfm, mu, cond, noise, timesteps, cfg)
+            count = mu.shape[0]
+            rows = compiled.bucket(count)
+            slots = adapters + [NO_ADAPTER] * (rows - count)
+            with self._adapted(slots + slots, masked=True):
+                solved = _cfm_solve(cfm, padded(mu, rows), padded(cond, rows), padded(noise, rows), timesteps,
+                                    padded(cfg, rows), compiled.velocity)
+            return solved[:count]
+        return solve
+
+    def _advance(self, rows: list[RowState], pred_feat: torch.Tensor, lm_hidden: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`compiled.advance` for these rows: stop flags, and both LMs' next hidden states."""
         slots = torch.tensor([r.slot for r in rows], device=self.device)
         positions = torch.tensor([r.position for r in rows], device=self.device)
-        with self._adapted([r.adapter for r in rows]):
-            lm_hidden = lm_step(m.base_lm, self.base_kv, curr_embed, slots, positions)
-            lm_hidden = m.fsq_layer(lm_hidden)
-            residual_in = m.fusion_concat_proj(torch.cat((lm_hidden, curr_embed), dim=-1))
-            residual_hidden = lm_step(m.residual_lm, self.residual_kv, residual_in, slots, positions)
-        for i, row in enumerate(rows):
-            row.lm_hidden = lm_hidden[i]
-            row.residual_hidden = residual_hidden[i]
-            row.position += 1
+        keys_at = key_positions([r.position for r in rows], self.device)
+        adapters = [r.adapter for r in rows]
+        if self.compiled is None:
+            with self._adapted(adapters):
+                return advance(self.model, self.base_kv.k, self.base_kv.v, self.residual_kv.k, self.residual_kv.v,
+                               pred_feat, lm_hidden, slots, positions, keys_at)
+        padding = [NO_ADAPTER] * (self.compiled.bucket(len(rows)) - len(rows))
+        with self._adapted(adapters + padding, masked=True):
+            return self.compiled.advance(self.base_kv, self.residual_kv, pred_feat, lm_hidden, slots, positions,
+                                         keys_at)
 
 
 class DecodeBalance:

@@ -1,0 +1,182 @@
+"""Compiled graphs kept on disk, so that a second start loads them instead of compiling.
+
+`torch.compile` with a warm inductor cache still traces every function with dynamo at each
+start (some 2 s a graph on a small CPU; a step has three graphs per batch bucket). PyTorch's
+precompile (`torch.compile(...).aot_compile`, saved with `save_compiled_function`, read back
+with `torch.compiler.load_compiled_function`) skips the tracing: loading a graph takes
+milliseconds once inductor is imported.
+
+A saved graph keeps no dynamo guards: guards on modules cannot be saved (keeping them would
+pickle the weights into every file), so this store keeps the two promises guards would:
+- a file is used only for the same code and shapes: its name is a digest of PyTorch's,
+  Python's, vox-ws's and voxcpm's versions, the source of the modules the graphs trace, the
+  shape and dtype of every parameter and buffer of the modules passed in, and the shapes,
+  dtypes and devices of the arguments;
+- every call is checked against the shapes and dtypes it was compiled for (a dynamic size
+  anything of at least 2), and refused with `GraphMismatch` otherwise.
+
+Where this PyTorch has no precompile, or a graph cannot be saved, the store falls back to
+`torch.compile` (traced at each start, guarded as usual); the log says which.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import inspect
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+log = logging.getLogger("vox_ws.engines.voxcpm")
+
+
+class GraphMismatch(RuntimeError):
+    """A compiled graph was called with arguments of other shapes than it was compiled for."""
+
+
+def module_signature(*modules: nn.Module) -> str:
+    """The modules' structure (their repr: layers, sizes, strides) and the names, shapes and
+    dtypes of every parameter and buffer: what a graph's code depends on of the modules (the
+    weights' values are inputs, read at each call)."""
+    parts = [repr(module) for module in modules]
+    for module in modules:
+        for name, tensor in list(module.named_parameters()) + list(module.named_buffers()):
+            parts.append(f"{name}:{tuple(tensor.shape)}:{tensor.dtype}:{tensor.device.type}")
+    return "\n".join(parts)
+
+
+def _versions() -> str:
+    def version(package: str) -> str:
+        try:
+            return importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            return "-"
+    from ... import __version__
+
+    return f"torch {torch.__version__} python {sys.version} vox-ws {__version__} voxcpm {version('voxcpm')}"
+
+
+def _traced_sources() -> str:
+    """The source of this package's modules that compiled graphs trace through."""
+    from . import compiled, kv, lora, vae
+
+    return "".join(inspect.getsource(m) for m in (compiled, kv, lora, vae))
+
+
+def _describe(value: Any, dynamic: dict[int, int]) -> str:
+    if isinstance(value, torch.Tensor):
+        shape = tuple("s" if dynamic.get(id(value)) == dim else size for dim, size in enumerate(value.shape))
+        return f"tensor{shape}:{value.dtype}:{value.device}"
+    if isinstance(value, (tuple, list)):
+        return "(" + ",".join(_describe(v, dynamic) for v in value) + ")"
+    if isinstance(value, (int, float, bool, str)) or value is None:
+        return repr(value)
+    return type(value).__qualname__
+
+
+class SavedGraph:
+    """A loaded (or just compiled) graph, checking each call's tensors against its own."""
+
+    def __init__(self, name: str, fn: Callable, args: tuple, dynamic: dict[int, int]) -> None:
+        self.name = name
+        self._fn = fn
+        self._expected = [self._spec(a, dynamic) for a in args]
+
+    @staticmethod
+    def _spec(value: Any, dynamic: dict[int, int]) -> Any:
+        if isinstance(value, torch.Tensor):
+            shape = tuple(None if dynamic.get(id(value)) == dim else size for dim, size in enumerate(value.shape))
+            return (shape, value.dtype, value.is_contiguous())
+        if isinstance(value, (tuple, list)):
+            return [SavedGraph._spec(v, dynamic) for v in value]
+        return None
+
+    def _fits(self, value: Any, expected: Any) -> bool:
+        if isinstance(expected, tuple):
+            shape, dtype, contiguous = expected
+            return (isinstance(value, torch.Tensor) and value.dtype == dtype and value.dim() == len(shape)
+                    and value.is_contiguous() == contiguous
+                    and all(want == got if want is not None else got >= 2 for want, got in zip(shape, value.shape)))
+        if isinstance(expected, list):
+            return (isinstance(value, (tuple, list)) and len(value) == len(expected)
+                    and all(self._fits(v, e) for v, e in zip(value, expected)))
+        return True
+
+    def __call__(self, *args: Any) -> Any:
+        if len(args) != len(self._expected):
+            raise GraphMismatch(f"compiled graph {self.name}: {len(args)} arguments, compiled for "
+                                f"{len(self._expected)}")
+        for index, (value, expected) in enumerate(zip(args, self._expected)):
+            if not self._fits(value, expected):
+                raise GraphMismatch(f"compiled graph {self.name}: argument {index} is not of the shape, dtype or "
+                                    f"layout it was compiled for ({expected})")
+        return self._fn(*args)
+
+
+class GraphStore:
+    """Compiled graphs by name and arguments, in `directory`; `context` names what else the
+    graphs depend on (the model's config, how the runner built its modules)."""
+
+    def __init__(self, directory: Path, context: str) -> None:
+        self.directory = Path(directory) / "graphs"
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self._context = context
+        self._base = None
+        self.loaded = 0       # graphs read from the disk
+        self.compiled = 0     # graphs compiled (and saved, where they could be)
+        self.precompile = hasattr(torch.compile(lambda: None), "aot_compile")
+
+    def graph(self, name: str, fn: Callable, args: tuple, dynamic: dict[int, int] | None = None) -> Callable:
+        """`fn` compiled (fullgraph, shapes fixed but for `dynamic`: id(tensor) -> its dynamic
+        dim) for arguments like `args`: loaded from the disk when it was compiled before, else
+        compiled now and saved."""
+        dynamic = dynamic or {}
+        for tensor_id, dim in dynamic.items():
+            tensor = next(a for a in args if id(a) == tensor_id)
+            torch._dynamo.maybe_mark_dynamic(tensor, dim)
+        if not self.precompile:
+            self.compiled += 1
+            return torch.compile(fn, fullgraph=True, dynamic=False)
+        path = self.directory / f"{name}-{self._digest(name, args, dynamic)}.pt2"
+        if path.exists():
+            try:
+                with open(path, "rb") as f:
+                    loaded = torch.compiler.load_compiled_function(f)
+                self.loaded += 1
+                return SavedGraph(name, loaded, args, dynamic)
+            except Exception as exc:  # noqa: BLE001 - a stale or broken file: compile again
+                log.warning("compiled graph %s unreadable (%s: %s): compiling it again", path.name,
+                            type(exc).__name__, exc)
+        compiled = torch.compile(fn, fullgraph=True, dynamic=False, options={"guard_filter_fn": _no_guards})
+        try:
+            precompiled = compiled.aot_compile((args, {}))
+        except Exception as exc:  # noqa: BLE001 - this PyTorch cannot precompile it: trace at each start
+            log.warning("graph %s cannot be precompiled (%s: %s): compiled at each start instead", name,
+                        type(exc).__name__, exc)
+            self.compiled += 1
+            return torch.compile(fn, fullgraph=True, dynamic=False)
+        self.compiled += 1
+        try:
+            precompiled.save_compiled_function(str(path))
+        except Exception as exc:  # noqa: BLE001 - it still serves this process
+            log.warning("compiled graph %s not saved (%s: %s)", name, type(exc).__name__, exc)
+        return SavedGraph(name, precompiled, args, dynamic)
+
+    def _digest(self, name: str, args: tuple, dynamic: dict[int, int]) -> str:
+        if self._base is None:
+            self._base = "\n".join([_versions(), _traced_sources(), self._context])
+        modules = [a for a in args if isinstance(a, nn.Module)]
+        text = "\n".join([self._base, name, module_signature(*modules),
+                          ",".join(_describe(a, dynamic) for a in args)])
+        return hashlib.sha256(text.encode()).hexdigest()[:24]
+
+
+def _no_guards(entries: list) -> list[bool]:
+    # What guards would check, `GraphStore` checks itself (see the module's docstring).
+    return [False] * len(entries)
