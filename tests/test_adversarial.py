@@ -17,6 +17,7 @@ import pytest
 import soundfile
 from conftest import WAIT_TIMEOUT, assert_good_stream, connect_client, wait_until
 from test_server_piper import LONG, SENTENCE
+from test_scheduler import HeldTone
 from test_stream_service import audio_of, drain, loaded_scheduler, service_on, tone_wav
 from websockets.asyncio.client import connect
 from websockets.client import ClientProtocol
@@ -369,18 +370,35 @@ async def test_a_client_holding_every_slot_gives_one_back_to_a_newcomer():
     await service.close()
 
 
+class UnparkedHeldTone(HeldTone):
+    """The held tone engine, unable to park: a stream holds its slot until it ends."""
+
+    can_park = False
+
+
 async def test_a_stream_queued_too_long_ends_busy():
-    scheduler = Scheduler(PiperEngine(), max_batch=1, max_queue=4, max_wait_s=1.0)
+    """The one slot's holder is held in a step by the test until the waiter has waited past
+    `max_wait_s`, on an engine that cannot park it: the next turn refuses the waiter, whatever
+    the machine's speed. (With Piper the holder, once far ahead of its idle reader, was parked
+    for the waiter, before the time-out on one machine and after it on another.)"""
+    max_wait_s = 0.5
+    engine = UnparkedHeldTone()
+    scheduler = Scheduler(engine, max_batch=1, max_queue=4, max_wait_s=max_wait_s)
     scheduler.start()
     assert scheduler.ready_event.wait(120)
     service = await service_on(scheduler)
-    holder = service.open_stream(LONG * 3, owners=("connection:1",))
+    holder = service.open_stream("x" * 40, owners=("connection:1",))
+    await asyncio.to_thread(engine.inside_step)              # the holder has the slot, held
     waiter = service.open_stream(SENTENCE, owners=("connection:1",))
     started = time.monotonic()
-    events = await drain(waiter, timeout=20)
+    await wait_until(lambda: time.monotonic() - started > max_wait_s)
+    engine.go.release()                                      # one step; then the turn that refuses
+    events = await drain(waiter, timeout=WAIT_TIMEOUT)
     assert isinstance(events[-1], Failed) and events[-1].kind == ErrorKind.BUSY, events[-1]
-    assert time.monotonic() - started > 0.9             # not before max_wait_s
+    assert not any(isinstance(e, Audio) for e in events)
     holder.cancel()
+    for _ in range(len("x" * 40)):
+        engine.go.release()                                  # whatever steps are left go through
     scheduler.stop()
     await service.close()
 
