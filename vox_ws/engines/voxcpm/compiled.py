@@ -36,7 +36,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from .graphs import GraphStore
+from .graphs import GraphsBySize, GraphStore
 from .kv import SlotKV, key_positions, lm_step
 from .lora import NO_ADAPTER, RowAdapters
 
@@ -128,9 +128,12 @@ class CompiledStep:
         self.buckets = tuple(sorted(buckets))
         self.cache_dir = Path(cache_dir) if cache_dir else default_cache_dir()
         use_cache_dir(self.cache_dir)
-        self.store = GraphStore(self.cache_dir, model.config.model_dump_json())
-        self._velocity: dict[int, Callable] = {}
-        self._advance: dict[int, Callable] = {}
+        self.store = GraphStore(self.cache_dir)
+        context = model.config.model_dump_json()
+        self._velocity = GraphsBySize(self.store, "velocity", masked_velocity, context=context, rows_of=3)
+        # One graph for every attention length: the key positions' length is symbolic.
+        self._advance = GraphsBySize(self.store, "advance", masked_advance, context=context, rows_of=7,
+                                     dynamic={11: 0})
         self.compile_s: dict[int, float] = {}
 
     def bucket(self, rows: int) -> int:
@@ -142,11 +145,7 @@ class CompiledStep:
     def velocity(self, cfm: nn.Module, x: torch.Tensor, mu_in: torch.Tensor, t_in: torch.Tensor,
                  cond_in: torch.Tensor, dt_in: torch.Tensor, cfg: torch.Tensor) -> torch.Tensor:
         """`velocity` compiled for x's rows (a bucket: the runner pads)."""
-        args = (self.adapters, self._mask(), cfm, x, mu_in, t_in, cond_in, dt_in, cfg)
-        graph = self._velocity.get(x.shape[0])
-        if graph is None:
-            graph = self._velocity[x.shape[0]] = self.store.graph("velocity", masked_velocity, args)
-        return graph(*args)
+        return self._velocity(self.adapters, self._mask(), cfm, x, mu_in, t_in, cond_in, dt_in, cfg)
 
     def advance(self, base_kv: SlotKV, residual_kv: SlotKV, pred_feat: torch.Tensor, lm_hidden: torch.Tensor,
                 slots: torch.Tensor, positions: torch.Tensor, keys_at: torch.Tensor
@@ -156,13 +155,10 @@ class CompiledStep:
         rows = pred_feat.shape[0]
         size = self.bucket(rows)
         padding_slots = slots.new_full((size - rows,), base_kv.padding_slot)
-        args = (self.adapters, self._mask(), self.model, base_kv.k, base_kv.v, residual_kv.k, residual_kv.v,
-                padded(pred_feat, size), padded(lm_hidden, size), torch.cat([slots, padding_slots]),
-                padded(positions, size), keys_at)
-        graph = self._advance.get(size)
-        if graph is None:      # one graph for every attention length
-            graph = self._advance[size] = self.store.graph("advance", masked_advance, args, dynamic={id(keys_at): 0})
-        return tuple(t[:rows] for t in graph(*args))
+        out = self._advance(self.adapters, self._mask(), self.model, base_kv.k, base_kv.v, residual_kv.k,
+                            residual_kv.v, padded(pred_feat, size), padded(lm_hidden, size),
+                            torch.cat([slots, padding_slots]), padded(positions, size), keys_at)
+        return tuple(t[:rows] for t in out)
 
     def _mask(self) -> torch.Tensor | None:
         """The rows' LoRA mask the runner set for this call (`RowAdapters.rows(..., masked=True)`)."""

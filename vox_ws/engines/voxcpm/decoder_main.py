@@ -68,7 +68,7 @@ def compile_decode(decoder, buckets: tuple[int, ...], cache_dir: str, patch_size
 
     try:
         use_cache_dir(Path(cache_dir))
-        store = GraphStore(Path(cache_dir), "vae")
+        store = GraphStore(Path(cache_dir))
         decoder.compile(buckets, patch_size, store)
     except Exception as exc:  # noqa: BLE001 - the parent's load fails with it
         return ("compile failed", f"{type(exc).__name__}: {exc}")

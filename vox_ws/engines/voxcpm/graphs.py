@@ -120,30 +120,30 @@ class SavedGraph:
 
 
 class GraphStore:
-    """Compiled graphs by name and arguments, in `directory`; `context` names what else the
-    graphs depend on (the model's config, how the runner built its modules)."""
+    """Compiled graphs by name, context and arguments, in `directory`. A graph's context names
+    what else it depends on (the model's config, how the runner built its modules): graphs of
+    one context are shared by every process compiling into the same directory."""
 
-    def __init__(self, directory: Path, context: str) -> None:
+    def __init__(self, directory: Path) -> None:
         self.directory = Path(directory) / "graphs"
         self.directory.mkdir(parents=True, exist_ok=True)
-        self._context = context
         self._base = None
         self.loaded = 0       # graphs read from the disk
         self.compiled = 0     # graphs compiled (and saved, where they could be)
         self.precompile = hasattr(torch.compile(lambda: None), "aot_compile")
 
-    def graph(self, name: str, fn: Callable, args: tuple, dynamic: dict[int, int] | None = None) -> Callable:
-        """`fn` compiled (fullgraph, shapes fixed but for `dynamic`: id(tensor) -> its dynamic
-        dim) for arguments like `args`: loaded from the disk when it was compiled before, else
-        compiled now and saved."""
-        dynamic = dynamic or {}
-        for tensor_id, dim in dynamic.items():
-            tensor = next(a for a in args if id(a) == tensor_id)
-            torch._dynamo.maybe_mark_dynamic(tensor, dim)
+    def graph(self, name: str, fn: Callable, args: tuple, *, context: str,
+              dynamic: dict[int, int] | None = None) -> Callable:
+        """`fn` compiled (fullgraph, shapes fixed but for `dynamic`: argument index -> that
+        tensor's dynamic dim) for arguments like `args`: loaded from the disk when it was
+        compiled before, else compiled now and saved."""
+        for index, dim in (dynamic or {}).items():
+            torch._dynamo.maybe_mark_dynamic(args[index], dim)
+        dynamic = {id(args[index]): dim for index, dim in (dynamic or {}).items()}   # as _describe reads it
         if not self.precompile:
             self.compiled += 1
             return torch.compile(fn, fullgraph=True, dynamic=False)
-        path = self.directory / f"{name}-{self._digest(name, args, dynamic)}.pt2"
+        path = self.directory / f"{name}-{self._digest(name, context, args, dynamic)}.pt2"
         if path.exists():
             try:
                 with open(path, "rb") as f:
@@ -168,13 +168,32 @@ class GraphStore:
             log.warning("compiled graph %s not saved (%s: %s)", name, type(exc).__name__, exc)
         return SavedGraph(name, precompiled, args, dynamic)
 
-    def _digest(self, name: str, args: tuple, dynamic: dict[int, int]) -> str:
+    def _digest(self, name: str, context: str, args: tuple, dynamic: dict[int, int]) -> str:
         if self._base is None:
-            self._base = "\n".join([_versions(), _traced_sources(), self._context])
+            self._base = "\n".join([_versions(), _traced_sources()])
         modules = [a for a in args if isinstance(a, nn.Module)]
-        text = "\n".join([self._base, name, module_signature(*modules),
+        text = "\n".join([self._base, context, name, module_signature(*modules),
                           ",".join(_describe(a, dynamic) for a in args)])
         return hashlib.sha256(text.encode()).hexdigest()[:24]
+
+
+class GraphsBySize:
+    """`fn` through one graph per batch size (the rows of argument `rows_of`), each loaded or
+    compiled from `store` on its first call with that size."""
+
+    def __init__(self, store: GraphStore, name: str, fn: Callable, *, context: str, rows_of: int,
+                 dynamic: dict[int, int] | None = None) -> None:
+        self.store, self.name, self.fn = store, name, fn
+        self.context, self.rows_of, self.dynamic = context, rows_of, dynamic
+        self._graphs: dict[int, Callable] = {}
+
+    def __call__(self, *args: Any) -> Any:
+        rows = args[self.rows_of].shape[0]
+        graph = self._graphs.get(rows)
+        if graph is None:
+            graph = self._graphs[rows] = self.store.graph(self.name, self.fn, args, context=self.context,
+                                                          dynamic=self.dynamic)
+        return graph(*args)
 
 
 def _no_guards(entries: list) -> list[bool]:

@@ -118,6 +118,11 @@ class BatchedVoxCPM2:
         self.scale_emb = cfg.scale_emb if cfg.use_mup else 1.0
         self.samples_per_step = model.patch_size * model._decode_chunk_size
 
+    @property
+    def decodes_in_process(self) -> bool:
+        """Whether a decoder process decodes beside this one (`decode_process`)."""
+        return self._decoder is not None
+
     def wait_ready(self) -> None:
         """Block until the decoder process, if there is one, can take work."""
         if self._decoder is not None:
@@ -125,16 +130,17 @@ class BatchedVoxCPM2:
 
     def compile(self, compiled: CompiledStep) -> None:
         """Generate through `compiled` from now on, and decode through a compiled VAE here and in
-        the decoder process, compiling every bucket of every piece now; the decoder process
-        compiles beside this thread."""
+        the decoder process, compiling every bucket of every piece now. The decoder process
+        compiles the decode beside this thread's step; this thread then loads the decode's
+        graphs it saved (the same graphs: one compile of each, not two)."""
         if self._decoder is not None:
             self._decoder.compile(compiled.buckets, str(compiled.cache_dir), self.model.patch_size)
         compiled.warm_up(self._solve_with(compiled), self.base_kv, self.residual_kv)
-        self.vae.compile(compiled.buckets, self.model.patch_size, compiled.store)
         if self._decoder is not None:
             loaded, compiled_there = self._decoder.wait_compiled()
             compiled.store.loaded += loaded
             compiled.store.compiled += compiled_there
+        self.vae.compile(compiled.buckets, self.model.patch_size, compiled.store)
         self.compiled = compiled
 
     def close(self) -> None:

@@ -12,6 +12,7 @@ import time
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -80,25 +81,28 @@ class BatchedStreamingVAE:
         takes at most `rows_per_call` rows of them. A call is padded up to its bucket."""
         if not buckets:
             raise ValueError("no batch sizes to compile the decode for")
+        from .graphs import GraphsBySize
+
         limit = self.rows_per_call
         if limit and max(buckets) > limit:
             buckets = tuple(b for b in buckets if b < limit) + (limit,)
-        graphs: dict[int, Any] = {}
-        name = f"vae_decode_fold{int(self.fold_depthwise)}"
-
-        def step(latents: torch.Tensor, carried: tuple[torch.Tensor, ...]):
-            args = (self, self.vae, latents, carried)
-            graph = graphs.get(latents.shape[0])
-            if graph is None:
-                graph = graphs[latents.shape[0]] = store.graph(name, streaming_decode, args)
-            return graph(*args)
-
-        self._step = step
+        graphs = GraphsBySize(store, f"vae_decode_fold{int(self.fold_depthwise)}", streaming_decode,
+                              context=self.graph_context(), rows_of=2)
+        self._step = partial(graphs, self, self.vae)
         self.buckets = tuple(sorted(set(buckets)))
         for rows in self.buckets:
             started = time.perf_counter()
             self.decode(self._silence(rows, patch_size), [{} for _ in range(rows)])
             self.compile_s[rows] = round(time.perf_counter() - started, 1)
+
+    def graph_context(self) -> str:
+        """What a compiled decode depends on besides the VAE's modules: its class and its plain
+        settings (the output sample rate becomes a constant of the graph). The same in the
+        engine's process and the decoder process, so that either loads what the other compiled."""
+        settings = {name: repr(value) for name, value in sorted(vars(self.vae).items())
+                    if not name.startswith("_")
+                    and (value is None or isinstance(value, (int, float, str, bool, list, tuple, np.number)))}
+        return f"{type(self.vae).__module__}.{type(self.vae).__qualname__} {settings}"
 
     def _silence(self, rows: int, patch_size: int) -> torch.Tensor:
         params = next(self.vae.parameters())
