@@ -187,8 +187,9 @@ def test_a_decode_compile_that_fails_is_refused_with_its_reason_and_the_process_
     engine = VoxCPMEngine(model=str(tiny_model), device="cpu", max_batch=1)
     engine.load()
     vae = engine.tts.tts_model.audio_vae
-    decoder = DecoderProcess(type(vae), engine.tts.tts_model.config.audio_vae_config, vae.state_dict(), threads=1,
-                             rows_per_call=8, warm_up=(4, 1))
+    decoder = DecoderProcess(threads=1)
+    decoder.load_vae(type(vae), engine.tts.tts_model.config.audio_vae_config, vae.state_dict(), rows_per_call=8,
+                     warm_up=(4, 1))
     try:
         decoder.wait_ready()
         decoder.compile((), str(tmp_path), 4)               # no bucket to compile for

@@ -10,6 +10,7 @@ import os
 import shutil
 import signal
 import threading
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -418,6 +419,78 @@ def test_the_decoder_process_starts_with_the_engine_and_ends_with_the_scheduler(
     assert process.poll() is None, "ready means the decoder process is up and warm"
     scheduler.stop()
     assert process.wait(10) == 0
+
+
+def _decoder_processes() -> list[int]:
+    """The decoder processes this test's process has running (read from Linux's /proc)."""
+    pids = []
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            command = (entry / "cmdline").read_bytes()
+        except (OSError, IndexError, ValueError):
+            continue                      # gone meanwhile
+        if parent == os.getpid() and b"voxcpm.decoder_main" in command:
+            pids.append(int(entry.name))
+    return pids
+
+
+def _speak(runner, text: str = "Handed over, the same voice.") -> np.ndarray:
+    """One request through a runner, start to end, seven patches: its audio."""
+    from vox_ws.engines.voxcpm.prompt import build_prompt
+
+    row = runner.prefill(build_prompt(runner.model, text, None), seed=5, cfg_value=2.0, timesteps=4, min_len=6,
+                         max_len=7)
+    audio = []
+    try:
+        while True:
+            [(chunk, reason)] = runner.step([row])
+            if chunk is not None:
+                audio.append(chunk.numpy())
+            if reason is not None:
+                return np.concatenate(audio)
+    finally:
+        runner.release(row)
+
+
+def test_a_runners_decoder_process_serves_the_next_runner_and_says_the_same(tiny_model, two_cpus):
+    """How `--max-batch auto` keeps the process it started while the model loaded: the runner
+    that timed the steps hands it to the one that serves."""
+    from vox_ws.engines.voxcpm.runner import BatchedVoxCPM2
+
+    others = set(_decoder_processes())          # other tests' servers, up until the session ends
+    engine = VoxCPMEngine(model=str(tiny_model), device="cpu", max_batch=2)
+    engine.load()
+    try:
+        model = engine.tts.tts_model
+        first = engine.runner
+        assert first.decodes_in_process and set(_decoder_processes()) - others == {first._decoder.pid}
+        decoder = first.take_decoder()
+        first.close()                                   # leaves the process running
+        second = BatchedVoxCPM2(model, 2, decoder=decoder)
+        engine.runner = second
+        assert second.decodes_in_process and set(_decoder_processes()) - others == {decoder.pid}
+        handed_over = _speak(second)
+        inline = BatchedVoxCPM2(model, 2, decode_process=False)
+        np.testing.assert_allclose(handed_over, _speak(inline), atol=1e-5)
+    finally:
+        engine.close()
+    assert set(_decoder_processes()) - others == set()
+
+
+async def test_a_load_that_fails_stops_the_decoder_process_it_started(start_server, tiny_model, tmp_path, two_cpus):
+    from safetensors.torch import load_file, save_file
+
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_model, broken)
+    weights = load_file(str(broken / "model.safetensors"))
+    weights["stop_head.weight_renamed"] = weights.pop("stop_head.weight")
+    save_file(weights, str(broken / "model.safetensors"))
+    others = set(_decoder_processes())
+    server = start_server(VoxCPMEngine(model=str(broken), device="cpu"), wait=False)
+    assert server.scheduler.ready_event.wait(WAIT_TIMEOUT)
+    assert server.scheduler.status == "failed"
+    assert set(_decoder_processes()) - others == set()      # started with the load, stopped with its failure
 
 
 async def test_decoder_process_death_fails_every_stream_and_stops_the_server(start_server, tiny_model, two_cpus):

@@ -7,25 +7,48 @@ parent says stop or goes away (see `decoder_process.py` for the parent's side).
 from __future__ import annotations
 
 import pickle
+import threading
 import time
 from multiprocessing.connection import Connection
 
-from ..child import child_connection, messages, send
+from ..child import child_connection, messages, receive, send
 
 
 def serve(conn: Connection) -> None:
     """The decoder process: build the VAE, then decode until told to stop or the parent goes."""
-    # Take the weights off the socket before the slow imports, so that the parent, blocked on
-    # sending them, goes on loading while this process imports torch and voxcpm.
-    init = conn.recv_bytes()
+    _, warm_compiler = receive(conn)
+    # Take the VAE off the socket as it comes, so that the parent, sending it, never waits on
+    # this process's imports.
+    init: list[bytes] = []
+
+    def take_init() -> None:
+        # Bytes only: unpickling names the VAE's class, an import of voxcpm that must wait for
+        # import_voxcpm below.
+        try:
+            init.append(conn.recv_bytes())
+        except (EOFError, OSError):
+            pass        # the parent went away
+
+    reader = threading.Thread(target=take_init, name="vox-ws-vae-init", daemon=True)
+    reader.start()
     import torch
 
+    compiler = None
+    if warm_compiler:       # a compile follows: what it costs once, paid while the parent loads
+        from .compiled import warm_compiler as warm
+
+        compiler = threading.Thread(target=warm, args=("cpu",), name="vox-ws-warm-compiler", daemon=True)
+        compiler.start()
     from .loading import import_voxcpm
     from .vae import BatchedStreamingVAE, fold_weight_norm
 
     import_voxcpm()   # the VAE's module imports voxcpm; mind the torchaudio placeholder
-    _, vae_class, vae_config, weights, threads, rows_per_call, warm_up = pickle.loads(init)
-    del init
+    reader.join()
+    message = pickle.loads(init.pop()) if init else ("gone",)
+    if message[0] != "init":
+        return      # the parent stopped this process, or went away, before sending the VAE
+    _, vae_class, vae_config, weights, threads, rows_per_call, warm_up = message
+    del message
     torch.set_num_threads(threads)
     vae = vae_class(config=vae_config) if vae_config is not None else vae_class()
     fold_weight_norm(vae)
@@ -34,6 +57,8 @@ def serve(conn: Connection) -> None:
     decoder = BatchedStreamingVAE(vae, rows_per_call=rows_per_call, fold_depthwise=True)
     del weights
     decoder.warm_up(*warm_up)
+    if compiler is not None:
+        compiler.join()
     send(conn, ("ready", None))
     states: dict[int, dict[int, torch.Tensor]] = {}
     with torch.inference_mode():

@@ -12,6 +12,9 @@ every row's carried state until told to forget it. Messages are pickled numpy ar
 tensors: torch would pickle tensors as shared-memory handles.
 
     parent                                   decoder process
+    DecoderProcess()        ── start ───▶    import torch, voxcpm (the parent loads meanwhile)
+    load_vae(vae)           ── init ────▶    build and warm the VAE up
+    wait_ready()            ◀── ready ───
     compile(buckets)        ── compile ─▶    compile the decode per bucket
     wait_compiled()         ◀── compiled ─
     submit(latents k, rows) ── decode ──▶    decode, keep state
@@ -48,21 +51,30 @@ class DecoderProcess:
     (the engine's); a reader thread takes the replies as they come, so neither side can block
     the other on a full socket buffer."""
 
-    def __init__(self, vae_class: type, vae_config: Any, state_dict: dict[str, Any], *, threads: int,
-                 rows_per_call: int | None, warm_up: tuple[int, int]) -> None:
-        """Start the process with a copy of the VAE (class, config, weights); it warms up for
-        `warm_up` = (patch size, max rows) while the parent goes on loading."""
+    def __init__(self, *, threads: int, warm_compiler: bool = False) -> None:
+        """Start the process. It imports torch and voxcpm (and warms its compiler up, where a
+        `compile` will follow: `warm_compiler`) while the parent loads the model; `load_vae`
+        then gives it the VAE."""
         self._proc, self._conn = start_child(DECODER_MAIN, threads)
+        self._threads = threads
         self._outstanding: deque[Future] = deque()
         self._lock = threading.Lock()
         self._failed: EngineFailure | None = None
         self._closed = False
-        weights = {name: tensor.detach().cpu().numpy() for name, tensor in state_dict.items()}
         self._ready: Future = Future()
         self._compiled: Future | None = None
-        self._send(("init", vae_class, vae_config, weights, threads, rows_per_call, warm_up))
+        self.has_vae = False
+        self._send(("start", warm_compiler))
         self._reader = threading.Thread(target=self._read_replies, name="vox-ws-vae-replies", daemon=True)
         self._reader.start()
+
+    def load_vae(self, vae_class: type, vae_config: Any, state_dict: dict[str, Any], *, rows_per_call: int | None,
+                 warm_up: tuple[int, int]) -> None:
+        """Give the process a copy of the VAE (class, config, weights); it warms up for `warm_up` =
+        (patch size, max rows) while the parent goes on loading (`wait_ready`)."""
+        weights = {name: tensor.detach().cpu().numpy() for name, tensor in state_dict.items()}
+        self._send(("init", vae_class, vae_config, weights, self._threads, rows_per_call, warm_up))
+        self.has_vae = True
 
     @property
     def pid(self) -> int:
@@ -92,7 +104,7 @@ class DecoderProcess:
         return self.wait(self._compiled, timeout)
 
     def wait_ready(self, timeout: float = REPLY_TIMEOUT_S) -> None:
-        """Block until the process has built and warmed its VAE."""
+        """Block until the process has built and warmed its VAE (and its compiler, if asked to)."""
         self.wait(self._ready, timeout)
 
     def wait(self, job: Future, timeout: float = REPLY_TIMEOUT_S) -> Any:

@@ -105,7 +105,8 @@ class VoxCPMEngine(Engine):
     def load(self) -> None:
         import torch
 
-        from .runner import BatchedVoxCPM2
+        from .decoder_process import DecoderProcess
+        from .runner import wants_decode_process
 
         if self._threads:
             torch.set_num_threads(self._threads)
@@ -123,30 +124,38 @@ class VoxCPMEngine(Engine):
         # Where the step will be compiled, the compiler warms up while the weights load.
         expected = self.device if self.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
         compiler = None
-        if self._compiles(expected):
+        self._will_compile = self._compiles(expected)
+        if self._will_compile:
             compiler = threading.Thread(target=warm_compiler, args=(expected.split(":")[0],),
                                         name="vox-ws-warm-compiler", daemon=True)
             compiler.start()
         self.architecture = architecture(path)
         if self.architecture != "voxcpm2":
             raise ValueError(f"{path} is a {self.architecture!r} checkpoint; the batched engine serves VoxCPM2 only")
-        self.tts = voxcpm.VoxCPM.from_pretrained(
-            str(path), load_denoiser=self._load_denoiser, optimize=self._optimize,
-            device=None if self.device == "auto" else self.device, lora_config=lora_config,
-        )
-        model = self.tts.tts_model
-        verify_weights(model, path)
-        if lora_config is not None:
-            self._lora = self._adapter_slots(model)
-        self.device = str(model.device)
-        self.dtype = str(model.config.dtype)
-        self.sample_rate = int(model.sample_rate)
-        self.voice_sample_rate = int(model._encode_sample_rate)
-        if self._slots is None:
-            self.runner = self._size_slots(model)
-        else:
-            self.runner = BatchedVoxCPM2(model, self._slots, warm_rows=self.max_step_batch,
-                                         adapters=self._lora.adapters)
+        # The decoder process imports torch and voxcpm (and warms its compiler) while the model loads.
+        decoder = (DecoderProcess(threads=torch.get_num_threads(), warm_compiler=self._will_compile)
+                   if wants_decode_process(expected.split(":")[0]) else None)
+        try:
+            self.tts = voxcpm.VoxCPM.from_pretrained(
+                str(path), load_denoiser=self._load_denoiser, optimize=self._optimize,
+                device=None if self.device == "auto" else self.device, lora_config=lora_config,
+            )
+            model = self.tts.tts_model
+            verify_weights(model, path)
+            if lora_config is not None:
+                self._lora = self._adapter_slots(model)
+            self.device = str(model.device)
+            self.dtype = str(model.config.dtype)
+            self.sample_rate = int(model.sample_rate)
+            self.voice_sample_rate = int(model._encode_sample_rate)
+            if self._slots is None:
+                self.runner = self._size_slots(model, decoder)
+            else:
+                self.runner = self._runner(model, self._slots, self.max_step_batch, decoder)
+        except BaseException:
+            if decoder is not None and not decoder.has_vae:     # no runner has it
+                decoder.close()
+            raise
         if self._warm_normalizer:
             self._normalizer.ensure_started()
         if self._voices_dir is not None:
@@ -200,11 +209,12 @@ class VoxCPMEngine(Engine):
     def slots(self) -> tuple[int, str]:
         return self._slots, self._slots_reason
 
-    def _size_slots(self, model: Any) -> Any:
+    def _size_slots(self, model: Any, decoder: Any) -> Any:
         """`--max-batch auto`: on a GPU, as many slots as the KV caches of 80% of the free memory
         hold (each slot has room for the model's whole context); on a CPU, the most rows whose
         batched step takes at most half the audio it makes (every stream stays ahead of real
-        time with room to spare), measured here. Returns the runner to serve with."""
+        time with room to spare), measured here. Returns the runner to serve with, which decodes
+        in `decoder` (a `DecoderProcess` or None)."""
         import torch
 
         from .kv import slot_bytes
@@ -222,12 +232,12 @@ class VoxCPMEngine(Engine):
                                   f"of KV per slot (whole context) + 25%: 80% of the free memory holds {slots}"
                                   + (f" (capped at {AUTO_MAX_SLOTS})" if slots == AUTO_MAX_SLOTS else "")
                                   + f"; {self.max_step_batch} rows a step")
-            return BatchedVoxCPM2(model, slots, warm_rows=self.max_step_batch, adapters=self._lora.adapters)
+            return self._runner(model, slots, self.max_step_batch, decoder)
         # Rows tried: at most what half of the free memory holds.
         available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
         trial = max(1, min(AUTO_MAX_SLOTS_CPU, int(available * 0.5 // per_slot)))
-        runner = BatchedVoxCPM2(model, trial, adapters=self._lora.adapters)
-        runner.wait_ready()                  # the decoder process has loaded: time steps, not that
+        runner = BatchedVoxCPM2(model, trial, adapters=self._lora.adapters, decoder=decoder)
+        runner.wait_ready()                  # the decoder process has warmed up: time steps, not that
         step_audio_s = runner.samples_per_step / model.sample_rate
         chosen, timings = 1, {}
         size = 1
@@ -257,9 +267,15 @@ class VoxCPMEngine(Engine):
                               + f"{slots} slots ({CPU_SLOTS_PER_ROW} per row"
                               + (f", at most {trial} in half the free memory)" if slots == trial else ")"))
         if slots < trial:                    # the caches of slots never used are given back
+            decoder = runner.take_decoder()
             runner.close()
-            runner = BatchedVoxCPM2(model, slots, warm_rows=rows, adapters=self._lora.adapters)
+            runner = self._runner(model, slots, rows, decoder)
         return runner
+
+    def _runner(self, model: Any, slots: int, warm_rows: int, decoder: Any) -> Any:
+        from .runner import BatchedVoxCPM2
+
+        return BatchedVoxCPM2(model, slots, warm_rows=warm_rows, adapters=self._lora.adapters, decoder=decoder)
 
     def close(self) -> None:
         self._normalizer.close()

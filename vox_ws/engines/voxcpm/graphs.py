@@ -21,6 +21,8 @@ Where this PyTorch has no precompile, or a graph cannot be saved, the store fall
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import importlib.metadata
 import inspect
@@ -28,7 +30,7 @@ import logging
 import os
 import sys
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
@@ -144,24 +146,33 @@ class GraphStore:
             self.compiled += 1
             return torch.compile(fn, fullgraph=True, dynamic=False)
         path = self.directory / f"{name}-{self._digest(name, context, args, dynamic)}.pt2"
-        if path.exists():
-            try:
-                with open(path, "rb") as f:
-                    loaded = torch.compiler.load_compiled_function(f)
-                self.loaded += 1
-                return SavedGraph(name, loaded, args, dynamic)
-            except Exception as exc:  # noqa: BLE001 - a stale or broken file: compile again
-                log.warning("compiled graph %s unreadable (%s: %s): compiling it again", path.name,
-                            type(exc).__name__, exc)
+        # One process compiles a graph; another that wants it meanwhile (the decoder process, a
+        # second server on the same cache) waits for it and loads it.
+        with _locked(path.with_suffix(".lock")):
+            return self._load(name, path, args, dynamic) or self._compile(name, fn, path, args, dynamic)
+
+    def _load(self, name: str, path: Path, args: tuple, dynamic: dict[int, int]) -> SavedGraph | None:
+        if not path.exists():
+            return None
+        try:
+            with open(path, "rb") as f:
+                loaded = torch.compiler.load_compiled_function(f)
+        except Exception as exc:  # noqa: BLE001 - a stale or broken file: compile again
+            log.warning("compiled graph %s unreadable (%s: %s): compiling it again", path.name,
+                        type(exc).__name__, exc)
+            return None
+        self.loaded += 1
+        return SavedGraph(name, loaded, args, dynamic)
+
+    def _compile(self, name: str, fn: Callable, path: Path, args: tuple, dynamic: dict[int, int]) -> Callable:
         compiled = torch.compile(fn, fullgraph=True, dynamic=False, options={"guard_filter_fn": _no_guards})
+        self.compiled += 1
         try:
             precompiled = compiled.aot_compile((args, {}))
         except Exception as exc:  # noqa: BLE001 - this PyTorch cannot precompile it: trace at each start
             log.warning("graph %s cannot be precompiled (%s: %s): compiled at each start instead", name,
                         type(exc).__name__, exc)
-            self.compiled += 1
             return torch.compile(fn, fullgraph=True, dynamic=False)
-        self.compiled += 1
         try:
             precompiled.save_compiled_function(str(path))
         except Exception as exc:  # noqa: BLE001 - it still serves this process
@@ -194,6 +205,18 @@ class GraphsBySize:
             graph = self._graphs[rows] = self.store.graph(self.name, self.fn, args, context=self.context,
                                                           dynamic=self.dynamic)
         return graph(*args)
+
+
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    """An exclusive lock on `path` (created if missing) for the block, between processes; the
+    system lets it go if the holder dies."""
+    with open(path, "a+b") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def _no_guards(entries: list) -> list[bool]:

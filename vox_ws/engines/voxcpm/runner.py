@@ -77,10 +77,13 @@ class BatchedVoxCPM2:
     """Runs prefill per request and one batched generation step for any set of requests."""
 
     def __init__(self, model: Any, max_batch: int, decode_process: bool | None = None,
-                 warm_rows: int | None = None, adapters: RowAdapters | None = None) -> None:
+                 warm_rows: int | None = None, adapters: RowAdapters | None = None,
+                 decoder: DecoderProcess | None = None) -> None:
         """`max_batch` KV slots; steps of up to `warm_rows` rows (default: every slot) are warmed up;
-        `adapters`: the model's LoRA slots (`lora.install_row_lora`), where it has them. Eager
-        until `compile`."""
+        `adapters`: the model's LoRA slots (`lora.install_row_lora`), where it has them;
+        `decoder`: a decoder process to decode in (started ahead, or another runner's:
+        `take_decoder`), else one is started here where `decode_process` (default: on a CPU
+        with a core to spare, `wants_decode_process`). Eager until `compile`."""
         self.model = model
         self.adapters = adapters
         self.compiled: CompiledStep | None = None
@@ -95,20 +98,17 @@ class BatchedVoxCPM2:
         # On a CPU, decoding more than ~8 rows in one call falls out of cache (B=16 took 54 ms
         # in one call, 32 ms in two); a GPU wants every row in one call.
         rows_per_call = 8 if on_cpu else None
-        # On a CPU with a core to spare, the decode of step k runs in the decoder process while
-        # this thread generates step k+1 (each row's audio comes one step later, except its first
-        # patch, decoded here at once). On a GPU the kernels are asynchronous already. Started
-        # first: it loads and warms up while this process does.
-        if decode_process is None:
-            decode_process = on_cpu and _usable_cpus() >= 2
-        self._decoder: DecoderProcess | None = None
+        # The decoder process: the decode of step k runs there while this thread generates step
+        # k+1 (each row's audio comes one step later, except its first patch, decoded here at
+        # once). Given its VAE first: it warms up while this process does.
+        if decoder is None and (wants_decode_process(self.device.type) if decode_process is None else decode_process):
+            decoder = DecoderProcess(threads=torch.get_num_threads())
+        self._decoder = decoder
         self._balance = DecodeBalance()
-        if decode_process:
+        if decoder is not None and not decoder.has_vae:
             vae = model.audio_vae
-            self._decoder = DecoderProcess(type(vae), getattr(model.config, "audio_vae_config", None),
-                                           vae.state_dict(), threads=torch.get_num_threads(),
-                                           rows_per_call=rows_per_call,
-                                           warm_up=(model.patch_size, warm_rows or max_batch))
+            decoder.load_vae(type(vae), getattr(model.config, "audio_vae_config", None), vae.state_dict(),
+                             rows_per_call=rows_per_call, warm_up=(model.patch_size, warm_rows or max_batch))
         self.vae = BatchedStreamingVAE(model.audio_vae, rows_per_call=rows_per_call, fold_depthwise=on_cpu)
         if on_cpu:
             self.vae.warm_up(model.patch_size, warm_rows or max_batch)
@@ -131,17 +131,23 @@ class BatchedVoxCPM2:
     def compile(self, compiled: CompiledStep) -> None:
         """Generate through `compiled` from now on, and decode through a compiled VAE here and in
         the decoder process, compiling every bucket of every piece now. The decoder process
-        compiles the decode beside this thread's step; this thread then loads the decode's
-        graphs it saved (the same graphs: one compile of each, not two)."""
+        compiles the decode beside this thread's step; the two share the decode's graphs (the
+        store compiles each once, and a process that wants one being compiled waits for it)."""
         if self._decoder is not None:
             self._decoder.compile(compiled.buckets, str(compiled.cache_dir), self.model.patch_size)
         compiled.warm_up(self._solve_with(compiled), self.base_kv, self.residual_kv)
+        self.vae.compile(compiled.buckets, self.model.patch_size, compiled.store)
         if self._decoder is not None:
             loaded, compiled_there = self._decoder.wait_compiled()
             compiled.store.loaded += loaded
             compiled.store.compiled += compiled_there
-        self.vae.compile(compiled.buckets, self.model.patch_size, compiled.store)
         self.compiled = compiled
+
+    def take_decoder(self) -> DecoderProcess | None:
+        """This runner's decoder process, for another runner (`decoder`); this one no longer
+        decodes there, and its `close` leaves it running. Every row must have been released."""
+        decoder, self._decoder = self._decoder, None
+        return decoder
 
     def close(self) -> None:
         """Stop the decoder process, if there is one."""
@@ -402,6 +408,12 @@ class DecodeBalance:
         self._taken += 2 * self.row_s
         return True
 
+
+
+def wants_decode_process(device_type: str) -> bool:
+    """Whether a runner on this kind of device decodes in a decoder process: on a CPU with a
+    core to spare. On a GPU the kernels are asynchronous already."""
+    return device_type == "cpu" and _usable_cpus() >= 2
 
 
 def _usable_cpus() -> int:
