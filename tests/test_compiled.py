@@ -4,10 +4,12 @@ equals the package's: tests/test_voxcpm_equivalence.py.)"""
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import threading
+from pathlib import Path
 
-from conftest import WAIT_TIMEOUT, assert_good_stream, connect_client
+from conftest import WAIT_TIMEOUT, assert_good_stream, connect_client, wait_until
 import numpy as np
 import pytest
 import torch
@@ -165,6 +167,35 @@ def test_a_saved_graph_takes_new_weights_refuses_other_shapes_and_a_broken_file_
         rebuilt = fresh.graph("affine", _affine, (layer, x), context="test")
     assert (fresh.loaded, fresh.compiled) == (0, 1) and "unreadable" in caplog.text
     torch.testing.assert_close(rebuilt(layer, x), _affine(layer, x))
+
+
+def _waiting_on(lock: Path) -> bool:
+    """Whether some process or thread is blocked waiting for a lock on this file (/proc/locks
+    lists waiters as `->`)."""
+    inode = f":{lock.stat().st_ino} "
+    return any("->" in line and inode in line for line in Path("/proc/locks").read_text().splitlines())
+
+
+@pytest.mark.slow
+async def test_a_graph_another_process_is_compiling_is_waited_for_and_loaded(tmp_path):
+    layer, x = torch.nn.Linear(4, 3), torch.randn(2, 4)
+    GraphStore(tmp_path).graph("affine", _affine, (layer, x), context="test")
+    [saved] = (tmp_path / "graphs").glob("affine-*.pt2")
+    compiled = saved.read_bytes()
+    saved.unlink()                                  # as it is while another process compiles it
+    lock = saved.with_suffix(".lock")
+    store, made = GraphStore(tmp_path), []
+    with open(lock, "a+b") as other:
+        fcntl.flock(other, fcntl.LOCK_EX)           # that process holds the graph's lock
+        waiter = threading.Thread(target=lambda: made.append(store.graph("affine", _affine, (layer, x),
+                                                                            context="test")))
+        waiter.start()
+        await wait_until(lambda: _waiting_on(lock))
+        saved.write_bytes(compiled)                 # it saves the graph, then lets the lock go
+        fcntl.flock(other, fcntl.LOCK_UN)
+    waiter.join(WAIT_TIMEOUT)
+    assert (store.loaded, store.compiled) == (1, 0)
+    torch.testing.assert_close(made[0](layer, x), _affine(layer, x))
 
 
 @pytest.mark.slow
