@@ -13,13 +13,13 @@ from conftest import WAIT_TIMEOUT, assert_good_stream, connect_client, wait_unti
 import numpy as np
 import pytest
 import torch
+from test_server_voxcpm import speak_through
 
 from vox_ws.engines.voxcpm import parse_buckets, parse_compile
 from vox_ws.engines.voxcpm.compiled import buckets_for
 from vox_ws.engines.voxcpm.decoder_process import DecoderProcess
 from vox_ws.engines.voxcpm.engine import VoxCPMEngine
 from vox_ws.engines.voxcpm.graphs import GraphMismatch, GraphsBySize, GraphStore
-from vox_ws.engines.voxcpm.prompt import build_prompt
 
 
 def test_buckets_cover_every_batch_up_to_the_rows():
@@ -87,21 +87,8 @@ async def test_readyz_says_compiling_until_the_step_is_compiled_then_it_serves(s
         assert_good_stream(await c.speak("Compiled now.", options={"seed": 1, "max_len": 3}), reason="max_len")
 
 
-def _speak(engine: VoxCPMEngine, text: str = "A second start says the same.") -> np.ndarray:
-    """One request through the engine's runner, start to end: its audio."""
-    runner = engine.runner
-    row = runner.prefill(build_prompt(engine.tts.tts_model, text, None), seed=3, cfg_value=2.0, timesteps=4,
-                         min_len=2, max_len=6)
-    audio = []
-    try:
-        while True:
-            [(chunk, reason)] = runner.step([row])
-            if chunk is not None:
-                audio.append(chunk.numpy())
-            if reason is not None:
-                return np.concatenate(audio)
-    finally:
-        runner.release(row)
+def _speak(engine: VoxCPMEngine) -> np.ndarray:
+    return speak_through(engine.runner, "A second start says the same.", seed=3, min_len=2, max_len=6)
 
 
 @pytest.mark.slow

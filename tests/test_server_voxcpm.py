@@ -435,12 +435,12 @@ def _decoder_processes() -> list[int]:
     return pids
 
 
-def _speak(runner, text: str = "Handed over, the same voice.") -> np.ndarray:
-    """One request through a runner, start to end, seven patches: its audio."""
+def speak_through(runner, text: str, *, seed: int, min_len: int, max_len: int) -> np.ndarray:
+    """One request through a runner (`BatchedVoxCPM2`), start to end: its audio."""
     from vox_ws.engines.voxcpm.prompt import build_prompt
 
-    row = runner.prefill(build_prompt(runner.model, text, None), seed=5, cfg_value=2.0, timesteps=4, min_len=6,
-                         max_len=7)
+    row = runner.prefill(build_prompt(runner.model, text, None), seed=seed, cfg_value=2.0, timesteps=4,
+                         min_len=min_len, max_len=max_len)
     audio = []
     try:
         while True:
@@ -470,9 +470,10 @@ def test_a_runners_decoder_process_serves_the_next_runner_and_says_the_same(tiny
         second = BatchedVoxCPM2(model, 2, decoder=decoder)
         engine.runner = second
         assert second.decodes_in_process and set(_decoder_processes()) - others == {decoder.pid}
-        handed_over = _speak(second)
+        said = dict(text="Handed over, the same voice.", seed=5, min_len=6, max_len=7)    # seven patches
+        handed_over = speak_through(second, **said)
         inline = BatchedVoxCPM2(model, 2, decode_process=False)
-        np.testing.assert_allclose(handed_over, _speak(inline), atol=1e-5)
+        np.testing.assert_allclose(handed_over, speak_through(inline, **said), atol=1e-5)
     finally:
         engine.close()
     assert set(_decoder_processes()) - others == set()

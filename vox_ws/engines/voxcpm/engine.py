@@ -124,8 +124,8 @@ class VoxCPMEngine(Engine):
         # Where the step will be compiled, the compiler warms up while the weights load.
         expected = self.device if self.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
         compiler = None
-        self._will_compile = self._compiles(expected)
-        if self._will_compile:
+        will_compile = self._compiles(expected)
+        if will_compile:
             compiler = threading.Thread(target=warm_compiler, args=(expected.split(":")[0],),
                                         name="vox-ws-warm-compiler", daemon=True)
             compiler.start()
@@ -133,7 +133,7 @@ class VoxCPMEngine(Engine):
         if self.architecture != "voxcpm2":
             raise ValueError(f"{path} is a {self.architecture!r} checkpoint; the batched engine serves VoxCPM2 only")
         # The decoder process imports torch and voxcpm (and warms its compiler) while the model loads.
-        decoder = (DecoderProcess(threads=torch.get_num_threads(), warm_compiler=self._will_compile)
+        decoder = (DecoderProcess(threads=torch.get_num_threads(), warm_compiler=will_compile)
                    if wants_decode_process(expected.split(":")[0]) else None)
         try:
             self.tts = voxcpm.VoxCPM.from_pretrained(
