@@ -387,7 +387,8 @@ async def test_a_stream_queued_too_long_ends_busy():
     scheduler.start()
     assert scheduler.ready_event.wait(120)
     service = await service_on(scheduler)
-    holder = service.open_stream("x" * 40, owners=("connection:1",))
+    holder_text = "x" * 40
+    holder = service.open_stream(holder_text, owners=("connection:1",))
     await asyncio.to_thread(engine.inside_step)              # the holder has the slot, held
     waiter = service.open_stream(SENTENCE, owners=("connection:1",))
     started = time.monotonic()
@@ -397,7 +398,7 @@ async def test_a_stream_queued_too_long_ends_busy():
     assert isinstance(events[-1], Failed) and events[-1].kind == ErrorKind.BUSY, events[-1]
     assert not any(isinstance(e, Audio) for e in events)
     holder.cancel()
-    for _ in range(len("x" * 40)):
+    for _ in holder_text:
         engine.go.release()                                  # whatever steps are left go through
     scheduler.stop()
     await service.close()

@@ -21,6 +21,7 @@ from ...text import pack
 from .loading import DEFAULT_MODEL, architecture, import_voxcpm, resolve_model_path, verify_weights
 from .adapters import Adapter, AdapterBook, AdapterFile
 from . import COMPILE_MODES
+from .decoder_process import DecoderProcess
 from .compiled import BUCKETS, CompiledStep, buckets_for, warm_compiler
 from .normalizer import NORMALIZE_TIMEOUT_S, Normalizer
 from .options import DEFAULTS, OPTIONS
@@ -105,7 +106,6 @@ class VoxCPMEngine(Engine):
     def load(self) -> None:
         import torch
 
-        from .decoder_process import DecoderProcess
         from .runner import wants_decode_process
 
         if self._threads:
@@ -209,12 +209,12 @@ class VoxCPMEngine(Engine):
     def slots(self) -> tuple[int, str]:
         return self._slots, self._slots_reason
 
-    def _size_slots(self, model: Any, decoder: Any) -> Any:
+    def _size_slots(self, model: Any, decoder: DecoderProcess | None) -> Any:
         """`--max-batch auto`: on a GPU, as many slots as the KV caches of 80% of the free memory
         hold (each slot has room for the model's whole context); on a CPU, the most rows whose
         batched step takes at most half the audio it makes (every stream stays ahead of real
         time with room to spare), measured here. Returns the runner to serve with, which decodes
-        in `decoder` (a `DecoderProcess` or None)."""
+        in `decoder`, if any."""
         import torch
 
         from .kv import slot_bytes
@@ -272,7 +272,7 @@ class VoxCPMEngine(Engine):
             runner = self._runner(model, slots, rows, decoder)
         return runner
 
-    def _runner(self, model: Any, slots: int, warm_rows: int, decoder: Any) -> Any:
+    def _runner(self, model: Any, slots: int, warm_rows: int, decoder: DecoderProcess | None) -> Any:
         from .runner import BatchedVoxCPM2
 
         return BatchedVoxCPM2(model, slots, warm_rows=warm_rows, adapters=self._lora.adapters, decoder=decoder)

@@ -10,15 +10,15 @@ from __future__ import annotations
 import threading
 import time
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-if TYPE_CHECKING:
-    from .graphs import GraphStore
+from .graphs import GraphsBySize, GraphStore
+
 
 # Warming the VAE up for more rows stops once one decode takes this long.
 WARM_UP_ENOUGH_S = 0.5
@@ -75,14 +75,12 @@ class BatchedStreamingVAE:
                 break   # decodes this slow (a real-size VAE on a CPU) dwarf a kernel build
 
     @torch.inference_mode()
-    def compile(self, buckets: tuple[int, ...], patch_size: int, store: "GraphStore") -> None:
+    def compile(self, buckets: tuple[int, ...], patch_size: int, store: GraphStore) -> None:
         """From now on decode through graphs compiled per bucket (from `store`: loaded where they
         were compiled before), compiling every bucket now: the steps' `buckets`, where one call
         takes at most `rows_per_call` rows of them. A call is padded up to its bucket."""
         if not buckets:
             raise ValueError("no batch sizes to compile the decode for")
-        from .graphs import GraphsBySize
-
         limit = self.rows_per_call
         if limit and max(buckets) > limit:
             buckets = tuple(b for b in buckets if b < limit) + (limit,)
