@@ -55,7 +55,10 @@ async def test_methods_and_unknown_paths(piper_server):
 async def test_voices_rest_on_an_engine_that_cannot_clone(piper_server):
     async with httpx.AsyncClient(base_url=piper_server.http) as http:
         listed = await http.get("/v1/voices")
-        assert listed.json() == {"voices": [{"id": "joe", "kind": "builtin"}], "cloning": False}
+        voices = listed.json()["voices"]
+        assert listed.json()["cloning"] is False
+        assert voices[0] == {"id": "joe", "kind": "builtin", "languages": ["en_US"]}
+        assert {v["kind"] for v in voices[1:]} == {"alias"} and all(v["voice"] == "joe" for v in voices[1:])
         refused = await http.post("/v1/voices", content=wav(1.0), headers={"content-type": "audio/wav"})
         assert refused.status_code == 501 and refused.json()["error"]["code"] == "unsupported"
 

@@ -282,7 +282,7 @@ async def test_the_openai_door_takes_an_adapter_by_name(server):
             body = {"seed": 4, "max_len": 4, "lora": "bright"}
             speech = await _to_thread(lambda: client.audio.speech.create(
                 model="tts-1", voice="alloy", input=TEXT, response_format="pcm", extra_body=body).content)
-            v1 = await admin.speak(TEXT, "v1", lora="bright", format="s16", sample_rate=24000,
+            v1 = await admin.speak(TEXT, "v1", lora="bright", format="s16", sample_rate=24000, voice="alloy",
                                    options={"seed": 4, "max_len": 4})
             with pytest.raises(openai.BadRequestError) as refused:
                 await _to_thread(lambda: client.audio.speech.create(

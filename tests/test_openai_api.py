@@ -18,6 +18,7 @@ import openai
 import pytest
 
 from vox_ws.engines.piper import PiperEngine
+from vox_ws.service.voice_aliases import OPENAI_VOICES
 
 TEXT = "Streaming speech from an OpenAI client. It should start before the end."
 TOKEN = "openai-secret"
@@ -317,7 +318,11 @@ def test_openai_shaped_voice_routes_on_an_engine_that_cannot_clone(client, piper
     """Piper: `/v1/audio/voices` lists its built-in voice and no uploads; an upload is 501, as
     over `/v1/voices`."""
     listed = client.get("/audio/voices", cast_to=object)
-    assert listed == {"voices": ["joe"], "uploaded_voices": []}
+    assert listed["uploaded_voices"] == [] and listed["voices"][0] == {"id": "joe", "name": "joe", "kind": "builtin",
+                                                                       "languages": ["en_US"]}
+    # OpenAI's names are aliases of the one voice there is.
+    assert {(v["id"], v["kind"], v["voice"]) for v in listed["voices"][1:]} == \
+        {(name, "alias", "joe") for name in OPENAI_VOICES}
     with pytest.raises(openai.APIStatusError) as refused:
         client.post("/audio/voices", cast_to=object, options={"headers": {"Content-Type": "multipart/form-data"}},
                     body={"name": "me"}, files=[("audio_sample", ("a.wav", b"RIFF", "audio/wav"))])

@@ -19,6 +19,7 @@ from test_server_piper import LONG, SENTENCE
 from vox_ws.engines.piper import PiperEngine, defuse_letter_runs
 from vox_ws.engines import piper_worker
 from vox_ws.engines.piper_worker import MAX_PHONEMES, PiperWorker, WorkerCrashed
+from vox_ws.engines.piper_voices import bundled
 
 TRIGGERS = ["a." * 100, "b." * 100, "A.B." * 50]
 CUE = "#crash "
@@ -54,7 +55,7 @@ def test_letter_runs_are_spaced_out_and_other_text_is_left_alone():
 
 @pytest.mark.hardening                   # a fault: the full lane's
 def test_a_crash_in_the_worker_raises_and_the_next_text_gets_a_new_worker():
-    worker = PiperWorker(threads=1)
+    worker = PiperWorker(threads=1, voices=[(bundled().model_path, bundled().config_path)])
     worker.start()
     try:
         first, speed = worker.pid, worker.speed
@@ -97,7 +98,7 @@ def test_dense_text_is_spoken_in_short_pieces():
     """A segment's work is bounded by the audio it makes: 240 CJK characters (read letter by
     letter, 85 s of speech as one segment) or a 200-digit number come in pieces of at most
     MAX_PHONEMES phonemes, cut between words, and nothing is lost."""
-    voice, rate, aligned = piper_worker._load(1)
+    voice, rate, aligned = piper_worker._load(1, bundled().model_path, bundled().config_path)
     for text in ("我们今天去公园散步天气非常好" * 17, "7" * 200, LONG):
         pieces = [phonemes for phonemes, _ in piper_worker.phonemize(voice, text)[1]]
         spoken = [ph for piece in pieces for ph in piece if ph != " "]

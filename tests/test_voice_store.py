@@ -239,40 +239,53 @@ async def test_openai_shaped_voice_routes_register_list_speak_and_delete_per_own
                            files=[("audio_sample", ("sample.wav", tone_wav(1.0, pitch=pitch), "audio/wav"))])
 
     builtin = (await asyncio.to_thread(alice.get, "/audio/voices", cast_to=object))
-    assert builtin["uploaded_voices"] == [] and builtin["voices"] == server.server.service.voices()
-    added = await asyncio.to_thread(upload, alice, 210.0, name="narrator", consent="consent-1",
+    assert builtin["uploaded_voices"] == []
+    assert [v["id"] for v in builtin["voices"] if v["kind"] == "builtin"] == server.server.service.voices()
+    assert all(v["id"] and v["name"] for v in builtin["voices"])          # what Open WebUI reads
+    added = await asyncio.to_thread(upload, alice, 210.0, name="teller", consent="consent-1",
                                     ref_text="The reference says this.")
     assert added["success"] is True
     voice = added["voice"]
-    assert is_registered_id(voice["name"]) and voice["id"] == voice["name"]
+    # The name is kept: it is what the voice is listed and spoken by; its id is made from it.
+    assert voice["name"] == voice["id"] == "teller" and is_registered_id(voice["voice_id"])
     assert voice["mode"] == "both" and voice["ref_text"] == "The reference says this."
     assert voice["file_size"] == len(tone_wav(1.0, pitch=210.0)) and voice["audio_s"] == 1.0
-    # The same operation as POST /v1/voices: the same audio from the same owner is the same voice.
-    again = httpx.post(server.http + "/v1/voices?transcript=The%20reference%20says%20this.",
+    # The same operation as POST /v1/voices: the same audio under the same name is the same voice.
+    again = httpx.post(server.http + "/v1/voices?transcript=The%20reference%20says%20this.&name=teller",
                        content=tone_wav(1.0, pitch=210.0),
                        headers={"Content-Type": "audio/wav", "Authorization": "Bearer alice-token"})
-    assert again.status_code == 201 and again.json()["voice"] == voice["name"]
+    assert again.status_code == 201 and again.json() == {**again.json(), "voice": voice["voice_id"], "name": "teller"}
+    # Other audio under a name the owner has used: refused, naming the field; the voice stays.
+    with pytest.raises(openai.BadRequestError) as taken:
+        await asyncio.to_thread(upload, alice, 330.0, name="teller")
+    assert "named 'teller' already" in taken.value.body["message"]
 
     listed = await asyncio.to_thread(alice.get, "/audio/voices", cast_to=object)
-    assert listed["voices"] == [*builtin["voices"], voice["name"]]
-    assert [v["name"] for v in listed["uploaded_voices"]] == [voice["name"]]
+    assert listed["voices"][:len(builtin["voices"])] == builtin["voices"]
+    assert [(v["id"], v["name"], v["kind"]) for v in listed["voices"][len(builtin["voices"]):]] == \
+        [("teller", "teller", "uploaded")]
+    assert [v["name"] for v in listed["uploaded_voices"]] == ["teller"]
     assert (await asyncio.to_thread(bob.get, "/audio/voices", cast_to=object))["uploaded_voices"] == []
 
     def say(client: openai.OpenAI, name: str) -> bytes:
         return client.audio.speech.create(model="tts-1", voice=name, input="In the uploaded voice.",
                                           response_format="pcm", extra_body={"max_len": 4}).content
-    assert len(await asyncio.to_thread(say, alice, voice["name"])) > 0
+    assert len(await asyncio.to_thread(say, alice, "teller")) > 0
+    assert len(await asyncio.to_thread(say, alice, voice["voice_id"])) > 0       # by its id too
+    with pytest.raises(openai.BadRequestError) as not_bobs:        # a name is its owner's only
+        await asyncio.to_thread(say, bob, "teller")
+    assert not_bobs.value.body["code"] == "voice_not_found" and "'teller'" in not_bobs.value.body["message"]
 
     # Another owner's voice looks like no voice; the same errors as /v1/voices.
     with pytest.raises(openai.NotFoundError) as missing:
-        await asyncio.to_thread(bob.delete, f"/audio/voices/{voice['name']}", cast_to=object)
+        await asyncio.to_thread(bob.delete, "/audio/voices/teller", cast_to=object)
     assert missing.value.body["code"] == "bad_request"
     with pytest.raises(openai.BadRequestError) as no_audio:
         await asyncio.to_thread(alice.post, "/audio/voices", cast_to=object, options=multipart,
                                 body={"name": "x"}, files=[("other", ("a.txt", b"text", "text/plain"))])
     assert "'audio'" in no_audio.value.body["message"]
-    deleted = await asyncio.to_thread(alice.delete, f"/audio/voices/{voice['name']}", cast_to=object)
-    assert deleted["success"] is True and deleted["deleted"] is True and deleted["voice"] == voice["name"]
+    deleted = await asyncio.to_thread(alice.delete, "/audio/voices/teller", cast_to=object)
+    assert deleted["success"] is True and deleted["deleted"] is True and deleted["voice"] == "teller"
     assert (await asyncio.to_thread(alice.get, "/audio/voices", cast_to=object))["uploaded_voices"] == []
     with pytest.raises(openai.BadRequestError):
-        await asyncio.to_thread(say, alice, voice["name"])
+        await asyncio.to_thread(say, alice, "teller")

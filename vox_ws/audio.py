@@ -12,6 +12,23 @@ import soxr
 FORMATS = ("f32", "s16", "mulaw")
 
 
+class Gain:
+    """A fixed gain that never clips: where the gained audio would pass full scale, the gain
+    comes down to what just fits and stays there (a limiter with an instant attack and no
+    release, so the loudness never pumps)."""
+
+    def __init__(self, gain: float) -> None:
+        self.gain = float(gain)
+
+    def apply(self, pcm: np.ndarray) -> np.ndarray:
+        if self.gain == 1.0 or not len(pcm):
+            return pcm
+        peak = float(np.max(np.abs(pcm)))
+        if peak * self.gain > 1.0:
+            self.gain = 1.0 / peak
+        return (pcm * np.float32(self.gain)).astype(np.float32, copy=False)
+
+
 class StreamEncoder:
     """Turns a stream's float32 chunks at the engine rate into wire bytes at the client's rate.
 

@@ -10,7 +10,7 @@ import os
 import sys
 from typing import Any, Callable, Sequence
 
-from . import __version__, engines
+from . import __version__, engines, logs
 from .config import Limits, ServerConfig
 
 # `say --play`: seconds of audio the server may send ahead of what the speakers have played.
@@ -27,6 +27,10 @@ _SERVE_OPTIONS: list[tuple[str, Callable[[str], Any], Any, str]] = [
     ("token", str, None, "client tokens (comma-separated); when set, connections must present one"),
     ("admin-token", str, None, "token for admin operations (LoRA); comma-separated for several"),
     ("allow-origin", str, None, "browser origins allowed to connect (comma-separated); default any"),
+    ("cors-origins", str, None, "origins whose pages may call the HTTP API (CORS; comma-separated, or *); "
+                                "default none"),
+    ("voice-aliases", str, None, "a JSON or TOML file of voice aliases (e.g. alloy = \"joe\"); default: OpenAI's "
+                                 "names on distinct voices where the engine has them (docs/PROTOCOL.md)"),
     ("private-info", engines.parse_bool, False, "with --token: /v1/info and /metrics need a token too"),
     ("max-connections", int, Limits.max_connections, "open connections in total (then close 1013)"),
     ("max-connections-per-address", int, Limits.max_connections_per_address,
@@ -72,6 +76,7 @@ _SERVE_OPTIONS: list[tuple[str, Callable[[str], Any], Any, str]] = [
                            "tcp://0.0.0.0:10200; it has no authentication: trusted networks only"),
     ("ping-interval", float, 10.0, "seconds between keepalive pings"),
     ("log-level", str, "info", "debug, info, warning or error"),
+    ("log-format", str, "text", "text, or json: one JSON object a line (for log shippers)"),
 ]
 
 
@@ -97,15 +102,20 @@ def build_parser() -> argparse.ArgumentParser:
     choices = ", ".join(["auto", *sorted(engines.plugins())])
     serve.epilog = f"engines: {choices}"
 
-    def add(group: Any, option: str, kind: Callable[[str], Any], default: Any, text: str) -> None:
+    def add(group: Any, option: str, kind: Callable[[str], Any], default: Any, text: str, many: bool = False) -> None:
         env = _env_name(option)
         raw = os.environ.get(env)
         value = default
         if raw is not None:
             try:
-                value = kind(raw)
+                value = [kind(item) for item in _list(raw)] if many else kind(raw)
             except (ValueError, argparse.ArgumentTypeError) as exc:
                 parser.error(f"{env}={raw!r}: {exc}")
+        if many:
+            group.add_argument(f"--{option}", type=kind, action="append", default=None,
+                               help=f"{text} [env {env}]")
+            group.set_defaults(**{option.replace("-", "_"): value})
+            return
         group.add_argument(f"--{option}", type=kind, default=value, help=f"{text} [env {env}; default {default}]")
 
     for option, kind, default, text in _SERVE_OPTIONS:
@@ -113,7 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
     for title, settings in _engine_options():
         group = serve.add_argument_group(title)
         for setting in settings:
-            add(group, setting.name, setting.kind, setting.default, setting.help)
+            add(group, setting.name, setting.kind, setting.default, setting.help, setting.many)
 
     say = commands.add_parser("say", help="speak a text through a running server into a WAV file or the speakers")
     say.add_argument("text")
@@ -165,12 +175,13 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         refused_requests_per_s=args.refused_rate,
     )
     fields = {f.name for f in dataclasses.fields(ServerConfig)}
-    values = {k: v for k, v in vars(args).items() if k in fields}
+    values = {k: v for k, v in vars(args).items() if k in fields and k != "cors_origins"}
     engine_keys = {s.key for _, group in _engine_options()[1:] for s in group}
     engine_settings = {k: v for k, v in vars(args).items() if k in engine_keys}
     return ServerConfig(**values, ping_timeout=max(args.ping_interval * 2, 5.0), limits=limits,
                         tokens=_list(args.token), admin_tokens=_list(args.admin_token),
-                        allow_origins=_list(args.allow_origin), engine_settings=engine_settings)
+                        allow_origins=_list(args.allow_origin), cors_origins=_list(args.cors_origins),
+                        engine_settings=engine_settings)
 
 
 def _list(text: str | None) -> list[str]:
@@ -183,9 +194,13 @@ async def _serve(config: ServerConfig) -> int:
     from .devices import parse_devices
 
     # One engine (one copy of the model) per device, each with its own scheduler.
-    built = [engines.create_engine(config.engine, {**config.engine_options(), "device": device})
-             for device in parse_devices(config.device)]
-    server = VoxServer(config, built)
+    try:
+        built = [engines.create_engine(config.engine, {**config.engine_options(), "device": device})
+                 for device in parse_devices(config.device)]
+        server = VoxServer(config, built)
+    except ValueError as exc:                  # a setting that cannot be served (a voice file, aliases)
+        print(f"vox-ws serve: {exc}", file=sys.stderr)
+        return 2
     await server.start()
     server.install_signal_handlers()
     await server.wait_stopped()
@@ -194,11 +209,11 @@ async def _serve(config: ServerConfig) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=getattr(logging, str(getattr(args, "log_level", "info")).upper(), logging.INFO),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+    try:
+        logs.configure(getattr(args, "log_level", "info"), getattr(args, "log_format", "text"))
+    except ValueError as exc:
+        print(f"vox-ws: {exc}", file=sys.stderr)
+        return 2
     # uvicorn logs every connection at info; vox-ws logs its own sessions.
     logging.getLogger("uvicorn.error").setLevel(logging.WARNING)
     if args.command == "serve":

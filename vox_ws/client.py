@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import random
 from collections.abc import AsyncIterator
 from types import TracebackType
 from typing import Any
@@ -297,9 +298,13 @@ class Client:
         pcm = bytes_to_pcm(await s.read_all(), "f32")
         return wav_bytes(pcm, s.sample_rate)
 
-    async def register_voice(self, audio: bytes, transcript: str | None = None, mode: str | None = None) -> str:
-        """Clone a voice from WAV/FLAC bytes; returns its id for `voice=`."""
+    async def register_voice(self, audio: bytes, transcript: str | None = None, mode: str | None = None,
+                             name: str | None = None) -> str:
+        """Clone a voice from WAV/FLAC bytes; returns its id for `voice=` (with a `name`, the
+        voice may also be named by it)."""
         message: dict[str, Any] = {"type": "voice", "audio": audio}
+        if name:
+            message["name"] = name
         if transcript:
             message["transcript"] = transcript
         if mode:
@@ -389,14 +394,34 @@ ERRORS["connection_lost"] = ConnectionLost
 # server died), the engine failed, service restart (draining), try again later (full).
 RECONNECT_CLOSE_CODES = frozenset({1001, 1006, 1011, 1012, 1013})
 RECONNECT_STATUSES = frozenset({502, 503, 504})
+# The longest wait before a retry, whatever the server asks.
+MAX_RETRY_WAIT_S = 30.0
+# A retry waits up to this much longer, at random: clients turned away together do not all come
+# back at the same instant.
+RETRY_JITTER = 0.25
+
+
+def retry_delay(backoff: float, retry_after_s: float | None = None, rng: random.Random | None = None) -> float:
+    """Seconds to wait before a retry: what the server said (`retry_after_s`, a `Retry-After`
+    header) where it said it, else the doubling `backoff`; with jitter; at most MAX_RETRY_WAIT_S."""
+    base = retry_after_s if retry_after_s is not None and retry_after_s >= 0 else backoff
+    return min(MAX_RETRY_WAIT_S, base * (1 + RETRY_JITTER * (rng or random).random()))
+
+
+def _retry_after(headers: Any) -> float | None:
+    try:
+        return float(headers.get("Retry-After"))
+    except (TypeError, ValueError):
+        return None
 
 
 class connect:
     """`async with connect(url, token=...) as client:`; `token` goes in an Authorization header.
 
     `retries`: how many more times to connect when the server refuses for now (handshake 502,
-    503, 504; closed with a reconnect code before its `hello`; connection refused), waiting
-    `retry_wait` seconds, doubled each time. Behind a balancer each try may land elsewhere."""
+    503, 504; closed with a reconnect code before its `hello`; connection refused), waiting as
+    the server's `Retry-After` says, else `retry_wait` seconds doubled each time (`retry_delay`).
+    Behind a balancer each try may land elsewhere."""
 
     def __init__(self, url: str = "ws://127.0.0.1:8765/v1/stream", *, token: str | None = None,
                  retries: int = 0, retry_wait: float = 0.2, **kwargs: Any) -> None:
@@ -424,11 +449,13 @@ async def open_client(url: str = "ws://127.0.0.1:8765/v1/stream", *, token: str 
         headers["Authorization"] = f"Bearer {token}"
     wait = retry_wait
     for attempt in range(retries + 1):
+        asked: float | None = None
         try:
             ws = await ws_connect(url, additional_headers=headers, max_size=None, **kwargs)
         except InvalidStatus as exc:
             if exc.response.status_code not in RECONNECT_STATUSES or attempt == retries:
                 raise
+            asked = _retry_after(exc.response.headers)
         except OSError:
             if attempt == retries:
                 raise
@@ -443,7 +470,7 @@ async def open_client(url: str = "ws://127.0.0.1:8765/v1/stream", *, token: str 
             except BaseException:
                 await ws.close()
                 raise
-        await asyncio.sleep(wait)
+        await asyncio.sleep(retry_delay(wait, asked))
         wait *= 2
     raise AssertionError("unreachable")
 
@@ -461,9 +488,11 @@ async def speak(url: str, text: str, *, token: str | None = None, retries: int =
     """Say `text` and return all its audio (`fields` as for `Client.start_stream`: voice, format,
     ...), connecting again and starting over when the server goes away mid-stream or refuses
     for now (`busy`, `not_ready`, `going_away`, a lost connection): behind a balancer the retry
-    lands on another server. Other errors are raised at once."""
+    lands on another server. It waits as the refusal's `retry_after_s` says, else `retry_wait`
+    seconds doubled each time (`retry_delay`). Other errors are raised at once."""
     wait = retry_wait
     for attempt in range(retries + 1):
+        asked: float | None = None
         try:
             async with connect(url, token=token, retries=retries, retry_wait=retry_wait) as client:
                 stream = await client.start_stream(text, **fields)
@@ -471,10 +500,11 @@ async def speak(url: str, text: str, *, token: str | None = None, retries: int =
         except VoxError as err:
             if not err.retryable or attempt == retries:
                 raise
+            asked = err.retry_after_s
         except OSError:
             if attempt == retries:
                 raise
-        await asyncio.sleep(wait)
+        await asyncio.sleep(retry_delay(wait, asked))
         wait *= 2
     raise AssertionError("unreachable")
 

@@ -73,6 +73,12 @@ class ServerConfig:
     # Browser origins allowed to connect; empty allows any. Clients that send no Origin
     # header (servers, not browsers) are not affected.
     allow_origins: list[str] = field(default_factory=list)
+    # Origins whose pages may call the HTTP API from a browser (CORS); "*" any (no credentials
+    # are ever allowed: tokens go in the Authorization header). Empty: none. Within
+    # `allow_origins` where that is set.
+    cors_origins: list[str] = field(default_factory=list)
+    # A JSON or TOML file of voice aliases (service/voice_aliases.py); None: the defaults.
+    voice_aliases: str | None = None
     # With client tokens set: whether /v1/info and /metrics need one too (they say how busy the
     # server is and which voices it has). /healthz and /readyz stay open for probes.
     private_info: bool = False

@@ -211,6 +211,9 @@ class GenerationRequest:
     # How to speak it, in words ("a calm, low voice"), for engines that follow such
     # instructions (`Engine.follows_instructions`); others ignore it.
     instructions: str | None = None
+    # The text's language (a BCP 47 tag or Piper's en_US), where the client said it: how the
+    # text is cut and normalised; None: the voice's, or found in the text.
+    language: str | None = None
     steps: int = 0
     submitted_at: float = field(default_factory=time.monotonic)
     admitted_at: float | None = None      # when it first took a slot (the queue's pace is measured from it)
@@ -241,7 +244,7 @@ class StepResult:
 
 class Engine(ABC):
     """A speech model behind the scheduler. Everything here runs on the scheduler thread,
-    except `describe`, `voices`, `has_voice`, `pin_voice`, `pin_lora`, `unpin_lora`, `check` and
+    except `describe`, `voices`, `has_voice`, `voice_languages`, `pin_voice`, `pin_lora`, `unpin_lora`, `check` and
     `delete_voice`, which the event loop may call at any time, and `prepare_text`,
     `register_voice` and `read_lora`, which run on worker threads beside the steps: they must
     only read what the steps use."""
@@ -274,8 +277,8 @@ class Engine(ABC):
     phoneme_timings: bool = False
     # Whether it says words as given phonemes (IPA pronunciations, `GenerationRequest.pronunciations`).
     takes_phonemes: bool = False
-    # The languages its voices speak (BCP 47-ish tags, for front doors that list voices by
-    # language: Wyoming); empty where unknown.
+    # The languages its voices speak (BCP 47 tags, or Piper's en_US), for the doors that list
+    # them (`hello`, `/v1/info`, Wyoming's `describe`); empty where unknown.
     languages: tuple[str, ...] = ()
     # Set by `load` while it is in a phase worth reporting ("compiling"), for readiness.
     loading_phase: str | None = None
@@ -295,6 +298,10 @@ class Engine(ABC):
 
     def has_voice(self, voice: str) -> bool:
         return voice in self.voices()
+
+    def voice_languages(self, voice: str | None) -> tuple[str, ...]:
+        """The languages one voice speaks (None: the default voice). Cheap."""
+        return self.languages
 
     def check_voice(self, voice: str | None) -> None:
         """Refuse an unknown voice. Cheap: the event loop calls it."""
@@ -326,21 +333,24 @@ class Engine(ABC):
         slots with `--max-batch auto`), and how that was chosen."""
         return 8, "the default (this engine does not size itself)"
 
-    def prepares_text(self, options: dict[str, Any]) -> bool:
-        """Whether a text with these options needs `prepare_text` before it is queued."""
+    def prepares_text(self, options: dict[str, Any], language: str | None = None) -> bool:
+        """Whether a text with these options, in this language (None: not said), needs
+        `prepare_text` before it is queued."""
         return False
 
-    def split_text(self, text: str, options: dict[str, Any], voice_pin: Any = None) -> list[str]:
+    def split_text(self, text: str, options: dict[str, Any], voice_pin: Any = None,
+                   language: str | None = None) -> list[str]:
         """Cut a text too long for one generation into pieces that each fit, to be generated
-        one after another on one stream (each continuing from the one before). Cheap: the
-        event loop calls it. The default: one piece (the engine bounds its own work)."""
+        one after another on one stream (each continuing from the one before), at sentence
+        ends in its language. Cheap: the event loop calls it. The default: one piece (the
+        engine bounds its own work)."""
         return [text]
 
     def follows_instructions(self, voice_pin: Any = None) -> bool:
         """Whether `GenerationRequest.instructions` change the speech with this voice."""
         return False
 
-    def prepare_text(self, text: str, options: dict[str, Any]) -> str:
+    def prepare_text(self, text: str, options: dict[str, Any], language: str | None = None) -> str:
         """Costly work on a text (normalisation) before its request is queued: it runs on a
         preparation thread of the stream service, never on the scheduler thread or the event
         loop, so it holds up no one else. Thread-safe. Raises Refused."""

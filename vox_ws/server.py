@@ -23,9 +23,10 @@ from .devices import Devices
 from .scheduler import Scheduler
 from .service import StreamService
 from .service.service import store_limits
+from .service.voice_aliases import load_aliases
 from .service.voice_store import open_store
 from .transports import protocol as p
-from .transports.app import STREAM_PATH, build_app
+from .transports.app import STREAM_PATH, build_app, cors_origins
 from .transports.http_routes import default_demo_dir
 from .transports.state import ServerState
 from .transports.connections import ConnectionGuard, HttpProtocol, WebSocketProtocol
@@ -74,7 +75,10 @@ class VoxServer:
                                           max_wait_s=config.limits.max_queue_wait_s) for engine in engines])
         self.metrics = Metrics()
         store = open_store(config.voice_store, store_limits(config.limits, int(config.voice_store_max_mb * 2**20)))
-        self.service = StreamService(self.devices, config.limits, self.metrics, voice_store=store)
+        cors_origins(config.cors_origins, config.allow_origins)      # refused before anything starts
+        aliases = load_aliases(config.voice_aliases) if config.voice_aliases else None
+        self.service = StreamService(self.devices, config.limits, self.metrics, voice_store=store,
+                                     voice_aliases=aliases)
         self.state = ServerState(config, self.service, self.metrics)
         self.guard = ConnectionGuard(config.limits)
         self.metrics.bind(

@@ -194,11 +194,12 @@ class Session:
         try:
             stream = self.service.open_stream(
                 start.text if (start.text or not start.stream_input) else None, voice=start.voice,
-                options=start.options, output=AudioOutput(start.format, start.sample_rate, start.speed, start.lookahead_s),
+                options=start.options, output=AudioOutput(start.format, start.sample_rate, start.speed, start.lookahead_s,
+                                                          start.volume),
                 input_streaming=start.stream_input, log_fields={"session": self.number, "id": sid},
                 owners=self._owners, instructions=start.instructions, word_timestamps=start.word_timestamps,
                 phoneme_timestamps=start.phoneme_timestamps, markup=start.markup,
-                pronunciations=start.pronunciations, lora=start.lora)
+                pronunciations=start.pronunciations, lora=start.lora, language=start.language)
         except Refused as err:
             raise p.ProtocolError.from_refused(err, sid) from None
         reply: dict[str, Any] = {"type": "start", "id": sid, "sample_rate": stream.sample_rate,
@@ -243,7 +244,8 @@ class Session:
             if self._voice_task is not None and not self._voice_task.done():
                 raise p.ProtocolError(p.BUSY, "one voice registration at a time per connection", message.id,
                                       self.service.registrations.retry_after_s())
-            work = self.service.register_voice(message.audio, message.transcript, message.mode, owner=self.owner)
+            work = self.service.register_voice(message.audio, message.transcript, message.mode, owner=self.owner,
+                                               name=message.name)
             kind = "voice"
         elif isinstance(message, p.VoiceDelete):
             work = self._deleted(message.voice)
@@ -390,6 +392,8 @@ def hello(state: ServerState) -> dict[str, Any]:
         "sample_rate": engine.sample_rate,
         "formats": list(p.OUTPUT_FORMATS),
         "voices": service.voices(),
+        "aliases": sorted(service.aliases()),
+        "languages": list(engine.languages),
         "options": sorted(engine.honoured_options),
         "slots": service.devices.max_batch,
         "step_rows": service.devices.step_rows,

@@ -1,7 +1,11 @@
 """Splitting text into segments that a voice can speak one after another.
 
 Short first segments bring first audio sooner; later segments may be longer. Splits happen
-only at sentence or clause punctuation (English and Chinese), never inside a word.
+only at sentence or clause punctuation, never inside a word. Sentences are found by sentencex
+(Wikimedia's segmenter: the sentence marks of many scripts, and abbreviations, initials and
+decimals per language, so "Dr. Smith" and "3.14" are not cut), in the text's language where it
+is known and by English rules otherwise (which still see the CJK, Devanagari and Arabic marks).
+Thai marks no sentence end but a space between sentences, so a Thai text is also cut there.
 """
 
 from __future__ import annotations
@@ -9,21 +13,42 @@ from __future__ import annotations
 import re
 from typing import Callable
 
-# A boundary is punctuation followed by whitespace or end of text (ASCII), or any CJK
-# punctuation (which needs no following space).
-_SENTENCE = re.compile(r"(?<=[.!?…])[\"')\]]*\s+|(?<=[。！？；])")
-_CLAUSE = re.compile(r"(?<=[,;:—])\s+|(?<=[，、：；])")
+import sentencex
+
+_CLAUSE = re.compile(r"(?<=[,;:—])\s+|(?<=[，、：；،])")
+# Thai letters on both sides of a space.
+_THAI_SPACE = re.compile(r"(?<=[\u0e00-\u0e7f])\s+(?=[\u0e00-\u0e7f])")
+# The marks that may end a sentence in the scripts sentencex knows (a streamed text with none
+# of them has no sentence end yet).
+_SENTENCE_MARKS = ".!?…。！？；।॥؟۔።"
+# Marks that end a sentence by themselves, with no space after them (CJK, Devanagari's danda).
+_FULL_STOP = re.compile(r"[。！？；।॥][”’」』）)]*")
+# The end of a buffer after its last space: a word that may still be arriving.
+_PARTIAL_WORD = re.compile(r"\S*$")
 
 
-def split_sentences(text: str) -> list[str]:
-    return [p.strip() for p in _SENTENCE.split(text) if p and p.strip()]
+def base_language(language: str | None) -> str:
+    """The language sentencex is given: `en` of `en-US` or Piper's `en_US`; English rules when
+    none is known."""
+    if not language:
+        return "en"
+    return re.split(r"[-_]", language, maxsplit=1)[0].lower() or "en"
+
+
+def split_sentences(text: str, language: str | None = None) -> list[str]:
+    lang = base_language(language)
+    sentences = [s.strip() for s in sentencex.segment(lang, text) if s.strip()]
+    if lang == "th":
+        sentences = [part for s in sentences for part in _THAI_SPACE.split(s) if part]
+    return sentences
 
 
 def split_clauses(sentence: str) -> list[str]:
     return [p.strip() for p in _CLAUSE.split(sentence) if p and p.strip()]
 
 
-def segment(text: str, first_max_chars: int = 60, max_chars: int = 240, min_chars: int = 12) -> list[str]:
+def segment(text: str, first_max_chars: int = 60, max_chars: int = 240, min_chars: int = 12,
+            language: str | None = None) -> list[str]:
     """Split text into speakable segments.
 
     Sentences are kept whole when they fit; a long sentence is cut at clauses; clauses shorter
@@ -43,7 +68,7 @@ def segment(text: str, first_max_chars: int = 60, max_chars: int = 240, min_char
             return first_max_chars
         return min(max_chars, max(first_max_chars, 2 * len(segments[-1])))
 
-    for sentence in split_sentences(text):
+    for sentence in split_sentences(text, language):
         if len(sentence) <= limit():
             segments.append(sentence)
             continue
@@ -62,12 +87,12 @@ def segment(text: str, first_max_chars: int = 60, max_chars: int = 240, min_char
     return segments
 
 
-def pack(text: str, fits: Callable[[str], bool]) -> list[str]:
+def pack(text: str, fits: Callable[[str], bool], language: str | None = None) -> list[str]:
     """Cut `text` into as few pieces as `fits` allows, in order: whole sentences where they
     fit, else clauses, else words, else characters (a word longer than anything that fits)."""
     if fits(text):
         return [text]
-    return _pack(split_sentences(text), fits, 0)
+    return _pack(split_sentences(text, language), fits, 0)
 
 
 # How a piece too long at one level is cut at the next, and how its parts join again.
@@ -108,10 +133,7 @@ def _cut_at_space(text: str, limit: int) -> tuple[str, str]:
     return text[:cut].strip(), text[cut:].strip()
 
 
-# A sentence ends at ASCII punctuation followed by whitespace (the next chunk may still continue
-# "3." into "3.14", so punctuation at the very end of the buffer waits), or at CJK punctuation.
-_STREAM_SENTENCE_END = re.compile(r"[.!?…][\"')\]]*\s+|[。！？；]")
-_STREAM_CLAUSE_END = re.compile(r"[,;:—][\"')\]]*\s+|[，、：]")
+_STREAM_CLAUSE_END = re.compile(r"[,;:—،][\"')\]]*\s+|[，、：]")
 
 
 class StreamSegmenter:
@@ -122,7 +144,9 @@ class StreamSegmenter:
     ever cut inside a word unless the caller says the input is over (`flush_all`).
     """
 
-    def __init__(self, first_max_chars: int = 60, max_chars: int = 240, first_clause_words: int = 4) -> None:
+    def __init__(self, first_max_chars: int = 60, max_chars: int = 240, first_clause_words: int = 4,
+                 language: str | None = None) -> None:
+        self.language = base_language(language)
         self.buffer = ""
         self.emitted = 0
         self.first_max_chars = first_max_chars
@@ -138,14 +162,14 @@ class StreamSegmenter:
             if first:
                 # First audio matters most: the first clause of a few words may go on its own.
                 clause = _STREAM_CLAUSE_END.search(self.buffer)
-                sentence = _STREAM_SENTENCE_END.search(self.buffer)
-                if clause and (not sentence or clause.end() < sentence.end()) \
+                sentence = self._sentence_end()
+                if clause and (not sentence or clause.end() < sentence) \
                         and len(self.buffer[:clause.end()].split()) >= self.first_clause_words:
                     out += self._take(clause.end())
                     continue
-            match = _STREAM_SENTENCE_END.search(self.buffer)
-            if match and (match.end() <= limit or not self._clause_cut(limit)):
-                out += self._take(match.end())
+            end = self._sentence_end()
+            if end and (end <= limit or not self._clause_cut(limit)):
+                out += self._take(end)
                 continue
             if len(self.buffer) > limit:
                 cut = self._clause_cut(limit) or self._space_cut(limit)
@@ -165,6 +189,34 @@ class StreamSegmenter:
     def flush_all(self) -> list[str]:
         """Everything buffered (the input ended, or the client asked to flush)."""
         return self._take(len(self.buffer))
+
+    def _sentence_end(self) -> int:
+        """Where the first complete sentence of the buffer ends (0: none yet). The segmenter is
+        shown the buffer up to its last space with a capital letter after it, as if the next
+        sentence had begun there, and says whether it would cut before: a mark at the very end
+        may still go on ("3." then "14"), one before a space may be an abbreviation ("Dr. "
+        then "Smith"), and a word still arriving is not yet a word. So a sentence goes to the
+        voice as soon as the space after it comes (first audio does not wait for the next
+        word); what hangs on the next word itself (German "am 3. Mai") is cut as a sentence end.
+        Marks that end a sentence with no space after them (CJK, the danda) end it at once."""
+        buffer = self.buffer
+        ends = [self._thai_cut()]
+        if any(mark in buffer for mark in _SENTENCE_MARKS):
+            stop = _FULL_STOP.search(buffer)
+            if stop:
+                ends.append(stop.end())
+            complete = len(buffer) - len(_PARTIAL_WORD.search(buffer).group(0))
+            if complete > 0:
+                first = next(iter(sentencex.segment(self.language, buffer[:complete] + "A")), "")
+                if len(first) <= complete:
+                    ends.append(len(first))
+        return min((end for end in ends if end), default=0)
+
+    def _thai_cut(self) -> int:
+        if self.language != "th":
+            return 0
+        match = _THAI_SPACE.search(self.buffer)
+        return match.end() if match else 0
 
     def _clause_cut(self, limit: int) -> int:
         cuts = [m.end() for m in _STREAM_CLAUSE_END.finditer(self.buffer[:limit + 1])]

@@ -52,6 +52,8 @@ class Setting:
     kind: Callable[[str], Any]
     default: Any
     help: str
+    # Given more than once (`--NAME A --NAME B`; the environment's value comma-separated): a list.
+    many: bool = False
 
     @property
     def key(self) -> str:

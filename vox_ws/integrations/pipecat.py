@@ -49,7 +49,7 @@ class VoxWSTTSService(WebsocketTTSService):
 
     Settings: `url` (ws://HOST:PORT/v1/stream), `token`, `voice` (a built-in or registered voice
     id; None: the engine's default), `sample_rate` (None: the pipeline's output rate), `options`
-    (engine options, e.g. {"cfg": 2.0} for VoxCPM2), `speed` (0.25-4, pitch kept),
+    (engine options, e.g. {"cfg_value": 2.0} for VoxCPM2), `speed` (0.25-4, pitch kept),
     `instructions` (VoxCPM2: how to speak, in words), `word_timestamps` (ask for word timings
     where the server's engine has true ones), `pronunciations` (entries `{match, say}` or
     `{match, ipa}`, before the server's lexicon).

@@ -9,7 +9,9 @@
     output.py    OutputStage: engine audio -> what the consumer receives, and the figures
     events.py    the events a stream yields (Audio, Segment, Words, Phonemes, Flushed, Ended, Failed)
     validation.py  the rules a request passes at every front door (text, speed, options)
-    voice_store.py  registered voices (memory, a directory, Redis): owners, limits, ids
+    voice_store.py  registered voices (memory, a directory, Redis): owners, limits, ids, names
+    voice_names.py  what a voice a client names is: built-in, alias, registered id, or name
+    voice_aliases.py  aliases (OpenAI's names by default) and the `--voice-aliases` file
     handoff.py   the scheduler thread's way onto the event loop
 """
 

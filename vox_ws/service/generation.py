@@ -71,11 +71,18 @@ class StreamHost(Protocol):
     def forget(self, generation: "Generation") -> None:
         """The stream has stopped producing."""
 
-    async def prepare_text(self, text: str, options: dict[str, Any]) -> str:
+    async def prepare_text(self, text: str, options: dict[str, Any], language: str | None = None) -> str:
         """The engine's `prepare_text`, off the loop and off the scheduler thread."""
 
-    async def split_text(self, text: str, options: dict[str, Any], voice_pin: Any) -> list[str]:
+    async def split_text(self, text: str, options: dict[str, Any], voice_pin: Any,
+                         language: str | None = None) -> list[str]:
         """The engine's `split_text`, off the loop."""
+
+
+def _only(languages: tuple[str, ...]) -> str | None:
+    """The language of a voice that speaks one (Piper's); None for one that speaks many (VoxCPM2
+    reads the language from the text)."""
+    return languages[0] if len(languages) == 1 else None
 
 
 class Generation:
@@ -85,7 +92,8 @@ class Generation:
                  options: dict[str, Any], output: OutputStage, pacing: Pacing, input_streaming: bool,
                  log_fields: dict[str, Any], text_chars: int = 0, voice_pin: Any = None,
                  owners: tuple[str, ...] = (), instructions: str | None = None, word_timestamps: bool = False,
-                 phoneme_timestamps: bool = False, lexicon: Lexicon | None = None, lora_pin: Any = None) -> None:
+                 phoneme_timestamps: bool = False, lexicon: Lexicon | None = None, lora_pin: Any = None,
+                 language: str | None = None) -> None:
         self._service = service
         self.scheduler = scheduler                # its device's: every request of it goes there
         self._engine = scheduler.engine
@@ -100,12 +108,14 @@ class Generation:
         self.phoneme_timestamps = phoneme_timestamps
         self._lexicon = lexicon if lexicon is not None and len(lexicon) else None
         self._instructions = instructions        # for the first segment (the others continue it)
+        self.language = language
         self.characters = text_chars             # of text taken in (usage), one-shot or sent since
         self._log_fields = log_fields
         self._limits = service.limits
         self._output = output
         self._pacing = pacing
-        self.plan = TextPlan(input_streaming, service.limits.max_text_chars)
+        self.plan = TextPlan(input_streaming, service.limits.max_text_chars,
+                             language or _only(self._engine.voice_languages(voice)))
         self.state = StreamState.OPENING
         self.cancelled = False
         self.started_at = time.monotonic()
@@ -275,20 +285,21 @@ class Generation:
         engine_text = step.text
         if self._lexicon is not None and not self._engine.takes_phonemes:
             engine_text = respell(step.text, self._lexicon)
-        if self._engine.prepares_text(self.options):
+        if self._engine.prepares_text(self.options, self.language):
             self._work = asyncio.ensure_future(self._prepare_then_queue(step.text, engine_text))
             return 0
         return self._queue(step.text, engine_text, prepared=False)
 
     async def _prepare_then_queue(self, text: str, engine_text: str) -> None:
         try:
-            prepared = await self._service.prepare_text(engine_text, self.options)
+            prepared = await self._service.prepare_text(engine_text, self.options, self.language)
             self._work = None
             if self.done:
                 return
             # Normalised text can be several times longer (numbers spelled out): cut it again
             # where one generation could not carry it. Those pieces report their normalised text.
-            pieces = self._engine.split_text(prepared, {**self.options, "normalize": False}, self._voice_pin)
+            pieces = self._engine.split_text(prepared, {**self.options, "normalize": False}, self._voice_pin,
+                                             self.language)
             if len(pieces) > 1:
                 first = self.plan.cut(pieces)
                 self._queue(first, first, prepared=True)
@@ -306,6 +317,7 @@ class Generation:
                                     prepared=prepared,
                                     context=self._context, keep_continuation=self.plan.continues,
                                     instructions=self._instructions if not self.plan.segments else None,
+                                    language=self.language,
                                     pronunciations=self._lexicon if self._engine.takes_phonemes else None)
         self._engine.check(request)
         position = self.scheduler.submit(request)
@@ -321,7 +333,7 @@ class Generation:
             return parts
         return [piece for part in parts
                 for piece in ([part] if isinstance(part, Pause) else
-                              self._engine.split_text(part, self.options, self._voice_pin))]
+                              self._engine.split_text(part, self.options, self._voice_pin, self.language))]
 
     async def _cut(self, parts: list[Part]) -> list[Part]:
         if not self._cuts_off_loop(parts):
@@ -329,7 +341,7 @@ class Generation:
         pieces: list[Part] = []
         for part in parts:
             pieces += [part] if isinstance(part, Pause) else \
-                await self._service.split_text(part, self.options, self._voice_pin)
+                await self._service.split_text(part, self.options, self._voice_pin, self.language)
         return pieces
 
     def _arm_delay(self) -> None:
@@ -462,5 +474,5 @@ class Generation:
         record = {"event": "stream", "id": self.number, **self._log_fields, "engine": self._engine.name,
                   "voice": self.voice, "format": self._output.format, "input": self.input_streaming,
                   "sample_rate": self._output.rate, "segments": len(self.plan.segments),
-                  "text_chars": self.characters, **outcome}
-        stream_log.info(json.dumps(record, separators=(",", ":")))
+                  "language": self.language, "text_chars": self.characters, **outcome}
+        stream_log.info(json.dumps(record, separators=(",", ":")), extra={"fields": record})

@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from ..audio import StreamEncoder
+from ..audio import Gain, StreamEncoder
 from ..codecs import CODECS, Encoded, OutputPipeline, needs_pipeline
 from ..engine import EndReason, ErrorKind, Refused
 from .events import Audio, Ended, Event, Failed, Flushed, Phoneme, Phonemes, Produced, Queued, Segment, Word, Words
@@ -44,6 +44,8 @@ class AudioOutput:
     sample_rate: int | None = None
     speed: float = 1.0
     lookahead_s: float | None = None
+    # A gain on the engine's audio (1: as spoken), brought down where it would clip (`audio.Gain`).
+    volume: float = 1.0
 
     def rate_for(self, engine_rate: int) -> int:
         """The output rate; raises Refused where the codec cannot take the rate asked for."""
@@ -69,8 +71,10 @@ def figures(chunks: int, audio_s: float, first_at: float | None, started_at: flo
 
 
 class OutputStage:
-    def __init__(self, engine_rate: int, format: str, rate: int, speed: float, executor: Executor) -> None:
+    def __init__(self, engine_rate: int, format: str, rate: int, speed: float, executor: Executor,
+                 volume: float = 1.0) -> None:
         self.format = format
+        self._gain = Gain(volume)
         self.rate = rate
         self._speed = speed
         self._executor = executor
@@ -90,6 +94,7 @@ class OutputStage:
         a paced reader's progress is then visible chunk by chunk, and no frame holds the socket
         for long."""
         self.engine_samples += len(pcm)
+        pcm = self._gain.apply(pcm)
         step = max(1, int(self.engine_rate * MAX_CHUNK_S))
         pieces = (self._encoder.encode(pcm[start:start + step]) for start in range(0, len(pcm), step))
         return [self._produced(data) for data in pieces if data]

@@ -28,9 +28,11 @@ from .registrations import Registration, RegistrationQueue
 from .output import AudioOutput
 from .generation import Generation
 from .stream import Stream
-from .validation import check_instructions, check_length, check_output, check_text
-from .voice_store import (ANY_OWNER, MemoryStore, StoreLimits, VoiceStore, VoiceSummary, is_registered_id,
-                          new_voice)
+from .validation import check_instructions, check_language, check_length, check_output, check_text
+from .voice_aliases import Alias
+from .voice_names import ResolvedVoice, VoiceNames
+from .voice_store import (ANY_OWNER, MemoryStore, StoreLimits, VoiceStore, VoiceSummary, check_voice_name,
+                          is_registered_id, is_voice_name, named_voice_id, new_voice)
 
 # Reference audio shorter than this cannot carry a voice.
 MIN_VOICE_AUDIO_S = 0.2
@@ -46,7 +48,8 @@ class StreamService:
     `await start()` on the loop that will use it."""
 
     def __init__(self, devices: Devices | Scheduler, limits: Limits | None = None,
-                 metrics: Metrics | None = None, voice_store: VoiceStore | None = None) -> None:
+                 metrics: Metrics | None = None, voice_store: VoiceStore | None = None,
+                 voice_aliases: dict[str, Alias] | None = None) -> None:
         self.devices = devices if isinstance(devices, Devices) else Devices([devices])
         self.limits = limits or Limits()
         # Registered voices: their reference audio, owners and limits (`voice_store.py`).
@@ -54,6 +57,8 @@ class StreamService:
         self.registrations = RegistrationQueue(self.limits.max_pending_voices_per_owner,
                                                self.limits.max_pending_voices)
         self._fetching: dict[str, asyncio.Future] = {}      # voices being rebuilt from the store
+        # Aliases and names (`voice_names.py`); None: the defaults (`voice_aliases.py`).
+        self.names = VoiceNames(voice_aliases)
         self.lexicon = Lexicon()                # the server's pronunciations (`load_lexicon`)
         self.metrics = metrics or Metrics()
         self.accepting = True                   # False while draining: no new streams
@@ -103,7 +108,7 @@ class StreamService:
                     owners: tuple[str, ...] = (), instructions: str | None = None,
                     word_timestamps: bool = False, phoneme_timestamps: bool = False,
                     markup: str | None = None, pronunciations: tuple[Pronunciation, ...] = (),
-                    lora: str | None = None) -> Stream:
+                    lora: str | None = None, language: str | None = None) -> Stream:
         """Open a stream and start generating.
 
         `text` a string: say it (with `input_streaming`, it is the first piece and more may
@@ -118,7 +123,8 @@ class StreamService:
         starts with `<speak`; its breaks are exact silence. `pronunciations` come before the
         server's lexicon (`lexicon.py`). `lora` names a loaded LoRA adapter to speak with
         (None: the device's default adapter, or the base model); the stream keeps it to its end.
-        A one-shot text too long for one generation is spoken in pieces, each continuing the one
+        `language` is the text's (a BCP 47 tag), where the client knows it: how the text is cut
+        into sentences and normalised. A one-shot text too long for one generation is spoken in pieces, each continuing the one
         before. Raises `Refused`.
         """
         if not self.accepting:
@@ -127,9 +133,16 @@ class StreamService:
             raise self.devices.not_ready()
         if self.mailbox is None:
             raise RuntimeError("StreamService.start() was not awaited")
+        resolved = self.resolve_voice(voice, owners[0] if owners else ANY_OWNER)
+        voice = resolved.voice
+        if resolved.alias is not None:
+            instructions = instructions or resolved.alias.instructions
+            options = {**resolved.alias.options, **(options or {})}
         streamed_text = text is not None and not isinstance(text, str)
         input_streaming = input_streaming or streamed_text
-        check_output(output.speed, output.lookahead_s)
+        check_output(output.speed, output.lookahead_s, output.volume)
+        if language is not None:
+            language = check_language(language)
         if isinstance(text, str):
             check_text(text)
             check_length(text, self.limits.max_text_chars)
@@ -153,7 +166,8 @@ class StreamService:
             lora_pin = scheduler.engine.pin_lora(lora)
             from_store = self.needs_store(voice, scheduler.engine)
             if from_store and self.store.known_now(voice) is False:
-                scheduler.engine.check_voice(voice)     # refused now, as any unknown voice
+                # Refused now, as any unknown voice, by the name the client gave.
+                scheduler.engine.check_voice(resolved.named or voice)
             # The stream keeps its voice until it ends, even if the voice is deleted meanwhile.
             voice_pin = None if from_store else scheduler.engine.pin_voice(voice)
             stream = Stream(self, scheduler, next(self._numbers), voice, dict(options or {}), output,
@@ -163,10 +177,10 @@ class StreamService:
                             owners=owners, instructions=instructions,
                             word_timestamps=word_timestamps and self.engine.word_timings,
                             phoneme_timestamps=phoneme_timestamps and self.engine.phoneme_timings,
-                            lexicon=combined(pronunciations, self.lexicon), lora_pin=lora_pin)
+                            lexicon=combined(pronunciations, self.lexicon), lora_pin=lora_pin, language=language)
             # A voice from the store is fetched (and built) first; what the stream says waits for it.
             stream.queued = stream.generation.start(None if input_streaming else spoken,
-                                                    self.ensure_voice(voice) if from_store else None)
+                                                    self.ensure_voice(voice, resolved.named) if from_store else None)
         except BaseException:
             self.devices.release(scheduler)
             if stream is not None:
@@ -181,14 +195,16 @@ class StreamService:
             stream.generation.feed(text)
         return stream
 
-    async def split_text(self, text: str, options: dict[str, Any], voice_pin: Any) -> list[str]:
+    async def split_text(self, text: str, options: dict[str, Any], voice_pin: Any,
+                         language: str | None = None) -> list[str]:
         work = asyncio.get_running_loop().run_in_executor(self._splitter, self.engine.split_text, text, options,
-                                                          voice_pin)
+                                                          voice_pin, language)
         return await _engine_work(work, "cutting the text failed: ")
 
     def ignores_instructions(self, voice: str | None) -> bool:
         """Whether instructions would be ignored with this voice (the engine cannot follow them;
         a voice still to be fetched from the store counts as followed)."""
+        voice = self.resolve_voice(voice).voice
         if voice is not None and not self.engine.has_voice(voice):
             return not self.engine.follows_instructions(None) if self.engine.supports_voices else True
         return not self.engine.follows_instructions(self.engine.pin_voice(voice))
@@ -199,8 +215,9 @@ class StreamService:
             self._live.discard(generation)
             self.devices.release(generation.scheduler)
 
-    async def prepare_text(self, text: str, options: dict[str, Any]) -> str:
-        work = asyncio.get_running_loop().run_in_executor(self._preparer, self.engine.prepare_text, text, options)
+    async def prepare_text(self, text: str, options: dict[str, Any], language: str | None = None) -> str:
+        work = asyncio.get_running_loop().run_in_executor(self._preparer, self.engine.prepare_text, text, options,
+                                                          language)
         return await _engine_work(work, "preparing the text failed: ")
 
     def abort_all(self, kind: ErrorKind, message: str) -> None:
@@ -241,6 +258,13 @@ class StreamService:
     def voices(self) -> list[str]:
         return self.engine.voices() if self.devices.status == Readiness.READY else []
 
+    def aliases(self) -> dict[str, Alias]:
+        return self.names.aliases(self.engine, self.devices.status)
+
+    def resolve_voice(self, voice: str | None, owner: str = ANY_OWNER) -> ResolvedVoice:
+        """What the voice a client named is, for `owner` (whose voice names count)."""
+        return self.names.resolve(self.engine, self.devices.status, voice, owner)
+
     async def voices_of(self, owner: str) -> list[VoiceSummary]:
         """The voices `owner` registered, oldest first (none where the engine cannot clone)."""
         if not self.engine.supports_voices:
@@ -256,21 +280,28 @@ class StreamService:
         return self.registrations.admit(owner)
 
     async def register_voice(self, audio: bytes, transcript: str | None = None, mode: str | None = None,
-                             owner: str = ANY_OWNER, registration: Registration | None = None) -> dict:
+                             owner: str = ANY_OWNER, registration: Registration | None = None,
+                             name: str | None = None) -> dict:
         """Clone a voice from reference audio (WAV, FLAC or OGG bytes) for `owner`; returns
-        {voice, mode, audio_s}. The same audio, transcript and mode from the same owner give the
-        same id. The voice is kept in the store (the rules of `voice_store.py`: an owner at its
+        {voice, mode, audio_s} (and `name`, where given). The same audio, transcript and mode
+        from the same owner give the same id; a `name` (unique per owner: another voice of
+        that name is refused) gives an id made from it, and streams may name the voice by it. The voice is kept in the store (the rules of `voice_store.py`: an owner at its
         cap loses its own oldest voice; a full store refuses) and built on every device. It
         waits its turn among the owners' registrations (`admit_registration`, here unless the
         caller did it first)."""
         registration = registration or self.admit_registration(owner)
         try:
-            return await self._register_voice(audio, transcript, mode, owner, registration)
+            return await self._register_voice(audio, transcript, mode, owner, registration, name)
         finally:
             registration.release()
 
     async def _register_voice(self, audio: bytes, transcript: str | None, mode: str | None, owner: str,
-                              registration: Registration) -> dict:
+                              registration: Registration, name: str | None) -> dict:
+        if name is not None:
+            check_voice_name(name)
+            if self.engine.has_voice(name) or name in self.aliases():
+                raise Refused(ErrorKind.INVALID, f"{name!r} is a voice of the server's: name yours otherwise",
+                              field="name")
         has_transcript = bool(transcript and transcript.strip())
         mode = mode or ("both" if has_transcript else "reference")
         if mode not in VOICE_MODES:
@@ -285,13 +316,21 @@ class StreamService:
             raise self.devices.not_ready()
         assert self._voice_jobs is not None, "StreamService.start() was not awaited"
         # Hashing megabytes would hold the loop for milliseconds; hashlib lets go of the GIL.
-        stored = await asyncio.to_thread(new_voice, owner, audio, transcript if has_transcript else None, mode)
+        stored = await asyncio.to_thread(new_voice, owner, audio, transcript if has_transcript else None, mode, name)
+        if name is not None:
+            existing = await self.store.get(stored.id)
+            if existing is not None and (existing.audio, existing.transcript, existing.mode) != \
+                    (stored.audio, stored.transcript, stored.mode):
+                raise Refused(ErrorKind.INVALID, f"you have a voice named {name!r} already: delete it first, or "
+                                                 "choose another name", field="name")
         await self.store.check_room(stored)
         # One reference at a time is decoded and encoded, on a worker thread: beside the
         # engine's steps (which go on), never between them; owners take turns.
         async with registration, self._voice_jobs:
             pcm, rate = await self._decode(audio)
             result = await self._build_everywhere(pcm, rate, stored.transcript, mode, stored.id)
+        if name is not None:
+            result["name"] = name
         try:
             retired = await self.store.put(stored)
         except BaseException:
@@ -313,26 +352,27 @@ class StreamService:
             return False
         return self.store.shared or not engine.has_voice(voice)
 
-    async def ensure_voice(self, voice: str) -> None:
+    async def ensure_voice(self, voice: str, named: str | None = None) -> None:
         """Make a registered voice ready on every device, from the store; Refused (INVALID)
-        when the store has no such voice. Concurrent callers share one build."""
+        when the store has no such voice (naming it as the client did: `named`, or its id).
+        Concurrent callers share one build."""
         pending = self._fetching.get(voice)
         if pending is None:
-            pending = asyncio.ensure_future(self._fetch_voice(voice))
+            pending = asyncio.ensure_future(self._fetch_voice(voice, named or voice))
             self._fetching[voice] = pending
             pending.add_done_callback(lambda _: self._fetching.pop(voice, None))
         await asyncio.shield(pending)
 
-    async def _fetch_voice(self, voice: str) -> None:
+    async def _fetch_voice(self, voice: str, named: str) -> None:
         missing = [e for e in self.devices.engines if not e.has_voice(voice)]
         if not missing:
             if self.store.shared and not await self.store.has(voice):
                 self._delete_everywhere(voice)            # deleted through another server
-                raise Refused(ErrorKind.INVALID, f"unknown voice {voice!r}")
+                raise Refused(ErrorKind.INVALID, f"unknown voice {named!r}")
             return
         stored = await self.store.get(voice)
         if stored is None:
-            raise Refused(ErrorKind.INVALID, f"unknown voice {voice!r} (built-in: {self.engine.voices()}; "
+            raise Refused(ErrorKind.INVALID, f"unknown voice {named!r} (built-in: {self.engine.voices()}; "
                                              "or register one)")
         assert self._voice_jobs is not None, "StreamService.start() was not awaited"
         async with self._voice_jobs:
@@ -375,7 +415,10 @@ class StreamService:
 
     async def delete_voice(self, voice: str, owner: str = ANY_OWNER) -> bool:
         """Delete a registered voice; False if there is none by that id that `owner` may delete
-        (another owner's voice looks like no voice at all). Streams using it keep it to their end."""
+        (another owner's voice looks like no voice at all); `voice` may be its name. Streams
+        using it keep it to their end."""
+        if self.engine.supports_voices and not is_registered_id(voice) and is_voice_name(voice):
+            voice = named_voice_id(owner, voice)
         deleted = await self.store.delete(voice, owner)
         if deleted:
             self._delete_everywhere(voice)

@@ -42,7 +42,7 @@ class Stream:
                  options: dict[str, Any], output: AudioOutput, input_streaming: bool, log_fields: dict[str, Any],
                  text_chars: int = 0, voice_pin: Any = None, owners: tuple[str, ...] = (),
                  instructions: str | None = None, word_timestamps: bool = False, phoneme_timestamps: bool = False,
-                 lexicon: Lexicon | None = None, lora_pin: Any = None) -> None:
+                 lexicon: Lexicon | None = None, lora_pin: Any = None, language: str | None = None) -> None:
         engine = scheduler.engine
         self.scheduler = scheduler
         self.format = output.format
@@ -53,13 +53,18 @@ class Stream:
         self.queued = 0                          # queue position when opened (0: a slot at once)
         self._metrics = service.metrics
         self._output = OutputStage(engine.sample_rate, output.format, self.sample_rate, output.speed,
-                                   service.encoding)
+                                   service.encoding, output.volume)
         self._pacing = Pacing(service.limits.max_buffered_audio_s, output.speed, output.lookahead_s, scheduler.wake)
         self.generation = Generation(service, scheduler, number, voice, options, self._output, self._pacing,
                                      input_streaming, log_fields, text_chars, voice_pin, owners, instructions,
-                                     word_timestamps, phoneme_timestamps, lexicon, lora_pin)
+                                     word_timestamps, phoneme_timestamps, lexicon, lora_pin, language)
         self._handed: deque[Event] = deque()     # handed over by the output stage, not yet returned
         self._over: StreamState | None = None    # how the consumer ended: ENDED, FAILED or CLOSED
+
+    @property
+    def request_id(self) -> str:
+        """The `id` of the stream's line in the server's log, for a client to quote."""
+        return str(self.generation.number)
 
     @property
     def state(self) -> StreamState:

@@ -35,10 +35,10 @@ class Speak:
 
 
 class TextPlan:
-    def __init__(self, input_streaming: bool, max_text_chars: int) -> None:
+    def __init__(self, input_streaming: bool, max_text_chars: int, language: str | None = None) -> None:
         self.input_streaming = input_streaming
         self._max_text_chars = max_text_chars
-        self._segmenter = StreamSegmenter()
+        self._segmenter = StreamSegmenter(language=language)
         self._pending: deque[Part] = deque()         # texts to say next and, marked up, pauses
         self._prepared: deque[str] = deque()         # a normalised text cut again, next in line
         self._flush_marks: deque[int] = deque()      # segments that must be spoken for each flush

@@ -13,6 +13,10 @@ from ..engine import ErrorKind, OptionSpec, Refused, type_name
 # The range of a stream's lookahead (`AudioOutput.lookahead_s`), in seconds.
 MIN_LOOKAHEAD_S = 0.1
 MAX_LOOKAHEAD_S = 600.0
+# The range of a stream's gain (`AudioOutput.volume`).
+MAX_VOLUME = 4.0
+# A language tag: BCP 47's shape (en, en-US, zh-Hant-TW), or Piper's en_US.
+_LANGUAGE = re.compile(r"[A-Za-z]{2,3}(?:[-_][A-Za-z0-9]{1,8}){0,3}")
 # Instructions describe a voice in a sentence or two; they are spoken to the model as text.
 MAX_INSTRUCTIONS_CHARS = 500
 
@@ -29,8 +33,20 @@ def check_text(text: str, field: str = "text") -> None:
                                          f"U+{ord(found.group()):04X} at character {found.start()}")
 
 
-def check_output(speed: float, lookahead_s: float | None) -> None:
-    """A stream's speed and lookahead (`AudioOutput`) in their ranges."""
+def check_language(language: Any) -> str:
+    """A language tag as a client gives it (`language`, `lang_code`), checked for shape; what it
+    names need not be known (text handling falls back to English rules)."""
+    if not isinstance(language, str) or not _LANGUAGE.fullmatch(language):
+        raise Refused(ErrorKind.INVALID, f"language must be a language tag such as 'en', 'en-US' or 'zh', got "
+                                         f"{language!r}", field="language")
+    return language
+
+
+def check_output(speed: float, lookahead_s: float | None, volume: float = 1.0) -> None:
+    """A stream's speed, lookahead and volume (`AudioOutput`) in their ranges."""
+    if isinstance(volume, bool) or not isinstance(volume, (int, float)) or not 0.0 <= volume <= MAX_VOLUME:
+        raise Refused(ErrorKind.INVALID, f"volume must be a number in [0, {MAX_VOLUME:g}], got {volume!r}",
+                      field="volume")
     if not MIN_SPEED <= speed <= MAX_SPEED:
         raise Refused(ErrorKind.INVALID, f"speed must be in [{MIN_SPEED:g}, {MAX_SPEED:g}], got {speed:g}",
                       field="speed")

@@ -46,6 +46,7 @@ class StoredVoice:
     mode: str
     owner: str                 # the owner's hash (`owner_key`)
     created: float
+    name: str | None = None    # what its owner calls it (its id is then made from the name)
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,7 @@ class VoiceSummary:
     transcript: str | None
     audio_bytes: int
     created: float
+    name: str | None = None
 
 
 @dataclass(frozen=True)
@@ -77,10 +79,43 @@ def is_registered_id(voice: str) -> bool:
     return _REGISTERED_ID.fullmatch(voice) is not None
 
 
+# A voice's name: what a client speaks it by, unique per owner. Letters of any script, digits
+# and " _.'-", as a person names a voice; not the shape of an id.
+MAX_VOICE_NAME_CHARS = 64
+_VOICE_NAME = re.compile(r"[^\W_][\w .'-]{0,%d}" % (MAX_VOICE_NAME_CHARS - 1))
+
+
+def check_voice_name(name: Any) -> str:
+    """A voice's name as a client gives it; raises Refused (INVALID, field "name")."""
+    if not isinstance(name, str) or not _VOICE_NAME.fullmatch(name) or name != name.strip() \
+            or is_registered_id(name):
+        raise Refused(ErrorKind.INVALID, f"a voice's name is 1-{MAX_VOICE_NAME_CHARS} letters, digits, spaces or "
+                                         f"_.'- starting with a letter or digit, got {name!r}", field="name")
+    return name
+
+
+def is_voice_name(name: str) -> bool:
+    try:
+        check_voice_name(name)
+    except Refused:
+        return False
+    return True
+
+
+def named_voice_id(owner: str, name: str) -> str:
+    """The id of `owner`'s voice called `name`: made from the two, so that any server finds the
+    voice by its name without a lookup, and one owner's names never reach another's voices."""
+    return _digest_id(b"vox-ws named voice", owner_key(owner).encode(), name.encode())
+
+
 def voice_id(owner: str, audio: bytes, transcript: str | None, mode: str) -> str:
     """The id of a voice: its content and its owner's, hashed; unguessable without the audio."""
+    return _digest_id(b"vox-ws voice", owner_key(owner).encode(), mode.encode(), (transcript or "").encode(), audio)
+
+
+def _digest_id(*parts: bytes) -> str:
     digest = hashlib.sha256()
-    for part in (b"vox-ws voice", owner_key(owner).encode(), mode.encode(), (transcript or "").encode(), audio):
+    for part in parts:
         digest.update(len(part).to_bytes(8, "big"))
         digest.update(part)
     return "v_" + base64.b32encode(digest.digest()[:20]).decode().lower().rstrip("=")
@@ -202,7 +237,7 @@ class MemoryStore(VoiceStore):
         return len(self._voices_of(owner))
 
     async def owned_by(self, owner: str) -> list[VoiceSummary]:
-        return [VoiceSummary(v.id, v.mode, v.transcript, len(v.audio), v.created)
+        return [VoiceSummary(v.id, v.mode, v.transcript, len(v.audio), v.created, v.name)
                 for v in self._voices_of(owner_key(owner))]
 
     def _voices_of(self, owner: str) -> list[StoredVoice]:
@@ -292,7 +327,7 @@ class DirectoryStore(MemoryStore):
 # Keep a voice in Redis under the rules, atomically: retire the owner's oldest beyond its cap,
 # refuse when the store is full, then write. KEYS: voices (zset id -> created), owner's (zset),
 # bytes (counter), the voice (hash). ARGV: id, owner, created, size, per_owner, max_voices,
-# max_bytes, audio, transcript, mode, the key prefix.
+# max_bytes, audio, transcript, mode, the key prefix, the name ('' for none).
 _PUT = """
 if redis.call('EXISTS', KEYS[4]) == 1 then return {'exists'} end
 local per_owner, max_voices, max_bytes = tonumber(ARGV[5]), tonumber(ARGV[6]), tonumber(ARGV[7])
@@ -317,7 +352,7 @@ for _, old in ipairs(retire) do
 end
 redis.call('INCRBY', KEYS[3], size - freed_bytes)
 redis.call('HSET', KEYS[4], 'audio', ARGV[8], 'transcript', ARGV[9], 'mode', ARGV[10], 'owner', ARGV[2],
-           'created', ARGV[3], 'size', ARGV[4])
+           'created', ARGV[3], 'size', ARGV[4], 'name', ARGV[12])
 redis.call('ZADD', KEYS[1], ARGV[3], ARGV[1])
 redis.call('ZADD', KEYS[2], ARGV[3], ARGV[1])
 table.insert(retire, 1, 'ok')
@@ -378,8 +413,9 @@ class RedisStore(VoiceStore):
             return None
         text = {k.decode(): v for k, v in fields.items()}
         transcript = text["transcript"].decode()
+        name = text.get("name", b"").decode()
         return StoredVoice(id=voice, audio=text["audio"], transcript=transcript or None, mode=text["mode"].decode(),
-                           owner=text["owner"].decode(), created=float(text["created"]))
+                           owner=text["owner"].decode(), created=float(text["created"]), name=name or None)
 
     async def has(self, voice: str) -> bool:
         return bool(await self._call("has", self._redis.exists(self._key("voice", voice))))
@@ -391,17 +427,18 @@ class RedisStore(VoiceStore):
         ids = await self._call("list", self._redis.zrange(self._key("owner", owner_key(owner)), 0, -1))
         pipe = self._redis.pipeline(transaction=False)
         for voice in ids:
-            pipe.hmget(self._key("voice", voice.decode()), "mode", "transcript", "size", "created")
+            pipe.hmget(self._key("voice", voice.decode()), "mode", "transcript", "size", "created", "name")
         rows = await self._call("list", pipe.execute()) if ids else []
-        return [VoiceSummary(voice.decode(), mode.decode(), transcript.decode() or None, int(size), float(created))
-                for voice, (mode, transcript, size, created) in zip(ids, rows)
+        return [VoiceSummary(voice.decode(), mode.decode(), transcript.decode() or None, int(size), float(created),
+                             (name or b"").decode() or None)
+                for voice, (mode, transcript, size, created, name) in zip(ids, rows)
                 if mode is not None]                 # deleted between the two reads
 
     async def put(self, voice: StoredVoice) -> list[str]:
         limits = self.limits
         keys = [self._key("voices"), self._key("owner", voice.owner), self._key("bytes"), self._key("voice", voice.id)]
         args = [voice.id, voice.owner, repr(voice.created), len(voice.audio), limits.per_owner, limits.max_voices,
-                limits.max_bytes, voice.audio, voice.transcript or "", voice.mode, self.PREFIX]
+                limits.max_bytes, voice.audio, voice.transcript or "", voice.mode, self.PREFIX, voice.name or ""]
         answer = await self._call("put", self._put_script(keys=keys, args=args))
         status = answer[0].decode() if isinstance(answer[0], bytes) else answer[0]
         if status == "exists":
@@ -437,6 +474,7 @@ def open_store(spec: str, limits: StoreLimits) -> VoiceStore:
     raise ValueError(f"unknown voice store {spec!r}: memory, dir:PATH or redis://HOST:PORT/DB")
 
 
-def new_voice(owner: str, audio: bytes, transcript: str | None, mode: str) -> StoredVoice:
-    return StoredVoice(id=voice_id(owner, audio, transcript, mode), audio=audio, transcript=transcript, mode=mode,
-                       owner=owner_key(owner), created=time.time())
+def new_voice(owner: str, audio: bytes, transcript: str | None, mode: str, name: str | None = None) -> StoredVoice:
+    made = named_voice_id(owner, name) if name else voice_id(owner, audio, transcript, mode)
+    return StoredVoice(id=made, audio=audio, transcript=transcript, mode=mode, owner=owner_key(owner),
+                       created=time.time(), name=name)

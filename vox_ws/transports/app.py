@@ -14,6 +14,8 @@ import logging
 from pathlib import Path
 
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.routing import WebSocketRoute
 from starlette.websockets import WebSocket
 
@@ -60,11 +62,37 @@ async def stream_endpoint(ws: WebSocket) -> None:
         log.info("session %d closed (code %s)", session.number, session.close_code)
 
 
+# What a page on another origin may send and read (CORS): the headers the API takes, and the
+# ones it answers with that a client needs (when to retry, the rate, what was ignored, which
+# request it was).
+CORS_REQUEST_HEADERS = ["Authorization", "Content-Type"]
+CORS_EXPOSED_HEADERS = ["Retry-After", "X-Request-Id", "X-Sample-Rate", "X-Ignored-Parameters"]
+CORS_MAX_AGE_S = 600
+
+
+def cors_origins(cors: list[str], allowed: list[str]) -> list[str]:
+    """The origins CORS answers for; ValueError where they contradict `--allow-origin` (an
+    origin answered for whose requests would then be refused)."""
+    if allowed and "*" in cors:
+        raise ValueError(f"--cors-origins '*' with --allow-origin {','.join(allowed)}: name the allowed origins")
+    outside = [origin for origin in cors if allowed and origin not in allowed]
+    if outside:
+        raise ValueError(f"--cors-origins {','.join(outside)}: not among --allow-origin {','.join(allowed)}")
+    return cors
+
+
 def build_app(state: ServerState, demo_dir: Path | None = None) -> Starlette:
     """Every route, module-level endpoints all: each finds the server's state on its app."""
     routes = [WebSocketRoute(STREAM_PATH, stream_endpoint), *voices_api.ROUTES, *loras_api.ROUTES,
               *openai_api.ROUTES, *http_routes.routes(demo_dir)]
-    app = Starlette(routes=routes)
+    middleware = []
+    origins = cors_origins(state.config.cors_origins, state.config.allow_origins)
+    if origins:
+        # Tokens travel in the Authorization header, never in cookies: no credentials mode.
+        middleware.append(Middleware(CORSMiddleware, allow_origins=origins, allow_methods=["GET", "POST", "DELETE"],
+                                     allow_headers=CORS_REQUEST_HEADERS, expose_headers=CORS_EXPOSED_HEADERS,
+                                     allow_credentials=False, max_age=CORS_MAX_AGE_S))
+    app = Starlette(routes=routes, middleware=middleware)
     app.state.vox = state
     return app
 

@@ -18,6 +18,7 @@ import asyncio
 import base64
 import json
 import logging
+import re
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -32,8 +33,8 @@ from ..engine import ErrorKind, Refused
 from ..lexicon import request_entries
 from ..service import AudioOutput, Stream
 from ..service.events import Audio, Ended, Failed
-from ..service.validation import (MAX_INSTRUCTIONS_CHARS, check_instructions, check_length, check_options,
-                                  check_speed)
+from ..service.validation import (MAX_INSTRUCTIONS_CHARS, check_instructions, check_language, check_length,
+                                  check_options, check_output, check_speed)
 from . import protocol as p
 from .auth import is_authorized, origin_allowed, owner
 from .body import BodyTooLarge, read_body
@@ -45,16 +46,22 @@ log = logging.getLogger("vox_ws.openai")
 RESPONSE_FORMATS = ("mp3", "opus", "aac", "flac", "wav", "pcm")
 # OpenAI's speech API sends every format at 24 kHz unless the body asks otherwise.
 DEFAULT_RATE = 24_000
-# Model names OpenAI clients send by default; all mean the served model.
+# Model names OpenAI clients send by default; all mean the served model, as do their dated
+# snapshots (gpt-4o-mini-tts-2025-12-15, tts-1-1106).
 OPENAI_MODELS = ("tts-1", "tts-1-hd", "gpt-4o-mini-tts")
-# OpenAI's voice names, which tools send by default: the engine's default voice, unless the
-# engine has a voice of that name.
-OPENAI_VOICES = ("alloy", "ash", "ballad", "coral", "echo", "fable", "nova", "onyx", "sage", "shimmer", "verse",
-                 "marin", "cedar")
+_OPENAI_MODEL = re.compile(r"(?:tts-1|tts-1-hd|gpt-4o-mini-tts)(?:-\d{4}-\d{2}-\d{2}|-\d{4})?")
+# Kokoro's one-letter `lang_code`s, as the language tags they stand for.
+KOKORO_LANG_CODES = {"a": "en-US", "b": "en-GB", "e": "es", "f": "fr", "h": "hi", "i": "it", "j": "ja", "p": "pt-BR",
+                     "z": "zh"}
+# Kokoro-FastAPI's `normalization_options`: `normalize` is the engine's option of that name
+# (where it has one); the others name normalisations this server does not make, reported ignored.
+KOKORO_NORMALIZATIONS = ("normalize", "unit_normalization", "url_normalization", "email_normalization",
+                         "optional_pluralization_normalization", "phone_normalization", "replace_remaining_symbols")
 CONTENT_TYPES = {"pcm": "audio/pcm", **{name: CODECS[name].content_type for name in RESPONSE_FORMATS
                                          if name in CODECS}}
 KNOWN_FIELDS = {"model", "input", "voice", "response_format", "speed", "instructions", "stream_format",
-                "sample_rate", "lookahead_s", "markup", "pronunciations", "lora"}
+                "sample_rate", "lookahead_s", "markup", "pronunciations", "lora", "language", "lang_code", "volume",
+                "volume_multiplier", "stream", "normalization_options"}
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                404: "not_found_error", 408: "timeout_error", 413: "invalid_request_error",
                415: "invalid_request_error", 429: "rate_limit_error", 500: "server_error", 501: "invalid_request_error",
@@ -96,11 +103,15 @@ class SpeechRequest:
     markup: str | None = None
     pronunciations: tuple = ()
     lora: str | None = None
+    language: str | None = None
+    volume: float = 1.0
+    whole: bool = False                  # `stream: false`: the whole file in one response
+    ignored: tuple[str, ...] = ()        # fields taken but without effect here
 
     @property
     def output(self) -> AudioOutput:
         return AudioOutput("s16" if self.response_format == "pcm" else self.response_format, self.sample_rate,
-                           self.speed, self.lookahead_s)
+                           self.speed, self.lookahead_s, self.volume)
 
 
 def _guard(request: Request, state: ServerState) -> None:
@@ -119,39 +130,40 @@ async def speech(request: Request) -> Response:
         _guard(request, state)
         body = await _read_json(request, _body_limit(state))
         speech_request = parse_speech(body, state)
-        await _fetch_voice(state, speech_request.voice)
+        who = _who(request, state)
+        await _fetch_voice(state, speech_request.voice, who)
         ignored = ["instructions"] if speech_request.instructions and _ignores_instructions(state, speech_request) \
             else []
-        stream = _open(state, request, speech_request)
+        ignored += speech_request.ignored
+        stream = _open(state, request, speech_request, who)
     except OpenAIError as err:
         return err.response()
     except ClientDisconnect:
         return Response(status_code=400)
-    headers = {**NO_STORE, "X-Sample-Rate": str(stream.sample_rate)}
+    headers = {**NO_STORE, "X-Sample-Rate": str(stream.sample_rate), "X-Request-Id": stream.request_id}
     ignored += stream.ignored_options
     if ignored:
         headers["X-Ignored-Parameters"] = ",".join(ignored)
     media_type = "text/event-stream" if speech_request.sse else CONTENT_TYPES[speech_request.response_format]
-    return SpeechResponse(stream, speech_request.sse, media_type, headers)
+    return SpeechResponse(stream, speech_request.sse, media_type, headers, whole=speech_request.whole)
+
+
+async def audio_models(request: Request) -> Response:
+    """The served model as Kokoro-FastAPI lists TTS models (Open WebUI reads `models[].id`)."""
+    card = _guarded_card(request)
+    return card if isinstance(card, Response) else JSONResponse({"models": [{**card, "name": card["id"]}]})
 
 
 async def models(request: Request) -> Response:
-    state = server_state(request)
-    try:
-        _guard(request, state)
-    except OpenAIError as err:
-        return err.response()
-    return JSONResponse({"object": "list", "data": [_model_card(state)]})
+    card = _guarded_card(request)
+    return card if isinstance(card, Response) else JSONResponse({"object": "list", "data": [card]})
 
 
 async def model(request: Request) -> Response:
-    state = server_state(request)
-    try:
-        _guard(request, state)
-    except OpenAIError as err:
-        return err.response()
-    card = _model_card(state)
-    if request.path_params["model"] not in (card["id"], *OPENAI_MODELS):
+    card = _guarded_card(request)
+    if isinstance(card, Response):
+        return card
+    if request.path_params["model"] != card["id"] and not _OPENAI_MODEL.fullmatch(request.path_params["model"]):
         return OpenAIError(404, f"The model '{request.path_params['model']}' does not exist", "model",
                            "model_not_found").response()
     return JSONResponse(card)
@@ -160,8 +172,19 @@ async def model(request: Request) -> Response:
 ROUTES: list[BaseRoute] = [
     Route("/v1/audio/speech", speech, methods=["POST"]),
     Route("/v1/models", models, methods=["GET"]),
+    Route("/v1/audio/models", audio_models, methods=["GET"]),
     Route("/v1/models/{model:path}", model, methods=["GET"]),
 ]
+
+
+def _guarded_card(request: Request) -> dict[str, Any] | Response:
+    """The served model's card, or the refusal of a request the server does not take."""
+    state = server_state(request)
+    try:
+        _guard(request, state)
+    except OpenAIError as err:
+        return err.response()
+    return _model_card(state)
 
 
 def _model_card(state: ServerState) -> dict[str, Any]:
@@ -212,9 +235,11 @@ def parse_speech(body: dict[str, Any], state: ServerState) -> SpeechRequest:
     if unknown:
         raise OpenAIError(400, f"Unrecognized request argument supplied: {unknown[0]}", unknown[0], "unknown_parameter")
     model = body.get("model")
-    if model is not None and (not isinstance(model, str) or model not in (engine.model, engine.name, *OPENAI_MODELS)):
+    if model is not None and (not isinstance(model, str) or (model not in (engine.model, engine.name)
+                                                             and not _OPENAI_MODEL.fullmatch(model))):
         raise OpenAIError(400, f"model {model!r} is not served here (served: {engine.model or engine.name!r}; "
-                               f"also accepted: {list(OPENAI_MODELS)})", "model", "model_not_found")
+                               f"also accepted: {list(OPENAI_MODELS)} and their dated snapshots)", "model",
+                          "model_not_found")
     text = body.get("input")
     if not isinstance(text, str) or not text.strip():
         raise OpenAIError(400, "'input' must be a non-empty string", "input", "invalid_value")
@@ -257,14 +282,55 @@ def parse_speech(body: dict[str, Any], state: ServerState) -> SpeechRequest:
     if lora is not None and (not isinstance(lora, str) or not lora):
         raise OpenAIError(400, "'lora' must be the name of a loaded LoRA adapter", "lora", "invalid_value")
     raw_options = {name: body[name] for name in body if name in specs and name not in KNOWN_FIELDS}
+    normalization, ignored = _normalization(body.get("normalization_options"))
+    if normalization is not None and "normalize" in specs:
+        raw_options.setdefault("normalize", normalization)
     try:
         options = check_options(raw_options, specs)
     except Refused as err:                             # OpenAI's options are top-level fields
         raise OpenAIError(400, err.message.replace("options.", ""), (err.field or "").removeprefix("options.")
                           or None, "invalid_value") from None
+    language = _language(body)
+    volume = body.get("volume", body.get("volume_multiplier", 1.0))
+    _checked(check_output, speed, None, volume)
+    whole = body.get("stream", True)
+    if not isinstance(whole, bool):
+        raise OpenAIError(400, f"'stream' must be a boolean, got {whole!r}", "stream", "invalid_value")
+    if not whole and stream_format == "sse":
+        raise OpenAIError(400, "'stream': false asks for one whole file; server-sent events stream", "stream",
+                          "invalid_value")
     return SpeechRequest(text, voice, response_format, speed, stream_format == "sse", rate,
                          instructions.strip() or None if instructions else None, options,
-                         None if lookahead is None else float(lookahead), markup, pronunciations, lora)
+                         None if lookahead is None else float(lookahead), markup, pronunciations, lora, language,
+                         float(volume), whole=not whole, ignored=tuple(ignored))
+
+
+def _language(body: dict[str, Any]) -> str | None:
+    """`language`, or Kokoro's `lang_code` (one of its letters, or a tag)."""
+    field = "language" if "language" in body else "lang_code"
+    value = body.get(field)
+    if value is None:
+        return None
+    if field == "lang_code" and isinstance(value, str) and value.lower() in KOKORO_LANG_CODES:
+        return KOKORO_LANG_CODES[value.lower()]
+    return _checked(check_language, value)
+
+
+def _normalization(value: Any) -> tuple[bool | None, list[str]]:
+    """Kokoro's `normalization_options`: whether to normalise, and which of its fields have no effect."""
+    if value is None:
+        return None, []
+    if not isinstance(value, dict):
+        raise OpenAIError(400, "'normalization_options' must be an object", "normalization_options", "invalid_value")
+    unknown = sorted(set(value) - set(KOKORO_NORMALIZATIONS))
+    if unknown:
+        raise OpenAIError(400, f"Unrecognized request argument supplied: normalization_options.{unknown[0]}",
+                          f"normalization_options.{unknown[0]}", "unknown_parameter")
+    for key, flag in value.items():
+        if not isinstance(flag, bool):
+            raise OpenAIError(400, f"'normalization_options.{key}' must be a boolean", f"normalization_options.{key}",
+                              "invalid_value")
+    return value.get("normalize"), [f"normalization_options.{key}" for key in sorted(value) if key != "normalize"]
 
 
 def _checked(rule: Any, *args: Any) -> Any:
@@ -277,6 +343,8 @@ def _checked(rule: Any, *args: Any) -> Any:
 
 
 def _voice(value: Any, state: ServerState) -> str | None:
+    """The voice as the client named it (a built-in voice, an alias, a registered id or name):
+    the stream service resolves it."""
     if isinstance(value, dict):
         value = value.get("id")
     if value is None:
@@ -284,25 +352,28 @@ def _voice(value: Any, state: ServerState) -> str | None:
     if not isinstance(value, str) or not value:
         raise OpenAIError(400, "'voice' must be a voice id (a string, or an object with 'id')", "voice",
                           "invalid_value")
-    engine = state.service.engine
-    if engine.has_voice(value) or state.service.may_be_registered(value):
+    service = state.service
+    resolved = service.resolve_voice(value)
+    if resolved.voice is None or resolved.alias is not None or service.engine.has_voice(resolved.voice) \
+            or service.may_be_registered(resolved.voice):
         return value                           # a registered one is looked up in the store next
-    if value in OPENAI_VOICES:
-        return None
-    raise OpenAIError(400, f"unknown voice {value!r} (built-in: {state.service.voices()}"
-                           f"{'; or register one at /v1/voices' if engine.supports_voices else ''})", "voice",
-                      "voice_not_found")
+    raise OpenAIError(400, f"unknown voice {value!r} (built-in: {service.voices()}, aliases: "
+                           f"{sorted(service.aliases())}"
+                           f"{'; or register one at /v1/audio/voices' if service.engine.supports_voices else ''})",
+                      "voice", "voice_not_found")
 
 
-async def _fetch_voice(state: ServerState, voice: str | None) -> None:
+async def _fetch_voice(state: ServerState, voice: str | None, who: str) -> None:
     """A registered voice this server has not built yet (registered through another replica,
     or before a restart) is fetched from the store and built, as for every front door. One
     already built is left to the stream, which asks a shared store once whether it still exists."""
     service = state.service
+    resolved = service.resolve_voice(voice, who)
+    voice = resolved.voice
     if voice is None or service.engine.has_voice(voice) or not service.may_be_registered(voice):
         return
     try:
-        await service.ensure_voice(voice)
+        await service.ensure_voice(voice, resolved.named)
     except Refused as err:
         if err.kind is ErrorKind.INVALID:
             raise OpenAIError(400, err.message, "voice", "voice_not_found") from None
@@ -316,18 +387,20 @@ def _ignores_instructions(state: ServerState, speech: SpeechRequest) -> bool:
         raise OpenAIError.from_refused(err, "voice") from None
 
 
-def _open(state: ServerState, request: Request, speech: SpeechRequest) -> Stream:
+def _who(request: Request, state: ServerState) -> str:
+    return owner(request, state.config.tokens, state.config.admin_tokens)
+
+
+def _open(state: ServerState, request: Request, speech: SpeechRequest, who: str) -> Stream:
     if state.draining:
         raise OpenAIError(503, "server shutting down", code="going_away", headers={"Retry-After": "1"})
-    config = state.config
-    who = owner(request, config.tokens, config.admin_tokens)
     client = request.client.host if request.client is not None else "unknown"
     try:
         return state.service.open_stream(speech.text, voice=speech.voice, options=speech.options,
                                          output=speech.output, log_fields={"http": client},
                                          owners=(who, f"http:{id(request)}"), instructions=speech.instructions,
                                          markup=speech.markup, pronunciations=speech.pronunciations,
-                                         lora=speech.lora)
+                                         lora=speech.lora, language=speech.language)
     except Refused as err:
         raise OpenAIError.from_refused(err, "lora" if err.field == "lora" else None) from None
 
@@ -341,7 +414,8 @@ class SpeechResponse(Response):
     without the chunked terminator, so a client sees a truncated body, never a short file
     that looks whole (SSE: an `error` event first)."""
 
-    def __init__(self, stream: Stream, sse: bool, media_type: str, headers: dict[str, str]) -> None:
+    def __init__(self, stream: Stream, sse: bool, media_type: str, headers: dict[str, str],
+                 whole: bool = False) -> None:
         # No body and no Content-Length: the response is chunked (Starlette's StreamingResponse
         # sets itself up the same way).
         self.status_code = 200
@@ -350,6 +424,7 @@ class SpeechResponse(Response):
         self.init_headers(headers)
         self.stream = stream
         self.sse = sse
+        self.whole = whole                 # one body with its length, sent once all is spoken
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         watcher = asyncio.ensure_future(self._watch(receive))
@@ -377,6 +452,9 @@ class SpeechResponse(Response):
             refusal = Refused(first.kind, first.message, first.retry_after_s)
             await OpenAIError.from_refused(refusal).response()({"type": "http"}, _no_receive, send)
             return
+        if self.whole:
+            await self._respond_whole(send, first, events)
+            return
         await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
         started = time.monotonic()
         event = first
@@ -397,6 +475,23 @@ class SpeechResponse(Response):
                         "param": None, "code": p.code_for(event.kind)}}))
                 raise _StreamBroke(event.message)
             event = await anext(events, None)
+
+    async def _respond_whole(self, send: Send, event: Any, events: Any) -> None:
+        """`stream: false`: the whole file, with its Content-Length, or the failure's own status."""
+        body = bytearray()
+        while event is not None and not isinstance(event, Ended):
+            if isinstance(event, Failed):
+                refusal = Refused(event.kind, event.message, event.retry_after_s)
+                await OpenAIError.from_refused(refusal).response()({"type": "http"}, _no_receive, send)
+                return
+            if isinstance(event, Audio):
+                body += event.data
+            event = await anext(events, None)
+        if event is None:
+            return                                       # closed: the client is gone
+        headers = [*self.raw_headers, (b"content-length", str(len(body)).encode())]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        await send({"type": "http.response.body", "body": bytes(body), "more_body": False})
 
     def _frame(self, audio: Audio) -> bytes:
         if not self.sse:

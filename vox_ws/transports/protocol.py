@@ -18,7 +18,9 @@ from ..config import Limits
 from ..engine import LORA_OPS, VOICE_MODES, ErrorKind, OptionSpec, Refused, type_name
 from ..lexicon import Pronunciation, request_entries
 from ..service.events import Audio
-from ..service.validation import check_instructions, check_length, check_options, check_speed
+from ..service.validation import (check_instructions, check_language, check_length, check_options, check_output,
+                                  check_speed)
+from ..service.voice_store import check_voice_name
 
 PROTOCOL_VERSION = 1
 
@@ -108,6 +110,8 @@ class Start:
     markup: str | None = None
     pronunciations: tuple[Pronunciation, ...] = ()
     lora: str | None = None
+    language: str | None = None
+    volume: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -139,6 +143,7 @@ class Voice:
     audio: bytes
     transcript: str | None
     mode: str | None          # None: the server's default for the transcript given
+    name: str | None = None   # what the owner will call it (unique per owner)
 
 
 @dataclass(frozen=True)
@@ -259,11 +264,16 @@ def _parse_start(obj: dict[str, Any], limits: Limits, specs: Mapping[str, Option
     if lookahead is not None and (isinstance(lookahead, bool) or not isinstance(lookahead, (int, float))):
         raise ProtocolError(BAD_REQUEST, f"field 'lookahead_s' must be a number of seconds, got {lookahead!r}", sid)
     instructions = _optional(obj, "instructions", str, None)
+    language = obj.get("language", obj.get("lang_code"))
+    volume = obj.get("volume", 1.0)
     try:                                               # the service's rules, in one place
         speed = 1.0 if speed is None else check_speed(speed)
         if instructions is not None:
             check_instructions(instructions)
         options = check_options(obj.get("options"), specs)
+        if language is not None:
+            language = check_language(language)
+        check_output(float(speed), None, volume)
     except Refused as err:
         raise ProtocolError.from_refused(err, sid) from None
     segment_events = _optional(obj, "segment_events", bool, False)
@@ -284,7 +294,7 @@ def _parse_start(obj: dict[str, Any], limits: Limits, specs: Mapping[str, Option
                  instructions=instructions or None, word_timestamps=word_timestamps,
                  phoneme_timestamps=phoneme_timestamps,
                  lookahead_s=None if lookahead is None else float(lookahead), markup=markup,
-                 pronunciations=pronunciations, lora=lora)
+                 pronunciations=pronunciations, lora=lora, language=language, volume=float(volume))
 
 
 def _parse_voice(obj: dict[str, Any], limits: Limits) -> Voice:
@@ -295,7 +305,13 @@ def _parse_voice(obj: dict[str, Any], limits: Limits) -> Voice:
     mode = _optional(obj, "mode", str, None)
     if mode is not None and mode not in VOICE_MODES:
         raise ProtocolError(BAD_REQUEST, f"field 'mode' must be one of {list(VOICE_MODES)}, got {mode!r}")
-    return Voice(id=_request_id(obj), audio=audio, transcript=transcript, mode=mode)
+    name = obj.get("name")
+    if name is not None:
+        try:
+            check_voice_name(name)
+        except Refused as err:
+            raise ProtocolError.from_refused(err) from None
+    return Voice(id=_request_id(obj), audio=audio, transcript=transcript, mode=mode, name=name)
 
 
 def _stream_id(obj: dict[str, Any]) -> str:

@@ -90,7 +90,7 @@ class ServerState:
         """What this server can do, as `hello.features` and `/v1/info` name it."""
         engine = self.service.engine
         return (["input_streaming", "segment_events", "speed", "lookahead", "usage", "retry_after", "ssml",
-                 "pronunciations"]
+                 "pronunciations", "language", "volume"]
                 + (["voice_cloning"] if engine.supports_voices else [])
                 + (["instructions"] if engine.follows_instructions(None) else [])
                 + (["word_timestamps"] if engine.word_timings else [])
@@ -112,6 +112,8 @@ class ServerState:
             "device": ",".join(engine.device for engine in devices.engines),
             "voice_store": self.service.store.describe(),
             "voices": self.service.voices() if status == Readiness.READY else [],
+            "languages": list(self.service.engine.languages),
+            "aliases": {name: alias.describe() for name, alias in self.service.aliases().items()},
             "features": self.features(),
             "lexicon": {"path": self.config.lexicon, "entries": len(self.service.lexicon)},
             "sessions": len(self.sessions),

@@ -3,16 +3,17 @@
 The same limits and errors as protocol v1's `voice` and `voice_delete` messages; a voice
 registered here is usable from every front door (`voice` in a `start`, the HTTP endpoints).
 
-    GET    /v1/voices            {"voices": [{"id", "kind": "builtin"}], "cloning": bool}
-    POST   /v1/voices            201 {"voice", "mode", "audio_s"}
-    DELETE /v1/voices/{id}       200 {"voice", "deleted": true} | 404
+    GET    /v1/voices            {"voices": [{"id", "kind": "builtin" | "alias", "languages"}], "cloning": bool}
+    POST   /v1/voices            201 {"voice", "mode", "audio_s"[, "name"]}
+    DELETE /v1/voices/{id|name}  200 {"voice", "deleted": true} | 404
 
 The same operations in the shape OpenAI-style servers give them (vLLM-Omni, Kokoro-FastAPI),
-for their clients; a caller is shown the voices it registered, never another owner's:
+for their clients (Open WebUI reads `voices[].id` and `voices[].name`); a caller is shown the
+voices it registered, never another owner's:
 
-    GET    /v1/audio/voices      {"voices": [built-in and own ids], "uploaded_voices": [{"name", ...}]}
-    POST   /v1/audio/voices      200 {"success": true, "voice": {"name": id, ...}}
-    DELETE /v1/audio/voices/{id} 200 {"success": true, "voice", "deleted": true, "message"} | 404
+    GET    /v1/audio/voices      {"voices": [{"id", "name", "kind", ...}], "uploaded_voices": [{"id", "name", ...}]}
+    POST   /v1/audio/voices      200 {"success": true, "voice": {"id", "name", ...}}
+    DELETE /v1/audio/voices/{id|name} 200 {"success": true, "voice", "deleted": true, "message"} | 404
 """
 
 from __future__ import annotations
@@ -48,9 +49,21 @@ async def list_voices(request: Request) -> Response:
     if (refusal := access_refusal(request, state.config)) is not None:
         return refusal
     # Registered voice ids are capabilities (unguessable, handed to whoever registered
-    # them): they are never listed.
-    voices = [{"id": v, "kind": "builtin"} for v in state.service.voices()]
+    # them): they are never listed here.
+    voices = [{key: value for key, value in v.items() if key != "name"} for v in _server_voices(state)]
     return JSONResponse({"voices": voices, "cloning": state.service.engine.supports_voices})
+
+
+def _server_voices(state: ServerState) -> list[dict]:
+    """The server's own voices, built-in then aliases, as clients list them."""
+    service = state.service
+    engine = service.engine
+    voices = [{"id": v, "name": v, "kind": "builtin", "languages": list(engine.voice_languages(v))}
+              for v in service.voices()]
+    for name, alias in service.aliases().items():
+        voices.append({"id": name, "name": name, "kind": "alias", **alias.describe(),
+                       "languages": list(engine.voice_languages(alias.voice))})
+    return voices
 
 
 async def register(request: Request) -> Response:
@@ -66,7 +79,8 @@ async def register_openai_style(request: Request) -> Response:
         return result
     owned = {v.id: v for v in await state.service.voices_of(_owner(request, state))}
     voice = owned.get(result["voice"])
-    described = _described(voice) if voice is not None else {"name": result["voice"], "id": result["voice"]}
+    described = _described(voice) if voice is not None else {"name": result.get("name", result["voice"]),
+                                                             "id": result.get("name", result["voice"])}
     return JSONResponse({"success": True, "voice": {**described, "mode": result["mode"],
                                                     "audio_s": result["audio_s"]}})
 
@@ -93,6 +107,7 @@ async def _register(request: Request, state: ServerState, registration: Registra
     kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
     transcript = request.query_params.get("transcript")
     mode = request.query_params.get("mode")
+    name = request.query_params.get("name")
     try:
         if kind == "multipart/form-data":
             if declared is None:
@@ -108,6 +123,7 @@ async def _register(request: Request, state: ServerState, registration: Registra
                 return error_response(400, p.BAD_REQUEST, "multipart field 'audio' (a file) is required")
             transcript = _text_field(fields.get("transcript")) or _text_field(fields.get("ref_text")) or transcript
             mode = _text_field(fields.get("mode")) or mode
+            name = _text_field(fields.get("name")) or name
         elif kind in AUDIO_TYPES:
             audio = await read_body(request, limit)
         else:
@@ -123,7 +139,7 @@ async def _register(request: Request, state: ServerState, registration: Registra
         return error_response(400, p.BAD_REQUEST, "no audio in the request")
     try:
         return await state.service.register_voice(audio, transcript, mode, owner=_owner(request, state),
-                                                  registration=registration)
+                                                  registration=registration, name=name)
     except Refused as err:
         return refused_response(err)
     except Exception as exc:                  # answered, and logged in a line, not a traceback
@@ -138,8 +154,9 @@ async def list_openai_style(request: Request) -> Response:
         owned = await state.service.voices_of(_owner(request, state))
     except Refused as err:
         return refused_response(err)
-    return JSONResponse({"voices": [*state.service.voices(), *(v.id for v in owned)],
-                         "uploaded_voices": [_described(v) for v in owned]})
+    uploaded = [_described(v) for v in owned]
+    return JSONResponse({"voices": [*_server_voices(state), *({**v, "kind": "uploaded"} for v in uploaded)],
+                         "uploaded_voices": uploaded})
 
 
 async def delete(request: Request) -> Response:
@@ -174,9 +191,11 @@ ROUTES: list[BaseRoute] = [
 
 
 def _described(voice: VoiceSummary) -> dict:
-    """A registered voice as vLLM-Omni describes an uploaded one: its `name` is the id to speak it by."""
-    described = {"name": voice.id, "id": voice.id, "mode": voice.mode, "created_at": int(voice.created),
-                 "file_size": voice.audio_bytes}
+    """A registered voice as vLLM-Omni describes an uploaded one: `id` and `name` are what to speak
+    it by (its name, where its owner gave one; else its id), `voice_id` its id."""
+    called = voice.name or voice.id
+    described = {"id": called, "name": called, "voice_id": voice.id, "mode": voice.mode,
+                 "created_at": int(voice.created), "file_size": voice.audio_bytes}
     if voice.transcript:
         described["ref_text"] = voice.transcript
     return described

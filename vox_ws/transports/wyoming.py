@@ -52,6 +52,8 @@ log = logging.getLogger("vox_ws.wyoming")
 # Wyoming audio is signed 16-bit PCM, mono, at the engine's own rate.
 SAMPLE_WIDTH = 2
 CHANNELS = 1
+# What `describe` lists for an engine without built-in voices: its default voice.
+DEFAULT_VOICE = "default"
 # The JSON header line, the JSON data and the payload of one client event, at most. Clients
 # send text only; the package's own reader would trust any declared length.
 MAX_HEADER_BYTES = 64 << 10
@@ -236,20 +238,26 @@ class WyomingHandler(AsyncEventHandler):
 
     def _open(self, text: str | None, voice: Any, streaming: bool) -> Stream:
         name = voice.name if voice is not None and voice.name else None
-        if name is not None and not self.service.engine.has_voice(name):
-            name = self._voice_for_language(name)
+        language = voice.language if voice is not None and voice.language else None
+        engine = self.service.engine
+        if name == DEFAULT_VOICE and not engine.has_voice(name):
+            name = None                       # the entry `describe` lists for an engine without voices
+        elif name is not None and not engine.has_voice(name) and name in engine.languages:
+            # Home Assistant may name a voice by its language alone ("en_US").
+            language, name = language or name, self._voice_for_language(name)
+        elif name is None and language is not None:
+            name = self._voice_for_language(language)
         stream = self.service.open_stream(
             text, voice=name, output=AudioOutput("s16"), input_streaming=streaming,
             owners=(address_owner(self.peer), f"wyoming-{self.number}"),
-            log_fields={"transport": "wyoming", "peer": self.peer})
+            log_fields={"transport": "wyoming", "peer": self.peer}, language=language)
         self._stream = stream
         return stream
 
-    def _voice_for_language(self, name: str) -> str:
-        """Home Assistant may name a voice by its language alone ("en_US")."""
-        if name in self.service.engine.languages:
-            return self.service.engine.voices()[0]
-        return name            # unknown: the service refuses it by name
+    def _voice_for_language(self, language: str) -> str | None:
+        """The first voice that speaks `language` (None: the default voice)."""
+        engine = self.service.engine
+        return next((v for v in self.service.voices() if language in engine.voice_languages(v)), None)
 
     async def _wait_for_previous(self) -> None:
         if self._speaking is not None and not self._speaking.done():
@@ -295,9 +303,11 @@ class WyomingHandler(AsyncEventHandler):
     def _info(self) -> Info:
         engine = self.service.engine
         attribution = Attribution(name="vox-ws", url="https://github.com/OpenBMB/VoxCPM")
+        names = self.service.voices() or [DEFAULT_VOICE]
         voices = [TtsVoice(name=voice, description=f"{engine.name} voice {voice}", attribution=attribution,
-                           installed=True, version=__version__, languages=list(engine.languages))
-                  for voice in self.service.voices()]
+                           installed=True, version=__version__,
+                           languages=list(engine.voice_languages(None if voice == DEFAULT_VOICE else voice)))
+                  for voice in names]
         program = TtsProgram(name="vox-ws", description=f"vox-ws streaming text-to-speech ({engine.model})",
                              attribution=attribution, installed=True, version=__version__, voices=voices,
                              supports_synthesize_streaming=True)

@@ -6,6 +6,7 @@
 // bytes of 16-bit PCM), else as raw PCM.
 
 import { decode, encode } from "./vendor/msgpack/index.mjs";
+import { closeReason } from "./close-codes.mjs";
 import { Resampler } from "./resampler.mjs";
 import { encodeWav } from "./wav.mjs";
 
@@ -101,8 +102,7 @@ function connect() {
     state.ready = false;
     $("speak").disabled = true;
     if (state.stream && !state.stream.ended) endLocally("the connection closed");
-    const why = event.code === 4001 ? "not authorised (add ?token=… to the address)" :
-      event.code === 1001 ? "server restarting" : event.code === 4000 ? "idle" : `code ${event.code}`;
+    const why = event.code === 4001 ? "not authorised (add ?token=… to the address)" : closeReason(event.code);
     setConnection("closed", `disconnected (${why}); retrying…`);
     setTimeout(connect, reconnectDelay);
     reconnectDelay = Math.min(reconnectDelay * 2, 5000);

