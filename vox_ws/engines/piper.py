@@ -76,6 +76,8 @@ class PiperEngine(Engine):
         self._numbers = {voice.name: number for number, voice in enumerate(self._voices)}
         # Each voice's language, in the order served (the default's first), once each.
         self.languages = tuple(dict.fromkeys(v.language for v in self._voices if v.language))
+        # The IPA every voice can say (a pronunciation applies to whichever voice a stream uses).
+        self._phonemes = frozenset.intersection(*(_voice_phonemes(v.config_path) for v in self._voices))
         self._worker: PiperWorker | None = None
 
     def load(self) -> None:
@@ -105,9 +107,7 @@ class PiperEngine(Engine):
     def check_pronunciation(self, item: Any) -> None:
         if item.ipa is None:
             return
-        # IPA every voice can say (a pronunciation applies to whichever voice a stream uses).
-        known = frozenset.intersection(*(_voice_phonemes(v.config_path) for v in self._voices))
-        unknown = sorted({ph for ph in item.ipa if ph not in known and not ph.isspace()})
+        unknown = sorted({ph for ph in item.ipa if ph not in self._phonemes and not ph.isspace()})
         if unknown:
             raise Refused(ErrorKind.INVALID, f"pronunciation {item.match!r}: /{item.ipa}/ has phonemes this voice "
                                              f"does not speak: {' '.join(unknown)}")
