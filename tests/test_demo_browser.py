@@ -250,16 +250,175 @@ def test_clone_my_voice_from_a_file_then_speak_with_it(browser, start_server, ti
     page.click("#clone summary")
     page.set_input_files("#clone-file", str(wav))
     page.fill("#clone-transcript", "this is my voice")
+    page.fill("#clone-name", "Kitchen voice")
     page.wait_for_selector("#clone-upload:not([disabled])")
     page.click("#clone-upload")
-    page.wait_for_function("document.getElementById('voice').value.startsWith('v_')", timeout=30_000)
+    page.wait_for_function("document.getElementById('voice').value === 'Kitchen voice'", timeout=30_000)
     assert "Your voice is selected" in page.inner_text("#clone-status")
-    page.fill("#text", "Hi.")
-    page.click("#speak")
-    page.wait_for_function("window.voxDemo.state.stream && window.voxDemo.state.stream.ended "
-                           "&& window.voxDemo.state.drained", timeout=60_000)
-    s = state(page)
+    s = speak_and_drain(page, "Hi.")
     assert s["lastEnd"]["reason"] == "max_len"          # the tiny model speaks to its length cap
     assert s["stream"]["rate"] == s["contextRate"] or s["stream"]["rate"] <= 48000
     assert s["player"]["played"] / s["contextRate"] == pytest.approx(s["lastEnd"]["audio_s"], abs=0.02)
+    # After a reload the server lists the voice among this client's own.
+    page.reload()
+    page.wait_for_function("window.voxDemo.state.ready", timeout=30_000)
+    page.wait_for_function("[...document.querySelectorAll('#voice optgroup[label=\"my voices\"] option')]"
+                           ".some(o => o.value === 'Kitchen voice')", timeout=10_000)
+    # VoxCPM2 follows instructions: with no voice chosen, they design one.
+    assert page.is_enabled("#instructions") and "voice design" in page.inner_text("#instructions-note")
+    page.select_option("#voice", "")
+    page.fill("#instructions", "a warm, low voice, slowly")
+    s = speak_and_drain(page, "Hi.")
+    assert s["stream"]["request"]["instructions"] == "a warm, low voice, slowly" and "voice" not in s["stream"]["request"]
+    assert s["lastEnd"]["reason"] == "max_len" and "instructions" not in s["stream"]["ignored"]
+    # VoxCPM2 times no words: the captions are its segments, lit in turn.
+    assert page.eval_on_selector_all("#captions span", "els => els.map(e => e.textContent)") == ["Hi."]
+    assert s["stream"]["request"].get("word_timestamps") is None
+    context.close()
+
+
+# ------------------------------------------------------------------------------ what the model can do
+
+
+def recording_route(sent: list):
+    """A WebSocket route that forwards both ways and keeps what the page sent (decoded)."""
+    import msgpack
+
+    def route(ws):
+        server = ws.connect_to_server()
+
+        def from_page(message):
+            if isinstance(message, bytes):
+                sent.append(msgpack.unpackb(message))
+            server.send(message)
+
+        server.on_message(ws.send)
+        ws.on_message(from_page)
+
+    return route
+
+
+def speak_and_drain(page, text: str) -> dict:
+    page.fill("#text", text)
+    page.click("#speak")
+    page.wait_for_function("window.voxDemo.state.stream && window.voxDemo.state.stream.ended "
+                           "&& window.voxDemo.state.drained", timeout=60_000)
+    return state(page)
+
+
+def test_speed_and_ssml_change_what_is_spoken_and_piper_says_it_ignores_instructions(open_page):
+    sent: list = []
+    page = open_page(recording_route(sent))
+    # Piper follows no instructions: the page says so instead of sending them.
+    assert page.is_disabled("#instructions")
+    assert "does not follow" in page.inner_text("#instructions-note")
+    page.select_option("#format", "f32")
+    text = "The quick brown fox jumps over the lazy dog."
+    normal = speak_and_drain(page, text)["lastEnd"]["audio_s"]
+    page.fill("#speed", "2")                       # the range input: sets it and fires `input`
+    assert page.inner_text("#speed-value") == "2.00×"
+    fast = speak_and_drain(page, text)["lastEnd"]["audio_s"]
+    assert fast == pytest.approx(normal / 2, rel=0.1)
+    page.fill("#speed", "1")
+    page.check("#ssml")
+    marked = speak_and_drain(page, 'One.<break time="1500ms"/>Two.')["lastEnd"]
+    page.uncheck("#ssml")
+    plain = speak_and_drain(page, "One. Two.")["lastEnd"]
+    assert marked["reason"] == "done" and "<" not in " ".join(seg["text"] for seg in marked["segments"])
+    assert marked["audio_s"] > plain["audio_s"] + 1.4           # the break is exact silence
+    starts = [m for m in sent if m["type"] == "start"]
+    assert [m.get("speed") for m in starts] == [None, 2.0, None, None]
+    assert [m["markup"] for m in starts] == ["none", "none", "ssml", "none"]
+    assert not any("instructions" in m for m in starts)
+
+
+def test_streaming_like_an_llm_sends_word_by_word_and_captions_light_each_word(open_page):
+    sent: list = []
+    page = open_page(recording_route(sent))
+    page.select_option("#format", "f32")
+    page.check("#llm")
+    assert page.is_disabled("#ssml")                 # a text streamed in is plain
+    text = "Streaming like a language model, one word at a time. The captions follow along."
+    page.fill("#text", text)
+    page.click("#speak")
+    page.wait_for_function("document.getElementById('stat-ttfa-label').textContent === 'first audio, 1st word'")
+    # A word lights up while the audio plays, and it moves on.
+    page.wait_for_selector("#captions span.now", timeout=60_000)
+    first_lit = page.evaluate("window.voxDemo.state.captionIndex")
+    ARTIFACTS.mkdir(exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / "demo-captions.png"), full_page=True)    # the README's picture
+    page.wait_for_function(f"window.voxDemo.state.captionIndex > {first_lit}", timeout=60_000)
+    page.wait_for_function("window.voxDemo.state.stream.ended && window.voxDemo.state.drained", timeout=60_000)
+    s = state(page)
+    assert s["lastEnd"]["reason"] == "done"
+    assert s["stream"]["words"] == {"sent": len(text.split()), "total": len(text.split())}
+    assert s["stream"]["firstAudioAt"] is not None and "ms" in page.inner_text("#stat-ttfa")
+    start = next(m for m in sent if m["type"] == "start")
+    assert start["stream_input"] is True and "text" not in start and start["word_timestamps"] is True
+    chunks = [m["text"] for m in sent if m["type"] == "chunk"]
+    assert [c.strip() for c in chunks] == text.split() and sent[-1]["type"] == "end"
+    # Piper's word timings: every word, in order; all heard once the audio has played out.
+    assert page.eval_on_selector_all("#captions span", "els => els.map(e => e.textContent)") == text.split()
+    page.wait_for_function("document.querySelectorAll('#captions span.spoken').length === "
+                           f"{len(text.split())} && !document.querySelector('#captions span.now')")
+
+
+def test_downloads_hold_what_was_spoken_as_wav_and_as_the_servers_opus(page, tmp_path):
+    import wave
+
+    import av
+
+    page.select_option("#format", "opus_packets")
+    assert page.is_disabled("#download-wav") and page.is_disabled("#download-opus")
+    s = speak_and_drain(page, "Download what you heard, as a file of its own.")
+    audio_s = s["lastEnd"]["audio_s"]
+    page.wait_for_selector("#download-opus:not([disabled])")
+    with page.expect_download() as opus_download:
+        page.click("#download-opus")
+    with page.expect_download() as wav_download:
+        page.click("#download-wav")
+    opus_path, wav_path = tmp_path / "said.opus", tmp_path / "said.wav"
+    opus_download.value.save_as(opus_path)
+    wav_download.value.save_as(wav_path)
+    assert opus_download.value.suggested_filename.endswith(".opus")
+    with av.open(str(opus_path)) as container:            # FFmpeg reads the page's Ogg file
+        stream = container.streams.audio[0]
+        assert stream.codec_context.name == "opus"
+        decoded = sum(frame.samples for frame in container.decode(audio=0)) / 48000
+    assert decoded == pytest.approx(audio_s, abs=0.03)
+    with wave.open(str(wav_path)) as w:
+        assert w.getframerate() == 48000 and w.getnchannels() == 1
+        assert w.getnframes() / 48000 == pytest.approx(audio_s, abs=0.03)
+    # PCM formats have no Opus packets to give: WAV only.
+    page.select_option("#format", "s16")
+    speak_and_drain(page, "Plain PCM this time.")
+    page.wait_for_selector("#download-wav:not([disabled])")
+    assert page.is_disabled("#download-opus")
+
+
+def test_a_token_is_typed_once_kept_in_the_tab_and_never_in_the_address(browser, start_server):
+    from vox_ws.engines.piper import PiperEngine
+
+    server = start_server(PiperEngine(), tokens=["s3cret-é"])
+    context = browser.new_context()
+    page = context.new_page()
+    handshakes = []
+    page.on("websocket", lambda ws: handshakes.append(ws.url))
+    # An old link with the token in it: the page moves it out of the address at once.
+    page.goto(server.http + "/?token=wrong")
+    assert "token" not in page.url
+    page.wait_for_selector("#token-form:not([hidden])", timeout=30_000)
+    assert "refused" in page.inner_text("#connection-text")
+    page.fill("#token", "s3cret-é")
+    page.click("#token-connect")
+    page.wait_for_function("window.voxDemo.state.ready", timeout=30_000)
+    assert page.evaluate("sessionStorage.getItem('vox-ws.token')") == "s3cret-é"
+    # The page's HTTP requests carry it too: the voices came from /v1/audio/voices (only it lists
+    # aliases; without the token it answers 401 and the page falls back on `hello`'s names).
+    page.wait_for_function("window.voxDemo.state.voices.some(v => v.kind === 'alias')", timeout=10_000)
+    page.reload()                                        # the same tab: no typing again
+    page.wait_for_function("window.voxDemo.state.ready", timeout=30_000)
+    assert page.is_hidden("#token-form")
+    speak_and_drain(page, "Authorised.")
+    assert all("token" not in url for url in handshakes) and "token" not in page.url
     context.close()

@@ -13,9 +13,6 @@ from typing import Any, Callable, Sequence
 from . import __version__, engines, logs
 from .config import Limits, ServerConfig
 
-# `say --play`: seconds of audio the server may send ahead of what the speakers have played.
-PLAY_LOOKAHEAD_S = 3.0
-
 
 # (option, type, default, help); the destination is the option name with '-' -> '_'. The engines'
 # own settings come from the engine registry (see `_engine_options`).
@@ -125,9 +122,14 @@ def build_parser() -> argparse.ArgumentParser:
         for setting in settings:
             add(group, setting.name, setting.kind, setting.default, setting.help, setting.many)
 
-    say = commands.add_parser("say", help="speak a text through a running server into a WAV file or the speakers")
-    say.add_argument("text")
+    say = commands.add_parser("say", help="speak a text, a file or standard input through a running server into "
+                                          "one file (WAV or a codec's) or the speakers")
+    say.add_argument("text", nargs="?", help="what to say (or --file)")
+    say.add_argument("-f", "--file", help="a text file of any length to speak, or - for standard input")
     say.add_argument("-o", "--output", help="file to write (WAV, or the --format's own file)")
+    say.add_argument("--captions", help="also write captions, .srt or .vtt (word timings where the engine has them)")
+    say.add_argument("--language", help="the text's language (en, de, zh, ...): where its sentences end")
+    say.add_argument("-q", "--quiet", action="store_true", help="no progress bar (none when not on a terminal)")
     say.add_argument("--format", default="wav", choices=("wav", "opus", "mp3", "aac", "flac"),
                      help="the file's format (encoded by the server as it speaks)")
     say.add_argument("--speed", type=float, default=1.0, help="0.25-4.0, pitch kept")
@@ -231,13 +233,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             return asyncio.run(_serve(config))
         return uvloop.run(_serve(config))
     if args.command == "say":
-        if args.play and args.format != "wav":
-            print("vox-ws say: --play plays PCM; write other formats with -o FILE", file=sys.stderr)
+        from . import say
+
+        problem = say.check_args(args)
+        if problem:
+            print(f"vox-ws say: {problem}", file=sys.stderr)
             return 2
-        if not args.output and not args.play:
-            print("vox-ws say: give -o FILE.wav and/or --play", file=sys.stderr)
-            return 2
-        return asyncio.run(_say(args))
+        try:
+            return asyncio.run(say.say(args))
+        except KeyboardInterrupt:            # said how far it got already
+            return 130
     if args.command == "bench":
         from . import loadtest
 
@@ -249,109 +254,3 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(owner_key(token_owner(args.token) if args.token else address_owner(args.address)))
         return 0
     return 2
-
-
-async def _say(args: argparse.Namespace) -> int:
-    from .audio import bytes_to_pcm, pcm_to_bytes, wav_bytes
-    from .client import VoxError, connect
-
-    player = _player() if args.play else None
-    if args.play and player is None:
-        print("vox-ws say --play: no audio output found (install `sounddevice`, or aplay/paplay/ffplay)",
-              file=sys.stderr)
-        return 2
-    pieces = []
-    try:
-        async with connect(args.url, token=args.token) as client:
-            rate = args.sample_rate or client.sample_rate
-            if player is not None:
-                player.open(rate)
-            if args.format != "wav":
-                # The server encodes: the chunks concatenate to one file of the format.
-                encoded = [chunk async for chunk in client.stream(
-                    args.text, voice=args.voice, format=args.format, sample_rate=args.sample_rate,
-                    speed=args.speed, instructions=args.instructions)]
-                with open(args.output, "wb") as f:
-                    f.write(b"".join(encoded))
-                print(f"{args.output}: {sum(map(len, encoded))} bytes of {args.format}", file=sys.stderr)
-                return 0
-            # A player reads as it plays: the server keeps at most PLAY_LOOKAHEAD_S ahead of it.
-            async for chunk in client.stream(args.text, voice=args.voice, format="f32", sample_rate=rate,
-                                             speed=args.speed, instructions=args.instructions,
-                                             lookahead_s=PLAY_LOOKAHEAD_S if player is not None else None):
-                pcm = bytes_to_pcm(chunk, "f32")
-                pieces.append(pcm)
-                if player is not None:
-                    player.write(pcm_to_bytes(pcm, "s16"))
-    except VoxError as err:
-        print(f"vox-ws say: {err.code}: {err.message}", file=sys.stderr)
-        return 1
-    except OSError as err:
-        print(f"vox-ws say: cannot reach {args.url}: {err}", file=sys.stderr)
-        return 1
-    finally:
-        if player is not None:
-            player.close()
-    import numpy as np
-
-    audio = np.concatenate(pieces) if pieces else np.zeros(0, np.float32)
-    if args.output:
-        with open(args.output, "wb") as f:
-            f.write(wav_bytes(audio, rate))
-        print(f"{args.output}: {len(audio) / rate:.2f} s at {rate} Hz", file=sys.stderr)
-    return 0
-
-
-class _Player:
-    """Plays 16-bit mono PCM as it arrives, through the first audio output found."""
-
-    def __init__(self, command: list[str] | None) -> None:
-        self.command = command
-        self.proc = None
-        self.stream = None
-
-    def open(self, rate: int) -> None:
-        import subprocess
-
-        if self.command is None:
-            import sounddevice
-
-            self.stream = sounddevice.RawOutputStream(samplerate=rate, channels=1, dtype="int16")
-            self.stream.start()
-        else:
-            argv = [part.replace("{rate}", str(rate)) for part in self.command]
-            self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE)
-
-    def write(self, data: bytes) -> None:
-        if self.stream is not None:
-            self.stream.write(data)
-        else:
-            self.proc.stdin.write(data)
-            self.proc.stdin.flush()
-
-    def close(self) -> None:
-        if self.stream is not None:
-            self.stream.stop()
-            self.stream.close()
-        if self.proc is not None:
-            self.proc.stdin.close()
-            self.proc.wait()
-
-
-def _player() -> _Player | None:
-    import shutil
-
-    try:
-        import sounddevice
-
-        sounddevice.query_devices(kind="output")
-        return _Player(None)
-    except Exception:  # noqa: BLE001 - not installed, or no device: try the command-line players
-        pass
-    for tool, argv in (("paplay", ["paplay", "--raw", "--rate={rate}", "--channels=1", "--format=s16le"]),
-                       ("aplay", ["aplay", "-q", "-f", "S16_LE", "-c", "1", "-r", "{rate}"]),
-                       ("ffplay", ["ffplay", "-loglevel", "quiet", "-autoexit", "-nodisp", "-f", "s16le",
-                                   "-ar", "{rate}", "-ac", "1", "-"])):
-        if shutil.which(tool):
-            return _Player(argv)
-    return None

@@ -281,12 +281,16 @@ class Client:
                           options: dict[str, Any] | None = None, segment_events: bool = False, speed: float = 1.0,
                           instructions: str | None = None, word_timestamps: bool = False,
                           lookahead_s: float | None = None,
-                          pronunciations: list[dict[str, Any]] | None = None, lora: str | None = None) -> Stream:
-        """A stream whose text arrives piece by piece (`send_text`, `flush`, `end`)."""
+                          pronunciations: list[dict[str, Any]] | None = None, lora: str | None = None,
+                          language: str | None = None) -> Stream:
+        """A stream whose text arrives piece by piece (`send_text`, `flush`, `end`); `language`
+        the text's (where sentences end in it)."""
         extra: dict[str, Any] = {"stream_input": True,
                                  **_delivery(speed, instructions, word_timestamps, lookahead_s, pronunciations, lora)}
         if segment_events:
             extra["segment_events"] = True
+        if language:
+            extra["language"] = language
         return await self._start(extra, voice, format, sample_rate, options)
 
     async def synthesize(self, text: str, *, voice: str | None = None, sample_rate: int | None = None,

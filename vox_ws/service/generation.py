@@ -383,8 +383,7 @@ class Generation:
         segment = self.plan.spoke(self._pacing.produced_s, reason)
         if self.plan.continues:
             self._context = request.continuation
-            if self.input_streaming:
-                self._pacing.put(Segment(len(self.plan.segments) - 1, **segment))
+        self._pacing.put(Segment(len(self.plan.segments) - 1, **segment))
         self._advance()
 
     def _produced(self, chunks: Iterable[Produced]) -> None:

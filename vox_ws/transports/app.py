@@ -22,7 +22,7 @@ from starlette.websockets import WebSocket
 from ..session import Session
 from . import http_routes, loras_api, openai_api, voices_api
 from . import protocol as p
-from .auth import is_admin, is_authorized, origin_allowed, owner
+from .auth import SUBPROTOCOL, is_admin, is_authorized, offered_subprotocols, origin_allowed, owner
 from .state import ServerState, server_state
 
 log = logging.getLogger("vox_ws.server")
@@ -37,7 +37,8 @@ async def stream_endpoint(ws: WebSocket) -> None:
         state.metrics.rejected.labels("origin").inc()
         await ws.close()               # before the handshake: HTTP 403
         return
-    await ws.accept()
+    # A browser that offered the subprotocol (to carry its token) needs it answered.
+    await ws.accept(subprotocol=SUBPROTOCOL if SUBPROTOCOL in offered_subprotocols(ws) else None)
     refusal = _admission(state, ws)
     if refusal is not None:
         code, reason, label = refusal

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import base64
+import binascii
 import hashlib
 import hmac
 
@@ -9,10 +11,17 @@ from starlette.requests import HTTPConnection
 
 from ..service import ANY_OWNER
 
+# A browser cannot set headers on a WebSocket: it offers the subprotocols SUBPROTOCOL and
+# BEARER_PREFIX + the token in unpadded base64url (any token, in characters a subprotocol may
+# hold), and the server answers SUBPROTOCOL. The token stays out of the URL (and so out of logs,
+# history and Referer headers).
+SUBPROTOCOL = "vox-ws"
+BEARER_PREFIX = "vox-ws.bearer."
+
 
 def presented_tokens(conn: HTTPConnection) -> list[str]:
-    """Tokens from `Authorization: Bearer <t>` (servers) or `?token=<t>` (browsers, which
-    cannot set headers on a WebSocket)."""
+    """Tokens from `Authorization: Bearer <t>` (servers), a WebSocket subprotocol
+    `vox-ws.bearer.<base64url(t)>` (browsers), or `?token=<t>`."""
     tokens = []
     headers = conn.headers.getlist("authorization")
     if len(headers) > 1:
@@ -20,8 +29,21 @@ def presented_tokens(conn: HTTPConnection) -> list[str]:
     header = headers[0] if headers else ""
     if header.lower().startswith("bearer "):
         tokens.append(header[7:].strip())
+    tokens += [_unbase64(p[len(BEARER_PREFIX):]) for p in offered_subprotocols(conn) if p.startswith(BEARER_PREFIX)]
     tokens += conn.query_params.getlist("token")
     return [t for t in tokens if t]
+
+
+def offered_subprotocols(conn: HTTPConnection) -> list[str]:
+    return [p.strip() for value in conn.headers.getlist("sec-websocket-protocol") for p in value.split(",")
+            if p.strip()]
+
+
+def _unbase64(text: str) -> str:
+    try:
+        return base64.urlsafe_b64decode(text + "=" * (-len(text) % 4)).decode("utf-8")
+    except (binascii.Error, ValueError):
+        return ""
 
 
 def token_matches(presented: list[str], accepted: list[str]) -> bool:

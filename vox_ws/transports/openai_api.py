@@ -32,7 +32,7 @@ from ..codecs import CODECS
 from ..engine import ErrorKind, Refused
 from ..lexicon import request_entries
 from ..service import AudioOutput, Stream
-from ..service.events import Audio, Ended, Failed
+from ..service.events import Audio, Ended, Failed, Segment, Words
 from ..service.validation import (MAX_INSTRUCTIONS_CHARS, check_instructions, check_language, check_length,
                                   check_options, check_output, check_speed)
 from . import protocol as p
@@ -61,7 +61,8 @@ CONTENT_TYPES = {"pcm": "audio/pcm", **{name: CODECS[name].content_type for name
                                          if name in CODECS}}
 KNOWN_FIELDS = {"model", "input", "voice", "response_format", "speed", "instructions", "stream_format",
                 "sample_rate", "lookahead_s", "markup", "pronunciations", "lora", "language", "lang_code", "volume",
-                "volume_multiplier", "stream", "normalization_options"}
+                "volume_multiplier", "stream", "normalization_options", "timestamps"}
+TIMESTAMPS = ("word", "segment")
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                404: "not_found_error", 408: "timeout_error", 413: "invalid_request_error",
                415: "invalid_request_error", 429: "rate_limit_error", 500: "server_error", 501: "invalid_request_error",
@@ -106,6 +107,7 @@ class SpeechRequest:
     language: str | None = None
     volume: float = 1.0
     whole: bool = False                  # `stream: false`: the whole file in one response
+    timestamps: str | None = None        # SSE: "word" or "segment" events beside the audio
     ignored: tuple[str, ...] = ()        # fields taken but without effect here
 
     @property
@@ -141,11 +143,17 @@ async def speech(request: Request) -> Response:
     except ClientDisconnect:
         return Response(status_code=400)
     headers = {**NO_STORE, "X-Sample-Rate": str(stream.sample_rate), "X-Request-Id": stream.request_id}
+    timestamps = speech_request.timestamps
+    if timestamps == "word" and not stream.word_timestamps:
+        timestamps = "segment"                 # the engine knows no word times: its segments'
+    if timestamps:
+        headers["X-Timestamps"] = timestamps
     ignored += stream.ignored_options
     if ignored:
         headers["X-Ignored-Parameters"] = ",".join(ignored)
     media_type = "text/event-stream" if speech_request.sse else CONTENT_TYPES[speech_request.response_format]
-    return SpeechResponse(stream, speech_request.sse, media_type, headers, whole=speech_request.whole)
+    return SpeechResponse(stream, speech_request.sse, media_type, headers, whole=speech_request.whole,
+                          timestamps=timestamps)
 
 
 async def audio_models(request: Request) -> Response:
@@ -299,10 +307,17 @@ def parse_speech(body: dict[str, Any], state: ServerState) -> SpeechRequest:
     if not whole and stream_format == "sse":
         raise OpenAIError(400, "'stream': false asks for one whole file; server-sent events stream", "stream",
                           "invalid_value")
+    timestamps = body.get("timestamps")
+    if timestamps is not None and timestamps not in TIMESTAMPS:
+        raise OpenAIError(400, f"'timestamps' must be one of {list(TIMESTAMPS)}, got {timestamps!r}", "timestamps",
+                          "invalid_value")
+    if timestamps is not None and stream_format != "sse":
+        raise OpenAIError(400, "'timestamps' come as server-sent events: send 'stream_format': 'sse' too",
+                          "timestamps", "invalid_value")
     return SpeechRequest(text, voice, response_format, speed, stream_format == "sse", rate,
                          instructions.strip() or None if instructions else None, options,
                          None if lookahead is None else float(lookahead), markup, pronunciations, lora, language,
-                         float(volume), whole=not whole, ignored=tuple(ignored))
+                         float(volume), whole=not whole, ignored=tuple(ignored), timestamps=timestamps)
 
 
 def _language(body: dict[str, Any]) -> str | None:
@@ -400,7 +415,8 @@ def _open(state: ServerState, request: Request, speech: SpeechRequest, who: str)
                                          output=speech.output, log_fields={"http": client},
                                          owners=(who, f"http:{id(request)}"), instructions=speech.instructions,
                                          markup=speech.markup, pronunciations=speech.pronunciations,
-                                         lora=speech.lora, language=speech.language)
+                                         lora=speech.lora, language=speech.language,
+                                         word_timestamps=speech.timestamps == "word")
     except Refused as err:
         raise OpenAIError.from_refused(err, "lora" if err.field == "lora" else None) from None
 
@@ -415,7 +431,7 @@ class SpeechResponse(Response):
     that looks whole (SSE: an `error` event first)."""
 
     def __init__(self, stream: Stream, sse: bool, media_type: str, headers: dict[str, str],
-                 whole: bool = False) -> None:
+                 whole: bool = False, timestamps: str | None = None) -> None:
         # No body and no Content-Length: the response is chunked (Starlette's StreamingResponse
         # sets itself up the same way).
         self.status_code = 200
@@ -425,6 +441,7 @@ class SpeechResponse(Response):
         self.stream = stream
         self.sse = sse
         self.whole = whole                 # one body with its length, sent once all is spoken
+        self.timestamps = timestamps       # SSE: "word" or "segment" events beside the audio
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         watcher = asyncio.ensure_future(self._watch(receive))
@@ -461,6 +478,12 @@ class SpeechResponse(Response):
         while event is not None:
             if isinstance(event, Audio):
                 await self._body(send, self._frame(event))
+            elif isinstance(event, Words) and self.timestamps == "word":
+                await self._body(send, _sse({"type": "speech.audio.words", "words": [
+                    {"word": w.word, "start_s": w.start_s, "end_s": w.end_s} for w in event.words]}))
+            elif isinstance(event, Segment) and self.timestamps:
+                await self._body(send, _sse({"type": "speech.audio.segment", "index": event.index, "text": event.text,
+                                             "start_s": event.start_s, "end_s": event.end_s}))
             elif isinstance(event, Ended):
                 if self.sse:
                     await self._body(send, _sse({"type": "speech.audio.done", "usage": _usage(event.stats)}))

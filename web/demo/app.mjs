@@ -3,16 +3,28 @@
 // WebSocket + msgpack (protocol v1) in, an AudioWorklet ring buffer out. The AudioContext is
 // created or resumed inside the click, before any await, as browsers require. Audio comes as
 // Opus packets decoded by WebCodecs' AudioDecoder where the browser has it (a twentieth of the
-// bytes of 16-bit PCM), else as raw PCM.
+// bytes of 16-bit PCM), else as raw PCM. What was spoken is kept for a download (WAV, or the
+// server's own Opus packets in an Ogg file), and its words are shown as they are heard.
+//
+// A token never goes in the address: it is typed once, kept in session storage (this tab,
+// until it closes) and offered as the WebSocket subprotocol `vox-ws.bearer.<base64url>`, and as
+// `Authorization` on the page's HTTP requests.
 
 import { decode, encode } from "./vendor/msgpack/index.mjs";
+import { CaptionTrack } from "./captions.mjs";
 import { closeReason } from "./close-codes.mjs";
+import { oggOpus } from "./ogg-opus.mjs";
 import { Resampler } from "./resampler.mjs";
 import { encodeWav } from "./wav.mjs";
 
 const $ = (id) => document.getElementById(id);
 const params = new URLSearchParams(location.search);
 const LITTLE_ENDIAN = new Uint8Array(new Uint16Array([1]).buffer)[0] === 1;
+const TOKEN_KEY = "vox-ws.token";
+// "Stream like an LLM": a word every this many milliseconds (20 words a second, a fast model).
+const WORD_INTERVAL_MS = 50;
+// What a download holds at most; the stream itself may go on longer.
+const MAX_RECORD_S = 600;
 
 const ERROR_WORDS = {
   bad_frame: "The server could not read a message.",
@@ -44,7 +56,12 @@ const state = {
   lastError: null,
   player: { played: 0, underruns: 0, sourceLate: 0, buffered: 0, sumSquares: 0, peak: 0, playing: false },
   drained: true,
-  voiceIds: [],
+  voices: [],            // as /v1/audio/voices lists them: {id, name, kind: builtin | alias | uploaded}
+  needsToken: false,     // the server refused this page's token (or its lack of one)
+  captions: null,        // the CaptionTrack of the stream being played, when captions are on
+  captionIndex: -1,      // the caption item being heard
+  captionsDone: false,   // ... or all of them heard
+  downloads: [],         // what the page offered for download: {name, bytes}
 };
 window.voxDemo = { state };
 
@@ -80,15 +97,61 @@ async function detectWebCodecsOpus() {
 
 // ------------------------------------------------------------------ connection
 
+// A token in the address (an older link) moves to session storage, out of the URL and history.
+if (params.has("token")) {
+  sessionStorage.setItem(TOKEN_KEY, params.get("token"));
+  params.delete("token");
+  history.replaceState(null, "", `${location.pathname}${params.toString() ? `?${params}` : ""}${location.hash}`);
+}
+
+function token() {
+  return sessionStorage.getItem(TOKEN_KEY) || "";
+}
+
+function base64url(text) {
+  const bytes = new TextEncoder().encode(text);
+  return btoa(String.fromCharCode(...bytes)).replace(/\+/g, "-").replace(/\//g, "_").replace(/=+$/, "");
+}
+
+function subprotocols() {
+  const t = token();
+  return t ? ["vox-ws", `vox-ws.bearer.${base64url(t)}`] : [];
+}
+
+function authHeaders() {
+  const t = token();
+  return t ? { Authorization: `Bearer ${t}` } : {};
+}
+
+function askForToken(refused) {
+  state.needsToken = true;
+  $("token-form").hidden = false;
+  $("token").focus();
+  setConnection("closed", refused ? "token refused" : "needs a token");
+  say(refused ? "The server refused that token; type another." : "This server needs an access token.", "error");
+}
+
+function useToken(event) {
+  event.preventDefault();
+  const typed = $("token").value.trim();
+  if (!typed) return;
+  sessionStorage.setItem(TOKEN_KEY, typed);
+  $("token").value = "";
+  $("token-form").hidden = true;
+  state.needsToken = false;
+  say("");
+  reconnectDelay = 500;
+  connect();
+}
+
 function streamUrl() {
   const scheme = location.protocol === "https:" ? "wss:" : "ws:";
-  const token = params.get("token");
-  return `${scheme}//${location.host}/v1/stream${token ? `?token=${encodeURIComponent(token)}` : ""}`;
+  return `${scheme}//${location.host}/v1/stream`;
 }
 
 function connect() {
   setConnection("connecting", "connecting…");
-  ws = new WebSocket(streamUrl());
+  ws = new WebSocket(streamUrl(), subprotocols());
   ws.binaryType = "arraybuffer";
   ws.onopen = () => { reconnectDelay = 500; };
   ws.onmessage = (event) => {
@@ -102,8 +165,11 @@ function connect() {
     state.ready = false;
     $("speak").disabled = true;
     if (state.stream && !state.stream.ended) endLocally("the connection closed");
-    const why = event.code === 4001 ? "not authorised (add ?token=… to the address)" : closeReason(event.code);
-    setConnection("closed", `disconnected (${why}); retrying…`);
+    if (event.code === 4001) {            // trying again with the same token will not help
+      askForToken(Boolean(token()));
+      return;
+    }
+    setConnection("closed", `disconnected (${closeReason(event.code)}); retrying…`);
     setTimeout(connect, reconnectDelay);
     reconnectDelay = Math.min(reconnectDelay * 2, 5000);
   };
@@ -121,6 +187,8 @@ function handle(msg) {
     case "end": return onEnd(msg);
     case "error": return onError(msg);
     case "voice": return onVoice(msg);
+    case "words": return onWords(msg);
+    case "segment": return onSegment(msg);
     default: return undefined;
   }
 }
@@ -132,13 +200,15 @@ function onHello(hello) {
   state.ready = ready;
   setConnection(ready ? "open" : "connecting", ready ? `connected · ${hello.engine}` : `model ${hello.status}…`);
   $("server-info").textContent = `${hello.server} · engine ${hello.engine} · ${hello.model} · ${hello.sample_rate} Hz`;
-  const select = $("voice");
-  const current = select.value;
-  select.replaceChildren(new Option("default voice", ""));
-  for (const name of hello.voices) select.add(new Option(name, name));
-  for (const v of state.voiceIds) select.add(new Option(`my voice (${v.slice(0, 8)}…)`, v));
-  if ([...select.options].some((o) => o.value === current)) select.value = current;
-  const canClone = (hello.features || []).includes("voice_cloning");
+  loadVoices();
+  const features = hello.features || [];
+  const follows = features.includes("instructions");
+  $("instructions").disabled = !follows;
+  $("instructions-note").textContent = follows ? "voice design" : `${hello.engine} does not follow them`;
+  $("speed").disabled = !features.includes("speed");
+  $("ssml").disabled = !features.includes("ssml") || $("llm").checked;
+  $("llm").disabled = !features.includes("input_streaming");
+  const canClone = features.includes("voice_cloning");
   $("clone").classList.toggle("disabled", !canClone);
   $("record").disabled = !canClone;
   $("clone-file").disabled = !canClone;
@@ -148,6 +218,33 @@ function onHello(hello) {
     say("The model is loading; this page will connect again when it is ready.");
     setTimeout(() => ws.close(), 1500);
   }
+}
+
+// The voices the server lists for this page's owner, its own clones among them (so a voice
+// cloned before a reload is still there); `choose`: the voice to select once listed.
+async function loadVoices(choose = null) {
+  let listed = null;
+  try {
+    const reply = await fetch("/v1/audio/voices", { headers: authHeaders() });
+    if (reply.ok) listed = (await reply.json()).voices;
+  } catch {
+    listed = null;
+  }
+  // A server without that route (or unreachable over HTTP): the voices its `hello` names.
+  state.voices = listed ?? state.hello.voices.map((id) => ({ id, name: id, kind: "builtin" }));
+  const select = $("voice");
+  const current = choose ?? select.value;
+  select.replaceChildren(new Option("default voice", ""));
+  for (const [kind, label] of [["uploaded", "my voices"], ["builtin", "voices"], ["alias", "OpenAI names"]]) {
+    const voices = state.voices.filter((v) => v.kind === kind);
+    if (!voices.length) continue;
+    const group = document.createElement("optgroup");
+    group.label = label;
+    for (const v of voices) group.append(new Option(kind === "uploaded" && v.mode ? `${v.name} (${v.mode})` : v.name, v.id));
+    select.append(group);
+  }
+  if (choose && ![...select.options].some((o) => o.value === choose)) select.add(new Option(choose, choose));
+  if ([...select.options].some((o) => o.value === current)) select.value = current;
 }
 
 // ------------------------------------------------------------------ audio
@@ -220,20 +317,71 @@ async function speak() {
   else if (choice !== "native") rate = Number(choice);
   // Opus takes five rates; browsers decode it at 48 kHz whatever it was encoded at.
   if (format === OPUS && !OPUS_RATES.includes(rate)) rate = 48000;
+  const features = state.hello.features || [];
+  const llm = $("llm").checked;
   const id = `d${++streamCounter}`;
-  const message = { type: "start", id, text, format };
+  const message = { type: "start", id, format, segment_events: true };
+  if (llm) message.stream_input = true;
+  else message.text = text;
   if (rate) message.sample_rate = rate;
   if ($("voice").value) message.voice = $("voice").value;
+  const speed = Number($("speed").value);
+  if (speed !== 1 && !$("speed").disabled) message.speed = speed;
+  const instructions = $("instructions").value.trim();
+  if (instructions && !$("instructions").disabled) message.instructions = instructions;
+  if (!llm && features.includes("ssml")) message.markup = $("ssml").checked ? "ssml" : "none";
+  const byWords = features.includes("word_timestamps");
+  if (byWords && $("captions-on").checked) message.word_timestamps = true;
   state.stream = { id, rate: rate || state.hello.sample_rate, format: message.format, sentAt: performance.now(),
                    firstAudioAt: null, chunks: 0, samples: 0, bytes: 0, ended: false, cancelled: false,
-                   timestamp: 0, decoded: 0, preSkip: 0, arrivals: new Map() };
+                   timestamp: 0, decoded: 0, preSkip: 0, arrivals: new Map(), llm, feed: null,
+                   words: { sent: 0, total: 0 },
+                   recording: { rate: null, chunks: [], frames: 0, truncated: false },
+                   opus: { head: null, packets: [], durations: [], us: 0 }, request: message };
   state.lastEnd = null;
   state.lastError = null;
   state.drained = false;
+  startCaptions($("captions-on").checked ? new CaptionTrack(byWords) : null);
+  setDownloads(false);
   player.port.postMessage({ type: "begin" });
   send(message);
+  // The figures count from the first word: the time an agent's user waits once its LLM speaks.
+  if (llm) feedLikeAnLlm(state.stream, text);
+  $("stat-ttfa-label").textContent = llm ? "first audio, 1st word" : "first audio";
   $("stop").disabled = false;
-  say("Speaking…");
+  say(llm ? "Streaming the text in word by word…" : "Speaking…");
+}
+
+// The text as an LLM would send it: a word at a time, then the end of the input.
+function feedLikeAnLlm(s, text) {
+  const words = text.match(/\S+\s*/g) || [];
+  s.words.total = words.length;
+  const next = () => {
+    s.feed = null;
+    if (s.ended || s.cancelled || ws.readyState !== WebSocket.OPEN) return;
+    if (s.words.sent < words.length) {
+      send({ type: "chunk", id: s.id, text: words[s.words.sent] });
+      s.words.sent += 1;
+      s.feed = setTimeout(next, WORD_INTERVAL_MS);
+    } else {
+      send({ type: "end", id: s.id });
+    }
+  };
+  next();
+}
+
+function stopFeeding(s) {
+  if (s.feed !== null) clearTimeout(s.feed);
+  s.feed = null;
+}
+
+// Audio kept for the download, as it came (before any resampling for the speakers).
+function record(s, pcm, rate) {
+  const r = s.recording;
+  r.rate = rate;
+  if (r.frames >= MAX_RECORD_S * rate) { r.truncated = true; return; }
+  r.chunks.push(pcm.slice());
+  r.frames += pcm.length;
 }
 
 function onStart(msg) {
@@ -241,6 +389,7 @@ function onStart(msg) {
   if (!s || msg.id !== s.id) return;
   s.rate = msg.sample_rate;
   s.format = msg.format;
+  s.ignored = msg.ignored_options || [];
   closeDecoder();
   if (s.format === OPUS) {
     resampler = null;                         // made for the rate the decoder outputs
@@ -265,6 +414,7 @@ function onChunk(msg) {
   const pcm = pcmFromBytes(msg.audio, s.format);
   s.samples += pcm.length;
   s.bytes += msg.audio.length;
+  record(s, pcm, s.rate);
   toPlayer(resampler ? resampler.process(pcm) : pcm, ctx.currentTime);
 }
 
@@ -278,6 +428,7 @@ function openDecoder(s) {
       data.copyTo(pcm, { planeIndex: 0, format: "f32-planar" });
       if (!resampler && data.sampleRate !== ctx.sampleRate) resampler = new Resampler(data.sampleRate, ctx.sampleRate);
       s.decoded += pcm.length / data.sampleRate;
+      record(s, pcm, data.sampleRate);
       const arrivedAt = s.arrivals.get(data.timestamp) ?? ctx.currentTime;
       s.arrivals.delete(data.timestamp);
       data.close();
@@ -293,10 +444,16 @@ function decodeOpus(s, msg) {
     // The first chunk carries the OpusHead: channel layout and pre-skip for the decoder.
     decoder.configure({ codec: "opus", sampleRate: s.rate, numberOfChannels: 1, description: msg.description });
     s.preSkip = msg.pre_skip;
+    s.opus.head = msg.description.slice();
   }
   let micros = 0;
   msg.packets.forEach((packet, i) => {
     const duration = msg.durations_us[i];
+    if (s.opus.us < MAX_RECORD_S * 1e6) {
+      s.opus.packets.push(packet.slice());
+      s.opus.durations.push(duration);
+      s.opus.us += duration;
+    }
     s.arrivals.set(s.timestamp, ctx.currentTime);
     decoder.decode(new EncodedAudioChunk({ type: "key", timestamp: s.timestamp, duration, data: packet }));
     s.timestamp += duration;
@@ -315,12 +472,14 @@ function onEnd(msg) {
   const s = state.stream;
   if (!s || msg.id !== s.id) return;
   s.ended = true;
+  stopFeeding(s);
   state.lastEnd = msg;
   // The player hears "end" only after the last samples: Opus packets may still be decoding.
   const decoded = s.format === OPUS && decoder && msg.reason !== "cancelled" ? decoder.flush() : Promise.resolve();
   decoded.catch(() => {}).then(() => {
     if (resampler && msg.reason !== "cancelled") toPlayer(resampler.flush(), ctx.currentTime);
     player.port.postMessage({ type: "end" });
+    setDownloads(true);
   });
   $("stop").disabled = true;
   const words = { done: "Done.", cancelled: "Stopped.", max_len: "Stopped at the length limit." }[msg.reason] || msg.reason;
@@ -338,6 +497,8 @@ function onError(msg) {
 
 function endLocally(reason) {
   state.stream.ended = true;
+  stopFeeding(state.stream);
+  setDownloads(true);
   state.lastEnd = { id: state.stream.id, reason, local: true };
   player.port.postMessage({ type: "end" });
   $("stop").disabled = true;
@@ -346,6 +507,7 @@ function endLocally(reason) {
 function stop() {
   if (!state.stream || state.stream.ended) return;
   state.stream.cancelled = true;                   // decoded audio still in flight is dropped
+  stopFeeding(state.stream);                       // no more words go in
   closeDecoder();                                  // drops what it was still decoding
   player.port.postMessage({ type: "clear" });      // silence what is queued here at once
   send({ type: "cancel", id: state.stream.id });   // and free the server's slot
@@ -416,16 +578,101 @@ function uploadVoice() {
   const message = { type: "voice", id: `voice-${++requestCounter}`, audio: pendingVoiceAudio };
   const transcript = $("clone-transcript").value.trim();
   if (transcript) message.transcript = transcript;
+  const name = $("clone-name").value.trim();
+  if (name) message.name = name;
   send(message);
   $("clone-status").textContent = "Building the voice…";
 }
 
-function onVoice(msg) {
-  state.voiceIds.push(msg.voice);
-  const option = new Option(`my voice (${msg.audio_s.toFixed(1)} s, ${msg.mode})`, msg.voice);
-  $("voice").add(option);
-  $("voice").value = msg.voice;
-  $("clone-status").textContent = "Your voice is selected.";
+async function onVoice(msg) {
+  // Listed by the server from now on: a reload, or another tab with the same token, finds it.
+  await loadVoices(msg.name || msg.voice);
+  $("clone-status").textContent = `Your voice is selected (${msg.audio_s.toFixed(1)} s, ${msg.mode}).`;
+}
+
+// ------------------------------------------------------------------ captions
+
+function startCaptions(track) {
+  state.captions = track;
+  state.captionIndex = -1;
+  state.captionsDone = false;
+  const box = $("captions");
+  box.replaceChildren();
+  box.hidden = !track;
+}
+
+function showCaptions(items) {
+  const box = $("captions");
+  for (const item of items) {
+    const span = document.createElement("span");
+    span.textContent = item.text;
+    span.dataset.start = item.start_s.toFixed(3);
+    box.append(span, " ");
+  }
+}
+
+function onWords(msg) {
+  if (state.captions && state.stream && msg.id === state.stream.id) showCaptions(state.captions.addWords(msg.words));
+}
+
+function onSegment(msg) {
+  if (state.captions && state.stream && msg.id === state.stream.id) showCaptions(state.captions.addSegment(msg));
+}
+
+// Lights the item being heard, on the player's own clock (what has been played of the stream).
+function followCaptions() {
+  if (!state.captions || !ctx) return;
+  const heard = state.drained && state.stream && state.stream.ended ? Infinity : state.player.played / ctx.sampleRate;
+  const index = state.captions.indexAt(heard);
+  const done = heard === Infinity;                  // all played: every item heard, none lit
+  if (index === state.captionIndex && done === state.captionsDone) return;
+  const spans = $("captions").children;
+  for (let i = Math.max(0, Math.min(index, state.captionIndex)); i <= Math.max(index, state.captionIndex); i++) {
+    if (!spans[i]) continue;
+    spans[i].classList.toggle("spoken", i <= index);
+    spans[i].classList.toggle("now", i === index && !done);
+  }
+  state.captionIndex = index;
+  state.captionsDone = done;
+  const lit = spans[index];
+  if (lit) {
+    const box = $("captions");
+    box.scrollTop = Math.max(0, lit.offsetTop - box.offsetTop - box.clientHeight / 2);
+  }
+}
+
+// ------------------------------------------------------------------ downloads
+
+function setDownloads(ready) {
+  const s = state.stream;
+  $("download-wav").disabled = !(ready && s && s.recording.frames > 0);
+  $("download-opus").disabled = !(ready && s && s.opus.head && s.opus.packets.length > 0);
+}
+
+function offer(blob, name) {
+  const url = URL.createObjectURL(blob);
+  const link = document.createElement("a");
+  link.href = url;
+  link.download = name;
+  document.body.append(link);
+  link.click();
+  link.remove();
+  setTimeout(() => URL.revokeObjectURL(url), 60_000);
+  state.downloads.push({ name, bytes: blob.size });
+}
+
+function downloadWav() {
+  const r = state.stream.recording;
+  const samples = new Float32Array(r.frames);
+  let at = 0;
+  for (const chunk of r.chunks) { samples.set(chunk, at); at += chunk.length; }
+  offer(new Blob([encodeWav(samples, r.rate)], { type: "audio/wav" }), `vox-ws-${state.stream.id}.wav`);
+  if (r.truncated) say(`The download holds the first ${MAX_RECORD_S / 60} minutes.`);
+}
+
+function downloadOpus() {
+  const o = state.stream.opus;
+  offer(oggOpus(o.head, o.packets, o.durations), `vox-ws-${state.stream.id}.opus`);
 }
 
 // ------------------------------------------------------------------ display
@@ -473,6 +720,7 @@ function refreshStats() {
     const received = s.samples / s.rate;
     const elapsed = ((s.ended && state.lastEnd && !state.lastEnd.local ? (s.firstAudioAt ?? performance.now()) : performance.now()) - s.sentAt) / 1000;
     $("stat-ttfa").textContent = s.firstAudioAt === null ? "–" : `${Math.round(s.firstAudioAt - s.sentAt)} ms`;
+    $("stat-sent").textContent = s.llm ? `${s.words.sent} of ${s.words.total} words` : "all at once";
     $("stat-chunks").textContent = String(s.chunks);
     $("stat-audio").textContent = fmt(received, "s");
     $("stat-bytes").textContent = s.bytes >= 1e6 ? `${(s.bytes / 1e6).toFixed(2)} MB` : `${(s.bytes / 1e3).toFixed(1)} kB`;
@@ -489,6 +737,7 @@ function refreshStats() {
     const late = state.player.sourceLate;
     $("stat-underruns").textContent = `${state.player.underruns}${late ? ` (${late} waiting for the server)` : ""}`;
   }
+  followCaptions();
   requestAnimationFrame(refreshStats);
 }
 
@@ -497,6 +746,15 @@ $("stop").addEventListener("click", stop);
 $("record").addEventListener("click", toggleRecord);
 $("clone-file").addEventListener("change", pickFile);
 $("clone-upload").addEventListener("click", uploadVoice);
+$("download-wav").addEventListener("click", downloadWav);
+$("download-opus").addEventListener("click", downloadOpus);
+$("token-form").addEventListener("submit", useToken);
+$("speed").addEventListener("input", () => { $("speed-value").textContent = `${Number($("speed").value).toFixed(2)}×`; });
+$("llm").addEventListener("change", () => {
+  // SSML is read from a whole text: a text streamed in is plain.
+  if ($("llm").checked) $("ssml").checked = false;
+  $("ssml").disabled = $("llm").checked || !(state.hello && (state.hello.features || []).includes("ssml"));
+});
 $("text").addEventListener("keydown", (e) => { if (e.key === "Enter" && (e.ctrlKey || e.metaKey)) speak(); });
 drawEnvelope();
 requestAnimationFrame(refreshStats);

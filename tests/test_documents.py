@@ -1,0 +1,248 @@
+"""Whole documents from the command line (`vox-ws say --file`), captions, and the OpenAI door's
+timings: real servers (Piper, the tiny VoxCPM2), the real `vox-ws` process, the files parsed
+back with PyAV and webvtt-py."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import wave
+from pathlib import Path
+
+import httpx
+import pytest
+import webvtt
+from conftest import WAIT_TIMEOUT
+
+from vox_ws.captions import MAX_CUE_CHARS, MAX_CUE_S, Cue, cues_from_segments, cues_from_words, write_captions
+from vox_ws.engines.piper import PiperEngine
+
+PARAGRAPH = ("The lighthouse keeper climbed the stairs every evening. He lit the lamp, wound the clock, and "
+             "watched the ships pass far out at sea. Some nights the fog rolled in, thick and grey, and he "
+             "sounded the horn until morning. ")
+
+
+def run_say(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "vox_ws", "say", *args], input=stdin, capture_output=True,
+                          text=True, timeout=WAIT_TIMEOUT * 3)
+
+
+def wav_seconds(path: Path) -> float:
+    with wave.open(str(path)) as w:
+        return w.getnframes() / w.getframerate()
+
+
+def start_s(cue: webvtt.Caption) -> float:
+    return seconds(cue.start_time)
+
+
+def end_s(cue: webvtt.Caption) -> float:
+    return seconds(cue.end_time)
+
+
+def seconds(stamp) -> float:
+    """A webvtt-py timestamp in seconds with its milliseconds (its `in_seconds` drops them)."""
+    return stamp.hours * 3600 + stamp.minutes * 60 + stamp.seconds + stamp.milliseconds / 1000
+
+
+def words_of(text: str) -> list[str]:
+    return text.split()
+
+
+@pytest.fixture(scope="module")
+def small_piper(start_server):
+    """Piper with a small text bound: a document is many times what the server holds at once."""
+    return start_server(PiperEngine(), max_batch=2, max_text_chars=300)
+
+
+def test_a_document_many_times_the_text_bound_is_one_file_with_word_captions(small_piper, tmp_path):
+    document = tmp_path / "story.txt"
+    text = PARAGRAPH * 6                                      # 1,300 characters against a bound of 300
+    document.write_text(text)
+    out, captions = tmp_path / "story.wav", tmp_path / "story.srt"
+    said = run_say("--file", str(document), "-o", str(out), "--captions", str(captions), "--url", small_piper.url)
+    assert said.returncode == 0, said.stderr
+    spoken = sum(1 for c in text if not c.isspace())
+    assert f"{spoken} of {spoken} characters spoken" in said.stderr
+    length = wav_seconds(out)
+    assert length > 40
+    cues = list(webvtt.from_srt(str(captions)))
+    # Piper's word timings: every word of the text, in order, each cue a readable line.
+    assert [w for cue in cues for w in cue.text.split()] == words_of(text)
+    starts = [start_s(cue) for cue in cues]
+    assert starts == sorted(starts) and start_s(cues[0]) >= 0
+    assert all(len(cue.text) <= MAX_CUE_CHARS or " " not in cue.text for cue in cues)
+    assert all(end_s(cue) - start_s(cue) <= MAX_CUE_S + 0.01 for cue in cues)
+    assert end_s(cues[-1]) <= length + 0.05 and end_s(cues[-1]) > length - 2.0
+
+
+def test_standard_input_in_a_codec_with_segment_captions_on_voxcpm(tiny_voxcpm, tmp_path):
+    import av
+
+    out, captions = tmp_path / "piped.flac", tmp_path / "piped.vtt"
+    text = "First sentence of the pipe. Second sentence here. And a third one to end."
+    said = run_say("--file", "-", "-o", str(out), "--format", "flac", "--captions", str(captions), "--url",
+                   tiny_voxcpm.url, stdin=text)
+    assert said.returncode == 0, said.stderr
+    with av.open(str(out)) as container:
+        rate = container.streams.audio[0].codec_context.sample_rate
+        length = sum(frame.samples for frame in container.decode(audio=0)) / rate
+    cues = list(webvtt.read(str(captions)))
+    # VoxCPM2 has no word timings: its segments, one cue each (they are short here), in order.
+    assert [w for cue in cues for w in cue.text.split()] == words_of(text)
+    assert start_s(cues[0]) == 0 and end_s(cues[-1]) == pytest.approx(length, abs=0.05)
+    assert all(end_s(a) <= start_s(b) + 1e-3 for a, b in zip(cues, cues[1:]))
+
+
+def test_an_interrupted_run_says_how_far_it_got_and_its_file_is_whole(small_piper, tmp_path):
+    document = tmp_path / "long.txt"
+    document.write_text(PARAGRAPH * 40)
+    out = tmp_path / "long.wav"
+    proc = subprocess.Popen([sys.executable, "-m", "vox_ws", "say", "--file", str(document), "-o", str(out),
+                             "--url", small_piper.url], stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + WAIT_TIMEOUT
+        # Some audio written (a second of it, at 22.05 kHz 16-bit) before the interruption.
+        while not (out.exists() and out.stat().st_size > 44 + 44_100):
+            assert time.monotonic() < deadline and proc.poll() is None, "no audio was written"
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGINT)
+        _, stderr = proc.communicate(timeout=WAIT_TIMEOUT)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 130, stderr
+    assert "interrupted after" in stderr and f"of {sum(1 for c in PARAGRAPH * 40 if not c.isspace())}" in stderr
+    assert wav_seconds(out) > 1.0                      # the header was patched: the file is whole
+
+
+def test_on_a_terminal_a_progress_bar_shows_characters_audio_and_the_real_time_factor(small_piper, tmp_path):
+    import fcntl
+    import pty
+    import struct
+    import termios
+
+    document = tmp_path / "bar.txt"
+    document.write_text(PARAGRAPH * 3)
+    controller, terminal = pty.openpty()
+    # A terminal 100 columns wide, as a real one has a size (tqdm draws nothing in 0 columns).
+    fcntl.ioctl(terminal, termios.TIOCSWINSZ, struct.pack("HHHH", 30, 100, 0, 0))
+    proc = subprocess.Popen([sys.executable, "-m", "vox_ws", "say", "--file", str(document), "-o",
+                             str(tmp_path / "bar.wav"), "--url", small_piper.url], stderr=terminal,
+                            stdout=subprocess.DEVNULL,
+                            # conftest quiets the libraries' bars with tqdm's TQDM_DISABLE; a user's shell has none.
+                            env={k: v for k, v in os.environ.items() if k != "TQDM_DISABLE"})
+    os.close(terminal)
+    shown = b""
+    try:
+        while True:
+            try:
+                data = os.read(controller, 4096)
+            except OSError:                        # the terminal closed: the process has exited
+                break
+            if not data:
+                break
+            shown += data
+    finally:
+        os.close(controller)
+        proc.wait(timeout=WAIT_TIMEOUT)
+    assert proc.returncode == 0
+    text = shown.decode(errors="replace")
+    total = sum(1 for c in PARAGRAPH * 3 if not c.isspace())
+    assert "speaking" in text and f"/{total}" in text and "RTF" in text and "s audio" in text
+    assert f"{total} of {total} characters spoken" in text          # the closing report
+
+
+def test_say_refuses_what_it_cannot_do(tmp_path, piper_server):
+    assert run_say("-o", str(tmp_path / "x.wav"), "--url", piper_server.url).returncode == 2      # no text
+    assert run_say("Hi.", "--file", "-", "-o", "x.wav").returncode == 2                            # both
+    assert run_say("--file", str(tmp_path / "missing.txt"), "-o", "x.wav").returncode == 2
+    refused = run_say("Hi.", "-o", str(tmp_path / "x.wav"), "--captions", str(tmp_path / "x.txt"))
+    assert refused.returncode == 2 and ".srt or .vtt" in refused.stderr
+
+
+# ------------------------------------------------------------------------------ captions
+
+
+def test_word_cues_are_readable_lines_that_close_at_sentence_ends():
+    words = [(f"word{i}.", i * 0.5, i * 0.5 + 0.4) if i % 9 == 8 else (f"word{i}", i * 0.5, i * 0.5 + 0.4)
+             for i in range(40)]
+    cues = cues_from_words(words)
+    assert [w for cue in cues for w in cue.text.split()] == [w for w, _, _ in words]
+    assert all(len(cue.text) <= MAX_CUE_CHARS and cue.end_s - cue.start_s <= MAX_CUE_S for cue in cues)
+    assert all(cue.text.split()[-1].endswith(".") or len(cue.text) + 7 > MAX_CUE_CHARS
+               or cue.end_s - cue.start_s + 0.5 > MAX_CUE_S or cue is cues[-1] for cue in cues)
+
+
+def test_segment_cues_share_the_time_by_length_and_cut_cjk_at_the_width(tmp_path):
+    cues = cues_from_segments([("A short one.", 0.0, 1.0), ("我们今天去公园散步天气非常好" * 5, 1.0, 11.0)])
+    assert cues[0] == Cue(0.0, 1.0, "A short one.")
+    assert all(len(cue.text) <= MAX_CUE_CHARS for cue in cues) and len(cues) == 3
+    assert cues[-1].end_s == pytest.approx(11.0) and cues[1].start_s == pytest.approx(1.0)
+    write_captions(cues, tmp_path / "c.vtt")
+    assert [c.text for c in webvtt.read(str(tmp_path / "c.vtt"))] == [c.text for c in cues]
+    with pytest.raises(ValueError, match=".srt or .vtt"):
+        write_captions(cues, tmp_path / "c.txt")
+
+
+# ------------------------------------------------------------------------------ the OpenAI door's timings
+
+
+def sse_events(server, **body) -> tuple[httpx.Headers, list[dict]]:
+    events = []
+    with httpx.stream("POST", server.http + "/v1/audio/speech", timeout=60,
+                      json={"input": PARAGRAPH, "voice": "alloy", "response_format": "pcm", "stream_format": "sse",
+                            **body}) as reply:
+        assert reply.status_code == 200, reply.read()
+        for line in reply.iter_lines():
+            if line.startswith("data: "):
+                events.append(json.loads(line[6:]))
+    return reply.headers, events
+
+
+def test_sse_carries_word_timings_on_piper_and_segments_on_voxcpm(piper_server, tiny_voxcpm):
+    headers, events = sse_events(piper_server, timestamps="word")
+    assert headers["x-timestamps"] == "word"
+    words = [w for e in events if e["type"] == "speech.audio.words" for w in e["words"]]
+    assert [w["word"] for w in words] == words_of(PARAGRAPH)
+    assert all(a["end_s"] <= b["start_s"] + 1e-3 for a, b in zip(words, words[1:]))
+    audio_s = sum(len(__import__("base64").b64decode(e["audio"])) for e in events
+                  if e["type"] == "speech.audio.delta") / 2 / 24000
+    assert words[-1]["end_s"] <= audio_s + 0.05
+    # VoxCPM2 knows no word times: asked for words, it gives its segments, and says so.
+    headers, events = sse_events(tiny_voxcpm, timestamps="word", max_len=4)
+    assert headers["x-timestamps"] == "segment"
+    segments = [e for e in events if e["type"] == "speech.audio.segment"]
+    assert segments and not any(e["type"] == "speech.audio.words" for e in events)
+    assert events[-1]["type"] == "speech.audio.done"
+    # Without timestamps, no such events; asked without SSE, a 400 naming the field.
+    _, plain = sse_events(piper_server)
+    assert {e["type"] for e in plain} == {"speech.audio.delta", "speech.audio.done"}
+    refused = httpx.post(piper_server.http + "/v1/audio/speech", json={"input": "x", "timestamps": "word"})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "timestamps"
+
+
+def test_the_reader_sends_pieces_the_server_may_hold(tmp_path):
+    """Files are read as they come and sent in pieces of at most the limit, cut after a space,
+    each run of whitespace one character; a word longer than a piece is cut at the limit."""
+    import asyncio
+
+    from vox_ws.say import READ_BYTES, pieces, read_blocks
+
+    path = tmp_path / "t.txt"
+    text = "héllo   wörld\n\n  " * 3000 + "x" * 250
+    path.write_text(text)
+
+    async def read(limit: int) -> list[str]:
+        return [piece async for piece in pieces(read_blocks(str(path), None), limit)]
+    sent = asyncio.run(read(100))
+    assert "".join(sent) == "héllo wörld\n" * 3000 + "x" * 250
+    assert max(map(len, sent)) <= 100 and sent[-3:] == ["x" * 100, "x" * 100, "x" * 50]
+    # Cut after a space, except where a block read ended (what was read is sent at once).
+    blocks = -(-os.path.getsize(path) // READ_BYTES)
+    assert blocks > 1 and sum(not p[-1].isspace() for p in sent[:-3]) < blocks

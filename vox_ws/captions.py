@@ -1,0 +1,83 @@
+"""Captions (SRT, WebVTT) from what a stream said and when: its word timings where the engine
+knows them (Piper), else its segments' (each segment's time shared among its lines by their
+length). Cues are of readable length: one line of at most MAX_CUE_CHARS characters, at most
+MAX_CUE_S long, and a sentence end closes one. The files are written by webvtt-py.
+"""
+
+from __future__ import annotations
+
+import textwrap
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+# One subtitle line (broadcasters' guides ask for 37 to 42 characters), on screen at most this long.
+MAX_CUE_CHARS = 42
+MAX_CUE_S = 6.0
+CAPTION_FORMATS = (".srt", ".vtt")
+_SENTENCE_END = tuple(".!?…。！？；।؟")
+
+
+@dataclass(frozen=True)
+class Cue:
+    start_s: float
+    end_s: float
+    text: str
+
+
+def cues_from_words(words: Iterable[tuple[str, float, float]]) -> list[Cue]:
+    """Words (word, start_s, end_s), in order, as cues."""
+    cues: list[Cue] = []
+    line: list[tuple[str, float, float]] = []
+
+    def close() -> None:
+        if line:
+            cues.append(Cue(line[0][1], line[-1][2], " ".join(word for word, _, _ in line)))
+            line.clear()
+
+    for word, start, end in words:
+        if line and (len(" ".join(w for w, _, _ in line)) + 1 + len(word) > MAX_CUE_CHARS
+                     or end - line[0][1] > MAX_CUE_S):
+            close()
+        line.append((word, start, end))
+        if word.rstrip("\"')]»”’").endswith(_SENTENCE_END):
+            close()
+    close()
+    return cues
+
+
+def cues_from_segments(segments: Iterable[tuple[str, float, float]]) -> list[Cue]:
+    """Segments (text, start_s, end_s) as cues: a segment longer than a line is cut into lines
+    (at spaces; text without spaces, CJK, at the width), its time shared by their lengths."""
+    cues: list[Cue] = []
+    for text, start, end in segments:
+        lines = textwrap.wrap(" ".join(text.split()), MAX_CUE_CHARS) or [text]
+        total = sum(len(line) for line in lines)
+        at = start
+        for line in lines:
+            until = at + (end - start) * len(line) / total if total else end
+            cues.append(Cue(round(at, 3), round(until, 3), line))
+            at = until
+    return cues
+
+
+def write_captions(cues: list[Cue], path: str | Path) -> None:
+    """SRT or WebVTT by the file's suffix (CAPTION_FORMATS)."""
+    from webvtt import Caption, WebVTT
+
+    path = Path(path)
+    if path.suffix.lower() not in CAPTION_FORMATS:
+        raise ValueError(f"{path}: captions are .srt or .vtt files")
+    captions = WebVTT(captions=[Caption(start=_clock(cue.start_s), end=_clock(max(cue.end_s, cue.start_s + 0.001)),
+                                        text=cue.text) for cue in cues])
+    if path.suffix.lower() == ".srt":
+        captions.save_as_srt(str(path))
+    else:
+        captions.save(str(path))
+
+
+def _clock(seconds: float) -> str:
+    millis = round(seconds * 1000)
+    hours, millis = divmod(millis, 3_600_000)
+    minutes, millis = divmod(millis, 60_000)
+    return f"{hours:02d}:{minutes:02d}:{millis // 1000:02d}.{millis % 1000:03d}"
