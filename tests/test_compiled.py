@@ -219,3 +219,99 @@ def test_a_decode_compile_that_fails_is_refused_with_its_reason_and_the_process_
     finally:
         decoder.close()
         engine.close()
+
+
+# ------------------------------------------------------------------------------ a cache is code
+
+
+class _Planted:
+    """A pickle that, read back, makes a directory: proof that loading a file ran its code."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        import os
+
+        return (os.mkdir, (str(self.marker),))
+
+
+def _plant(cache: Path, marker: Path, layer, x) -> Path:
+    """The file a store in `cache` would load for the `affine` graph, holding `_Planted`."""
+    import pickle
+
+    path = GraphStore(cache).path("affine", "test", (layer, x), {})
+    path.write_bytes(pickle.dumps(_Planted(marker)))
+    return path
+
+
+@pytest.mark.slow
+def test_a_cache_that_others_could_write_is_never_read(tmp_path, caplog):
+    import os
+
+    from vox_ws.engines.voxcpm.cache_trust import trusted_cache_dir
+
+    layer, x = torch.nn.Linear(4, 3), torch.randn(2, 4)
+    # A private cache is read: the planted file ran (this is what the check keeps out).
+    private = tmp_path / "private" / "cache"
+    assert trusted_cache_dir(private) == private and (private.stat().st_mode & 0o777) == 0o700
+    assert (private.parent.stat().st_mode & 0o777) == 0o700          # missing parents made private too
+    _plant(private, tmp_path / "ran-private", layer, x)
+    GraphStore(trusted_cache_dir(private)).graph("affine", _affine, (layer, x), context="test")
+    assert (tmp_path / "ran-private").exists()
+
+    # Others may write it (mode 0777, as a shared /tmp path or umask 000 gives): not read, not
+    # repaired; the step compiles into a private directory of its own, and says why.
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o777)
+    planted = _plant(shared, tmp_path / "ran-shared", layer, x)
+    with caplog.at_level(logging.WARNING, logger="vox_ws.engines.voxcpm"):
+        used = trusted_cache_dir(shared)
+    assert used != shared and (used.stat().st_mode & 0o777) == 0o700 and "may be written by others" in caplog.text
+    store = GraphStore(used)
+    graph = store.graph("affine", _affine, (layer, x), context="test")
+    assert not (tmp_path / "ran-shared").exists() and (store.loaded, store.compiled) == (0, 1)
+    torch.testing.assert_close(graph(layer, x), _affine(layer, x))
+    assert planted.exists() and (shared.stat().st_mode & 0o777) == 0o777          # left as it was
+
+    # A parent anyone may write (no sticky bit): the cache could be swapped for another.
+    (tmp_path / "open").mkdir()
+    os.chmod(tmp_path / "open", 0o777)
+    assert trusted_cache_dir(tmp_path / "open" / "cache") != tmp_path / "open" / "cache"
+    # A link to a private cache: where it points may change under the server.
+    (tmp_path / "link").symlink_to(private)
+    assert trusted_cache_dir(tmp_path / "link") != tmp_path / "link"
+    # An entry others may write in a directory they can enter.
+    readable = tmp_path / "readable"
+    readable.mkdir(mode=0o755)
+    os.chmod(readable, 0o755)
+    (readable / "graphs").mkdir()
+    os.chmod(readable / "graphs", 0o777)
+    assert trusted_cache_dir(readable) != readable
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "geteuid") or __import__("os").geteuid() != 0,
+                    reason="planting another user's file needs root (CI runs as root)")
+def test_another_users_cache_or_planted_file_is_never_unpickled(tmp_path):
+    import os
+
+    from vox_ws.engines.voxcpm.cache_trust import trusted_cache_dir, why_untrusted
+
+    layer, x = torch.nn.Linear(4, 3), torch.randn(2, 4)
+    other_uid = 4242
+    theirs = tmp_path / "theirs"                          # their directory, private to them
+    theirs.mkdir(mode=0o700)
+    _plant(theirs, tmp_path / "ran", layer, x)
+    os.chown(theirs, other_uid, other_uid)
+    assert "owned by uid 4242" in why_untrusted(theirs)
+    # A private cache of ours with their file planted in it (while it was open, say).
+    ours = tmp_path / "ours"
+    ours.mkdir(mode=0o700)
+    planted = _plant(ours, tmp_path / "ran", layer, x)
+    os.chown(planted, other_uid, other_uid)
+    assert f"{planted} is owned by uid 4242" in why_untrusted(ours)
+    for cache in (theirs, ours):
+        used = trusted_cache_dir(cache)
+        assert used != cache and not list(used.rglob("*.pt2"))      # nothing of theirs is read
+    assert not (tmp_path / "ran").exists()

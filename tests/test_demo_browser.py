@@ -414,8 +414,9 @@ def test_a_token_is_typed_once_kept_in_the_tab_and_never_in_the_address(browser,
     page.wait_for_function("window.voxDemo.state.ready", timeout=30_000)
     assert page.evaluate("sessionStorage.getItem('vox-ws.token')") == "s3cret-é"
     # The page's HTTP requests carry it too: the voices came from /v1/audio/voices (only it lists
-    # aliases; without the token it answers 401 and the page falls back on `hello`'s names).
+    # aliases and languages; without the token it answers 401 and the page keeps `hello`'s names).
     page.wait_for_function("window.voxDemo.state.voices.some(v => v.kind === 'alias')", timeout=10_000)
+    assert page.eval_on_selector_all("#voice optgroup", "groups => groups.map(g => g.label)") == ["voices"]
     page.reload()                                        # the same tab: no typing again
     page.wait_for_function("window.voxDemo.state.ready", timeout=30_000)
     assert page.is_hidden("#token-form")

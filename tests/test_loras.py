@@ -8,6 +8,7 @@ ahead at most, and the test does not read), so "while another stream speaks" is 
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from conftest import assert_good_stream, connect_client
@@ -49,9 +50,23 @@ def adapters(tiny_model, tmp_path_factory) -> Path:
     (folder / "corrupt.safetensors").write_bytes(b"not a safetensors file")
     write_adapter(tiny_model, folder / "listconfig", model=rank4, seed=5)
     (folder / "listconfig" / "lora_config.json").write_text("[4, 8]")
+    # Finite weights of 3e38: past what any activation times them can hold (refused at load), and
+    # of 1e12: accepted, but the stream speaking with them overflows to NaN in its own rows.
+    for name, size in (("huge", 3e38), ("loud", 1e12)):
+        (folder / name).mkdir()
+        save_file({key: torch.full(value.shape, size) for key, value in state.items()},
+                  str(folder / name / "lora_weights.safetensors"))
     outside = tmp_path_factory.mktemp("outside")
     write_adapter(tiny_model, outside / "evil", model=rank4, seed=9)
     (folder / "escape").symlink_to(outside / "evil")
+    # Good weights, with a config that is a link out of the directory (alpha 400 there), a FIFO
+    # (reading it would never end) or far past any config's size.
+    (outside / "loud.json").write_text('{"r": 4, "alpha": 400}')
+    for name in ("linkconfig", "fifoconfig", "bigconfig"):
+        write_adapter(tiny_model, folder / name, model=rank4, seed=6)
+    (folder / "linkconfig" / "lora_config.json").symlink_to(outside / "loud.json")
+    os.mkfifo(folder / "fifoconfig" / "lora_config.json")
+    (folder / "bigconfig" / "lora_config.json").write_text('{"r": 4, "alpha": 8, "pad": "' + "x" * 70_000 + '"}')
     return folder
 
 
@@ -59,7 +74,9 @@ def adapters(tiny_model, tmp_path_factory) -> Path:
 def server(start_server, tiny_model, adapters):
     engine = VoxCPMEngine(model=str(tiny_model), device="cpu", max_batch=4, lora_rank=4, max_loras=2,
                           lora_dir=str(adapters))
-    return start_server(engine, max_batch=4, max_streams=8, admin_tokens=[ADMIN], max_buffered_audio_s=1.0)
+    # Unloads here wait for their streams (lora_unload_timeout_s is tested on a server of its own).
+    return start_server(engine, max_batch=4, max_streams=8, admin_tokens=[ADMIN], max_buffered_audio_s=1.0,
+                        lora_unload_timeout_s=600.0)
 
 
 def package_audio(tiny_model, adapters: Path, adapter: str | None, seed: int, max_len: int) -> np.ndarray:
@@ -203,11 +220,17 @@ async def test_slots_run_out_and_free_up(server):
     ("base", "bad_request", "weights of the base model"),
     ("corrupt", "bad_request", "cannot be read"),
     ("listconfig", "bad_request", "lora_config.json is not a JSON object"),
+    ("huge", "bad_request", "could grow an activation"),
+    ("linkconfig", "bad_request", "lora_config.json points out of the LoRA directory"),
+    ("fifoconfig", "bad_request", "lora_config.json is not a regular file"),
+    ("bigconfig", "too_large", "lora_config.json is over 65536 bytes"),
+    ("日" * 64, "bad_request", "up to 128 bytes"),              # 192 bytes: past a file name's
 ])
-async def test_bad_adapters_are_refused_and_nothing_changes(server, name, code, words):
+async def test_bad_adapters_are_refused_and_nothing_changes(server, adapters, name, code, words):
     async with connect_client(server, additional_headers=ADMIN_HEADERS) as admin:
         refused = await lora(admin, "load", name)
         assert refused["type"] == "error" and refused["code"] == code and words in refused["message"], refused
+        assert str(adapters) not in refused["message"] and "/tmp" not in refused["message"]   # no server paths
         result = await admin.speak(TEXT, "after", options={"seed": 1, "max_len": 2})
     assert_good_stream(result, reason="max_len")
     assert listed(server)["adapters"] == []
@@ -298,3 +321,78 @@ async def _to_thread(fn):
     import asyncio
 
     return await asyncio.to_thread(fn)
+
+
+async def test_audio_that_is_not_finite_is_never_sent_and_fails_only_its_stream(server):
+    """The `loud` adapter's rows overflow: that stream fails with a typed error and no audio;
+    a stream without an adapter, at the same time, and the next ones speak as ever."""
+    async with connect_client(server, additional_headers=ADMIN_HEADERS) as admin:
+        assert (await lora(admin, "load", "loud"))["type"] == "lora"
+        try:
+            await admin.send(start("plain", None, 2, 6))
+            await admin.send(start("loud", "loud", 2, 6))
+            failed = await admin.error("loud")
+            plain = await admin.collect("plain")
+        finally:
+            await lora(admin, "unload", "loud")
+        assert failed["code"] == "internal" and "not finite" in failed["message"], failed
+        assert ("chunk", "loud") not in admin.log
+        assert_good_stream(plain, reason="max_len")
+        assert np.isfinite(plain.pcm()).all()
+        assert_good_stream(await admin.speak(TEXT, "after", options={"seed": 1, "max_len": 2}), reason="max_len")
+
+
+def test_a_row_gathers_only_its_own_adapter():
+    """Rows of one forward, each with its own slot (or none): a row without an adapter is exactly
+    the base layer's output, and a row's result is the same whatever the other slots hold, even
+    weights that overflow (where a mask multiplying every slot gave inf x 0 = NaN)."""
+    from vox_ws.engines.voxcpm.loading import import_voxcpm
+    from vox_ws.engines.voxcpm.lora import NO_ADAPTER, RowAdapters, RowLoRALinear
+
+    import_voxcpm()
+    from voxcpm.modules.layers.lora import LoRALinear
+
+    torch.manual_seed(0)
+    base = LoRALinear(torch.nn.Linear(16, 8), r=4, alpha=8)
+    adapters = RowAdapters(slots=3, rank=4, device="cpu", dtype=torch.float32)
+    layer = RowLoRALinear(base, adapters)
+    a, b = torch.randn(4, 16) * 0.1, torch.randn(8, 4) * 0.1
+    layer.put(0, a, b, 2.0)
+    layer.put(1, torch.full((4, 16), 1e30), torch.full((8, 4), 1e30), 2.0)     # overflows: x A^T B^T = inf
+    x = torch.randn(3, 5, 16)
+    with torch.no_grad():
+        with adapters.rows([NO_ADAPTER, 0, 1], gathered=True):
+            out = layer(x)
+        plain = torch.nn.functional.linear(x, base.weight, base.bias)
+    assert torch.equal(out[0], plain[0])                                        # untouched: bit for bit
+    torch.testing.assert_close(out[1], plain[1] + (x[1] @ a.t() @ b.t()) * 2.0)
+    assert not torch.isfinite(out[2]).all()                                     # only its own row
+    layer.put(2, torch.full((4, 16), 1e30), torch.full((8, 4), 1e30), 2.0)     # a loaded, unused slot
+    with torch.no_grad(), adapters.rows([NO_ADAPTER, 0], gathered=True):
+        again = layer(x[:2])
+    assert torch.equal(again, out[:2])
+
+
+async def test_an_unload_ends_the_streams_still_using_it_once_its_time_is_up(start_server, tiny_model, adapters):
+    """A stream that keeps its input open (as one sending a word every few seconds would) holds
+    an unloading adapter only for `lora_unload_timeout_s`: then it ends, typed, and the slot frees."""
+    engine = VoxCPMEngine(model=str(tiny_model), device="cpu", max_batch=2, lora_rank=4, max_loras=1,
+                          lora_dir=str(adapters))
+    server = start_server(engine, max_batch=2, admin_tokens=[ADMIN], lora_unload_timeout_s=0.5,
+                          stream_timeout_s=600.0)
+    async with connect_client(server, additional_headers=ADMIN_HEADERS) as admin, \
+            connect_client(server) as user:
+        await lora(admin, "load", "bright")
+        await user.send({"type": "start", "id": "held", "stream_input": True, "lora": "bright",
+                         "options": {"seed": 1, "max_len": 2}})
+        await user.send({"type": "chunk", "id": "held", "text": "Still here. "})
+        await user.recv_where(lambda m: m["type"] == "segment" or (m["type"] == "chunk" and m["id"] == "held"))
+        unloading = await lora(admin, "unload", "bright")
+        assert unloading["unloaded"] is False and unloading["streams_using"] == 1, unloading
+        ended = await user.error("held")
+        assert ended["code"] == "bad_request" and "'bright' was unloaded" in ended["message"], ended
+        assert listed(server)["adapters"] == []
+        assert (await lora(admin, "load", "soft"))["slot"] == 0          # the one slot is free again
+        assert_good_stream(await user.speak(TEXT, "after", lora="soft", options={"seed": 1, "max_len": 2}),
+                           reason="max_len")
+        await lora(admin, "unload", "soft")

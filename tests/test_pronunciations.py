@@ -119,6 +119,26 @@ async def test_a_bad_pronunciation_is_an_error_and_the_connection_serves_on(pipe
         assert_good_stream(await c.speak("Still here.", "ok"))
 
 
+@pytest.mark.parametrize("fields", [{"text": "a " * 120},                             # one-shot: in all
+                                    {"stream_input": True}])                            # streamed: a segment
+async def test_pronunciations_cannot_multiply_a_text_past_max_text_chars(piper_server, fields):
+    """One entry saying a one-letter word as 100 characters made 240 characters of text 9.5
+    times the audio: what max_text_chars bounds is the text as it will be said."""
+    entries = [{"match": "a", "say": "x" * MAX_ENTRY_CHARS}]
+    limit = piper_server.config.limits.max_text_chars
+    async with connect_client(piper_server) as c:
+        await c.send({"type": "start", "id": "big", "pronunciations": entries, **fields})
+        if fields.get("stream_input"):
+            # Spoken a segment at a time: it ends once the segments have grown by the bound.
+            for _ in range(limit // (MAX_ENTRY_CHARS * 8) + 2):
+                await c.send({"type": "chunk", "id": "big", "text": "a a a a a a a a. "})
+        refused = await c.error("big")
+        assert refused["code"] == "too_large" and f"over max_text_chars={limit}" in refused["message"], refused
+        if not fields.get("stream_input"):
+            assert ("chunk", "big") not in c.log                    # refused before a sound
+        assert_good_stream(await c.speak("A small text.", "ok", pronunciations=entries[:0]))
+
+
 def test_pronunciations_over_openais_api(piper_server):
     import openai
 
@@ -181,6 +201,44 @@ async def test_the_server_lexicon_reloads_by_an_admin_call_and_keeps_the_old_one
         assert (await http.get("/v1/info")).json()["lexicon"]["entries"] == 2          # the old one kept
     words, phonemes, _ = await speak_timed(server, "A tomato.")
     assert phonemes_of(words[1], phonemes) == [ph for ph in TOMATO_IPA if ph not in "ˈˌ"]
+
+
+async def test_a_lexicon_file_that_is_a_fifo_or_too_large_is_refused_unread_and_the_old_one_kept(start_server,
+                                                                                                     tmp_path):
+    """A FIFO in the lexicon's place would block a read for good (and the server's shutdown); a
+    huge file would be read whole before its size was checked. Both are refused at once."""
+    from vox_ws.engines.piper import PiperEngine
+
+    path = tmp_path / "lexicon.tsv"
+    path.write_text("SQL\tsequel\n", encoding="utf-8")
+    server = start_server(PiperEngine(), lexicon=str(path), admin_tokens=["admin-secret"])
+    admin = {"Authorization": "Bearer admin-secret"}
+    async with httpx.AsyncClient(base_url=server.http) as http:
+        path.unlink()
+        os.mkfifo(path)                                   # no writer: a blocking read never returns
+        fifo = await http.post("/v1/lexicon", headers=admin)
+        assert fifo.status_code == 400 and "not a regular file" in fifo.json()["error"]["problems"][0]
+        path.unlink()
+        with open(path, "wb") as f:                       # sparse: its size, not its bytes, refuses it
+            f.truncate(200 << 20)
+        huge = await http.post("/v1/lexicon", headers=admin)
+        assert huge.status_code == 400 and f"over {MAX_LEXICON_BYTES} bytes" in huge.json()["error"]["problems"][0]
+        assert (await http.get("/v1/info")).json()["lexicon"]["entries"] == 1          # the old one kept
+    words, _, _ = await speak_timed(server, "SQL.")
+    assert words
+
+
+def test_matching_walks_a_phrase_at_most_per_word_whatever_the_entries():
+    """2,000 phrases that all start with "the" and a text of "the" 1,250 times (the attack that
+    held the loop 1.6-2.3 s): the same matches as ever, now from a trie walked at most
+    MAX_PHRASE_WORDS words from each word."""
+    from vox_ws.lexicon import MAX_PHRASE_WORDS
+
+    phrases = [entry({"match": f"the the word{n}", "say": f"x{n}"}, "x") for n in range(2000)]
+    lexicon = Lexicon([*phrases, entry({"match": "the the", "say": "both"}, "x")])
+    assert respell("the " * 1250, lexicon) == "both " * 625
+    assert respell("so the the word1999 and the the word7.", lexicon) == "so x1999 and x7."
+    assert len(max(lexicon.find(["the"] * 20), key=lambda m: m[1] - m[0])[2].words) <= MAX_PHRASE_WORDS
 
 
 def _free_port() -> int:

@@ -15,9 +15,8 @@ import pytest
 from conftest import WAIT_TIMEOUT, assert_good_stream, bytes_to_pcm, connect_client, wait_until
 
 from vox_ws.engines.piper import PiperEngine
-from vox_ws.metrics import MAX_OWNER_SERIES, Metrics
+from vox_ws.metrics import MAX_OWNER_SERIES, Metrics, owner_label
 from vox_ws.scheduler import MAX_RETRY_AFTER_S, MIN_RETRY_AFTER_S, QueuePace
-from vox_ws.service.voice_store import owner_key
 from vox_ws.testing.tone import ToneEngine
 
 TEXT = "Usage adds up. It counts what was sent."
@@ -44,13 +43,16 @@ def metric(server, name: str, owner: str) -> float:
     return 0.0
 
 
+SECRET = "usage-test-secret"
+
+
 @pytest.fixture(scope="module")
 def piper(start_server):
-    return start_server(PiperEngine(), max_batch=2)
+    return start_server(PiperEngine(), max_batch=2, metrics_secret=SECRET)
 
 
 async def test_usage_over_v1_adds_up_for_one_shot_streamed_and_cancelled_text(piper):
-    owner = owner_key("address:127.0.0.1")
+    owner = owner_label("address:127.0.0.1", SECRET.encode())
     characters_before = metric(piper, "voxws_owner_characters_total", owner)
     audio_before = metric(piper, "voxws_owner_audio_seconds_total", owner)
     async with connect_client(piper) as c:
@@ -116,14 +118,31 @@ async def test_usage_on_the_tiny_voxcpm(tiny_voxcpm):
         assert not [m for m in c.log if m[0] == "phonemes"]
 
 
-def test_usage_series_per_owner_are_bounded():
-    metrics = Metrics()
+def test_usage_series_per_owner_are_bounded_and_kept_by_the_owners_seen_last():
+    metrics = Metrics(b"k")
+    metrics.count_usage("address:10.0.0.1", 5, 1.0)                # early, and busy again later
     for n in range(MAX_OWNER_SERIES + 10):
-        metrics.count_usage(f"owner-{n}", 10, 1.0)
+        metrics.count_usage(f"address:10.1.{n // 256}.{n % 256}", 10, 1.0)
+        if n == MAX_OWNER_SERIES // 2:
+            metrics.count_usage("address:10.0.0.1", 5, 1.0)
     text = metrics.exposition().decode()
     series = [line for line in text.splitlines() if line.startswith("voxws_owner_characters_total{")]
-    assert len(series) == MAX_OWNER_SERIES + 1
-    assert 'voxws_owner_characters_total{owner="other"} 100.0' in series
+    assert len(series) == MAX_OWNER_SERIES
+    assert f'voxws_owner_characters_total{{owner="{owner_label("address:10.0.0.1", b"k")}"}} 10.0' in series
+    # The ones unseen the longest gave their series up; the newest have theirs.
+    assert owner_label("address:10.1.0.0", b"k") not in text
+    assert owner_label(f"address:10.1.1.{MAX_OWNER_SERIES + 9 - 256}", b"k") in text
+
+
+def test_owner_labels_are_keyed_so_no_one_without_the_secret_can_tell_whose():
+    import hashlib
+
+    address = "address:192.0.2.7"
+    label = owner_label(address, b"server secret")
+    assert label == owner_label(address, b"server secret") != owner_label(address, b"another secret")
+    # Hashing guesses finds nothing: not the bare hash of the owner (what /metrics used to show).
+    assert label not in hashlib.sha256(b"vox-ws owner\0" + address.encode()).hexdigest()
+    assert label not in hashlib.sha256(address.encode()).hexdigest()
 
 
 # ------------------------------------------------------------------ retry hints
@@ -223,12 +242,14 @@ def test_a_voice_store_that_is_down_and_a_loading_engine_say_when_to_retry():
 async def test_usage_per_token_is_under_the_label_vox_ws_owner_prints(start_server, capsys):
     from vox_ws.cli import main
 
-    server = start_server(PiperEngine(), tokens=["team-a-token"])
+    server = start_server(PiperEngine(), tokens=["team-a-token"], metrics_secret="shared by the replicas")
     async with connect_client(server, additional_headers={"Authorization": "Bearer team-a-token"}) as c:
         result = await c.speak(TEXT, "t")
-    assert main(["owner", "--token", "team-a-token"]) == 0
+    assert main(["owner", "--token", "team-a-token"]) == 2               # no secret: no label to give
+    assert "--metrics-secret" in capsys.readouterr().err
+    assert main(["owner", "--token", "team-a-token", "--metrics-secret", "shared by the replicas"]) == 0
     label = capsys.readouterr().out.strip()
-    assert "team-a-token" not in label and len(label) == 32
+    assert "team-a-token" not in label and len(label) == 24
     assert metric(server, "voxws_owner_characters_total", label) == result.end["usage"]["characters"]
     assert metric(server, "voxws_owner_audio_seconds_total", label) == pytest.approx(result.end["usage"]["audio_s"],
                                                                                      abs=1e-3)

@@ -29,6 +29,9 @@ _SERVE_OPTIONS: list[tuple[str, Callable[[str], Any], Any, str]] = [
     ("voice-aliases", str, None, "a JSON or TOML file of voice aliases (e.g. alloy = \"joe\"); default: OpenAI's "
                                  "names on distinct voices where the engine has them (docs/PROTOCOL.md)"),
     ("private-info", engines.parse_bool, False, "with --token: /v1/info and /metrics need a token too"),
+    ("metrics-secret", str, None, "the key of /metrics' per-owner labels (an HMAC of the token or address); give "
+                                  "replicas the same one, and `vox-ws owner` finds a label with it (default: random "
+                                  "at each start)"),
     ("max-connections", int, Limits.max_connections, "open connections in total (then close 1013)"),
     ("max-connections-per-address", int, Limits.max_connections_per_address,
      "open connections per client address (then close 4029)"),
@@ -61,6 +64,8 @@ _SERVE_OPTIONS: list[tuple[str, Callable[[str], Any], Any, str]] = [
                                                           "read to keep their connections (then closed)")),
     ("refused-rate", float, Limits.refused_requests_per_s, ("HTTP requests a second per address answered 429 "
                                                              "before its new connections are closed at accept")),
+    ("lora-unload-timeout", float, Limits.lora_unload_timeout_s, "seconds the streams of an unloading LoRA adapter "
+                                                                 "have to finish before they end"),
     ("input-pause", float, Limits.input_pause_s, "input streaming: seconds of quiet after which buffered words "
                                                  "without a sentence end are spoken"),
     ("unready-when-full", engines.parse_bool, False, "readiness 503 and new connections closed 1013 while every "
@@ -144,6 +149,8 @@ def build_parser() -> argparse.ArgumentParser:
     who = owner.add_mutually_exclusive_group(required=True)
     who.add_argument("--token", help="a client token (as given to --token)")
     who.add_argument("--address", help="a client address (clients without a token)")
+    owner.add_argument("--metrics-secret", default=os.environ.get("VOX_WS_METRICS_SECRET"),
+                       help="the server's --metrics-secret [env VOX_WS_METRICS_SECRET]")
 
     from . import loadtest
 
@@ -175,6 +182,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         body_max_s=args.body_max,
         discard_bytes_per_s=args.discard_rate,
         refused_requests_per_s=args.refused_rate,
+        lora_unload_timeout_s=args.lora_unload_timeout,
     )
     fields = {f.name for f in dataclasses.fields(ServerConfig)}
     values = {k: v for k, v in vars(args).items() if k in fields and k != "cors_origins"}
@@ -248,9 +256,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return loadtest.main(args)
     if args.command == "owner":
-        from .service.voice_store import owner_key
+        from .metrics import owner_label
         from .transports.auth import address_owner, token_owner
 
-        print(owner_key(token_owner(args.token) if args.token else address_owner(args.address)))
+        if not args.metrics_secret:
+            print("vox-ws owner: labels are keyed by the server's --metrics-secret: give the same one", file=sys.stderr)
+            return 2
+        owner = token_owner(args.token) if args.token else address_owner(args.address)
+        print(owner_label(owner, args.metrics_secret.encode()))
         return 0
     return 2

@@ -44,6 +44,9 @@ class Limits:
     # hearing that address: its new connections are closed at accept, before any HTTP is read,
     # until the budget (bursts of five seconds' worth) has refilled. 0: always heard.
     refused_requests_per_s: float = 20.0
+    # An unloading LoRA adapter's streams have this long to finish; then they end (`bad_request`)
+    # and its slot frees, so a stream that keeps sending a word now and then cannot hold it.
+    lora_unload_timeout_s: float = 30.0
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -82,6 +85,9 @@ class ServerConfig:
     # With client tokens set: whether /v1/info and /metrics need one too (they say how busy the
     # server is and which voices it has). /healthz and /readyz stay open for probes.
     private_info: bool = False
+    # What /metrics' per-owner labels are keyed by (an HMAC): replicas given the same label an
+    # owner alike, and `vox-ws owner` finds an owner's label with it. None: random at each start.
+    metrics_secret: str | None = None
     # The browser demo served at `/` (default: web/demo of the source tree when present).
     demo_dir: str | None = None
     # Readiness turns 503, and new connections are closed 1013, while every slot is busy (for

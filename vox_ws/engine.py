@@ -378,6 +378,11 @@ class Engine(ABC):
     def unpin_lora(self, pin: Any) -> None:
         """The stream that pinned it has ended (the event loop calls it)."""
 
+    def lora_unloading(self, pin: Any, name: str) -> bool:
+        """Whether `pin` is the adapter `name` and it is being unloaded (the service ends its
+        streams once the unload's time is up). Cheap: the event loop calls it."""
+        return False
+
     def read_lora(self, name: str | None) -> Any:
         """Read and check an adapter from disk, for `lora_op("load")` on every device. Runs on a
         worker thread, beside the steps."""

@@ -102,25 +102,38 @@ def request_entries(value: Any) -> tuple[Pronunciation, ...]:
 
 
 class Lexicon:
-    """Entries, indexed by their first word: matching costs a look-up per word of the text.
-    With `under` (the server's lexicon beneath a request's entries), a word is looked up here
-    first, then there; neither is copied."""
+    """Entries in a trie of words (one for case-insensitive entries, by folded words; one for the
+    others, by words as written): the longest match at a word is found by walking at most
+    MAX_PHRASE_WORDS levels, so matching is linear in the text whatever the entries. With `under`
+    (the server's lexicon beneath a request's entries), a word is matched here first, then
+    there; neither is copied."""
 
     def __init__(self, entries: Iterable[Pronunciation] = (), under: Lexicon | None = None) -> None:
         self.entries = tuple(entries)
         self._under = under
-        self._by_first: dict[str, list[Pronunciation]] = {}
+        self._folded: dict[str | None, Any] = {}
+        self._exact: dict[str | None, Any] = {}
         for item in self.entries:
-            self._by_first.setdefault(item.words[0], []).append(item)
-        for group in self._by_first.values():
-            group.sort(key=lambda e: -len(e.words))           # the longest phrase first
+            node = self._exact if item.case_sensitive else self._folded
+            for word in item.words:
+                node = node.setdefault(word, {})
+            node.setdefault(None, item)                        # the first entry of a phrase wins
 
     def __len__(self) -> int:
         return len(self.entries) + (len(self._under) if self._under is not None else 0)
 
-    def _candidates(self, keys: set[str]) -> Iterable[Pronunciation]:
-        for key in keys:
-            yield from self._by_first.get(key, ())
+    def _longest(self, folded: Sequence[str], exact: Sequence[str], i: int) -> Pronunciation | None:
+        """The longest entry matching the words from `i` (as long: a case-sensitive one)."""
+        hit, length = None, 0
+        for node, keys in ((self._exact, exact), (self._folded, folded)):
+            for j in range(i, min(len(keys), i + MAX_PHRASE_WORDS)):
+                node = node.get(keys[j])
+                if node is None:
+                    break
+                item = node.get(None)
+                if item is not None and j + 1 - i > length:
+                    hit, length = item, j + 1 - i
+        return hit
 
     def find(self, words: Sequence[str]) -> list[tuple[int, int, Pronunciation]]:
         """(first word, end word, entry) of every match in `words` (a text's whitespace-split
@@ -133,11 +146,7 @@ class Lexicon:
         while i < len(words):
             hit = None
             for layer in layers:
-                for item in layer._candidates({folded[i], exact[i]}):
-                    keys = exact if item.case_sensitive else folded
-                    n = len(item.words)
-                    if tuple(keys[i:i + n]) == item.words and (hit is None or n > len(hit.words)):
-                        hit = item
+                hit = layer._longest(folded, exact, i)
                 if hit is not None:
                     break                                      # a request's entry before the server's
             if hit is None:
@@ -153,20 +162,22 @@ def combined(first: Sequence[Pronunciation], then: Lexicon) -> Lexicon:
     return Lexicon(first, under=then) if first else then
 
 
-def respell(text: str, lexicon: Lexicon) -> str:
+def respell(text: str, lexicon: Lexicon, ipa: bool = False) -> str:
     """The text with every matched word or phrase replaced by its respelling (punctuation around
-    it kept); IPA entries are left for engines that take phonemes."""
+    it kept); IPA entries are left for engines that take phonemes (`ipa`: put in too, for what
+    the text becomes on such an engine)."""
     if not len(lexicon):
         return text
     spans = [m.span() for m in _WORD.finditer(text)]
     words = [text[a:b] for a, b in spans]
     out, at = [], 0
     for first, end, item in lexicon.find(words):
-        if item.say is None:
+        said = item.say if item.say is not None else (item.ipa if ipa else None)
+        if said is None:
             continue
         start = spans[first][0] + (len(words[first]) - len(words[first].lstrip(_EDGE_PUNCTUATION)))
         stop = spans[end - 1][1] - (len(words[end - 1]) - len(words[end - 1].rstrip(_EDGE_PUNCTUATION)))
-        out += [text[at:start], item.say]
+        out += [text[at:start], said]
         at = stop
     return "".join(out) + text[at:]
 

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+import os
+from collections import OrderedDict
 from typing import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -13,12 +17,23 @@ CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0, 5.0, 10.0)
 _STEP_BUCKETS = (0.002, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.2, 0.5, 1.0, 2.0)
-# Owners given series of their own in the usage counters; the others are counted as "other".
+# Owners given series of their own in the usage counters: the most recent; an owner beyond them
+# takes the place of the one unseen the longest (whose series ends).
 MAX_OWNER_SERIES = 256
 
 
+def owner_label(owner: str, secret: bytes) -> str:
+    """The label an owner's usage is counted under: an HMAC of it under the server's secret, so
+    that no one without the secret can tell whose it is (an unkeyed hash of an address or a weak
+    token is undone by hashing guesses)."""
+    return hmac.new(secret, owner.encode(), hashlib.sha256).hexdigest()[:24]
+
+
 class Metrics:
-    def __init__(self) -> None:
+    def __init__(self, secret: bytes | None = None) -> None:
+        """`secret`: what owners' labels are keyed by (`--metrics-secret`; replicas that share
+        it label an owner alike); None: a random one (labels change at each start)."""
+        self._secret = secret if secret is not None else os.urandom(32)
         self.registry = CollectorRegistry()
         r = self.registry
         self.first_audio = Histogram("voxws_first_audio_seconds", "Stream start to first chunk queued",
@@ -48,12 +63,12 @@ class Metrics:
         self.device_queued = Gauge("voxws_device_queued_streams", "Streams waiting for a slot, per device",
                                    ["index", "device"], registry=r)
         self.device_up = Gauge("voxws_device_up", "1 while the device's engine serves", ["index", "device"], registry=r)
-        # Usage per owner (a hash of its token or address), for billing and quotas.
+        # Usage per owner (`owner_label`: keyed by the server's secret), for billing and quotas.
         self.owner_characters = Counter("voxws_owner_characters", "Characters of text taken in, per owner",
                                         ["owner"], registry=r)
         self.owner_audio_seconds = Counter("voxws_owner_audio_seconds", "Seconds of audio sent, per owner",
                                            ["owner"], registry=r)
-        self._owners: set[str] = set()
+        self._owners: OrderedDict[str, None] = OrderedDict()      # labels, the least recent first
 
     def bind(self, active: Callable[[], float], queued: Callable[[], float], sessions: Callable[[], float],
              ready: Callable[[], float]) -> None:
@@ -70,11 +85,18 @@ class Metrics:
         self.device_up.labels(*labels).set_function(lambda: 1.0 if stats()["status"] == Readiness.READY else 0.0)
 
     def count_usage(self, owner: str, characters: int, audio_s: float) -> None:
-        """A stream's usage, under its owner's series: one of the first MAX_OWNER_SERIES owners
-        seen, or "other" (a scrape stays bounded whoever connects)."""
-        if owner not in self._owners and len(self._owners) < MAX_OWNER_SERIES:
-            self._owners.add(owner)
-        label = owner if owner in self._owners else "other"
+        """A stream's usage, under its owner's series (`owner`: "token:…", "address:…"). At most
+        MAX_OWNER_SERIES series, of the owners seen last: a scrape stays bounded whoever connects,
+        and an owner that arrives early cannot keep a series from the ones active now."""
+        label = owner_label(owner, self._secret)
+        if label in self._owners:
+            self._owners.move_to_end(label)
+        else:
+            if len(self._owners) >= MAX_OWNER_SERIES:
+                gone, _ = self._owners.popitem(last=False)
+                self.owner_characters.remove(gone)
+                self.owner_audio_seconds.remove(gone)
+            self._owners[label] = None
         self.owner_characters.labels(label).inc(characters)
         self.owner_audio_seconds.labels(label).inc(audio_s)
 

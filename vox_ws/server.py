@@ -73,7 +73,7 @@ class VoxServer:
         self.devices = Devices([Scheduler(engine, max_batch=config.max_batch, max_queue=config.limits.max_queue,
                                           on_fatal=self._engine_died, max_share=config.max_share,
                                           max_wait_s=config.limits.max_queue_wait_s) for engine in engines])
-        self.metrics = Metrics()
+        self.metrics = Metrics(config.metrics_secret.encode() if config.metrics_secret else None)
         store = open_store(config.voice_store, store_limits(config.limits, int(config.voice_store_max_mb * 2**20)))
         cors_origins(config.cors_origins, config.allow_origins)      # refused before anything starts
         aliases = load_aliases(config.voice_aliases) if config.voice_aliases else None

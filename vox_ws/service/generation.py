@@ -37,7 +37,6 @@ from .pacing import Pacing
 from .sink import RequestEnded, RequestEvent, SegmentSink
 from .text_plan import Pause, Speak, TextPlan
 from .validation import check_text
-from .voice_store import owner_key
 
 stream_log = logging.getLogger("vox_ws.stream")
 
@@ -112,6 +111,8 @@ class Generation:
         self.characters = text_chars             # of text taken in (usage), one-shot or sent since
         self._log_fields = log_fields
         self._limits = service.limits
+        self._written_chars = 0               # of the segments so far, as sent
+        self._pronounced_chars = 0            # ... and with their pronunciations put in
         self._output = output
         self._pacing = pacing
         self.plan = TextPlan(input_streaming, service.limits.max_text_chars,
@@ -283,12 +284,29 @@ class Generation:
         if step.prepared:
             return self._queue(step.text, step.text, prepared=True)
         engine_text = step.text
-        if self._lexicon is not None and not self._engine.takes_phonemes:
-            engine_text = respell(step.text, self._lexicon)
+        if self._lexicon is not None:
+            self._check_pronounced(len(step.text), len(respell(step.text, self._lexicon, ipa=True)))
+            if not self._engine.takes_phonemes:
+                engine_text = respell(step.text, self._lexicon)
         if self._engine.prepares_text(self.options, self.language):
             self._work = asyncio.ensure_future(self._prepare_then_queue(step.text, engine_text))
             return 0
         return self._queue(step.text, engine_text, prepared=False)
+
+    def _check_pronounced(self, written: int, said: int) -> None:
+        """What `max_text_chars` bounds is the text as it will be said, pronunciations put in
+        (an entry may say a one-letter word as 100 characters): a one-shot text in all; a
+        streamed one, whose length has no bound, may grow by at most that much over its life."""
+        self._written_chars += written
+        self._pronounced_chars += said
+        limit = self._limits.max_text_chars
+        if not self.input_streaming and self._pronounced_chars > limit:
+            raise Refused(ErrorKind.TOO_LARGE, f"with its pronunciations the text is {self._pronounced_chars} "
+                                               f"characters, over max_text_chars={limit}", field="pronunciations")
+        if self._pronounced_chars - self._written_chars > limit:
+            raise Refused(ErrorKind.TOO_LARGE, "its pronunciations have made the streamed text "
+                                               f"{self._pronounced_chars - self._written_chars} characters longer, "
+                                               f"over max_text_chars={limit}", field="pronunciations")
 
     async def _prepare_then_queue(self, text: str, engine_text: str) -> None:
         try:
@@ -445,6 +463,12 @@ class Generation:
         self.release_lora()
         self._service.forget(self)
 
+    def end_if_unloading(self, name: str) -> None:
+        """The unload of adapter `name` has had its time: a stream still speaking with it ends."""
+        if self._lora_pin is not None and self._engine.lora_unloading(self._lora_pin, name):
+            self._fail(ErrorKind.INVALID, f"LoRA adapter {name!r} was unloaded: its streams had "
+                                          f"{self._limits.lora_unload_timeout_s:g} s to finish")
+
     def release_lora(self) -> None:
         """Let go of the stream's adapter (the engine frees its slot once no request uses it)."""
         pin, self._lora_pin = self._lora_pin, None
@@ -453,8 +477,8 @@ class Generation:
 
     def _last(self, event: Ended | Failed) -> None:
         """The stream's last event: usage is counted, the consumer stops after it."""
-        # Per owner (the broadest: its token or address), hashed: a token never reaches /metrics.
-        owner = owner_key(self._owners[0]) if self._owners else "none"
+        # Per owner (the broadest: its token or address), labelled by a keyed hash (`owner_label`).
+        owner = self._owners[0] if self._owners else "none"
         self._service.metrics.count_usage(owner, self.characters, max(self._pacing.produced_s, 0.0))
         self._pacing.put(event)
         self._pacing.close()

@@ -10,7 +10,10 @@ refusals are `Refused(kind, message)`, and each front door words them its own wa
 from __future__ import annotations
 
 import asyncio
+import errno
 import itertools
+import os
+import stat
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, AsyncIterator, Awaitable
@@ -19,7 +22,7 @@ from ..audio import AudioTooLong, decode_audio_file
 from ..config import Limits
 from ..devices import Devices
 from ..engine import VOICE_MODES, Engine, ErrorKind, Readiness, Refused
-from ..lexicon import Lexicon, Pronunciation, combined, parse_lexicon
+from ..lexicon import MAX_LEXICON_BYTES, Lexicon, Pronunciation, combined, parse_lexicon
 from ..metrics import Metrics
 from ..scheduler import Scheduler
 from .handoff import LoopMailbox
@@ -446,7 +449,16 @@ class StreamService:
         if op == "unload":       # each device frees its slot once its own streams have ended
             result.update(unloaded=all(o["unloaded"] for o in outcomes),
                           streams_using=sum(o["streams_using"] for o in outcomes))
+            if not result["unloaded"]:
+                asyncio.get_running_loop().call_later(self.limits.lora_unload_timeout_s, self._end_unloading,
+                                                      result["name"])
         return result
+
+    def _end_unloading(self, name: str) -> None:
+        """An unload's time is up: the streams still speaking with that adapter end (an adapter
+        loaded again under the name since is another one: its streams go on)."""
+        for generation in list(self._live):
+            generation.end_if_unloading(name)
 
     def loras(self) -> dict[str, Any]:
         """The adapters loaded (the same on every device), the slots and what a slot costs; an
@@ -469,9 +481,18 @@ class StreamService:
         return await _engine_work(asyncio.to_thread(fn, *args))
 
 
-def _read_bytes(path: str) -> bytes:
-    with open(path, "rb") as f:
-        return f.read()
+def _read_bytes(path: str, limit: int = MAX_LEXICON_BYTES) -> bytes:
+    """A regular file's bytes, at most `limit` + 1 of them read (a longer file is refused after
+    that, by its size): opened without blocking, so a FIFO in its place is refused, not waited on
+    (a read that never ends would hold a worker thread and the server's shutdown)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    with os.fdopen(fd, "rb") as f:
+        info = os.fstat(f.fileno())
+        if not stat.S_ISREG(info.st_mode):
+            raise OSError(errno.EINVAL, "not a regular file")
+        if info.st_size > limit:
+            raise OSError(errno.EFBIG, f"over {limit} bytes")
+        return f.read(limit + 1)
 
 
 def store_limits(limits: Limits, max_bytes: int = 512 << 20) -> StoreLimits:

@@ -52,9 +52,19 @@ class SegmentSink:
         self._pacing = pacing
         self._words = word_timestamps
         self._phonemes = phoneme_timestamps
+        self._failed = False
 
     def deliver(self, pcm: np.ndarray, words: list[tuple[str, int, int]] | None = None,
                 phonemes: list[tuple[str, int, int]] | None = None) -> None:
+        if self._failed:
+            return
+        if not np.isfinite(pcm).all():
+            # Never sent as audio (a player would play it as a burst, a codec fail on it): the
+            # stream fails, and what the engine yields for it until it is cancelled is dropped.
+            self._failed = True
+            self.fail(ErrorKind.INTERNAL, "the model produced audio that is not finite (NaN or infinity); "
+                                          "nothing of it was sent")
+            return
         output = self._output
         rate, offset = output.engine_rate, output.engine_samples
         for chunk in output.produce(pcm):

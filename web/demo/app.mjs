@@ -200,6 +200,7 @@ function onHello(hello) {
   state.ready = ready;
   setConnection(ready ? "open" : "connecting", ready ? `connected · ${hello.engine}` : `model ${hello.status}…`);
   $("server-info").textContent = `${hello.server} · engine ${hello.engine} · ${hello.model} · ${hello.sample_rate} Hz`;
+  showVoices(hello.voices.map((id) => ({ id, name: id, kind: "builtin" })));   // at once; then the listing
   loadVoices();
   const features = hello.features || [];
   const follows = features.includes("instructions");
@@ -221,21 +222,25 @@ function onHello(hello) {
 }
 
 // The voices the server lists for this page's owner, its own clones among them (so a voice
-// cloned before a reload is still there); `choose`: the voice to select once listed.
+// cloned before a reload is still there); `choose`: the voice to select once listed. Where the
+// listing cannot be had, the menu keeps `hello`'s voices.
 async function loadVoices(choose = null) {
-  let listed = null;
   try {
     const reply = await fetch("/v1/audio/voices", { headers: authHeaders() });
-    if (reply.ok) listed = (await reply.json()).voices;
+    if (reply.ok) showVoices((await reply.json()).voices, choose);
   } catch {
-    listed = null;
+    // the menu stays as it is
   }
-  // A server without that route (or unreachable over HTTP): the voices its `hello` names.
-  state.voices = listed ?? state.hello.voices.map((id) => ({ id, name: id, kind: "builtin" }));
+}
+
+// The menu: the default, the page owner's own voices, then the server's. Aliases (OpenAI's
+// names for those same voices, for OpenAI's clients) are left out: here they would only repeat.
+function showVoices(voices, choose = null) {
+  state.voices = voices;
   const select = $("voice");
   const current = choose ?? select.value;
   select.replaceChildren(new Option("default voice", ""));
-  for (const [kind, label] of [["uploaded", "my voices"], ["builtin", "voices"], ["alias", "OpenAI names"]]) {
+  for (const [kind, label] of [["uploaded", "my voices"], ["builtin", "voices"]]) {
     const voices = state.voices.filter((v) => v.kind === kind);
     if (!voices.length) continue;
     const group = document.createElement("optgroup");

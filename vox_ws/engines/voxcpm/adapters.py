@@ -16,7 +16,9 @@ and no request in the engine uses it, so weights are never rewritten under a row
 from __future__ import annotations
 
 import json
+import os
 import re
+import stat
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +30,12 @@ from ...engine import ErrorKind, Refused
 from .lora import NO_ADAPTER, RowAdapters, RowLoRALinear
 
 NAME_PATTERN = re.compile(r"[\w.-]{1,64}")
+# How large (its norm) a hidden activation may be for `_check_range`: far beyond a working model's.
+MAX_ACTIVATION_NORM = 1e6
+# A lora_config.json holds two numbers: a larger one is no adapter's config.
+MAX_CONFIG_BYTES = 64 * 1024
+# A name is a file name in the LoRA directory (and the names of its files add a suffix to it).
+MAX_NAME_BYTES = 128
 # An adapter file larger than this is no LoRA adapter of a model this size.
 MAX_ADAPTER_BYTES = 1 << 30
 
@@ -175,8 +183,9 @@ class AdapterBook:
                 checkpoint = torch.load(weights_file, map_location="cpu", weights_only=True)
                 state = checkpoint.get("state_dict", checkpoint) if isinstance(checkpoint, dict) else None
         except Exception as exc:  # noqa: BLE001 - a corrupt or foreign file: the admin's to fix
+            said = str(exc)[:200].replace(str(self.directory), "<lora-dir>")
             raise Refused(ErrorKind.INVALID, f"LoRA adapter {name!r} cannot be read: {type(exc).__name__}: "
-                                             f"{str(exc)[:200]}", field="name") from None
+                                             f"{said}", field="name") from None
         if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
             raise Refused(ErrorKind.INVALID, f"LoRA adapter {name!r} is not a map of tensors", field="name")
         return self._check(name, state, self._config(path))
@@ -225,18 +234,49 @@ class AdapterBook:
             scaling = float(config["alpha"]) / float(config["r"])
         else:
             scaling = self.default_scaling
+        for module, (a, b) in weights.items():
+            self._check_range(name, module, a, b, scaling)
         return AdapterFile(name, weights, rank, scaling, tuple(loaded), tuple(skipped))
 
-    @staticmethod
-    def _config(path: Path) -> dict[str, Any]:
+    def _check_range(self, name: str, module: str, a: torch.Tensor, b: torch.Tensor, scaling: float) -> None:
+        """Refuse weights that would overflow the serving dtype: as stored (cast to it), or in a
+        forward pass, where `scaling * ||B|| * ||A||` bounds how much the layer can grow an
+        activation (its spectral norm is at most that product of Frobenius norms). Finite but
+        huge weights would turn the stream's audio into NaN."""
+        top = torch.finfo(self.adapters.dtype).max
+        if max(float(a.abs().max()), float(b.abs().max())) > top:
+            raise Refused(ErrorKind.INVALID, f"LoRA adapter {name!r}: {module} holds values beyond what "
+                                             f"{str(self.adapters.dtype).removeprefix('torch.')} can hold",
+                          field="name")
+        gain = abs(scaling) * float(torch.linalg.vector_norm(a.double())) * float(torch.linalg.vector_norm(b.double()))
+        if gain * MAX_ACTIVATION_NORM > top:
+            raise Refused(ErrorKind.INVALID, f"LoRA adapter {name!r}: {module} could grow an activation "
+                                             f"{gain:.3g}-fold, past what the model's dtype holds: these are not "
+                                             "the weights of a trained adapter", field="name")
+
+    def _config(self, path: Path) -> dict[str, Any]:
         """The adapter's own r and alpha: `lora_config.json` in its directory (or NAME.json
-        beside its file), either at the top or under "lora_config" or "lora"."""
+        beside its file), either at the top or under "lora_config" or "lora". Only a regular
+        file inside the LoRA directory counts (not a link out of it, nor a FIFO that would never
+        end), of at most MAX_CONFIG_BYTES, read no further than that."""
         candidate = path / "lora_config.json" if path.is_dir() else path.with_suffix(".json")
-        if not candidate.is_file():
+        if not candidate.exists():
             return {}
+        if not candidate.resolve().is_relative_to(self.directory):
+            raise Refused(ErrorKind.INVALID, f"{candidate.name} points out of the LoRA directory", field="name")
         try:
-            config = json.loads(candidate.read_text())
-        except (OSError, ValueError) as exc:
+            fd = os.open(candidate, os.O_RDONLY | os.O_NONBLOCK)
+            with os.fdopen(fd, "rb") as f:
+                if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                    raise Refused(ErrorKind.INVALID, f"{candidate.name} is not a regular file", field="name")
+                data = f.read(MAX_CONFIG_BYTES + 1)
+        except OSError as exc:
+            raise Refused(ErrorKind.INVALID, f"{candidate.name} cannot be read ({exc.strerror})", field="name") from None
+        if len(data) > MAX_CONFIG_BYTES:
+            raise Refused(ErrorKind.TOO_LARGE, f"{candidate.name} is over {MAX_CONFIG_BYTES} bytes", field="name")
+        try:
+            config = json.loads(data)
+        except ValueError as exc:
             raise Refused(ErrorKind.INVALID, f"{candidate.name} is not JSON: {exc}", field="name") from None
         if not isinstance(config, dict):
             raise Refused(ErrorKind.INVALID, f"{candidate.name} is not a JSON object", field="name")
@@ -256,14 +296,18 @@ class AdapterBook:
             raise Refused(ErrorKind.UNSUPPORTED, "no --lora-dir configured: adapters load only from that directory")
 
     def _path(self, name: str | None) -> Path:
-        if not isinstance(name, str) or not NAME_PATTERN.fullmatch(name) or name.startswith("."):
-            raise Refused(ErrorKind.INVALID, "field 'name' must be an adapter name (up to 64 letters, digits, '.', "
-                                             "'_', '-'; not starting with '.')", field="name")
+        if not isinstance(name, str) or not NAME_PATTERN.fullmatch(name) or name.startswith(".") \
+                or len(name.encode()) > MAX_NAME_BYTES:
+            raise Refused(ErrorKind.INVALID, f"field 'name' must be an adapter name (up to {MAX_NAME_BYTES} bytes of "
+                                             "letters, digits, '.', '_', '-'; not starting with '.')", field="name")
         for candidate in (self.directory / name, self.directory / f"{name}.safetensors",
                           self.directory / f"{name}.ckpt", self.directory / f"{name}.pth"):
             # A link inside the directory may point anywhere: only what resolves inside counts.
-            if candidate.exists() and candidate.resolve().is_relative_to(self.directory):
-                return candidate.resolve()
+            try:
+                if candidate.exists() and candidate.resolve().is_relative_to(self.directory):
+                    return candidate.resolve()
+            except OSError:                   # never a message with the server's paths in it
+                continue
         raise Refused(ErrorKind.INVALID, f"no LoRA adapter named {name!r} in the LoRA directory", field="name")
 
     # ------------------------------------------------------------------ slots (scheduler thread)
@@ -288,7 +332,7 @@ class AdapterBook:
             slot = free[0]
         for module, layer in self.layers.items():
             a, b = adapter_file.weights.get(module, (None, None))
-            layer.put(slot, a, b)
+            layer.put(slot, a, b, adapter_file.scaling)
         self.adapters.scaling[slot] = adapter_file.scaling
         adapter = Adapter(name, slot, adapter_file.rank, adapter_file.scaling, len(adapter_file.loaded),
                           len(adapter_file.skipped))

@@ -17,11 +17,13 @@ repeating its last row, whose outputs are dropped):
 - the streaming VAE decode (`vae.BatchedStreamingVAE.compile`), each row's carried convolution
   state an input and an output of the graph; in the decoder process too, on a CPU.
 
-Rows with different LoRA adapters go through the same graphs: the runner gives every row a
-mask inside these calls (zeros for no adapter), so a graph does not depend on the mix.
+Rows with different LoRA adapters go through the same graphs: the runner gives every row's
+adapter slot as an input of these calls (the zero slot for none), so a graph does not depend on
+the mix.
 
 Compiled graphs are kept on disk (`--compile-cache`; `graphs.GraphStore`): a second start with
-the same model, buckets and PyTorch loads them without tracing or compiling.
+the same model, buckets and PyTorch loads them without tracing or compiling. Loading them runs
+their code, so a cache is read only when no other user can have written it (`cache_trust`).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from .cache_trust import trusted_cache_dir
 from .graphs import GraphsBySize, GraphStore
 from .kv import SlotKV, key_positions, lm_step
 from .lora import NO_ADAPTER, RowAdapters
@@ -90,23 +93,23 @@ def advance(model: nn.Module, base_k: list[torch.Tensor], base_v: list[torch.Ten
     return stop, hidden, lm_step(model.residual_lm, residual_k, residual_v, residual_in, slots, positions, keys_at)
 
 
-def _masked(adapters: RowAdapters | None, mask: torch.Tensor | None, fn: Callable, *args: Any) -> Any:
-    """`fn(*args)` with the rows' LoRA mask an input of the graph (read from the adapters, it
+def _adapted(adapters: RowAdapters | None, row_slots: torch.Tensor | None, fn: Callable, *args: Any) -> Any:
+    """`fn(*args)` with the rows' LoRA slots an input of the graph (read from the adapters, they
     would be a constant of a saved graph)."""
     if adapters is not None:
-        adapters.mask = mask
+        adapters.row_slots = row_slots
     return fn(*args)
 
 
-def masked_velocity(adapters: RowAdapters | None, mask: torch.Tensor | None, cfm: nn.Module, x: torch.Tensor,
-                    mu_in: torch.Tensor, t_in: torch.Tensor, cond_in: torch.Tensor, dt_in: torch.Tensor,
-                    cfg: torch.Tensor) -> torch.Tensor:
-    return _masked(adapters, mask, velocity, cfm, x, mu_in, t_in, cond_in, dt_in, cfg)
+def adapted_velocity(adapters: RowAdapters | None, row_slots: torch.Tensor | None, cfm: nn.Module, x: torch.Tensor,
+                     mu_in: torch.Tensor, t_in: torch.Tensor, cond_in: torch.Tensor, dt_in: torch.Tensor,
+                     cfg: torch.Tensor) -> torch.Tensor:
+    return _adapted(adapters, row_slots, velocity, cfm, x, mu_in, t_in, cond_in, dt_in, cfg)
 
 
-def masked_advance(adapters: RowAdapters | None, mask: torch.Tensor | None, *args: Any
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _masked(adapters, mask, advance, *args)
+def adapted_advance(adapters: RowAdapters | None, row_slots: torch.Tensor | None, *args: Any
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _adapted(adapters, row_slots, advance, *args)
 
 
 def padded(tensor: torch.Tensor, rows: int) -> torch.Tensor:
@@ -122,17 +125,18 @@ class CompiledStep:
 
     def __init__(self, model: nn.Module, buckets: tuple[int, ...], cache_dir: str | os.PathLike | None = None,
                  adapters: RowAdapters | None = None) -> None:
-        """`adapters`: the model's LoRA slots, where it has them (the runner masks every row)."""
+        """`adapters`: the model's LoRA slots, where it has them (the runner gives every row's)."""
         self.model = model
         self.adapters = adapters
         self.buckets = tuple(sorted(buckets))
-        self.cache_dir = Path(cache_dir) if cache_dir else default_cache_dir()
+        # Its files are code the server runs: only a cache no one else can have written is read.
+        self.cache_dir = trusted_cache_dir(Path(cache_dir) if cache_dir else default_cache_dir())
         use_cache_dir(self.cache_dir)
         self.store = GraphStore(self.cache_dir)
         context = model.config.model_dump_json()
-        self._velocity = GraphsBySize(self.store, "velocity", masked_velocity, context=context, rows_of=3)
+        self._velocity = GraphsBySize(self.store, "velocity", adapted_velocity, context=context, rows_of=3)
         # One graph for every attention length: the key positions' length is symbolic.
-        self._advance = GraphsBySize(self.store, "advance", masked_advance, context=context, rows_of=7,
+        self._advance = GraphsBySize(self.store, "advance", adapted_advance, context=context, rows_of=7,
                                      dynamic={11: 0})
         self.compile_s: dict[int, float] = {}
 
@@ -145,7 +149,7 @@ class CompiledStep:
     def velocity(self, cfm: nn.Module, x: torch.Tensor, mu_in: torch.Tensor, t_in: torch.Tensor,
                  cond_in: torch.Tensor, dt_in: torch.Tensor, cfg: torch.Tensor) -> torch.Tensor:
         """`velocity` compiled for x's rows (a bucket: the runner pads)."""
-        return self._velocity(self.adapters, self._mask(), cfm, x, mu_in, t_in, cond_in, dt_in, cfg)
+        return self._velocity(self.adapters, self._row_slots(), cfm, x, mu_in, t_in, cond_in, dt_in, cfg)
 
     def advance(self, base_kv: SlotKV, residual_kv: SlotKV, pred_feat: torch.Tensor, lm_hidden: torch.Tensor,
                 slots: torch.Tensor, positions: torch.Tensor, keys_at: torch.Tensor
@@ -155,18 +159,18 @@ class CompiledStep:
         rows = pred_feat.shape[0]
         size = self.bucket(rows)
         padding_slots = slots.new_full((size - rows,), base_kv.padding_slot)
-        out = self._advance(self.adapters, self._mask(), self.model, base_kv.k, base_kv.v, residual_kv.k,
+        out = self._advance(self.adapters, self._row_slots(), self.model, base_kv.k, base_kv.v, residual_kv.k,
                             residual_kv.v, padded(pred_feat, size), padded(lm_hidden, size),
                             torch.cat([slots, padding_slots]), padded(positions, size), keys_at)
         return tuple(t[:rows] for t in out)
 
-    def _mask(self) -> torch.Tensor | None:
-        """The rows' LoRA mask the runner set for this call (`RowAdapters.rows(..., masked=True)`)."""
+    def _row_slots(self) -> torch.Tensor | None:
+        """The rows' LoRA slots the runner set for this call (`RowAdapters.rows(..., gathered=True)`)."""
         if self.adapters is None:
             return None
-        if self.adapters.mask is None:
-            raise RuntimeError("a compiled call with LoRA slots needs every row masked")
-        return self.adapters.mask
+        if self.adapters.row_slots is None:
+            raise RuntimeError("a compiled call with LoRA slots needs every row's slot")
+        return self.adapters.row_slots
 
     @torch.inference_mode()
     def warm_up(self, solve: Callable[..., torch.Tensor], base_kv: SlotKV, residual_kv: SlotKV) -> None:
@@ -189,8 +193,9 @@ class CompiledStep:
             # specialised for 0 and 1).
             slots = torch.full((rows,), base_kv.padding_slot, dtype=torch.long, device=device)
             positions = torch.ones(rows, dtype=torch.long, device=device)
-            masked = self.adapters.rows([NO_ADAPTER] * rows, masked=True) if self.adapters else contextlib.nullcontext()
-            with masked:
+            gathered = (self.adapters.rows([NO_ADAPTER] * rows, gathered=True) if self.adapters
+                        else contextlib.nullcontext())
+            with gathered:
                 self.advance(base_kv, residual_kv, solved.transpose(1, 2).contiguous(),
                              torch.zeros(rows, m.base_lm.config.hidden_size, device=device, dtype=dtype),
                              slots, positions, key_positions([1], device))
@@ -211,9 +216,8 @@ def warm_compiler(device_type: str) -> None:
 
 
 def use_cache_dir(cache_dir: Path) -> None:
-    """Keep compiled code in `cache_dir` (this process compiles for one cache), and allow a
-    recompile per bucket for every compiled function."""
-    cache_dir.mkdir(parents=True, exist_ok=True)
+    """Keep compiled code in `cache_dir` (one `trusted_cache_dir` gave: this process compiles for
+    one cache), and allow a recompile per bucket for every compiled function."""
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir)
     dynamo = torch._dynamo.config
     for name in ("recompile_limit", "cache_size_limit"):

@@ -440,6 +440,9 @@ class VoxCPMEngine(Engine):
     def unpin_lora(self, pin: Any) -> None:
         self._lora.unpin(pin)
 
+    def lora_unloading(self, pin: Any, name: str) -> bool:
+        return isinstance(pin, Adapter) and pin.name == name and pin.unloading
+
     def read_lora(self, name: str | None) -> AdapterFile:
         return self._lora.read(name)
 

@@ -145,11 +145,15 @@ class GraphStore:
         if not self.precompile:
             self.compiled += 1
             return torch.compile(fn, fullgraph=True, dynamic=False)
-        path = self.directory / f"{name}-{self._digest(name, context, args, dynamic)}.pt2"
+        path = self.path(name, context, args, dynamic)
         # One process compiles a graph; another that wants it meanwhile (the decoder process, a
         # second server on the same cache) waits for it and loads it.
         with _locked(path.with_suffix(".lock")):
             return self._load(name, path, args, dynamic) or self._compile(name, fn, path, args, dynamic)
+
+    def path(self, name: str, context: str, args: tuple, dynamic: dict[int, int]) -> Path:
+        """Where the graph `name` for `args` is kept (`dynamic` as `graph` turns it: by id)."""
+        return self.directory / f"{name}-{self._digest(name, context, args, dynamic)}.pt2"
 
     def _load(self, name: str, path: Path, args: tuple, dynamic: dict[int, int]) -> SavedGraph | None:
         if not path.exists():

@@ -2,15 +2,18 @@
 
 The voxcpm package holds one adapter at a time: a `LoRALinear` per adapted layer with one
 `lora_A` [r, in] and `lora_B` [out, r]. Here each of those layers becomes a `RowLoRALinear`
-holding every adapter slot's weights stacked side by side, slot s in columns s*R:(s+1)*R of
+holding every adapter slot's weights stacked, slot s in rows s*R:(s+1)*R of
 
-    A [S*R, in]      B^T [S*R, out]      (R: the slot rank; a smaller rank is zero-padded)
+    A [(S+1)*R, in]      B^T [(S+1)*R, out]      scaling [S+1]
 
-and a forward adds, for every row at once, `(x A^T * mask) B^T`, where the row's mask is its
-adapter's scaling on its own slot's columns and zero elsewhere (zero everywhere for "none"). So
-one matmul pair serves any mix of adapters, with shapes that do not depend on the mix (a
-compiled step would take the mask as one more input: one graph for every mix). A batch whose
-rows all use one adapter takes that slot's block alone; a batch without adapters, nothing.
+(R: the slot rank, a smaller rank zero-padded; the last slot, `S`, is all zeros and stands for
+"no adapter"). A forward gathers each row's own slot, `(x A_slot^T) B_slot^T * scaling_slot`: one
+batched matmul pair serves any mix of adapters, with shapes that do not depend on the mix (a
+compiled step takes the rows' slots as one more input: one graph for every mix). A row's
+arithmetic touches only its own adapter's weights: no other loaded adapter, however large its
+weights, can change its audio (a row without one gathers the zero slot, whose delta is exactly 0).
+A batch whose rows all use one adapter takes that slot's block alone; a batch without adapters,
+nothing.
 
 Which slot each row uses is set by the runner around each call (`RowAdapters.rows`): the LMs
 see the batch's rows in order, the LocDiT its rows twice (the CFG's conditioned and
@@ -37,30 +40,28 @@ class RowAdapters:
         self.slots = slots
         self.rank = rank
         self.scaling = [0.0] * slots
-        self._device, self._dtype = device, dtype
-        self.single: int | None = None          # every row uses this slot
-        self.mask: torch.Tensor | None = None   # [rows, S*R]: rows with different adapters
+        self.dtype = dtype
+        self._device = device
+        self.single: int | None = None              # every row uses this slot
+        self.row_slots: torch.Tensor | None = None  # [rows] long: each row's slot (`slots`: none)
 
     @contextmanager
-    def rows(self, slots: list[int], masked: bool = False) -> Iterator[None]:
+    def rows(self, slots: list[int], gathered: bool = False) -> Iterator[None]:
         """For the calls inside: row i uses adapter slot `slots[i]` (`NO_ADAPTER`: none).
-        `masked`: every mix through the mask, none and one adapter too (a compiled graph then
+        `gathered`: every mix through the gather, none and one adapter too (a compiled graph then
         serves them all)."""
         used = set(slots)
-        self.single, self.mask = None, None
-        if masked or used != {NO_ADAPTER}:
-            if len(used) == 1 and not masked:
+        self.single, self.row_slots = None, None
+        if gathered or used != {NO_ADAPTER}:
+            if len(used) == 1 and not gathered:
                 self.single = slots[0]
             else:
-                mask = torch.zeros(len(slots), self.slots, self.rank, dtype=self._dtype)
-                for row, slot in enumerate(slots):
-                    if slot != NO_ADAPTER:
-                        mask[row, slot] = self.scaling[slot]
-                self.mask = mask.view(len(slots), -1).to(self._device)
+                self.row_slots = torch.tensor([self.slots if s == NO_ADAPTER else s for s in slots],
+                                              dtype=torch.long).to(self._device)
         try:
             yield
         finally:
-            self.single, self.mask = None, None
+            self.single, self.row_slots = None, None
 
 
 class RowLoRALinear(nn.Module):
@@ -72,10 +73,11 @@ class RowLoRALinear(nn.Module):
         self.bias = base.bias
         self.in_features, self.out_features = base.in_features, base.out_features
         self.adapters = adapters
-        width = adapters.slots * adapters.rank
+        width = (adapters.slots + 1) * adapters.rank            # and the zero slot
         like = dict(device=base.lora_A.device, dtype=base.lora_A.dtype)
         self.register_buffer("stacked_a", torch.zeros(width, self.in_features, **like), persistent=False)
         self.register_buffer("stacked_bt", torch.zeros(width, self.out_features, **like), persistent=False)
+        self.register_buffer("slot_scaling", torch.zeros(adapters.slots + 1, **like), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = F.linear(x, self.weight, self.bias)
@@ -84,22 +86,27 @@ class RowLoRALinear(nn.Module):
             block = slice(adapters.single * adapters.rank, (adapters.single + 1) * adapters.rank)
             delta = F.linear(x, self.stacked_a[block]) @ self.stacked_bt[block]
             return out + delta * adapters.scaling[adapters.single]
-        if adapters.mask is not None:
-            h = F.linear(x, self.stacked_a)
-            mask = adapters.mask.view(x.shape[0], *([1] * (h.dim() - 2)), -1)
-            return out + (h * mask) @ self.stacked_bt
+        if adapters.row_slots is not None:
+            slots, rank = adapters.row_slots, adapters.rank
+            a = self.stacked_a.view(-1, rank, self.in_features)[slots]          # [rows, R, in]
+            bt = self.stacked_bt.view(-1, rank, self.out_features)[slots]       # [rows, R, out]
+            rows = x.reshape(x.shape[0], -1, self.in_features)
+            delta = (rows @ a.transpose(1, 2)) @ bt * self.slot_scaling[slots].view(-1, 1, 1)
+            return out + delta.view(out.shape)
         return out
 
-    def put(self, slot: int, lora_a: torch.Tensor | None, lora_b: torch.Tensor | None) -> None:
-        """Write one slot's weights (None: zeros); a rank under the slot's is zero-padded."""
+    def put(self, slot: int, lora_a: torch.Tensor | None, lora_b: torch.Tensor | None, scaling: float) -> None:
+        """Write one slot's weights and scaling (None: zeros); a rank under the slot's is zero-padded."""
         rank = self.adapters.rank
         block = slice(slot * rank, (slot + 1) * rank)
         self.stacked_a[block].zero_()
         self.stacked_bt[block].zero_()
+        self.slot_scaling[slot] = 0.0
         if lora_a is not None and lora_b is not None:
             r = lora_a.shape[0]
             self.stacked_a[block][:r] = lora_a.to(self.stacked_a)
             self.stacked_bt[block][:r] = lora_b.t().to(self.stacked_bt)
+            self.slot_scaling[slot] = scaling
 
     def slot_bytes(self) -> int:
         rank = self.adapters.rank

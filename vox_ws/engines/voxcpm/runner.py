@@ -211,10 +211,10 @@ class BatchedVoxCPM2:
             adapter=adapter,
         )
 
-    def _adapted(self, slots: list[int], masked: bool = False) -> Any:
-        """Row i of the calls inside speaks with adapter slot `slots[i]` (`masked`: through the
-        mask whatever the mix, as a compiled graph takes it)."""
-        return self.adapters.rows(slots, masked) if self.adapters is not None else contextlib.nullcontext()
+    def _adapted(self, slots: list[int], gathered: bool = False) -> Any:
+        """Row i of the calls inside speaks with adapter slot `slots[i]` (`gathered`: through the
+        per-row gather whatever the mix, as a compiled graph takes it)."""
+        return self.adapters.rows(slots, gathered) if self.adapters is not None else contextlib.nullcontext()
 
     def release(self, row: RowState) -> None:
         if row.slot not in self._free_slots:
@@ -359,7 +359,7 @@ class BatchedVoxCPM2:
             count = mu.shape[0]
             rows = compiled.bucket(count)
             slots = adapters + [NO_ADAPTER] * (rows - count)
-            with self._adapted(slots + slots, masked=True):
+            with self._adapted(slots + slots, gathered=True):
                 solved = _cfm_solve(cfm, padded(mu, rows), padded(cond, rows), padded(noise, rows), timesteps,
                                     padded(cfg, rows), compiled.velocity)
             return solved[:count]
@@ -377,7 +377,7 @@ class BatchedVoxCPM2:
                 return advance(self.model, self.base_kv.k, self.base_kv.v, self.residual_kv.k, self.residual_kv.v,
                                pred_feat, lm_hidden, slots, positions, keys_at)
         padding = [NO_ADAPTER] * (self.compiled.bucket(len(rows)) - len(rows))
-        with self._adapted(adapters + padding, masked=True):
+        with self._adapted(adapters + padding, gathered=True):
             return self.compiled.advance(self.base_kv, self.residual_kv, pred_feat, lm_hidden, slots, positions,
                                          keys_at)
 
