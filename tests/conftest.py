@@ -101,30 +101,50 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.replicas)
 
 
-@pytest.fixture(scope="session")
-def start_server() -> Callable[..., RunningServer]:
-    """Factory: start_server(engine, **config_or_limits) -> a ready server, stopped at the end."""
-    servers: list[RunningServer] = []
+class ServerFactory:
+    """start(engine, **config_or_limits) -> a ready server; `stop_all` stops every one it started."""
 
-    def start(engine: Engine, wait: bool = True, **overrides: Any) -> RunningServer:
+    def __init__(self) -> None:
+        self.servers: list[RunningServer] = []
+
+    def __call__(self, engine: Engine, wait: bool = True, **overrides: Any) -> RunningServer:
         running = RunningServer(engine, make_config(**overrides))
-        servers.append(running)
+        self.servers.append(running)
         if wait:
             running.wait_ready()
         return running
 
-    yield start
-    # All at once: each waits out its own close grace, and they have a loop each.
-    stopping = [(running, running.begin_stopping()) for running in servers]
-    for running, shutdown in stopping:
-        running.finish_stopping(shutdown)
+    def stop_all(self) -> None:
+        # All at once: each waits out its own close grace, and they have a loop each.
+        stopping = [(running, running.begin_stopping()) for running in self.servers]
+        for running, shutdown in stopping:
+            running.finish_stopping(shutdown)
+        self.servers.clear()
+
+
+@pytest.fixture(scope="module")
+def start_server() -> Callable[..., RunningServer]:
+    """Factory: start_server(engine, **config_or_limits) -> a ready server, stopped (with its
+    engine's worker processes) when the module's tests are done, not kept for the session: a
+    full run would otherwise hold every server it started to its end."""
+    factory = ServerFactory()
+    yield factory
+    factory.stop_all()
 
 
 @pytest.fixture(scope="session")
-def piper_server(start_server) -> RunningServer:
+def shared_servers() -> Callable[..., RunningServer]:
+    """The factory of the few servers every module may share (`piper_server`, `tiny_voxcpm`)."""
+    factory = ServerFactory()
+    yield factory
+    factory.stop_all()
+
+
+@pytest.fixture(scope="session")
+def piper_server(shared_servers) -> RunningServer:
     from vox_ws.engines.piper import PiperEngine
 
-    return start_server(PiperEngine(), max_batch=4, max_streams=4)
+    return shared_servers(PiperEngine(), max_batch=4, max_streams=4)
 
 
 # ------------------------------------------------------------------------------ client
@@ -247,7 +267,7 @@ def tiny_model(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def tiny_voxcpm(start_server, tiny_model) -> RunningServer:
+def tiny_voxcpm(shared_servers, tiny_model) -> RunningServer:
     """One server on the tiny VoxCPM2 for the tests that only speak on it; its engine keeps the
     text of every request it was given (`server.engine.given`)."""
     from vox_ws.engines.voxcpm.engine import VoxCPMEngine
@@ -261,7 +281,7 @@ def tiny_voxcpm(start_server, tiny_model) -> RunningServer:
             self.given.append(request.text)
             return super().prefill(request)
 
-    return start_server(Recording(model=str(tiny_model), device="cpu", max_batch=2), max_batch=2)
+    return shared_servers(Recording(model=str(tiny_model), device="cpu", max_batch=2), max_batch=2)
 
 
 @pytest.fixture(scope="session")

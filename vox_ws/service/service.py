@@ -23,6 +23,7 @@ from ..config import Limits
 from ..devices import Devices
 from ..engine import VOICE_MODES, Engine, ErrorKind, Readiness, Refused
 from ..lexicon import MAX_LEXICON_BYTES, Lexicon, Pronunciation, combined, parse_lexicon
+from ..memory import release_memory
 from ..metrics import Metrics
 from ..scheduler import Scheduler
 from .handoff import LoopMailbox
@@ -75,6 +76,9 @@ class StreamService:
         self._preparer = ThreadPoolExecutor(1, thread_name_prefix="vox-ws-prepare")
         # Long texts are cut (tokenised) here: never behind a slow normalisation.
         self._splitter = ThreadPoolExecutor(1, thread_name_prefix="vox-ws-split")
+        # Reference audio is decoded and encoded on one thread of its own: its peaks come from one
+        # malloc arena, which is trimmed after each voice (a pool of threads keeps a peak per arena).
+        self._voice_worker = ThreadPoolExecutor(1, thread_name_prefix="vox-ws-voice")
         self.encoding = ThreadPoolExecutor(ENCODING_THREADS, thread_name_prefix="vox-ws-encode")
 
     @property
@@ -96,6 +100,7 @@ class StreamService:
             await asyncio.gather(self._watchdog, return_exceptions=True)
         self._preparer.shutdown(wait=False, cancel_futures=True)
         self._splitter.shutdown(wait=False, cancel_futures=True)
+        self._voice_worker.shutdown(wait=False, cancel_futures=True)
         self.encoding.shutdown(wait=False, cancel_futures=True)
         await self.store.close()
 
@@ -330,8 +335,7 @@ class StreamService:
         # One reference at a time is decoded and encoded, on a worker thread: beside the
         # engine's steps (which go on), never between them; owners take turns.
         async with registration, self._voice_jobs:
-            pcm, rate = await self._decode(audio)
-            result = await self._build_everywhere(pcm, rate, stored.transcript, mode, stored.id)
+            result = await self._build_voice(audio, stored.transcript, mode, stored.id)
         if name is not None:
             result["name"] = name
         try:
@@ -379,8 +383,17 @@ class StreamService:
                                              "or register one)")
         assert self._voice_jobs is not None, "StreamService.start() was not awaited"
         async with self._voice_jobs:
-            pcm, rate = await self._decode(stored.audio)
-            await self._build_everywhere(pcm, rate, stored.transcript, stored.mode, voice)
+            await self._build_voice(stored.audio, stored.transcript, stored.mode, voice)
+
+    async def _build_voice(self, audio: bytes, transcript: str | None, mode: str, voice: str) -> dict:
+        """Decode a reference and build its voice everywhere, on the voice thread, whose freed
+        memory then goes back to the system (the decode's peak is not kept)."""
+        try:
+            pcm, rate = await self._decode(audio)
+            return await self._build_everywhere(pcm, rate, transcript, mode, voice)
+        finally:
+            pcm = None
+            await self._on_voice_worker(release_memory)
 
     async def _build_everywhere(self, pcm: Any, rate: int, transcript: str | None, mode: str, voice: str) -> dict:
         """The voice's prompt on every device that lacks it, under its id."""
@@ -388,7 +401,8 @@ class StreamService:
         try:
             for engine in self.devices.engines:
                 if not engine.has_voice(voice):
-                    await self._off_thread(engine.register_voice, pcm, rate, transcript, mode, voice)
+                    await _engine_work(self._on_voice_worker(engine.register_voice, pcm, rate, transcript, mode,
+                                                             voice))
                     built.append(engine)
         except BaseException:
             for engine in built:
@@ -403,7 +417,7 @@ class StreamService:
         """Reference audio to mono samples at the engine's rate."""
         limit = self.limits.max_voice_audio_s
         try:
-            pcm, rate = await asyncio.to_thread(decode_audio_file, audio, limit, self.engine.voice_sample_rate)
+            pcm, rate = await self._on_voice_worker(decode_audio_file, audio, limit, self.engine.voice_sample_rate)
         except AudioTooLong as exc:
             raise Refused(ErrorKind.TOO_LARGE, f"reference {exc} (max_voice_audio_s={limit:g})") from None
         except ValueError as exc:
@@ -475,6 +489,9 @@ class StreamService:
                 if adapter["state"] == "unloading":
                     seen["state"] = "unloading"
         return {**first, "adapters": sorted(merged.values(), key=lambda a: a["slot"])}
+
+    def _on_voice_worker(self, fn: Any, *args: Any) -> Awaitable[Any]:
+        return asyncio.get_running_loop().run_in_executor(self._voice_worker, fn, *args)
 
     async def _off_thread(self, fn: Any, *args: Any) -> Any:
         """Run thread-safe engine work on a worker thread."""
