@@ -194,10 +194,9 @@ async def say(args: Any) -> int:
                     kind = message["type"]
                     if kind == "chunk":
                         data = message["audio"]
-                        if player is not None:
-                            pcm = bytes_to_pcm(data, "f32")
-                            player.write(pcm_to_bytes(pcm, "s16"))
-                            data = pcm_to_bytes(pcm, "s16") if args.format == "wav" else b""
+                        if player is not None:               # --play writes WAV only (check_args)
+                            data = pcm_to_bytes(bytes_to_pcm(data, "f32"), "s16")
+                            player.write(data)
                         if out is not None and data:
                             out.write(data)
                     elif kind == "segment":

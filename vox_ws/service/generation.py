@@ -285,9 +285,14 @@ class Generation:
             return self._queue(step.text, step.text, prepared=True)
         engine_text = step.text
         if self._lexicon is not None:
-            self._check_pronounced(len(step.text), len(respell(step.text, self._lexicon, ipa=True)))
-            if not self._engine.takes_phonemes:
-                engine_text = respell(step.text, self._lexicon)
+            # IPA entries are only taken by engines that take phonemes, which are given the text
+            # as sent: one respelling serves the bound (IPA counted where it applies) and, for
+            # the other engines, is the text they are given.
+            takes_phonemes = self._engine.takes_phonemes
+            said = respell(step.text, self._lexicon, ipa=takes_phonemes)
+            self._check_pronounced(len(step.text), len(said))
+            if not takes_phonemes:
+                engine_text = said
         if self._engine.prepares_text(self.options, self.language):
             self._work = asyncio.ensure_future(self._prepare_then_queue(step.text, engine_text))
             return 0

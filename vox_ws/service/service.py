@@ -10,10 +10,7 @@ refusals are `Refused(kind, message)`, and each front door words them its own wa
 from __future__ import annotations
 
 import asyncio
-import errno
 import itertools
-import os
-import stat
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, AsyncIterator, Awaitable
@@ -22,6 +19,7 @@ from ..audio import AudioTooLong, decode_audio_file
 from ..config import Limits
 from ..devices import Devices
 from ..engine import VOICE_MODES, Engine, ErrorKind, Readiness, Refused
+from ..files import read_regular_file
 from ..lexicon import MAX_LEXICON_BYTES, Lexicon, Pronunciation, combined, parse_lexicon
 from ..memory import release_memory
 from ..metrics import Metrics
@@ -248,7 +246,7 @@ class StreamService:
         """(Re)load the server's lexicon from a file, off the loop. Returns what is wrong with the
         file, a line each: then the lexicon in use is kept as it was."""
         try:
-            data = await asyncio.to_thread(_read_bytes, path)
+            data = await asyncio.to_thread(read_regular_file, path, MAX_LEXICON_BYTES)
         except OSError as exc:
             return [f"{path}: {exc.strerror or exc}"]
         lexicon, problems = parse_lexicon(data, path)
@@ -392,7 +390,7 @@ class StreamService:
             pcm, rate = await self._decode(audio)
             return await self._build_everywhere(pcm, rate, transcript, mode, voice)
         finally:
-            pcm = None
+            pcm = None                         # the samples are let go before the trim, not after
             await self._on_voice_worker(release_memory)
 
     async def _build_everywhere(self, pcm: Any, rate: int, transcript: str | None, mode: str, voice: str) -> dict:
@@ -496,20 +494,6 @@ class StreamService:
     async def _off_thread(self, fn: Any, *args: Any) -> Any:
         """Run thread-safe engine work on a worker thread."""
         return await _engine_work(asyncio.to_thread(fn, *args))
-
-
-def _read_bytes(path: str, limit: int = MAX_LEXICON_BYTES) -> bytes:
-    """A regular file's bytes, at most `limit` + 1 of them read (a longer file is refused after
-    that, by its size): opened without blocking, so a FIFO in its place is refused, not waited on
-    (a read that never ends would hold a worker thread and the server's shutdown)."""
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
-    with os.fdopen(fd, "rb") as f:
-        info = os.fstat(f.fileno())
-        if not stat.S_ISREG(info.st_mode):
-            raise OSError(errno.EINVAL, "not a regular file")
-        if info.st_size > limit:
-            raise OSError(errno.EFBIG, f"over {limit} bytes")
-        return f.read(limit + 1)
 
 
 def store_limits(limits: Limits, max_bytes: int = 512 << 20) -> StoreLimits:

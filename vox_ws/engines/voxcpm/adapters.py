@@ -16,9 +16,7 @@ and no request in the engine uses it, so weights are never rewritten under a row
 from __future__ import annotations
 
 import json
-import os
 import re
-import stat
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +25,7 @@ from typing import Any
 import torch
 
 from ...engine import ErrorKind, Refused
+from ...files import FileTooLarge, NotRegularFile, read_regular_file
 from .lora import NO_ADAPTER, RowAdapters, RowLoRALinear
 
 NAME_PATTERN = re.compile(r"[\w.-]{1,64}")
@@ -265,11 +264,12 @@ class AdapterBook:
         if not candidate.resolve().is_relative_to(self.directory):
             raise Refused(ErrorKind.INVALID, f"{candidate.name} points out of the LoRA directory", field="name")
         try:
-            fd = os.open(candidate, os.O_RDONLY | os.O_NONBLOCK)
-            with os.fdopen(fd, "rb") as f:
-                if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
-                    raise Refused(ErrorKind.INVALID, f"{candidate.name} is not a regular file", field="name")
-                data = f.read(MAX_CONFIG_BYTES + 1)
+            data = read_regular_file(candidate, MAX_CONFIG_BYTES)
+        except FileTooLarge:
+            raise Refused(ErrorKind.TOO_LARGE, f"{candidate.name} is over {MAX_CONFIG_BYTES} bytes",
+                          field="name") from None
+        except NotRegularFile:
+            raise Refused(ErrorKind.INVALID, f"{candidate.name} is not a regular file", field="name") from None
         except OSError as exc:
             raise Refused(ErrorKind.INVALID, f"{candidate.name} cannot be read ({exc.strerror})", field="name") from None
         if len(data) > MAX_CONFIG_BYTES:
