@@ -56,6 +56,25 @@ async def test_connections_without_a_valid_token_are_refused_before_any_work(gua
     assert guarded.scheduler.stats()["steps_total"] == 0 and not guarded.server.sessions
 
 
+async def test_a_token_as_a_subprotocol_is_taken_and_a_malformed_one_is_no_token(guarded):
+    """What the demo sends: subprotocols `vox-ws` and `vox-ws.bearer.<base64url(token)>`. Not
+    base64, not UTF-8 or a wrong token: refused 4001 like no token; then the right one is
+    served on the same server, its subprotocol answered."""
+    import base64
+
+    def bearer(raw: bytes) -> str:
+        return "vox-ws.bearer." + base64.urlsafe_b64encode(raw).decode().rstrip("=")
+
+    for offered in (["vox-ws", "vox-ws.bearer.a"], ["vox-ws", bearer(b"\xff\xfe")],
+                    ["vox-ws", bearer(b"alph")], ["vox-ws.bearer."]):
+        await closed_with(guarded, 4001, subprotocols=offered)
+    async with connect(guarded.url, subprotocols=["vox-ws", bearer(b"alpha")]) as ws:
+        assert ws.subprotocol == "vox-ws"
+        assert msgpack.unpackb(await asyncio.wait_for(ws.recv(), 10))["type"] == "hello"
+    async with connect_client(guarded, additional_headers={"Authorization": "Bearer alpha"}) as c:
+        assert_good_stream(await c.speak("Still served.", "a"))
+
+
 @pytest.mark.parametrize("how", ["header", "query", "second", "admin"])
 async def test_valid_tokens_by_header_or_query(guarded, how):
     kwargs = {
