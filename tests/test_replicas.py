@@ -20,6 +20,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+import httpx
 import numpy as np
 import pytest
 
@@ -59,7 +60,7 @@ class Replica:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "vox_ws", "serve", "--engine", "voxcpm", "--model", str(self.model),
              "--device", "cpu", "--port", str(self.port), "--max-batch", "16", "--drain-timeout", "60",
-             "--voice-store", self.redis_url, "--max-connections-per-address", "256"],
+             "--voice-store", self.redis_url, "--trusted-proxies", "127.0.0.1"],
             stdout=self.log, stderr=subprocess.STDOUT, cwd=ROOT,
             env={**__import__("os").environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"})
 
@@ -177,6 +178,23 @@ async def test_a_voice_registered_through_the_balancer_speaks_on_every_replica(c
     assert audio[0].size > 0
     for other in audio[1:]:
         np.testing.assert_allclose(other, audio[0], atol=1e-4)
+
+
+async def test_through_the_balancer_each_client_owns_its_own_voices(cluster):
+    """Every client through HAProxy was one address (HAProxy's) and so one owner: one deleted
+    what another registered. With the PROXY header each is itself."""
+    balancer = cluster["balancer"]
+    base = f"http://127.0.0.1:{balancer.port}"
+    mine = httpx.AsyncClient(base_url=base, transport=httpx.AsyncHTTPTransport(local_address="127.0.0.21"))
+    theirs = httpx.AsyncClient(base_url=base, transport=httpx.AsyncHTTPTransport(local_address="127.0.0.22"))
+    async with mine, theirs:
+        created = await mine.post("/v1/voices", content=tone_wav(1.0, pitch=150), headers={"content-type": "audio/wav"})
+        assert created.status_code == 201, created.text
+        voice = created.json()["voice"]
+        forged = await theirs.delete(f"/v1/voices/{voice}", headers={"X-Forwarded-For": "127.0.0.21"})
+        assert forged.status_code == 404, forged.text
+        deleted = await mine.delete(f"/v1/voices/{voice}")
+        assert deleted.status_code == 200, deleted.text
 
 
 async def test_thirty_streams_spread_evenly(cluster):

@@ -12,6 +12,13 @@ from typing import Any, Callable, Sequence
 
 from . import __version__, engines, logs
 from .config import Limits, ServerConfig
+from .transports.proxies import FORWARDING_HEADERS
+
+
+def _proxy_header(text: str) -> str:
+    if text.lower() not in FORWARDING_HEADERS:
+        raise argparse.ArgumentTypeError(f"{text!r}: one of {', '.join(FORWARDING_HEADERS)}")
+    return text.lower()
 
 
 # (option, type, default, help); the destination is the option name with '-' -> '_'. The engines'
@@ -32,6 +39,11 @@ _SERVE_OPTIONS: list[tuple[str, Callable[[str], Any], Any, str]] = [
     ("metrics-secret", str, None, "the key of /metrics' per-owner labels (an HMAC of the token or address); give "
                                   "replicas the same one, and `vox-ws owner` finds a label with it (default: random "
                                   "at each start)"),
+    ("trusted-proxies", str, None, "balancers (addresses or CIDR networks, comma-separated) whose connections say "
+                                   "who the client is: a PROXY protocol header (v1/v2), else --proxy-header; from "
+                                   "others both are ignored (docs/DEPLOY.md). Default: none"),
+    ("proxy-header", _proxy_header, "x-forwarded-for", "the header a trusted proxy names the client in: x-forwarded-for, "
+                                             "forwarded (RFC 7239) or none (PROXY protocol only)"),
     ("max-connections", int, Limits.max_connections, "open connections in total (then close 1013)"),
     ("max-connections-per-address", int, Limits.max_connections_per_address,
      "open connections per client address (then close 4029)"),
@@ -185,12 +197,13 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         lora_unload_timeout_s=args.lora_unload_timeout,
     )
     fields = {f.name for f in dataclasses.fields(ServerConfig)}
-    values = {k: v for k, v in vars(args).items() if k in fields and k != "cors_origins"}
+    values = {k: v for k, v in vars(args).items() if k in fields and k not in ("cors_origins", "trusted_proxies")}
     engine_keys = {s.key for _, group in _engine_options()[1:] for s in group}
     engine_settings = {k: v for k, v in vars(args).items() if k in engine_keys}
     return ServerConfig(**values, ping_timeout=max(args.ping_interval * 2, 5.0), limits=limits,
                         tokens=_list(args.token), admin_tokens=_list(args.admin_token),
                         allow_origins=_list(args.allow_origin), cors_origins=_list(args.cors_origins),
+                        trusted_proxies=_list(args.trusted_proxies),
                         engine_settings=engine_settings)
 
 

@@ -88,6 +88,11 @@ class ServerConfig:
     # What /metrics' per-owner labels are keyed by (an HMAC): replicas given the same label an
     # owner alike, and `vox-ws owner` finds an owner's label with it. None: random at each start.
     metrics_secret: str | None = None
+    # Balancers whose connections say who the client is (PROXY protocol, or `proxy_header`):
+    # addresses or networks (CIDR). From anyone else, those are ignored (transports/proxies.py).
+    trusted_proxies: list[str] = field(default_factory=list)
+    # The header a trusted proxy writes the client in: x-forwarded-for, forwarded or none.
+    proxy_header: str = "x-forwarded-for"
     # The browser demo served at `/` (default: web/demo of the source tree when present).
     demo_dir: str | None = None
     # Readiness turns 503, and new connections are closed 1013, while every slot is busy (for

@@ -30,6 +30,7 @@ from .transports.app import STREAM_PATH, build_app, cors_origins
 from .transports.http_routes import default_demo_dir
 from .transports.state import ServerState
 from .transports.connections import ConnectionGuard, HttpProtocol, WebSocketProtocol
+from .transports.proxies import TrustedProxies
 
 log = logging.getLogger("vox_ws.server")
 
@@ -80,7 +81,8 @@ class VoxServer:
         self.service = StreamService(self.devices, config.limits, self.metrics, voice_store=store,
                                      voice_aliases=aliases)
         self.state = ServerState(config, self.service, self.metrics)
-        self.guard = ConnectionGuard(config.limits)
+        self.proxies = TrustedProxies(config.trusted_proxies, config.proxy_header)
+        self.guard = ConnectionGuard(config.limits, proxies=self.proxies)
         self.metrics.bind(
             active=lambda: self.devices.stats()["active"],
             queued=lambda: self.devices.stats()["queued"],
@@ -123,7 +125,7 @@ class VoxServer:
                 from .transports.wyoming import WyomingServer
             except ImportError as exc:
                 raise RuntimeError(f"--wyoming needs the wyoming package: pip install 'vox-ws[wyoming]' ({exc})") from None
-            self.wyoming = WyomingServer(self.config.wyoming, self.service)
+            self.wyoming = WyomingServer(self.config.wyoming, self.service, self.proxies)
         if self.config.lexicon:
             problems = await self.service.load_lexicon(self.config.lexicon)
             if problems:
@@ -136,6 +138,9 @@ class VoxServer:
         uv_config = uvicorn.Config(
             build_app(self.state, demo),
             loop="none", lifespan="off", log_config=None, access_log=False,
+            # Who the client is behind a balancer is decided by the connection protocols, from
+            # trusted peers only (transports/proxies.py); uvicorn's own trusts loopback.
+            proxy_headers=False,
             http=functools.partial(HttpProtocol, guard=self.guard, limits=limits),
             ws=functools.partial(WebSocketProtocol, limits=limits),
             # Frames up to 4x the published limit are read and answered with `too_large`; beyond

@@ -45,7 +45,9 @@ WebSocket (websockets' sans-I/O core):
 from __future__ import annotations
 
 import asyncio
+import collections
 import fcntl
+import functools
 import logging
 import socket
 import struct
@@ -58,6 +60,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
 
 from ..config import Limits
+from .proxies import ProxyHeaderError, TrustedProxies, parse_proxy_header
 from .rate import BUDGET_EXTENSION, MessageBudget, TokenBucket
 
 log = logging.getLogger("vox_ws.connections")
@@ -90,10 +93,14 @@ _TCP_INFO_BYTES_ACKED = 120
 class ConnectionGuard:
     """Counts half-open connections, and HTTP requests in flight, per address and in total,
     for every protocol of a server; and the requests refused per address, to stop hearing one
-    that goes on after its refusals."""
+    that goes on after its refusals. A trusted proxy's address is not a client's: it carries
+    many clients' connections and its own health checks, so no per-address bound applies to it
+    and it is always heard (its clients are counted by their own addresses)."""
 
-    def __init__(self, limits: Limits, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, limits: Limits, clock: Callable[[], float] = time.monotonic,
+                 proxies: TrustedProxies | None = None) -> None:
         self._clock = clock
+        self.proxies = proxies or TrustedProxies()
         self.per_address_limit = limits.max_connections_per_address
         self.total_limit = limits.max_connections
         self._discard_rate = limits.discard_bytes_per_s
@@ -115,7 +122,8 @@ class ConnectionGuard:
 
     def begin_request(self, address: str) -> bool:
         """One more HTTP request in flight from `address`, if within the bounds."""
-        if self.requests_in_flight >= self.total_limit or self._requests[address] >= self.per_address_limit:
+        if self.requests_in_flight >= self.total_limit or (
+                self._requests[address] >= self.per_address_limit and not self.proxies.trusts(address)):
             self.requests_refused += 1
             return False
         self._requests[address] += 1
@@ -141,7 +149,7 @@ class ConnectionGuard:
     def refused_request(self, address: str) -> None:
         """`address` was answered 429; past its budget, its next connections are not heard
         (with `refused_requests_per_s` 0, every address is always heard)."""
-        if self._refusal_rate <= 0:
+        if self._refusal_rate <= 0 or self.proxies.trusts(address):
             return
         bucket = self._refusals.get(address)
         if bucket is None:
@@ -172,7 +180,8 @@ class ConnectionGuard:
         if not self.heard(address):
             self.unheard += 1
             return "its address goes on sending requests after being refused"
-        if len(self._pending) >= self.total_limit or self._per_address[address] >= self.per_address_limit:
+        if len(self._pending) >= self.total_limit or (
+                self._per_address[address] >= self.per_address_limit and not self.proxies.trusts(address)):
             self.refused += 1
             return "too many unfinished connections (from its address or in all)"
         self._pending[transport] = address
@@ -281,8 +290,12 @@ class HttpProtocol(_WatchedWrites, HttpToolsProtocol):
         self.guard = guard
         self.limits = limits
         self._header_timer: asyncio.TimerHandle | None = None
-        self._address = "unknown"
-        self._in_flight = 0                       # this connection's requests counted by the guard
+        self._peer = "unknown"                    # the connection's own peer
+        self._address = "unknown"                 # the client of the request being read
+        self._proxied: str | None = None          # the client a trusted peer's PROXY header named
+        self._preamble: bytearray | None = None   # a trusted peer's first bytes, until a PROXY header is told
+        self._in_flight: collections.deque[str] = collections.deque()   # the guard's count, by client
+        self._ws_class = self.ws_protocol_class
         self._body: BodyClock | None = None
         self._body_timer: asyncio.TimerHandle | None = None
         self._answered = False                    # the request's response is complete
@@ -290,17 +303,50 @@ class HttpProtocol(_WatchedWrites, HttpToolsProtocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
-        self._address = self.client[0] if self.client else "unknown"
-        refused = self.guard.admit(transport, self._address)
+        self._peer = self._address = self.client[0] if self.client else "unknown"
+        refused = self.guard.admit(transport, self._peer)
         if refused is not None:
             # Not heard: said once, when its budget ran out (a log line each would be a flood).
-            if self.guard.heard(self._address):
-                log.warning("closing a new connection from %s: %s", self._address, refused)
+            if self.guard.heard(self._peer):
+                log.warning("closing a new connection from %s: %s", self._peer, refused)
             transport.abort()
             return
-        self.app = _RefusalWatch(self.app, self.guard, self._address)
+        if self._from_proxy:
+            self._preamble = bytearray()
+        self.app = _RefusalWatch(self.app, self.guard)
         bound_writes(transport)
         self._arm_header_timer()
+
+    @property
+    def _from_proxy(self) -> bool:
+        return self.guard.proxies.trusts(self._peer)
+
+    def data_received(self, data: bytes) -> None:
+        if self._preamble is not None:
+            data = self._after_proxy_header(data)
+            if not data:
+                return
+        super().data_received(data)
+
+    def _after_proxy_header(self, data: bytes) -> bytes:
+        """What follows a trusted peer's PROXY header (all of it where it sent none); b"" while
+        the header is incomplete, or when a malformed one closed the connection."""
+        assert self._preamble is not None
+        self._preamble += data
+        try:
+            header = parse_proxy_header(bytes(self._preamble))
+        except ProxyHeaderError as exc:
+            log.warning("%s: %s: closing", self._peer, exc)
+            self._preamble = None
+            self.transport.abort()
+            return b""
+        if header is None:
+            return b""
+        rest, self._preamble = bytes(self._preamble[header.length:]), None
+        if header.source is not None:
+            self._proxied = header.source
+            self.client = (header.source, header.port)
+        return rest
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
@@ -309,7 +355,11 @@ class HttpProtocol(_WatchedWrites, HttpToolsProtocol):
     def on_headers_complete(self) -> None:
         self._disarm_header_timer()
         self.guard.settle(self.transport)
+        if self._from_proxy and not self._proxied_client_heard():
+            return
         if self.parser.should_upgrade() and self._should_upgrade():
+            if self._from_proxy:
+                self.ws_protocol_class = functools.partial(self._ws_class, client=self.client)
             super().on_headers_complete()         # a WebSocket: its own protocol's limits
             return
         if not self.guard.begin_request(self._address):
@@ -317,13 +367,33 @@ class HttpProtocol(_WatchedWrites, HttpToolsProtocol):
             self.guard.refused_request(self._address)
             self._start_with(_too_many_requests)
             return
-        self._in_flight += 1
+        self._in_flight.append(self._address)
         self._answered = False
         if self._has_body():
             self._body = BodyClock(self.limits, self.loop.time())
             self._arm_body_timer()
         super().on_headers_complete()
         self.cycle.on_response = self._counted_response_complete
+
+    def _proxied_client_heard(self) -> bool:
+        """Takes the request's client from what the trusted peer said; false (and answered
+        429) if that client goes on after its refusals. A client behind a balancer is not
+        closed at accept, which would look to the balancer like a dead replica: it is answered,
+        at the cost of its headers only."""
+        self._address = self.guard.proxies.client(self._peer, self._proxied, self.headers)
+        self.client = (self._address, self.client[1] if self.client else 0)
+        self.scope["client"] = self.client
+        if self.guard.heard(self._address):
+            return True
+        self.guard.unheard += 1
+        self.ws_protocol_class = None             # an upgrade too is answered 429, not upgraded
+        self._start_with(_not_heard)
+        return False
+
+    def _unsupported_upgrade_warning(self) -> None:
+        if self.ws_protocol_class is None and self._ws_class is not None:
+            return                                # refused above, and said so once
+        super()._unsupported_upgrade_warning()
 
     def _counted_response_complete(self) -> None:
         # A request answered before its body was read is in flight until the rest of its body
@@ -335,8 +405,7 @@ class HttpProtocol(_WatchedWrites, HttpToolsProtocol):
 
     def _request_done(self) -> None:
         if self._in_flight:
-            self._in_flight -= 1
-            self.guard.end_request(self._address)
+            self.guard.end_request(self._in_flight.popleft())
 
     def on_body(self, body: bytes) -> None:
         if self._body is not None:
@@ -370,9 +439,8 @@ class HttpProtocol(_WatchedWrites, HttpToolsProtocol):
         self._end_body()
         self.stall.disarm()
         self.guard.settle(self.transport)
-        if self._in_flight:
-            self.guard.end_request(self._address, self._in_flight)
-            self._in_flight = 0
+        while self._in_flight:
+            self.guard.end_request(self._in_flight.popleft())
         super().connection_lost(exc)
 
     def _start_with(self, app: Any) -> None:
@@ -452,31 +520,44 @@ _REQUEST_TIMEOUT = (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/
 
 
 class _RefusalWatch:
-    """The connection's app, telling the guard of every request it answers 429."""
+    """The connection's app, telling the guard of every request it answers 429 (by the
+    request's client, which behind a trusted proxy changes from request to request)."""
 
-    def __init__(self, app: Any, guard: ConnectionGuard, address: str) -> None:
-        self.app, self.guard, self.address = app, guard, address
+    def __init__(self, app: Any, guard: ConnectionGuard) -> None:
+        self.app, self.guard = app, guard
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        client = scope.get("client")
+        address = client[0] if client else "unknown"
+
         async def watched(message: Any) -> None:
             if message["type"] == "http.response.start" and message["status"] == 429:
-                self.guard.refused_request(self.address)
+                self.guard.refused_request(address)
             await send(message)
         await self.app(scope, receive, watched)
 
 
-async def _too_many_requests(scope: Any, receive: Any, send: Any) -> None:
-    body = (b'{"error":{"code":"busy","message":"too many HTTP requests in flight from your address '
-            b'(or in all): try again later"}}')
-    await send({"type": "http.response.start", "status": 429,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                            (b"retry-after", b"1"), (b"connection", b"close")]})
-    await send({"type": "http.response.body", "body": body})
+def _refusal(message: bytes) -> Callable[..., Any]:
+    """An app that answers every request 429 `busy` with `message`, before any routing."""
+    body = b'{"error":{"code":"busy","message":"%s"}}' % message
+
+    async def refuse(scope: Any, receive: Any, send: Any) -> None:
+        await send({"type": "http.response.start", "status": 429,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                                (b"retry-after", b"1"), (b"connection", b"close")]})
+        await send({"type": "http.response.body", "body": body})
+    return refuse
+
+
+_too_many_requests = _refusal(b"too many HTTP requests in flight from your address (or in all): try again later")
+_not_heard = _refusal(b"your address goes on sending requests after being refused: try again later")
 
 
 class WebSocketProtocol(_WatchedWrites, WebSocketsSansIOProtocol):
-    def __init__(self, *args: Any, limits: Limits, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, limits: Limits, client: tuple[str, int] | None = None, **kwargs: Any) -> None:
+        """`client`: who the connection is for, where a trusted proxy said so (else its peer)."""
         super().__init__(*args, **kwargs)
+        self._forwarded_client = client
         self.budget = MessageBudget(limits.max_messages_per_s)
         self.stall_timeout_s = limits.write_stall_timeout_s + (self.ping_timeout or 0.0)
         self.stall = StallWatch(self, self.stall_timeout_s)
@@ -486,6 +567,8 @@ class WebSocketProtocol(_WatchedWrites, WebSocketsSansIOProtocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
+        if self._forwarded_client is not None:
+            self.client = self._forwarded_client
         bound_writes(transport)
 
     def handle_connect(self, event: Any) -> None:

@@ -18,7 +18,8 @@ not finished within `body_timeout_s` of its header) closes it.
 The v1 limits hold: connections per address and in all, a message budget per connection
 (`max_messages_per_s`), and a connection with no request being spoken that sends nothing for
 `idle_timeout_s` is closed, whatever it sent before. Wyoming has no authentication: serve it on
-a trusted network only.
+a trusted network only. Behind a TCP balancer in `--trusted-proxies` that sends a PROXY header
+(v1 or v2), the address it names is the client's for those limits and for voice ownership.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ from ..service.events import Audio, Ended, Failed, Segment
 from ..service.stream import Stream
 from .auth import address_owner
 from .protocol import code_for
+from .proxies import ProxyHeaderError, TrustedProxies, parse_proxy_header, v2_header_length
 from .rate import MessageBudget
 
 log = logging.getLogger("vox_ws.wyoming")
@@ -62,9 +64,10 @@ MAX_HEADER_BYTES = 64 << 10
 class WyomingServer:
     """Listens on a Wyoming URI (tcp://HOST:PORT or unix://PATH) beside the WebSocket port."""
 
-    def __init__(self, uri: str, service: StreamService) -> None:
+    def __init__(self, uri: str, service: StreamService, proxies: TrustedProxies | None = None) -> None:
         self.uri = uri
         self.service = service
+        self.proxies = proxies or TrustedProxies()
         self._server = AsyncServer.from_uri(uri)
         self._numbers = itertools.count(1)
         self.connections = 0
@@ -100,6 +103,7 @@ class WyomingHandler(AsyncEventHandler):
         peer = writer.get_extra_info("peername")
         self.peer = peer[0] if isinstance(peer, tuple) else "local"
         self.number = number
+        self._first_line: bytes | None = None       # read while looking for a PROXY header
         self._stream: Stream | None = None
         self._speaking: asyncio.Task | None = None   # writes the current request's audio
         self._streaming = False                      # between synthesize-start and synthesize-stop
@@ -109,13 +113,23 @@ class WyomingHandler(AsyncEventHandler):
     async def run(self) -> None:
         limits = self.service.limits
         server = self.server
+        if server.proxies.trusts(self.peer):
+            try:
+                await asyncio.wait_for(self._read_proxy_header(), limits.body_timeout_s)
+            except (ProxyHeaderError, ConnectionError, asyncio.IncompleteReadError, asyncio.TimeoutError,
+                    ValueError) as exc:
+                log.warning("wyoming-%d (%s): no valid PROXY header (%s): closing", self.number, self.peer,
+                            exc or type(exc).__name__)
+                self.writer.close()
+                return
         server.connections += 1
         server.per_address[self.peer] += 1
         try:
             if server.connections > limits.max_connections:
                 await self._error(ErrorKind.BUSY, f"over max_connections={limits.max_connections}")
                 return
-            if server.per_address[self.peer] > limits.max_connections_per_address:
+            if (server.per_address[self.peer] > limits.max_connections_per_address
+                    and not server.proxies.trusts(self.peer)):
                 await self._error(ErrorKind.BUSY, "too many connections from your address (over "
                                                   f"max_connections_per_address={limits.max_connections_per_address})")
                 return
@@ -140,6 +154,23 @@ class WyomingHandler(AsyncEventHandler):
                 del server.per_address[self.peer]
             await self.disconnect()
             self.writer.close()
+
+    async def _read_proxy_header(self) -> None:
+        """From a trusted balancer: the client its PROXY header names becomes this connection's
+        peer. A connection that starts with a Wyoming event instead is the balancer's own."""
+        line = await self.reader.readline()
+        if line.startswith(b"PROXY "):
+            header = parse_proxy_header(line)
+        elif line == b"\r\n":                   # v2's signature begins with a blank line
+            fixed = line + await self.reader.readexactly(14)
+            header = parse_proxy_header(fixed + await self.reader.readexactly(v2_header_length(fixed) - len(fixed)))
+        else:
+            self._first_line = line
+            return
+        if header is None or not header.length:
+            raise ProxyHeaderError("a connection that began like a PROXY header and was not one")
+        if header.source is not None:
+            self.peer = header.source
 
     async def disconnect(self) -> None:
         if self._stream is not None:
@@ -169,6 +200,9 @@ class WyomingHandler(AsyncEventHandler):
         for `idle_timeout_s` is told so (`error {code: "timeout"}`) and closed, as v1 reaps idle
         sessions. (Waiting on readline again after a time-out loses nothing: it takes bytes
         only once a whole line is there.)"""
+        if self._first_line is not None:
+            line, self._first_line = self._first_line, None
+            return line
         idle_s = self.service.limits.idle_timeout_s
         loop = asyncio.get_running_loop()
         quiet_since = loop.time()
