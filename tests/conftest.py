@@ -18,6 +18,7 @@ from typing import Any, Callable
 
 import msgpack
 import numpy as np
+import psutil
 import pytest
 from websockets.asyncio.client import ClientConnection, connect
 
@@ -132,12 +133,63 @@ def start_server() -> Callable[..., RunningServer]:
     factory.stop_all()
 
 
+class SharedServerFactory(ServerFactory):
+    """A ServerFactory whose servers' processes (engine workers, decoders) are the session's:
+    the per-module check below does not count them against the module that first asked."""
+
+    def __call__(self, engine: Engine, wait: bool = True, **overrides: Any) -> RunningServer:
+        before = set(child_processes())
+        running = super().__call__(engine, wait, **overrides)
+        SESSION_PROCESSES.update(set(child_processes()) - before)
+        return running
+
+
 @pytest.fixture(scope="session")
 def shared_servers() -> Callable[..., RunningServer]:
     """The factory of the few servers every module may share (`piper_server`, `tiny_voxcpm`)."""
-    factory = ServerFactory()
+    factory = SharedServerFactory()
     yield factory
     factory.stop_all()
+
+
+# Processes the session keeps (its shared servers'), and those Python keeps for itself.
+SESSION_PROCESSES: set[int] = set()
+_PYTHONS_OWN = ("multiprocessing.resource_tracker", "multiprocessing.forkserver")
+# How long a module's processes have to exit once its fixtures have stopped them.
+EXIT_WAIT_S = 20.0
+
+
+def child_processes() -> dict[int, str]:
+    """This test process's live descendants: pid -> command line."""
+    found = {}
+    for child in psutil.Process().children(recursive=True):
+        try:
+            if child.status() == psutil.STATUS_ZOMBIE:
+                continue
+            found[child.pid] = " ".join(child.cmdline())[:240]
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return found
+
+
+@pytest.fixture(scope="module", autouse=True)
+def stops_what_it_starts(request):
+    """Fails the module that leaves a process running (a server, an engine's worker, a VAE
+    decoder, a redis-server...) once its own fixtures are done: a full run would otherwise hold
+    everything every module started until its end. Set up before, so torn down after, every
+    other module fixture."""
+    before = set(child_processes())
+    yield
+    deadline = time.monotonic() + EXIT_WAIT_S
+    while True:
+        left = {pid: command for pid, command in child_processes().items()
+                if pid not in before and pid not in SESSION_PROCESSES and not any(p in command for p in _PYTHONS_OWN)}
+        if not left or time.monotonic() >= deadline:
+            break
+        time.sleep(0.1)
+    if left:
+        pytest.fail(f"{request.module.__name__} left {len(left)} processes running: "
+                    + "; ".join(f"{pid}: {command}" for pid, command in left.items()))
 
 
 @pytest.fixture(scope="session")

@@ -164,6 +164,7 @@ def test_piper_voice_files_are_checked_at_start(tmp_path, slow_voice):
         voice_set([str(other_rate)])
 
 
+@pytest.mark.slow
 def test_aliases_from_a_file_name_voices_and_a_bad_one_is_left_out(start_server, slow_voice, tmp_path, caplog):
     aliases = tmp_path / "aliases.toml"
     aliases.write_text('narrator = "slow"\nalloy = "joe"\n[ghost]\nvoice = "nobody"\n')
@@ -334,6 +335,7 @@ def test_a_page_on_another_origin_calls_the_api_in_chromium(start_server, page_o
             browser.close()
 
 
+@pytest.mark.slow
 def test_preflight_and_the_rules_of_cors(start_server):
     server = start_server(PiperEngine(), cors_origins=["*"])
     preflight = httpx.options(server.http + "/v1/audio/speech", headers={
@@ -466,6 +468,7 @@ def test_the_demo_offers_each_piper_voice_and_speaks_the_one_chosen(two_voices):
             browser.close()
 
 
+@pytest.mark.slow
 async def test_wyoming_describes_voxcpm_by_its_languages(start_server, tiny_model):
     from vox_ws.engines.voxcpm.engine import LANGUAGES, VoxCPMEngine
 

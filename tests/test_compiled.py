@@ -21,6 +21,9 @@ from vox_ws.engines.voxcpm.decoder_process import DecoderProcess
 from vox_ws.engines.voxcpm.engine import VoxCPMEngine
 from vox_ws.engines.voxcpm.graphs import GraphMismatch, GraphsBySize, GraphStore
 
+# The full lane runs these, not the quick one: together they took a minute or more of it (README, "Tests").
+pytestmark = pytest.mark.slow
+
 
 def test_buckets_cover_every_batch_up_to_the_rows():
     assert buckets_for(1) == (1,)

@@ -14,6 +14,9 @@ from vox_ws.engines.voxcpm.engine import VoxCPMEngine
 from vox_ws.testing.tone import ToneEngine
 from test_server_voxcpm import tone_wav
 
+# The full lane runs these, not the quick one: together they took a minute or more of it (README, "Tests").
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def two_cpus(start_server, tiny_model):

@@ -21,6 +21,9 @@ import torch
 from vox_ws.engines.voxcpm.engine import VoxCPMEngine
 from vox_ws.testing.lora_adapters import package_model, write_adapter
 
+# The full lane runs these, not the quick one: together they took a minute or more of it (README, "Tests").
+pytestmark = pytest.mark.slow
+
 ADMIN = "lora-admin"
 ADMIN_HEADERS = {"Authorization": f"Bearer {ADMIN}"}
 TEXT = "Adapters, one per stream."

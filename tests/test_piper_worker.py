@@ -72,6 +72,7 @@ def test_a_crash_in_the_worker_raises_and_the_next_text_gets_a_new_worker():
     assert not worker.alive
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("text", TRIGGERS)
 async def test_the_known_triggers_are_spoken(piper_server, text):
     async with connect_client(piper_server) as c:
@@ -94,6 +95,7 @@ async def test_a_crash_fails_only_its_stream(start_server):
     assert server.scheduler.status == "ready" and server.get("/readyz")[0] == 200
 
 
+@pytest.mark.slow
 def test_dense_text_is_spoken_in_short_pieces():
     """A segment's work is bounded by the audio it makes: 240 CJK characters (read letter by
     letter, 85 s of speech as one segment) or a 200-digit number come in pieces of at most

@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 
@@ -180,6 +181,7 @@ async def test_the_tiny_voxcpm_is_given_the_respelled_text_and_the_client_its_ow
 # ------------------------------------------------------------------ the server's lexicon
 
 
+@pytest.mark.slow
 async def test_the_server_lexicon_reloads_by_an_admin_call_and_keeps_the_old_one_on_errors(start_server, tmp_path):
     from vox_ws.engines.piper import PiperEngine
 
@@ -203,6 +205,7 @@ async def test_the_server_lexicon_reloads_by_an_admin_call_and_keeps_the_old_one
     assert phonemes_of(words[1], phonemes) == [ph for ph in TOMATO_IPA if ph not in "ˈˌ"]
 
 
+@pytest.mark.slow
 async def test_a_lexicon_file_that_is_a_fifo_or_too_large_is_refused_unread_and_the_old_one_kept(start_server,
                                                                                                      tmp_path):
     """A FIFO in the lexicon's place would block a read for good (and the server's shutdown); a
@@ -239,6 +242,31 @@ def test_matching_walks_a_phrase_at_most_per_word_whatever_the_entries():
     assert respell("the " * 1250, lexicon) == "both " * 625
     assert respell("so the the word1999 and the the word7.", lexicon) == "so x1999 and x7."
     assert len(max(lexicon.find(["the"] * 20), key=lambda m: m[1] - m[0])[2].words) <= MAX_PHRASE_WORDS
+
+
+@pytest.mark.slow
+async def test_pronunciations_are_found_off_the_event_loop(start_server):
+    from vox_ws.engines.piper import PiperEngine
+
+    """Matching a lexicon against a text is linear, but still some 35 ms for 20,000 phrases over
+    5,000 characters: it never runs on the event loop, whether the entries are the server's or
+    the request's."""
+    threads: list[str] = []
+
+    class Watched(Lexicon):
+        def _longest(self, folded, exact, i):                  # the request's entries are looked up over it
+            threads.append(threading.current_thread().name)
+            return super()._longest(folded, exact, i)
+
+    server = start_server(PiperEngine(), max_batch=1)
+    server.server.service.lexicon = Watched([entry({"match": "vox", "say": "box"}, "x")])
+    async with connect_client(server) as c:
+        assert_good_stream(await c.speak("Vox speaks. Then vox again.", "a"))
+        assert_good_stream(await c.speak("Vox once more.", "b", pronunciations=[{"match": "once", "say": "twice"}]))
+    # The respelling on the thread that prepares texts; Piper, which takes phonemes, also looks
+    # the entries up itself, on its scheduler's thread. Never on the server's event loop.
+    assert any(name.startswith("vox-ws-prepare") for name in threads), threads
+    assert server._thread.name not in threads and threading.current_thread().name not in threads, threads
 
 
 def _free_port() -> int:

@@ -52,6 +52,7 @@ async def test_formats_and_resampled_rates(piper_server, fmt, rate):
     assert result.seconds == pytest.approx(reference.seconds, rel=0.2)
 
 
+@pytest.mark.slow
 async def test_two_streams_on_one_connection_interleave(piper_server):
     async with connect_client(piper_server) as c:
         await c.send({"type": "start", "id": "a", "text": LONG[:300]})
@@ -65,6 +66,7 @@ async def test_two_streams_on_one_connection_interleave(piper_server):
     assert c.log.index(("chunk", "a")) < c.log.index(("end", "b"))
 
 
+@pytest.mark.slow
 async def test_eight_connections_at_once_all_complete(piper_server):
     async def one(i):
         async with connect_client(piper_server) as c:
@@ -288,6 +290,7 @@ async def test_queue_position_and_busy(start_server):
         assert_good_stream(b)
 
 
+@pytest.mark.slow
 async def test_idle_connection_is_reaped_with_documented_code(start_server):
     server = start_server(PiperEngine(), idle_timeout_s=0.6)
     async with connect_client(server) as c:

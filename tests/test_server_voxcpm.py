@@ -86,6 +86,7 @@ async def test_streams_160ms_chunks_at_48khz(voxcpm_server):
     assert [len(ch["audio"]) // 4 for ch in result.chunks] == [CHUNK_SAMPLES] * 8
 
 
+@pytest.mark.slow
 async def test_concurrent_streams_are_batched_and_match_the_package(voxcpm_server, tiny_model):
     """Several streams on several connections, joining at different steps of the first: every
     step batches them, and each stream's audio equals the package's output for that request
@@ -130,6 +131,7 @@ async def test_concurrent_streams_are_batched_and_match_the_package(voxcpm_serve
     assert_each_is_the_packages(tiny_model, plan, results)
 
 
+@pytest.mark.slow
 async def test_with_more_slots_than_rows_each_stream_is_still_the_packages(start_server, tiny_model):
     """Four KV slots, two rows a step: every stream is open at once, each step carries two of
     them (those whose listeners are closest to running out), and each stream's audio still
@@ -190,6 +192,7 @@ async def test_options_map_onto_the_model(voxcpm_server, tiny_model_stops):
         assert rates.seconds == pytest.approx(5 * 0.16, abs=0.01)
 
 
+@pytest.mark.slow
 async def test_stop_head_ends_with_done_after_min_len(start_server, tiny_model_stops):
     server = start_server(VoxCPMEngine(model=str(tiny_model_stops), device="cpu", max_batch=2), max_batch=2)
     async with connect_client(server) as c:
@@ -353,6 +356,7 @@ async def test_hub_id_not_in_the_local_cache_fails_load_clearly(start_server, mo
     assert "local Hugging Face cache" in body["error"]
 
 
+@pytest.mark.slow
 async def test_hub_id_resolves_from_the_local_cache_offline(start_server, tiny_model, monkeypatch, tmp_path):
     """A hub id is served from a prepared HF cache with HF_HUB_OFFLINE=1."""
     cache = tmp_path / "hub" / "models--openbmb--VoxCPM2"
@@ -367,6 +371,7 @@ async def test_hub_id_resolves_from_the_local_cache_offline(start_server, tiny_m
         assert_good_stream(await c.speak("From the cache.", "a", options={"max_len": 2}))
 
 
+@pytest.mark.slow
 async def test_a_misnamed_tensor_is_caught_at_load(start_server, tiny_model, tmp_path):
     from safetensors.torch import load_file, save_file
 
@@ -410,6 +415,7 @@ def two_cpus(monkeypatch):
     monkeypatch.setattr(runner, "_usable_cpus", lambda: 2)
 
 
+@pytest.mark.slow
 def test_the_decoder_process_starts_with_the_engine_and_ends_with_the_scheduler(tiny_model, two_cpus):
     engine = VoxCPMEngine(model=str(tiny_model), device="cpu", max_batch=2)
     scheduler = Scheduler(engine, max_batch=2)
@@ -453,6 +459,7 @@ def speak_through(runner, text: str, *, seed: int, min_len: int, max_len: int) -
         runner.release(row)
 
 
+@pytest.mark.slow
 def test_a_runners_decoder_process_serves_the_next_runner_and_says_the_same(tiny_model, two_cpus):
     """How `--max-batch auto` keeps the process it started while the model loaded: the runner
     that timed the steps hands it to the one that serves."""
@@ -479,6 +486,7 @@ def test_a_runners_decoder_process_serves_the_next_runner_and_says_the_same(tiny
     assert set(_decoder_processes()) - others == set()
 
 
+@pytest.mark.slow
 async def test_a_load_that_fails_stops_the_decoder_process_it_started(start_server, tiny_model, tmp_path, two_cpus):
     from safetensors.torch import load_file, save_file
 
@@ -494,6 +502,7 @@ async def test_a_load_that_fails_stops_the_decoder_process_it_started(start_serv
     assert set(_decoder_processes()) - others == set()      # started with the load, stopped with its failure
 
 
+@pytest.mark.slow
 async def test_decoder_process_death_fails_every_stream_and_stops_the_server(start_server, tiny_model, two_cpus):
     """The engine cannot decode without it: like any death of the engine thread, every stream
     gets `internal`, connections close with 1011 and the server exits with code 3."""

@@ -239,6 +239,7 @@ def test_a_voice_store_that_is_down_and_a_loading_engine_say_when_to_retry():
     assert loading.not_ready_retry_s() is None          # trying again will not help
 
 
+@pytest.mark.slow
 async def test_usage_per_token_is_under_the_label_vox_ws_owner_prints(start_server, capsys):
     from vox_ws.cli import main
 

@@ -216,6 +216,7 @@ async def test_bad_input_streaming_messages(piper_server):
         assert_good_stream(await c.speak("Fine.", "ok"))
 
 
+@pytest.mark.slow
 async def test_incomplete_input_times_out(start_server):
     server = start_server(PiperEngine(), stream_timeout_s=0.6)
     async with connect_client(server) as c:

@@ -5,6 +5,7 @@ is usable through another replica, and an unreachable store fails voice operatio
 from __future__ import annotations
 
 import asyncio
+import time
 
 import httpx
 import numpy as np
@@ -111,6 +112,72 @@ async def test_redis_keeps_voices_across_its_restart(redis_server):
         await store.close()
 
 
+QUOTA_LIMITS = StoreLimits(per_owner=3, max_voices=8, max_bytes=1_000_000, per_address=2, ttl_s=100.0)
+
+
+@pytest.fixture(params=["memory", "dir", "redis"])
+async def quota_store(request, tmp_path, redis_server):
+    """A store with per-address quotas and expiry, on a clock the test moves."""
+    now = [1_000_000.0]
+    clock = lambda: now[0]                                          # noqa: E731
+    if request.param == "memory":
+        made = MemoryStore(QUOTA_LIMITS, clock)
+    elif request.param == "dir":
+        made = DirectoryStore(tmp_path / "voices", QUOTA_LIMITS, clock)
+        await made.open()
+    else:
+        made = RedisStore(redis_server.url, QUOTA_LIMITS, clock)
+        await made._redis.flushdb()
+    yield made, now
+    await made.close()
+
+
+async def test_addresses_have_a_small_quota_and_their_voices_expire_in_every_store(quota_store):
+    store, now = quota_store
+
+    def made(owner: str, pitch: float):
+        now[0] += 1.0                                               # each one later: "oldest" is clear
+        return new_voice(owner, tone_wav(0.2, pitch=pitch), None, "reference", ttl_s=QUOTA_LIMITS.ttl_s,
+                         clock=store.clock)
+
+    # A token keeps 3; an address 2 (its third retires its own oldest), each for 100 s.
+    tokens = [made("token:t", 200 + n) for n in range(3)]
+    for v in tokens:
+        assert v.expires is None and not v.anonymous
+        assert await store.put(v) == []
+    first, second, third = (made("address:10.0.0.1", 300 + n) for n in range(3))
+    assert first.anonymous and first.expires == first.created + 100.0
+    assert await store.put(first) == [] and await store.put(second) == []
+    await store.check_room(third)                                   # at its cap: retires, not refused
+    assert await store.put(third) == [first.id]
+    other = made("address:10.0.0.2", 400)
+    await store.put(other)
+    assert (await store.usage())["voices"] == 6
+    # An admin sees every voice with its owner's key, and deletes one owner's.
+    listed = await store.every_voice()
+    assert [v.id for v in listed] == [*(v.id for v in tokens), second.id, third.id, other.id]
+    assert {v.owner for v in listed} == {owner_key("token:t"), owner_key("address:10.0.0.1"),
+                                         owner_key("address:10.0.0.2")}
+    assert await store.delete_owned(owner_key("address:10.0.0.2")) == [other.id]
+    assert await store.get(other.id) is None
+    # 100 s after they were registered the address's voices are gone; the token's stay.
+    now[0] = second.created + 100.0
+    assert await store.get(second.id) is None and not await store.has(second.id)
+    assert [v.id for v in await store.owned_by("address:10.0.0.1")] == [third.id]
+    assert await store.delete(second.id, ANY_OWNER) is False
+    now[0] = third.created + 100.0
+    assert await store.owned_by("address:10.0.0.1") == [] and len(await store.every_voice()) == 3
+    assert sorted(await store.expire()) == sorted([second.id, third.id])
+    assert await store.expire() == []
+    assert await store.usage() == {"voices": 3, "bytes": sum(len(v.audio) for v in tokens)}
+    assert [(await store.get(v.id)).id for v in tokens] == [v.id for v in tokens]
+    # A put lets go of what expired too (the service deletes those ids everywhere).
+    late = made("address:10.0.0.3", 500)
+    await store.put(late)
+    now[0] = late.created + 100.0
+    assert await store.put(made("address:10.0.0.4", 501)) == [late.id]
+
+
 # ------------------------------------------------------------------ servers on one store
 
 
@@ -192,6 +259,7 @@ async def test_an_unreachable_store_fails_voice_operations_only(start_server, ti
     redis.stop()
 
 
+@pytest.mark.slow
 async def test_same_audio_twice_is_one_voice_over_the_wire(start_server, tiny_model):
     server = tiny_server(start_server, tiny_model, "memory")
     first, second = await register(server, pitch=300), await register(server, pitch=300)
@@ -199,6 +267,7 @@ async def test_same_audio_twice_is_one_voice_over_the_wire(start_server, tiny_mo
     assert await register(server, pitch=301) != first
 
 
+@pytest.mark.slow
 async def test_a_full_store_refuses_before_the_prompt_is_built(start_server, tiny_model):
     server = tiny_server(start_server, tiny_model, "memory", max_voices=1)
     engine = server.server.scheduler.engines[0]
@@ -224,6 +293,7 @@ async def test_a_full_store_refuses_before_the_prompt_is_built(start_server, tin
 # ------------------------------------------------------------------ OpenAI-shaped voice routes
 
 
+@pytest.mark.slow
 async def test_openai_shaped_voice_routes_register_list_speak_and_delete_per_owner(start_server, tiny_model):
     """`/v1/audio/voices` as vLLM-Omni's clients use it, through the `openai` SDK's own request
     methods: each owner (a token) sees the built-in voices and its own, never another's."""
@@ -289,3 +359,90 @@ async def test_openai_shaped_voice_routes_register_list_speak_and_delete_per_own
     assert (await asyncio.to_thread(alice.get, "/audio/voices", cast_to=object))["uploaded_voices"] == []
     with pytest.raises(openai.BadRequestError):
         await asyncio.to_thread(say, alice, "teller")
+
+
+ADMIN = "admin-secret"
+
+
+@pytest.mark.slow
+async def test_a_handful_of_addresses_cannot_fill_the_store_for_good(start_server, tiny_model):
+    """The attack: a few addresses registering voices until `max_voices` is reached, for good.
+    Now each address keeps its quota (2 here, 4 by default), an admin lists and deletes by owner
+    over REST and v1, and token-less voices expire (the store's clock moved past the TTL)."""
+    server = tiny_server(start_server, tiny_model, "memory", max_voices=6, max_voices_per_address=2,
+                         admin_tokens=[ADMIN])
+    service = server.server.service
+    now = [time.time()]
+    service.store.clock = lambda: now[0]
+
+    def client(address: str, **headers: str) -> httpx.AsyncClient:
+        return httpx.AsyncClient(base_url=server.http, headers=headers,
+                                 transport=httpx.AsyncHTTPTransport(local_address=address))
+
+    async def upload(address: str, pitch: float) -> httpx.Response:
+        now[0] += 1.0
+        async with client(address) as http:
+            return await http.post("/v1/voices", content=tone_wav(1.0, pitch=pitch),
+                                   headers={"content-type": "audio/wav"})
+
+    kept: dict[str, list[str]] = {}
+    for n in (1, 2, 3):
+        address = f"127.0.0.{30 + n}"
+        ids = []
+        for k in range(3):                                          # the third retires the first
+            created = await upload(address, 150 + 10 * n + k)
+            assert created.status_code == 201, created.text
+            ids.append(created.json()["voice"])
+        kept[address] = ids[1:]
+    assert (await service.store.usage())["voices"] == 6
+    full = await upload("127.0.0.34", 300)
+    assert full.status_code == 429 and full.json()["error"]["code"] == "busy", full.text
+    # The owner sees when each of its voices expires.
+    async with client("127.0.0.31") as http:
+        mine = (await http.get("/v1/audio/voices")).json()["uploaded_voices"]
+    assert [v["voice_id"] for v in mine] == kept["127.0.0.31"]
+    assert all(v["expires_at"] == pytest.approx(now[0] + 86400, abs=10) for v in mine)
+    # An admin over REST: everyone's voices with their owners' keys, and one owner's deleted.
+    async with client("127.0.0.1", Authorization=f"Bearer {ADMIN}") as admin, client("127.0.0.1") as anyone:
+        assert (await anyone.get("/v1/admin/voices")).status_code == 403
+        assert (await anyone.delete("/v1/admin/voices", params={"address": "127.0.0.31"})).status_code == 403
+        listing = (await admin.get("/v1/admin/voices")).json()
+        assert sorted(v["voice"] for v in listing["voices"]) == sorted(sum(kept.values(), []))
+        assert listing["usage"]["voices"] == 6
+        assert (await admin.get("/v1/admin/voices", params={"address": "nonsense"})).status_code == 400
+        assert (await admin.delete("/v1/admin/voices")).status_code == 400
+        gone = await admin.delete("/v1/admin/voices", params={"address": "127.0.0.31"})
+        assert gone.status_code == 200 and sorted(gone.json()["deleted"]) == sorted(kept["127.0.0.31"])
+    for voice in kept["127.0.0.31"]:
+        assert not service.engine.has_voice(voice)
+    assert (await upload("127.0.0.34", 300)).status_code == 201     # room again
+    # The same over protocol v1, only on an admin connection.
+    async with connect_client(server) as c:
+        await c.send({"type": "voice_admin", "id": "a", "op": "list"})
+        assert (await c.error("a"))["code"] == "unauthorized"
+    async with connect_client(server, additional_headers={"Authorization": f"Bearer {ADMIN}"}) as c:
+        await c.send({"type": "voice_admin", "id": "b", "op": "wipe"})
+        assert (await c.error("b"))["code"] == "bad_request"
+        await c.send({"type": "voice_admin", "id": "c", "op": "delete"})
+        assert (await c.error("c"))["code"] == "bad_request"
+        await c.send({"type": "voice_admin", "id": "d", "op": "list", "address": "127.0.0.32"})
+        listed = await c.recv_where(lambda m: m.get("id") == "d")
+        assert [v["voice"] for v in listed["voices"]] == kept["127.0.0.32"], listed
+        owner = listed["voices"][0]["owner"]
+        await c.send({"type": "voice_admin", "id": "e", "op": "delete", "owner": owner})
+        deleted = await c.recv_where(lambda m: m.get("id") == "e")
+        assert deleted["type"] == "voice_admin" and sorted(deleted["deleted"]) == sorted(kept["127.0.0.32"])
+    # A day later the token-less voices are gone: unknown to streams at once, then swept from
+    # every device; a newcomer registers, and a built-in voice speaks as before.
+    victim = kept["127.0.0.33"][0]
+    assert service.engine.has_voice(victim)
+    now[0] += 86400.0 + 10
+    async with connect_client(server) as c:
+        expired = await c.speak("Hello.", "x", voice=victim, options={"max_len": 3})
+    assert expired.error is not None and "unknown voice" in expired.error["message"], expired.error
+    swept = asyncio.run_coroutine_threadsafe(service.expire_voices(), server.loop).result(30)
+    assert victim in swept or not service.engine.has_voice(victim)
+    assert not service.engine.has_voice(victim) and (await service.store.usage())["voices"] == 0
+    assert (await upload("127.0.0.35", 310)).status_code == 201
+    result = await speak(server, None)
+    assert result.error is None and result.end is not None

@@ -15,6 +15,9 @@ from vox_ws.engines.voxcpm.loading import import_voxcpm
 from vox_ws.engines.voxcpm.prompt import build_prompt
 from vox_ws.engines.voxcpm.runner import DecodeBalance
 
+# The full lane runs these, not the quick one: together they took a minute or more of it (README, "Tests").
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def wavs(tmp_path_factory):

@@ -25,6 +25,10 @@ class Limits:
     max_voice_audio_s: float = 30.0
     max_voices: int = 256
     max_voices_per_owner: int = 32
+    # A client without a token (known by its address) keeps this many voices, each for
+    # `voice_ttl_s` (0: for ever).
+    max_voices_per_address: int = 4
+    voice_ttl_s: float = 86400.0
     # Voice registrations waiting or running (each holds its reference audio meanwhile).
     max_pending_voices_per_owner: int = 2
     max_pending_voices: int = 16

@@ -23,9 +23,13 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from .engine import ErrorKind, Refused
 from .service import Audio, AudioOutput, Ended, Failed, Flushed, Phonemes, Segment, Stream, Words
+from .service.voice_store import owner_key
 from .transports import protocol as p
+from .transports.auth import address_owner
+from .transports.proxies import parse_host
 from .transports.rate import BUDGET_EXTENSION, MessageBudget
 from .transports.state import ServerState
+from .transports.voices_api import admin_described
 
 log = logging.getLogger("vox_ws.session")
 
@@ -160,7 +164,7 @@ class Session:
                 self._on_start(message)
             elif isinstance(message, p.Cancel):
                 self._open(message.id).stream.cancel()
-            elif isinstance(message, (p.Voice, p.VoiceDelete, p.Lora)):
+            elif isinstance(message, (p.Voice, p.VoiceDelete, p.VoiceAdmin, p.Lora)):
                 self._on_request(message)
             else:
                 self._on_input(message, obj["type"])
@@ -236,7 +240,7 @@ class Session:
         except Refused as err:
             raise p.ProtocolError.from_refused(err, message.id) from None
 
-    def _on_request(self, message: p.Voice | p.VoiceDelete | p.Lora) -> None:
+    def _on_request(self, message: p.Voice | p.VoiceDelete | p.VoiceAdmin | p.Lora) -> None:
         """Requests answered later, while the connection's streams go on: voice registration
         and deletion (the stream service's work, beside the engine's steps) and LoRA operations
         (on each engine thread, between two steps)."""
@@ -250,6 +254,12 @@ class Session:
         elif isinstance(message, p.VoiceDelete):
             work = self._deleted(message.voice)
             kind = "voice_delete"
+        elif isinstance(message, p.VoiceAdmin):
+            if not self.is_admin:
+                raise p.ProtocolError(p.UNAUTHORIZED, "voice_admin needs a connection opened with the admin token",
+                                      message.id)
+            work = self._voice_admin(message)
+            kind = "voice_admin"
         else:
             if not self.is_admin:
                 raise p.ProtocolError(p.UNAUTHORIZED, "LoRA operations need a connection opened with the admin token",
@@ -261,6 +271,19 @@ class Session:
             self._voice_task = task
         self._requests.add(task)
         task.add_done_callback(self._requests.discard)
+
+    async def _voice_admin(self, message: p.VoiceAdmin) -> dict[str, Any]:
+        selected = message.owner
+        if message.address is not None:
+            address = parse_host(message.address)
+            if address is None:
+                raise Refused(ErrorKind.INVALID, f"{message.address[:64]!r} is not an IP address", field="address")
+            selected = owner_key(address_owner(address))
+        if message.op == "delete":
+            assert selected is not None                     # the parser's rule
+            return {"op": "delete", "owner": selected, "deleted": await self.service.delete_voices_of(selected)}
+        voices = await self.service.every_voice(selected)
+        return {"op": "list", "voices": [admin_described(v) for v in voices], "usage": await self.service.store.usage()}
 
     async def _deleted(self, voice: str) -> dict[str, Any]:
         return {"voice": voice, "deleted": await self.service.delete_voice(voice, owner=self.owner)}

@@ -280,23 +280,27 @@ class Generation:
     def _speak(self, step: Speak) -> int:
         """Queue a segment. Engines that do not take phonemes are given the text with its
         pronunciations respelled, before normalisation; the segment keeps the text as sent. A
-        text the engine prepares (normalises) is prepared off the loop first."""
+        text with pronunciations to find, or one the engine prepares (normalises), is worked on
+        off the loop first (a lexicon of 20,000 phrases over a 5,000-character text is some
+        35 ms of matching)."""
         if step.prepared:
             return self._queue(step.text, step.text, prepared=True)
-        engine_text = step.text
-        if self._lexicon is not None:
-            # IPA entries are only taken by engines that take phonemes, which are given the text
-            # as sent: one respelling serves the bound (IPA counted where it applies) and, for
-            # the other engines, is the text they are given.
-            takes_phonemes = self._engine.takes_phonemes
-            said = respell(step.text, self._lexicon, ipa=takes_phonemes)
-            self._check_pronounced(len(step.text), len(said))
-            if not takes_phonemes:
-                engine_text = said
-        if self._engine.prepares_text(self.options, self.language):
-            self._work = asyncio.ensure_future(self._prepare_then_queue(step.text, engine_text))
+        if self._lexicon is not None or self._engine.prepares_text(self.options, self.language):
+            self._work = asyncio.ensure_future(self._prepare_then_queue(step.text))
             return 0
-        return self._queue(step.text, engine_text, prepared=False)
+        return self._queue(step.text, step.text, prepared=False)
+
+    async def _respelled(self, text: str) -> str:
+        """The text the engine is given, its pronunciations put in (off the loop). IPA entries
+        are only taken by engines that take phonemes, which are given the text as sent: one
+        respelling serves the bound (IPA counted where it applies) and, for the other engines,
+        is the text they are given."""
+        if self._lexicon is None:
+            return text
+        takes_phonemes = self._engine.takes_phonemes
+        said = await self._service.off_loop(respell, text, self._lexicon, takes_phonemes)
+        self._check_pronounced(len(text), len(said))
+        return text if takes_phonemes else said
 
     def _check_pronounced(self, written: int, said: int) -> None:
         """What `max_text_chars` bounds is the text as it will be said, pronunciations put in
@@ -313,8 +317,16 @@ class Generation:
                                                f"{self._pronounced_chars - self._written_chars} characters longer, "
                                                f"over max_text_chars={limit}", field="pronunciations")
 
-    async def _prepare_then_queue(self, text: str, engine_text: str) -> None:
+    async def _prepare_then_queue(self, text: str) -> None:
         try:
+            engine_text = await self._respelled(text)
+            if self.done:
+                self._work = None
+                return
+            if not self._engine.prepares_text(self.options, self.language):
+                self._work = None
+                self._queue(text, engine_text, prepared=False)
+                return
             prepared = await self._service.prepare_text(engine_text, self.options, self.language)
             self._work = None
             if self.done:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, AsyncIterator, Awaitable
@@ -39,7 +40,11 @@ from .voice_store import (ANY_OWNER, MemoryStore, StoreLimits, VoiceStore, Voice
 # Reference audio shorter than this cannot carry a voice.
 MIN_VOICE_AUDIO_S = 0.2
 # Reference audio files decoded and encoded at once: CPU work beside the engine's.
+log = logging.getLogger("vox_ws.service")
+
 MAX_CONCURRENT_VOICE_JOBS = 1
+# Seconds between two sweeps of expired voices.
+VOICE_SWEEP_S = 60.0
 # Threads that run output pipelines (codecs, tempo) for every stream. One encodes some 50
 # streams in real time here (docs/PERFORMANCE.md); FFmpeg releases the GIL while it encodes.
 ENCODING_THREADS = 2
@@ -68,6 +73,7 @@ class StreamService:
         self._live: set[Generation] = set()     # the streams still producing
         self._numbers = itertools.count(1)
         self._watchdog: asyncio.Task | None = None
+        self._sweeper: asyncio.Task | None = None
         self._voice_jobs: asyncio.Semaphore | None = None
         # Text preparation (normalisation) runs here, one text at a time: beside the engine,
         # never on its thread or the loop.
@@ -91,11 +97,13 @@ class StreamService:
         self.mailbox = LoopMailbox(asyncio.get_running_loop())
         self._voice_jobs = asyncio.Semaphore(MAX_CONCURRENT_VOICE_JOBS)
         self._watchdog = asyncio.create_task(self._watch(), name="vox-ws-stream-watchdog")
+        self._sweeper = asyncio.create_task(self._sweep_voices(), name="vox-ws-voice-sweeper")
 
     async def close(self) -> None:
-        if self._watchdog is not None:
-            self._watchdog.cancel()
-            await asyncio.gather(self._watchdog, return_exceptions=True)
+        for task in (self._watchdog, self._sweeper):
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
         self._preparer.shutdown(wait=False, cancel_futures=True)
         self._splitter.shutdown(wait=False, cancel_futures=True)
         self._voice_worker.shutdown(wait=False, cancel_futures=True)
@@ -221,6 +229,11 @@ class StreamService:
             self._live.discard(generation)
             self.devices.release(generation.scheduler)
 
+    async def off_loop(self, fn: Any, *args: Any) -> Any:
+        """`fn(*args)` on the thread that prepares texts: CPU work a stream needs before its next
+        segment, which would otherwise hold every other stream's I/O."""
+        return await asyncio.get_running_loop().run_in_executor(self._preparer, fn, *args)
+
     async def prepare_text(self, text: str, options: dict[str, Any], language: str | None = None) -> str:
         work = asyncio.get_running_loop().run_in_executor(self._preparer, self.engine.prepare_text, text, options,
                                                           language)
@@ -239,6 +252,25 @@ class StreamService:
             now = time.monotonic()
             for generation in list(self._live):
                 generation.check_timers(now)
+
+    async def _sweep_voices(self) -> None:
+        """Expired voices leave the store and every device (a store in this process also
+        refuses them at once; this frees their memory)."""
+        while True:
+            await asyncio.sleep(VOICE_SWEEP_S)
+            try:
+                await self.expire_voices()
+            except Refused as err:                      # the store is unavailable: next time
+                log.warning("expiring voices: %s", err.message)
+
+    async def expire_voices(self) -> list[str]:
+        """Drop the voices whose time is up, from the store and every device; their ids."""
+        gone = await self.store.expire()
+        for voice in gone:
+            self._delete_everywhere(voice)
+        if gone:
+            log.info("%d voices expired", len(gone))
+        return gone
 
     # ------------------------------------------------------------------ pronunciations
 
@@ -322,7 +354,8 @@ class StreamService:
             raise self.devices.not_ready()
         assert self._voice_jobs is not None, "StreamService.start() was not awaited"
         # Hashing megabytes would hold the loop for milliseconds; hashlib lets go of the GIL.
-        stored = await asyncio.to_thread(new_voice, owner, audio, transcript if has_transcript else None, mode, name)
+        stored = await asyncio.to_thread(new_voice, owner, audio, transcript if has_transcript else None, mode, name,
+                                         self.limits.voice_ttl_s, self.store.clock)
         if name is not None:
             existing = await self.store.get(stored.id)
             if existing is not None and (existing.audio, existing.transcript, existing.mode) != \
@@ -355,7 +388,7 @@ class StreamService:
         a store shared by several servers, any registered voice (it may have been deleted)."""
         if voice is None or not self.engine.supports_voices or not is_registered_id(voice):
             return False
-        return self.store.shared or not engine.has_voice(voice)
+        return self.store.shared or not engine.has_voice(voice) or self.store.known_now(voice) is False
 
     async def ensure_voice(self, voice: str, named: str | None = None) -> None:
         """Make a registered voice ready on every device, from the store; Refused (INVALID)
@@ -371,8 +404,8 @@ class StreamService:
     async def _fetch_voice(self, voice: str, named: str) -> None:
         missing = [e for e in self.devices.engines if not e.has_voice(voice)]
         if not missing:
-            if self.store.shared and not await self.store.has(voice):
-                self._delete_everywhere(voice)            # deleted through another server
+            if (self.store.shared or self.store.known_now(voice) is False) and not await self.store.has(voice):
+                self._delete_everywhere(voice)            # deleted through another server, or expired
                 raise Refused(ErrorKind.INVALID, f"unknown voice {named!r}")
             return
         stored = await self.store.get(voice)
@@ -439,6 +472,18 @@ class StreamService:
             self._delete_everywhere(voice)
         return deleted
 
+    async def every_voice(self, owner: str | None = None) -> list[VoiceSummary]:
+        """Every registered voice, oldest first, with its owner's key (for an admin); only
+        those of the owner whose key is `owner`, where given."""
+        return [v for v in await self.store.every_voice() if owner is None or v.owner == owner]
+
+    async def delete_voices_of(self, owner: str) -> list[str]:
+        """Delete every voice of the owner whose key is `owner` (for an admin); their ids."""
+        deleted = await self.store.delete_owned(owner)
+        for voice in deleted:
+            self._delete_everywhere(voice)
+        return deleted
+
     async def lora(self, op: str, name: str | None) -> dict[str, Any]:
         """A LoRA operation on every device, between two of its steps: `load` an adapter (read
         from disk once, off the engines' threads) into a free slot, `unload` it (streams using
@@ -497,7 +542,8 @@ class StreamService:
 
 
 def store_limits(limits: Limits, max_bytes: int = 512 << 20) -> StoreLimits:
-    return StoreLimits(per_owner=limits.max_voices_per_owner, max_voices=limits.max_voices, max_bytes=max_bytes)
+    return StoreLimits(per_owner=limits.max_voices_per_owner, max_voices=limits.max_voices, max_bytes=max_bytes,
+                       per_address=limits.max_voices_per_address, ttl_s=limits.voice_ttl_s)
 
 
 async def _on_each(schedulers: list[Scheduler], fn: Any) -> list[Any]:

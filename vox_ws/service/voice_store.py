@@ -6,8 +6,11 @@ same audio twice gives the same id), with its owner and when it was stored. The 
 engine computes from it is not stored: each server builds it on first use (a VAE pass).
 
 Rules, enforced by every store (atomically in Redis, across replicas):
-- an owner keeps at most `per_owner` voices: one more retires that owner's oldest, never
-  anyone else's;
+- an owner keeps at most `per_owner` voices (a client token's), or `per_address` (a client
+  without a token, known by its address): one more retires that owner's oldest, never anyone
+  else's;
+- a voice of an owner without a token expires `ttl_s` after it was registered: with the small
+  per-address quota, no handful of addresses fills the store for good;
 - the store holds at most `max_voices` voices and `max_bytes` bytes of audio: beyond either a
   registration is refused (`busy`) until voices are deleted: nothing is evicted for it;
 - only the owner (or an admin) deletes a voice; another owner's voice looks like no voice.
@@ -31,11 +34,17 @@ import time
 from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from ..engine import ErrorKind, Refused
 
 ANY_OWNER = "admin"
+# The owner a client without a token is: this and its address (its voices are the anonymous ones).
+ADDRESS_OWNER_PREFIX = "address:"
+
+
+def is_anonymous(owner: str) -> bool:
+    return owner.startswith(ADDRESS_OWNER_PREFIX)
 
 
 @dataclass(frozen=True)
@@ -47,17 +56,29 @@ class StoredVoice:
     owner: str                 # the owner's hash (`owner_key`)
     created: float
     name: str | None = None    # what its owner calls it (its id is then made from the name)
+    anonymous: bool = False    # its owner presented no token
+    expires: float | None = None   # when it is gone (time.time()); None: never
+
+    def expired(self, now: float) -> bool:
+        return self.expires is not None and self.expires <= now
+
+    def summary(self) -> VoiceSummary:
+        return VoiceSummary(self.id, self.mode, self.transcript, len(self.audio), self.created, self.name,
+                            self.owner, self.expires)
 
 
 @dataclass(frozen=True)
 class VoiceSummary:
-    """What an owner is told of one of its voices (never the audio)."""
+    """What an owner is told of one of its voices (never the audio); an admin also its owner's
+    key."""
     id: str
     mode: str
     transcript: str | None
     audio_bytes: int
     created: float
     name: str | None = None
+    owner: str = ""
+    expires: float | None = None
 
 
 @dataclass(frozen=True)
@@ -65,6 +86,11 @@ class StoreLimits:
     per_owner: int
     max_voices: int
     max_bytes: int
+    per_address: int = 4
+    ttl_s: float = 0.0                      # an anonymous voice's life; 0: for ever
+
+    def cap_of(self, anonymous: bool) -> int:
+        return self.per_address if anonymous else self.per_owner
 
 
 def owner_key(owner: str) -> str:
@@ -142,8 +168,9 @@ class VoiceStore(ABC):
     # Whether other servers use it too (a voice may appear or go through them).
     shared = False
 
-    def __init__(self, limits: StoreLimits) -> None:
+    def __init__(self, limits: StoreLimits, clock: Callable[[], float] = time.time) -> None:
         self.limits = limits
+        self.clock = clock
 
     async def has(self, voice: str) -> bool:
         return await self.get(voice) is not None
@@ -166,7 +193,7 @@ class VoiceStore(ABC):
         """Refuses (BUSY) a voice that the store as it is now could not take, so that a
         registration into a full store fails before its prompt is built. Only a forecast: other
         servers may change the store meanwhile, and `put` decides, atomically."""
-        if await self.has(voice.id) or await self._owned(voice.owner) >= self.limits.per_owner:
+        if await self.has(voice.id) or await self._owned(voice.owner) >= self.limits.cap_of(voice.anonymous):
             return                                   # put keeps it as is, or retires the owner's oldest
         usage = await self.usage()
         self._refuse_full(usage["voices"], usage["bytes"], len(voice.audio))
@@ -182,6 +209,22 @@ class VoiceStore(ABC):
     @abstractmethod
     async def delete(self, voice: str, owner: str) -> bool:
         """Delete a voice of `owner` (ANY_OWNER: any voice); False when there is none it may delete."""
+
+    @abstractmethod
+    async def every_voice(self) -> list[VoiceSummary]:
+        """Every voice kept, oldest first, with its owner's key (for an admin)."""
+
+    async def delete_owned(self, key: str) -> list[str]:
+        """Delete every voice of the owner whose key (`owner_key`) is `key`; the ids deleted."""
+        deleted = []
+        for voice in await self.every_voice():
+            if voice.owner == key and await self.delete(voice.id, ANY_OWNER):
+                deleted.append(voice.id)
+        return deleted
+
+    @abstractmethod
+    async def expire(self) -> list[str]:
+        """Drop the voices whose time is up; the ids dropped."""
 
     @abstractmethod
     async def usage(self) -> dict[str, int]:
@@ -206,43 +249,62 @@ class MemoryStore(VoiceStore):
 
     name = "memory"
 
-    def __init__(self, limits: StoreLimits) -> None:
-        super().__init__(limits)
+    def __init__(self, limits: StoreLimits, clock: Callable[[], float] = time.time) -> None:
+        super().__init__(limits, clock)
         self._voices: dict[str, StoredVoice] = {}
         self._lock = asyncio.Lock()
 
     async def get(self, voice: str) -> StoredVoice | None:
-        return self._voices.get(voice)
+        stored = self._voices.get(voice)
+        return None if stored is None or stored.expired(self.clock()) else stored
 
     def known_now(self, voice: str) -> bool | None:
-        return voice in self._voices
+        return voice in self._voices and not self._voices[voice].expired(self.clock())
 
     async def put(self, voice: StoredVoice) -> list[str]:
         async with self._lock:
             return self._put(voice)
 
     def _put(self, voice: StoredVoice) -> list[str]:
+        """Keeps `voice`; the ids let go: expired ones, and the owner's oldest beyond its cap."""
+        expired = self._expired()
         if voice.id in self._voices:
-            return []
+            return expired
         owned = self._voices_of(voice.owner)
-        retired = [v.id for v in owned[:max(0, len(owned) - self.limits.per_owner + 1)]]
+        retired = [v.id for v in owned[:max(0, len(owned) - self.limits.cap_of(voice.anonymous) + 1)]]
         remaining = [v for v in self._voices.values() if v.id not in retired]
         self._refuse_full(len(remaining), sum(len(v.audio) for v in remaining), len(voice.audio))
         for old in retired:
             self._drop(old)
         self._keep(voice)
-        return retired
+        return expired + retired
+
+    def _expired(self) -> list[str]:
+        now = self.clock()
+        gone = [v.id for v in self._voices.values() if v.expired(now)]
+        for voice in gone:
+            self._drop(voice)
+        return gone
+
+    async def expire(self) -> list[str]:
+        async with self._lock:
+            return self._expired()
+
+    async def every_voice(self) -> list[VoiceSummary]:
+        now = self.clock()
+        return [v.summary() for v in sorted(self._voices.values(), key=lambda v: v.created) if not v.expired(now)]
 
     async def _owned(self, owner: str) -> int:
         return len(self._voices_of(owner))
 
     async def owned_by(self, owner: str) -> list[VoiceSummary]:
-        return [VoiceSummary(v.id, v.mode, v.transcript, len(v.audio), v.created, v.name)
-                for v in self._voices_of(owner_key(owner))]
+        return [v.summary() for v in self._voices_of(owner_key(owner))]
 
     def _voices_of(self, owner: str) -> list[StoredVoice]:
         """The owner's voices, oldest first."""
-        return sorted((v for v in self._voices.values() if v.owner == owner), key=lambda v: v.created)
+        now = self.clock()
+        return sorted((v for v in self._voices.values() if v.owner == owner and not v.expired(now)),
+                      key=lambda v: v.created)
 
     def _keep(self, voice: StoredVoice) -> None:
         self._voices[voice.id] = voice
@@ -253,13 +315,16 @@ class MemoryStore(VoiceStore):
     async def delete(self, voice: str, owner: str) -> bool:
         async with self._lock:
             stored = self._voices.get(voice)
-            if stored is None or (owner != ANY_OWNER and stored.owner != owner_key(owner)):
+            if stored is None or stored.expired(self.clock()) or (
+                    owner != ANY_OWNER and stored.owner != owner_key(owner)):
                 return False
             self._drop(voice)
             return True
 
     async def usage(self) -> dict[str, int]:
-        return {"voices": len(self._voices), "bytes": sum(len(v.audio) for v in self._voices.values())}
+        now = self.clock()
+        kept = [v for v in self._voices.values() if not v.expired(now)]
+        return {"voices": len(kept), "bytes": sum(len(v.audio) for v in kept)}
 
 
 class DirectoryStore(MemoryStore):
@@ -268,8 +333,8 @@ class DirectoryStore(MemoryStore):
 
     name = "dir"
 
-    def __init__(self, path: str | Path, limits: StoreLimits) -> None:
-        super().__init__(limits)
+    def __init__(self, path: str | Path, limits: StoreLimits, clock: Callable[[], float] = time.time) -> None:
+        super().__init__(limits, clock)
         self.path = Path(path).expanduser()
 
     async def open(self) -> None:
@@ -323,52 +388,84 @@ class DirectoryStore(MemoryStore):
             await asyncio.to_thread(self._unlink, voice)
         return deleted
 
+    async def expire(self) -> list[str]:
+        async with self._lock:
+            gone = self._expired()
+            for voice in gone:
+                await asyncio.to_thread(self._unlink, voice)
+            return gone
 
-# Keep a voice in Redis under the rules, atomically: retire the owner's oldest beyond its cap,
-# refuse when the store is full, then write. KEYS: voices (zset id -> created), owner's (zset),
-# bytes (counter), the voice (hash). ARGV: id, owner, created, size, per_owner, max_voices,
-# max_bytes, audio, transcript, mode, the key prefix, the name ('' for none).
-_PUT = """
-if redis.call('EXISTS', KEYS[4]) == 1 then return {'exists'} end
-local per_owner, max_voices, max_bytes = tonumber(ARGV[5]), tonumber(ARGV[6]), tonumber(ARGV[7])
+
+# Drop the voices whose time is up (the `expiry` zset: id -> when), as a delete would. Needs
+# `prefix` and `now` set; leaves their ids in `expired`.
+_PURGE = """
+local expired = redis.call('ZRANGEBYSCORE', prefix .. 'expiry', '-inf', now)
+for _, old in ipairs(expired) do
+  local key = prefix .. 'voice:' .. old
+  local owner = redis.call('HGET', key, 'owner')
+  redis.call('DECRBY', prefix .. 'bytes', tonumber(redis.call('HGET', key, 'size') or '0'))
+  redis.call('DEL', key)
+  redis.call('ZREM', prefix .. 'voices', old)
+  redis.call('ZREM', prefix .. 'expiry', old)
+  if owner then redis.call('ZREM', prefix .. 'owner:' .. owner, old) end
+end
+"""
+
+# ARGV: the key prefix, now. Returns the ids dropped.
+_EXPIRE = "local prefix, now = ARGV[1], ARGV[2]\n" + _PURGE + "return expired\n"
+
+# Keep a voice in Redis under the rules, atomically: drop expired voices, retire the owner's
+# oldest beyond its cap, refuse when the store is full, then write. KEYS: voices (zset id ->
+# created), owner's (zset), bytes (counter), the voice (hash). ARGV: id, owner, created, size,
+# the owner's cap, max_voices, max_bytes, audio, transcript, mode, the key prefix, the name (''
+# for none), anonymous ('1' or '0'), expires ('' for never), now. Returns {status, ids let go...}.
+_PUT = "local prefix, now = ARGV[11], ARGV[15]\n" + _PURGE + """
+if redis.call('EXISTS', KEYS[4]) == 1 then table.insert(expired, 1, 'exists') return expired end
+local cap, max_voices, max_bytes = tonumber(ARGV[5]), tonumber(ARGV[6]), tonumber(ARGV[7])
 local size = tonumber(ARGV[4])
 local owned = redis.call('ZRANGE', KEYS[2], 0, -1)
 local retire = {}
 local freed_voices, freed_bytes = 0, 0
-for i = 1, #owned - per_owner + 1 do
+for i = 1, #owned - cap + 1 do
   local old = owned[i]
   table.insert(retire, old)
   freed_voices = freed_voices + 1
-  freed_bytes = freed_bytes + tonumber(redis.call('HGET', ARGV[11] .. 'voice:' .. old, 'size') or '0')
+  freed_bytes = freed_bytes + tonumber(redis.call('HGET', prefix .. 'voice:' .. old, 'size') or '0')
 end
 local voices = redis.call('ZCARD', KEYS[1]) - freed_voices
 local bytes = tonumber(redis.call('GET', KEYS[3]) or '0') - freed_bytes
-if voices + 1 > max_voices then return {'full_voices'} end
-if bytes + size > max_bytes then return {'full_bytes'} end
+if voices + 1 > max_voices then table.insert(expired, 1, 'full_voices') return expired end
+if bytes + size > max_bytes then table.insert(expired, 1, 'full_bytes') return expired end
 for _, old in ipairs(retire) do
-  redis.call('DEL', ARGV[11] .. 'voice:' .. old)
+  redis.call('DEL', prefix .. 'voice:' .. old)
   redis.call('ZREM', KEYS[1], old)
   redis.call('ZREM', KEYS[2], old)
+  redis.call('ZREM', prefix .. 'expiry', old)
+  table.insert(expired, old)
 end
 redis.call('INCRBY', KEYS[3], size - freed_bytes)
 redis.call('HSET', KEYS[4], 'audio', ARGV[8], 'transcript', ARGV[9], 'mode', ARGV[10], 'owner', ARGV[2],
-           'created', ARGV[3], 'size', ARGV[4], 'name', ARGV[12])
+           'created', ARGV[3], 'size', ARGV[4], 'name', ARGV[12], 'anonymous', ARGV[13], 'expires', ARGV[14])
 redis.call('ZADD', KEYS[1], ARGV[3], ARGV[1])
 redis.call('ZADD', KEYS[2], ARGV[3], ARGV[1])
-table.insert(retire, 1, 'ok')
-return retire
+if ARGV[14] ~= '' then redis.call('ZADD', prefix .. 'expiry', ARGV[14], ARGV[1]) end
+table.insert(expired, 1, 'ok')
+return expired
 """
 
-# Delete one voice if `owner` owns it (ARGV[2] empty: any owner). KEYS: the voice, voices, bytes.
-# ARGV: id, owner, the key prefix.
+# Delete one voice if `owner` owns it (ARGV[2] empty: any owner) and it has not expired (that is
+# for the purge). KEYS: the voice, voices, bytes. ARGV: id, owner, the key prefix, now.
 _DELETE = """
 local owner = redis.call('HGET', KEYS[1], 'owner')
 if not owner then return 0 end
 if ARGV[2] ~= '' and owner ~= ARGV[2] then return 0 end
+local expires = redis.call('HGET', KEYS[1], 'expires')
+if expires and expires ~= '' and tonumber(expires) <= tonumber(ARGV[4]) then return 0 end
 local size = tonumber(redis.call('HGET', KEYS[1], 'size') or '0')
 redis.call('DEL', KEYS[1])
 redis.call('ZREM', KEYS[2], ARGV[1])
 redis.call('ZREM', ARGV[3] .. 'owner:' .. owner, ARGV[1])
+redis.call('ZREM', ARGV[3] .. 'expiry', ARGV[1])
 redis.call('DECRBY', KEYS[3], size)
 return 1
 """
@@ -382,14 +479,15 @@ class RedisStore(VoiceStore):
     PREFIX = "voxws:"
     TIMEOUT_S = 2.0
 
-    def __init__(self, url: str, limits: StoreLimits) -> None:
-        super().__init__(limits)
+    def __init__(self, url: str, limits: StoreLimits, clock: Callable[[], float] = time.time) -> None:
+        super().__init__(limits, clock)
         import redis.asyncio as redis
 
         self.url = url
         self._redis = redis.from_url(url, socket_timeout=self.TIMEOUT_S, socket_connect_timeout=self.TIMEOUT_S)
         self._put_script = self._redis.register_script(_PUT)
         self._delete_script = self._redis.register_script(_DELETE)
+        self._expire_script = self._redis.register_script(_EXPIRE)
 
     def describe(self) -> str:
         return "redis:" + self.url.split("@")[-1]          # no password in what is shown
@@ -414,45 +512,65 @@ class RedisStore(VoiceStore):
         text = {k.decode(): v for k, v in fields.items()}
         transcript = text["transcript"].decode()
         name = text.get("name", b"").decode()
-        return StoredVoice(id=voice, audio=text["audio"], transcript=transcript or None, mode=text["mode"].decode(),
-                           owner=text["owner"].decode(), created=float(text["created"]), name=name or None)
+        expires = text.get("expires", b"").decode()
+        stored = StoredVoice(id=voice, audio=text["audio"], transcript=transcript or None, mode=text["mode"].decode(),
+                             owner=text["owner"].decode(), created=float(text["created"]), name=name or None,
+                             anonymous=text.get("anonymous") == b"1", expires=float(expires) if expires else None)
+        return None if stored.expired(self.clock()) else stored
 
     async def has(self, voice: str) -> bool:
-        return bool(await self._call("has", self._redis.exists(self._key("voice", voice))))
+        expires = await self._call("has", self._redis.hmget(self._key("voice", voice), "owner", "expires"))
+        return expires[0] is not None and not (expires[1] and float(expires[1]) <= self.clock())
 
     async def _owned(self, owner: str) -> int:
-        return int(await self._call("count", self._redis.zcard(self._key("owner", owner))))
+        return len(await self._summaries(self._key("owner", owner)))
 
     async def owned_by(self, owner: str) -> list[VoiceSummary]:
-        ids = await self._call("list", self._redis.zrange(self._key("owner", owner_key(owner)), 0, -1))
+        return await self._summaries(self._key("owner", owner_key(owner)))
+
+    async def every_voice(self) -> list[VoiceSummary]:
+        return await self._summaries(self._key("voices"))
+
+    async def _summaries(self, index: str) -> list[VoiceSummary]:
+        """The voices a zset of ids lists, oldest first, not expired."""
+        ids = await self._call("list", self._redis.zrange(index, 0, -1))
         pipe = self._redis.pipeline(transaction=False)
         for voice in ids:
-            pipe.hmget(self._key("voice", voice.decode()), "mode", "transcript", "size", "created", "name")
+            pipe.hmget(self._key("voice", voice.decode()), "mode", "transcript", "size", "created", "name", "owner",
+                       "expires")
         rows = await self._call("list", pipe.execute()) if ids else []
+        now = self.clock()
         return [VoiceSummary(voice.decode(), mode.decode(), transcript.decode() or None, int(size), float(created),
-                             (name or b"").decode() or None)
-                for voice, (mode, transcript, size, created, name) in zip(ids, rows)
-                if mode is not None]                 # deleted between the two reads
+                             (name or b"").decode() or None, owner.decode(), float(expires) if expires else None)
+                for voice, (mode, transcript, size, created, name, owner, expires) in zip(ids, rows)
+                if mode is not None                  # deleted between the two reads
+                and not (expires and float(expires) <= now)]
+
+    async def expire(self) -> list[str]:
+        gone = await self._call("expire", self._expire_script(keys=[], args=[self.PREFIX, repr(self.clock())]))
+        return [voice.decode() for voice in gone]
 
     async def put(self, voice: StoredVoice) -> list[str]:
         limits = self.limits
         keys = [self._key("voices"), self._key("owner", voice.owner), self._key("bytes"), self._key("voice", voice.id)]
-        args = [voice.id, voice.owner, repr(voice.created), len(voice.audio), limits.per_owner, limits.max_voices,
-                limits.max_bytes, voice.audio, voice.transcript or "", voice.mode, self.PREFIX, voice.name or ""]
+        args = [voice.id, voice.owner, repr(voice.created), len(voice.audio), limits.cap_of(voice.anonymous),
+                limits.max_voices, limits.max_bytes, voice.audio, voice.transcript or "", voice.mode, self.PREFIX,
+                voice.name or "", "1" if voice.anonymous else "0",
+                repr(voice.expires) if voice.expires is not None else "", repr(self.clock())]
         answer = await self._call("put", self._put_script(keys=keys, args=args))
         status = answer[0].decode() if isinstance(answer[0], bytes) else answer[0]
-        if status == "exists":
-            return []
+        if status in ("exists", "ok"):
+            return [old.decode() for old in answer[1:]]
         if status == "full_voices":
             raise Refused(ErrorKind.BUSY, f"the voice store holds {limits.max_voices} voices: delete some first")
         if status == "full_bytes":
             raise Refused(ErrorKind.BUSY, f"the voice store holds {limits.max_bytes} bytes of audio: delete some first")
-        return [old.decode() for old in answer[1:]]
+        raise AssertionError(f"the put script answered {status!r}")
 
     async def delete(self, voice: str, owner: str) -> bool:
         keys = [self._key("voice", voice), self._key("voices"), self._key("bytes")]
         who = "" if owner == ANY_OWNER else owner_key(owner)
-        return bool(await self._call("delete", self._delete_script(keys=keys, args=[voice, who, self.PREFIX])))
+        return bool(await self._call("delete", self._delete_script(keys=keys, args=[voice, who, self.PREFIX, repr(self.clock())])))
 
     async def usage(self) -> dict[str, int]:
         voices = await self._call("usage", self._redis.zcard(self._key("voices")))
@@ -474,7 +592,12 @@ def open_store(spec: str, limits: StoreLimits) -> VoiceStore:
     raise ValueError(f"unknown voice store {spec!r}: memory, dir:PATH or redis://HOST:PORT/DB")
 
 
-def new_voice(owner: str, audio: bytes, transcript: str | None, mode: str, name: str | None = None) -> StoredVoice:
+def new_voice(owner: str, audio: bytes, transcript: str | None, mode: str, name: str | None = None,
+              ttl_s: float = 0.0, clock: Callable[[], float] = time.time) -> StoredVoice:
+    """A voice to keep; an anonymous owner's expires `ttl_s` from now (0: never)."""
     made = named_voice_id(owner, name) if name else voice_id(owner, audio, transcript, mode)
+    now = clock()
+    anonymous = is_anonymous(owner)
+    expires = now + ttl_s if anonymous and ttl_s > 0 else None
     return StoredVoice(id=made, audio=audio, transcript=transcript, mode=mode, owner=owner_key(owner),
-                       created=time.time(), name=name)
+                       created=now, name=name, anonymous=anonymous, expires=expires)

@@ -10,6 +10,7 @@ import hmac
 from starlette.requests import HTTPConnection
 
 from ..service import ANY_OWNER
+from ..service.voice_store import ADDRESS_OWNER_PREFIX
 
 # A browser cannot set headers on a WebSocket: it offers the subprotocols SUBPROTOCOL and
 # BEARER_PREFIX + the token in unpadded base64url (any token, in characters a subprotocol may
@@ -91,4 +92,4 @@ def token_owner(token: str) -> str:
 def address_owner(host: str) -> str:
     """The owner a client without a token is, by its address, at every door (so one client
     speaking over several doors is one client to the fair shares)."""
-    return "address:" + host
+    return ADDRESS_OWNER_PREFIX + host

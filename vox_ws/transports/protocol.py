@@ -153,13 +153,27 @@ class VoiceDelete:
 
 
 @dataclass(frozen=True)
+class VoiceAdmin:
+    """An admin's view of every owner's voices: `list` them (of one owner, where named), or
+    `delete` one owner's. The owner is its key as listed, or a token-less client's address."""
+
+    id: str | None
+    op: str
+    owner: str | None
+    address: str | None
+
+
+VOICE_ADMIN_OPS = ("list", "delete")
+
+
+@dataclass(frozen=True)
 class Lora:
     id: str | None
     op: str
     name: str | None
 
 
-ClientMessage = Start | Chunk | End | Flush | Cancel | Voice | VoiceDelete | Lora
+ClientMessage = Start | Chunk | End | Flush | Cancel | Voice | VoiceDelete | VoiceAdmin | Lora
 
 
 # --------------------------------------------------------------------------- decoding
@@ -233,6 +247,17 @@ def parse_message(obj: dict[str, Any], limits: Limits, options: Mapping[str, Opt
             return _parse_voice(obj, limits)
         if kind == "voice_delete":
             return VoiceDelete(id=_request_id(obj), voice=_required_str(obj, "voice"))
+        if kind == "voice_admin":
+            op = _required_str(obj, "op")
+            if op not in VOICE_ADMIN_OPS:
+                raise ProtocolError(BAD_REQUEST, f"field 'op' must be one of {list(VOICE_ADMIN_OPS)}, got {op!r}")
+            admin = VoiceAdmin(id=_request_id(obj), op=op, owner=_optional(obj, "owner", str, None),
+                               address=_optional(obj, "address", str, None))
+            if admin.owner is not None and admin.address is not None:
+                raise ProtocolError(BAD_REQUEST, "name one owner: 'owner' (its key) or 'address'")
+            if op == "delete" and admin.owner is None and admin.address is None:
+                raise ProtocolError(BAD_REQUEST, "name the owner whose voices to delete: 'owner' or 'address'")
+            return admin
         if kind == "lora":
             op = _required_str(obj, "op")
             if op not in LORA_OPS:

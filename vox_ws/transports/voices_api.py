@@ -14,6 +14,12 @@ voices it registered, never another owner's:
     GET    /v1/audio/voices      {"voices": [{"id", "name", "kind", ...}], "uploaded_voices": [{"id", "name", ...}]}
     POST   /v1/audio/voices      200 {"success": true, "voice": {"id", "name", ...}}
     DELETE /v1/audio/voices/{id|name} 200 {"success": true, "voice", "deleted": true, "message"} | 404
+
+An admin (the admin token) sees and deletes every owner's voices, by the owner's key (as listed)
+or by a token-less client's address:
+
+    GET    /v1/admin/voices[?owner=KEY|?address=IP]  {"voices": [{"voice", "owner", ...}], "usage": {...}}
+    DELETE /v1/admin/voices?owner=KEY|?address=IP    200 {"owner", "deleted": [ids]}
 """
 
 from __future__ import annotations
@@ -28,10 +34,12 @@ from ..engine import Refused
 from ..service.registrations import Registration
 from ..service.voice_store import VoiceSummary
 from . import protocol as p
-from .auth import owner
+from ..service.voice_store import owner_key
+from .auth import address_owner, owner
 from .body import BodyTooLarge, read_body
-from .errors import access_refusal, error_response, refused_response
+from .errors import access_refusal, admin_refusal, error_response, refused_response
 from .multipart import MultiPartException
+from .proxies import parse_host
 from .state import ServerState, server_state
 
 log = logging.getLogger("vox_ws.voices")
@@ -178,7 +186,63 @@ async def delete(request: Request) -> Response:
     return JSONResponse(answer)
 
 
+def _admin_owner(request: Request) -> str | None | Response:
+    """The owner key an admin request names (`owner`, or `address`), None for all, or a 400."""
+    given = {k: v for k, v in request.query_params.items() if k in ("owner", "address")}
+    if set(request.query_params) - {"owner", "address"} or len(given) > 1:
+        return error_response(400, p.BAD_REQUEST, "name one owner: ?owner=KEY (as listed) or ?address=IP")
+    if "address" in given:
+        address = parse_host(given["address"])
+        if address is None:
+            return error_response(400, p.BAD_REQUEST, f"{given['address'][:64]!r} is not an IP address")
+        return owner_key(address_owner(address))
+    return given.get("owner")
+
+
+async def admin_list(request: Request) -> Response:
+    state = server_state(request)
+    refusal = access_refusal(request, state.config) or admin_refusal(request, state.config, "listing every voice")
+    if refusal is not None:
+        return refusal
+    selected = _admin_owner(request)
+    if isinstance(selected, Response):
+        return selected
+    try:
+        voices = await state.service.every_voice(selected)
+        usage = await state.service.store.usage()
+    except Refused as err:
+        return refused_response(err)
+    return JSONResponse({"voices": [admin_described(v) for v in voices], "usage": usage})
+
+
+async def admin_delete(request: Request) -> Response:
+    state = server_state(request)
+    refusal = access_refusal(request, state.config) or admin_refusal(request, state.config,
+                                                                     "deleting an owner's voices")
+    if refusal is not None:
+        return refusal
+    selected = _admin_owner(request)
+    if isinstance(selected, Response):
+        return selected
+    if selected is None:
+        return error_response(400, p.BAD_REQUEST, "name the owner whose voices to delete: ?owner=KEY or ?address=IP")
+    try:
+        deleted = await state.service.delete_voices_of(selected)
+    except Refused as err:
+        return refused_response(err)
+    return JSONResponse({"owner": selected, "deleted": deleted})
+
+
+def admin_described(voice: VoiceSummary) -> dict:
+    """A voice as an admin is shown it: its owner's key, never the owner's token or address."""
+    return {"voice": voice.id, "name": voice.name, "owner": voice.owner, "mode": voice.mode,
+            "audio_bytes": voice.audio_bytes, "created_at": int(voice.created),
+            "expires_at": int(voice.expires) if voice.expires is not None else None}
+
+
 ROUTES: list[BaseRoute] = [
+    Route("/v1/admin/voices", admin_list, methods=["GET"]),
+    Route("/v1/admin/voices", admin_delete, methods=["DELETE"]),
     Route("/v1/voices", list_voices, methods=["GET"]),
     Route("/v1/voices", register, methods=["POST"]),
     Route("/v1/voices/{voice_id}", delete, methods=["DELETE"]),
@@ -198,6 +262,8 @@ def _described(voice: VoiceSummary) -> dict:
                  "created_at": int(voice.created), "file_size": voice.audio_bytes}
     if voice.transcript:
         described["ref_text"] = voice.transcript
+    if voice.expires is not None:
+        described["expires_at"] = int(voice.expires)
     return described
 
 

@@ -27,7 +27,6 @@ import hashlib
 import importlib.metadata
 import inspect
 import logging
-import os
 import sys
 from pathlib import Path
 from typing import Any, Callable, Iterator
