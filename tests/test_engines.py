@@ -37,8 +37,8 @@ def test_built_in_engines_and_their_declarations():
 
 
 def test_auto_never_picks_a_plugin_without_priority_and_falls_back_to_the_cpu_voice(tone_registered):
-    name, why = engines.choose_auto({"device": "auto"})
-    assert name == "piper" and "not voxcpm" in why
+    name, why, notices = engines.choose_auto({"device": "auto"})
+    assert name == "piper" and "not voxcpm" in why and notices == []     # no GPU: nothing was missed
     assert engines.choose_auto({"device": "cpu"})[0] == "piper"
     with pytest.raises(ValueError, match="unknown engine 'nope'"):
         engines.create_engine("nope", {})
@@ -55,6 +55,32 @@ async def test_a_registered_engine_is_served_end_to_end(tone_registered, start_s
         assert_good_stream(result, 0.5)
         bad = await c.speak("Hi.", "u", options={"nope": 1})
         assert bad.error["code"] == "bad_request" and "options.nope" in bad.error["message"]
+
+
+async def test_a_gpu_without_weights_is_told_how_to_get_them(monkeypatch, tmp_path, start_server):
+    """This machine has no GPU: CUDA is reported present to `auto`, so that it finds a GPU and no
+    weights, serves the CPU voice, and says so in the log, `hello` and /v1/info, with the command."""
+    import httpx
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "empty-hub-cache"))
+    name, why, notices = engines.choose_auto({"device": "auto"})
+    assert name == "piper" and len(notices) == 1
+    assert "a CUDA GPU is present but VoxCPM2 is not served" in notices[0]
+    assert "`vox-ws models pull`" in notices[0]
+    assert "vox-ws models pull some/Other" in engines.choose_auto({"device": "auto", "model": "some/Other"})[2][0]
+    assert "--model" in engines.choose_auto({"device": "auto", "model": str(tmp_path / "none")})[2][0]
+
+    engine = engines.create_engine("auto", {"device": "auto"})
+    monkeypatch.undo()                     # the engine runs on this machine's CPU
+    assert engine.name == "piper" and engine.notice == notices[0]
+    server = start_server(engine)
+    async with connect_client(server) as c:
+        assert c.hello["notice"] == notices[0]
+    async with httpx.AsyncClient() as http:
+        info = (await http.get(f"http://127.0.0.1:{server.port}/v1/info")).json()
+    assert info["notice"] == notices[0]
 
 
 def test_command_line_offers_each_engines_settings_and_reads_the_environment(monkeypatch):

@@ -167,8 +167,11 @@ def build_parser() -> argparse.ArgumentParser:
     owner.add_argument("--metrics-secret", default=os.environ.get("VOX_WS_METRICS_SECRET"),
                        help="the server's --metrics-secret [env VOX_WS_METRICS_SECRET]")
 
-    from . import loadtest
+    from . import loadtest, models
 
+    models.add_arguments(commands.add_parser("models", help="VoxCPM2 weights: pull a checkpoint, list those on disk",
+                                             description=models.__doc__,
+                                             formatter_class=argparse.RawDescriptionHelpFormatter))
     bench = commands.add_parser("bench", help="load a running server and report first audio, RTF, underruns",
                                 description=loadtest.__doc__)
     loadtest.add_arguments(bench)
@@ -269,6 +272,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return asyncio.run(say.say(args))
         except KeyboardInterrupt:            # said how far it got already
             return 130
+    if args.command == "models":
+        from . import models
+
+        return models.main(args)
     if args.command == "bench":
         from . import loadtest
 

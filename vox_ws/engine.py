@@ -251,6 +251,9 @@ class Engine(ABC):
 
     name: str = "engine"
     model: str = ""
+    # What the operator should know about this choice of engine ("a GPU is present but VoxCPM2
+    # is not served: ..."), set where `auto` chose it; shown in the log, `hello` and /v1/info.
+    notice: str = ""
     device: str = "cpu"
     sample_rate: int = 0
     # How many requests one `step` call may advance together (its rows: compute); 1 means it
@@ -411,5 +414,8 @@ class Engine(ABC):
         return None
 
     def describe(self) -> dict[str, Any]:
-        return {"engine": self.name, "model": self.model, "device": self.device, "sample_rate": self.sample_rate,
-                "word_timestamps": self.word_timings}
+        described = {"engine": self.name, "model": self.model, "device": self.device,
+                     "sample_rate": self.sample_rate, "word_timestamps": self.word_timings}
+        if self.notice:
+            described["notice"] = self.notice
+        return described

@@ -422,4 +422,5 @@ def hello(state: ServerState) -> dict[str, Any]:
         "step_rows": service.devices.step_rows,
         "features": state.features(),
         "limits": state.limits.as_dict(),
+        **({"notice": engine.notice} if engine.notice else {}),
     }

@@ -74,6 +74,10 @@ class EnginePlugin:
     # yes; None: never chosen by `auto`.
     auto_priority: int | None = None
     probe: Callable[[dict[str, Any]], tuple[bool, str]] | None = None
+    # When `auto` passes over this plugin (its probe's reason given): a line for the operator
+    # if what it would serve is within reach (a GPU without weights: the command that gets
+    # them), else None. Logged, and kept on the engine that serves instead (`Engine.notice`).
+    notice: Callable[[dict[str, Any], str], str | None] | None = None
 
 
 COMMON_SETTINGS = (
@@ -116,24 +120,33 @@ def option_vocabulary(engine: Engine | None = None) -> dict[str, OptionSpec]:
 def create_engine(name: str, settings: dict[str, Any]) -> Engine:
     """Build the named engine (not loaded yet); `auto` picks one and logs why."""
     available = plugins()
+    notices: list[str] = []
     if name == "auto":
-        name, why = choose_auto(settings)
+        name, why, notices = choose_auto(settings)
         log.info("engine auto -> %s (%s)", name, why)
+        for notice in notices:
+            log.warning("%s", notice)
     plugin = available.get(name)
     if plugin is None:
         why = f": {_unavailable[name]}" if name in _unavailable else ""
         raise ValueError(f"unknown engine {name!r}{why} (choose from auto, {', '.join(sorted(available))})")
-    return plugin.create(settings)
+    engine = plugin.create(settings)
+    engine.notice = " ".join(notices)
+    return engine
 
 
-def choose_auto(settings: dict[str, Any]) -> tuple[str, str]:
-    reasons = []
+def choose_auto(settings: dict[str, Any]) -> tuple[str, str, list[str]]:
+    """(the plugin `auto` takes, why, the notices of those it passed over)."""
+    reasons, notices = [], []
     candidates = [p for p in plugins().values() if p.auto_priority is not None]
     for plugin in sorted(candidates, key=lambda p: -p.auto_priority):
         ok, why = plugin.probe(settings) if plugin.probe else (True, "available")
         if ok:
-            return plugin.name, "; ".join(reasons + [why])
+            return plugin.name, "; ".join(reasons + [why]), notices
         reasons.append(f"not {plugin.name}: {why}")
+        notice = plugin.notice(settings, why) if plugin.notice else None
+        if notice:
+            notices.append(notice)
     raise ValueError("no engine can run here: " + "; ".join(reasons))
 
 

@@ -47,7 +47,8 @@ def parse_buckets(text: str) -> tuple[int, ...]:
 
 SETTINGS = (
     Setting("model", str, None, "VoxCPM checkpoint directory or hub id (offline: from the local HF cache)"),
-    Setting("optimize", parse_bool, False, "torch.compile the model where it works (CUDA)"),
+    Setting("optimize", parse_bool, False, "refused: the package's own torch.compile, of a loop vox-ws does not run "
+                                           "(see --compile)"),
     Setting("load-denoiser", parse_bool, False,
             "load the ZipEnhancer denoiser (needs modelscope and its weights)"),
     Setting("step-rows", parse_count, "auto", "rows one step carries at most (compute), below --max-batch's slots (memory): "
@@ -104,6 +105,24 @@ def _probe(settings: dict[str, Any]) -> tuple[bool, str]:
     return True, f"GPU and weights for {model!r} available"
 
 
+def _notice(settings: dict[str, Any], why: str) -> str | None:
+    """Where a CUDA GPU is present but VoxCPM2 is not served: why, and what fixes it."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    if not torch.cuda.is_available():
+        return None
+    model = settings.get("model") or DEFAULT_MODEL
+    if "not found locally" in why:
+        fix = ("run `vox-ws models pull`, then start again" if model == DEFAULT_MODEL
+               else f"run `vox-ws models pull {model}`, then start again" if "/" in model and not model.startswith(("/", "."))
+               else "pass --model with a VoxCPM2 checkpoint directory (`vox-ws models list` shows what is on disk)")
+    else:
+        fix = "see the log line above for why (README, \"VoxCPM2 on a GPU\")"
+    return f"a CUDA GPU is present but VoxCPM2 is not served ({why}): {fix}"
+
+
 PLUGIN = EnginePlugin(
     name="voxcpm",
     summary="OpenBMB VoxCPM2 (48 kHz, voice cloning, LoRA), batched across streams",
@@ -112,4 +131,5 @@ PLUGIN = EnginePlugin(
     settings=SETTINGS,
     auto_priority=10,
     probe=_probe,
+    notice=_notice,
 )

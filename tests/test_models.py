@@ -1,0 +1,153 @@
+"""`vox-ws models pull` and `list` against a real hub-compatible server on loopback: Olah (a
+self-hosted Hugging Face mirror from PyPI) serving a local git repository of the tiny VoxCPM2,
+offline. The pulled checkpoint is then loaded by the engine, as `vox-ws serve` would."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from vox_ws.models import check
+
+pytestmark = pytest.mark.packaging
+
+ROOT = Path(__file__).resolve().parent.parent
+# scripts/test.sh installs Olah in a venv of its own: its web stack is pinned apart from ours.
+OLAH = ROOT / ".venv-hub" / "bin" / "olah-cli"
+
+
+def _git(cwd: Path, *args: str) -> None:
+    subprocess.run(["git", "-c", "user.email=t@example.com", "-c", "user.name=test", *args], cwd=cwd, check=True,
+                   capture_output=True)
+
+
+@pytest.fixture(scope="module")
+def hub(tmp_path_factory):
+    """The hub's address; it serves openbmb/VoxCPM2 (main, and a tag `v2` with a changed
+    config) and nothing else."""
+    from vox_ws.testing.tiny_voxcpm import build
+
+    if not OLAH.exists():
+        pytest.fail(f"{OLAH} missing: scripts/test.sh installs it (Olah, the hub mirror)")
+    root = tmp_path_factory.mktemp("hub")
+    repo = build(root / "mirrors" / "models" / "openbmb" / "VoxCPM2")
+    _git(repo, "init", "-q", "-b", "main")
+    _git(repo, "add", "-A")
+    _git(repo, "commit", "-qm", "tiny VoxCPM2")
+    config = json.loads((repo / "config.json").read_text())
+    config["max_length"] = 4096
+    (repo / "config.json").write_text(json.dumps(config, indent=2))
+    _git(repo, "commit", "-qam", "max_length 4096")
+    _git(repo, "tag", "v2")
+    _git(repo, "reset", "-q", "--hard", "HEAD~1")           # main: the first commit
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    (root / "olah.toml").write_text(f"""
+[basic]
+host = "127.0.0.1"
+port = {port}
+mirror-netloc = "127.0.0.1:{port}"
+mirror-lfs-netloc = "127.0.0.1:{port}"
+repos-path = "{root / 'repos'}"
+mirrors-path = ["{root / 'mirrors'}"]
+[accessibility]
+offline = true
+""")
+    process = subprocess.Popen([str(OLAH), "-c", "olah.toml"], cwd=root, stdout=subprocess.DEVNULL,
+                               stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert process.poll() is None, "the hub mirror exited"
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                assert time.monotonic() < deadline, "the hub mirror never listened"
+                time.sleep(0.1)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        process.terminate()
+        try:
+            process.wait(10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def _vox_ws(hub: str, home: Path, *args: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
+    env.update(HF_ENDPOINT=hub, HF_HOME=str(home))
+    return subprocess.run([sys.executable, "-m", "vox_ws", "models", *args], env=env, capture_output=True,
+                          text=True, timeout=300)
+
+
+def test_a_pulled_model_is_listed_and_served_from_the_cache(hub, tmp_path, monkeypatch):
+    home = tmp_path / "hf"
+    empty = _vox_ws(hub, home, "list")
+    assert empty.returncode == 0 and "no checkpoints on disk" in empty.stdout and "models pull" in empty.stdout
+
+    pulled = _vox_ws(hub, home, "pull")
+    assert pulled.returncode == 0, pulled.stderr
+    assert "serve it on a GPU with: vox-ws serve\n" in pulled.stdout
+    listed = json.loads(_vox_ws(hub, home, "list", "--json").stdout)
+    assert [(c["name"], c["ok"]) for c in listed] == [("openbmb/VoxCPM2", True)]
+
+    # The server's own offline resolution finds it, and the engine loads it (checks included).
+    from vox_ws.engines.voxcpm.engine import VoxCPMEngine
+    from vox_ws.engines.voxcpm.loading import resolve_model_path
+
+    monkeypatch.setenv("HF_HOME", str(home))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(home / "hub"))
+    assert resolve_model_path("openbmb/VoxCPM2") == Path(listed[0]["path"])
+    engine = VoxCPMEngine(model="openbmb/VoxCPM2", device="cpu", max_batch=1, compile="off")
+    try:
+        engine.load()
+        assert engine.architecture == "voxcpm2" and engine.sample_rate == 48000
+    finally:
+        engine.close()
+
+    # A second pull finds everything there already.
+    assert _vox_ws(hub, home, "pull").returncode == 0
+
+
+def test_a_revision_into_a_directory_and_the_errors(hub, tmp_path):
+    home, target = tmp_path / "hf", tmp_path / "VoxCPM2-v2"
+    pulled = _vox_ws(hub, home, "pull", "openbmb/VoxCPM2", "--revision", "v2", "--dir", str(target))
+    assert pulled.returncode == 0, pulled.stderr
+    assert f"vox-ws serve --model {target}" in pulled.stdout
+    assert json.loads((target / "config.json").read_text())["max_length"] == 4096
+    listed = json.loads(_vox_ws(hub, home, "list", "--dir", str(target), "--json").stdout)
+    assert [(c["path"], c["ok"]) for c in listed] == [(str(target), True)]
+
+    missing = _vox_ws(hub, home, "pull", "nobody/NoSuchModel")
+    assert missing.returncode == 1 and "nobody/NoSuchModel" in missing.stderr
+    offline = subprocess.run([sys.executable, "-m", "vox_ws", "models", "pull"], capture_output=True, text=True,
+                             env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert offline.returncode == 2 and "HF_HUB_OFFLINE" in offline.stderr
+
+
+def test_what_keeps_a_checkpoint_from_loading_is_named(tiny_model, tmp_path):
+    assert check(tiny_model) == []
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_model, broken)
+    weights = broken / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])             # an interrupted download
+    (broken / "tokenizer.json").unlink()
+    problems = check(broken)
+    assert any("model.safetensors unreadable" in p and "resumes" in p for p in problems), problems
+    assert any("no tokenizer" in p for p in problems), problems
+    config = json.loads((tiny_model / "config.json").read_text())
+    (broken / "config.json").write_text(json.dumps({**config, "architecture": "voxcpm"}))
+    assert any("serves VoxCPM2 only" in p for p in check(broken))
+    assert check(tmp_path / "nothing") == ["no config.json"]

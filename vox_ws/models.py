@@ -1,0 +1,166 @@
+"""VoxCPM2 weights on disk: `vox-ws models pull` fetches a checkpoint, `vox-ws models list` shows
+what is here and whether the engine can load each.
+
+The server itself never downloads (it loads from a directory or the local Hugging Face cache,
+offline), so a start never waits on a network or fails halfway through a download. The pull
+is huggingface_hub's snapshot download: resumable, with a progress bar, honouring `HF_ENDPOINT`
+(a mirror), `HF_TOKEN` and the hub cache (`HF_HOME`, `HF_HUB_CACHE`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .engines.voxcpm.loading import DEFAULT_MODEL
+
+WEIGHTS = ("model.safetensors", "pytorch_model.bin")
+VAE_WEIGHTS = ("audiovae.safetensors", "audiovae.pth")
+TOKENIZER = ("tokenizer.json", "tokenizer.model")
+
+
+@dataclass
+class Checkpoint:
+    """A checkpoint directory and what keeps the engine from loading it (nothing: it can)."""
+
+    path: Path
+    name: str                      # the hub id, or the directory
+    revision: str = ""             # the hub commit, for one from the cache
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def as_dict(self) -> dict[str, object]:
+        return {"name": self.name, "path": str(self.path), "revision": self.revision, "ok": self.ok,
+                "problems": self.problems}
+
+
+def check(path: Path) -> list[str]:
+    """What keeps the VoxCPM2 engine from loading this directory, in its own words; the weights'
+    names are checked against the model at load (`loading.verify_weights`)."""
+    problems = []
+    try:
+        config = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return ["no config.json"]
+    except (OSError, ValueError) as exc:
+        return [f"config.json unreadable ({type(exc).__name__}: {exc})"]
+    if not isinstance(config, dict):
+        return ["config.json is not a JSON object"]
+    arch = str(config.get("architecture", "voxcpm")).lower()
+    if arch != "voxcpm2":
+        problems.append(f"a {arch!r} checkpoint: the batched engine serves VoxCPM2 only")
+    for what, names in (("model weights", WEIGHTS), ("audio VAE weights", VAE_WEIGHTS), ("tokenizer", TOKENIZER)):
+        present = [name for name in names if (path / name).is_file()]
+        if not present:
+            problems.append(f"no {what} ({' or '.join(names)})")
+        elif present[0].endswith(".safetensors"):
+            problems.extend(_safetensors_problems(path / present[0]))
+    return problems
+
+
+def _safetensors_problems(file: Path) -> list[str]:
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(file), framework="numpy") as f:
+            if not list(f.keys()):
+                return [f"{file.name} holds no tensors"]
+    except Exception as exc:  # noqa: BLE001 - a truncated or foreign file, in any of its ways
+        return [f"{file.name} unreadable ({type(exc).__name__}: {exc}); an interrupted pull resumes when run again"]
+    return []
+
+
+def pull(repo: str = DEFAULT_MODEL, revision: str | None = None, directory: str | None = None) -> Path:
+    """Download `repo` at `revision` into the hub cache, or into `directory`; returns its path."""
+    from huggingface_hub import snapshot_download
+
+    return Path(snapshot_download(repo_id=repo, revision=revision, local_dir=directory))
+
+
+def on_disk(directories: list[str]) -> list[Checkpoint]:
+    """Every checkpoint in the hub cache, and each directory given that is one or holds some."""
+    found = []
+    try:
+        from huggingface_hub import scan_cache_dir
+
+        cache = scan_cache_dir()
+    except Exception:  # noqa: BLE001 - no cache yet (CacheNotFound), or one unreadable
+        cache = None
+    if cache is not None:
+        for repo in sorted(cache.repos, key=lambda r: r.repo_id):
+            if repo.repo_type != "model":
+                continue
+            for revision in sorted(repo.revisions, key=lambda r: r.last_modified, reverse=True):
+                path = Path(revision.snapshot_path)
+                if (path / "config.json").exists():
+                    found.append(Checkpoint(path, repo.repo_id, revision.commit_hash, check(path)))
+    for directory in directories:
+        root = Path(directory).expanduser()
+        candidates = [root] if (root / "config.json").exists() else sorted(
+            p for p in root.iterdir() if (p / "config.json").exists()) if root.is_dir() else []
+        if not candidates:
+            found.append(Checkpoint(root, str(root), "", ["no checkpoint here (no config.json)"]))
+        found.extend(Checkpoint(p, str(p), "", check(p)) for p in candidates)
+    return found
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    commands = parser.add_subparsers(dest="models_command", required=True)
+    get = commands.add_parser("pull", help="download a VoxCPM2 checkpoint (resumable; HF_ENDPOINT for a mirror)")
+    get.add_argument("repo", nargs="?", default=DEFAULT_MODEL, help=f"hub id (default {DEFAULT_MODEL})")
+    get.add_argument("--revision", help="a branch, tag or commit (default: main)")
+    get.add_argument("--dir", help="download into this directory instead of the hub cache (then serve "
+                                   "with --model DIR)")
+    show = commands.add_parser("list", help="the checkpoints on disk and whether the engine can load each")
+    show.add_argument("--dir", action="append", default=[], help="also look here (a checkpoint, or a folder of them)")
+    show.add_argument("--json", action="store_true", help="one JSON document")
+
+
+def main(args: argparse.Namespace) -> int:
+    if args.models_command == "pull":
+        return _pull(args)
+    checkpoints = on_disk(args.dir)
+    if args.json:
+        print(json.dumps([c.as_dict() for c in checkpoints], indent=2))
+        return 0
+    if not checkpoints:
+        print(f"no checkpoints on disk (hub cache: {_hub_cache()}); `vox-ws models pull` fetches {DEFAULT_MODEL}")
+        return 0
+    for c in checkpoints:
+        where = f"{c.name}@{c.revision[:10]}" if c.revision else c.name
+        verdict = "ok" if c.ok else "cannot load: " + "; ".join(c.problems)
+        print(f"{where}\n    {c.path}\n    {verdict}")
+    return 0
+
+
+def _pull(args: argparse.Namespace) -> int:
+    if os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on"):
+        print("vox-ws models pull: HF_HUB_OFFLINE is set, so nothing can be downloaded; unset it", file=sys.stderr)
+        return 2
+    try:
+        path = pull(args.repo, args.revision, args.dir)
+    except Exception as exc:  # noqa: BLE001 - the hub's errors (not found, gated, network) say what went wrong
+        print(f"vox-ws models pull: {args.repo}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    problems = check(path)
+    if problems:
+        print(f"{args.repo} downloaded to {path}, but the engine cannot load it: {'; '.join(problems)}",
+              file=sys.stderr)
+        return 1
+    serve = "vox-ws serve" if args.dir is None and args.repo == DEFAULT_MODEL and not args.revision else (
+        f"vox-ws serve --model {path}" if args.dir or args.revision else f"vox-ws serve --model {args.repo}")
+    print(f"{args.repo} is in {path}\nserve it on a GPU with: {serve}")
+    return 0
+
+
+def _hub_cache() -> str:
+    from huggingface_hub import constants
+
+    return str(constants.HF_HUB_CACHE)
