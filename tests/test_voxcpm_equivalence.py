@@ -111,3 +111,18 @@ def test_prompt_positions_count_what_build_prompt_builds(tiny_model, wavs):
         for text in ("Hi.", "A longer sentence, with a clause.", "你好，世界。"):
             prompt = build_prompt(model, text, cache)
             assert prompt_positions(model, text, cache) == (prompt.text_tokens.shape[0], prompt.target_tokens)
+
+
+def test_a_residual_lm_with_rotary_embeddings_matches_the_package_too(tmp_path):
+    """The released model's residual LM has no rotary embeddings (the tiny model follows it);
+    checkpoints whose residual LM has them take the step's other path, checked here."""
+    from benchmarks.equivalence import compare
+    from vox_ws.testing.tiny_voxcpm import build
+
+    torch.set_num_threads(1)
+    model = build(tmp_path / "rope", stop="never", residual_rope=True)
+    assert import_voxcpm().VoxCPM.from_pretrained(str(model), load_denoiser=False, optimize=False,
+                                                  device="cpu").tts_model.residual_lm.rope_emb is not None
+    (tmp_path / "work").mkdir()
+    result = compare(str(model), "cpu", tmp_path / "work", decode_process=False)
+    assert result["equal"] and result["max_batch"] == 4, result["max_abs_diff"]

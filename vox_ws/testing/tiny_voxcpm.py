@@ -2,7 +2,9 @@
 
 `tiny` (~2 MB, built in about a second on a CPU) serves the tests and the CPU benchmark;
 `real` has the released model's layer sizes (random weights, several GB) and is only for
-timing on a GPU. Both keep the real model's audio geometry: 48 kHz output, 4 latent frames per
+timing on a GPU. Both have the released configuration's structure (`RELEASED`: muP scales, a
+residual LM without rotary embeddings); `real` also its 12 + 12 local layers, vocabulary of
+73,448 and 32,768 positions. Both keep the real model's audio geometry: 48 kHz output, 4 latent frames per
 generation step, 7680 samples (160 ms) per chunk.
 
     python -m vox_ws.testing.tiny_voxcpm OUT_DIR [--size tiny|real] [--stop never|always|random]
@@ -58,30 +60,40 @@ SIZES = {
                  enc_hidden=64, enc_ffn=128, enc_heads=4, enc_layers=1, dit_hidden=64, dit_ffn=128, dit_heads=4,
                  dit_layers=1, feat_dim=16, fsq_dim=32, vae_enc_dim=8, vae_dec_dim=64, cond_dim=32, max_len=1024),
     "real": dict(head_dim=128, lm_hidden=2048, lm_ffn=6144, lm_heads=16, lm_kv_heads=2, lm_layers=28, res_layers=8,
-                 enc_hidden=1024, enc_ffn=4096, enc_heads=16, enc_layers=8, dit_hidden=1024, dit_ffn=4096,
-                 dit_heads=16, dit_layers=8, feat_dim=64, fsq_dim=512, vae_enc_dim=128, vae_dec_dim=2048,
-                 cond_dim=128, max_len=8192),
+                 enc_hidden=1024, enc_ffn=4096, enc_heads=16, enc_layers=12, dit_hidden=1024, dit_ffn=4096,
+                 dit_heads=16, dit_layers=12, feat_dim=64, fsq_dim=512, vae_enc_dim=128, vae_dec_dim=2048,
+                 cond_dim=128, max_len=8192, positions=32768, vocab=73448),
 }
 
 
-def make_config(size: str, vocab_size: int, dtype: str) -> dict:
+# The published VoxCPM2 configuration's structure, at every size: muP scales, a residual LM
+# without rotary embeddings (its decode step reads no positions), cfg 2.0 in its examples.
+RELEASED = dict(use_mup=True, scale_emb=12.0, scale_depth=1.4, dim_model_base=256, residual_lm_no_rope=True)
+
+
+def make_config(size: str, vocab_size: int, dtype: str, residual_rope: bool = False) -> dict:
+    """`residual_rope`: a residual LM with rotary embeddings, as VoxCPM2 checkpoints may have
+    (`residual_lm_no_rope: false`), unlike the released one."""
     s = SIZES[size]
     hd = s["head_dim"]
+    positions = s.get("positions", s["max_len"])
+    vocab_size = max(vocab_size, s.get("vocab", 0))
     return {
         "architecture": "voxcpm2",
         "lm_config": {
             "bos_token_id": 1, "eos_token_id": 2, "hidden_size": s["lm_hidden"], "intermediate_size": s["lm_ffn"],
-            "max_position_embeddings": s["max_len"], "num_attention_heads": s["lm_heads"],
+            "max_position_embeddings": positions, "num_attention_heads": s["lm_heads"],
             "num_hidden_layers": s["lm_layers"], "num_key_value_heads": s["lm_kv_heads"], "rms_norm_eps": 1e-5,
             "rope_scaling": {"type": "longrope", "long_factor": [1.0] * (hd // 2), "short_factor": [1.0] * (hd // 2),
-                             "original_max_position_embeddings": s["max_len"]},
-            "vocab_size": vocab_size, "use_mup": False, "scale_emb": 1.0, "dim_model_base": 256, "scale_depth": 1.0,
+                             "original_max_position_embeddings": positions},
+            "vocab_size": vocab_size, "use_mup": RELEASED["use_mup"], "scale_emb": RELEASED["scale_emb"],
+            "dim_model_base": RELEASED["dim_model_base"], "scale_depth": RELEASED["scale_depth"],
             "rope_theta": 10000.0, "kv_channels": hd,
         },
         "patch_size": 4,
         "feat_dim": s["feat_dim"],
         "residual_lm_num_layers": s["res_layers"],
-        "residual_lm_no_rope": False,
+        "residual_lm_no_rope": RELEASED["residual_lm_no_rope"] and not residual_rope,
         "scalar_quantization_latent_dim": s["fsq_dim"],
         "scalar_quantization_scale": 9,
         "encoder_config": {"hidden_dim": s["enc_hidden"], "ffn_dim": s["enc_ffn"], "num_heads": s["enc_heads"],
@@ -105,11 +117,12 @@ def make_config(size: str, vocab_size: int, dtype: str) -> dict:
 
 
 def build(out_dir: str | os.PathLike, size: str = "tiny", stop: str = "never", seed: int = 0,
-          dtype: str = "float32") -> Path:
+          dtype: str = "float32", residual_rope: bool = False) -> Path:
     """Write a random-weight checkpoint to `out_dir` and return its path.
 
     stop: `never` runs every request to its length cap (deterministic lengths for tests),
     `always` stops right after min_len, `random` keeps the random stop head.
+    residual_rope: the residual LM with rotary embeddings (the released model has none).
     """
     import torch
     from safetensors.torch import save_file
@@ -124,7 +137,7 @@ def build(out_dir: str | os.PathLike, size: str = "tiny", stop: str = "never", s
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
-    config_dict = make_config(size, _write_tokenizer(out, SIZES[size]["max_len"]), dtype)
+    config_dict = make_config(size, _write_tokenizer(out, SIZES[size]["max_len"]), dtype, residual_rope)
     (out / "config.json").write_text(json.dumps(config_dict, indent=2))
     config = VoxCPMConfig.model_validate(config_dict)
     vae = AudioVAEV2(config=AudioVAEConfigV2.model_validate(config_dict["audio_vae_config"]))
@@ -156,9 +169,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--stop", choices=["never", "always", "random"], default="never")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    ap.add_argument("--residual-rope", action="store_true",
+                    help="a residual LM with rotary embeddings (the released VoxCPM2 has none)")
     args = ap.parse_args(argv)
     started = time.perf_counter()
-    out = build(args.out_dir, args.size, args.stop, args.seed, args.dtype)
+    out = build(args.out_dir, args.size, args.stop, args.seed, args.dtype, args.residual_rope)
     size = sum(f.stat().st_size for f in out.iterdir())
     print(f"{args.size} VoxCPM2 written to {out}: {size / 1e6:.1f} MB in {time.perf_counter() - started:.1f}s",
           file=sys.stderr)

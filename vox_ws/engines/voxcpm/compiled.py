@@ -70,7 +70,10 @@ def velocity(cfm: nn.Module, x: torch.Tensor, mu_in: torch.Tensor, t_in: torch.T
     out = cfm.estimator(torch.cat([x, x]), mu_in, t_in, cond_in, dt_in)
     positive, negative = out[:b], out[b:]
     st_star = cfm.optimized_scale(positive.reshape(b, -1), negative.reshape(b, -1)).view(b, 1, 1)
-    return negative * st_star + cfg.view(b, 1, 1) * (positive - negative * st_star)
+    # `cfg` is float32 whatever the model's dtype, as the package's Python float is (2.2 in
+    # bfloat16 would be 2.203125): the product is taken in float32 and rounded once, as there.
+    guided = (cfg.view(b, 1, 1) * (positive - negative * st_star)).to(positive.dtype)
+    return negative * st_star + guided
 
 
 def encode(model: nn.Module, pred_feat: torch.Tensor) -> torch.Tensor:
@@ -187,7 +190,7 @@ class CompiledStep:
             mu = torch.zeros(rows, hidden, device=device, dtype=dtype)
             cond = torch.zeros(rows, m.feat_dim, m.patch_size, device=device, dtype=dtype)
             noise = torch.randn(rows, m.feat_dim, m.patch_size, device=device, dtype=dtype)
-            cfg = torch.full((rows,), 2.0, device=device, dtype=dtype)
+            cfg = torch.full((rows,), 2.0, device=device, dtype=torch.float32)
             solved = solve(mu, cond, noise, WARM_UP_TIMESTEPS, cfg, [NO_ADAPTER] * rows)
             # Position 1 of 0..1: a length of 2, as no real step has less (a symbolic size is
             # specialised for 0 and 1).

@@ -23,6 +23,7 @@ from .adapters import Adapter, AdapterBook, AdapterFile
 from . import COMPILE_MODES
 from .decoder_process import DecoderProcess
 from .compiled import BUCKETS, CompiledStep, buckets_for, warm_compiler
+from .kv import attention_kernel
 from .normalizer import NORMALIZE_TIMEOUT_S, Normalizer
 from .options import DEFAULTS, OPTIONS
 from .prompt import build_prompt, clean_text, prompt_positions
@@ -76,7 +77,13 @@ class VoxCPMEngine(Engine):
             self.max_step_batch = step_rows or 1     # until `load` sizes both
         self._slots_reason = "--max-batch" + (" and --step-rows" if step_rows is not None else "")
         self._threads = threads
-        self._optimize = optimize
+        if optimize:
+            # Refused before minutes of loading: the package's optimize compiles its own
+            # one-request loop, which vox-ws never runs, and renames the weights it wraps
+            # (`_orig_mod.*`), which the load's check then cannot match.
+            raise ValueError("--optimize compiles the voxcpm package's own one-request loop, which vox-ws does not "
+                             "run; use --compile auto (the default: on with CUDA) or --compile on, which compiles "
+                             "vox-ws's batched step")
         self._load_denoiser = load_denoiser
         self._voices_dir = Path(voices_dir) if voices_dir else None
         self._lora_rank = lora_rank
@@ -99,6 +106,7 @@ class VoxCPMEngine(Engine):
         self._normalizer = Normalizer(normalize_timeout)
         self.dtype = ""
         self.architecture = ""
+        self.attention = ""        # the SDPA kernel the decode attention runs on (`kv.attention_kernel`)
 
     @property
     def lora(self) -> dict[str, Any]:
@@ -146,7 +154,7 @@ class VoxCPMEngine(Engine):
                    if wants_decode_process(expected.split(":")[0]) else None)
         try:
             self.tts = voxcpm.VoxCPM.from_pretrained(
-                str(path), load_denoiser=self._load_denoiser, optimize=self._optimize,
+                str(path), load_denoiser=self._load_denoiser, optimize=False,
                 device=None if self.device == "auto" else self.device, lora_config=lora_config,
             )
             model = self.tts.tts_model
@@ -155,6 +163,8 @@ class VoxCPMEngine(Engine):
                 self._lora = self._adapter_slots(model)
             self.device = str(model.device)
             self.dtype = str(model.config.dtype)
+            self.attention = attention_kernel(model.base_lm, model.device, model._dtype())
+            log.info("decode attention: SDPA's %s kernel (%s, %s)", self.attention, self.device, self.dtype)
             self.sample_rate = int(model.sample_rate)
             self.voice_sample_rate = int(model._encode_sample_rate)
             if self._slots is None:
@@ -293,7 +303,7 @@ class VoxCPMEngine(Engine):
 
     def describe(self) -> dict[str, Any]:
         compiled = self.compiled
-        return {**super().describe(), "dtype": self.dtype, "lora": self.lora,
+        return {**super().describe(), "dtype": self.dtype, "attention": self.attention, "lora": self.lora,
                 "max_batch": self._slots, "step_rows": self.max_step_batch,
                 "compile": {"mode": self._compile, "compiled": compiled is not None,
                             "buckets": list(compiled.buckets) if compiled else [],

@@ -77,12 +77,51 @@ def lm_step(lm: nn.Module, cache_k: list[torch.Tensor], cache_v: list[torch.Tens
         layer_k[slots, :, positions] = k[:, :, 0]
         layer_v[slots, :, positions] = v[:, :, 0]
         keys, values = layer_k[slots, :, :length], layer_v[slots, :, :length]
-        out = F.scaled_dot_product_attention(q.contiguous(), keys, values, attn_mask=mask, enable_gqa=True)
-        out = attn.o_proj(out.transpose(1, 2).reshape(batch, attn.num_heads * attn.head_dim))
+        out = attend(q, keys, values, mask)
+        out = attn.o_proj(out.reshape(batch, attn.num_heads * attn.head_dim))
         hidden = residual + _depth_scaled(layer, out)
         residual = hidden
         hidden = residual + _depth_scaled(layer, layer.mlp(layer.post_attention_layernorm(hidden)))
     return lm.norm(hidden)
+
+
+def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """One decode position's attention with grouped heads, in the form fast kernels take.
+
+    q [B, H, 1, D]; keys, values [B, KV, L, D] (KV heads, each serving H / KV query heads, as
+    `enable_gqa` pairs them: query head h reads KV head h // (H / KV)); mask [B, 1, 1, L].
+    -> [B, H, D]. The query heads of each KV head are folded into the query length, so the
+    head counts are equal and K/V are read once, not repeated per query head: the
+    memory-efficient kernel takes a mask only with equal head counts, and FlashAttention takes
+    none (`enable_gqa` with a mask leaves only the math kernel, with K/V repeated in memory)."""
+    batch, heads, _, dim = q.shape
+    kv_heads = keys.shape[1]
+    grouped = q.reshape(batch, kv_heads, heads // kv_heads, dim)
+    return F.scaled_dot_product_attention(grouped, keys, values, attn_mask=mask).reshape(batch, heads, dim)
+
+
+def attention_kernel(lm: nn.Module, device: Any, dtype: torch.dtype) -> str:
+    """The SDPA kernel `attend` runs on for this LM, device and dtype: the first of PyTorch's own
+    order of preference (flash, memory-efficient, math) that takes its inputs."""
+    import warnings
+
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    cfg = lm.config
+    heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+    head_dim = cfg.kv_channels or cfg.hidden_size // heads
+    q = torch.zeros(2, heads, 1, head_dim, device=device, dtype=dtype)
+    keys = torch.zeros(2, kv_heads, 16, head_dim, device=device, dtype=dtype)
+    mask = torch.ones(2, 1, 1, 16, device=device, dtype=torch.bool)
+    for backend in (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH):
+        try:
+            with warnings.catch_warnings(), sdpa_kernel([backend]):
+                warnings.simplefilter("ignore")     # each kernel that declines says why
+                attend(q, keys, keys, mask)
+        except RuntimeError:
+            continue
+        return backend.name.lower()
+    return "none"
 
 
 def _rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

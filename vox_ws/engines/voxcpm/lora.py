@@ -29,6 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .transfer import to_device
+
 NO_ADAPTER = -1
 
 
@@ -56,8 +58,8 @@ class RowAdapters:
             if len(used) == 1 and not gathered:
                 self.single = slots[0]
             else:
-                self.row_slots = torch.tensor([self.slots if s == NO_ADAPTER else s for s in slots],
-                                              dtype=torch.long).to(self._device)
+                self.row_slots = to_device([self.slots if s == NO_ADAPTER else s for s in slots],
+                                           torch.device(self._device))
         try:
             yield
         finally:

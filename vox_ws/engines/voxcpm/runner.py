@@ -39,6 +39,7 @@ from .compiled import CompiledStep, advance, padded, velocity
 from .kv import SlotKV, key_positions
 from .lora import NO_ADAPTER, RowAdapters
 from .prompt import Prompt
+from .transfer import to_device
 from .vae import BatchedStreamingVAE, fold_weight_norm
 
 # Same sway-sampling and CFG-zero* settings as UnifiedCFM.forward's defaults.
@@ -314,12 +315,12 @@ class BatchedVoxCPM2:
         dit_hidden = torch.cat((m.lm_to_dit_proj(lm_hidden), m.res_to_dit_proj(residual_hidden)), dim=-1)
         pred_feat = torch.empty_like(cond)
         for timesteps, index in _groups(rows, lambda r: r.timesteps):
-            idx = torch.tensor(index, device=self.device)
+            idx = to_device(index, self.device)
             noise = torch.cat([
                 torch.randn((1, m.feat_dim, m.patch_size), generator=rows[i].generator, device=self.device,
                             dtype=self.dtype) for i in index
             ])
-            cfg = torch.tensor([rows[i].cfg_value for i in index], device=self.device, dtype=self.dtype)
+            cfg = to_device([rows[i].cfg_value for i in index], self.device, torch.float32)
             solved = self.solve(dit_hidden[idx], cond[idx].transpose(1, 2).contiguous(), noise, timesteps, cfg,
                                 [rows[i].adapter for i in index])
             pred_feat[idx] = solved.transpose(1, 2)                            # [b, P, D]
@@ -368,8 +369,8 @@ class BatchedVoxCPM2:
     def _advance(self, rows: list[RowState], pred_feat: torch.Tensor, lm_hidden: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """`compiled.advance` for these rows: stop flags, and both LMs' next hidden states."""
-        slots = torch.tensor([r.slot for r in rows], device=self.device)
-        positions = torch.tensor([r.position for r in rows], device=self.device)
+        slots = to_device([r.slot for r in rows], self.device)
+        positions = to_device([r.position for r in rows], self.device)
         keys_at = key_positions([r.position for r in rows], self.device)
         adapters = [r.adapter for r in rows]
         if self.compiled is None:

@@ -1,0 +1,99 @@
+"""The decode step's pieces in the form a GPU wants, each equal to what it replaced: the
+attention with grouped heads folded into the query length, `cfg` kept in float32 as the package
+keeps it, the step's small inputs copied without blocking; and the released model's structure
+in the model the tests build."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from vox_ws.engines.voxcpm.kv import attend, attention_kernel
+from vox_ws.engines.voxcpm.loading import import_voxcpm
+from vox_ws.engines.voxcpm.runner import _cfm_solve
+from vox_ws.engines.voxcpm.transfer import to_device
+
+
+def test_the_folded_attention_equals_the_grouped_query_call_it_replaced():
+    """Rows at different lengths (the mask), 8 query heads per KV head as the released LM has."""
+    torch.manual_seed(0)
+    batch, heads, kv_heads, dim, length = 5, 16, 2, 32, 40
+    q = torch.randn(batch, heads, 1, dim)
+    keys, values = torch.randn(batch, kv_heads, length, dim), torch.randn(batch, kv_heads, length, dim)
+    lengths = torch.tensor([1, 7, 40, 23, 2])
+    mask = (torch.arange(length).view(1, -1) < lengths.view(-1, 1)).view(batch, 1, 1, length)
+    before = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
+    after = attend(q, keys, values, mask)
+    assert after.shape == (batch, heads, dim)
+    torch.testing.assert_close(after, before.view(batch, heads, dim), rtol=1e-5, atol=1e-6)
+    # A query head reads its own KV head: swapping the KV heads changes every row.
+    assert not torch.allclose(attend(q, keys.flip(1), values.flip(1), mask), after)
+
+
+def test_the_kernel_the_attention_runs_on_is_named(tiny_model):
+    model = import_voxcpm().VoxCPM.from_pretrained(str(tiny_model), load_denoiser=False, optimize=False,
+                                                   device="cpu").tts_model
+    # On a CPU, PyTorch's flash kernel for CPUs takes a mask; on a GPU the fold lets the
+    # memory-efficient kernel take it (the device check records which).
+    assert attention_kernel(model.base_lm, torch.device("cpu"), torch.float32) == "flash_attention"
+
+
+def test_cfg_is_applied_in_float32_as_the_package_applies_it(tmp_path):
+    """A bfloat16 model's CFM solve at cfg 2.2 equals the package's bit for bit; the same
+    guidance in bfloat16 (2.203125) would not."""
+    from vox_ws.testing.tiny_voxcpm import build
+
+    tts = import_voxcpm().VoxCPM.from_pretrained(str(build(tmp_path / "bf16", dtype="bfloat16")),
+                                                 load_denoiser=False, optimize=False, device="cpu")
+    cfm = tts.tts_model.feat_decoder
+    dtype = next(cfm.parameters()).dtype
+    assert dtype == torch.bfloat16
+    torch.manual_seed(1)
+    rows, patch = 3, 4
+    mu = torch.randn(rows, tts.tts_model.lm_to_dit_proj.out_features * 2, dtype=dtype)
+    cond = torch.randn(rows, cfm.in_channels, patch, dtype=dtype)
+    torch.manual_seed(2)
+    expected = cfm(mu, 10, patch, cond, cfg_value=2.2)
+    torch.manual_seed(2)
+    noise = torch.randn(rows, cfm.in_channels, patch, dtype=dtype)
+    with torch.inference_mode():
+        got = _cfm_solve(cfm, mu, cond, noise, 10, torch.full((rows,), 2.2))
+        in_bfloat16 = _cfm_solve(cfm, mu, cond, noise, 10, torch.full((rows,), 2.2, dtype=dtype))
+    assert got.dtype == dtype
+    assert torch.equal(got, expected)
+    assert not torch.equal(in_bfloat16, expected)
+
+
+def test_the_steps_small_inputs_arrive_as_given():
+    assert to_device([3, 1, 2], torch.device("cpu")).tolist() == [3, 1, 2]
+    assert to_device([2.2, 1.5], torch.device("cpu"), torch.float32).dtype == torch.float32
+    if torch.cuda.is_available():
+        on_gpu = to_device([3, 1, 2], torch.device("cuda"))
+        assert on_gpu.is_cuda and on_gpu.tolist() == [3, 1, 2]
+
+
+def test_optimize_is_refused_before_anything_loads():
+    from vox_ws.engines.voxcpm.engine import VoxCPMEngine
+
+    with pytest.raises(ValueError, match="--compile"):
+        VoxCPMEngine(model="/nonexistent", optimize=True)
+
+
+def test_the_test_model_has_the_released_structure(tiny_model):
+    from vox_ws.testing.tiny_voxcpm import make_config
+
+    config = json.loads((tiny_model / "config.json").read_text())
+    assert config["residual_lm_no_rope"] is True
+    lm = config["lm_config"]
+    assert (lm["use_mup"], lm["scale_emb"], lm["scale_depth"]) == (True, 12.0, 1.4)
+    model = import_voxcpm().VoxCPM.from_pretrained(str(tiny_model), load_denoiser=False, optimize=False,
+                                                   device="cpu").tts_model
+    assert model.residual_lm.rope_emb is None and model.base_lm.rope_emb is not None
+    real = make_config("real", 300, "bfloat16")
+    assert real["encoder_config"]["num_layers"] == 12 and real["dit_config"]["num_layers"] == 12
+    assert real["lm_config"]["vocab_size"] == 73448
+    assert real["lm_config"]["max_position_embeddings"] == 32768
+    assert real["residual_lm_no_rope"] is True
