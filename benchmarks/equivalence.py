@@ -85,7 +85,7 @@ def run_batched(model: Any, requests: list, max_batch: int = 4, decode_process: 
     for those batch sizes (`compiled.py`)."""
     from vox_ws.engines.voxcpm.lora import NO_ADAPTER
     from vox_ws.engines.voxcpm.prompt import build_prompt
-    from vox_ws.engines.voxcpm.runner import BatchedVoxCPM2
+    from vox_ws.engines.voxcpm.runner import BatchedVoxCPM2, PrefillInput
 
     caches = {}
     for _, _, _, voice, _ in requests:
@@ -107,14 +107,22 @@ def run_batched(model: Any, requests: list, max_batch: int = 4, decode_process: 
     step = 0
     batch_sizes = []
     while pending or rows:
-        while pending and requests[pending[0]][2] <= step and len(rows) < runner.max_batch:
-            i = pending.pop(0)
+        joining = []
+        while pending and requests[pending[0]][2] <= step and len(rows) + len(joining) < runner.max_batch:
+            joining.append(pending.pop(0))
+        # Those joining at one step are prefilled together, as the scheduler's turn does.
+        inputs = []
+        for i in joining:
             text, seed, _, voice, opts = requests[i]
             prompt = build_prompt(model, text, caches.get(voice[:2]) if voice else None)
-            rows[i] = runner.prefill(prompt, seed=seed, cfg_value=opts.get("cfg_value", 2.0),
-                                     timesteps=opts.get("inference_timesteps", 10), min_len=opts.get("min_len", 2),
-                                     max_len=opts.get("max_len", 4096),
-                                     adapter=adapter_slots[i] if adapter_slots else NO_ADAPTER)
+            inputs.append(PrefillInput(prompt, seed=seed, cfg_value=opts.get("cfg_value", 2.0),
+                                       timesteps=opts.get("inference_timesteps", 10), min_len=opts.get("min_len", 2),
+                                       max_len=opts.get("max_len", 4096),
+                                       adapter=adapter_slots[i] if adapter_slots else NO_ADAPTER))
+        for i, row in zip(joining, runner.prefill_many(inputs) if inputs else []):
+            if isinstance(row, BaseException):
+                raise row
+            rows[i] = row
         if rows:
             ids = list(rows)
             batch_sizes.append(len(ids))

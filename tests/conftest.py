@@ -329,9 +329,9 @@ def tiny_voxcpm(shared_servers, tiny_model) -> RunningServer:
             super().__init__(**kwargs)
             self.given: list[str] = []
 
-        def prefill(self, request):
-            self.given.append(request.text)
-            return super().prefill(request)
+        def prefill_many(self, requests):
+            self.given.extend(r.text for r in requests)
+            return super().prefill_many(requests)
 
     return shared_servers(Recording(model=str(tiny_model), device="cpu", max_batch=2), max_batch=2)
 

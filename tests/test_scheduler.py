@@ -9,7 +9,7 @@ import threading
 import numpy as np
 import pytest
 
-from vox_ws.engine import EndReason, GenerationRequest, RequestStatus, StepResult
+from vox_ws.engine import EndReason, ErrorKind, GenerationRequest, Refused, RequestStatus, StepResult
 from vox_ws.scheduler import Scheduler
 from vox_ws.testing.tone import ToneEngine
 
@@ -171,4 +171,54 @@ def test_with_more_slots_than_rows_each_step_carries_the_listeners_closest_to_ru
         for each in streams.values():
             assert each.sink.last() == ("finish", EndReason.CANCELLED)
     finally:
+        scheduler.stop()
+
+
+class BatchPrefillTone(HeldTone):
+    """HeldTone that records each prefill call's requests and refuses a text of "!"."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.prefill_calls: list[list[int]] = []
+
+    def prefill_many(self, requests: list[GenerationRequest]) -> list[BaseException | None]:
+        self.prefill_calls.append([r.id for r in requests])
+        return super().prefill_many(requests)
+
+    def prefill(self, request: GenerationRequest) -> None:
+        if request.text == "!":
+            raise Refused(ErrorKind.TOO_LARGE, "no room for this one")
+        super().prefill(request)
+
+
+def test_the_requests_admitted_in_one_turn_are_prefilled_together_and_a_refused_one_fails_alone():
+    engine = BatchPrefillTone()
+    scheduler = Scheduler(engine, max_batch=4, max_queue=8)
+    scheduler.start()
+    try:
+        assert scheduler.ready_event.wait(WAIT_S)
+        first = request("a" * 10, "one")
+        scheduler.submit(first)
+        assert engine.inside_step() == [first.id]          # held: the others arrive meanwhile
+        burst = [request("aa", "two"), request("!", "three"), request("aaa", "four")]
+        for r in burst:
+            scheduler.submit(r)
+        engine.go.release()
+        assert sorted(engine.inside_step()) == sorted([first.id, burst[0].id, burst[2].id])
+        assert engine.prefill_calls == [[first.id], [r.id for r in burst]]
+        assert burst[1].sink.last() == ("fail", ErrorKind.TOO_LARGE)
+        assert burst[1].status is RequestStatus.FINISHED
+        assert (burst[0].status, burst[2].status) == (RequestStatus.RUNNING, RequestStatus.RUNNING)
+        # The refused request's slot is free: a newcomer takes it at the next turn.
+        late = request("a", "five")
+        scheduler.submit(late)
+        engine.go.release()
+        assert late.id in engine.inside_step()
+        for _ in range(20):
+            engine.go.release()
+        for r in (first, burst[0], burst[2], late):
+            assert r.sink.last() == ("finish", EndReason.DONE)
+    finally:
+        for _ in range(50):
+            engine.go.release()
         scheduler.stop()

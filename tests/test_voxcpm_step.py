@@ -97,3 +97,41 @@ def test_the_test_model_has_the_released_structure(tiny_model):
     assert real["lm_config"]["vocab_size"] == 73448
     assert real["lm_config"]["max_position_embeddings"] == 32768
     assert real["residual_lm_no_rope"] is True
+
+
+def test_prompts_prefilled_together_equal_each_prefilled_alone(tiny_model):
+    """Three prompts of different lengths (a voice's reference audio in one) right-padded into one
+    call: each row's slot, hidden states and condition as a prefill of that prompt alone gives."""
+    from vox_ws.engines.voxcpm.prompt import build_prompt
+    from vox_ws.engines.voxcpm.runner import BatchedVoxCPM2, PrefillInput, _prefill_groups
+
+    torch.set_num_threads(1)
+    model = import_voxcpm().VoxCPM.from_pretrained(str(tiny_model), load_denoiser=False, optimize=False,
+                                                   device="cpu").tts_model
+    runner = BatchedVoxCPM2(model, max_batch=6, decode_process=False)
+    reference = {"mode": "reference", "ref_audio_feat": torch.randn(9, model.patch_size, model.feat_dim)}
+    prompts = [build_prompt(model, "A sentence of some length, with a clause or two in it.", None),
+               build_prompt(model, "Hi.", None),
+               build_prompt(model, "Cloned.", reference)]
+    assert len({p.text_tokens.shape[0] for p in prompts}) == 3
+    inputs = [PrefillInput(p, seed=i, cfg_value=2.0, timesteps=4, min_len=0, max_len=20) for i, p in enumerate(prompts)]
+    together = runner.prefill_many(inputs)
+    alone = [runner.prefill_many([given])[0] for given in inputs]
+    for a, b in zip(together, alone):
+        assert a.position == b.position
+        torch.testing.assert_close(a.lm_hidden, b.lm_hidden, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(a.residual_hidden, b.residual_hidden, rtol=1e-5, atol=1e-5)
+        assert torch.equal(a.prefix_cond, b.prefix_cond)
+        for kv in (runner.base_kv, runner.residual_kv):
+            for layer in range(len(kv.k)):
+                torch.testing.assert_close(kv.k[layer][a.slot], kv.k[layer][b.slot], rtol=1e-5, atol=1e-5)
+                torch.testing.assert_close(kv.v[layer][a.slot], kv.v[layer][b.slot], rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(together[0].lm_hidden, together[1].lm_hidden)
+    assert len({r.slot for r in together + alone}) == 6
+    runner.close()
+
+    # Groups of similar length within the padded budget; one too long goes alone; lengths
+    # too unlike to pad together (8 padded to 20) apart.
+    assert _prefill_groups([10, 300, 12, 11], budget=40) == [[0, 3, 2], [1]]
+    assert _prefill_groups([50], budget=40) == [[0]]
+    assert _prefill_groups([20, 8, 19, 9], budget=1000) == [[1, 3], [2, 0]]

@@ -400,6 +400,20 @@ class Engine(ABC):
     def prefill(self, request: GenerationRequest) -> None:
         """Prepare a newly admitted request (tokenise, prompt, caches) in `request.state`."""
 
+    def prefill_many(self, requests: list[GenerationRequest]) -> list[BaseException | None]:
+        """Prefill every request admitted in one turn; per request, None or what failed it (a
+        `Refused`, or any error: it fails that request alone). Engines that can put several
+        prompts through the model at once override it; this one prefills them in turn."""
+        errors: list[BaseException | None] = []
+        for request in requests:
+            try:
+                self.prefill(request)
+            except Exception as exc:  # noqa: BLE001 - the scheduler fails this request alone
+                errors.append(exc)
+            else:
+                errors.append(None)
+        return errors
+
     @abstractmethod
     def step(self, batch: list[GenerationRequest]) -> list[StepResult]:
         """Advance every request in `batch` by one generation step; one result per request."""

@@ -259,7 +259,7 @@ class Scheduler:
                 self._fail(request, ErrorKind.BUSY, f"waited over {self.max_wait_s:g}s for a slot: every slot "
                                                     "stayed busy", retry_after)
         self._retire_cancelled()
-        fresh = [r for r in plan.admitted if self._prefill(r)]
+        fresh = self._prefill(plan.admitted)
         batch = fresh + [r for r in self._active
                          if r not in fresh and not r.cancelled and not r.sink.backlogged()]
         if not batch:
@@ -348,32 +348,41 @@ class Scheduler:
                                            "has more streams waiting or running than others", self._place_wait_s())
         return True
 
-    def _prefill(self, request: GenerationRequest) -> bool:
-        """An admitted request into the active set (RUNNING): prefilled, or a parked one
-        resumed where it was; False if it did not get there."""
+    def _prefill(self, admitted: list[GenerationRequest]) -> list[GenerationRequest]:
+        """This turn's admitted requests into the active set (RUNNING), in their order: the new
+        ones prefilled together (`Engine.prefill_many`), the parked ones resumed where they
+        were. Returns those that got there."""
         try:
-            if request.cancelled:
-                self._finish(request, EndReason.CANCELLED)
-                return False
-            if request.status is RequestStatus.WAITING:
-                request.status = RequestStatus.PREFILLING
-                request.admitted_at = time.monotonic()
-                try:
-                    self.engine.prefill(request)
-                except Refused as exc:     # the engine found, late, that it cannot serve this one
-                    self._fail(request, exc.kind, exc.message)
-                    return False
-                except Exception as exc:  # noqa: BLE001 - one bad request must not stop the others
-                    log.exception("prefill failed for request %s", request.id)
-                    self._fail(request, ErrorKind.INTERNAL, f"prefill failed: {type(exc).__name__}: {exc}")
-                    return False
-            request.status = RequestStatus.RUNNING
+            new = []
+            for request in admitted:
+                if request.cancelled:
+                    self._finish(request, EndReason.CANCELLED)
+                elif request.status is RequestStatus.WAITING:
+                    request.status = RequestStatus.PREFILLING
+                    request.admitted_at = time.monotonic()
+                    new.append(request)
+            try:
+                errors = self.engine.prefill_many(new) if new else []
+            except Exception as exc:  # noqa: BLE001 - the engine's own fault: these requests fail, not the loop
+                errors = [exc] * len(new)
+            for request, error in zip(new, errors):
+                if error is None:
+                    continue
+                if isinstance(error, Refused):    # the engine found, late, that it cannot serve this one
+                    self._fail(request, error.kind, error.message)
+                else:
+                    log.error("prefill failed for request %s", request.id, exc_info=error)
+                    self._fail(request, ErrorKind.INTERNAL, f"prefill failed: {type(error).__name__}: {error}")
+            # Failed and cancelled ones are FINISHED by now; one cancelled meanwhile retires later.
+            running = [r for r in admitted if r.status in (RequestStatus.PREFILLING, RequestStatus.PARKED)]
+            for request in running:
+                request.status = RequestStatus.RUNNING
             with self._cond:
-                self._active.append(request)
-            return True
+                self._active.extend(running)
+            return running
         finally:
             with self._cond:
-                self._admitting -= 1
+                self._admitting -= len(admitted)
 
     def _retire_cancelled(self) -> None:
         gone = [r for r in self._active if r.cancelled]

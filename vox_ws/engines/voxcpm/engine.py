@@ -27,6 +27,7 @@ from .kv import attention_kernel
 from .normalizer import NORMALIZE_TIMEOUT_S, Normalizer
 from .options import DEFAULTS, OPTIONS
 from .prompt import build_prompt, clean_text, prompt_positions
+from .runner import BatchedVoxCPM2, PrefillInput, wants_decode_process
 from .voices import VoiceBook, builtin_voice_files, encode_voice
 
 log = logging.getLogger("vox_ws.engines.voxcpm")
@@ -122,8 +123,6 @@ class VoxCPMEngine(Engine):
 
     def load(self) -> None:
         import torch
-
-        from .runner import wants_decode_process
 
         if self._threads:
             torch.set_num_threads(self._threads)
@@ -237,7 +236,6 @@ class VoxCPMEngine(Engine):
         import torch
 
         from .kv import slot_bytes
-        from .runner import BatchedVoxCPM2
 
         dtype = next(model.base_lm.parameters()).dtype
         per_slot = sum(slot_bytes(lm, model.config.max_length, dtype) for lm in (model.base_lm, model.residual_lm))
@@ -292,8 +290,6 @@ class VoxCPMEngine(Engine):
         return runner
 
     def _runner(self, model: Any, slots: int, warm_rows: int, decoder: DecoderProcess | None) -> Any:
-        from .runner import BatchedVoxCPM2
-
         return BatchedVoxCPM2(model, slots, warm_rows=warm_rows, adapters=self._lora.adapters, decoder=decoder)
 
     def close(self) -> None:
@@ -379,6 +375,41 @@ class VoxCPMEngine(Engine):
             request.options = {**request.options, "seed": secrets.randbits(63)}
 
     def prefill(self, request: GenerationRequest) -> None:
+        (error,) = self.prefill_many([request])
+        if error is not None:
+            raise error
+
+    def prefill_many(self, requests: list[GenerationRequest]) -> list[BaseException | None]:
+        """Each request's prompt built and checked on its own; then every prompt that passed goes
+        into the model in batched calls (`BatchedVoxCPM2.prefill_many`)."""
+        errors: list[BaseException | None] = [None] * len(requests)
+        ready: list[tuple[int, PrefillInput, str]] = []
+        for index, request in enumerate(requests):
+            try:
+                given, text = self._prefill_input(request)
+            except Exception as exc:  # noqa: BLE001 - this request's refusal, typed or not
+                errors[index] = exc
+                continue
+            ready.append((index, given, text))
+        try:
+            rows = self.runner.prefill_many([given for _, given, _ in ready]) if ready else []
+        except Exception as exc:  # noqa: BLE001 - not one prompt's fault: each fails with it
+            rows = [exc] * len(ready)
+        for (index, _, text), row in zip(ready, rows):
+            request = requests[index]
+            if isinstance(row, BaseException):
+                self._lora.row_ended(request.lora_pin)
+                errors[index] = row
+                continue
+            request.state = row
+            if request.keep_continuation:
+                row.patches = []
+                row.text = text
+        return errors
+
+    def _prefill_input(self, request: GenerationRequest) -> tuple[PrefillInput, str]:
+        """The prompt and settings of one request's prefill, checked to fit its KV slot, with its
+        adapter taken (`row_started`); and the text it speaks."""
         options = {**DEFAULTS, **request.options}
         model = self.tts.tts_model
         cache = self._voice_cache(request)
@@ -394,18 +425,11 @@ class VoxCPMEngine(Engine):
                 cache = merged
         if not self.runner.fits(*prompt_positions(model, text, cache), options["max_len"]):
             raise Refused(ErrorKind.TOO_LARGE, "text too long for the model's context after normalization")
+        prompt = build_prompt(model, text, cache)
         adapter = self._lora.row_started(request.lora_pin)
-        try:
-            request.state = self.runner.prefill(build_prompt(model, text, cache), seed=options["seed"],
-                                                cfg_value=options["cfg_value"],
-                                                timesteps=options["inference_timesteps"], min_len=options["min_len"],
-                                                max_len=options["max_len"], adapter=adapter)
-        except BaseException:
-            self._lora.row_ended(request.lora_pin)
-            raise
-        if request.keep_continuation:
-            request.state.patches = []
-            request.state.text = text
+        return PrefillInput(prompt, seed=options["seed"], cfg_value=options["cfg_value"],
+                            timesteps=options["inference_timesteps"], min_len=options["min_len"],
+                            max_len=options["max_len"], adapter=adapter), text
 
     def step(self, batch: list[GenerationRequest]) -> list[StepResult]:
         results = self.runner.step([r.state for r in batch])

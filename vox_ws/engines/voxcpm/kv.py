@@ -26,15 +26,18 @@ class SlotKV:
         self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.num_hidden_layers)]
         self.max_len = max_len
 
-    def fill(self, slot: int, caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        length = caches[0][0].size(2)
+    def fill(self, slot: int, caches: list[tuple[torch.Tensor, torch.Tensor]], row: int = 0,
+             length: int | None = None) -> None:
+        """Slot `slot` from row `row` of a prefill's per-layer (K, V), its first `length`
+        positions (default: all; the rest of a batched prefill's row is padding)."""
+        if length is None:
+            length = caches[0][0].size(2)
         for layer, (k, v) in enumerate(caches):
             # Zero the whole slot first: masked-out positions must hold finite values.
             self.k[layer][slot].zero_()
             self.v[layer][slot].zero_()
-            self.k[layer][slot, :, :length] = k[0]
-            self.v[layer][slot, :, :length] = v[0]
-
+            self.k[layer][slot, :, :length] = k[row, :, :length]
+            self.v[layer][slot, :, :length] = v[row, :, :length]
 
 
 def slot_bytes(lm: nn.Module, max_len: int, dtype: torch.dtype) -> int:
@@ -101,23 +104,28 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torc
 
 
 def attention_kernel(lm: nn.Module, device: Any, dtype: torch.dtype) -> str:
-    """The SDPA kernel `attend` runs on for this LM, device and dtype: the first of PyTorch's own
-    order of preference (flash, memory-efficient, math) that takes its inputs."""
-    import warnings
-
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
+    """The SDPA kernel `attend` runs on for this LM, device and dtype."""
     cfg = lm.config
     heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
     head_dim = cfg.kv_channels or cfg.hidden_size // heads
     q = torch.zeros(2, heads, 1, head_dim, device=device, dtype=dtype)
     keys = torch.zeros(2, kv_heads, 16, head_dim, device=device, dtype=dtype)
     mask = torch.ones(2, 1, 1, 16, device=device, dtype=torch.bool)
+    return sdpa_kernel_of(attend, (q, keys, keys, mask))
+
+
+def sdpa_kernel_of(call: Any, args: tuple) -> str:
+    """The SDPA kernel `call(*args)` runs on: the first of PyTorch's own order of preference
+    (flash, memory-efficient, math) that takes its inputs."""
+    import warnings
+
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
     for backend in (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH):
         try:
             with warnings.catch_warnings(), sdpa_kernel([backend]):
                 warnings.simplefilter("ignore")     # each kernel that declines says why
-                attend(q, keys, keys, mask)
+                call(*args)
         except RuntimeError:
             continue
         return backend.name.lower()

@@ -46,6 +46,25 @@ from .vae import BatchedStreamingVAE, fold_weight_norm
 SWAY_SAMPLING_COEF = 1.0
 # The package caps generation at this many steps per target-text token (+10).
 STEPS_PER_TOKEN = 6.0
+# The padded positions one batched prefill call takes at most (rows x the longest prompt): the
+# prompts admitted in one turn go in together, up to this, so a burst of arrivals costs the
+# running streams a few calls, not one per newcomer; it bounds the call's activations.
+PREFILL_TOKENS = 8192
+# ... and at most this many times the positions its prompts really have.
+PREFILL_PADDING = 1.25
+
+
+@dataclass
+class PrefillInput:
+    """What one request's prefill needs: its prompt and its generation settings."""
+
+    prompt: Prompt
+    seed: int
+    cfg_value: float
+    timesteps: int
+    min_len: int
+    max_len: int
+    adapter: int = NO_ADAPTER
 
 
 @dataclass(eq=False)
@@ -167,50 +186,98 @@ class BatchedVoxCPM2:
 
     # ------------------------------------------------------------------ prefill
 
-    @torch.inference_mode()
     def prefill(self, prompt: Prompt, *, seed: int, cfg_value: float, timesteps: int, min_len: int,
                 max_len: int, adapter: int = NO_ADAPTER) -> RowState:
-        if not self._free_slots:
-            raise RuntimeError("no free KV slot")
+        """One request's prompt into a free KV slot (`prefill_many` of one)."""
+        (row,) = self.prefill_many([PrefillInput(prompt, seed, cfg_value, timesteps, min_len, max_len, adapter)])
+        if isinstance(row, BaseException):
+            raise row
+        return row
+
+    def prefill_many(self, inputs: list[PrefillInput]) -> list[RowState | BaseException]:
+        """Every prompt of one turn into a free KV slot each, batched: prompts of different
+        lengths right-padded into one call of each LM per group of up to `PREFILL_TOKENS` padded
+        positions (causal attention: a position never sees the padding after it, so each row is
+        what it would be alone). Per input, its row or what failed it; a group that fails is
+        run again one prompt at a time, so one bad prompt fails only itself."""
+        if len(inputs) > len(self._free_slots):
+            raise RuntimeError(f"{len(inputs)} prompts, {len(self._free_slots)} free KV slots")
+        results: list[RowState | BaseException | None] = [None] * len(inputs)
+        for group in _prefill_groups([i.prompt.text_tokens.shape[0] for i in inputs], PREFILL_TOKENS):
+            try:
+                rows = self._prefill_group([inputs[i] for i in group])
+            except Exception as exc:  # noqa: BLE001 - attributed below, one prompt at a time
+                if len(group) == 1:
+                    results[group[0]] = exc
+                    continue
+                rows = []
+                for i in group:
+                    try:
+                        rows.extend(self._prefill_group([inputs[i]]))
+                    except Exception as exc_alone:  # noqa: BLE001 - this prompt's own failure
+                        rows.append(exc_alone)
+            for i, row in zip(group, rows):
+                results[i] = row
+        return results
+
+    @torch.inference_mode()
+    def _prefill_group(self, inputs: list[PrefillInput]) -> list[RowState]:
         m = self.model
-        slot = self._free_slots.pop(0)
+        lengths = [i.prompt.text_tokens.shape[0] for i in inputs]
+        slots = self._free_slots[:len(inputs)]
+        del self._free_slots[:len(inputs)]
         try:
-            text = prompt.text_tokens.unsqueeze(0).to(self.device)
-            text_mask = prompt.text_mask.unsqueeze(0).to(self.device)
-            feat = prompt.audio_feat.unsqueeze(0).to(self.device).to(self.dtype)
-            feat_mask = prompt.audio_mask.unsqueeze(0).to(self.device)
+            text = self._padded([i.prompt.text_tokens for i in inputs])
+            text_mask = self._padded([i.prompt.text_mask for i in inputs])
+            feat = self._padded([i.prompt.audio_feat for i in inputs]).to(self.dtype)
+            feat_mask = self._padded([i.prompt.audio_mask for i in inputs])
 
             encoder = getattr(m, "_feat_encoder_raw", m.feat_encoder)
             feat_embed = m.enc_to_lm_proj(encoder(feat))
             text_embed = m.base_lm.embed_tokens(text) * self.scale_emb
             combined = text_mask.unsqueeze(-1) * text_embed + feat_mask.unsqueeze(-1) * feat_embed
 
-            with self._adapted([adapter]):
+            with self._adapted([i.adapter for i in inputs]):
                 enc_outputs, kv = m.base_lm(inputs_embeds=combined, is_causal=True)
-                self.base_kv.fill(slot, kv)
                 enc_outputs = m.fsq_layer(enc_outputs) * feat_mask.unsqueeze(-1) + enc_outputs * text_mask.unsqueeze(-1)
                 residual_in = m.fusion_concat_proj(torch.cat((enc_outputs, feat_mask.unsqueeze(-1) * feat_embed), dim=-1))
                 residual_out, residual_kv = m.residual_lm(inputs_embeds=residual_in, is_causal=True)
-                self.residual_kv.fill(slot, residual_kv)
+            for row, (slot, length) in enumerate(zip(slots, lengths)):
+                self.base_kv.fill(slot, kv, row, length)
+                self.residual_kv.fill(slot, residual_kv, row, length)
         except BaseException:
-            self._free_slots.append(slot)
+            self._free_slots.extend(slots)
+            self._free_slots.sort()
             raise
-        generator = torch.Generator(device=self.device)
-        generator.manual_seed(seed)
-        return RowState(
-            slot=slot,
-            key=next(self._row_keys),
-            position=text.shape[1],
-            lm_hidden=enc_outputs[0, -1, :].clone(),
-            residual_hidden=residual_out[0, -1, :].clone(),
-            prefix_cond=feat[0, -1].clone(),
-            generator=generator,
-            cfg_value=cfg_value,
-            timesteps=timesteps,
-            min_len=min_len,
-            max_steps=self.max_steps(prompt.target_tokens, max_len),
-            adapter=adapter,
-        )
+        rows = []
+        for row, (given, slot, length) in enumerate(zip(inputs, slots, lengths)):
+            generator = torch.Generator(device=self.device)
+            generator.manual_seed(given.seed)
+            rows.append(RowState(
+                slot=slot,
+                key=next(self._row_keys),
+                position=length,
+                lm_hidden=enc_outputs[row, length - 1, :].clone(),
+                residual_hidden=residual_out[row, length - 1, :].clone(),
+                prefix_cond=feat[row, length - 1].clone(),
+                generator=generator,
+                cfg_value=given.cfg_value,
+                timesteps=given.timesteps,
+                min_len=given.min_len,
+                max_steps=self.max_steps(given.prompt.target_tokens, given.max_len),
+                adapter=given.adapter,
+            ))
+        return rows
+
+    def _padded(self, tensors: list[torch.Tensor]) -> torch.Tensor:
+        """One [rows, longest, ...] tensor on the device, each row zero-padded at its end."""
+        if len(tensors) == 1:
+            return tensors[0].unsqueeze(0).to(self.device)
+        longest = max(t.shape[0] for t in tensors)
+        out = tensors[0].new_zeros((len(tensors), longest, *tensors[0].shape[1:]))
+        for row, t in enumerate(tensors):
+            out[row, :t.shape[0]] = t
+        return out.to(self.device)
 
     def _adapted(self, slots: list[int], gathered: bool = False) -> Any:
         """Row i of the calls inside speaks with adapter slot `slots[i]` (`gathered`: through the
@@ -421,6 +488,25 @@ def _usable_cpus() -> int:
     if hasattr(os, "sched_getaffinity"):   # Linux: the CPUs this process may run on
         return len(os.sched_getaffinity(0))
     return os.cpu_count() or 1
+
+
+def _prefill_groups(lengths: list[int], budget: int) -> list[list[int]]:
+    """Indices of `lengths` in groups of similar length: a group's padded size (rows x the
+    longest) stays within `budget` and within `PREFILL_PADDING` of its real positions (padding
+    is computed like any position: on a compute-bound device, too much of it costs more than the
+    calls it saves); a prompt longer than the budget goes alone."""
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    groups: list[list[int]] = []
+    real = 0
+    for i in order:
+        padded = (len(groups[-1]) + 1) * lengths[i] if groups else 0
+        if groups and padded <= budget and padded <= PREFILL_PADDING * (real + lengths[i]):
+            groups[-1].append(i)
+            real += lengths[i]
+        else:
+            groups.append([i])
+            real = lengths[i]
+    return groups
 
 
 def _groups(rows: list[RowState], key) -> list[tuple[Any, list[int]]]:

@@ -1,0 +1,118 @@
+"""Benchmark: the decode step's attention, the call it replaced against `kv.attend`.
+
+Before: `scaled_dot_product_attention(q, K, V, attn_mask=mask, enable_gqa=True)`, which no fast
+kernel takes (FlashAttention takes no mask, the memory-efficient kernel no unequal head counts),
+so it runs on the math kernel with K and V repeated per query head. After: `kv.attend`, the
+query heads of each KV head folded into the query length. Both at the released LM's heads (16
+query heads over 2 KV heads of 128) for several batch sizes and attention lengths, each row at
+its own length (the mask), with the kernel each runs on:
+
+    python -m benchmarks.attention [--device cuda] [--dtype bfloat16] [--batches 1,8,32,64]
+                                   [--lengths 100,1000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from typing import Any, Callable
+
+HEADS, KV_HEADS, HEAD_DIM = 16, 2, 128
+
+
+def inputs(batch: int, length: int, device: Any, dtype: Any, seed: int = 0) -> tuple:
+    import torch
+
+    generator = torch.Generator(device="cpu").manual_seed(seed)
+    q = torch.randn(batch, HEADS, 1, HEAD_DIM, generator=generator).to(device, dtype)
+    k = torch.randn(batch, KV_HEADS, length, HEAD_DIM, generator=generator).to(device, dtype)
+    v = torch.randn(batch, KV_HEADS, length, HEAD_DIM, generator=generator).to(device, dtype)
+    lengths = torch.randint(1, length + 1, (batch,), generator=generator)
+    lengths[0] = length
+    mask = (torch.arange(length).view(1, -1) < lengths.view(-1, 1)).view(batch, 1, 1, length).to(device)
+    return q, k, v, mask
+
+
+def before(q, k, v, mask):
+    import torch.nn.functional as F
+
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+
+
+def time_ms(fn: Callable, args: tuple, device: Any, repeats: int) -> float:
+    """The median of `repeats` calls, after three warm-up calls."""
+    import torch
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
+    for _ in range(3):
+        fn(*args)
+    sync()
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        fn(*args)
+        sync()
+        times.append((time.perf_counter() - started) * 1000)
+    return sorted(times)[len(times) // 2]
+
+
+def run(device: str, dtype: str, batches: list[int], lengths: list[int], repeats: int = 20) -> list[dict]:
+    import torch
+
+    from vox_ws.engines.voxcpm.kv import attend, sdpa_kernel_of
+
+    device_ = torch.device(device)
+    dtype_ = getattr(torch, dtype)
+    rows = []
+    with torch.inference_mode():
+        for length in lengths:
+            for batch in batches:
+                args = inputs(batch, length, device_, dtype_)
+                old = before(*args).reshape(batch, HEADS, HEAD_DIM).float()
+                new = attend(*args).float()
+                rows.append({
+                    "batch": batch, "length": length,
+                    "before_ms": round(time_ms(before, args, device_, repeats), 4),
+                    "after_ms": round(time_ms(attend, args, device_, repeats), 4),
+                    "before_kernel": sdpa_kernel_of(before, args), "after_kernel": sdpa_kernel_of(attend, args),
+                    "max_abs_diff": float((old - new).abs().max()),
+                })
+                if device_.type == "cuda":
+                    torch.cuda.empty_cache()
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--batches", default="1,8,32,64")
+    ap.add_argument("--lengths", default="100,1000")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--json", help="write the results to this file")
+    args = ap.parse_args(argv)
+    import torch
+
+    torch.set_num_threads(args.threads)
+    rows = run(args.device, args.dtype, [int(b) for b in args.batches.split(",")],
+               [int(n) for n in args.lengths.split(",")], args.repeats)
+    print(f"# decode attention, {HEADS} query heads over {KV_HEADS} KV heads of {HEAD_DIM}: {args.device}, "
+          f"{args.dtype}, {args.threads} thread(s), median of {args.repeats}")
+    print(f"{'B':>3} {'length':>6} {'before ms':>10} {'after ms':>9} {'after/before':>13} {'kernels':>32} {'max diff':>9}")
+    for r in rows:
+        print(f"{r['batch']:>3} {r['length']:>6} {r['before_ms']:>10.3f} {r['after_ms']:>9.3f} "
+              f"{r['after_ms'] / r['before_ms']:>13.2f} {r['before_kernel'] + ' -> ' + r['after_kernel']:>32} "
+              f"{r['max_abs_diff']:>9.1e}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": args.device, "dtype": args.dtype, "results": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
