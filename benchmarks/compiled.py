@@ -43,14 +43,22 @@ def _engine(model_dir: str, slots: int, compile: str, cache: str | None, device:
 def start_seconds(model_dir: str, slots: int, compile: str, cache: str | None, device: str,
                   buckets: tuple[int, ...] | None = None) -> float:
     """One engine start in a process of its own (no compiled code in memory from before)."""
+    return start(model_dir, slots, compile, cache, device, buckets)["seconds"]
+
+
+def start(model_dir: str, slots: int, compile: str, cache: str | None, device: str,
+          buckets: tuple[int, ...] | None = None) -> dict[str, Any]:
+    """One engine start in a process of its own: its seconds and, compiled, each graph's
+    (`GraphStore.seconds`: loaded or compiled)."""
     code = ("import json, sys, time; from benchmarks.compiled import _engine; started = time.perf_counter(); "
             f"engine = _engine({model_dir!r}, {slots}, {compile!r}, {cache!r}, {device!r}, {buckets!r}); "
-            "engine.load(); "
-            "took = time.perf_counter() - started; engine.close(); print(json.dumps(took))")
+            "engine.load(); took = time.perf_counter() - started; "
+            "graphs = engine.runner.compiled.store.seconds if engine.runner.compiled else []; "
+            "engine.close(); print(json.dumps({'seconds': took, 'graphs': graphs}))")
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env={**os.environ, "PYTHONPATH": os.pathsep.join([os.getcwd(),
                                                                            os.environ.get("PYTHONPATH", "")])})
-    return float(run.stdout.strip().splitlines()[-1])
+    return json.loads(run.stdout.strip().splitlines()[-1])
 
 
 def run(model_dir: str, batches: list[int], steps: int, repeats: int, device: str,

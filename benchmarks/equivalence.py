@@ -3,7 +3,7 @@
 Five requests with different texts, lengths, voices, options and start times (four at once at
 the peak) go through `BatchedVoxCPM2`; each request's audio is compared with what the package's
 own `generate_streaming` produces for that request alone (same weights, same seed). The tests run
-it on the tiny model on the CPU (`tests/test_voxcpm_equivalence.py`); `scripts/gpu-check.sh` on a
+it on the tiny model on the CPU (`tests/test_voxcpm_equivalence.py`); `python -m benchmarks.device_check` on a
 GPU, in float32 and bfloat16 (a checkpoint built with that dtype):
 
     python -m benchmarks.equivalence --model DIR --device cuda --json equivalence.json [--loras]

@@ -45,6 +45,26 @@ def test_the_pod_drains_before_it_is_killed():
     assert hpa["spec"]["metrics"][0]["pods"]["metric"]["name"] == "voxws_active_streams"
 
 
+def test_the_pod_pulls_its_weights_serves_them_and_keeps_its_compile_cache():
+    (deployment,) = [d for d in documents() if d["kind"] == "Deployment"]
+    pod = deployment["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    args = container["args"]
+    model = args[args.index("--model") + 1]
+    (pull,) = pod["initContainers"]
+    assert pull["args"][:2] == ["models", "pull"] and pull["args"][pull["args"].index("--dir") + 1] == model
+    mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
+    assert model.startswith(mounts["models"] + "/")
+    assert args[args.index("--compile-cache") + 1].startswith(mounts["compile-cache"] + "/")
+    assert {v["name"] for v in pod["volumes"]} >= {"models", "compile-cache"}
+    assert pod["securityContext"]["runAsNonRoot"] and pod["securityContext"]["runAsUser"] != 0
+    # The startup probe outlasts a first start's compile (20 min and more).
+    probe = container["startupProbe"]
+    assert probe["periodSeconds"] * probe["failureThreshold"] >= 20 * 60
+    claims = {d["metadata"]["name"] for d in documents() if d["kind"] == "PersistentVolumeClaim"}
+    assert pod["volumes"][0]["persistentVolumeClaim"]["claimName"] in claims
+
+
 def test_haproxy_reads_the_configuration():
     if shutil.which("haproxy") is None:
         pytest.fail("haproxy is not installed (scripts/test.sh installs Debian's)")

@@ -31,7 +31,7 @@ def test_batched_loop_matches_the_package_request_by_request(tiny_model, wavs, d
     """Every way of decoding: in the decoder process, a row's first patch here and the rest
     there, a step late (CPUs); some rows kept here by the balance (forced: every other row);
     every patch here, at once (GPUs). (`python -m benchmarks.equivalence` runs the same
-    scenario on any device and dtype: scripts/gpu-check.sh.)"""
+    scenario on any device and dtype: benchmarks/device_check.py.)"""
     if decode == "split":
         turns = itertools.count()
         monkeypatch.setattr(DecodeBalance, "take_one", lambda self: next(turns) % 2 == 0)

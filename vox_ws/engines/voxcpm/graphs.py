@@ -28,6 +28,7 @@ import importlib.metadata
 import inspect
 import logging
 import sys
+import time
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -131,6 +132,7 @@ class GraphStore:
         self._base = None
         self.loaded = 0       # graphs read from the disk
         self.compiled = 0     # graphs compiled (and saved, where they could be)
+        self.seconds: list[tuple[str, str, float]] = []   # (graph, "loaded" or "compiled", seconds)
         self.precompile = hasattr(torch.compile(lambda: None), "aot_compile")
 
     def graph(self, name: str, fn: Callable, args: tuple, *, context: str,
@@ -148,7 +150,13 @@ class GraphStore:
         # One process compiles a graph; another that wants it meanwhile (the decoder process, a
         # second server on the same cache) waits for it and loads it.
         with _locked(path.with_suffix(".lock")):
-            return self._load(name, path, args, dynamic) or self._compile(name, fn, path, args, dynamic)
+            started = time.perf_counter()
+            graph = self._load(name, path, args, dynamic)
+            how = "loaded"
+            if graph is None:
+                graph, how = self._compile(name, fn, path, args, dynamic), "compiled"
+            self.seconds.append((f"{name}:{_rows(args)}", how, round(time.perf_counter() - started, 3)))
+            return graph
 
     def path(self, name: str, context: str, args: tuple, dynamic: dict[int, int]) -> Path:
         """Where the graph `name` for `args` is kept (`dynamic` as `graph` turns it: by id)."""
@@ -220,6 +228,11 @@ def _locked(path: Path) -> Iterator[None]:
             yield
         finally:
             fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _rows(args: tuple) -> int:
+    """The rows of a graph's first tensor argument (its batch size), for the timings."""
+    return next((a.shape[0] for a in args if isinstance(a, torch.Tensor) and a.dim()), 0)
 
 
 def _no_guards(entries: list) -> list[bool]:

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# The wheels the device check needs that the lent GPU machine's image lacks (it has Python 3.12,
+# torch, Triton, numpy, safetensors, huggingface_hub, transformers, tokenizers, msgpack, uvloop,
+# scipy, scikit-learn, numba, and no network), downloaded here into .whl/ (ignored by git) for
+# Python 3.12 on x86-64 Linux, at the versions this project's .venv tests. Then, on the device:
+#   python3 -m benchmarks.device_check --out "$OUT"      (the run carries .whl and installs it)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+python=.venv/bin/python
+[ -x "$python" ] || { echo "run scripts/setup.sh with the voxcpm extra first (its versions are pinned here)" >&2; exit 2; }
+# voxcpm and what it imports (pydantic, librosa, the text normaliser), what vox-ws imports on
+# the engine's path (soxr, soundfile, sentencex, websockets), and their own dependencies.
+packages=(voxcpm pydantic pydantic-core annotated-types typing-inspection librosa audioread decorator pooch
+          platformdirs soundfile cffi pycparser soxr inflect jaraco.functools more-itertools typeguard wetext
+          contractions textsearch anyascii pyahocorasick kaldifst sentencex websockets)
+pins=()
+for package in "${packages[@]}"; do
+  version="$("$python" -c 'import importlib.metadata, sys; print(importlib.metadata.version(sys.argv[1]))' "$package")"
+  pins+=("$package==$version")
+done
+rm -rf .whl
+mkdir -p .whl
+platforms=()
+for p in manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_24_x86_64 manylinux_2_17_x86_64 \
+         manylinux2014_x86_64 manylinux1_x86_64; do
+  platforms+=(--platform "$p")
+done
+"$python" -m pip download --disable-pip-version-check -q --no-deps --only-binary=:all: --python-version 3.12 \
+  --implementation cp "${platforms[@]}" -d .whl "${pins[@]}"
+du -sh .whl | awk '{print "wheels for the device in .whl: " $1}' >&2
