@@ -264,7 +264,8 @@ def table(report: dict) -> str:
                      + (f"  {step['error'].splitlines()[-1][:100]}" if step.get("error") else ""))
     get = lambda name: report["steps"].get(name, {}).get("result")  # noqa: E731
     if env := get("environment"):
-        lines += ["", f"{env.get('gpu', 'no GPU')} {env.get('capability', '')}; torch {env['torch']}, CUDA "
+        gpu = f"{env['gpu']} (sm {env['capability']})" if "gpu" in env else "no GPU"
+        lines += ["", f"{gpu}; torch {env['torch']}, CUDA "
                       f"{env['cuda']}, Triton {env['triton']}; compiler: {env['compiler']}; attention kernel "
                       f"{env['attention_kernel']['before']} -> {env['attention_kernel']['after']}"]
     if load := get("load"):

@@ -11,6 +11,9 @@
     decoder_main.py     that process's entry point
     compiled.py         the step compiled per batch bucket (`--compile`): CFM velocity, LocEnc +
                         stop head + both LMs' decode step, and (vae.py) the streaming VAE decode
+    graphs.py           compiled graphs kept on disk, keyed, shape-checked, saved whole
+    background.py       compiling in a child process while the server serves eager
+    compile_main.py     that process's entry point
     lora.py             per-row LoRA layers: every adapter slot's weights, each row its own
     adapters.py         LoRA adapters by name: files, slots, the streams that use them
     engine.py           the Engine the scheduler drives
@@ -62,9 +65,12 @@ SETTINGS = (
     Setting("lora-dir", str, None, "directory of LoRA adapters that admins may load by name"),
     Setting("max-loras", int, 4, "LoRA adapters loaded at once per device (slots; /v1/info lora.slot_bytes each)"),
     Setting("compile", parse_compile, "auto", "compile the whole step per batch bucket (torch.compile: CFM, LocEnc, "
-                                              "stop head, both LMs' decode, VAE decode) at load: auto = on for "
-                                              "CUDA, off on a CPU (a first start compiles for minutes there; "
-                                              "docs/PERFORMANCE.md)"),
+                                              "stop head, both LMs' decode, VAE decode) in a background process "
+                                              "while the server serves eager, each bucket used once compiled: "
+                                              "auto = on for CUDA, and on a CPU for the buckets where it measures "
+                                              "faster; on = every bucket (docs/PERFORMANCE.md)"),
+    Setting("compile-wait", parse_bool, False, "compile at load instead, ready only once compiled (the start "
+                                               "blocks for minutes on a first start)"),
     Setting("compile-cache", str, None, "where compiled graphs are kept between starts, so that a second start "
                                         "loads them (default: ~/.cache/vox-ws/compile)"),
     Setting("compile-buckets", parse_buckets, None, "batch sizes to compile for (default 1,2,4,...,64 up to the "

@@ -127,27 +127,36 @@ class CompiledStep:
     """The compiled pieces of one model's step, and the buckets they were compiled for."""
 
     def __init__(self, model: nn.Module, buckets: tuple[int, ...], cache_dir: str | os.PathLike | None = None,
-                 adapters: RowAdapters | None = None) -> None:
-        """`adapters`: the model's LoRA slots, where it has them (the runner gives every row's)."""
+                 adapters: RowAdapters | None = None, load_only: bool = False) -> None:
+        """`adapters`: the model's LoRA slots, where it has them (the runner gives every row's);
+        `load_only`: graphs are only loaded from the cache, never compiled here (`GraphMissing`:
+        what a background compile made is adopted)."""
         self.model = model
         self.adapters = adapters
         self.buckets = tuple(sorted(buckets))
         # Its files are code the server runs: only a cache no one else can have written is read.
         self.cache_dir = trusted_cache_dir(Path(cache_dir) if cache_dir else default_cache_dir())
         use_cache_dir(self.cache_dir)
-        self.store = GraphStore(self.cache_dir)
+        self.store = GraphStore(self.cache_dir, load_only=load_only)
         context = model.config.model_dump_json()
         self._velocity = GraphsBySize(self.store, "velocity", adapted_velocity, context=context, rows_of=3)
-        # One graph for every attention length: the key positions' length is symbolic.
+        # One graph for every attention length (the key positions' length is symbolic) and every
+        # number of KV slots (the caches' first size is symbolic too): a background compile builds
+        # the graphs with a cache of two slots beside a server holding many.
         self._advance = GraphsBySize(self.store, "advance", adapted_advance, context=context, rows_of=7,
-                                     dynamic={11: 0})
+                                     dynamic={3: 0, 4: 0, 5: 0, 6: 0, 11: 0})
         self.compile_s: dict[int, float] = {}
+        self.ready: set[int] = set()     # the buckets whose graphs are loaded: steps of their rows use them
 
     def bucket(self, rows: int) -> int:
         for size in self.buckets:
             if size >= rows:
                 return size
         raise ValueError(f"{rows} rows: over the largest compiled bucket ({self.buckets[-1]})")
+
+    def serves(self, rows: int) -> bool:
+        """Whether a call of `rows` rows goes through graphs loaded already (else it runs eager)."""
+        return any(size >= rows for size in self.buckets) and self.bucket(rows) in self.ready
 
     def velocity(self, cfm: nn.Module, x: torch.Tensor, mu_in: torch.Tensor, t_in: torch.Tensor,
                  cond_in: torch.Tensor, dt_in: torch.Tensor, cfg: torch.Tensor) -> torch.Tensor:
@@ -176,16 +185,18 @@ class CompiledStep:
         return self.adapters.row_slots
 
     @torch.inference_mode()
-    def warm_up(self, solve: Callable[..., torch.Tensor], base_kv: SlotKV, residual_kv: SlotKV) -> None:
-        """Compile every bucket now (or load it from the disk): a CFM solve (`solve`, the
-        runner's) and an advance of that many rows each, the log counting the buckets. The
-        advance writes K and V into the padding slot alone."""
+    def warm_up(self, solve: Callable[..., torch.Tensor], base_kv: SlotKV, residual_kv: SlotKV,
+                buckets: tuple[int, ...] | None = None) -> None:
+        """Compile `buckets` (default: every one) now, or load them from the disk: a CFM solve
+        (`solve`, the runner's) and an advance of that many rows each, the log counting the
+        buckets; each is `ready` after. The advance writes K and V into the padding slot alone."""
         m = self.model
         dtype = next(m.parameters()).dtype
         device = next(m.parameters()).device
         hidden = m.lm_to_dit_proj.out_features + m.res_to_dit_proj.out_features
-        for i, rows in enumerate(self.buckets):
-            log.info("compiling the step for %d rows (%d/%d)", rows, i + 1, len(self.buckets))
+        for i, rows in enumerate(buckets or self.buckets):
+            log.info("%s the step for %d rows (%d/%d)", "loading" if self.store.load_only else "compiling", rows,
+                     i + 1, len(buckets or self.buckets))
             started = time.perf_counter()
             mu = torch.zeros(rows, hidden, device=device, dtype=dtype)
             cond = torch.zeros(rows, m.feat_dim, m.patch_size, device=device, dtype=dtype)
@@ -203,7 +214,9 @@ class CompiledStep:
                              torch.zeros(rows, m.base_lm.config.hidden_size, device=device, dtype=dtype),
                              slots, positions, key_positions([1], device))
             self.compile_s[rows] = round(time.perf_counter() - started, 1)
-            log.info("compiled the step for %d rows in %.1f s", rows, self.compile_s[rows])
+            self.ready.add(rows)
+            log.info("%s the step for %d rows in %.1f s", "loaded" if self.store.load_only else "compiled", rows,
+                     self.compile_s[rows])
 
 
 def warm_compiler(device_type: str) -> None:

@@ -21,6 +21,7 @@ from ...text import base_language, pack
 from .loading import DEFAULT_MODEL, architecture, import_voxcpm, resolve_model_path, verify_weights
 from .adapters import Adapter, AdapterBook, AdapterFile
 from . import COMPILE_MODES
+from .background import BackgroundCompile
 from .decoder_process import DecoderProcess
 from .compiled import BUCKETS, CompiledStep, buckets_for, warm_compiler
 from .kv import attention_kernel
@@ -65,7 +66,11 @@ class VoxCPMEngine(Engine):
                  lora_rank: int = 0, lora_alpha: int | None = None, lora_dir: str | None = None,
                  max_loras: int = 4, warm_normalizer: bool = False,
                  normalize_timeout: float = NORMALIZE_TIMEOUT_S, compile: str = "off",
-                 compile_cache: str | None = None, compile_buckets: tuple[int, ...] | None = None) -> None:
+                 compile_cache: str | None = None, compile_buckets: tuple[int, ...] | None = None,
+                 compile_wait: bool = True) -> None:
+        """`compile_wait`: compile at load, ready once compiled (the default here, for callers that
+        drive the engine themselves); else in a background process while the engine serves eager
+        (`vox-ws serve`'s default)."""
         self.model = model or DEFAULT_MODEL
         self.device = device or "auto"
         # KV slots (streams open at once: memory) and the rows one step carries (compute); None:
@@ -98,7 +103,9 @@ class VoxCPMEngine(Engine):
         self._compile = compile
         self._compile_cache = compile_cache
         self._compile_buckets = tuple(compile_buckets) if compile_buckets else BUCKETS
+        self._compile_wait = compile_wait
         self.compiled = None       # compiled.CompiledStep, when the step is compiled
+        self.background = None     # background.BackgroundCompile, while and after it compiles
         self._warm_normalizer = warm_normalizer
         self._lora = AdapterBook(None, {}, lora_dir, 0.0)    # until `load` builds the slots
         self.tts = None            # voxcpm.VoxCPM
@@ -137,10 +144,10 @@ class VoxCPMEngine(Engine):
                                      alpha=self._lora_alpha)
         if self._load_denoiser:
             _check_denoiser_dependencies()
-        # Where the step will be compiled, the compiler warms up while the weights load.
+        # Where the step will be compiled here, the compiler warms up while the weights load.
         expected = self.device if self.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
         compiler = None
-        will_compile = self._compiles(expected)
+        will_compile = self._compiles(expected) and self._compile_wait
         if will_compile:
             compiler = threading.Thread(target=warm_compiler, args=(expected.split(":")[0],),
                                         name="vox-ws-warm-compiler", daemon=True)
@@ -184,7 +191,10 @@ class VoxCPMEngine(Engine):
         if compiler is not None:
             compiler.join()
         if self._compiles(self.device):
-            self._compile_step(model)
+            if self._compile_wait:
+                self._compile_step(model)
+            else:
+                self._compile_in_background(path)
         # One short generation warms every code path before the first user arrives.
         row = self.runner.prefill(build_prompt(model, "Hello.", None), seed=0, cfg_value=2.0, timesteps=2,
                                   min_len=0, max_len=1)
@@ -195,8 +205,46 @@ class VoxCPMEngine(Engine):
         self.runner.wait_ready()
 
     def _compiles(self, device: str) -> bool:
-        """Whether the step is compiled on `device` (`--compile`)."""
-        return self._compile == "on" or (self._compile == "auto" and device.startswith("cuda"))
+        """Whether the step is compiled on `device` (`--compile`): `auto` on a CPU only in the
+        background, where each bucket is measured before it is used."""
+        if self._compile == "auto" and not device.startswith("cuda"):
+            return not self._compile_wait
+        return self._compile in ("on", "auto")
+
+    def _compile_in_background(self, path: Path) -> None:
+        """Start compiling every bucket in a child process; `_adopt_compiled` takes each in."""
+        buckets = buckets_for(self.max_step_batch, self._compile_buckets)
+        # Whose graphs the server will load: the cache made private here first (`cache_trust`).
+        self.compiled = CompiledStep(self.tts.tts_model, buckets, self._compile_cache, adapters=self._lora.adapters,
+                                     load_only=True)
+        self.background = BackgroundCompile({
+            "model": str(path), "device": self.device, "threads": self._threads, "buckets": list(buckets),
+            "cache": str(self.compiled.cache_dir), "lora_rank": self._lora_rank, "lora_alpha": self._lora_alpha,
+            "max_loras": self._max_loras,
+            # Where compiling is not certain to pay (a CPU, `auto`), each bucket is timed both ways.
+            "measure": self._compile == "auto" and not self.device.startswith("cuda")})
+
+    def _adopt_compiled(self) -> None:
+        """Between two steps (the scheduler's thread): the buckets the background compile has put
+        in the cache since the last step go into use, each where it is the faster (`auto` on a
+        CPU) or always; the decode once every bucket is there."""
+        background, compiled = self.background, self.compiled
+        for event in background.arrived():
+            try:
+                if event["event"] == "bucket":
+                    measured = background.measured.get(event["rows"])
+                    if measured and measured["compiled_ms"] >= measured["eager_ms"]:
+                        background.declined.append(event["rows"])
+                        log.info("the compiled step for %d rows is not faster here (%.1f ms against %.1f eager): "
+                                 "left eager", event["rows"], measured["compiled_ms"], measured["eager_ms"])
+                        continue
+                    self.runner.adopt(compiled, (event["rows"],))
+                    background.adopted.append(event["rows"])
+                elif event["event"] == "decode" and background.adopted:
+                    self.runner.adopt_decode(compiled)
+                    background.adopted_decode = True
+            except Exception as exc:  # noqa: BLE001 - a graph that cannot be used leaves the step eager
+                log.warning("compiled graphs for %s not used (%s: %s): eager instead", event, type(exc).__name__, exc)
 
     def _compile_step(self, model: Any) -> None:
         """Compile the step for every bucket up to the rows a step carries, now: `/readyz` says
@@ -293,6 +341,8 @@ class VoxCPMEngine(Engine):
         return BatchedVoxCPM2(model, slots, warm_rows=warm_rows, adapters=self._lora.adapters, decoder=decoder)
 
     def close(self) -> None:
+        if self.background is not None:
+            self.background.close()
         self._normalizer.close()
         if self.runner is not None:
             self.runner.close()
@@ -301,11 +351,12 @@ class VoxCPMEngine(Engine):
         compiled = self.compiled
         return {**super().describe(), "dtype": self.dtype, "attention": self.attention, "lora": self.lora,
                 "max_batch": self._slots, "step_rows": self.max_step_batch,
-                "compile": {"mode": self._compile, "compiled": compiled is not None,
-                            "buckets": list(compiled.buckets) if compiled else [],
+                "compile": {"mode": self._compile, "compiled": bool(compiled and compiled.ready),
+                            "buckets": sorted(compiled.ready) if compiled else [],
                             "compile_s": dict(compiled.compile_s) if compiled else {},
                             "graphs": ({"loaded": compiled.store.loaded, "compiled": compiled.store.compiled}
-                                       if compiled else {"loaded": 0, "compiled": 0})}}
+                                       if compiled else {"loaded": 0, "compiled": 0}),
+                            **({"background": self.background.describe()} if self.background else {})}}
 
     # ------------------------------------------------------------------ requests
 
@@ -432,6 +483,8 @@ class VoxCPMEngine(Engine):
                             max_len=options["max_len"], adapter=adapter), text
 
     def step(self, batch: list[GenerationRequest]) -> list[StepResult]:
+        if self.background is not None:
+            self._adopt_compiled()
         results = self.runner.step([r.state for r in batch])
         return [StepResult(audio=None if audio is None else audio.numpy(), finished=reason)
                 for audio, reason in results]

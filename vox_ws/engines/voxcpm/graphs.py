@@ -27,6 +27,7 @@ import hashlib
 import importlib.metadata
 import inspect
 import logging
+import os
 import sys
 import time
 from pathlib import Path
@@ -38,8 +39,17 @@ from torch import nn
 log = logging.getLogger("vox_ws.engines.voxcpm")
 
 
+# How long a process waits for another compiling the graph it wants (a graph of the real model
+# compiles in minutes on a GPU): past it, it compiles the graph itself.
+LOCK_WAIT_S = 900.0
+
+
 class GraphMismatch(RuntimeError):
     """A compiled graph was called with arguments of other shapes than it was compiled for."""
+
+
+class GraphMissing(RuntimeError):
+    """A store that only loads was asked for a graph no one has compiled into it."""
 
 
 def module_signature(*modules: nn.Module) -> str:
@@ -61,7 +71,20 @@ def _versions() -> str:
             return "-"
     from ... import __version__
 
-    return f"torch {torch.__version__} python {sys.version} vox-ws {__version__} voxcpm {version('voxcpm')}"
+    return (f"torch {torch.__version__} cuda {torch.version.cuda} triton {version('triton')} python {sys.version} "
+            f"vox-ws {__version__} voxcpm {version('voxcpm')}")
+
+
+def _device_architecture(args: tuple) -> str:
+    """The GPU the graphs are compiled for (its kernels are built for its architecture), by its
+    tensors' device: name and compute capability; "" on a CPU."""
+    for value in args:
+        tensors = value if isinstance(value, (tuple, list)) else [value]
+        for tensor in tensors:
+            if isinstance(tensor, torch.Tensor) and tensor.device.type == "cuda":
+                major, minor = torch.cuda.get_device_capability(tensor.device)
+                return f"{torch.cuda.get_device_name(tensor.device)} sm_{major}{minor}"
+    return ""
 
 
 def _traced_sources() -> str:
@@ -126,8 +149,14 @@ class GraphStore:
     what else it depends on (the model's config, how the runner built its modules): graphs of
     one context are shared by every process compiling into the same directory."""
 
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, load_only: bool = False, lock_wait_s: float = LOCK_WAIT_S) -> None:
+        """`load_only`: never compile (a graph not on the disk is `GraphMissing`): a serving
+        process loads what a background compile made. `lock_wait_s`: how long to wait for
+        another process compiling the same graph before compiling it too."""
         self.directory = Path(directory) / "graphs"
+        self.load_only = load_only
+        self.lock_wait_s = lock_wait_s
+        self.waiting_on: Path | None = None     # the lock this store waits for, while it does
         self.directory.mkdir(parents=True, exist_ok=True)
         self._base = None
         self.loaded = 0       # graphs read from the disk
@@ -140,31 +169,41 @@ class GraphStore:
         """`fn` compiled (fullgraph, shapes fixed but for `dynamic`: argument index -> that
         tensor's dynamic dim) for arguments like `args`: loaded from the disk when it was
         compiled before, else compiled now and saved."""
+        marked = {}      # by id, as _describe reads it
         for index, dim in (dynamic or {}).items():
-            torch._dynamo.maybe_mark_dynamic(args[index], dim)
-        dynamic = {id(args[index]): dim for index, dim in (dynamic or {}).items()}   # as _describe reads it
+            for tensor in args[index] if isinstance(args[index], (tuple, list)) else [args[index]]:
+                torch._dynamo.maybe_mark_dynamic(tensor, dim)
+                marked[id(tensor)] = dim
+        dynamic = marked
         if not self.precompile:
             self.compiled += 1
             return torch.compile(fn, fullgraph=True, dynamic=False)
         path = self.path(name, context, args, dynamic)
-        # One process compiles a graph; another that wants it meanwhile (the decoder process, a
-        # second server on the same cache) waits for it and loads it.
-        with _locked(path.with_suffix(".lock")):
-            started = time.perf_counter()
-            graph = self._load(name, path, args, dynamic)
-            how = "loaded"
+        if self.load_only:
+            graph = self._load(name, path, args, dynamic, timed=True)
             if graph is None:
-                graph, how = self._compile(name, fn, path, args, dynamic), "compiled"
-            self.seconds.append((f"{name}:{_rows(args)}", how, round(time.perf_counter() - started, 3)))
+                raise GraphMissing(f"compiled graph {name} for {_rows(args)} rows is not in {self.directory}")
+            return graph
+        # One process compiles a graph; another that wants it meanwhile (the decoder process, a
+        # second server on the same cache) waits for it and loads it; for a bounded time, then it
+        # compiles it too (a save replaces the file whole: two saves cannot mix).
+        with self._locked(path.with_suffix(".lock")):
+            graph = self._load(name, path, args, dynamic, timed=True)
+            if graph is None:
+                started = time.perf_counter()
+                graph = self._compile(name, fn, path, args, dynamic)
+                self.seconds.append((f"{name}:{_rows(args)}", "compiled", round(time.perf_counter() - started, 3)))
             return graph
 
     def path(self, name: str, context: str, args: tuple, dynamic: dict[int, int]) -> Path:
         """Where the graph `name` for `args` is kept (`dynamic` as `graph` turns it: by id)."""
         return self.directory / f"{name}-{self._digest(name, context, args, dynamic)}.pt2"
 
-    def _load(self, name: str, path: Path, args: tuple, dynamic: dict[int, int]) -> SavedGraph | None:
+    def _load(self, name: str, path: Path, args: tuple, dynamic: dict[int, int], timed: bool = False
+              ) -> SavedGraph | None:
         if not path.exists():
             return None
+        started = time.perf_counter()
         try:
             with open(path, "rb") as f:
                 loaded = torch.compiler.load_compiled_function(f)
@@ -173,6 +212,8 @@ class GraphStore:
                         type(exc).__name__, exc)
             return None
         self.loaded += 1
+        if timed:
+            self.seconds.append((f"{name}:{_rows(args)}", "loaded", round(time.perf_counter() - started, 3)))
         return SavedGraph(name, loaded, args, dynamic)
 
     def _compile(self, name: str, fn: Callable, path: Path, args: tuple, dynamic: dict[int, int]) -> Callable:
@@ -184,17 +225,48 @@ class GraphStore:
             log.warning("graph %s cannot be precompiled (%s: %s): compiled at each start instead", name,
                         type(exc).__name__, exc)
             return torch.compile(fn, fullgraph=True, dynamic=False)
+        # Written beside, then renamed over: a reader sees no file or a whole one, never a part.
+        partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
         try:
-            precompiled.save_compiled_function(str(path))
+            precompiled.save_compiled_function(str(partial))
+            os.replace(partial, path)
         except Exception as exc:  # noqa: BLE001 - it still serves this process
             log.warning("compiled graph %s not saved (%s: %s)", name, type(exc).__name__, exc)
+            partial.unlink(missing_ok=True)
         return SavedGraph(name, precompiled, args, dynamic)
+
+    @contextlib.contextmanager
+    def _locked(self, path: Path) -> Iterator[None]:
+        """An exclusive lock on `path` (created if missing) for the block, between processes; the
+        system lets it go if the holder dies. Waited for `lock_wait_s` at most (`waiting_on`
+        names it meanwhile): then the block runs without it, as a holder that hangs must not
+        hang every start after it."""
+        with open(path, "a+b") as f:
+            deadline = time.monotonic() + self.lock_wait_s
+            while True:
+                try:
+                    fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() >= deadline:
+                        self.waiting_on = None
+                        log.warning("%s held for over %.0f s by another process: compiling without it", path.name,
+                                    self.lock_wait_s)
+                        yield
+                        return
+                    self.waiting_on = path
+                    time.sleep(0.05)
+            self.waiting_on = None
+            try:
+                yield
+            finally:
+                fcntl.flock(f, fcntl.LOCK_UN)
 
     def _digest(self, name: str, context: str, args: tuple, dynamic: dict[int, int]) -> str:
         if self._base is None:
             self._base = "\n".join([_versions(), _traced_sources()])
         modules = [a for a in args if isinstance(a, nn.Module)]
-        text = "\n".join([self._base, context, name, module_signature(*modules),
+        text = "\n".join([self._base, _device_architecture(args), context, name, module_signature(*modules),
                           ",".join(_describe(a, dynamic) for a in args)])
         return hashlib.sha256(text.encode()).hexdigest()[:24]
 
@@ -216,18 +288,6 @@ class GraphsBySize:
             graph = self._graphs[rows] = self.store.graph(self.name, self.fn, args, context=self.context,
                                                           dynamic=self.dynamic)
         return graph(*args)
-
-
-@contextlib.contextmanager
-def _locked(path: Path) -> Iterator[None]:
-    """An exclusive lock on `path` (created if missing) for the block, between processes; the
-    system lets it go if the holder dies."""
-    with open(path, "a+b") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def _rows(args: tuple) -> int:

@@ -163,6 +163,20 @@ class BatchedVoxCPM2:
             compiled.store.compiled += compiled_there
         self.compiled = compiled
 
+    def adopt(self, compiled: CompiledStep, buckets: tuple[int, ...]) -> None:
+        """Steps of these buckets' rows go through `compiled` from now on, their graphs loaded from
+        its cache (where a background compile put them: `compiled` only loads). Called between
+        two steps; rows of other buckets stay eager."""
+        compiled.warm_up(self._solve_with(compiled), self.base_kv, self.residual_kv, buckets)
+        self.compiled = compiled
+
+    def adopt_decode(self, compiled: CompiledStep) -> None:
+        """Decode through the graphs a background compile made for every bucket, here and in the
+        decoder process (which loads them before its next decode)."""
+        self.vae.compile(compiled.buckets, self.model.patch_size, compiled.store)
+        if self._decoder is not None:
+            self._decoder.compile(compiled.buckets, str(compiled.cache_dir), self.model.patch_size)
+
     def take_decoder(self) -> DecoderProcess | None:
         """This runner's decoder process, for another runner (`decoder`); this one no longer
         decodes there, and its `close` leaves it running. Every row must have been released."""
@@ -414,7 +428,12 @@ class BatchedVoxCPM2:
               adapters: list[int]) -> torch.Tensor:
         """The CFM solve of these rows (row i with LoRA adapter slot `adapters[i]`): eager, or
         compiled for the rows' bucket, padded up to it."""
-        return self._solve_with(self.compiled)(mu, cond, noise, timesteps, cfg, adapters)
+        return self._solve_with(self._compiled_for(mu.shape[0]))(mu, cond, noise, timesteps, cfg, adapters)
+
+    def _compiled_for(self, rows: int) -> CompiledStep | None:
+        """The compiled step, where its graphs for this many rows are loaded; else None (eager)."""
+        compiled = self.compiled
+        return compiled if compiled is not None and compiled.serves(rows) else None
 
     def _solve_with(self, compiled: CompiledStep | None):
         cfm = self.model.feat_decoder
@@ -440,14 +459,14 @@ class BatchedVoxCPM2:
         positions = to_device([r.position for r in rows], self.device)
         keys_at = key_positions([r.position for r in rows], self.device)
         adapters = [r.adapter for r in rows]
-        if self.compiled is None:
+        compiled = self._compiled_for(len(rows))
+        if compiled is None:
             with self._adapted(adapters):
                 return advance(self.model, self.base_kv.k, self.base_kv.v, self.residual_kv.k, self.residual_kv.v,
                                pred_feat, lm_hidden, slots, positions, keys_at)
-        padding = [NO_ADAPTER] * (self.compiled.bucket(len(rows)) - len(rows))
+        padding = [NO_ADAPTER] * (compiled.bucket(len(rows)) - len(rows))
         with self._adapted(adapters + padding, gathered=True):
-            return self.compiled.advance(self.base_kv, self.residual_kv, pred_feat, lm_hidden, slots, positions,
-                                         keys_at)
+            return compiled.advance(self.base_kv, self.residual_kv, pred_feat, lm_hidden, slots, positions, keys_at)
 
 
 class DecodeBalance:
