@@ -7,7 +7,7 @@ open-loop capacity (`vox_ws.capacity`) once it is done.
 compiled in a background process, each bucket taken in where it measures faster (a CPU) or
 always (CUDA). Each server is a process of its own on a fresh compile cache.
 
-    python -m benchmarks.default_start [--model DIR] [--device cpu] [--rates 1,2,4] [--seconds 20]
+    python -m benchmarks.default_start [--model DIR] [--device cpu] [--rates 4,8,16] [--seconds 20]
         [--max-batch 8] [--json FILE]
 
 Without --model it builds the tiny random-weight VoxCPM2 in a temporary directory.
@@ -74,10 +74,9 @@ def run(label: str, model: str, device: str, max_batch: int, rates: list[float],
                 raise RuntimeError(f"{label}: the background compile did not end")
             time.sleep(1)
         compiled_s = time.monotonic() - started
-        # One stream takes in whatever the background compile left (between two steps).
-        asyncio.run(capacity.measure(f"ws://127.0.0.1:{port}/v1/stream", [0.2], 2.0))
-        compile_info = _get(port, "/v1/info")[1].get("compile", {})
+        # The first step of the measurement takes in what the background compile left.
         report = asyncio.run(capacity.measure(f"ws://127.0.0.1:{port}/v1/stream", rates, seconds))
+        compile_info = _get(port, "/v1/info")[1].get("compile", {})
     finally:
         server.terminate()
         try:
@@ -93,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", help="VoxCPM2 checkpoint directory (default: build the tiny model)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--max-batch", type=int, default=8)
-    ap.add_argument("--rates", default="1,2,4")
+    ap.add_argument("--rates", default="4,8,16")
     ap.add_argument("--seconds", type=float, default=20.0)
     ap.add_argument("--bound", type=float, default=1800.0, help="seconds a start and its compile may take")
     ap.add_argument("--json")

@@ -289,12 +289,18 @@ class VoxCPMEngine(Engine):
         per_slot = sum(slot_bytes(lm, model.config.max_length, dtype) for lm in (model.base_lm, model.residual_lm))
         if self.device.startswith("cuda"):
             free, _ = torch.cuda.mem_get_info(torch.device(self.device))
+            # The background compile loads the weights again on this device, with a few slots and
+            # its compiler's work space: left free for it (twice the weights).
+            weights = sum(t.numel() * t.element_size() for t in model.parameters())
+            spared = 2 * weights if self._compiles(self.device) and not self._compile_wait else 0
             # KV is most of a slot; activations and the streaming VAE's state take a quarter more.
-            slots = max(1, min(AUTO_MAX_SLOTS, int(free * 0.8 // (per_slot * 1.25))))
+            slots = max(1, min(AUTO_MAX_SLOTS, int(max(free - spared, 0) * 0.8 // (per_slot * 1.25))))
             self._slots = slots
             self.max_step_batch = min(self._rows_asked or slots, slots)
-            self._slots_reason = (f"{free / 2**30:.1f} GiB free on {self.device} after loading, {per_slot / 2**20:.0f} MiB "
-                                  f"of KV per slot (whole context) + 25%: 80% of the free memory holds {slots}"
+            self._slots_reason = (f"{free / 2**30:.1f} GiB free on {self.device} after loading"
+                                  + (f", {spared / 2**30:.1f} GiB of it left to the background compile" if spared else "")
+                                  + f", {per_slot / 2**20:.0f} MiB of KV per slot (whole context) + 25%: 80% of the "
+                                  f"rest holds {slots}"
                                   + (f" (capped at {AUTO_MAX_SLOTS})" if slots == AUTO_MAX_SLOTS else "")
                                   + f"; {self.max_step_batch} rows a step")
             return self._runner(model, slots, self.max_step_batch, decoder)

@@ -39,7 +39,7 @@ from .compiled import CompiledStep, advance, padded, velocity
 from .kv import SlotKV, key_positions
 from .lora import NO_ADAPTER, RowAdapters
 from .prompt import Prompt
-from .transfer import to_device
+from .transfer import host_to_device, to_device
 from .vae import BatchedStreamingVAE, fold_weight_norm
 
 # Same sway-sampling and CFG-zero* settings as UnifiedCFM.forward's defaults.
@@ -284,14 +284,16 @@ class BatchedVoxCPM2:
         return rows
 
     def _padded(self, tensors: list[torch.Tensor]) -> torch.Tensor:
-        """One [rows, longest, ...] tensor on the device, each row zero-padded at its end."""
+        """One [rows, longest, ...] tensor on the device, each row zero-padded at its end (built
+        on the host, copied without blocking where the device is a GPU)."""
         if len(tensors) == 1:
-            return tensors[0].unsqueeze(0).to(self.device)
-        longest = max(t.shape[0] for t in tensors)
-        out = tensors[0].new_zeros((len(tensors), longest, *tensors[0].shape[1:]))
-        for row, t in enumerate(tensors):
-            out[row, :t.shape[0]] = t
-        return out.to(self.device)
+            out = tensors[0].unsqueeze(0)
+        else:
+            longest = max(t.shape[0] for t in tensors)
+            out = tensors[0].new_zeros((len(tensors), longest, *tensors[0].shape[1:]))
+            for row, t in enumerate(tensors):
+                out[row, :t.shape[0]] = t
+        return host_to_device(out, self.device)
 
     def _adapted(self, slots: list[int], gathered: bool = False) -> Any:
         """Row i of the calls inside speaks with adapter slot `slots[i]` (`gathered`: through the

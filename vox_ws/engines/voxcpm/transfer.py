@@ -17,7 +17,11 @@ import torch
 def to_device(values: Sequence[int] | Sequence[float], device: torch.device, dtype: torch.dtype = torch.long
               ) -> torch.Tensor:
     """`values` as a tensor on `device`, queued without blocking where the device is a GPU."""
-    host = torch.tensor(values, dtype=dtype)
-    if device.type == "cpu":
-        return host
-    return host.pin_memory().to(device, non_blocking=True)
+    return host_to_device(torch.tensor(values, dtype=dtype), device)
+
+
+def host_to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`tensor` (on the host) on `device`, queued without blocking where the device is a GPU."""
+    if device.type == "cpu" or tensor.device.type != "cpu":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
