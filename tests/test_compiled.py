@@ -415,3 +415,29 @@ def test_a_graphs_key_names_the_cuda_and_triton_versions_and_the_gpu_it_was_buil
     if torch.cuda.is_available():
         major, minor = torch.cuda.get_device_capability()
         assert graphs._device_architecture((x.cuda(),)).endswith(f"sm_{major}{minor}")
+
+
+def test_the_background_compile_ends_with_the_server_that_started_it(tiny_model, tmp_path):
+    """A server killed outright (no close) leaves no compile process behind: the child's
+    standard input closes with its parent, and it exits."""
+    import signal
+    import subprocess
+    import sys
+
+    import psutil
+
+    code = ("import json, sys, time; from vox_ws.engines.voxcpm.background import BackgroundCompile; "
+            f"b = BackgroundCompile({{'model': {str(tiny_model)!r}, 'device': 'cpu', 'threads': 1, 'buckets': [1], "
+            f"'cache': {str(tmp_path / 'cache')!r}, 'lora_rank': 0, 'lora_alpha': 0, 'max_loras': 1}}); "
+            "print(b._process.pid, flush=True); time.sleep(600)")
+    parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        child = psutil.Process(int(parent.stdout.readline()))
+        assert child.is_running()
+        parent.send_signal(signal.SIGKILL)
+        parent.wait(WAIT_TIMEOUT)
+        child.wait(WAIT_TIMEOUT)             # psutil.TimeoutExpired if it outlived its parent
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+            parent.wait()

@@ -90,6 +90,12 @@ def test_command_line_offers_each_engines_settings_and_reads_the_environment(mon
     assert config.engine == "voxcpm" and config.max_batch == 4
     assert config.engine_settings["lora_rank"] == 8 and config.engine_settings["model"] == "/m"
     assert config.engine_options()["max_batch"] == 4 and config.engine_options()["device"] == "auto"
+    # A default start compiles in the background; --compile-wait is the old blocking start.
+    assert (config.engine_settings["compile"], config.engine_settings["compile_wait"]) == ("auto", False)
+    engine = engines.create_engine("voxcpm", config.engine_options())
+    assert (engine._compile, engine._compile_wait) == ("auto", False)
+    waiting = build_parser().parse_args(["serve", "--engine", "voxcpm", "--compile-wait", "true"])
+    assert config_from_args(waiting).engine_settings["compile_wait"] is True
     text = subprocess.run([sys.executable, "-m", "vox_ws", "serve", "--help"], capture_output=True, text=True).stdout
     assert "engines: auto, piper, voxcpm" in text and "voxcpm engine:" in text and "--lora-rank" in text
 
