@@ -37,7 +37,7 @@ def run_server(engine: Engine, port: int, config: ServerConfig | None = None, po
         server = VoxServer(config, engine)
         await server.start()
         server.install_signal_handlers()
-        await asyncio.to_thread(server.scheduler.ready_event.wait)
+        await asyncio.to_thread(server.devices.ready_event.wait)
         print("PORT", server.port, flush=True)
         if port_file:
             with open(port_file, "w") as f:

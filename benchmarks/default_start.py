@@ -8,7 +8,7 @@ compiled in a background process, each bucket taken in where it measures faster 
 always (CUDA). Each server is a process of its own on a fresh compile cache.
 
     python -m benchmarks.default_start [--model DIR] [--device cpu] [--rates 4,8,16] [--seconds 20]
-        [--max-batch 8] [--json FILE]
+        [--slots 8] [--json FILE]
 
 Without --model it builds the tiny random-weight VoxCPM2 in a temporary directory.
 """
@@ -56,7 +56,7 @@ def run(label: str, model: str, device: str, max_batch: int, rates: list[float],
     cache = tempfile.mkdtemp(prefix="vox-ws-default-start-")
     started = time.monotonic()
     server = subprocess.Popen([sys.executable, "-m", "vox_ws", "serve", "--engine", "voxcpm", "--model", model,
-                               "--device", device, "--port", str(port), "--max-batch", str(max_batch),
+                               "--device", device, "--port", str(port), "--slots", str(max_batch),
                                "--compile-cache", os.path.join(cache, "compile"), *CONFIGURATIONS[label]],
                               cwd=ROOT, env={**os.environ, "HF_HUB_OFFLINE": "1"}, stdout=subprocess.DEVNULL,
                               stderr=subprocess.DEVNULL)
@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", help="VoxCPM2 checkpoint directory (default: build the tiny model)")
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--max-batch", type=int, default=8)
+    ap.add_argument("--slots", type=int, default=8)
     ap.add_argument("--rates", default="4,8,16")
     ap.add_argument("--seconds", type=float, default=20.0)
     ap.add_argument("--bound", type=float, default=1800.0, help="seconds a start and its compile may take")
@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     results = {}
     for label in CONFIGURATIONS:
         print(f"\n{label}:", flush=True)
-        results[label] = run(label, model, args.device, args.max_batch, rates, args.seconds, args.bound)
+        results[label] = run(label, model, args.device, args.slots, rates, args.seconds, args.bound)
     print()
     for label, r in results.items():
         background = r["compile"].get("background", {})

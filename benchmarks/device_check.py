@@ -103,7 +103,7 @@ def step_checkpoint(ctx: dict) -> dict:
 
 
 def step_load(ctx: dict) -> dict:
-    """The engine's eager start with `--max-batch auto`: the slots and rows it sizes, its
+    """The engine's eager start with `--slots auto`: the slots and rows it sizes, its
     seconds and memory."""
     torch = _torch(ctx)
     from vox_ws.engines.voxcpm.engine import VoxCPMEngine

@@ -78,13 +78,13 @@ def run(model_dir: str, rank: int, batch: int, steps: int, repeats: int, threads
         engine.load()
         decode_inline(engine, batch)
     try:
-        slots = [adapted.lora_op("load", f"voice{n}")["slot"] for n in range(8)]
+        slots = [adapted.loras.load(adapted.loras.read(f"voice{n}"))["slot"] for n in range(8)]
         samples: dict[str, list[dict[str, float]]] = {name: [] for name, _ in CASES}
         for _ in range(repeats):                 # interleaved, so drift hits every case alike
             for name, adapters in CASES:
                 engine = plain if adapters is None else adapted
                 samples[name].append(measure(engine, adapters, slots, batch, steps))
-        allocated = adapted.lora["slot_bytes"]
+        allocated = adapted.loras.describe()["slot_bytes"]
     finally:
         plain.close()
         adapted.close()

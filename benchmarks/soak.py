@@ -118,7 +118,7 @@ def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
     n = str(args.sessions * 2)
     proc = subprocess.Popen(
         [sys.executable, "-m", "vox_ws", "serve", "--engine", "piper", "--port", "0", "--max-queue", n,
-         "--max-connections", n, "--max-connections-per-address", n, "--max-batch", "8",
+         "--max-connections", n, "--max-connections-per-address", n, "--slots", "8",
          # The queue is deep by design here: every stream waits its turn, none gives up.
          "--max-queue-wait", "3600"],
         stderr=subprocess.PIPE, text=True)

@@ -54,12 +54,12 @@ class RunningServer:
         self.http = f"http://127.0.0.1:{self.port}"
 
     @property
-    def scheduler(self):
-        return self.server.scheduler
+    def devices(self):
+        return self.server.devices
 
     def wait_ready(self, timeout: float = 120.0) -> None:
-        assert self.scheduler.ready_event.wait(timeout), "engine did not load in time"
-        assert self.scheduler.status == "ready", self.scheduler.error
+        assert self.devices.ready_event.wait(timeout), "engine did not load in time"
+        assert self.devices.status == "ready", self.devices.error
 
     def get(self, path: str) -> tuple[int, Any]:
         try:

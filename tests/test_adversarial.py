@@ -425,7 +425,7 @@ async def test_normalizing_runs_beside_the_engine_and_gives_up_on_hostile_text(v
     options = {"normalize": True, "max_len": 2}
     expanded = await drain(service.open_stream(counting, options=options), 120)
     assert isinstance(expanded[-1], Ended), expanded[-1]
-    assert len(expanded[-1].stats["segments"]) > len(service.engine.split_text(counting, options))
+    assert len(expanded[-1].stats["segments"]) > len(service.engine.text.split(counting, options))
     assert any("hundred" in segment["text"] for segment in expanded[-1].stats["segments"])
     # A text the normaliser cannot read (a number of 4500 digits) is refused as such.
     unreadable = await drain(service.open_stream("１２３４５" * 900, options={"normalize": True, "max_len": 2}), 120)

@@ -96,7 +96,7 @@ async def test_speak_starts_over_on_another_server_when_its_server_goes(start_se
 
     def replace_server() -> None:
         # Once the stream is under way (it speaks for 1.5 s, paced), the server goes.
-        while not (first.scheduler.stats()["active"] and first.scheduler.stats()["steps_total"] >= 2):
+        while not (first.devices.stats()["active"] and first.devices.stats()["steps_total"] >= 2):
             time.sleep(0.005)
         first.stop()                        # no drain: the stream in flight ends `going_away`
         replaced.append(RunningServer(slow_tone(), make_config(port=port)))
@@ -110,7 +110,7 @@ async def test_speak_starts_over_on_another_server_when_its_server_goes(start_se
         swapper.join(30)
         # The first server went mid-stream, and the replacement spoke the whole text again.
         assert replaced and not first.server.running
-        assert replaced[0].scheduler.stats()["steps_total"] >= 3.0 / 0.08
+        assert replaced[0].devices.stats()["steps_total"] >= 3.0 / 0.08
     finally:
         swapper.join(30)
         for running in replaced:

@@ -210,7 +210,7 @@ def test_a_graph_per_batch_size_and_a_dynamic_size_takes_any_length_of_two_or_mo
 
     x, keys = torch.randn(2, 16), torch.arange(4.0)
     store = GraphStore(tmp_path)
-    graphs = GraphsBySize(store, "scaled_sum", scaled_sum, context="test", rows_of=0, dynamic={1: 0})
+    graphs = GraphsBySize(store, "scaled_sum", scaled_sum, context="test", rows_of="x", dynamic={"keys": 0})
     for rows, length in ((2, 2), (2, 4), (3, 9), (2, 16), (3, 2)):
         x, keys = torch.randn(rows, 16), torch.arange(float(length))
         torch.testing.assert_close(graphs(x, keys), scaled_sum(x, keys))

@@ -128,7 +128,7 @@ async def test_a_live_uvicorn_connection_has_the_attributes_vox_ws_uses(tone_ser
 
 
 def test_starlettes_websocket_keeps_its_asgi_send_as_send():
-    """vox_ws/session.py writes frames through `WebSocket._send`, the ASGI send callable, so that a
+    """vox_ws/session.py writes frames through `WebSocket._send` (`connections.asgi_send`), the ASGI send callable, so that a
     frame is queued without awaiting Starlette's state checks on every chunk."""
     from starlette.websockets import WebSocket
 
@@ -140,7 +140,7 @@ def test_starlettes_websocket_keeps_its_asgi_send_as_send():
 
     ws = WebSocket({"type": "websocket", "path": "/", "headers": []}, receive, send)
     assert getattr(ws, "_send", None) is send, "starlette.websockets.WebSocket no longer keeps the ASGI send " \
-                                               "callable as ._send (vox_ws/session.py uses it)"
+                                               "callable as ._send (vox_ws/transports/connections.py uses it)"
 
 
 async def test_wyomings_async_server_keeps_its_listening_server_as_server():

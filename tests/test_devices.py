@@ -116,7 +116,7 @@ async def test_one_device_failing_leaves_the_others_serving(start_server):
 
 @pytest.mark.slow
 async def test_max_batch_auto_sizes_the_slots_to_the_device(start_server, tiny_model):
-    """`--max-batch auto` on a CPU: the engine times its batched step and keeps the most rows
+    """`--slots auto` on a CPU: the engine times its batched step and keeps the most rows
     whose step takes at most half the audio it makes as the rows a step carries, and four KV
     slots a row (at most 32); hello and /v1/info say how many and why."""
     server = start_server(VoxCPMEngine(model=str(tiny_model), device="cpu", max_batch=None), max_batch=None)
@@ -137,13 +137,19 @@ async def test_max_batch_auto_for_piper_follows_its_measured_speed(start_server)
     assert info["max_batch"] >= 1 and "faster than real time" in info["slots_reason"]
 
 
-def test_the_command_line_takes_auto_or_a_number():
+def test_the_command_line_takes_auto_or_a_number_of_slots_by_either_spelling(monkeypatch):
     from vox_ws.cli import build_parser, config_from_args
 
     assert config_from_args(build_parser().parse_args(["serve"])).max_batch is None
+    assert config_from_args(build_parser().parse_args(["serve", "--slots", "12"])).max_batch == 12
     assert config_from_args(build_parser().parse_args(["serve", "--max-batch", "12"])).max_batch == 12
-    with pytest.raises(SystemExit):
-        build_parser().parse_args(["serve", "--max-batch", "0"])
+    for spelling in ("--slots", "--max-batch"):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["serve", spelling, "0"])
+    monkeypatch.setenv("VOX_WS_MAX_BATCH", "6")
+    assert config_from_args(build_parser().parse_args(["serve"])).max_batch == 6
+    monkeypatch.setenv("VOX_WS_SLOTS", "5")
+    assert config_from_args(build_parser().parse_args(["serve"])).max_batch == 5
 
 
 async def test_a_lora_adapter_loads_on_every_device(start_server, tiny_model, tmp_path):
@@ -170,7 +176,7 @@ async def test_a_lora_adapter_loads_on_every_device(start_server, tiny_model, tm
         assert loaded["type"] == "lora" and loaded["loaded"] > 0, loaded
         adapted = await pair(c, lora="bright")
         unadapted = await pair(c)
-    assert all([a["name"] for a in engine.lora["adapters"]] == ["bright"] for engine in engines)
+    assert all([a["name"] for a in engine.loras.describe()["adapters"]] == ["bright"] for engine in engines)
     np.testing.assert_array_equal(adapted[0], adapted[1])            # both devices changed alike
     assert not np.allclose(adapted[0], plain[0])
     for pcm in (*unadapted, plain[1]):

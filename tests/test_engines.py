@@ -104,5 +104,5 @@ def test_engines_refuse_in_their_own_vocabulary():
     from vox_ws.engines.piper import PiperEngine
 
     with pytest.raises(Refused) as info:
-        PiperEngine().register_voice(None, 16000, None, "reference")
+        PiperEngine().voices.register(None, 16000, None, "reference")
     assert info.value.kind == ErrorKind.UNSUPPORTED and not info.value.kind.retryable

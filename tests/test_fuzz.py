@@ -159,7 +159,7 @@ def test_live_server_answers_every_frame_with_a_typed_reply(live, frame):
 @pytest.mark.slow                   # the second half of the live fuzzing above
 async def test_server_is_healthy_after_fuzzing(fuzz_server, live):
     assert live.cases >= 1000
-    assert fuzz_server.scheduler.status == "ready"
+    assert fuzz_server.devices.status == "ready"
     assert fuzz_server.get("/healthz")[0] == 200
     async with connect_client(fuzz_server) as c:
         assert_good_stream(await c.speak("Fuzzing is over.", "after"))

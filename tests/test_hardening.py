@@ -53,7 +53,7 @@ async def test_connections_without_a_valid_token_are_refused_before_any_work(gua
     assert "unauthorized" in reason
     await closed_with(guarded, 4001, additional_headers={"Authorization": "Bearer wrong"})
     await closed_with(guarded, 4001, url=guarded.url + "?token=alph")
-    assert guarded.scheduler.stats()["steps_total"] == 0 and not guarded.server.sessions
+    assert guarded.devices.stats()["steps_total"] == 0 and not guarded.server.sessions
 
 
 async def test_a_token_as_a_subprotocol_is_taken_and_a_malformed_one_is_no_token(guarded):
@@ -156,7 +156,7 @@ async def test_slow_reader_is_paused_then_cancelled_and_never_delays_others(star
             result = await fast.speak(LONG[:300], "fast")
         assert_good_stream(result, 3.0)
         # The stalled stream stops holding its slot.
-        await wait_until(lambda: server.scheduler.stats()["active"] == 0)
+        await wait_until(lambda: server.devices.stats()["active"] == 0)
         # When the slow client finally reads, the stream ended with slow_consumer.
         seen = []
         while True:
@@ -205,7 +205,7 @@ async def test_cancel_and_disconnect_free_the_slot_before_the_next_step(start_se
         await wait_until(lambda: engine.steps[other] >= before + 2)
         assert engine.steps[long_a] <= steps_at_cancel + 1
         assert engine.steps[long_b] <= steps_at_disconnect + 1
-        assert server.scheduler.stats()["active"] == 1
+        assert server.devices.stats()["active"] == 1
         await keeper.send({"type": "cancel", "id": "keep"})
 
 
@@ -237,7 +237,7 @@ async def test_engine_thread_death_tells_everyone_and_stops_with_exit_code_3(sta
                     errors[m["id"]] = m["code"]
         assert errors == {"victim": "internal", "bomb": "internal"}
         assert c.ws.close_code == 1011
-    assert server.scheduler.status == "failed"
+    assert server.devices.status == "failed"
     assert server.server.exit_code == 3
     await asyncio.wait_for(asyncio.wrap_future(asyncio.run_coroutine_threadsafe(
         server.server.wait_stopped(), server.loop)), 10)

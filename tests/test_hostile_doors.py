@@ -212,7 +212,7 @@ async def test_a_speech_response_nobody_reads_ends_and_its_connection_closes(sta
                 if r.name == "vox_ws.connections" and "read nothing for" in r.msg and isinstance(r.args[0], tuple)}
     await wait_until(lambda: aborted() >= set(ports))
     await wait_until(lambda: all(http_connections(server, port) == [] for port in ports))
-    await wait_until(lambda: server.scheduler.stats()["active"] == 0)
+    await wait_until(lambda: server.devices.stats()["active"] == 0)
     for sock in readers:
         received = await asyncio.to_thread(read_until_closed, sock)
         assert received.startswith(b"HTTP/1.1 200") and not received.endswith(b"0\r\n\r\n")   # cut short
@@ -468,7 +468,7 @@ async def test_the_openai_door_speaks_a_stored_voice_this_process_never_built(st
     reference = await speak(first, voice_id)
     first.stop()
     second = tiny_server(start_server, tiny_model, store)                 # as after a restart
-    assert not second.server.scheduler.engines[0].has_voice(voice_id)
+    assert not second.server.devices.engines[0].voices.has(voice_id)
     client = openai.OpenAI(base_url=second.http + "/v1", api_key="unused")
 
     def say(voice: str) -> bytes:
@@ -524,8 +524,8 @@ async def test_voice_churn_through_one_replica_never_fills_another(start_server,
         registered.append(await register(a, pitch=150.0 + 10 * cycle))
         spoken = await speak(b, registered[-1])
         assert spoken.error is None and spoken.end["reason"] == "max_len", (cycle, spoken.error)
-    engine_b = b.server.scheduler.engines[0]
-    assert len(engine_b._voices) <= cap
+    engine_b = b.server.devices.engines[0]
+    assert len(engine_b.voices.book) <= cap
     # A voice the store retired is refused on B too, whatever B had built.
     gone = await speak(b, registered[0])
     assert gone.error is not None and gone.error["code"] == "bad_request"
@@ -552,10 +552,10 @@ async def test_streams_waiting_on_slow_readers_give_their_slots_to_a_waiting_str
         await ws.recv()                                  # hello
         await ws.send(msgpack.packb({"type": "start", "id": "slow", "text": LONG * 3}))
         readers.append(ws)
-    await wait_until(lambda: server.scheduler.stats()["active"] + server.scheduler.stats()["parked"] == 2)
+    await wait_until(lambda: server.devices.stats()["active"] + server.devices.stats()["parked"] == 2)
     async with connect_client(server) as c:
         assert_good_stream(await c.speak(SENTENCE, "victim"))
-    assert server.scheduler.stats()["parked"] >= 1        # still lagging: still parked
+    assert server.devices.stats()["parked"] >= 1        # still lagging: still parked
     # A reader that catches up gets its slot back and its stream goes on to the end.
     ws = readers[0]
     kinds = []
@@ -703,8 +703,8 @@ class GatedVoxCPM:
 
         self.gate = threading.Event()
         self.built: list[str] = []
-        self._register = engine.register_voice
-        engine.register_voice = self
+        self._register = engine.voices.register
+        engine.voices.register = self
 
     def __call__(self, *args, **kwargs):
         self.gate.wait(WAIT_TIMEOUT)
@@ -717,7 +717,7 @@ async def test_an_owner_flooding_voice_uploads_is_refused_429_and_another_owner_
     from test_voice_store import tiny_server
 
     server = tiny_server(start_server, tiny_model, "memory")
-    gated = GatedVoxCPM(server.server.scheduler.engines[0])
+    gated = GatedVoxCPM(server.server.devices.engines[0])
     service = server.server.service
 
     def upload(pitch: float, source: str) -> httpx.Response:

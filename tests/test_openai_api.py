@@ -228,7 +228,7 @@ async def test_a_full_queue_is_429_with_retry_after(guarded):
             # One slot (busy) and one queue place: a second request waits in the queue and
             # gives up after max_queue_wait; a third finds the queue full at once.
             waiting = asyncio.ensure_future(http.post("/v1/audio/speech", json=body))
-            await wait_until(lambda: guarded.scheduler.stats()["queued"] == 1)
+            await wait_until(lambda: guarded.devices.stats()["queued"] == 1)
             full = await http.post("/v1/audio/speech", json=body)
             assert full.status_code == 429 and "retry-after" in full.headers
             assert full.json()["error"]["type"] == "rate_limit_error"

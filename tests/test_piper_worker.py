@@ -92,7 +92,7 @@ async def test_a_crash_fails_only_its_stream(start_server):
         # The same connection speaks again, on a new worker.
         assert_good_stream(await victim.speak(SENTENCE, "after"))
     assert engine.worker_pid != first_worker
-    assert server.scheduler.status == "ready" and server.get("/readyz")[0] == 200
+    assert server.devices.status == "ready" and server.get("/readyz")[0] == 200
 
 
 @pytest.mark.slow

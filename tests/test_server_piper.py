@@ -98,7 +98,7 @@ async def test_cancel_mid_stream_ends_with_cancelled_and_no_chunk_after(piper_se
         after_end = c.log[c.log.index(("end", "long")) + 1:]
         assert ("end", "after") in after_end
         assert not [entry for entry in after_end if entry[1] == "long"]
-    await wait_until(lambda: piper_server.scheduler.stats()["active"] == 0)
+    await wait_until(lambda: piper_server.devices.stats()["active"] == 0)
 
 
 async def test_cancel_of_queued_stream_and_of_unknown_stream(piper_server):
@@ -113,8 +113,8 @@ async def test_disconnect_mid_stream_frees_the_slot(piper_server):
     async with connect_client(piper_server) as c:
         await c.send({"type": "start", "id": "gone", "text": LONG})
         await c.recv_where(lambda m: m["type"] == "chunk")
-        assert piper_server.scheduler.stats()["active"] == 1
-    await wait_until(lambda: piper_server.scheduler.stats()["active"] == 0
+        assert piper_server.devices.stats()["active"] == 1
+    await wait_until(lambda: piper_server.devices.stats()["active"] == 0
                    and piper_server.get("/v1/info")[1]["streams_open"] == 0)
 
 
@@ -243,7 +243,7 @@ async def test_failed_load_reports_503_with_reason(start_server):
     engine = GatedPiper(fail=True)
     engine.gate.set()
     server = start_server(engine, wait=False)
-    await wait_until(lambda: server.scheduler.status == "failed")
+    await wait_until(lambda: server.devices.status == "failed")
     status, body = server.get("/readyz")
     assert status == 503 and body["status"] == "failed" and "weights are corrupt" in body["error"]
 
@@ -270,7 +270,7 @@ async def test_engine_exception_in_one_stream_leaves_others_intact(start_server)
         assert_good_stream(ok1, 2.0)
         assert_good_stream(ok2, 2.0)
         assert_good_stream(await c.speak("And the next one works.", "next"))
-    assert server.scheduler.status == "ready"
+    assert server.devices.status == "ready"
 
 
 async def test_queue_position_and_busy(start_server):

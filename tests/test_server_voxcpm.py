@@ -210,10 +210,10 @@ async def test_cancel_frees_the_slot_before_the_next_step(voxcpm_server):
         end = await c.recv_where(lambda m: m["type"] == "end" and m["id"] == "long")
         assert end["reason"] == "cancelled"
         for _ in range(200):
-            if voxcpm_server.scheduler.stats()["active"] == 0:
+            if voxcpm_server.devices.stats()["active"] == 0:
                 break
             await asyncio.sleep(0.01)
-        assert voxcpm_server.scheduler.stats()["active"] == 0
+        assert voxcpm_server.devices.stats()["active"] == 0
         assert sorted(voxcpm_server.engine.runner._free_slots) == [0, 1, 2, 3]
         assert_good_stream(await c.speak("Next.", "next", options={"max_len": 3}))
 
@@ -299,7 +299,7 @@ def test_long_texts_are_cut_where_each_piece_fits_its_own_length_rule(voxcpm_ser
     engine = voxcpm_server.engine
     model = engine.tts.tts_model
     text = LONG_TEXT[:4000]
-    pieces = engine.split_text(text, {}, None)
+    pieces = engine.text.split(text, {}, None)
     assert len(pieces) > 20 and " ".join(pieces) == text
     for piece in pieces:
         # Each piece fits with the package's own step cap (6 steps a token + 10).
@@ -307,9 +307,9 @@ def test_long_texts_are_cut_where_each_piece_fits_its_own_length_rule(voxcpm_ser
         assert engine.runner.fits(positions, tokens, 4096)
     # One enormous "word" is cut at characters rather than refused.
     assert all(engine.runner.fits(*prompt_positions(model, piece, None), 4096)
-               for piece in engine.split_text("x" * 2000, {}, None))
+               for piece in engine.text.split("x" * 2000, {}, None))
     # A text that fits is one piece, as before.
-    assert engine.split_text("Short text.", {}, None) == ["Short text."]
+    assert engine.text.split("Short text.", {}, None) == ["Short text."]
 
 
 @pytest.mark.parametrize("speed", [0.5, 2.0])
@@ -350,7 +350,7 @@ async def test_lora_needs_the_admin_token(voxcpm_server):
 async def test_hub_id_not_in_the_local_cache_fails_load_clearly(start_server, monkeypatch, tmp_path):
     monkeypatch.setenv("HF_HOME", str(tmp_path))
     server = start_server(VoxCPMEngine(model="openbmb/VoxCPM2", device="cpu"), wait=False)
-    assert server.scheduler.ready_event.wait(60)
+    assert server.devices.ready_event.wait(60)
     status, body = server.get("/readyz")
     assert status == 503 and body["status"] == "failed"
     assert "local Hugging Face cache" in body["error"]
@@ -381,14 +381,14 @@ async def test_a_misnamed_tensor_is_caught_at_load(start_server, tiny_model, tmp
     weights["stop_head.weight_renamed"] = weights.pop("stop_head.weight")
     save_file(weights, str(broken / "model.safetensors"))
     server = start_server(VoxCPMEngine(model=str(broken), device="cpu"), wait=False)
-    assert server.scheduler.ready_event.wait(60)
+    assert server.devices.ready_event.wait(60)
     status, body = server.get("/readyz")
     assert status == 503 and "did not load cleanly" in body["error"] and "stop_head.weight" in body["error"]
 
 
 async def test_denoiser_without_its_dependencies_fails_load_clearly(start_server, tiny_model):
     server = start_server(VoxCPMEngine(model=str(tiny_model), device="cpu", load_denoiser=True), wait=False)
-    assert server.scheduler.ready_event.wait(60)
+    assert server.devices.ready_event.wait(60)
     status, body = server.get("/readyz")
     assert status == 503 and "modelscope" in body["error"]
 
@@ -461,7 +461,7 @@ def speak_through(runner, text: str, *, seed: int, min_len: int, max_len: int) -
 
 @pytest.mark.slow
 def test_a_runners_decoder_process_serves_the_next_runner_and_says_the_same(tiny_model, two_cpus):
-    """How `--max-batch auto` keeps the process it started while the model loaded: the runner
+    """How `--slots auto` keeps the process it started while the model loaded: the runner
     that timed the steps hands it to the one that serves."""
     from vox_ws.engines.voxcpm.runner import BatchedVoxCPM2
 
@@ -497,8 +497,8 @@ async def test_a_load_that_fails_stops_the_decoder_process_it_started(start_serv
     save_file(weights, str(broken / "model.safetensors"))
     others = set(_decoder_processes())
     server = start_server(VoxCPMEngine(model=str(broken), device="cpu"), wait=False)
-    assert server.scheduler.ready_event.wait(WAIT_TIMEOUT)
-    assert server.scheduler.status == "failed"
+    assert server.devices.ready_event.wait(WAIT_TIMEOUT)
+    assert server.devices.status == "failed"
     assert set(_decoder_processes()) - others == set()      # started with the load, stopped with its failure
 
 
@@ -519,5 +519,5 @@ async def test_decoder_process_death_fails_every_stream_and_stops_the_server(sta
             while True:
                 await c.recv(timeout=20)
         assert c.ws.close_code == 1011
-    assert server.scheduler.status == "failed"
+    assert server.devices.status == "failed"
     assert server.server.exit_code == 3

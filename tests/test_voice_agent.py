@@ -139,7 +139,7 @@ async def test_barge_in_mid_segment(piper_server):
         assert end["reason"] == "cancelled"
         assert_good_stream(await c.speak("Barge-in handled.", "next"))
         assert not [e for e in c.log[c.log.index(("end", "a")) + 1:] if e[1] == "a"]
-    await wait_until(lambda: piper_server.scheduler.stats()["active"] == 0)
+    await wait_until(lambda: piper_server.devices.stats()["active"] == 0)
 
 
 @pytest.mark.parametrize("after_chunks", [1, 6, 12])

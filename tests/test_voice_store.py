@@ -270,15 +270,15 @@ async def test_same_audio_twice_is_one_voice_over_the_wire(start_server, tiny_mo
 @pytest.mark.slow
 async def test_a_full_store_refuses_before_the_prompt_is_built(start_server, tiny_model):
     server = tiny_server(start_server, tiny_model, "memory", max_voices=1)
-    engine = server.server.scheduler.engines[0]
+    engine = server.server.devices.engines[0]
     built = []
-    register_voice = engine.register_voice
+    register_voice = engine.voices.register
 
     def counting(*args, **kwargs):
         built.append(args[-1])
         return register_voice(*args, **kwargs)
 
-    engine.register_voice = counting                 # the real method, counted
+    engine.voices.register = counting                 # the real method, counted
     first = await register(server, pitch=300)
     assert built == [first]
     async with connect_client(server) as c:
@@ -414,7 +414,7 @@ async def test_a_handful_of_addresses_cannot_fill_the_store_for_good(start_serve
         gone = await admin.delete("/v1/admin/voices", params={"address": "127.0.0.31"})
         assert gone.status_code == 200 and sorted(gone.json()["deleted"]) == sorted(kept["127.0.0.31"])
     for voice in kept["127.0.0.31"]:
-        assert not service.engine.has_voice(voice)
+        assert not service.engine.voices.has(voice)
     assert (await upload("127.0.0.34", 300)).status_code == 201     # room again
     # The same over protocol v1, only on an admin connection.
     async with connect_client(server) as c:
@@ -435,14 +435,14 @@ async def test_a_handful_of_addresses_cannot_fill_the_store_for_good(start_serve
     # A day later the token-less voices are gone: unknown to streams at once, then swept from
     # every device; a newcomer registers, and a built-in voice speaks as before.
     victim = kept["127.0.0.33"][0]
-    assert service.engine.has_voice(victim)
+    assert service.engine.voices.has(victim)
     now[0] += 86400.0 + 10
     async with connect_client(server) as c:
         expired = await c.speak("Hello.", "x", voice=victim, options={"max_len": 3})
     assert expired.error is not None and "unknown voice" in expired.error["message"], expired.error
     swept = asyncio.run_coroutine_threadsafe(service.expire_voices(), server.loop).result(30)
-    assert victim in swept or not service.engine.has_voice(victim)
-    assert not service.engine.has_voice(victim) and (await service.store.usage())["voices"] == 0
+    assert victim in swept or not service.engine.voices.has(victim)
+    assert not service.engine.voices.has(victim) and (await service.store.usage())["voices"] == 0
     assert (await upload("127.0.0.35", 310)).status_code == 201
     result = await speak(server, None)
     assert result.error is None and result.end is not None

@@ -48,12 +48,13 @@ _SERVE_OPTIONS: list[tuple[str, Callable[[str], Any], Any, str]] = [
     ("max-connections-per-address", int, Limits.max_connections_per_address,
      "open connections per client address (then close 4029)"),
     ("max-messages-per-second", float, Limits.max_messages_per_s, "client messages per second per connection"),
-    ("max-batch", engines.parse_count, "auto", "slots per device: streams generated together; auto sizes them to the "
-                                      "device (GPU memory, CPU step time; see docs/DEPLOY.md)"),
+    ("slots", engines.parse_count, "auto", "KV slots per device: streams generated at once (memory; --step-rows is "
+                                  "compute); auto sizes them to the device (GPU memory, CPU step time; see "
+                                  "docs/DEPLOY.md). Also spelt --max-batch"),
     ("max-queue", int, Limits.max_queue, "streams that may wait for a slot; beyond it, `busy`"),
     ("max-queue-wait", float, Limits.max_queue_wait_s, "seconds a stream may wait for a slot; then `busy`"),
     ("max-share", int, None, "slots one client (connection, token or address) may hold while others wait "
-                             "(default: half of --max-batch)"),
+                             "(default: half of --slots)"),
     ("max-streams", int, Limits.max_streams, "open streams per connection"),
     ("max-text-chars", int, Limits.max_text_chars, "characters per text"),
     ("max-frame-bytes", int, Limits.max_frame_bytes, "bytes per client frame (and per HTTP upload)"),
@@ -106,6 +107,11 @@ def _engine_options() -> list[tuple[str, list[engines.Setting]]]:
     return groups
 
 
+# Options renamed for what they are, by their old spelling (still taken, with its variable) and
+# the name of the setting they fill.
+_OLD_SPELLINGS = {"slots": ("max-batch", "max_batch")}
+
+
 def _env_name(option: str) -> str:
     return "VOX_WS_" + option.upper().replace("-", "_")
 
@@ -121,7 +127,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     def add(group: Any, option: str, kind: Callable[[str], Any], default: Any, text: str, many: bool = False) -> None:
         env = _env_name(option)
-        raw = os.environ.get(env)
+        old, dest = _OLD_SPELLINGS.get(option, (None, option.replace("-", "_")))
+        raw = os.environ.get(env, os.environ.get(_env_name(old)) if old else None)
         value = default
         if raw is not None:
             try:
@@ -133,7 +140,8 @@ def build_parser() -> argparse.ArgumentParser:
                                help=f"{text} [env {env}]")
             group.set_defaults(**{option.replace("-", "_"): value})
             return
-        group.add_argument(f"--{option}", type=kind, default=value, help=f"{text} [env {env}; default {default}]")
+        names = [f"--{option}"] + ([f"--{old}"] if old else [])
+        group.add_argument(*names, dest=dest, type=kind, default=value, help=f"{text} [env {env}; default {default}]")
 
     for option, kind, default, text in _SERVE_OPTIONS:
         add(serve, option, kind, default, text)

@@ -29,7 +29,6 @@ from types import TracebackType
 from typing import Any
 
 import msgpack
-import numpy as np
 from websockets.asyncio.client import ClientConnection
 from websockets.asyncio.client import connect as ws_connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
@@ -511,8 +510,3 @@ async def speak(url: str, text: str, *, token: str | None = None, retries: int =
         await asyncio.sleep(retry_delay(wait, asked))
         wait *= 2
     raise AssertionError("unreachable")
-
-
-def decode_audio(data: bytes, fmt: str) -> np.ndarray:
-    """Audio bytes from a stream as float32 samples."""
-    return bytes_to_pcm(data, fmt)

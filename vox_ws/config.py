@@ -64,7 +64,7 @@ class ServerConfig:
     device: str = "auto"
     threads: int = 1
     # Slots per device (streams generated at once); None: sized to the device once the engine
-    # has loaded (`Engine.slots`; the command line's default, `--max-batch auto`).
+    # has loaded (`Engine.slots`; the command line's default, `--slots auto`).
     max_batch: int | None = 8
     # Slots one client (a connection; a token or address) may hold while others wait;
     # None: half of max_batch.

@@ -158,6 +158,7 @@ class Devices:
 
     # ------------------------------------------------------------------ on every device
 
-    def call_all(self, fn: Callable[[Engine], Any]) -> list[Future]:
-        """Run `fn(engine)` on every ready device's scheduler thread, between two steps."""
-        return [s.call(lambda engine=s.engine: fn(engine)) for s in self.ready]
+    def call_each(self, fn: Callable[[Engine], Any], schedulers: list[Scheduler] | None = None) -> list[Future]:
+        """Run `fn(engine)` on each device's scheduler thread (`schedulers`; default: every ready
+        one), between two of its steps: a future for each."""
+        return [s.call(lambda engine=s.engine: fn(engine)) for s in (self.ready if schedulers is None else schedulers)]

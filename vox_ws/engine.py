@@ -7,7 +7,10 @@ stream and no wire format: it refuses work with `Refused(kind, message)` and end
 an `EndReason`; each front door maps those to its own codes and statuses.
 
 An engine also declares the generation options it honours (`options`: ranges and defaults),
-so that front doors can validate requests against the engine actually served.
+so that front doors can validate requests against the engine actually served. What it does
+besides generating is in role objects, each with plain verbs: `engine.voices` (built-in and
+cloned voices), `engine.text` (preparing and cutting texts, instructions, pronunciations) and
+`engine.loras` (LoRA adapters).
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import math
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Protocol
+from typing import Any, Callable, Mapping, Protocol
 
 import numpy as np
 
@@ -105,8 +108,9 @@ class EngineFailure(Exception):
     failing one batch and stepping a broken engine again."""
 
 
-# Voice-cloning modes and LoRA operations, as engines understand them.
+# Voice-cloning modes, as engines understand them.
 VOICE_MODES = ("reference", "continuation", "both")
+# The LoRA operations an admin asks for: `Loras.load`, `.unload`, `.set_default`, `.clear_default`.
 LORA_OPS = ("load", "unload", "enable", "disable")
 
 
@@ -183,10 +187,10 @@ class GenerationRequest:
     text: str
     sink: RequestSink
     voice: str | None = None
-    # What `Engine.pin_voice` returned when the stream opened: the voice itself, kept for the
+    # What `Engine.voices.pin` returned when the stream opened: the voice itself, kept for the
     # stream's whole life even if the voice is deleted meanwhile.
     voice_pin: Any = None
-    # What `Engine.pin_lora` returned when the stream opened: its LoRA adapter (None: none),
+    # What `Engine.loras.pin` returned when the stream opened: its LoRA adapter (None: none),
     # kept loaded until the stream ends.
     lora_pin: Any = None
     options: dict[str, Any] = field(default_factory=dict)
@@ -203,13 +207,13 @@ class GenerationRequest:
     context: Any = None
     keep_continuation: bool = False
     continuation: Any = None
-    # The text went through `Engine.prepare_text` already.
+    # The text went through `Engine.text.prepare` already.
     prepared: bool = False
     # Pronunciations (a `lexicon.Lexicon`) for engines that take phonemes (`takes_phonemes`),
     # which apply them as they phonemize; other engines are given the text respelled.
     pronunciations: Any = None
     # How to speak it, in words ("a calm, low voice"), for engines that follow such
-    # instructions (`Engine.follows_instructions`); others ignore it.
+    # instructions (`Engine.text.follows_instructions`); others ignore it.
     instructions: str | None = None
     # The text's language (a BCP 47 tag or Piper's en_US), where the client said it: how the
     # text is cut and normalised; None: the voice's, or found in the text.
@@ -239,15 +243,167 @@ class StepResult:
     phonemes: list[tuple[str, int, int]] | None = None
 
 
+# --------------------------------------------------------------------------- roles
+
+
+class Role:
+    """An engine's role object (`Engine.voices`, `.text`, `.loras`), made from the engine on first
+    use: `factory(engine)`. An engine may also set its own in `__init__` (the instance's wins)."""
+
+    def __init__(self, factory: Callable[[Engine], Any]) -> None:
+        self.factory = factory
+        self.name = ""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, engine: Engine | None, owner: type) -> Any:
+        if engine is None:
+            return self
+        role = engine.__dict__[self.name] = self.factory(engine)
+        return role
+
+
+class Voices:
+    """An engine's voices: the built-in ones by name and, where the engine clones voices
+    (`Engine.supports_voices`), those built from reference audio. The event loop calls every
+    verb but `register`, which runs on a worker thread beside the steps: it must only read what
+    the steps use. This one has no voice of its own and clones none."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+
+    def names(self) -> list[str]:
+        """The built-in voices."""
+        return []
+
+    def has(self, voice: str) -> bool:
+        return voice in self.names()
+
+    def languages(self, voice: str | None) -> tuple[str, ...]:
+        """The languages one voice speaks (None: the default voice). Cheap."""
+        return self.engine.languages
+
+    def check(self, voice: str | None) -> None:
+        """Refuse an unknown voice."""
+        if voice is not None and not self.has(voice):
+            hint = "; or register one" if self.engine.supports_voices else ""
+            raise Refused(ErrorKind.INVALID, f"unknown voice {voice!r} (built-in: {self.names()}{hint})")
+
+    def pin(self, voice: str | None) -> Any:
+        """Refuse an unknown voice, or return what keeps it usable by one stream until the
+        stream ends (None where voices cannot go away)."""
+        self.check(voice)
+        return None
+
+    def register(self, audio: np.ndarray, sample_rate: int, transcript: str | None, mode: str,
+                 voice_id: str | None = None) -> dict[str, Any]:
+        """Build a reusable voice prompt from reference audio; returns {voice, mode, audio_s}.
+        `voice_id`: keep it under this id (the same voice on another device, or rebuilt from
+        the voice store); else the engine makes one. Never evicts another voice: refuses (BUSY)
+        when it holds as many as it can."""
+        raise Refused(ErrorKind.UNSUPPORTED, f"engine {self.engine.name} cannot clone voices")
+
+    def delete(self, voice_id: str) -> bool:
+        return False
+
+
+class TextRules:
+    """How an engine takes text: whether and how a text is prepared (normalised) and cut into
+    pieces that fit one generation, whether instructions change its speech, which
+    pronunciations it can say. This one: one piece, as written, no instructions, respellings
+    only (or IPA where the engine `takes_phonemes`)."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+
+    def needs_preparing(self, options: dict[str, Any], language: str | None = None) -> bool:
+        """Whether a text with these options, in this language (None: not said), needs
+        `prepare` before it is queued."""
+        return False
+
+    def prepare(self, text: str, options: dict[str, Any], language: str | None = None) -> str:
+        """Costly work on a text (normalisation) before its request is queued: it runs on a
+        preparation thread of the stream service, never on the scheduler thread or the event
+        loop, so it holds up no one else. Thread-safe. Raises Refused."""
+        return text
+
+    def split(self, text: str, options: dict[str, Any], voice_pin: Any = None,
+              language: str | None = None) -> list[str]:
+        """Cut a text too long for one generation into pieces that each fit, to be generated
+        one after another on one stream (each continuing from the one before), at sentence
+        ends in its language. The default: one piece (the engine bounds its own work)."""
+        return [text]
+
+    def follows_instructions(self, voice_pin: Any = None) -> bool:
+        """Whether `GenerationRequest.instructions` change the speech with this voice."""
+        return False
+
+    def check_pronunciation(self, item: Any) -> None:
+        """Refuse a pronunciation (a `lexicon.Pronunciation`) this engine cannot say: IPA, unless
+        it takes phonemes. Cheap: the event loop calls it."""
+        if item.ipa is not None and not self.engine.takes_phonemes:
+            raise Refused(ErrorKind.UNSUPPORTED, f"pronunciation {item.match!r}: engine {self.engine.name} cannot "
+                                                 "say IPA phonemes; give a respelling ('say')")
+
+
+class Loras:
+    """An engine's LoRA adapters: a stream pins one (its own, or the default) at its start; an
+    admin loads, unloads and sets the default on every device. `pin`, `unpin`, `unloading` and
+    `describe` are called by the event loop; `read` on a worker thread; `load`, `unload`,
+    `set_default` and `clear_default` on the scheduler thread, between two steps. This one has no
+    LoRA support."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+
+    def _unsupported(self, field: str | None = None) -> Refused:
+        return Refused(ErrorKind.UNSUPPORTED, f"engine {self.engine.name} has no LoRA support", field=field)
+
+    def pin(self, name: str | None) -> Any:
+        """The adapter a new stream speaks with (`name`, or the default where it names none),
+        held until `unpin`; None: the base model. Refuses an adapter that is not loaded."""
+        if name is not None:
+            raise self._unsupported(field="lora")
+        return None
+
+    def unpin(self, pin: Any) -> None:
+        """The stream that pinned it has ended."""
+
+    def unloading(self, pin: Any, name: str) -> bool:
+        """Whether `pin` is the adapter `name` and it is being unloaded (the service ends its
+        streams once the unload's time is up)."""
+        return False
+
+    def read(self, name: str | None) -> Any:
+        """Read and check an adapter from disk, for `load` on every device."""
+        raise self._unsupported()
+
+    def load(self, adapter_file: Any) -> dict[str, Any]:
+        """Put what `read` read into a free slot."""
+        raise self._unsupported()
+
+    def unload(self, name: str | None) -> dict[str, Any]:
+        raise self._unsupported()
+
+    def set_default(self, name: str | None) -> dict[str, Any]:
+        """Make `name` (None: the one loaded) the adapter of streams that name none."""
+        raise self._unsupported()
+
+    def clear_default(self) -> dict[str, Any]:
+        raise self._unsupported()
+
+    def describe(self) -> dict[str, Any]:
+        return {"configured": False}
+
+
 # --------------------------------------------------------------------------- the interface
 
 
 class Engine(ABC):
-    """A speech model behind the scheduler. Everything here runs on the scheduler thread,
-    except `describe`, `voices`, `has_voice`, `voice_languages`, `pin_voice`, `pin_lora`, `unpin_lora`, `check` and
-    `delete_voice`, which the event loop may call at any time, and `prepare_text`,
-    `register_voice` and `read_lora`, which run on worker threads beside the steps: they must
-    only read what the steps use."""
+    """A speech model behind the scheduler, in roles. The verbs here run on the scheduler
+    thread, except `describe` and `check`, which the event loop may call at any time. Its
+    `voices`, `text` and `loras` say which thread calls what of them."""
 
     name: str = "engine"
     model: str = ""
@@ -266,11 +422,11 @@ class Engine(ABC):
     can_park: bool = False
     # The generation options this engine honours, with ranges and defaults.
     options: Mapping[str, OptionSpec] = {}
-    # Whether `register_voice` can clone a voice from reference audio, and the sample rate it
+    # Whether `voices.register` can clone a voice from reference audio, and the sample rate it
     # wants that audio in (None: any; the stream service resamples before engine work).
     supports_voices: bool = False
     voice_sample_rate: int | None = None
-    # Whether `split_text` may cut a text (it then costs a tokenisation or more, done off the
+    # Whether `text.split` may cut a text (it then costs a tokenisation or more, done off the
     # event loop for long texts); False: every text is one piece, queued at once.
     cuts_texts: bool = False
     # Whether steps report when each word is spoken (`StepResult.words`), from the model's own
@@ -285,6 +441,10 @@ class Engine(ABC):
     languages: tuple[str, ...] = ()
     # Set by `load` while it is in a phase worth reporting ("compiling"), for readiness.
     loading_phase: str | None = None
+    # Its roles; a subclass names its own class of each (`voices = Role(MyVoices)`) or sets one.
+    voices: Voices = Role(Voices)          # type: ignore[assignment]
+    text: TextRules = Role(TextRules)      # type: ignore[assignment]
+    loras: Loras = Role(Loras)             # type: ignore[assignment]
 
     @abstractmethod
     def load(self) -> None:
@@ -295,106 +455,16 @@ class Engine(ABC):
         """The options that change this engine's output as it is loaded now."""
         return frozenset(self.options)
 
-    def voices(self) -> list[str]:
-        """Built-in voice names."""
-        return []
-
-    def has_voice(self, voice: str) -> bool:
-        return voice in self.voices()
-
-    def voice_languages(self, voice: str | None) -> tuple[str, ...]:
-        """The languages one voice speaks (None: the default voice). Cheap."""
-        return self.languages
-
-    def check_voice(self, voice: str | None) -> None:
-        """Refuse an unknown voice. Cheap: the event loop calls it."""
-        if voice is not None and not self.has_voice(voice):
-            hint = "; or register one" if self.supports_voices else ""
-            raise Refused(ErrorKind.INVALID, f"unknown voice {voice!r} (built-in: {self.voices()}{hint})")
-
-    def pin_voice(self, voice: str | None) -> Any:
-        """Refuse an unknown voice, or return what keeps it usable by one stream until the
-        stream ends (None where voices cannot go away). Cheap: the event loop calls it."""
-        self.check_voice(voice)
-        return None
-
     def check(self, request: GenerationRequest) -> None:
         """Refuse a request the engine cannot serve. Called on the event loop before the
         request is queued, so it must be cheap."""
         if request.voice_pin is None:
-            self.check_voice(request.voice)
-
-    def check_pronunciation(self, item: Any) -> None:
-        """Refuse a pronunciation (a `lexicon.Pronunciation`) this engine cannot say: IPA, unless
-        it takes phonemes (which then checks them). Cheap: the event loop calls it."""
-        if item.ipa is not None and not self.takes_phonemes:
-            raise Refused(ErrorKind.UNSUPPORTED, f"pronunciation {item.match!r}: engine {self.name} cannot say IPA "
-                                                 "phonemes; give a respelling ('say')")
+            self.voices.check(request.voice)
 
     def slots(self) -> tuple[int, str]:
         """After `load`: how many streams this device should serve at once (its scheduler's
-        slots with `--max-batch auto`), and how that was chosen."""
+        slots with `--slots auto`), and how that was chosen."""
         return 8, "the default (this engine does not size itself)"
-
-    def prepares_text(self, options: dict[str, Any], language: str | None = None) -> bool:
-        """Whether a text with these options, in this language (None: not said), needs
-        `prepare_text` before it is queued."""
-        return False
-
-    def split_text(self, text: str, options: dict[str, Any], voice_pin: Any = None,
-                   language: str | None = None) -> list[str]:
-        """Cut a text too long for one generation into pieces that each fit, to be generated
-        one after another on one stream (each continuing from the one before), at sentence
-        ends in its language. Cheap: the event loop calls it. The default: one piece (the
-        engine bounds its own work)."""
-        return [text]
-
-    def follows_instructions(self, voice_pin: Any = None) -> bool:
-        """Whether `GenerationRequest.instructions` change the speech with this voice."""
-        return False
-
-    def prepare_text(self, text: str, options: dict[str, Any], language: str | None = None) -> str:
-        """Costly work on a text (normalisation) before its request is queued: it runs on a
-        preparation thread of the stream service, never on the scheduler thread or the event
-        loop, so it holds up no one else. Thread-safe. Raises Refused."""
-        return text
-
-    def register_voice(self, audio: np.ndarray, sample_rate: int, transcript: str | None, mode: str,
-                       voice_id: str | None = None) -> dict[str, Any]:
-        """Build a reusable voice prompt from reference audio; returns {voice, mode, audio_s}.
-        `voice_id`: keep it under this id (the same voice on another device, or rebuilt from
-        the voice store); else the engine makes one. Never evicts another voice: refuses (BUSY)
-        when it holds as many as it can."""
-        raise Refused(ErrorKind.UNSUPPORTED, f"engine {self.name} cannot clone voices")
-
-    def delete_voice(self, voice_id: str) -> bool:
-        return False
-
-    def pin_lora(self, name: str | None) -> Any:
-        """The LoRA adapter a new stream speaks with (`name`, or the device's default where it
-        names none), held until `unpin_lora`; None: the base model. Refuses an adapter that is
-        not loaded. Cheap: the event loop calls it."""
-        if name is not None:
-            raise Refused(ErrorKind.UNSUPPORTED, f"engine {self.name} has no LoRA support", field="lora")
-        return None
-
-    def unpin_lora(self, pin: Any) -> None:
-        """The stream that pinned it has ended (the event loop calls it)."""
-
-    def lora_unloading(self, pin: Any, name: str) -> bool:
-        """Whether `pin` is the adapter `name` and it is being unloaded (the service ends its
-        streams once the unload's time is up). Cheap: the event loop calls it."""
-        return False
-
-    def read_lora(self, name: str | None) -> Any:
-        """Read and check an adapter from disk, for `lora_op("load")` on every device. Runs on a
-        worker thread, beside the steps."""
-        raise Refused(ErrorKind.UNSUPPORTED, f"engine {self.name} has no LoRA support")
-
-    def lora_op(self, op: str, name: str | None, adapter_file: Any = None) -> dict[str, Any]:
-        """Load (what `read_lora` read) into a free slot, unload, or set (`enable`) or clear
-        (`disable`) the default adapter. Runs on the scheduler thread, between two steps."""
-        raise Refused(ErrorKind.UNSUPPORTED, f"engine {self.name} has no LoRA support")
 
     @abstractmethod
     def prefill(self, request: GenerationRequest) -> None:

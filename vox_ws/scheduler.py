@@ -85,9 +85,9 @@ class Scheduler:
         max_wait_s: float | None = None,
     ) -> None:
         self.engine = engine
-        # None: the engine sizes its slots once loaded (`Engine.slots`: `--max-batch auto`).
+        # None: the engine sizes its slots once loaded (`Engine.slots`: `--slots auto`).
         self.max_batch: int | None = max_batch
-        self.slots_reason = "--max-batch" if max_batch is not None else "chosen when the engine has loaded"
+        self.slots_reason = "--slots" if max_batch is not None else "chosen when the engine has loaded"
         self.max_queue = max_queue
         self._max_share = max_share
         self.max_share = max_share or max(1, (max_batch or 2) // 2)

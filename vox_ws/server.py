@@ -28,7 +28,7 @@ from .service.voice_store import open_store
 from .transports import protocol as p
 from .transports.app import STREAM_PATH, build_app, cors_origins
 from .transports.http_routes import default_demo_dir
-from .transports.state import ServerState
+from .transports.state import OpenSession, ServerState
 from .transports.connections import ConnectionGuard, HttpProtocol, WebSocketProtocol
 from .transports.proxies import TrustedProxies
 
@@ -102,12 +102,7 @@ class VoxServer:
         self.wyoming: Any = None                      # transports.wyoming.WyomingServer, with --wyoming
 
     @property
-    def scheduler(self) -> Devices:
-        """Every device's scheduler as one (status, stats, readiness)."""
-        return self.devices
-
-    @property
-    def sessions(self) -> set:
+    def sessions(self) -> set[OpenSession]:
         return self.state.sessions
 
     @property

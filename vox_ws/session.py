@@ -22,10 +22,11 @@ from typing import Any
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from .engine import ErrorKind, Refused
-from .service import Audio, AudioOutput, Ended, Failed, Flushed, Phonemes, Segment, Stream, Words
+from .service import AudioOutput, Ended, Failed, Segment, Stream
 from .service.voice_store import owner_key
 from .transports import protocol as p
 from .transports.auth import address_owner
+from .transports.connections import asgi_send
 from .transports.proxies import parse_host
 from .transports.rate import BUDGET_EXTENSION, MessageBudget
 from .transports.state import ServerState
@@ -85,14 +86,12 @@ class Session:
             self.limits.max_messages_per_s)
         self._errors_in_a_row = 0
         self.close_code: int | None = None
-        # The ASGI send callable under Starlette's WebSocket: frames of an accepted connection
-        # need none of its state checks, and a chunk's path to the socket is the hot one.
-        self._asgi_send = ws._send
+        self._asgi_send = asgi_send(ws)
 
     # -------------------------------------------------------------- life
 
     async def run(self) -> None:
-        self._send(p.encode(hello(self.state)))
+        self._send(p.encode(p.hello_message(self.state)))
         writer = asyncio.create_task(self._write_loop(), name=f"session-{self.number}-writer")
         watchdog = asyncio.create_task(self._watchdog(), name=f"session-{self.number}-watchdog")
         try:
@@ -206,10 +205,6 @@ class Session:
                 pronunciations=start.pronunciations, lora=start.lora, language=start.language)
         except Refused as err:
             raise p.ProtocolError.from_refused(err, sid) from None
-        reply: dict[str, Any] = {"type": "start", "id": sid, "sample_rate": stream.sample_rate,
-                                 "format": stream.format, "channels": 1}
-        if stream.queued:
-            reply["queued"] = stream.queued
         ignored = list(stream.ignored_options)
         if start.instructions and self.service.ignores_instructions(start.voice):
             ignored.append("instructions")
@@ -217,11 +212,10 @@ class Session:
             ignored.append("word_timestamps")
         if start.phoneme_timestamps and not stream.phoneme_timestamps:
             ignored.append("phoneme_timestamps")
-        if ignored:
-            reply["ignored_options"] = ignored
         entry = _OpenStream(sid, start, stream)
         self.streams[sid] = entry
-        entry.pump = asyncio.create_task(self._pump(entry, p.encode(reply)), name=f"session-{self.number}-{sid}")
+        reply = p.encode(p.start_message(sid, stream.sample_rate, stream.format, stream.queued, ignored))
+        entry.pump = asyncio.create_task(self._pump(entry, reply), name=f"session-{self.number}-{sid}")
 
     def _on_input(self, message: p.Chunk | p.End | p.Flush, kind: str) -> None:
         entry = self._open(message.id)
@@ -303,10 +297,7 @@ class Session:
             self._error(p.ProtocolError.from_refused(
                 Refused(ErrorKind.INTERNAL, f"{kind} failed: {type(exc).__name__}"), request_id))
             return
-        reply = {"type": kind, **result}
-        if request_id is not None:
-            reply["id"] = request_id
-        self._send(p.encode(reply))
+        self._send(p.encode(p.reply_message(kind, result, request_id)))
 
     # -------------------------------------------------------------- a stream's frames
 
@@ -319,32 +310,14 @@ class Session:
             if not await self._write(start_reply):
                 return
             async for event in entry.stream:
-                if isinstance(event, Audio):
-                    frame = p.encode(p.chunk_message(sid, event))
-                elif isinstance(event, Segment):
-                    if not segment_events:
-                        continue
-                    frame = p.encode({"type": "segment", "id": sid, "index": event.index, "text": event.text,
-                                      "start_s": event.start_s, "end_s": event.end_s})
-                elif isinstance(event, Words):
-                    frame = p.encode({"type": "words", "id": sid, "words": [
-                        {"word": w.word, "start_s": w.start_s, "end_s": w.end_s} for w in event.words]})
-                elif isinstance(event, Phonemes):
-                    frame = p.encode({"type": "phonemes", "id": sid, "phonemes": [
-                        {"phoneme": ph.phoneme, "start_s": ph.start_s, "end_s": ph.end_s} for ph in event.phonemes]})
-                elif isinstance(event, Flushed):
-                    frame = p.encode({"type": "flushed", "id": sid, "audio_s": event.audio_s})
-                elif isinstance(event, Ended):
+                if isinstance(event, Segment) and not segment_events:
+                    continue
+                if isinstance(event, (Ended, Failed)):
                     self.streams.pop(sid, None)
                     self.last_activity = time.monotonic()
-                    frame = p.encode({"type": "end", "id": sid, "reason": event.reason.value, **event.stats})
-                else:
-                    assert isinstance(event, Failed)
-                    self.streams.pop(sid, None)
-                    self.last_activity = time.monotonic()
-                    code = p.code_for(event.kind)
-                    self.metrics.errors.labels(code).inc()
-                    frame = p.encode(p.error_message(p.ProtocolError(code, event.message, sid, event.retry_after_s)))
+                    if isinstance(event, Failed):
+                        self.metrics.errors.labels(p.code_for(event.kind)).inc()
+                frame = p.encode(p.event_message(sid, event))
                 if not await self._write(frame):
                     return
         finally:
@@ -400,27 +373,3 @@ class Session:
                 self.metrics.reaped.inc()
                 await self.close(p.CLOSE_IDLE, "idle timeout")
                 return
-
-
-def hello(state: ServerState) -> dict[str, Any]:
-    service = state.service
-    engine = service.engine
-    return {
-        "type": "hello",
-        "protocol": p.PROTOCOL_VERSION,
-        "server": state.server_name,
-        "status": service.devices.status,
-        "engine": engine.name,
-        "model": engine.model,
-        "sample_rate": engine.sample_rate,
-        "formats": list(p.OUTPUT_FORMATS),
-        "voices": service.voices(),
-        "aliases": sorted(service.aliases()),
-        "languages": list(engine.languages),
-        "options": sorted(engine.honoured_options),
-        "slots": service.devices.max_batch,
-        "step_rows": service.devices.step_rows,
-        "features": state.features(),
-        "limits": state.limits.as_dict(),
-        **({"notice": engine.notice} if engine.notice else {}),
-    }

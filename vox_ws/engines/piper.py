@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
-from ..engine import EndReason, Engine, ErrorKind, GenerationRequest, OptionSpec, Refused, StepResult
+from ..engine import (EndReason, Engine, ErrorKind, GenerationRequest, OptionSpec, Refused, StepResult, TextRules,
+                      Voices)
 from ..text import segment
 from . import EnginePlugin, Setting
 from .piper_voices import DEFAULT_VOICE, PiperVoiceFile, voice_set
@@ -25,7 +26,7 @@ from .piper_worker import Piece, PiperWorker, Said
 
 log = logging.getLogger("vox_ws.engines.piper")
 
-# `--max-batch auto`: at most this many streams take turns on one worker.
+# `--slots auto`: at most this many streams take turns on one worker.
 AUTO_MAX_SLOTS = 32
 # espeak-ng (in piper-tts) crashes on long runs of single letters with periods ("a.a.a...",
 # "A.B.A.B..." past ~95 letters, even with a space every 16), and speaks the same letters
@@ -72,16 +73,16 @@ class PiperEngine(Engine):
         self.model = "piper:en_US-joe-medium"
         self.device = "cpu"
         self._threads = threads
-        self._voices = voices or voice_set([])
-        self._numbers = {voice.name: number for number, voice in enumerate(self._voices)}
+        self.voice_files = voices or voice_set([])
+        self._numbers = {voice.name: number for number, voice in enumerate(self.voice_files)}
         # Each voice's language, in the order served (the default's first), once each.
-        self.languages = tuple(dict.fromkeys(v.language for v in self._voices if v.language))
-        # The IPA every voice can say (a pronunciation applies to whichever voice a stream uses).
-        self._phonemes = frozenset.intersection(*(_voice_phonemes(v.config_path) for v in self._voices))
+        self.languages = tuple(dict.fromkeys(v.language for v in self.voice_files if v.language))
         self._worker: PiperWorker | None = None
+        self.voices = _PiperVoices(self)
+        self.text = _PiperText(self)
 
     def load(self) -> None:
-        self._worker = PiperWorker(self._threads, [(v.model_path, v.config_path) for v in self._voices])
+        self._worker = PiperWorker(self._threads, [(v.model_path, v.config_path) for v in self.voice_files])
         self._worker.start()
         self.sample_rate = self._worker.sample_rate
         self.word_timings = self.phoneme_timings = self._worker.word_timings
@@ -93,24 +94,6 @@ class PiperEngine(Engine):
     @property
     def worker_pid(self) -> int | None:
         return self._worker.pid if self._worker is not None else None
-
-    def voices(self) -> list[str]:
-        return [voice.name for voice in self._voices]
-
-    def has_voice(self, voice: str) -> bool:
-        return voice in self._numbers
-
-    def voice_languages(self, voice: str | None) -> tuple[str, ...]:
-        language = self._voices[self._numbers.get(voice or DEFAULT_VOICE, 0)].language
-        return (language,) if language else ()
-
-    def check_pronunciation(self, item: Any) -> None:
-        if item.ipa is None:
-            return
-        unknown = sorted({ph for ph in item.ipa if ph not in self._phonemes and not ph.isspace()})
-        if unknown:
-            raise Refused(ErrorKind.INVALID, f"pronunciation {item.match!r}: /{item.ipa}/ has phonemes this voice "
-                                             f"does not speak: {' '.join(unknown)}")
 
     def slots(self) -> tuple[int, str]:
         # Streams take turns on one worker: N streams stay ahead of real time while N is below
@@ -145,7 +128,7 @@ class PiperEngine(Engine):
         return [result]
 
     def _language(self, request: GenerationRequest) -> str | None:
-        languages = self.voice_languages(request.voice)
+        languages = self.voices.languages(request.voice)
         return languages[0] if languages else None
 
     def _speak(self, state: _PiperState, phonemes: list[str], owners: list[int]) -> StepResult:
@@ -172,6 +155,41 @@ class PiperEngine(Engine):
 
 
 @functools.cache
+class _PiperVoices(Voices):
+    """The voices served (`--piper-voice`), by name; none is cloned."""
+
+    def __init__(self, engine: PiperEngine) -> None:
+        super().__init__(engine)
+        self.files = engine.voice_files
+
+    def names(self) -> list[str]:
+        return [voice.name for voice in self.files]
+
+    def has(self, voice: str) -> bool:
+        return any(v.name == voice for v in self.files)
+
+    def languages(self, voice: str | None) -> tuple[str, ...]:
+        language = next((v.language for v in self.files if v.name == (voice or DEFAULT_VOICE)), self.files[0].language)
+        return (language,) if language else ()
+
+
+class _PiperText(TextRules):
+    """Texts as written; IPA pronunciations only in phonemes every voice served can say."""
+
+    def __init__(self, engine: PiperEngine) -> None:
+        super().__init__(engine)
+        # The IPA every voice can say (a pronunciation applies to whichever voice a stream uses).
+        self.phonemes = frozenset.intersection(*(_voice_phonemes(v.config_path) for v in engine.voice_files))
+
+    def check_pronunciation(self, item: Any) -> None:
+        if item.ipa is None:
+            return
+        unknown = sorted({ph for ph in item.ipa if ph not in self.phonemes and not ph.isspace()})
+        if unknown:
+            raise Refused(ErrorKind.INVALID, f"pronunciation {item.match!r}: /{item.ipa}/ has phonemes this voice "
+                                             f"does not speak: {' '.join(unknown)}")
+
+
 def _voice_phonemes(config_path: str) -> frozenset[str]:
     """The phonemes (IPA) a voice speaks, from its configuration."""
     import json

@@ -40,7 +40,7 @@ from .validation import check_text
 
 stream_log = logging.getLogger("vox_ws.stream")
 
-# A one-shot text longer than this is cut into pieces (`Engine.split_text`) off the loop.
+# A one-shot text longer than this is cut into pieces (`Engine.text.split`) off the loop.
 SPLIT_ON_LOOP_CHARS = 300
 
 
@@ -116,7 +116,7 @@ class Generation:
         self._output = output
         self._pacing = pacing
         self.plan = TextPlan(input_streaming, service.limits.max_text_chars,
-                             language or _only(self._engine.voice_languages(voice)))
+                             language or _only(self._engine.voices.languages(voice)))
         self.state = StreamState.OPENING
         self.cancelled = False
         self.started_at = time.monotonic()
@@ -157,7 +157,7 @@ class Generation:
         try:
             if fetch is not None:
                 await fetch
-                self._voice_pin = self._engine.pin_voice(self.voice)
+                self._voice_pin = self._engine.voices.pin(self.voice)
             if parts is not None:
                 parts = await self._cut(parts)
         except Refused as err:
@@ -285,7 +285,7 @@ class Generation:
         35 ms of matching)."""
         if step.prepared:
             return self._queue(step.text, step.text, prepared=True)
-        if self._lexicon is not None or self._engine.prepares_text(self.options, self.language):
+        if self._lexicon is not None or self._engine.text.needs_preparing(self.options, self.language):
             self._work = asyncio.ensure_future(self._prepare_then_queue(step.text))
             return 0
         return self._queue(step.text, step.text, prepared=False)
@@ -323,7 +323,7 @@ class Generation:
             if self.done:
                 self._work = None
                 return
-            if not self._engine.prepares_text(self.options, self.language):
+            if not self._engine.text.needs_preparing(self.options, self.language):
                 self._work = None
                 self._queue(text, engine_text, prepared=False)
                 return
@@ -333,7 +333,7 @@ class Generation:
                 return
             # Normalised text can be several times longer (numbers spelled out): cut it again
             # where one generation could not carry it. Those pieces report their normalised text.
-            pieces = self._engine.split_text(prepared, {**self.options, "normalize": False}, self._voice_pin,
+            pieces = self._engine.text.split(prepared, {**self.options, "normalize": False}, self._voice_pin,
                                              self.language)
             if len(pieces) > 1:
                 first = self.plan.cut(pieces)
@@ -368,7 +368,7 @@ class Generation:
             return parts
         return [piece for part in parts
                 for piece in ([part] if isinstance(part, Pause) else
-                              self._engine.split_text(part, self.options, self._voice_pin, self.language))]
+                              self._engine.text.split(part, self.options, self._voice_pin, self.language))]
 
     async def _cut(self, parts: list[Part]) -> list[Part]:
         if not self._cuts_off_loop(parts):
@@ -482,7 +482,7 @@ class Generation:
 
     def end_if_unloading(self, name: str) -> None:
         """The unload of adapter `name` has had its time: a stream still speaking with it ends."""
-        if self._lora_pin is not None and self._engine.lora_unloading(self._lora_pin, name):
+        if self._lora_pin is not None and self._engine.loras.unloading(self._lora_pin, name):
             self._fail(ErrorKind.INVALID, f"LoRA adapter {name!r} was unloaded: its streams had "
                                           f"{self._limits.lora_unload_timeout_s:g} s to finish")
 
@@ -490,7 +490,7 @@ class Generation:
         """Let go of the stream's adapter (the engine frees its slot once no request uses it)."""
         pin, self._lora_pin = self._lora_pin, None
         if pin is not None:
-            self._engine.unpin_lora(pin)
+            self._engine.loras.unpin(pin)
 
     def _last(self, event: Ended | Failed) -> None:
         """The stream's last event: usage is counted, the consumer stops after it."""

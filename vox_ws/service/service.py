@@ -167,7 +167,7 @@ class StreamService:
             raise Refused(ErrorKind.INVALID, "nothing to say: the text is empty")
         spoken: str | list = text if isinstance(text, str) else ""
         for item in pronunciations:
-            self.engine.check_pronunciation(item)
+            self.engine.text.check_pronunciation(item)
         if input_streaming and wants_markup("", markup):
             raise Refused(ErrorKind.INVALID, "SSML is read in one-shot texts, not in streamed input")
         if isinstance(text, str) and not input_streaming and wants_markup(text, markup):
@@ -177,13 +177,13 @@ class StreamService:
         scheduler = self.devices.place()          # the stream stays on this device to its end
         stream = lora_pin = None
         try:
-            lora_pin = scheduler.engine.pin_lora(lora)
+            lora_pin = scheduler.engine.loras.pin(lora)
             from_store = self.needs_store(voice, scheduler.engine)
             if from_store and self.store.known_now(voice) is False:
                 # Refused now, as any unknown voice, by the name the client gave.
-                scheduler.engine.check_voice(resolved.named or voice)
+                scheduler.engine.voices.check(resolved.named or voice)
             # The stream keeps its voice until it ends, even if the voice is deleted meanwhile.
-            voice_pin = None if from_store else scheduler.engine.pin_voice(voice)
+            voice_pin = None if from_store else scheduler.engine.voices.pin(voice)
             stream = Stream(self, scheduler, next(self._numbers), voice, dict(options or {}), output,
                             input_streaming, dict(log_fields or {}),
                             text_chars=len(text) if isinstance(text, str) and not input_streaming else 0,
@@ -200,7 +200,7 @@ class StreamService:
             if stream is not None:
                 stream.generation.release_lora()
             else:
-                scheduler.engine.unpin_lora(lora_pin)
+                scheduler.engine.loras.unpin(lora_pin)
             raise
         self._live.add(stream.generation)
         if isinstance(text, str) and input_streaming and text:
@@ -211,7 +211,7 @@ class StreamService:
 
     async def split_text(self, text: str, options: dict[str, Any], voice_pin: Any,
                          language: str | None = None) -> list[str]:
-        work = asyncio.get_running_loop().run_in_executor(self._splitter, self.engine.split_text, text, options,
+        work = asyncio.get_running_loop().run_in_executor(self._splitter, self.engine.text.split, text, options,
                                                           voice_pin, language)
         return await _engine_work(work, "cutting the text failed: ")
 
@@ -219,9 +219,9 @@ class StreamService:
         """Whether instructions would be ignored with this voice (the engine cannot follow them;
         a voice still to be fetched from the store counts as followed)."""
         voice = self.resolve_voice(voice).voice
-        if voice is not None and not self.engine.has_voice(voice):
-            return not self.engine.follows_instructions(None) if self.engine.supports_voices else True
-        return not self.engine.follows_instructions(self.engine.pin_voice(voice))
+        if voice is not None and not self.engine.voices.has(voice):
+            return not self.engine.text.follows_instructions(None) if self.engine.supports_voices else True
+        return not self.engine.text.follows_instructions(self.engine.voices.pin(voice))
 
     def forget(self, generation: Generation) -> None:
         """A stream has stopped producing (called by its generation)."""
@@ -235,7 +235,7 @@ class StreamService:
         return await asyncio.get_running_loop().run_in_executor(self._preparer, fn, *args)
 
     async def prepare_text(self, text: str, options: dict[str, Any], language: str | None = None) -> str:
-        work = asyncio.get_running_loop().run_in_executor(self._preparer, self.engine.prepare_text, text, options,
+        work = asyncio.get_running_loop().run_in_executor(self._preparer, self.engine.text.prepare, text, options,
                                                           language)
         return await _engine_work(work, "preparing the text failed: ")
 
@@ -284,7 +284,7 @@ class StreamService:
         lexicon, problems = parse_lexicon(data, path)
         for item in lexicon.entries:
             try:
-                self.engine.check_pronunciation(item)
+                self.engine.text.check_pronunciation(item)
             except Refused as err:
                 problems.append(f"{path}: {err.message}")
         if not problems:
@@ -294,7 +294,7 @@ class StreamService:
     # ------------------------------------------------------------------ voices and LoRA
 
     def voices(self) -> list[str]:
-        return self.engine.voices() if self.devices.status == Readiness.READY else []
+        return self.engine.voices.names() if self.devices.status == Readiness.READY else []
 
     def aliases(self) -> dict[str, Alias]:
         return self.names.aliases(self.engine, self.devices.status)
@@ -337,7 +337,7 @@ class StreamService:
                               registration: Registration, name: str | None) -> dict:
         if name is not None:
             check_voice_name(name)
-            if self.engine.has_voice(name) or name in self.aliases():
+            if self.engine.voices.has(name) or name in self.aliases():
                 raise Refused(ErrorKind.INVALID, f"{name!r} is a voice of the server's: name yours otherwise",
                               field="name")
         has_transcript = bool(transcript and transcript.strip())
@@ -388,7 +388,7 @@ class StreamService:
         a store shared by several servers, any registered voice (it may have been deleted)."""
         if voice is None or not self.engine.supports_voices or not is_registered_id(voice):
             return False
-        return self.store.shared or not engine.has_voice(voice) or self.store.known_now(voice) is False
+        return self.store.shared or not engine.voices.has(voice) or self.store.known_now(voice) is False
 
     async def ensure_voice(self, voice: str, named: str | None = None) -> None:
         """Make a registered voice ready on every device, from the store; Refused (INVALID)
@@ -402,7 +402,7 @@ class StreamService:
         await asyncio.shield(pending)
 
     async def _fetch_voice(self, voice: str, named: str) -> None:
-        missing = [e for e in self.devices.engines if not e.has_voice(voice)]
+        missing = [e for e in self.devices.engines if not e.voices.has(voice)]
         if not missing:
             if (self.store.shared or self.store.known_now(voice) is False) and not await self.store.has(voice):
                 self._delete_everywhere(voice)            # deleted through another server, or expired
@@ -410,7 +410,7 @@ class StreamService:
             return
         stored = await self.store.get(voice)
         if stored is None:
-            raise Refused(ErrorKind.INVALID, f"unknown voice {named!r} (built-in: {self.engine.voices()}; "
+            raise Refused(ErrorKind.INVALID, f"unknown voice {named!r} (built-in: {self.engine.voices.names()}; "
                                              "or register one)")
         assert self._voice_jobs is not None, "StreamService.start() was not awaited"
         async with self._voice_jobs:
@@ -431,18 +431,18 @@ class StreamService:
         built = []
         try:
             for engine in self.devices.engines:
-                if not engine.has_voice(voice):
-                    await _engine_work(self._on_voice_worker(engine.register_voice, pcm, rate, transcript, mode,
+                if not engine.voices.has(voice):
+                    await _engine_work(self._on_voice_worker(engine.voices.register, pcm, rate, transcript, mode,
                                                              voice))
                     built.append(engine)
         except BaseException:
             for engine in built:
-                engine.delete_voice(voice)
+                engine.voices.delete(voice)
             raise
         return {"voice": voice, "mode": mode, "audio_s": round(len(pcm) / rate, 3)}
 
     def _delete_everywhere(self, voice: str) -> bool:
-        return any([engine.delete_voice(voice) for engine in self.devices.engines])
+        return any([engine.voices.delete(voice) for engine in self.devices.engines])
 
     async def _decode(self, audio: bytes) -> tuple[Any, int]:
         """Reference audio to mono samples at the engine's rate."""
@@ -491,18 +491,25 @@ class StreamService:
         A load refused by one device is undone on the others."""
         if self.devices.status != Readiness.READY:
             raise self.devices.not_ready()
-        adapter_file = await self._off_thread(self.engine.read_lora, name) if op == "load" else None
+        adapter_file = await self._off_thread(self.engine.loras.read, name) if op == "load" else None
         ready = self.devices.ready
         if not ready:
             raise self.devices.not_ready()
-        outcomes = await _on_each(ready, lambda engine: engine.lora_op(op, name, adapter_file))
+        verbs = {"load": lambda engine: engine.loras.load(adapter_file),
+                 "unload": lambda engine: engine.loras.unload(name),
+                 "enable": lambda engine: engine.loras.set_default(name),
+                 "disable": lambda engine: engine.loras.clear_default()}
+        if op not in verbs:
+            raise Refused(ErrorKind.INVALID, f"field 'op' must be load, unload, enable or disable, got {op!r}",
+                          field="op")
+        outcomes = await _on_each(self.devices, ready, verbs[op])
         refusals = [o for o in outcomes if isinstance(o, BaseException)]
         if refusals:
             if op == "load":
                 loaded = [s for s, o in zip(ready, outcomes) if not isinstance(o, BaseException)]
-                await _on_each(loaded, lambda engine: engine.lora_op("unload", name))
+                await _on_each(self.devices, loaded, lambda engine: engine.loras.unload(name))
             raise refusals[0]
-        result = {**outcomes[0], "lora": self.loras()}
+        result = {"op": op, **outcomes[0], "lora": self.loras()}
         if op == "unload":       # each device frees its slot once its own streams have ended
             result.update(unloaded=all(o["unloaded"] for o in outcomes),
                           streams_using=sum(o["streams_using"] for o in outcomes))
@@ -520,7 +527,7 @@ class StreamService:
     def loras(self) -> dict[str, Any]:
         """The adapters loaded (the same on every device), the slots and what a slot costs; an
         adapter's streams counted on every device, and unloading while any device has it so."""
-        each = [engine.describe().get("lora", {"configured": False}) for engine in self.devices.engines]
+        each = [engine.loras.describe() for engine in self.devices.engines]
         first = each[0]
         if not first.get("configured"):
             return first
@@ -546,9 +553,9 @@ def store_limits(limits: Limits, max_bytes: int = 512 << 20) -> StoreLimits:
                        per_address=limits.max_voices_per_address, ttl_s=limits.voice_ttl_s)
 
 
-async def _on_each(schedulers: list[Scheduler], fn: Any) -> list[Any]:
+async def _on_each(devices: Devices, schedulers: list[Scheduler], fn: Any) -> list[Any]:
     """`fn(engine)` on each scheduler's thread, between two steps: each one's result or refusal."""
-    calls = [_engine_work(asyncio.wrap_future(s.call(lambda engine=s.engine: fn(engine)))) for s in schedulers]
+    calls = [_engine_work(asyncio.wrap_future(done)) for done in devices.call_each(fn, schedulers)]
     return await asyncio.gather(*calls, return_exceptions=True)
 
 

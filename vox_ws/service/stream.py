@@ -31,9 +31,6 @@ from .pacing import Pacing
 
 __all__ = ["Stream", "StreamHost", "StreamState"]
 
-OVER = (StreamState.ENDED, StreamState.FAILED, StreamState.CLOSED)
-
-
 class Stream:
     """Opened by `StreamService.open_stream`; see the module docstring. `generation` is the
     service's side of it."""

@@ -75,10 +75,10 @@ class Alias:
 
 
 def default_aliases(engine: Engine) -> dict[str, Alias]:
-    builtin = engine.voices()
+    builtin = engine.voices.names()
     if builtin:
         return {name: Alias(name, builtin[i % len(builtin)]) for i, name in enumerate(OPENAI_VOICES)}
-    if engine.follows_instructions(None):
+    if engine.text.follows_instructions(None):
         seeded = "seed" in engine.options
         return {name: Alias(name, None, DESIGNED[name], {"seed": zlib.crc32(name.encode())} if seeded else {})
                 for name in OPENAI_VOICES}
@@ -133,9 +133,9 @@ def check_aliases(aliases: Mapping[str, Alias], engine: Engine) -> list[tuple[st
     """What is wrong with aliases for this engine: (alias, why), one each (empty: all good)."""
     problems = []
     for alias in aliases.values():
-        if alias.voice is not None and not engine.has_voice(alias.voice):
-            problems.append((alias.name, f"no built-in voice {alias.voice!r} (built-in: {engine.voices()})"))
-        if engine.has_voice(alias.name):
+        if alias.voice is not None and not engine.voices.has(alias.voice):
+            problems.append((alias.name, f"no built-in voice {alias.voice!r} (built-in: {engine.voices.names()})"))
+        if engine.voices.has(alias.name):
             problems.append((alias.name, "the engine has a voice of that name"))
         for option, value in alias.options.items():
             spec = engine.options.get(option)

@@ -51,7 +51,7 @@ class VoiceNames:
         return {name: alias for name, alias in self._configured.items() if name not in bad}
 
     def resolve(self, engine: Engine, status: Readiness, voice: str | None, owner: str) -> ResolvedVoice:
-        if voice is None or engine.has_voice(voice) or is_registered_id(voice):
+        if voice is None or engine.voices.has(voice) or is_registered_id(voice):
             return ResolvedVoice(voice)
         alias = self.aliases(engine, status).get(voice)
         if alias is not None:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..engine import EndReason, Engine, GenerationRequest, StepResult
+from ..engine import EndReason, Engine, GenerationRequest, Role, StepResult, Voices
 from ..engines import EnginePlugin
 
 STAMP_MARKER = 2.0          # out of the audio range: a stamped chunk starts with it
@@ -50,12 +50,18 @@ def tone_samples(text: str, sample_rate: int, seconds_per_char: float) -> int:
     return max(1, int(round(len(text.strip()) * seconds_per_char * sample_rate)))
 
 
+class _ToneVoices(Voices):
+    def names(self) -> list[str]:
+        return ["tone"]
+
+
 class ToneEngine(Engine):
     """Speaks every text as a sine, `seconds_per_char` seconds of audio per character."""
 
     name = "tone"
     model = "tone"
     device = "cpu"
+    voices = Role(_ToneVoices)
 
     def __init__(self, sample_rate: int = 24000, max_batch: int = 256, chunk_s: float = 0.08,
                  step_interval_s: float = 0.0, seconds_per_char: float = 0.05, stamp: bool = False) -> None:
@@ -72,9 +78,6 @@ class ToneEngine(Engine):
 
     def slots(self) -> tuple[int, str]:
         return self.max_step_batch, "the tone engine steps every stream at once"
-
-    def voices(self) -> list[str]:
-        return ["tone"]
 
     def prefill(self, request: GenerationRequest) -> None:
         frequency = 220.0 + 20.0 * (request.id % 12)

@@ -369,7 +369,7 @@ def _voice(value: Any, state: ServerState) -> str | None:
                           "invalid_value")
     service = state.service
     resolved = service.resolve_voice(value)
-    if resolved.voice is None or resolved.alias is not None or service.engine.has_voice(resolved.voice) \
+    if resolved.voice is None or resolved.alias is not None or service.engine.voices.has(resolved.voice) \
             or service.may_be_registered(resolved.voice):
         return value                           # a registered one is looked up in the store next
     raise OpenAIError(400, f"unknown voice {value!r} (built-in: {service.voices()}, aliases: "
@@ -385,7 +385,7 @@ async def _fetch_voice(state: ServerState, voice: str | None, who: str) -> None:
     service = state.service
     resolved = service.resolve_voice(voice, who)
     voice = resolved.voice
-    if voice is None or service.engine.has_voice(voice) or not service.may_be_registered(voice):
+    if voice is None or service.engine.voices.has(voice) or not service.may_be_registered(voice):
         return
     try:
         await service.ensure_voice(voice, resolved.named)

@@ -17,10 +17,11 @@ from ..codecs import OUTPUT_FORMATS
 from ..config import Limits
 from ..engine import LORA_OPS, VOICE_MODES, ErrorKind, OptionSpec, Refused, type_name
 from ..lexicon import Pronunciation, request_entries
-from ..service.events import Audio
+from ..service.events import Audio, Ended, Event, Failed, Flushed, Phonemes, Segment, Words
 from ..service.validation import (check_instructions, check_language, check_length, check_options, check_output,
                                   check_speed)
 from ..service.voice_store import check_voice_name
+from .state import ServerState
 
 PROTOCOL_VERSION = 1
 
@@ -413,3 +414,70 @@ def error_message(err: ProtocolError) -> dict[str, Any]:
     if err.retry_after_s is not None:
         msg["retry_after_s"] = err.retry_after_s
     return msg
+
+
+def start_message(sid: str, sample_rate: int, audio_format: str, queued: int, ignored: list[str]) -> dict[str, Any]:
+    """The reply to `start`: the stream's audio, its place in the queue, what it ignores."""
+    message: dict[str, Any] = {"type": "start", "id": sid, "sample_rate": sample_rate, "format": audio_format,
+                               "channels": 1}
+    if queued:
+        message["queued"] = queued
+    if ignored:
+        message["ignored_options"] = ignored
+    return message
+
+
+def reply_message(kind: str, result: dict[str, Any], request_id: str | None) -> dict[str, Any]:
+    """The answer to a request that belongs to no stream (`voice`, `voice_delete`, `voice_admin`,
+    `lora`), carrying the request's `id` where it had one."""
+    message = {"type": kind, **result}
+    if request_id is not None:
+        message["id"] = request_id
+    return message
+
+
+def event_message(sid: str, event: Event) -> dict[str, Any]:
+    """One stream event as its frame: `chunk`, `segment`, `words`, `phonemes`, `flushed`, `end`
+    or `error`."""
+    if isinstance(event, Audio):
+        return chunk_message(sid, event)
+    if isinstance(event, Segment):
+        return {"type": "segment", "id": sid, "index": event.index, "text": event.text, "start_s": event.start_s,
+                "end_s": event.end_s}
+    if isinstance(event, Words):
+        return {"type": "words", "id": sid,
+                "words": [{"word": w.word, "start_s": w.start_s, "end_s": w.end_s} for w in event.words]}
+    if isinstance(event, Phonemes):
+        return {"type": "phonemes", "id": sid, "phonemes": [
+            {"phoneme": ph.phoneme, "start_s": ph.start_s, "end_s": ph.end_s} for ph in event.phonemes]}
+    if isinstance(event, Flushed):
+        return {"type": "flushed", "id": sid, "audio_s": event.audio_s}
+    if isinstance(event, Ended):
+        return {"type": "end", "id": sid, "reason": event.reason.value, **event.stats}
+    assert isinstance(event, Failed), event
+    return error_message(ProtocolError(code_for(event.kind), event.message, sid, event.retry_after_s))
+
+
+def hello_message(state: ServerState) -> dict[str, Any]:
+    """The `hello` a connection is greeted with: what this server and its engine offer."""
+    service = state.service
+    engine = service.engine
+    return {
+        "type": "hello",
+        "protocol": PROTOCOL_VERSION,
+        "server": state.server_name,
+        "status": service.devices.status,
+        "engine": engine.name,
+        "model": engine.model,
+        "sample_rate": engine.sample_rate,
+        "formats": list(OUTPUT_FORMATS),
+        "voices": service.voices(),
+        "aliases": sorted(service.aliases()),
+        "languages": list(engine.languages),
+        "options": sorted(engine.honoured_options),
+        "slots": service.devices.max_batch,
+        "step_rows": service.devices.step_rows,
+        "features": state.features(),
+        "limits": state.limits.as_dict(),
+        **({"notice": engine.notice} if engine.notice else {}),
+    }

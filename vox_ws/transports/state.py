@@ -7,12 +7,12 @@ import logging
 import os
 import time
 from collections import Counter
-from typing import Any
+from typing import Any, Protocol
 
 from starlette.requests import HTTPConnection
 
 from .. import __version__
-from ..config import ServerConfig
+from ..config import Limits, ServerConfig
 from ..engine import Readiness
 from ..engines import option_vocabulary
 from ..metrics import Metrics
@@ -22,12 +22,19 @@ from .multipart import MultipartParser
 log = logging.getLogger("vox_ws.server")
 
 
+class OpenSession(Protocol):
+    """What the server needs of an open protocol v1 session (`vox_ws.session.Session`, which
+    imports this module): to close it, when it drains or stops."""
+
+    async def close(self, code: int, reason: str) -> None: ...
+
+
 class ServerState:
     def __init__(self, config: ServerConfig, service: StreamService, metrics: Metrics) -> None:
         self.config = config
         self.service = service
         self.metrics = metrics
-        self.sessions: set[Any] = set()          # protocol v1 sessions (vox_ws.session.Session)
+        self.sessions: set[OpenSession] = set()
         self.per_address: Counter[str] = Counter()
         self.started_at = time.monotonic()
         self.started_wall = time.time()
@@ -39,7 +46,7 @@ class ServerState:
         self.multipart = MultipartParser()       # voice uploads' multipart bodies, off the process
 
     @property
-    def limits(self):
+    def limits(self) -> Limits:
         return self.config.limits
 
     def ready(self) -> bool:
@@ -92,7 +99,7 @@ class ServerState:
         return (["input_streaming", "segment_events", "speed", "lookahead", "usage", "retry_after", "ssml",
                  "pronunciations", "language", "volume"]
                 + (["voice_cloning"] if engine.supports_voices else [])
-                + (["instructions"] if engine.follows_instructions(None) else [])
+                + (["instructions"] if engine.text.follows_instructions(None) else [])
                 + (["word_timestamps"] if engine.word_timings else [])
                 + (["phoneme_timestamps"] if engine.phoneme_timings else [])
                 + (["lora"] if self.service.loras().get("configured") else []))

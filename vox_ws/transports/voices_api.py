@@ -66,11 +66,11 @@ def _server_voices(state: ServerState) -> list[dict]:
     """The server's own voices, built-in then aliases, as clients list them."""
     service = state.service
     engine = service.engine
-    voices = [{"id": v, "name": v, "kind": "builtin", "languages": list(engine.voice_languages(v))}
+    voices = [{"id": v, "name": v, "kind": "builtin", "languages": list(engine.voices.languages(v))}
               for v in service.voices()]
     for name, alias in service.aliases().items():
         voices.append({"id": name, "name": name, "kind": "alias", **alias.describe(),
-                       "languages": list(engine.voice_languages(alias.voice))})
+                       "languages": list(engine.voices.languages(alias.voice))})
     return voices
 
 

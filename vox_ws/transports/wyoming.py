@@ -274,9 +274,9 @@ class WyomingHandler(AsyncEventHandler):
         name = voice.name if voice is not None and voice.name else None
         language = voice.language if voice is not None and voice.language else None
         engine = self.service.engine
-        if name == DEFAULT_VOICE and not engine.has_voice(name):
+        if name == DEFAULT_VOICE and not engine.voices.has(name):
             name = None                       # the entry `describe` lists for an engine without voices
-        elif name is not None and not engine.has_voice(name) and name in engine.languages:
+        elif name is not None and not engine.voices.has(name) and name in engine.languages:
             # Home Assistant may name a voice by its language alone ("en_US").
             language, name = language or name, self._voice_for_language(name)
         elif name is None and language is not None:
@@ -291,7 +291,7 @@ class WyomingHandler(AsyncEventHandler):
     def _voice_for_language(self, language: str) -> str | None:
         """The first voice that speaks `language` (None: the default voice)."""
         engine = self.service.engine
-        return next((v for v in self.service.voices() if language in engine.voice_languages(v)), None)
+        return next((v for v in self.service.voices() if language in engine.voices.languages(v)), None)
 
     async def _wait_for_previous(self) -> None:
         if self._speaking is not None and not self._speaking.done():
@@ -340,7 +340,7 @@ class WyomingHandler(AsyncEventHandler):
         names = self.service.voices() or [DEFAULT_VOICE]
         voices = [TtsVoice(name=voice, description=f"{engine.name} voice {voice}", attribution=attribution,
                            installed=True, version=__version__,
-                           languages=list(engine.voice_languages(None if voice == DEFAULT_VOICE else voice)))
+                           languages=list(engine.voices.languages(None if voice == DEFAULT_VOICE else voice)))
                   for voice in names]
         program = TtsProgram(name="vox-ws", description=f"vox-ws streaming text-to-speech ({engine.model})",
                              attribution=attribution, installed=True, version=__version__, voices=voices,

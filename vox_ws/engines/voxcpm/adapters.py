@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from ...engine import ErrorKind, Refused
+from ...engine import ErrorKind, Loras, Refused
 from ...files import FileTooLarge, NotRegularFile, read_regular_file
 from .lora import NO_ADAPTER, RowAdapters, RowLoRALinear
 
@@ -72,7 +72,7 @@ class Adapter:
                 "default": self.name == default}
 
 
-class AdapterBook:
+class AdapterBook(Loras):
     """The adapter slots of one device: which adapter each holds, and who uses it."""
 
     def __init__(self, adapters: RowAdapters | None, layers: dict[str, RowLoRALinear], directory: str | None,
@@ -234,24 +234,8 @@ class AdapterBook:
         else:
             scaling = self.default_scaling
         for module, (a, b) in weights.items():
-            self._check_range(name, module, a, b, scaling)
+            _check_range(name, module, a, b, scaling, self.adapters.dtype)
         return AdapterFile(name, weights, rank, scaling, tuple(loaded), tuple(skipped))
-
-    def _check_range(self, name: str, module: str, a: torch.Tensor, b: torch.Tensor, scaling: float) -> None:
-        """Refuse weights that would overflow the serving dtype: as stored (cast to it), or in a
-        forward pass, where `scaling * ||B|| * ||A||` bounds how much the layer can grow an
-        activation (its spectral norm is at most that product of Frobenius norms). Finite but
-        huge weights would turn the stream's audio into NaN."""
-        top = torch.finfo(self.adapters.dtype).max
-        if max(float(a.abs().max()), float(b.abs().max())) > top:
-            raise Refused(ErrorKind.INVALID, f"LoRA adapter {name!r}: {module} holds values beyond what "
-                                             f"{str(self.adapters.dtype).removeprefix('torch.')} can hold",
-                          field="name")
-        gain = abs(scaling) * float(torch.linalg.vector_norm(a.double())) * float(torch.linalg.vector_norm(b.double()))
-        if gain * MAX_ACTIVATION_NORM > top:
-            raise Refused(ErrorKind.INVALID, f"LoRA adapter {name!r}: {module} could grow an activation "
-                                             f"{gain:.3g}-fold, past what the model's dtype holds: these are not "
-                                             "the weights of a trained adapter", field="name")
 
     def _config(self, path: Path) -> dict[str, Any]:
         """The adapter's own r and alpha: `lora_config.json` in its directory (or NAME.json
@@ -360,17 +344,26 @@ class AdapterBook:
         return {"name": name, "unloaded": unloaded, "streams_using": streams}
 
     def set_default(self, name: str | None) -> dict[str, Any]:
-        """The adapter of streams that name none (None: the base model), from their start."""
+        """The adapter of streams that name none, from their start (`name` None: the one loaded)."""
+        self._configured()
+        if name is None:
+            name = self.only_loaded()
+        with self._lock:
+            adapter = self._by_name.get(name)
+            if adapter is None or adapter.unloading:
+                raise self._unknown(name, "name")
+            self.default = name
+        return {"default": self.default}
+
+    def clear_default(self) -> dict[str, Any]:
+        """Streams that name no adapter speak with the base model again."""
         self._configured()
         with self._lock:
-            if name is None:
-                self.default = None
-            else:
-                adapter = self._by_name.get(name)
-                if adapter is None or adapter.unloading:
-                    raise self._unknown(name, "name")
-                self.default = name
-        return {"default": self.default}
+            self.default = None
+        return {"default": None}
+
+    def unloading(self, pin: Any, name: str) -> bool:
+        return isinstance(pin, Adapter) and pin.name == name and pin.unloading
 
     def only_loaded(self) -> str:
         """The one adapter loaded, for an operation that names none."""
@@ -383,3 +376,20 @@ class AdapterBook:
 
 def _positive(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
+
+
+def _check_range(name: str, module: str, a: torch.Tensor, b: torch.Tensor, scaling: float, dtype: torch.dtype) -> None:
+    """Refuse weights that would overflow the serving dtype: as stored (cast to it), or in a
+    forward pass, where `scaling * ||B|| * ||A||` bounds how much the layer can grow an
+    activation (its spectral norm is at most that product of Frobenius norms). Finite but
+    huge weights would turn the stream's audio into NaN."""
+    top = torch.finfo(dtype).max
+    if max(float(a.abs().max()), float(b.abs().max())) > top:
+        raise Refused(ErrorKind.INVALID, f"LoRA adapter {name!r}: {module} holds values beyond what "
+                                         f"{str(dtype).removeprefix('torch.')} can hold",
+                      field="name")
+    gain = abs(scaling) * float(torch.linalg.vector_norm(a.double())) * float(torch.linalg.vector_norm(b.double()))
+    if gain * MAX_ACTIVATION_NORM > top:
+        raise Refused(ErrorKind.INVALID, f"LoRA adapter {name!r}: {module} could grow an activation "
+                                         f"{gain:.3g}-fold, past what the model's dtype holds: these are not "
+                                         "the weights of a trained adapter", field="name")

@@ -29,11 +29,13 @@ their code, so a cache is read only when no other user can have written it (`cac
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 import os
+import sys
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 from torch import nn
@@ -96,23 +98,35 @@ def advance(model: nn.Module, base_k: list[torch.Tensor], base_v: list[torch.Ten
     return stop, hidden, lm_step(model.residual_lm, residual_k, residual_v, residual_in, slots, positions, keys_at)
 
 
-def _adapted(adapters: RowAdapters | None, row_slots: torch.Tensor | None, fn: Callable, *args: Any) -> Any:
-    """`fn(*args)` with the rows' LoRA slots an input of the graph (read from the adapters, they
-    would be a constant of a saved graph)."""
+def _use_row_slots(adapters: RowAdapters | None, row_slots: torch.Tensor | None) -> None:
+    """Hand the rows' LoRA slots to the adapted layers from inside the graph, where they are an
+    input: read from the adapters outside it, they would be a constant of a saved graph."""
     if adapters is not None:
         adapters.row_slots = row_slots
-    return fn(*args)
 
 
 def adapted_velocity(adapters: RowAdapters | None, row_slots: torch.Tensor | None, cfm: nn.Module, x: torch.Tensor,
                      mu_in: torch.Tensor, t_in: torch.Tensor, cond_in: torch.Tensor, dt_in: torch.Tensor,
                      cfg: torch.Tensor) -> torch.Tensor:
-    return _adapted(adapters, row_slots, velocity, cfm, x, mu_in, t_in, cond_in, dt_in, cfg)
+    _use_row_slots(adapters, row_slots)
+    return velocity(cfm, x, mu_in, t_in, cond_in, dt_in, cfg)
 
 
-def adapted_advance(adapters: RowAdapters | None, row_slots: torch.Tensor | None, *args: Any
+def adapted_advance(adapters: RowAdapters | None, row_slots: torch.Tensor | None, model: nn.Module,
+                    base_k: list[torch.Tensor], base_v: list[torch.Tensor], residual_k: list[torch.Tensor],
+                    residual_v: list[torch.Tensor], pred_feat: torch.Tensor, lm_hidden: torch.Tensor,
+                    slots: torch.Tensor, positions: torch.Tensor, keys_at: torch.Tensor
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _adapted(adapters, row_slots, advance, *args)
+    _use_row_slots(adapters, row_slots)
+    return advance(model, base_k, base_v, residual_k, residual_v, pred_feat, lm_hidden, slots, positions, keys_at)
+
+
+def traced_sources() -> str:
+    """The source of this package's modules that compiled graphs trace through: part of every
+    graph's key (`GraphStore(sources=...)`), in this process and the decoder process alike."""
+    from . import kv, lora, vae
+
+    return "".join(inspect.getsource(m) for m in (sys.modules[__name__], kv, lora, vae))
 
 
 def padded(tensor: torch.Tensor, rows: int) -> torch.Tensor:
@@ -137,14 +151,15 @@ class CompiledStep:
         # Its files are code the server runs: only a cache no one else can have written is read.
         self.cache_dir = trusted_cache_dir(Path(cache_dir) if cache_dir else default_cache_dir())
         use_cache_dir(self.cache_dir)
-        self.store = GraphStore(self.cache_dir, load_only=load_only)
+        self.store = GraphStore(self.cache_dir, sources=traced_sources(), load_only=load_only)
         context = model.config.model_dump_json()
-        self._velocity = GraphsBySize(self.store, "velocity", adapted_velocity, context=context, rows_of=3)
+        self._velocity = GraphsBySize(self.store, "velocity", adapted_velocity, context=context, rows_of="x")
         # One graph for every attention length (the key positions' length is symbolic) and every
         # number of KV slots (the caches' first size is symbolic too): a background compile builds
         # the graphs with a cache of two slots beside a server holding many.
-        self._advance = GraphsBySize(self.store, "advance", adapted_advance, context=context, rows_of=7,
-                                     dynamic={3: 0, 4: 0, 5: 0, 6: 0, 11: 0})
+        self._advance = GraphsBySize(self.store, "advance", adapted_advance, context=context,
+                                     rows_of="pred_feat", dynamic={"base_k": 0, "base_v": 0, "residual_k": 0,
+                                                                   "residual_v": 0, "keys_at": 0})
         self.compile_s: dict[int, float] = {}
         self.ready: set[int] = set()     # the buckets whose graphs are loaded: steps of their rows use them
 

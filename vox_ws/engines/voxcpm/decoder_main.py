@@ -88,12 +88,12 @@ def compile_decode(decoder, buckets: tuple[int, ...], cache_dir: str, patch_size
     the reply to send, with the graphs loaded and compiled."""
     from pathlib import Path
 
-    from .compiled import use_cache_dir
+    from .compiled import traced_sources, use_cache_dir
     from .graphs import GraphStore
 
     try:
         use_cache_dir(Path(cache_dir))
-        store = GraphStore(Path(cache_dir))
+        store = GraphStore(Path(cache_dir), sources=traced_sources())
         decoder.compile(buckets, patch_size, store)
     except Exception as exc:  # noqa: BLE001 - the parent's load fails with it
         return ("compile failed", f"{type(exc).__name__}: {exc}")

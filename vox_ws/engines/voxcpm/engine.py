@@ -14,31 +14,30 @@ import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 
 from ...engine import Engine, ErrorKind, GenerationRequest, Refused, StepResult
-from ...text import base_language, pack
 from .loading import DEFAULT_MODEL, architecture, import_voxcpm, resolve_model_path, verify_weights
-from .adapters import Adapter, AdapterBook, AdapterFile
-from . import COMPILE_MODES
+from .adapters import AdapterBook
+from .settings import COMPILE_MODES
 from .background import BackgroundCompile
 from .decoder_process import DecoderProcess
 from .compiled import BUCKETS, CompiledStep, buckets_for, warm_compiler
 from .kv import attention_kernel
 from .normalizer import NORMALIZE_TIMEOUT_S, Normalizer
 from .options import DEFAULTS, OPTIONS
-from .prompt import build_prompt, clean_text, prompt_positions
+from .prompt import build_prompt, prompt_positions
 from .runner import BatchedVoxCPM2, PrefillInput, wants_decode_process
-from .voices import VoiceBook, builtin_voice_files, encode_voice
+from .text_rules import VoxCPMText
+from .voices import VoxCPMVoices, builtin_voice_files
 
 log = logging.getLogger("vox_ws.engines.voxcpm")
 
 
-# `--max-batch auto`: never more slots than this (a GPU's step time grows with them too); on a
+# `--slots auto`: never more slots than this (a GPU's step time grows with them too); on a
 # CPU at most this many rows are tried.
 AUTO_MAX_SLOTS = 64
 AUTO_MAX_SLOTS_CPU = 32
-# `--max-batch auto` on a CPU: the KV slots, as many times the rows one step carries (sized by
+# `--slots auto` on a CPU: the KV slots, as many times the rows one step carries (sized by
 # measuring): a stream well ahead of its listener holds a slot without a row, so more streams
 # are open than one step carries, and the steps go to those about to run out.
 CPU_SLOTS_PER_ROW = 4
@@ -48,9 +47,6 @@ CPU_SLOTS_PER_ROW = 4
 # given to the model), and nine Chinese dialects besides.
 LANGUAGES = ("ar", "da", "de", "el", "en", "es", "fi", "fr", "he", "hi", "id", "it", "ja", "km", "ko", "lo", "ms",
              "my", "nl", "no", "pl", "pt", "ru", "sv", "sw", "th", "tl", "tr", "vi", "zh")
-# The languages the package's text normaliser has grammars for ("en" also stands for a text
-# whose language is not said: the normaliser then tells Chinese from English itself).
-NORMALIZED_LANGUAGES = ("zh", "en")
 
 
 class VoxCPMEngine(Engine):
@@ -81,7 +77,7 @@ class VoxCPMEngine(Engine):
             self.max_step_batch = min(step_rows or max_batch, max_batch)
         else:
             self.max_step_batch = step_rows or 1     # until `load` sizes both
-        self._slots_reason = "--max-batch" + (" and --step-rows" if step_rows is not None else "")
+        self._slots_reason = "--slots" + (" and --step-rows" if step_rows is not None else "")
         self._threads = threads
         if optimize:
             # Refused before minutes of loading: the package's optimize compiles its own
@@ -107,18 +103,15 @@ class VoxCPMEngine(Engine):
         self.compiled = None       # compiled.CompiledStep, when the step is compiled
         self.background = None     # background.BackgroundCompile, while and after it compiles
         self._warm_normalizer = warm_normalizer
-        self._lora = AdapterBook(None, {}, lora_dir, 0.0)    # until `load` builds the slots
+        self.loras = AdapterBook(None, {}, lora_dir, 0.0)    # until `load` builds the slots
         self.tts = None            # voxcpm.VoxCPM
         self.runner = None         # runner.BatchedVoxCPM2
-        self._voices = VoiceBook()
+        self.voices = VoxCPMVoices(self)
         self._normalizer = Normalizer(normalize_timeout)
+        self.text = VoxCPMText(self, self._normalizer)
         self.dtype = ""
         self.architecture = ""
         self.attention = ""        # the SDPA kernel the decode attention runs on (`kv.attention_kernel`)
-
-    @property
-    def lora(self) -> dict[str, Any]:
-        return self._lora.describe()
 
     @property
     def honoured_options(self) -> frozenset[str]:
@@ -166,7 +159,7 @@ class VoxCPMEngine(Engine):
             model = self.tts.tts_model
             verify_weights(model, path)
             if lora_config is not None:
-                self._lora = self._adapter_slots(model)
+                self.loras = self._adapter_slots(model)
             self.device = str(model.device)
             self.dtype = str(model.config.dtype)
             self.attention = attention_kernel(model.base_lm, model.device, model._dtype())
@@ -186,7 +179,7 @@ class VoxCPMEngine(Engine):
         if self._voices_dir is not None:
             for name, audio, rate, transcript in builtin_voice_files(self._voices_dir):
                 mode = "both" if transcript else "reference"
-                self.register_voice(audio, rate, transcript, mode, name=name)
+                self.voices.register(audio, rate, transcript, mode, name=name)
                 log.info("built-in voice %r from %s (%s)", name, self._voices_dir, mode)
         if compiler is not None:
             compiler.join()
@@ -215,7 +208,7 @@ class VoxCPMEngine(Engine):
         """Start compiling every bucket in a child process; `_adopt_compiled` takes each in."""
         buckets = buckets_for(self.max_step_batch, self._compile_buckets)
         # Whose graphs the server will load: the cache made private here first (`cache_trust`).
-        self.compiled = CompiledStep(self.tts.tts_model, buckets, self._compile_cache, adapters=self._lora.adapters,
+        self.compiled = CompiledStep(self.tts.tts_model, buckets, self._compile_cache, adapters=self.loras.adapters,
                                      load_only=True)
         self.background = BackgroundCompile({
             "model": str(path), "device": self.device, "threads": self._threads, "buckets": list(buckets),
@@ -250,7 +243,7 @@ class VoxCPMEngine(Engine):
         """Compile the step for every bucket up to the rows a step carries, now: `/readyz` says
         `compiling` meanwhile; the compile cache makes a second start fast."""
         buckets = buckets_for(self.max_step_batch, self._compile_buckets)
-        compiled = CompiledStep(model, buckets, self._compile_cache, adapters=self._lora.adapters)
+        compiled = CompiledStep(model, buckets, self._compile_cache, adapters=self.loras.adapters)
         self.loading_phase = "compiling"
         started = time.perf_counter()
         try:
@@ -276,7 +269,7 @@ class VoxCPMEngine(Engine):
         return self._slots, self._slots_reason
 
     def _size_slots(self, model: Any, decoder: DecoderProcess | None) -> Any:
-        """`--max-batch auto`: on a GPU, as many slots as the KV caches of 80% of the free memory
+        """`--slots auto`: on a GPU, as many slots as the KV caches of 80% of the free memory
         hold (each slot has room for the model's whole context); on a CPU, the most rows whose
         batched step takes at most half the audio it makes (every stream stays ahead of real
         time with room to spare), measured here. Returns the runner to serve with, which decodes
@@ -307,7 +300,7 @@ class VoxCPMEngine(Engine):
         # Rows tried: at most what half of the free memory holds.
         available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
         trial = max(1, min(AUTO_MAX_SLOTS_CPU, int(available * 0.5 // per_slot)))
-        runner = BatchedVoxCPM2(model, trial, adapters=self._lora.adapters, decoder=decoder)
+        runner = BatchedVoxCPM2(model, trial, adapters=self.loras.adapters, decoder=decoder)
         runner.wait_ready()                  # the decoder process has warmed up: time steps, not that
         step_audio_s = runner.samples_per_step / model.sample_rate
         chosen, timings = 1, {}
@@ -344,7 +337,7 @@ class VoxCPMEngine(Engine):
         return runner
 
     def _runner(self, model: Any, slots: int, warm_rows: int, decoder: DecoderProcess | None) -> Any:
-        return BatchedVoxCPM2(model, slots, warm_rows=warm_rows, adapters=self._lora.adapters, decoder=decoder)
+        return BatchedVoxCPM2(model, slots, warm_rows=warm_rows, adapters=self.loras.adapters, decoder=decoder)
 
     def close(self) -> None:
         if self.background is not None:
@@ -355,7 +348,7 @@ class VoxCPMEngine(Engine):
 
     def describe(self) -> dict[str, Any]:
         compiled = self.compiled
-        return {**super().describe(), "dtype": self.dtype, "attention": self.attention, "lora": self.lora,
+        return {**super().describe(), "dtype": self.dtype, "attention": self.attention, "lora": self.loras.describe(),
                 "max_batch": self._slots, "step_rows": self.max_step_batch,
                 "compile": {"mode": self._compile, "compiled": bool(compiled and compiled.ready),
                             "buckets": sorted(compiled.ready) if compiled else [],
@@ -366,59 +359,19 @@ class VoxCPMEngine(Engine):
 
     # ------------------------------------------------------------------ requests
 
-    def voices(self) -> list[str]:
-        return self._voices.builtin()
-
-    def has_voice(self, voice: str) -> bool:
-        return self._voices.get(voice) is not None
-
-    def pin_voice(self, voice: str | None) -> Any:
-        cache = self._voices.get(voice)        # one look: the book may drop it at any time after
-        if voice is not None and cache is None:
-            self.check_voice(voice)            # refused as any unknown voice
-            raise Refused(ErrorKind.INVALID, f"unknown voice {voice!r}: it was just dropped")
-        return cache
-
     def _voice_cache(self, request: GenerationRequest) -> dict | None:
         if request.voice_pin is not None:
             return request.voice_pin
-        cache = self._voices.get(request.voice)
+        cache = self.voices.book.get(request.voice)
         if request.voice is not None and cache is None:
             raise Refused(ErrorKind.INVALID, f"unknown voice {request.voice!r}: it was deleted")
         return cache
-
-    def follows_instructions(self, voice_pin: Any = None) -> bool:
-        # VoxCPM2 reads "(description)text" as voice design, or with a reference-only voice as
-        # style control; a voice with a transcript continues its prompt and takes none.
-        return voice_pin is None or voice_pin.get("mode") == "reference"
-
-    def _target_text(self, request: GenerationRequest, cache: dict | None) -> str:
-        text = clean_text(request.text)
-        instructions = clean_text(request.instructions or "")
-        if instructions and text and request.context is None and self.follows_instructions(cache):
-            return f"({instructions}){text}"
-        return text
-
-    def split_text(self, text: str, options: dict[str, Any], voice_pin: Any = None,
-                   language: str | None = None) -> list[str]:
-        if self.runner is None:
-            return [text]
-        model = self.tts.tts_model
-        max_len = options.get("max_len", DEFAULTS["max_len"])
-        # Normalisation comes later and may lengthen a piece (digits spelled out): leave room.
-        growth = 2 if options.get("normalize") else 1
-
-        def fits(piece: str) -> bool:
-            positions, tokens = prompt_positions(model, clean_text(piece), voice_pin)
-            return self.runner.fits(positions + (growth - 1) * tokens, growth * tokens, max_len)
-
-        return pack(text, fits, language)
 
     def check(self, request: GenerationRequest) -> None:
         cache = self._voice_cache(request)
         if request.options.get("denoise") and self.tts is not None and self.tts.denoiser is None:
             raise Refused(ErrorKind.INVALID, "option 'options.denoise' needs a server started with --load-denoiser")
-        text = self._target_text(request, cache)
+        text = self.text.spoken(request, cache)
         if not text:
             raise Refused(ErrorKind.INVALID, "field 'text' has nothing to say after whitespace cleanup")
         if self.runner is not None and (request.prepared or not request.options.get("normalize")):
@@ -455,7 +408,7 @@ class VoxCPMEngine(Engine):
         for (index, _, text), row in zip(ready, rows):
             request = requests[index]
             if isinstance(row, BaseException):
-                self._lora.row_ended(request.lora_pin)
+                self.loras.row_ended(request.lora_pin)
                 errors[index] = row
                 continue
             request.state = row
@@ -470,7 +423,7 @@ class VoxCPMEngine(Engine):
         options = {**DEFAULTS, **request.options}
         model = self.tts.tts_model
         cache = self._voice_cache(request)
-        text = self._target_text(request, cache)
+        text = self.text.spoken(request, cache)
         if options.get("normalize") and not request.prepared:
             # Only for callers that drive the engine without the stream service.
             text = self._normalizer.normalize(text)
@@ -483,7 +436,7 @@ class VoxCPMEngine(Engine):
         if not self.runner.fits(*prompt_positions(model, text, cache), options["max_len"]):
             raise Refused(ErrorKind.TOO_LARGE, "text too long for the model's context after normalization")
         prompt = build_prompt(model, text, cache)
-        adapter = self._lora.row_started(request.lora_pin)
+        adapter = self.loras.row_started(request.lora_pin)
         return PrefillInput(prompt, seed=options["seed"], cfg_value=options["cfg_value"],
                             timesteps=options["inference_timesteps"], min_len=options["min_len"],
                             max_len=options["max_len"], adapter=adapter), text
@@ -499,60 +452,12 @@ class VoxCPMEngine(Engine):
         row = request.state
         if row is not None:
             self.runner.release(row)
-            self._lora.row_ended(request.lora_pin)
+            self.loras.row_ended(request.lora_pin)
             if row.patches:
                 import torch
 
                 request.continuation = {"text": row.text, "audio_feat": torch.stack(row.patches)}
         request.state = None
-
-    def prepares_text(self, options: dict[str, Any], language: str | None = None) -> bool:
-        # The package's normaliser has Chinese and English grammars: text in another language
-        # is spoken as written (its numbers would be read out in English).
-        return bool(options.get("normalize")) and base_language(language) in NORMALIZED_LANGUAGES
-
-    def prepare_text(self, text: str, options: dict[str, Any], language: str | None = None) -> str:
-        return self._normalizer.normalize(clean_text(text))
-
-    # ------------------------------------------------------------------ voices (any thread) and LoRA
-
-    def register_voice(self, audio: np.ndarray, sample_rate: int, transcript: str | None, mode: str,
-                       voice_id: str | None = None, name: str | None = None) -> dict[str, Any]:
-        """Build a voice's prompt cache once; returns its id. Runs on a worker thread beside
-        the steps: the VAE encoder is only read (inference mode), the voice book is locked."""
-        cache = encode_voice(self.tts.tts_model, audio, sample_rate, transcript, mode)
-        voice_id = self._voices.add(cache, name, voice_id)
-        return {"voice": voice_id, "mode": mode, "audio_s": round(len(audio) / sample_rate, 3)}
-
-    def delete_voice(self, voice_id: str) -> bool:
-        return self._voices.delete(voice_id)
-
-    def pin_lora(self, name: str | None) -> Adapter | None:
-        return self._lora.pin(name)
-
-    def unpin_lora(self, pin: Any) -> None:
-        self._lora.unpin(pin)
-
-    def lora_unloading(self, pin: Any, name: str) -> bool:
-        return isinstance(pin, Adapter) and pin.name == name and pin.unloading
-
-    def read_lora(self, name: str | None) -> AdapterFile:
-        return self._lora.read(name)
-
-    def lora_op(self, op: str, name: str | None, adapter_file: Any = None) -> dict[str, Any]:
-        book = self._lora
-        if op == "load":
-            result = book.load(adapter_file if adapter_file is not None else book.read(name))
-        elif op == "unload":
-            result = book.unload(name)
-        elif op == "enable":
-            result = book.set_default(name if name is not None else book.only_loaded())
-        elif op == "disable":
-            result = book.set_default(None)
-        else:
-            raise Refused(ErrorKind.INVALID, f"field 'op' must be load, unload, enable or disable, got {op!r}",
-                          field="op")
-        return {"op": op, **result, "lora": book.describe()}
 
 
 def _check_denoiser_dependencies() -> None:

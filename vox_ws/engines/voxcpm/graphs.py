@@ -31,7 +31,7 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Mapping
 
 import torch
 from torch import nn
@@ -87,11 +87,14 @@ def _device_architecture(args: tuple) -> str:
     return ""
 
 
-def _traced_sources() -> str:
-    """The source of this package's modules that compiled graphs trace through."""
-    from . import compiled, kv, lora, vae
-
-    return "".join(inspect.getsource(m) for m in (compiled, kv, lora, vae))
+def _argument_indexes(fn: Callable, names: Mapping[str, int]) -> dict[int, int]:
+    """`names` (a parameter of `fn` -> a value) keyed by the parameter's position instead; a
+    name `fn` does not take is an error, so a renamed parameter cannot silently point elsewhere."""
+    parameters = list(inspect.signature(fn).parameters)
+    unknown = set(names) - set(parameters)
+    if unknown:
+        raise TypeError(f"{getattr(fn, '__name__', fn)} takes no parameter {sorted(unknown)}")
+    return {parameters.index(name): value for name, value in names.items()}
 
 
 def _describe(value: Any, dynamic: dict[int, int]) -> str:
@@ -149,13 +152,16 @@ class GraphStore:
     what else it depends on (the model's config, how the runner built its modules): graphs of
     one context are shared by every process compiling into the same directory."""
 
-    def __init__(self, directory: Path, load_only: bool = False, lock_wait_s: float = LOCK_WAIT_S) -> None:
-        """`load_only`: never compile (a graph not on the disk is `GraphMissing`): a serving
+    def __init__(self, directory: Path, sources: str = "", load_only: bool = False,
+                 lock_wait_s: float = LOCK_WAIT_S) -> None:
+        """`sources`: the source code the graphs trace through, beside the modules passed in
+        (their caller's: a change to it is a new key); `load_only`: never compile (a graph not on the disk is `GraphMissing`): a serving
         process loads what a background compile made. `lock_wait_s`: how long to wait for
         another process compiling the same graph before compiling it too."""
         self.directory = Path(directory) / "graphs"
         self.load_only = load_only
         self.lock_wait_s = lock_wait_s
+        self.sources = sources
         self.waiting_on: Path | None = None     # the lock this store waits for, while it does
         self.directory.mkdir(parents=True, exist_ok=True)
         self._base = None
@@ -165,22 +171,21 @@ class GraphStore:
         self.precompile = hasattr(torch.compile(lambda: None), "aot_compile")
 
     def graph(self, name: str, fn: Callable, args: tuple, *, context: str,
-              dynamic: dict[int, int] | None = None) -> Callable:
-        """`fn` compiled (fullgraph, shapes fixed but for `dynamic`: argument index -> that
-        tensor's dynamic dim) for arguments like `args`: loaded from the disk when it was
-        compiled before, else compiled now and saved."""
+              dynamic: Mapping[str, int] | None = None) -> Callable:
+        """`fn` compiled (fullgraph, shapes fixed but for `dynamic`: a parameter's name -> that
+        tensor's dynamic dim, or every tensor's of a list) for arguments like `args`: loaded from
+        the disk when it was compiled before, else compiled now and saved."""
         marked = {}      # by id, as _describe reads it
-        for index, dim in (dynamic or {}).items():
+        for index, dim in _argument_indexes(fn, dynamic or {}).items():
             for tensor in args[index] if isinstance(args[index], (tuple, list)) else [args[index]]:
                 torch._dynamo.maybe_mark_dynamic(tensor, dim)
                 marked[id(tensor)] = dim
-        dynamic = marked
         if not self.precompile:
             self.compiled += 1
             return torch.compile(fn, fullgraph=True, dynamic=False)
-        path = self.path(name, context, args, dynamic)
+        path = self.path(name, context, args, marked)
         if self.load_only:
-            graph = self._load(name, path, args, dynamic, timed=True)
+            graph = self._load(name, path, args, marked, timed=True)
             if graph is None:
                 raise GraphMissing(f"compiled graph {name} for {_rows(args)} rows is not in {self.directory}")
             return graph
@@ -188,10 +193,10 @@ class GraphStore:
         # second server on the same cache) waits for it and loads it; for a bounded time, then it
         # compiles it too (a save replaces the file whole: two saves cannot mix).
         with self._locked(path.with_suffix(".lock")):
-            graph = self._load(name, path, args, dynamic, timed=True)
+            graph = self._load(name, path, args, marked, timed=True)
             if graph is None:
                 started = time.perf_counter()
-                graph = self._compile(name, fn, path, args, dynamic)
+                graph = self._compile(name, fn, path, args, marked)
                 self.seconds.append((f"{name}:{_rows(args)}", "compiled", round(time.perf_counter() - started, 3)))
             return graph
 
@@ -264,7 +269,7 @@ class GraphStore:
 
     def _digest(self, name: str, context: str, args: tuple, dynamic: dict[int, int]) -> str:
         if self._base is None:
-            self._base = "\n".join([_versions(), _traced_sources()])
+            self._base = "\n".join([_versions(), self.sources])
         modules = [a for a in args if isinstance(a, nn.Module)]
         text = "\n".join([self._base, _device_architecture(args), context, name, module_signature(*modules),
                           ",".join(_describe(a, dynamic) for a in args)])
@@ -272,17 +277,18 @@ class GraphStore:
 
 
 class GraphsBySize:
-    """`fn` through one graph per batch size (the rows of argument `rows_of`), each loaded or
-    compiled from `store` on its first call with that size."""
+    """`fn` through one graph per batch size (the rows of its parameter `rows_of`), each loaded
+    or compiled from `store` on its first call with that size."""
 
-    def __init__(self, store: GraphStore, name: str, fn: Callable, *, context: str, rows_of: int,
-                 dynamic: dict[int, int] | None = None) -> None:
+    def __init__(self, store: GraphStore, name: str, fn: Callable, *, context: str, rows_of: str,
+                 dynamic: Mapping[str, int] | None = None) -> None:
         self.store, self.name, self.fn = store, name, fn
-        self.context, self.rows_of, self.dynamic = context, rows_of, dynamic
+        self.context, self.dynamic = context, dynamic
+        (self._rows_at,) = _argument_indexes(fn, {rows_of: 0})
         self._graphs: dict[int, Callable] = {}
 
     def __call__(self, *args: Any) -> Any:
-        rows = args[self.rows_of].shape[0]
+        rows = args[self._rows_at].shape[0]
         graph = self._graphs.get(rows)
         if graph is None:
             graph = self._graphs[rows] = self.store.graph(self.name, self.fn, args, context=self.context,

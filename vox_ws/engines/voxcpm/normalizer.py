@@ -4,7 +4,7 @@ in a process of its own.
 Normalising is pure Python that can run for seconds on a hostile text (a 4,999-digit run,
 full-width digits after CJK), and its first use loads its grammars for about 3 s. On the
 scheduler thread that froze every stream; here it runs beside the engine, before a request is
-queued (`Engine.prepare_text`), one text at a time, and a text that takes longer than its
+queued (`Engine.text.prepare`), one text at a time, and a text that takes longer than its
 time-out (`--normalize-timeout`, `NORMALIZE_TIMEOUT_S` by default) is refused (`too_large`) and
 the process replaced.
 

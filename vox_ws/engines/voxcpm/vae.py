@@ -85,7 +85,7 @@ class BatchedStreamingVAE:
         if limit and max(buckets) > limit:
             buckets = tuple(b for b in buckets if b < limit) + (limit,)
         graphs = GraphsBySize(store, f"vae_decode_fold{int(self.fold_depthwise)}", streaming_decode,
-                              context=self.graph_context(), rows_of=2)
+                              context=self.graph_context(), rows_of="latents")
         self._step = partial(graphs, self, self.vae)
         self.buckets = tuple(sorted(set(buckets)))
         for rows in self.buckets:

@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from ...audio import decode_audio_file
+from ...engine import ErrorKind, Refused, Voices
 from .prompt import clean_text
 
 log = logging.getLogger("vox_ws.engines.voxcpm")
@@ -104,6 +105,40 @@ def encode_voice(model: Any, audio: np.ndarray, sample_rate: int, transcript: st
         cache["audio_feat"] = encode("left")
     cache["mode"] = _CACHE_MODES[mode]
     return cache
+
+
+class VoxCPMVoices(Voices):
+    """VoxCPM2's voices (`Engine.voices`): built-in ones from `--voices-dir` and registered ones,
+    each a prompt cache in a `VoiceBook`; a stream pins the cache itself, so a voice deleted or
+    dropped meanwhile still speaks to the stream's end."""
+
+    def __init__(self, engine: Any) -> None:
+        super().__init__(engine)
+        self.book = VoiceBook()
+
+    def names(self) -> list[str]:
+        return self.book.builtin()
+
+    def has(self, voice: str) -> bool:
+        return self.book.get(voice) is not None
+
+    def pin(self, voice: str | None) -> dict | None:
+        cache = self.book.get(voice)        # one look: the book may drop it at any time after
+        if voice is not None and cache is None:
+            self.check(voice)               # refused as any unknown voice
+            raise Refused(ErrorKind.INVALID, f"unknown voice {voice!r}: it was just dropped")
+        return cache
+
+    def register(self, audio: np.ndarray, sample_rate: int, transcript: str | None, mode: str,
+                 voice_id: str | None = None, name: str | None = None) -> dict[str, Any]:
+        """Build a voice's prompt cache once (`name`: a built-in voice). Runs on a worker thread
+        beside the steps: the VAE encoder is only read (inference mode), the book is locked."""
+        cache = encode_voice(self.engine.tts.tts_model, audio, sample_rate, transcript, mode)
+        voice_id = self.book.add(cache, name, voice_id)
+        return {"voice": voice_id, "mode": mode, "audio_s": round(len(audio) / sample_rate, 3)}
+
+    def delete(self, voice_id: str) -> bool:
+        return self.book.delete(voice_id)
 
 
 def builtin_voice_files(folder: Path) -> list[tuple[str, np.ndarray, int, str | None]]:

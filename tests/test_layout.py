@@ -1,0 +1,107 @@
+"""The code's shape, read from its syntax: the import graph (lazy imports inside functions
+included) has no circle, and the layers import only downward."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parent.parent / "vox_ws"
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Every module of vox_ws -> the vox_ws modules it imports, wherever the import statement is."""
+    paths = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+    graph: dict[str, set[str]] = {name: set() for name in paths}
+    for name, path in paths.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                graph[name] |= {alias.name for alias in node.names if alias.name in paths}
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = package.split(".")[:len(package.split(".")) - (node.level - 1)]
+                    source = ".".join(base + ([node.module] if node.module else []))
+                else:
+                    source = node.module or ""
+                for alias in node.names:
+                    if f"{source}.{alias.name}" in paths:      # `from . import module`
+                        graph[name].add(f"{source}.{alias.name}")
+                    elif source in paths:
+                        graph[name].add(source)
+        graph[name].discard(name)
+    return graph
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected groups of more than one module (Tarjan's algorithm, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, successors = work[-1]
+            advanced = False
+            for successor in successors:
+                if successor not in index:
+                    index[successor] = low[successor] = len(index)
+                    stack.append(successor)
+                    on_stack.add(successor)
+                    work.append((successor, iter(sorted(graph[successor]))))
+                    advanced = True
+                    break
+                if successor in on_stack:
+                    low[node] = min(low[node], index[successor])
+            if advanced:
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                group = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    group.append(member)
+                    if member == node:
+                        break
+                if len(group) > 1:
+                    found.append(sorted(group))
+    return found
+
+
+def test_the_circle_finder_finds_a_circle_through_a_lazy_import():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert circles(graph) == [["a", "b", "c"]]
+    assert circles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_module_imports_itself_back_through_others():
+    assert circles(import_graph()) == []
+
+
+def test_lower_layers_never_import_the_doors_or_the_service():
+    """Data flows one way: engines and the scheduler know nothing of the stream service, the
+    front doors or the server; the service knows nothing of the doors."""
+    graph = import_graph()
+    upper = {"engines": ("vox_ws.service", "vox_ws.transports", "vox_ws.session", "vox_ws.server"),
+             "service": ("vox_ws.transports", "vox_ws.session", "vox_ws.server")}
+    wrong = []
+    for module, imported in graph.items():
+        for layer, forbidden in upper.items():
+            if module.startswith(f"vox_ws.{layer}"):
+                wrong += [f"{module} -> {target}" for target in imported if target.startswith(forbidden)]
+    assert not wrong, wrong
