@@ -29,7 +29,7 @@ from vox_ws.engine import EndReason, ErrorKind, Refused
 from vox_ws.engines.piper import PiperEngine
 from vox_ws.engines.voxcpm.normalizer import NORMALIZE_TIMEOUT_S
 from vox_ws.scheduler import Scheduler
-from vox_ws.service import ANY_OWNER, Audio, Ended, Failed
+from vox_ws.service import ANY_OWNER, Audio, Ended, Failed, StreamRequest
 from vox_ws.transports.connections import WRITE_BUFFER_HIGH
 
 pytestmark = pytest.mark.hardening
@@ -248,7 +248,7 @@ async def test_a_flac_bomb_is_refused_without_decoding_it_whole(voxcpm_service_s
     before = _rss_mb()
     # Several at once, as the attack did (from four owners: one may have only two waiting):
     # they are decoded one at a time.
-    results = await asyncio.gather(*(service.register_voice(bomb, owner=f"token:{n}") for n in range(4)),
+    results = await asyncio.gather(*(service.voices.register(bomb, owner=f"token:{n}") for n in range(4)),
                                    return_exceptions=True)
     assert all(isinstance(r, Refused) and r.kind == ErrorKind.TOO_LARGE for r in results), results
     assert _rss_mb() - before < 150
@@ -261,7 +261,7 @@ async def test_voice_audio_outside_the_accepted_rates_and_channels_is_invalid(vo
         buf = io.BytesIO()
         soundfile.write(buf, np.zeros((rate // 2, channels), np.float32), rate, format="WAV")
         with pytest.raises(Refused) as info:
-            await service.register_voice(buf.getvalue())
+            await service.voices.register(buf.getvalue())
         assert info.value.kind == ErrorKind.INVALID, (rate, channels, info.value.message)
     await service.close()
 
@@ -271,45 +271,46 @@ async def test_voice_audio_outside_the_accepted_rates_and_channels_is_invalid(vo
 
 async def test_voices_belong_to_their_owner_and_no_one_evicts_another(voxcpm_service_scheduler):
     service = await service_on(voxcpm_service_scheduler, max_voices=4, max_voices_per_owner=2)
-    alice = [(await service.register_voice(tone_wav(0.5, pitch=200 + n), owner="token:alice"))["voice"]
+    alice = [(await service.voices.register(tone_wav(0.5, pitch=200 + n), owner="token:alice"))["voice"]
              for n in range(3)]
-    bob = (await service.register_voice(tone_wav(0.5), owner="token:bob"))["voice"]
+    bob = (await service.voices.register(tone_wav(0.5), owner="token:bob"))["voice"]
     # Alice's third retired her first, nobody else's.
     with pytest.raises(Refused):
-        service.open_stream("Hi.", voice=alice[0])
+        service.open_stream(StreamRequest("Hi.", voice=alice[0]))
     for voice in alice[1:] + [bob]:
-        service.open_stream("Hi.", voice=voice, options={"max_len": 1}).cancel()
+        service.open_stream(StreamRequest("Hi.", voice=voice, options={"max_len": 1})).cancel()
     # Bob cannot delete Alice's voice (it looks like no voice at all); Alice and an admin can.
-    assert await service.delete_voice(alice[1], owner="token:bob") is False
-    assert await service.delete_voice(alice[1], owner="token:alice") is True
-    assert await service.delete_voice(alice[2], owner=ANY_OWNER) is True
+    assert await service.voices.delete(alice[1], owner="token:bob") is False
+    assert await service.voices.delete(alice[1], owner="token:alice") is True
+    assert await service.voices.delete(alice[2], owner=ANY_OWNER) is True
     # A full server refuses new owners' voices rather than dropping someone's.
-    others = {name: (await service.register_voice(tone_wav(0.5), owner=f"token:{name}"))["voice"]
+    others = {name: (await service.voices.register(tone_wav(0.5), owner=f"token:{name}"))["voice"]
               for name in ("carol", "dave", "erin")}
     with pytest.raises(Refused) as info:
-        await service.register_voice(tone_wav(0.5), owner="token:frank")
+        await service.voices.register(tone_wav(0.5), owner="token:frank")
     # The same audio from the same owner is the same voice (no new one, even when full); the
     # same audio from another owner is another voice.
-    assert (await service.register_voice(tone_wav(0.5), owner="token:erin"))["voice"] == others["erin"]
+    assert (await service.voices.register(tone_wav(0.5), owner="token:erin"))["voice"] == others["erin"]
     assert len(set(others.values()) | {bob}) == 4
     assert info.value.kind == ErrorKind.BUSY
-    service.open_stream("Hi.", voice=bob, options={"max_len": 1}).cancel()
+    service.open_stream(StreamRequest("Hi.", voice=bob, options={"max_len": 1})).cancel()
     await service.close()
 
 
 async def test_a_queued_stream_keeps_its_voice_when_the_voice_is_deleted(voxcpm_service_scheduler):
     service = await service_on(voxcpm_service_scheduler)
-    voice = (await service.register_voice(tone_wav(1.0), "A short reference.", owner="token:a"))["voice"]
+    voice = (await service.voices.register(tone_wav(1.0), "A short reference.", owner="token:a"))["voice"]
     options = {"max_len": 4, "seed": 7}
-    with_voice = audio_of(await drain(service.open_stream("Hello there.", voice=voice, options=options)), "f32")
-    default = audio_of(await drain(service.open_stream("Hello there.", options=options)), "f32")
+    with_voice = audio_of(await drain(service.open_stream(StreamRequest("Hello there.", voice=voice,
+                                                                         options=options))), "f32")
+    default = audio_of(await drain(service.open_stream(StreamRequest("Hello there.", options=options))), "f32")
     # Both slots busy: the next stream waits in the queue, and its voice is deleted meanwhile.
-    blockers = [service.open_stream("Hold the slot.", options={"max_len": 2000}) for _ in range(2)]
+    blockers = [service.open_stream(StreamRequest("Hold the slot.", options={"max_len": 2000})) for _ in range(2)]
     for blocker in blockers:
         assert isinstance(await blocker.__anext__(), Audio)
-    queued = service.open_stream("Hello there.", voice=voice, options=options)
+    queued = service.open_stream(StreamRequest("Hello there.", voice=voice, options=options))
     assert queued.queued
-    assert await service.delete_voice(voice, owner="token:a") is True
+    assert await service.voices.delete(voice, owner="token:a") is True
     for blocker in blockers:
         blocker.cancel()
     events = await drain(queued)
@@ -354,10 +355,10 @@ async def test_a_client_holding_every_slot_gives_one_back_to_a_newcomer():
     assert scheduler.max_share == 1
     # No stall time-out in reach: a stream whose reader takes nothing keeps its slot for good.
     service = await service_on(scheduler, write_stall_timeout_s=3600.0)
-    hog = [service.open_stream(LONG * 3, owners=("connection:1",)) for _ in range(2)]
+    hog = [service.open_stream(StreamRequest(LONG * 3), owners=("connection:1",)) for _ in range(2)]
     first = [await hog[0].__anext__(), await hog[1].__anext__()]
     assert all(isinstance(e, Audio) for e in first)
-    newcomer = service.open_stream(SENTENCE, owners=("connection:2",))
+    newcomer = service.open_stream(StreamRequest(SENTENCE), owners=("connection:2",))
     assert newcomer.queued == 1
     # The hog reads nothing more, so its streams hold their slots for good: the newcomer speaks
     # only because one was given back (parked), not after the hog's long texts.
@@ -388,9 +389,9 @@ async def test_a_stream_queued_too_long_ends_busy():
     assert scheduler.ready_event.wait(120)
     service = await service_on(scheduler)
     holder_text = "x" * 40
-    holder = service.open_stream(holder_text, owners=("connection:1",))
+    holder = service.open_stream(StreamRequest(holder_text), owners=("connection:1",))
     await asyncio.to_thread(engine.inside_step)              # the holder has the slot, held
-    waiter = service.open_stream(SENTENCE, owners=("connection:1",))
+    waiter = service.open_stream(StreamRequest(SENTENCE), owners=("connection:1",))
     started = time.monotonic()
     await wait_until(lambda: time.monotonic() - started > max_wait_s)
     engine.go.release()                                      # one step; then the turn that refuses
@@ -411,34 +412,37 @@ async def test_normalizing_runs_beside_the_engine_and_gives_up_on_hostile_text(v
     service = await service_on(voxcpm_service_scheduler)
     normalizer = service.engine._normalizer
     # The first use starts the normaliser's process (seconds): this stream waits, no other does.
-    ok = await drain(service.open_stream("I have 123 apples.", options={"normalize": True, "max_len": 3}), 120)
+    ok = await drain(service.open_stream(StreamRequest("I have 123 apples.",
+                                                       options={"normalize": True, "max_len": 3})), 120)
     assert isinstance(ok[-1], Ended) and ok[-1].reason == EndReason.MAX_LEN
     # A text that takes seconds to normalise whole is cut into pieces that each fit a
     # generation (and normalise in a fraction of a second) and spoken whole.
     many_numbers = "我有12345个苹果，还有67890个梨。" * 150
-    spoken = await drain(service.open_stream(many_numbers, options={"normalize": True, "max_len": 2}), 120)
+    spoken = await drain(service.open_stream(StreamRequest(many_numbers,
+                                                           options={"normalize": True, "max_len": 2})), 120)
     assert isinstance(spoken[-1], Ended) and spoken[-1].reason == EndReason.MAX_LEN, spoken[-1]
     assert len(spoken[-1].stats["segments"]) > 5
     # Normalised, a text several times longer than it was (digits spelled out) is cut again
     # where it no longer fits, not refused.
     counting = "I counted 123456789 stars. " * 40
     options = {"normalize": True, "max_len": 2}
-    expanded = await drain(service.open_stream(counting, options=options), 120)
+    expanded = await drain(service.open_stream(StreamRequest(counting, options=options)), 120)
     assert isinstance(expanded[-1], Ended), expanded[-1]
     assert len(expanded[-1].stats["segments"]) > len(service.engine.text.split(counting, options))
     assert any("hundred" in segment["text"] for segment in expanded[-1].stats["segments"])
     # A text the normaliser cannot read (a number of 4500 digits) is refused as such.
-    unreadable = await drain(service.open_stream("１２３４５" * 900, options={"normalize": True, "max_len": 2}), 120)
+    unreadable = await drain(service.open_stream(StreamRequest("１２３４５" * 900,
+                                                               options={"normalize": True, "max_len": 2})), 120)
     assert isinstance(unreadable[-1], Failed) and unreadable[-1].kind == ErrorKind.INVALID, unreadable[-1]
 
     # Normalising runs beside the engine: with the normaliser held still (SIGSTOP: as slow as
     # any text could make it), another stream keeps getting audio, step after step.
-    other = service.open_stream("Keep talking.", options={"max_len": 400})
+    other = service.open_stream(StreamRequest("Keep talking.", options={"max_len": 400}))
     assert isinstance(await other.__anext__(), Audio)
     normalizer.timeout_s = 3600.0              # the hold, however long it takes here, is no time-out
     os.kill(normalizer.pid, signal.SIGSTOP)
     try:
-        held = service.open_stream("I have 456 pears.", options={"normalize": True, "max_len": 2})
+        held = service.open_stream(StreamRequest("I have 456 pears.", options={"normalize": True, "max_len": 2}))
         before = other.chunks
         while other.chunks < before + 10:
             await asyncio.wait_for(other.__anext__(), 60)
@@ -464,7 +468,8 @@ async def test_normalizing_runs_beside_the_engine_and_gives_up_on_hostile_text(v
     assert caught.value.kind == ErrorKind.TOO_LARGE and "normalize" in caught.value.message
     assert "0.5s" in caught.value.message
     assert normalizer.pid != stopped or not normalizer.alive          # the held one was killed
-    again = await drain(service.open_stream("I have 789 plums.", options={"normalize": True, "max_len": 2}), 120)
+    again = await drain(service.open_stream(StreamRequest("I have 789 plums.",
+                                                          options={"normalize": True, "max_len": 2})), 120)
     assert isinstance(again[-1], Ended) and again[-1].reason == EndReason.MAX_LEN, again[-1]
     assert normalizer.pid != stopped
     await service.close()
@@ -574,13 +579,13 @@ async def test_two_streams_of_dense_text_do_not_hold_up_a_newcomer():
     scheduler = loaded_scheduler(engine, max_batch=4)
     service = await service_on(scheduler)
     dense = ("我们今天去公园散步，天气非常好。" * 15)[:240]
-    hogs = [service.open_stream(dense, owners=(f"connection:{n}",)) for n in (1, 2)]
+    hogs = [service.open_stream(StreamRequest(dense), owners=(f"connection:{n}",)) for n in (1, 2)]
     readers = [asyncio.create_task(drain(h, 120)) for h in hogs]
     # Both hogs served long enough for their clients' share of the engine to settle (it decays
     # by SERVICE_DECAY a step: after 20 steps each holds about its steady share).
     await wait_until(lambda: engine.served.count(dense) >= 20)
     newcomer_text = SENTENCE + " " + SENTENCE
-    events = await drain(service.open_stream(newcomer_text, owners=("connection:3",)))
+    events = await drain(service.open_stream(StreamRequest(newcomer_text), owners=("connection:3",)))
     assert isinstance(events[-1], Ended) and events[-1].reason == EndReason.DONE
     served = engine.served
     mine = [i for i, text in enumerate(served) if text == newcomer_text]
@@ -596,19 +601,19 @@ async def test_two_streams_of_dense_text_do_not_hold_up_a_newcomer():
 async def test_a_full_queue_makes_room_for_a_client_that_holds_less():
     scheduler = loaded_scheduler(PiperEngine(), max_batch=1, max_queue=2)
     service = await service_on(scheduler)
-    flooder = [service.open_stream(LONG, owners=("address:a", "connection:1")) for _ in range(3)]
+    flooder = [service.open_stream(StreamRequest(LONG), owners=("address:a", "connection:1")) for _ in range(3)]
     # Another connection of the same address is told apart by its connection.
-    other = service.open_stream(SENTENCE, owners=("address:a", "connection:2"))
+    other = service.open_stream(StreamRequest(SENTENCE), owners=("address:a", "connection:2"))
     assert other.queued
     pushed = await drain(flooder[2], 30)
     assert isinstance(pushed[-1], Failed) and pushed[-1].kind == ErrorKind.BUSY and "pushed out" in pushed[-1].message
     # The flooder's next stream finds the queue full: it outweighs nobody.
     with pytest.raises(Refused) as info:
-        service.open_stream(SENTENCE, owners=("address:a", "connection:1"))
+        service.open_stream(StreamRequest(SENTENCE), owners=("address:a", "connection:1"))
     assert info.value.kind == ErrorKind.BUSY
     # Another address is told apart by its address: the busiest connection of address a
     # (the flooder's, not the other's) gives way.
-    third = service.open_stream(SENTENCE, owners=("address:b", "connection:3"))
+    third = service.open_stream(StreamRequest(SENTENCE), owners=("address:b", "connection:3"))
     pushed = await drain(flooder[1], 30)
     assert isinstance(pushed[-1], Failed) and pushed[-1].kind == ErrorKind.BUSY
     assert not other.done

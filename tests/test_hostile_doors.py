@@ -572,17 +572,17 @@ async def test_a_stream_parked_while_its_reader_lags_holds_no_place_in_the_queue
     from test_stream_service import drain, loaded_scheduler, service_on
 
     from vox_ws.engine import EndReason
-    from vox_ws.service import Ended
+    from vox_ws.service import Ended, StreamRequest
 
     scheduler = loaded_scheduler(PiperEngine(), max_batch=1, max_queue=1)
     service = await service_on(scheduler, max_buffered_audio_s=1.0, write_stall_timeout_s=3600.0,
                                max_queue_wait_s=3600.0)
-    lagging = [service.open_stream(LONG, owners=(f"address:{n}", f"connection:{n}")) for n in (1, 2)]
+    lagging = [service.open_stream(StreamRequest(LONG), owners=(f"address:{n}", f"connection:{n}")) for n in (1, 2)]
     # The first lags (nobody reads it), the second claims its slot: the first rests parked; then
     # the second lags with nobody waiting, and keeps the slot.
     await wait_until(lambda: scheduler.stats()["parked"] == 1 and lagging[1].backlogged())
     assert scheduler.stats()["queued"] == 0
-    third = service.open_stream(SENTENCE, owners=("address:3", "connection:3"))
+    third = service.open_stream(StreamRequest(SENTENCE), owners=("address:3", "connection:3"))
     assert third.queued == 1
     events = await drain(third)
     assert isinstance(events[-1], Ended) and events[-1].reason == EndReason.DONE
@@ -602,14 +602,14 @@ async def test_a_lookahead_keeps_the_stream_within_it_of_a_real_time_clock(start
     from test_stream_service import service_on
 
     from vox_ws.scheduler import Scheduler
-    from vox_ws.service import Audio, AudioOutput, Ended
+    from vox_ws.service import Audio, AudioOutput, Ended, StreamRequest
 
     scheduler = Scheduler(PiperEngine(), max_batch=2)
     scheduler.start()
     assert scheduler.ready_event.wait(WAIT_TIMEOUT)
     service = await service_on(scheduler)
     lookahead = 0.5
-    stream = service.open_stream(LONG[:240], output=AudioOutput("s16", lookahead_s=lookahead))
+    stream = service.open_stream(StreamRequest(LONG[:240], output=AudioOutput("s16", lookahead_s=lookahead)))
     loop = asyncio.get_running_loop()
     first_at, handed = None, 0.0
     async for event in stream:
@@ -621,7 +621,7 @@ async def test_a_lookahead_keeps_the_stream_within_it_of_a_real_time_clock(start
         last = event
     assert isinstance(last, Ended) and handed > 3 * lookahead
     with pytest.raises(Exception, match="lookahead_s must be in"):
-        service.open_stream(SENTENCE, output=AudioOutput("s16", lookahead_s=0.0))
+        service.open_stream(StreamRequest(SENTENCE, output=AudioOutput("s16", lookahead_s=0.0)))
     scheduler.stop()
     await service.close()
 
@@ -737,9 +737,9 @@ async def test_an_owner_flooding_voice_uploads_is_refused_429_and_another_owner_
         refused.append(response)
         if len(refused) == 4:
             break
-    assert service.registrations.pending == 2
+    assert service.voices.registrations.pending == 2
     victim = asyncio.create_task(asyncio.to_thread(upload, 330.0, "127.0.0.1"))
-    await wait_until(lambda: service.registrations.pending == 3)
+    await wait_until(lambda: service.voices.registrations.pending == 3)
     gated.gate.set()
     answered = await victim
     assert answered.status_code == 201, answered.text
@@ -760,7 +760,7 @@ async def test_cancelled_codec_streams_free_their_ffmpeg_threads_without_the_gar
     from test_stream_service import service_on
 
     from vox_ws.scheduler import Scheduler
-    from vox_ws.service import Audio, AudioOutput
+    from vox_ws.service import Audio, AudioOutput, StreamRequest
 
     def threads() -> int:
         """Native threads of this process that are not Python's (FFmpeg's, here)."""
@@ -771,7 +771,7 @@ async def test_cancelled_codec_streams_free_their_ffmpeg_threads_without_the_gar
     scheduler.start()
     assert scheduler.ready_event.wait(WAIT_TIMEOUT)
     service = await service_on(scheduler)
-    warm = service.open_stream(SENTENCE, output=AudioOutput("mp3", speed=1.5))
+    warm = service.open_stream(StreamRequest(SENTENCE, output=AudioOutput("mp3", speed=1.5)))
     async for _ in warm:
         pass
     gc.collect()
@@ -779,7 +779,8 @@ async def test_cancelled_codec_streams_free_their_ffmpeg_threads_without_the_gar
     try:
         before = threads()
         for n in range(12):
-            stream = service.open_stream(LONG, output=AudioOutput(("mp3", "opus", "aac")[n % 3], speed=1.5))
+            output = AudioOutput(("mp3", "opus", "aac")[n % 3], speed=1.5)
+            stream = service.open_stream(StreamRequest(LONG, output=output))
             async for event in stream:
                 if isinstance(event, Audio):
                     break

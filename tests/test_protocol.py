@@ -4,6 +4,7 @@ import msgpack
 import pytest
 
 from vox_ws.engines import option_vocabulary
+from vox_ws.service import AudioOutput, StreamRequest
 from vox_ws.transports import protocol as p
 
 LIMITS = p.Limits(max_frame_bytes=1000, max_text_chars=50)
@@ -25,14 +26,17 @@ def refused(obj_or_bytes) -> p.ProtocolError:
 
 def test_start_defaults():
     start = parse({"type": "start", "text": "hi"})
-    assert start == p.Start(id=None, text="hi", voice=None, format="f32", sample_rate=None, options={})
+    assert start == p.Start(id=None, request=StreamRequest("hi", voice=None, options={},
+                                                           output=AudioOutput("f32", sample_rate=None)))
 
 
 def test_start_with_everything():
     start = parse({"type": "start", "id": "a", "text": "hi", "voice": "joe", "format": "s16", "sample_rate": 8000,
                    "options": {"cfg_value": 2, "inference_timesteps": 10.0, "seed": 7, "normalize": True}})
-    assert start.options == {"cfg_value": 2.0, "inference_timesteps": 10, "seed": 7, "normalize": True}
-    assert isinstance(start.options["cfg_value"], float) and isinstance(start.options["inference_timesteps"], int)
+    options = start.request.options
+    assert options == {"cfg_value": 2.0, "inference_timesteps": 10, "seed": 7, "normalize": True}
+    assert isinstance(options["cfg_value"], float) and isinstance(options["inference_timesteps"], int)
+    assert start.request.voice == "joe" and start.request.output == AudioOutput("s16", 8000)
 
 
 @pytest.mark.parametrize("frame, code", [
@@ -99,7 +103,7 @@ def test_errors_carry_a_valid_stream_id_only():
 
 def test_stream_input_start_needs_no_text():
     start = parse({"type": "start", "id": "a", "stream_input": True})
-    assert start.stream_input and start.text == ""
+    assert start.request.input_streaming and start.request.text is None
 
 
 def test_other_messages():

@@ -16,7 +16,7 @@ from vox_ws.config import Limits
 from vox_ws.engine import EndReason, ErrorKind, Refused
 from vox_ws.engines.piper import PiperEngine
 from vox_ws.scheduler import Scheduler
-from vox_ws.service import Audio, AudioOutput, Ended, Failed, Flushed, Segment, StreamService
+from vox_ws.service import Audio, AudioOutput, Ended, Failed, Flushed, Segment, StreamRequest, StreamService
 
 
 def loaded_scheduler(engine, max_batch=4, max_queue=8) -> Scheduler:
@@ -54,7 +54,7 @@ def audio_of(events, fmt):
 
 async def test_one_shot_stream_yields_contiguous_audio_then_ended(piper_scheduler):
     service = await service_on(piper_scheduler)
-    stream = service.open_stream(SENTENCE, output=AudioOutput("s16", 16000))
+    stream = service.open_stream(StreamRequest(SENTENCE, output=AudioOutput("s16", 16000)))
     assert stream.sample_rate == 16000 and stream.format == "s16" and stream.ignored_options == []
     events = await drain(stream)
     chunks = [e for e in events if isinstance(e, Audio)]
@@ -77,7 +77,7 @@ async def test_one_shot_stream_yields_contiguous_audio_then_ended(piper_schedule
 
 async def test_text_streamed_in_gives_segments_and_flush_marks(piper_scheduler):
     service = await service_on(piper_scheduler)
-    stream = service.open_stream(input_streaming=True, output=AudioOutput("f32"))
+    stream = service.open_stream(StreamRequest(input_streaming=True, output=AudioOutput("f32")))
     stream.send_text("Hello there, my friend. ")
     stream.send_text("This part waits for a flush")
     stream.flush()
@@ -105,7 +105,7 @@ async def test_text_from_an_async_iterator(piper_scheduler):
             yield word + " "
             await asyncio.sleep(0.01)
 
-    events = await drain(service.open_stream(llm()))
+    events = await drain(service.open_stream(StreamRequest(llm())))
     assert isinstance(events[-1], Ended) and events[-1].reason == EndReason.DONE
     assert " ".join(s["text"] for s in events[-1].stats["segments"]).split() == \
         "Streaming words in, one at a time, as a model writes them.".split()
@@ -114,7 +114,7 @@ async def test_text_from_an_async_iterator(piper_scheduler):
 
 async def test_cancel_drops_untaken_audio_and_frees_the_slot(piper_scheduler):
     service = await service_on(piper_scheduler)
-    stream = service.open_stream(LONG)
+    stream = service.open_stream(StreamRequest(LONG))
     first = await stream.__anext__()
     assert isinstance(first, Audio)
     await wait_until(lambda: stream.chunks >= 2)
@@ -128,7 +128,7 @@ async def test_cancel_drops_untaken_audio_and_frees_the_slot(piper_scheduler):
 
 async def test_leaving_the_iterator_cancels(piper_scheduler):
     service = await service_on(piper_scheduler)
-    stream = service.open_stream(LONG)
+    stream = service.open_stream(StreamRequest(LONG))
     async for event in stream:
         assert isinstance(event, Audio)
         break
@@ -140,7 +140,7 @@ async def test_leaving_the_iterator_cancels(piper_scheduler):
 
 async def test_a_consumer_that_stops_taking_pauses_generation_then_fails_slow(piper_scheduler):
     service = await service_on(piper_scheduler, max_buffered_audio_s=1.0, write_stall_timeout_s=1.0)
-    stream = service.open_stream(LONG * 2)
+    stream = service.open_stream(StreamRequest(LONG * 2))
     await wait_until(lambda: stream.chunks >= 1)
     steps = piper_scheduler.steps_total
     await asyncio.sleep(0.5)
@@ -157,7 +157,7 @@ async def test_a_consumer_that_stops_taking_pauses_generation_then_fails_slow(pi
 
 async def test_input_that_stops_coming_times_out(piper_scheduler):
     service = await service_on(piper_scheduler, stream_timeout_s=0.5)
-    stream = service.open_stream("Just this much. ", input_streaming=True)
+    stream = service.open_stream(StreamRequest("Just this much. ", input_streaming=True))
     events = await drain(stream, timeout=10)
     assert isinstance(events[-1], Failed) and events[-1].kind == ErrorKind.TIMEOUT
     assert [e.text for e in events if isinstance(e, Segment)] == ["Just this much."]
@@ -167,26 +167,26 @@ async def test_input_that_stops_coming_times_out(piper_scheduler):
 async def test_refusals_are_typed(piper_scheduler):
     service = await service_on(piper_scheduler, max_text_chars=100)
     cases = [
-        (lambda: service.open_stream("Hi.", voice="nobody"), ErrorKind.INVALID),
-        (lambda: service.open_stream("x" * 101), ErrorKind.TOO_LARGE),
-        (lambda: service.open_stream("   "), ErrorKind.INVALID),
-        (lambda: service.open_stream("Hi.").send_text("more"), ErrorKind.INVALID),
+        (lambda: service.open_stream(StreamRequest("Hi.", voice="nobody")), ErrorKind.INVALID),
+        (lambda: service.open_stream(StreamRequest("x" * 101)), ErrorKind.TOO_LARGE),
+        (lambda: service.open_stream(StreamRequest("   ")), ErrorKind.INVALID),
+        (lambda: service.open_stream(StreamRequest("Hi.")).send_text("more"), ErrorKind.INVALID),
     ]
     for attempt, kind in cases:
         with pytest.raises(Refused) as info:
             attempt()
         assert info.value.kind == kind, info.value.message
-    stream = service.open_stream(input_streaming=True)
+    stream = service.open_stream(StreamRequest(input_streaming=True))
     stream.end_input()
     with pytest.raises(Refused) as info:
         stream.send_text("late")
     assert info.value.kind == ErrorKind.INVALID
     with pytest.raises(Refused) as info:
-        await service.register_voice(b"RIFF")
+        await service.voices.register(b"RIFF")
     assert info.value.kind == ErrorKind.UNSUPPORTED
     service.accepting = False
     with pytest.raises(Refused) as info:
-        service.open_stream("Hi.")
+        service.open_stream(StreamRequest("Hi."))
     assert info.value.kind == ErrorKind.GOING_AWAY and info.value.kind.retryable
     await service.close()
     await wait_until(lambda: piper_scheduler.stats()["active"] == 0)
@@ -195,10 +195,10 @@ async def test_refusals_are_typed(piper_scheduler):
 async def test_full_queue_is_busy_and_a_loading_engine_not_ready():
     scheduler = loaded_scheduler(PiperEngine(), max_batch=1, max_queue=1)
     service = await service_on(scheduler)
-    streams = [service.open_stream(LONG), service.open_stream(LONG)]
+    streams = [service.open_stream(StreamRequest(LONG)), service.open_stream(StreamRequest(LONG))]
     assert [s.queued for s in streams] == [0, 1]
     with pytest.raises(Refused) as info:
-        service.open_stream(LONG)
+        service.open_stream(StreamRequest(LONG))
     assert info.value.kind == ErrorKind.BUSY
     for stream in streams:
         stream.cancel()
@@ -207,7 +207,7 @@ async def test_full_queue_is_busy_and_a_loading_engine_not_ready():
     not_loaded = Scheduler(PiperEngine())
     service = await service_on(not_loaded)
     with pytest.raises(Refused) as info:
-        service.open_stream("Hi.")
+        service.open_stream(StreamRequest("Hi."))
     assert info.value.kind == ErrorKind.NOT_READY
     await service.close()
 
@@ -233,12 +233,12 @@ def tone_wav(seconds: float, rate: int = 16000, pitch: float = 180.0) -> bytes:
 
 async def test_voxcpm_streams_batched_with_options_and_cloned_voice(voxcpm_scheduler):
     service = await service_on(voxcpm_scheduler)
-    registered = await service.register_voice(tone_wav(1.0), "A short reference.")
+    registered = await service.voices.register(tone_wav(1.0), "A short reference.")
     assert registered["voice"].startswith("v_") and registered["mode"] == "both"
-    a = service.open_stream("Hello there.", options={"max_len": 6, "seed": 1, "cfg_value": 1.5})
-    b = service.open_stream("Hello there.", voice=registered["voice"], options={"max_len": 4, "seed": 1},
-                            output=AudioOutput("s16", 24000))
-    c = service.open_stream("Hello there.", options={"max_len": 6, "seed": 1, "cfg_value": 1.5})
+    a = service.open_stream(StreamRequest("Hello there.", options={"max_len": 6, "seed": 1, "cfg_value": 1.5}))
+    b = service.open_stream(StreamRequest("Hello there.", voice=registered["voice"], options={"max_len": 4, "seed": 1},
+                                          output=AudioOutput("s16", 24000)))
+    c = service.open_stream(StreamRequest("Hello there.", options={"max_len": 6, "seed": 1, "cfg_value": 1.5}))
     events_a, events_b, events_c = await asyncio.gather(drain(a), drain(b), drain(c))
     for events, steps, rate in ((events_a, 6, 48000), (events_b, 4, 24000)):
         assert isinstance(events[-1], Ended) and events[-1].reason == EndReason.MAX_LEN
@@ -246,9 +246,9 @@ async def test_voxcpm_streams_batched_with_options_and_cloned_voice(voxcpm_sched
         assert abs(len(pcm) - steps * 7680 * rate // 48000) <= 64
     # The same seed, text and options give the same audio (to float rounding: batch shapes differ).
     assert np.max(np.abs(audio_of(events_a, "f32") - audio_of(events_c, "f32"))) < 1e-4
-    assert await service.delete_voice(registered["voice"]) is True
+    assert await service.voices.delete(registered["voice"]) is True
     with pytest.raises(Refused) as info:
-        service.open_stream("Hello.", voice=registered["voice"])
+        service.open_stream(StreamRequest("Hello.", voice=registered["voice"]))
     assert info.value.kind == ErrorKind.INVALID
     await service.close()
 
@@ -256,27 +256,27 @@ async def test_voxcpm_streams_batched_with_options_and_cloned_voice(voxcpm_sched
 async def test_voxcpm_refusals_come_from_the_engine_in_its_own_words(voxcpm_scheduler):
     service = await service_on(voxcpm_scheduler, max_voice_audio_s=2.0)
     # A text longer than the model's context is no refusal: the engine cuts it where it fits.
-    long = service.open_stream("word " * 900, options={"max_len": 2})
+    long = service.open_stream(StreamRequest("word " * 900, options={"max_len": 2}))
     events = [event async for event in long]
     assert isinstance(events[-1], Ended) and len(events[-1].stats["segments"]) > 1
     with pytest.raises(Refused) as info:
-        await service.register_voice(tone_wav(3.0))
+        await service.voices.register(tone_wav(3.0))
     assert info.value.kind == ErrorKind.TOO_LARGE
     with pytest.raises(Refused) as info:
-        await service.register_voice(b"not audio at all")
+        await service.voices.register(b"not audio at all")
     assert info.value.kind == ErrorKind.INVALID
     with pytest.raises(Refused) as info:
-        await service.register_voice(tone_wav(1.0), mode="continuation")
+        await service.voices.register(tone_wav(1.0), mode="continuation")
     assert info.value.kind == ErrorKind.INVALID
     with pytest.raises(Refused) as info:
-        await service.lora("load", "x")
+        await service.loras.load("x")
     assert info.value.kind == ErrorKind.UNSUPPORTED
     await service.close()
 
 
 async def test_voxcpm_input_streaming_continues_each_segment_from_the_last(voxcpm_scheduler):
     service = await service_on(voxcpm_scheduler)
-    stream = service.open_stream(input_streaming=True, options={"max_len": 3, "seed": 7})
+    stream = service.open_stream(StreamRequest(input_streaming=True, options={"max_len": 3, "seed": 7}))
     stream.send_text("First sentence here. ")
     stream.send_text("Second one follows. ")
     stream.end_input()

@@ -310,7 +310,7 @@ async def test_openai_shaped_voice_routes_register_list_speak_and_delete_per_own
 
     builtin = (await asyncio.to_thread(alice.get, "/audio/voices", cast_to=object))
     assert builtin["uploaded_voices"] == []
-    assert [v["id"] for v in builtin["voices"] if v["kind"] == "builtin"] == server.server.service.voices()
+    assert [v["id"] for v in builtin["voices"] if v["kind"] == "builtin"] == server.server.service.voices.listed()
     assert all(v["id"] and v["name"] for v in builtin["voices"])          # what Open WebUI reads
     added = await asyncio.to_thread(upload, alice, 210.0, name="teller", consent="consent-1",
                                     ref_text="The reference says this.")
@@ -373,7 +373,7 @@ async def test_a_handful_of_addresses_cannot_fill_the_store_for_good(start_serve
                          admin_tokens=[ADMIN])
     service = server.server.service
     now = [time.time()]
-    service.store.clock = lambda: now[0]
+    service.voices.store.clock = lambda: now[0]
 
     def client(address: str, **headers: str) -> httpx.AsyncClient:
         return httpx.AsyncClient(base_url=server.http, headers=headers,
@@ -394,7 +394,7 @@ async def test_a_handful_of_addresses_cannot_fill_the_store_for_good(start_serve
             assert created.status_code == 201, created.text
             ids.append(created.json()["voice"])
         kept[address] = ids[1:]
-    assert (await service.store.usage())["voices"] == 6
+    assert (await service.voices.store.usage())["voices"] == 6
     full = await upload("127.0.0.34", 300)
     assert full.status_code == 429 and full.json()["error"]["code"] == "busy", full.text
     # The owner sees when each of its voices expires.
@@ -440,9 +440,9 @@ async def test_a_handful_of_addresses_cannot_fill_the_store_for_good(start_serve
     async with connect_client(server) as c:
         expired = await c.speak("Hello.", "x", voice=victim, options={"max_len": 3})
     assert expired.error is not None and "unknown voice" in expired.error["message"], expired.error
-    swept = asyncio.run_coroutine_threadsafe(service.expire_voices(), server.loop).result(30)
+    swept = asyncio.run_coroutine_threadsafe(service.voices.expire(), server.loop).result(30)
     assert victim in swept or not service.engine.voices.has(victim)
-    assert not service.engine.voices.has(victim) and (await service.store.usage())["voices"] == 0
+    assert not service.engine.voices.has(victim) and (await service.voices.store.usage())["voices"] == 0
     assert (await upload("127.0.0.35", 310)).status_code == 201
     result = await speak(server, None)
     assert result.error is None and result.end is not None

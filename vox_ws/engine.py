@@ -110,8 +110,6 @@ class EngineFailure(Exception):
 
 # Voice-cloning modes, as engines understand them.
 VOICE_MODES = ("reference", "continuation", "both")
-# The LoRA operations an admin asks for: `Loras.load`, `.unload`, `.set_default`, `.clear_default`.
-LORA_OPS = ("load", "unload", "enable", "disable")
 
 
 # --------------------------------------------------------------------------- options

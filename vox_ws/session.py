@@ -17,12 +17,12 @@ import asyncio
 import itertools
 import logging
 import time
-from typing import Any
+from typing import Any, Awaitable
 
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from .engine import ErrorKind, Refused
-from .service import AudioOutput, Ended, Failed, Segment, Stream
+from .service import Ended, Failed, Segment, Stream, StreamService
 from .service.voice_store import owner_key
 from .transports import protocol as p
 from .transports.auth import address_owner
@@ -195,31 +195,18 @@ class Session:
                 p.TOO_MANY_STREAMS, f"{len(self.streams)} streams open, max_streams={self.limits.max_streams}", sid
             )
         try:
-            stream = self.service.open_stream(
-                start.text if (start.text or not start.stream_input) else None, voice=start.voice,
-                options=start.options, output=AudioOutput(start.format, start.sample_rate, start.speed, start.lookahead_s,
-                                                          start.volume),
-                input_streaming=start.stream_input, log_fields={"session": self.number, "id": sid},
-                owners=self._owners, instructions=start.instructions, word_timestamps=start.word_timestamps,
-                phoneme_timestamps=start.phoneme_timestamps, markup=start.markup,
-                pronunciations=start.pronunciations, lora=start.lora, language=start.language)
+            stream = self.service.open_stream(start.request, owners=self._owners,
+                                              log_fields={"session": self.number, "id": sid})
         except Refused as err:
             raise p.ProtocolError.from_refused(err, sid) from None
-        ignored = list(stream.ignored_options)
-        if start.instructions and self.service.ignores_instructions(start.voice):
-            ignored.append("instructions")
-        if start.word_timestamps and not stream.word_timestamps:
-            ignored.append("word_timestamps")
-        if start.phoneme_timestamps and not stream.phoneme_timestamps:
-            ignored.append("phoneme_timestamps")
         entry = _OpenStream(sid, start, stream)
         self.streams[sid] = entry
-        reply = p.encode(p.start_message(sid, stream.sample_rate, stream.format, stream.queued, ignored))
+        reply = p.encode(p.start_message(sid, stream.sample_rate, stream.format, stream.queued, stream.ignored_options))
         entry.pump = asyncio.create_task(self._pump(entry, reply), name=f"session-{self.number}-{sid}")
 
     def _on_input(self, message: p.Chunk | p.End | p.Flush, kind: str) -> None:
         entry = self._open(message.id)
-        if not entry.start.stream_input:
+        if not entry.start.request.input_streaming:
             raise p.ProtocolError(p.BAD_REQUEST, f"'{kind}' needs a stream started with stream_input: true",
                                   message.id)
         if entry.stream.input_closed:
@@ -241,8 +228,8 @@ class Session:
         if isinstance(message, p.Voice):
             if self._voice_task is not None and not self._voice_task.done():
                 raise p.ProtocolError(p.BUSY, "one voice registration at a time per connection", message.id,
-                                      self.service.registrations.retry_after_s())
-            work = self.service.register_voice(message.audio, message.transcript, message.mode, owner=self.owner,
+                                      self.service.voices.registrations.retry_after_s())
+            work = self.service.voices.register(message.audio, message.transcript, message.mode, owner=self.owner,
                                                name=message.name)
             kind = "voice"
         elif isinstance(message, p.VoiceDelete):
@@ -258,7 +245,7 @@ class Session:
             if not self.is_admin:
                 raise p.ProtocolError(p.UNAUTHORIZED, "LoRA operations need a connection opened with the admin token",
                                       message.id)
-            work = self.service.lora(message.op, message.name)
+            work = _lora_operation(self.service, message)
             kind = "lora"
         task = asyncio.ensure_future(self._answer(message.id, kind, work))
         if isinstance(message, p.Voice):
@@ -275,12 +262,12 @@ class Session:
             selected = owner_key(address_owner(address))
         if message.op == "delete":
             assert selected is not None                     # the parser's rule
-            return {"op": "delete", "owner": selected, "deleted": await self.service.delete_voices_of(selected)}
-        voices = await self.service.every_voice(selected)
-        return {"op": "list", "voices": [admin_described(v) for v in voices], "usage": await self.service.store.usage()}
+            return {"op": "delete", "owner": selected, "deleted": await self.service.voices.delete_owned(selected)}
+        voices = await self.service.voices.every(selected)
+        return {"op": "list", "voices": [admin_described(v) for v in voices], "usage": await self.service.voices.store.usage()}
 
     async def _deleted(self, voice: str) -> dict[str, Any]:
-        return {"voice": voice, "deleted": await self.service.delete_voice(voice, owner=self.owner)}
+        return {"voice": voice, "deleted": await self.service.voices.delete(voice, owner=self.owner)}
 
     async def _answer(self, request_id: str | None, kind: str, work: Any) -> None:
         """Every request is answered: its reply, or an error (a failure nobody foresaw too)."""
@@ -373,3 +360,15 @@ class Session:
                 self.metrics.reaped.inc()
                 await self.close(p.CLOSE_IDLE, "idle timeout")
                 return
+
+
+def _lora_operation(service: StreamService, message: p.Lora) -> Awaitable[dict[str, Any]]:
+    """A `lora` message's operation, as the service's verb for it."""
+    loras = service.loras
+    if message.op == "load":
+        return loras.load(message.name)
+    if message.op == "unload":
+        return loras.unload(message.name)
+    if message.op == "enable":
+        return loras.set_default(message.name)
+    return loras.clear_default()

@@ -1,6 +1,10 @@
 """The transport-neutral stream service: every front door opens its streams here.
 
-    service.py   StreamService: open streams, voices, LoRA; readiness and draining; timers
+    request.py   StreamRequest: one stream's request as every door builds it; StreamSetup
+    service.py   StreamService: open streams; readiness and draining; timers
+    voices.py    VoiceService: built-in voices, aliases and names, registering on every device
+    loras.py     LoraService: LoRA adapters loaded, unloaded and the default, on every device
+    work.py      engine work awaited from the loop (a device's thread, a worker), typed failures
     stream.py    Stream: the consumer's handle (StreamState), owner of the pieces below
     generation.py  Generation: a stream's production on the loop; the service's side of it
     text_plan.py   TextPlan: what is still to be said, in which pieces, and what was (pure)
@@ -19,7 +23,8 @@ from .events import Audio, Ended, Event, Failed, Flushed, Phoneme, Phonemes, Seg
 from .service import ANY_OWNER, StreamService
 from .output import AudioOutput
 from .generation import StreamState
+from .request import StreamRequest
 from .stream import Stream
 
 __all__ = ["ANY_OWNER", "Audio", "AudioOutput", "Ended", "Event", "Failed", "Flushed", "Phoneme", "Phonemes", "Segment",
-           "Stream", "StreamService", "StreamState", "Word", "Words"]
+           "Stream", "StreamRequest", "StreamService", "StreamState", "Word", "Words"]

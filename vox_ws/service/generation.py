@@ -26,14 +26,14 @@ from typing import Any, AsyncIterator, Awaitable, Iterable, Protocol
 
 from ..config import Limits
 from ..engine import EndReason, ErrorKind, GenerationRequest, Refused
-from ..lexicon import Lexicon, respell
+from ..lexicon import respell
 from ..metrics import Metrics
-from ..scheduler import Scheduler
 from .events import Ended, Failed, Flushed, Phonemes, Produced, Segment, Word, Words
 from .handoff import LoopMailbox
 from .markup import Part
 from .output import OutputStage, figures
 from .pacing import Pacing
+from .request import StreamRequest, StreamSetup
 from .sink import RequestEnded, RequestEvent, SegmentSink
 from .text_plan import Pause, Speak, TextPlan
 from .validation import check_text
@@ -71,11 +71,11 @@ class StreamHost(Protocol):
         """The stream has stopped producing."""
 
     async def prepare_text(self, text: str, options: dict[str, Any], language: str | None = None) -> str:
-        """The engine's `prepare_text`, off the loop and off the scheduler thread."""
+        """The engine's `text.prepare`, off the loop and off the scheduler thread."""
 
     async def split_text(self, text: str, options: dict[str, Any], voice_pin: Any,
                          language: str | None = None) -> list[str]:
-        """The engine's `split_text`, off the loop."""
+        """The engine's `text.split`, off the loop."""
 
 
 def _only(languages: tuple[str, ...]) -> str | None:
@@ -87,36 +87,33 @@ def _only(languages: tuple[str, ...]) -> str | None:
 class Generation:
     """Made by a `Stream` (which the service opens); see the module docstring."""
 
-    def __init__(self, service: StreamHost, scheduler: Scheduler, number: int, voice: str | None,
-                 options: dict[str, Any], output: OutputStage, pacing: Pacing, input_streaming: bool,
-                 log_fields: dict[str, Any], text_chars: int = 0, voice_pin: Any = None,
-                 owners: tuple[str, ...] = (), instructions: str | None = None, word_timestamps: bool = False,
-                 phoneme_timestamps: bool = False, lexicon: Lexicon | None = None, lora_pin: Any = None,
-                 language: str | None = None) -> None:
+    def __init__(self, service: StreamHost, request: StreamRequest, setup: StreamSetup, output: OutputStage,
+                 pacing: Pacing) -> None:
         self._service = service
-        self.scheduler = scheduler                # its device's: every request of it goes there
-        self._engine = scheduler.engine
-        self.number = number
-        self.voice = voice
-        self._voice_pin = voice_pin
-        self._lora_pin = lora_pin                # its adapter, held until it stops producing
-        self._owners = owners
-        self.options = options
-        self.input_streaming = input_streaming
-        self.word_timestamps = word_timestamps
-        self.phoneme_timestamps = phoneme_timestamps
-        self._lexicon = lexicon if lexicon is not None and len(lexicon) else None
-        self._instructions = instructions        # for the first segment (the others continue it)
-        self.language = language
-        self.characters = text_chars             # of text taken in (usage), one-shot or sent since
-        self._log_fields = log_fields
+        self.scheduler = setup.scheduler          # its device's: every request of it goes there
+        self._engine = setup.scheduler.engine
+        self.number = setup.number
+        self.voice = request.voice
+        self._voice_pin = setup.voice_pin
+        self._lora_pin = setup.lora_pin          # its adapter, held until it stops producing
+        self._owners = setup.owners
+        self.options = dict(request.options)
+        self.input_streaming = request.input_streaming
+        self.word_timestamps = request.word_timestamps
+        self.phoneme_timestamps = request.phoneme_timestamps
+        self._lexicon = setup.lexicon if setup.lexicon is not None and len(setup.lexicon) else None
+        self._instructions = request.instructions  # for the first segment (the others continue it)
+        self.language = request.language
+        # Of text taken in (usage): a one-shot text's, or what was sent since.
+        self.characters = len(request.one_shot_text or "")
+        self._log_fields = dict(setup.log_fields)
         self._limits = service.limits
         self._written_chars = 0               # of the segments so far, as sent
         self._pronounced_chars = 0            # ... and with their pronunciations put in
         self._output = output
         self._pacing = pacing
-        self.plan = TextPlan(input_streaming, service.limits.max_text_chars,
-                             language or _only(self._engine.voices.languages(voice)))
+        self.plan = TextPlan(self.input_streaming, service.limits.max_text_chars,
+                             self.language or _only(self._engine.voices.languages(self.voice)))
         self.state = StreamState.OPENING
         self.cancelled = False
         self.started_at = time.monotonic()

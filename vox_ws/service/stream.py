@@ -22,12 +22,11 @@ from __future__ import annotations
 from collections import deque
 from typing import Any
 
-from ..lexicon import Lexicon
-from ..scheduler import Scheduler
 from .events import Audio, Ended, Event, Failed, Produced
 from .generation import Generation, StreamHost, StreamState
-from .output import AudioOutput, OutputStage
+from .output import OutputStage
 from .pacing import Pacing
+from .request import StreamRequest, StreamSetup
 
 __all__ = ["Stream", "StreamHost", "StreamState"]
 
@@ -35,26 +34,24 @@ class Stream:
     """Opened by `StreamService.open_stream`; see the module docstring. `generation` is the
     service's side of it."""
 
-    def __init__(self, service: StreamHost, scheduler: Scheduler, number: int, voice: str | None,
-                 options: dict[str, Any], output: AudioOutput, input_streaming: bool, log_fields: dict[str, Any],
-                 text_chars: int = 0, voice_pin: Any = None, owners: tuple[str, ...] = (),
-                 instructions: str | None = None, word_timestamps: bool = False, phoneme_timestamps: bool = False,
-                 lexicon: Lexicon | None = None, lora_pin: Any = None, language: str | None = None) -> None:
-        engine = scheduler.engine
-        self.scheduler = scheduler
+    def __init__(self, service: StreamHost, request: StreamRequest, setup: StreamSetup) -> None:
+        """`request` as the service checked it (its voice resolved, its timestamps those the
+        engine gives); `setup` what the service settled for it."""
+        engine = setup.scheduler.engine
+        output = request.output
+        self.scheduler = setup.scheduler
         self.format = output.format
         self.sample_rate = output.rate_for(engine.sample_rate)
-        self.word_timestamps = word_timestamps
-        self.phoneme_timestamps = phoneme_timestamps
-        self.ignored_options = sorted(set(options) - engine.honoured_options)
+        self.word_timestamps = request.word_timestamps
+        self.phoneme_timestamps = request.phoneme_timestamps
+        self.ignored_options = list(setup.ignored)   # what of the request has no effect here
         self.queued = 0                          # queue position when opened (0: a slot at once)
         self._metrics = service.metrics
         self._output = OutputStage(engine.sample_rate, output.format, self.sample_rate, output.speed,
                                    service.encoding, output.volume)
-        self._pacing = Pacing(service.limits.max_buffered_audio_s, output.speed, output.lookahead_s, scheduler.wake)
-        self.generation = Generation(service, scheduler, number, voice, options, self._output, self._pacing,
-                                     input_streaming, log_fields, text_chars, voice_pin, owners, instructions,
-                                     word_timestamps, phoneme_timestamps, lexicon, lora_pin, language)
+        self._pacing = Pacing(service.limits.max_buffered_audio_s, output.speed, output.lookahead_s,
+                              setup.scheduler.wake)
+        self.generation = Generation(service, request, setup, self._output, self._pacing)
         self._handed: deque[Event] = deque()     # handed over by the output stage, not yet returned
         self._over: StreamState | None = None    # how the consumer ended: ENDED, FAILED or CLOSED
 

@@ -27,7 +27,7 @@ MAX_BODY_BYTES = 1024
 
 async def list_loras(request: Request) -> Response:
     state = server_state(request)
-    return access_refusal(request, state.config) or JSONResponse(state.service.loras())
+    return access_refusal(request, state.config) or JSONResponse(state.service.loras.describe())
 
 
 async def load_lora(request: Request) -> Response:
@@ -50,9 +50,9 @@ async def load_lora(request: Request) -> Response:
         return error_response(400, p.BAD_REQUEST, "the body may only hold {\"default\": true | false}")
     name = request.path_params["name"]
     try:
-        result = await state.service.lora("load", name)
+        result = await state.service.loras.load(name)
         if options.get("default"):
-            result = {**result, **await state.service.lora("enable", name)}
+            result = {**result, **await state.service.loras.set_default(name)}
     except Refused as err:
         return refused_response(err)
     return JSONResponse(_answer(result), status_code=201)
@@ -65,10 +65,10 @@ async def unload_lora(request: Request) -> Response:
     if refusal is not None:
         return refusal
     name = request.path_params["name"]
-    if name not in {a["name"] for a in state.service.loras().get("adapters", [])}:
+    if name not in {a["name"] for a in state.service.loras.describe().get("adapters", [])}:
         return error_response(404, p.BAD_REQUEST, f"no LoRA adapter {name!r} is loaded")
     try:
-        result = await state.service.lora("unload", name)
+        result = await state.service.loras.unload(name)
     except Refused as err:
         return refused_response(err)
     return JSONResponse(_answer(result))

@@ -31,10 +31,10 @@ from starlette.types import Receive, Scope, Send
 from ..codecs import CODECS
 from ..engine import ErrorKind, Refused
 from ..lexicon import request_entries
-from ..service import AudioOutput, Stream
+from ..service import AudioOutput, Stream, StreamRequest
 from ..service.events import Audio, Ended, Failed, Segment, Words
-from ..service.validation import (MAX_INSTRUCTIONS_CHARS, check_instructions, check_language, check_length,
-                                  check_options, check_output, check_speed)
+from ..service.validation import (MAX_INSTRUCTIONS_CHARS, MAX_SAMPLE_RATE, MIN_SAMPLE_RATE, check_instructions,
+                                  check_language, check_length, check_options, check_output, check_speed)
 from . import protocol as p
 from .auth import is_authorized, origin_allowed, owner
 from .body import BodyTooLarge, read_body
@@ -92,28 +92,14 @@ class OpenAIError(Exception):
 
 @dataclass(frozen=True)
 class SpeechRequest:
-    text: str
-    voice: str | None
+    """A speech request: the stream's request for the service, and how this door answers it."""
+
+    request: StreamRequest
     response_format: str
-    speed: float
     sse: bool
-    sample_rate: int
-    instructions: str | None
-    options: dict[str, Any]
-    lookahead_s: float | None = None
-    markup: str | None = None
-    pronunciations: tuple = ()
-    lora: str | None = None
-    language: str | None = None
-    volume: float = 1.0
     whole: bool = False                  # `stream: false`: the whole file in one response
     timestamps: str | None = None        # SSE: "word" or "segment" events beside the audio
     ignored: tuple[str, ...] = ()        # fields taken but without effect here
-
-    @property
-    def output(self) -> AudioOutput:
-        return AudioOutput("s16" if self.response_format == "pcm" else self.response_format, self.sample_rate,
-                           self.speed, self.lookahead_s, self.volume)
 
 
 def _guard(request: Request, state: ServerState) -> None:
@@ -133,11 +119,8 @@ async def speech(request: Request) -> Response:
         body = await _read_json(request, _body_limit(state))
         speech_request = parse_speech(body, state)
         who = _who(request, state)
-        await _fetch_voice(state, speech_request.voice, who)
-        ignored = ["instructions"] if speech_request.instructions and _ignores_instructions(state, speech_request) \
-            else []
-        ignored += speech_request.ignored
-        stream = _open(state, request, speech_request, who)
+        await _fetch_voice(state, speech_request.request.voice, who)
+        stream = _open(state, request, speech_request.request, who)
     except OpenAIError as err:
         return err.response()
     except ClientDisconnect:
@@ -148,7 +131,9 @@ async def speech(request: Request) -> Response:
         timestamps = "segment"                 # the engine knows no word times: its segments'
     if timestamps:
         headers["X-Timestamps"] = timestamps
-    ignored += stream.ignored_options
+    # The service's answer, instructions first as this door always listed them.
+    ignored = ["instructions"] if "instructions" in stream.ignored_options else []
+    ignored += [*speech_request.ignored, *(o for o in stream.ignored_options if o != "instructions")]
     if ignored:
         headers["X-Ignored-Parameters"] = ",".join(ignored)
     media_type = "text/event-stream" if speech_request.sse else CONTENT_TYPES[speech_request.response_format]
@@ -268,8 +253,8 @@ def parse_speech(body: dict[str, Any], state: ServerState) -> SpeechRequest:
     if instructions is not None:
         _checked(check_instructions, instructions)
     rate = body.get("sample_rate", DEFAULT_RATE)
-    if isinstance(rate, bool) or not isinstance(rate, int) or not p.MIN_SAMPLE_RATE <= rate <= p.MAX_SAMPLE_RATE:
-        raise OpenAIError(400, f"'sample_rate' must be an integer from {p.MIN_SAMPLE_RATE} to {p.MAX_SAMPLE_RATE}, "
+    if isinstance(rate, bool) or not isinstance(rate, int) or not MIN_SAMPLE_RATE <= rate <= MAX_SAMPLE_RATE:
+        raise OpenAIError(400, f"'sample_rate' must be an integer from {MIN_SAMPLE_RATE} to {MAX_SAMPLE_RATE}, "
                                f"got {rate!r}", "sample_rate", "invalid_value")
     codec = CODECS.get(response_format)
     if codec is not None and not codec.takes_rate(rate):
@@ -314,10 +299,14 @@ def parse_speech(body: dict[str, Any], state: ServerState) -> SpeechRequest:
     if timestamps is not None and stream_format != "sse":
         raise OpenAIError(400, "'timestamps' come as server-sent events: send 'stream_format': 'sse' too",
                           "timestamps", "invalid_value")
-    return SpeechRequest(text, voice, response_format, speed, stream_format == "sse", rate,
-                         instructions.strip() or None if instructions else None, options,
-                         None if lookahead is None else float(lookahead), markup, pronunciations, lora, language,
-                         float(volume), whole=not whole, ignored=tuple(ignored), timestamps=timestamps)
+    output = AudioOutput("s16" if response_format == "pcm" else response_format, rate, speed,
+                         None if lookahead is None else float(lookahead), float(volume))
+    request = StreamRequest(text, voice=voice, options=options, output=output,
+                            instructions=instructions.strip() or None if instructions else None, markup=markup,
+                            pronunciations=pronunciations, lora=lora, language=language,
+                            word_timestamps=timestamps == "word")
+    return SpeechRequest(request, response_format, stream_format == "sse", whole=not whole, ignored=tuple(ignored),
+                         timestamps=timestamps)
 
 
 def _language(body: dict[str, Any]) -> str | None:
@@ -368,12 +357,12 @@ def _voice(value: Any, state: ServerState) -> str | None:
         raise OpenAIError(400, "'voice' must be a voice id (a string, or an object with 'id')", "voice",
                           "invalid_value")
     service = state.service
-    resolved = service.resolve_voice(value)
+    resolved = service.voices.resolve(value)
     if resolved.voice is None or resolved.alias is not None or service.engine.voices.has(resolved.voice) \
-            or service.may_be_registered(resolved.voice):
+            or service.voices.may_be_registered(resolved.voice):
         return value                           # a registered one is looked up in the store next
-    raise OpenAIError(400, f"unknown voice {value!r} (built-in: {service.voices()}, aliases: "
-                           f"{sorted(service.aliases())}"
+    raise OpenAIError(400, f"unknown voice {value!r} (built-in: {service.voices.listed()}, aliases: "
+                           f"{sorted(service.voices.aliases())}"
                            f"{'; or register one at /v1/audio/voices' if service.engine.supports_voices else ''})",
                       "voice", "voice_not_found")
 
@@ -383,9 +372,9 @@ async def _fetch_voice(state: ServerState, voice: str | None, who: str) -> None:
     or before a restart) is fetched from the store and built, as for every front door. One
     already built is left to the stream, which asks a shared store once whether it still exists."""
     service = state.service
-    resolved = service.resolve_voice(voice, who)
+    resolved = service.voices.resolve(voice, who)
     voice = resolved.voice
-    if voice is None or service.engine.voices.has(voice) or not service.may_be_registered(voice):
+    if voice is None or service.engine.voices.has(voice) or not service.voices.may_be_registered(voice):
         return
     try:
         await service.ensure_voice(voice, resolved.named)
@@ -395,28 +384,17 @@ async def _fetch_voice(state: ServerState, voice: str | None, who: str) -> None:
         raise OpenAIError.from_refused(err, "voice") from None
 
 
-def _ignores_instructions(state: ServerState, speech: SpeechRequest) -> bool:
-    try:
-        return state.service.ignores_instructions(speech.voice)
-    except Refused as err:                     # the voice went away: the same refusal as opening
-        raise OpenAIError.from_refused(err, "voice") from None
-
-
 def _who(request: Request, state: ServerState) -> str:
     return owner(request, state.config.tokens, state.config.admin_tokens)
 
 
-def _open(state: ServerState, request: Request, speech: SpeechRequest, who: str) -> Stream:
+def _open(state: ServerState, request: Request, speech: StreamRequest, who: str) -> Stream:
     if state.draining:
         raise OpenAIError(503, "server shutting down", code="going_away", headers={"Retry-After": "1"})
     client = request.client.host if request.client is not None else "unknown"
     try:
-        return state.service.open_stream(speech.text, voice=speech.voice, options=speech.options,
-                                         output=speech.output, log_fields={"http": client},
-                                         owners=(who, f"http:{id(request)}"), instructions=speech.instructions,
-                                         markup=speech.markup, pronunciations=speech.pronunciations,
-                                         lora=speech.lora, language=speech.language,
-                                         word_timestamps=speech.timestamps == "word")
+        return state.service.open_stream(speech, owners=(who, f"http:{id(request)}"),
+                                         log_fields={"http": client})
     except Refused as err:
         raise OpenAIError.from_refused(err, "lora" if err.field == "lora" else None) from None
 

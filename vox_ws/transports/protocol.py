@@ -8,18 +8,19 @@ declares, by the rule every front door shares (`vox_ws.service.validation`), not
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Mapping
 
 import msgpack
 
 from ..codecs import OUTPUT_FORMATS
 from ..config import Limits
-from ..engine import LORA_OPS, VOICE_MODES, ErrorKind, OptionSpec, Refused, type_name
-from ..lexicon import Pronunciation, request_entries
+from ..engine import VOICE_MODES, ErrorKind, OptionSpec, Refused, type_name
+from ..lexicon import request_entries
+from ..service import AudioOutput, StreamRequest
 from ..service.events import Audio, Ended, Event, Failed, Flushed, Phonemes, Segment, Words
-from ..service.validation import (check_instructions, check_language, check_length, check_options, check_output,
-                                  check_speed)
+from ..service.validation import (MAX_SAMPLE_RATE, MIN_SAMPLE_RATE, check_instructions, check_language,
+                                  check_length, check_options, check_output, check_speed)
 from ..service.voice_store import check_voice_name
 from .state import ServerState
 
@@ -55,9 +56,11 @@ CLOSE_IDLE = 4000                # idle timeout: no open stream and no message
 CLOSE_UNAUTHORIZED = 4001        # no valid token presented
 CLOSE_TOO_MANY_FROM_ADDRESS = 4029  # too many connections from this client address
 
-MIN_SAMPLE_RATE = 8000
-MAX_SAMPLE_RATE = 48000
 MAX_ID_CHARS = 128
+
+
+# A `lora` message's operations: the service's `loras.load`, `.unload`, `.set_default`, `.clear_default`.
+LORA_OPS = ("load", "unload", "enable", "disable")
 
 
 class ProtocolError(Exception):
@@ -95,24 +98,12 @@ RETRYABLE = frozenset({code_for(kind) for kind in ErrorKind if kind.retryable} |
 
 @dataclass(frozen=True)
 class Start:
+    """A `start`: the stream's id on this connection (None: the server names it), whether it
+    wants `segment` events, and the stream's request for the service."""
+
     id: str | None
-    text: str
-    voice: str | None
-    format: str
-    sample_rate: int | None
-    options: dict[str, Any] = field(default_factory=dict)
-    stream_input: bool = False
+    request: StreamRequest
     segment_events: bool = False
-    speed: float = 1.0
-    instructions: str | None = None
-    word_timestamps: bool = False
-    phoneme_timestamps: bool = False
-    lookahead_s: float | None = None
-    markup: str | None = None
-    pronunciations: tuple[Pronunciation, ...] = ()
-    lora: str | None = None
-    language: str | None = None
-    volume: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -315,12 +306,12 @@ def _parse_start(obj: dict[str, Any], limits: Limits, specs: Mapping[str, Option
     lora = _optional(obj, "lora", str, None)
     if lora == "":
         raise ProtocolError(BAD_REQUEST, "field 'lora' must name a loaded LoRA adapter", sid)
-    return Start(id=sid, text=text, voice=voice, format=fmt, sample_rate=rate, options=options,
-                 stream_input=stream_input, segment_events=segment_events, speed=float(speed),
-                 instructions=instructions or None, word_timestamps=word_timestamps,
-                 phoneme_timestamps=phoneme_timestamps,
-                 lookahead_s=None if lookahead is None else float(lookahead), markup=markup,
-                 pronunciations=pronunciations, lora=lora, language=language, volume=float(volume))
+    output = AudioOutput(fmt, rate, float(speed), None if lookahead is None else float(lookahead), float(volume))
+    request = StreamRequest(text if (text or not stream_input) else None, voice=voice, options=options, output=output,
+                            input_streaming=stream_input, instructions=instructions or None,
+                            word_timestamps=word_timestamps, phoneme_timestamps=phoneme_timestamps, markup=markup,
+                            pronunciations=pronunciations, lora=lora, language=language)
+    return Start(id=sid, request=request, segment_events=segment_events)
 
 
 def _parse_voice(obj: dict[str, Any], limits: Limits) -> Voice:
@@ -471,8 +462,8 @@ def hello_message(state: ServerState) -> dict[str, Any]:
         "model": engine.model,
         "sample_rate": engine.sample_rate,
         "formats": list(OUTPUT_FORMATS),
-        "voices": service.voices(),
-        "aliases": sorted(service.aliases()),
+        "voices": service.voices.listed(),
+        "aliases": sorted(service.voices.aliases()),
         "languages": list(engine.languages),
         "options": sorted(engine.honoured_options),
         "slots": service.devices.max_batch,

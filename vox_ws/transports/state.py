@@ -102,7 +102,7 @@ class ServerState:
                 + (["instructions"] if engine.text.follows_instructions(None) else [])
                 + (["word_timestamps"] if engine.word_timings else [])
                 + (["phoneme_timestamps"] if engine.phoneme_timings else [])
-                + (["lora"] if self.service.loras().get("configured") else []))
+                + (["lora"] if self.service.loras.describe().get("configured") else []))
 
     def info(self) -> dict[str, Any]:
         devices = self.service.devices
@@ -111,16 +111,16 @@ class ServerState:
         status = self.status()
         described = self.service.engine.describe()
         if "lora" in described:                    # its streams counted on every device
-            described["lora"] = self.service.loras()
+            described["lora"] = self.service.loras.describe()
         return {
             "status": status,
             "error": devices.error,
             **described,
             "device": ",".join(engine.device for engine in devices.engines),
-            "voice_store": self.service.store.describe(),
-            "voices": self.service.voices() if status == Readiness.READY else [],
+            "voice_store": self.service.voices.store.describe(),
+            "voices": self.service.voices.listed() if status == Readiness.READY else [],
             "languages": list(self.service.engine.languages),
-            "aliases": {name: alias.describe() for name, alias in self.service.aliases().items()},
+            "aliases": {name: alias.describe() for name, alias in self.service.voices.aliases().items()},
             "features": self.features(),
             "lexicon": {"path": self.config.lexicon, "entries": len(self.service.lexicon)},
             "sessions": len(self.sessions),

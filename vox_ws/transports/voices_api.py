@@ -67,8 +67,8 @@ def _server_voices(state: ServerState) -> list[dict]:
     service = state.service
     engine = service.engine
     voices = [{"id": v, "name": v, "kind": "builtin", "languages": list(engine.voices.languages(v))}
-              for v in service.voices()]
-    for name, alias in service.aliases().items():
+              for v in service.voices.listed()]
+    for name, alias in service.voices.aliases().items():
         voices.append({"id": name, "name": name, "kind": "alias", **alias.describe(),
                        "languages": list(engine.voices.languages(alias.voice))})
     return voices
@@ -85,7 +85,7 @@ async def register_openai_style(request: Request) -> Response:
     result = await _registered(request, state)
     if isinstance(result, Response):
         return result
-    owned = {v.id: v for v in await state.service.voices_of(_owner(request, state))}
+    owned = {v.id: v for v in await state.service.voices.owned_by(_owner(request, state))}
     voice = owned.get(result["voice"])
     described = _described(voice) if voice is not None else {"name": result.get("name", result["voice"]),
                                                              "id": result.get("name", result["voice"])}
@@ -98,7 +98,7 @@ async def _registered(request: Request, state: ServerState) -> dict | Response:
     if (refusal := access_refusal(request, state.config)) is not None:
         return refusal
     try:                                      # refused before a byte of the body is read
-        registration = state.service.admit_registration(_owner(request, state))
+        registration = state.service.voices.admit_registration(_owner(request, state))
     except Refused as err:
         return refused_response(err)
     try:
@@ -146,7 +146,7 @@ async def _register(request: Request, state: ServerState, registration: Registra
     if not audio:
         return error_response(400, p.BAD_REQUEST, "no audio in the request")
     try:
-        return await state.service.register_voice(audio, transcript, mode, owner=_owner(request, state),
+        return await state.service.voices.register(audio, transcript, mode, owner=_owner(request, state),
                                                   registration=registration, name=name)
     except Refused as err:
         return refused_response(err)
@@ -159,7 +159,7 @@ async def list_openai_style(request: Request) -> Response:
     if (refusal := access_refusal(request, state.config)) is not None:
         return refusal
     try:
-        owned = await state.service.voices_of(_owner(request, state))
+        owned = await state.service.voices.owned_by(_owner(request, state))
     except Refused as err:
         return refused_response(err)
     uploaded = [_described(v) for v in owned]
@@ -173,7 +173,7 @@ async def delete(request: Request) -> Response:
         return refusal
     voice = request.path_params["voice_id"]
     try:
-        deleted = await state.service.delete_voice(voice, owner=_owner(request, state))
+        deleted = await state.service.voices.delete(voice, owner=_owner(request, state))
     except Refused as err:
         return refused_response(err)
     except Exception as exc:
@@ -208,8 +208,8 @@ async def admin_list(request: Request) -> Response:
     if isinstance(selected, Response):
         return selected
     try:
-        voices = await state.service.every_voice(selected)
-        usage = await state.service.store.usage()
+        voices = await state.service.voices.every(selected)
+        usage = await state.service.voices.store.usage()
     except Refused as err:
         return refused_response(err)
     return JSONResponse({"voices": [admin_described(v) for v in voices], "usage": usage})
@@ -227,7 +227,7 @@ async def admin_delete(request: Request) -> Response:
     if selected is None:
         return error_response(400, p.BAD_REQUEST, "name the owner whose voices to delete: ?owner=KEY or ?address=IP")
     try:
-        deleted = await state.service.delete_voices_of(selected)
+        deleted = await state.service.voices.delete_owned(selected)
     except Refused as err:
         return refused_response(err)
     return JSONResponse({"owner": selected, "deleted": deleted})

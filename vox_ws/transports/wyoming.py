@@ -41,7 +41,7 @@ from wyoming.tts import Synthesize, SynthesizeChunk, SynthesizeStart, Synthesize
 
 from .. import __version__
 from ..engine import ErrorKind, Refused
-from ..service import AudioOutput, StreamService
+from ..service import AudioOutput, StreamRequest, StreamService
 from ..service.events import Audio, Ended, Failed, Segment
 from ..service.stream import Stream
 from .auth import address_owner
@@ -281,17 +281,17 @@ class WyomingHandler(AsyncEventHandler):
             language, name = language or name, self._voice_for_language(name)
         elif name is None and language is not None:
             name = self._voice_for_language(language)
-        stream = self.service.open_stream(
-            text, voice=name, output=AudioOutput("s16"), input_streaming=streaming,
-            owners=(address_owner(self.peer), f"wyoming-{self.number}"),
-            log_fields={"transport": "wyoming", "peer": self.peer}, language=language)
+        request = StreamRequest(text, voice=name, output=AudioOutput("s16"), input_streaming=streaming,
+                                language=language)
+        stream = self.service.open_stream(request, owners=(address_owner(self.peer), f"wyoming-{self.number}"),
+                                          log_fields={"transport": "wyoming", "peer": self.peer})
         self._stream = stream
         return stream
 
     def _voice_for_language(self, language: str) -> str | None:
         """The first voice that speaks `language` (None: the default voice)."""
         engine = self.service.engine
-        return next((v for v in self.service.voices() if language in engine.voices.languages(v)), None)
+        return next((v for v in self.service.voices.listed() if language in engine.voices.languages(v)), None)
 
     async def _wait_for_previous(self) -> None:
         if self._speaking is not None and not self._speaking.done():
@@ -337,7 +337,7 @@ class WyomingHandler(AsyncEventHandler):
     def _info(self) -> Info:
         engine = self.service.engine
         attribution = Attribution(name="vox-ws", url="https://github.com/OpenBMB/VoxCPM")
-        names = self.service.voices() or [DEFAULT_VOICE]
+        names = self.service.voices.listed() or [DEFAULT_VOICE]
         voices = [TtsVoice(name=voice, description=f"{engine.name} voice {voice}", attribution=attribution,
                            installed=True, version=__version__,
                            languages=list(engine.voices.languages(None if voice == DEFAULT_VOICE else voice)))
