@@ -22,7 +22,7 @@ from vox_ws.engines.voxcpm.decoder_process import DecoderProcess
 from vox_ws.engines.voxcpm.engine import VoxCPMEngine
 from vox_ws.engines.voxcpm.graphs import GraphMismatch, GraphMissing, GraphsBySize, GraphStore
 
-# The full lane runs these, not the quick one: together they took a minute or more of it (README, "Tests").
+# The full lane runs these, not the quick one: together they took a minute or more of it (CONTRIBUTING.md, "Tests").
 pytestmark = pytest.mark.slow
 
 

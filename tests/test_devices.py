@@ -14,7 +14,7 @@ from vox_ws.engines.voxcpm.engine import VoxCPMEngine
 from vox_ws.testing.tone import ToneEngine
 from test_server_voxcpm import tone_wav
 
-# The full lane runs these, not the quick one: together they took a minute or more of it (README, "Tests").
+# The full lane runs these, not the quick one: together they took a minute or more of it (CONTRIBUTING.md, "Tests").
 pytestmark = pytest.mark.slow
 
 

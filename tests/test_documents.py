@@ -21,7 +21,7 @@ from conftest import WAIT_TIMEOUT
 from vox_ws.captions import MAX_CUE_CHARS, MAX_CUE_S, Cue, cues_from_segments, cues_from_words, write_captions
 from vox_ws.engines.piper import PiperEngine
 
-# The full lane runs these, not the quick one: together they took a minute or more of it (README, "Tests").
+# The full lane runs these, not the quick one: together they took a minute or more of it (CONTRIBUTING.md, "Tests").
 pytestmark = pytest.mark.slow
 
 PARAGRAPH = ("The lighthouse keeper climbed the stairs every evening. He lit the lamp, wound the clock, and "

@@ -21,7 +21,7 @@ import torch
 from vox_ws.engines.voxcpm.engine import VoxCPMEngine
 from vox_ws.testing.lora_adapters import package_model, write_adapter
 
-# The full lane runs these, not the quick one: together they took a minute or more of it (README, "Tests").
+# The full lane runs these, not the quick one: together they took a minute or more of it (CONTRIBUTING.md, "Tests").
 pytestmark = pytest.mark.slow
 
 ADMIN = "lora-admin"

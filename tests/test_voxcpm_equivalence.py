@@ -15,7 +15,7 @@ from vox_ws.engines.voxcpm.loading import import_voxcpm
 from vox_ws.engines.voxcpm.prompt import build_prompt
 from vox_ws.engines.voxcpm.runner import DecodeBalance
 
-# The full lane runs these, not the quick one: together they took a minute or more of it (README, "Tests").
+# The full lane runs these, not the quick one: together they took a minute or more of it (CONTRIBUTING.md, "Tests").
 pytestmark = pytest.mark.slow
 
 

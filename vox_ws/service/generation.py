@@ -1,16 +1,19 @@
 """A stream's production on the event loop: its text's way in and its audio's way out of the
-scheduler, up to the pacing queue. The service's side of a stream (`start`, `feed`,
-`check_timers`, `abort`), and what the consumer's handle (`stream.py`) asks of it.
+scheduler, up to the pacing queue. The service's side of a stream (`start`, `check_timers`,
+`fail`), and what the consumer's handle (`stream.py`) asks of it.
 
-    text in -> TextPlan (what next) -> _advance (the one path that starts generation)
-            -> prepared / cut off the loop where needed -> _queue: a GenerationRequest and its
-               SegmentSink -> scheduler
+    text in -> StreamInput (stream_input.py) -> TextPlan (what next)
+            -> _advance (the one path that starts generation)
+            -> SegmentStarter (segments.py): cut, respelled, prepared off the loop where needed;
+               a GenerationRequest and its SegmentSink -> scheduler
     each request's sink posts (sink, event) -> _on_request_event -> Pacing (audio, timings, segments)
-    the last event (Ended, Failed) -> Pacing, closed; usage, metrics and one log line
+    the last event (Ended, Failed) -> Pacing, closed; the stream's record (record.py) counts
+    usage and writes the log line when the consumer is handed it
 
-Its state: OPENING (its voice is fetched or its text cut: nothing queued yet) -> SPEAKING
-(generating, or waiting for input) -> DRAINING (its last event is queued: nothing more is
-produced). The consumer's handle adds how the consumer ended (`StreamState`).
+Its state moves one way, through `_move`, which refuses any other move: OPENING (its voice is
+fetched or its text cut: nothing queued yet) -> SPEAKING (generating, or waiting for input) ->
+DRAINING (its last event is queued: nothing more is produced); OPENING -> DRAINING where it
+fails or is stopped first. The consumer's handle adds how the consumer ended (`StreamState`).
 """
 
 from __future__ import annotations
@@ -18,30 +21,23 @@ from __future__ import annotations
 import asyncio
 import enum
 import functools
-import json
-import logging
-import time
 from concurrent.futures import Executor
-from typing import Any, AsyncIterator, Awaitable, Iterable, Protocol
+from typing import Any, Awaitable, Iterable, Protocol
 
 from ..config import Limits
 from ..engine import EndReason, ErrorKind, GenerationRequest, Refused
-from ..lexicon import respell
 from ..metrics import Metrics
 from .events import Ended, Failed, Flushed, Phonemes, Produced, Segment, Word, Words
 from .handoff import LoopMailbox
 from .markup import Part
-from .output import OutputStage, figures
+from .output import OutputStage
 from .pacing import Pacing
+from .record import StreamRecord
 from .request import StreamRequest, StreamSetup
+from .segments import SegmentStarter, TextWork
 from .sink import RequestEnded, RequestEvent, SegmentSink
+from .stream_input import StreamInput
 from .text_plan import Pause, Speak, TextPlan
-from .validation import check_text
-
-stream_log = logging.getLogger("vox_ws.stream")
-
-# A one-shot text longer than this is cut into pieces (`Engine.text.split`) off the loop.
-SPLIT_ON_LOOP_CHARS = 300
 
 
 class StreamState(str, enum.Enum):
@@ -59,8 +55,13 @@ class StreamState(str, enum.Enum):
         return self.value
 
 
-class StreamHost(Protocol):
-    """What a stream needs from the service that opened it."""
+# The moves `Generation._move` allows.
+_MOVES = {StreamState.OPENING: {StreamState.SPEAKING, StreamState.DRAINING},
+          StreamState.SPEAKING: {StreamState.DRAINING}}
+
+
+class StreamHost(TextWork, Protocol):
+    """What a stream needs from the service that opened it: its threads for text work, and:"""
 
     limits: Limits
     metrics: Metrics
@@ -69,13 +70,6 @@ class StreamHost(Protocol):
 
     def forget(self, generation: "Generation") -> None:
         """The stream has stopped producing."""
-
-    async def prepare_text(self, text: str, options: dict[str, Any], language: str | None = None) -> str:
-        """The engine's `text.prepare`, off the loop and off the scheduler thread."""
-
-    async def split_text(self, text: str, options: dict[str, Any], voice_pin: Any,
-                         language: str | None = None) -> list[str]:
-        """The engine's `text.split`, off the loop."""
 
 
 def _only(languages: tuple[str, ...]) -> str | None:
@@ -88,64 +82,59 @@ class Generation:
     """Made by a `Stream` (which the service opens); see the module docstring."""
 
     def __init__(self, service: StreamHost, request: StreamRequest, setup: StreamSetup, output: OutputStage,
-                 pacing: Pacing) -> None:
+                 pacing: Pacing, record: StreamRecord) -> None:
         self._service = service
         self.scheduler = setup.scheduler          # its device's: every request of it goes there
         self._engine = setup.scheduler.engine
         self.number = setup.number
-        self.voice = request.voice
-        self._voice_pin = setup.voice_pin
         self._lora_pin = setup.lora_pin          # its adapter, held until it stops producing
-        self._owners = setup.owners
-        self.options = dict(request.options)
-        self.input_streaming = request.input_streaming
-        self.word_timestamps = request.word_timestamps
-        self.phoneme_timestamps = request.phoneme_timestamps
-        self._lexicon = setup.lexicon if setup.lexicon is not None and len(setup.lexicon) else None
-        self._instructions = request.instructions  # for the first segment (the others continue it)
-        self.language = request.language
-        # Of text taken in (usage): a one-shot text's, or what was sent since.
-        self.characters = len(request.one_shot_text or "")
-        self._log_fields = dict(setup.log_fields)
         self._limits = service.limits
-        self._written_chars = 0               # of the segments so far, as sent
-        self._pronounced_chars = 0            # ... and with their pronunciations put in
         self._output = output
         self._pacing = pacing
-        self.plan = TextPlan(self.input_streaming, service.limits.max_text_chars,
-                             self.language or _only(self._engine.voices.languages(self.voice)))
+        self.record = record
+        self.started_at = record.started_at
+        self.word_timestamps = request.word_timestamps
+        self.phoneme_timestamps = request.phoneme_timestamps
+        self.plan = TextPlan(request.input_streaming, service.limits.max_text_chars,
+                             request.language or _only(self._engine.voices.languages(request.voice)))
+        # Its usage's characters: a one-shot text's, and what is sent since.
+        self.input = StreamInput(self.plan, request.input_streaming, self._limits.input_pause_s, self._advance,
+                                 self.fail, characters=len(request.one_shot_text or ""))
+        self.segments = SegmentStarter(service, self._engine, request, setup, self._limits)
+        self._voice = request.voice
         self.state = StreamState.OPENING
-        self.cancelled = False
-        self.started_at = time.monotonic()
-        self._last_audio_at = 0.0
+        # How it ended, once it has: an EndReason or, for a failure, an ErrorKind.
+        self.ended_by: EndReason | ErrorKind | None = None
+        self.last_event: Ended | Failed | None = None
         self._request: GenerationRequest | None = None    # of the segment being generated
         self._context: Any = None                # the previous segment's continuation
         self._timed_words: list[Word] = []       # every word time produced (for `heard`)
         self._work: asyncio.Future | None = None  # the voice, a cut or a preparation, off the loop
-        self._feeder: asyncio.Task | None = None
-        self._delay_timer: asyncio.TimerHandle | None = None
-        self._last_input_at = time.monotonic()
 
     @property
     def done(self) -> bool:
         """Nothing more is produced."""
         return self.state is StreamState.DRAINING
 
+    def _move(self, to: StreamState) -> None:
+        if to not in _MOVES.get(self.state, ()):
+            raise RuntimeError(f"stream {self.number}: no move from {self.state} to {to}")
+        self.state = to
+
     # ------------------------------------------------------------------ the service's side
 
     def start(self, text: str | list[Part] | None, fetch: Awaitable[None] | None = None) -> int:
         """Begin: say `text` (one-shot, or the parts of a marked-up one: texts and pauses), or,
-        with None, take input (`send_text`); with `fetch`, the voice comes from the store first
+        with None, take input (`input`); with `fetch`, the voice comes from the store first
         (a voice it lacks fails the stream). A text too long for one generation is cut by the
-        engine, the pieces continuing one another; off the loop when long (tokenising thousands
-        of characters would hold up every stream). Returns the queue position (0 also while
-        anything is still done off the loop)."""
+        engine, the pieces continuing one another; off the loop when long. Returns the queue
+        position (0 also while anything is still done off the loop)."""
         parts = None if text is None else [text] if isinstance(text, str) else text
-        if fetch is None and (parts is None or not self._cuts_off_loop(parts)):
+        if fetch is None and (parts is None or not self.segments.cuts_off_loop(parts)):
             # Said at once: a refusal of its first segment (a full queue, say) is the caller's.
             if parts is not None:
-                self.plan.say(self._cut_on_loop(parts))
-            self.state = StreamState.SPEAKING
+                self.plan.say(self.segments.cut_on_loop(parts))
+            self._move(StreamState.SPEAKING)
             return self._advance(refuse=True)
         self._work = asyncio.ensure_future(self._open(parts, fetch))
         return 0
@@ -154,36 +143,20 @@ class Generation:
         try:
             if fetch is not None:
                 await fetch
-                self._voice_pin = self._engine.voices.pin(self.voice)
+                self.segments.voice_pin = self._engine.voices.pin(self._voice)
             if parts is not None:
-                parts = await self._cut(parts)
+                parts = await self.segments.cut(parts)
         except Refused as err:
             self._work = None
-            self._refused(err)
+            self.fail(err)
             return
         self._work = None
         if self.done:
             return
         if parts is not None:
             self.plan.say(parts)
-        self.state = StreamState.SPEAKING
+        self._move(StreamState.SPEAKING)
         self._advance()
-
-    def feed(self, text: AsyncIterator[str]) -> None:
-        """Read the input from an async iterator of text pieces, then end it."""
-        async def run() -> None:
-            try:
-                async for piece in text:
-                    if self.done:
-                        return
-                    self.send_text(piece)
-                if not self.done:
-                    self.end_input()
-            except Refused as err:
-                self._refused(err)
-            except Exception as exc:  # noqa: BLE001 - the caller's iterator broke: end the stream, say why
-                self._fail(ErrorKind.INTERNAL, f"the text input failed: {type(exc).__name__}: {exc}")
-        self._feeder = asyncio.ensure_future(run())
 
     def check_timers(self, now: float) -> None:
         """The service's watchdog: a consumer that stopped reading, input that stopped coming."""
@@ -191,43 +164,15 @@ class Generation:
             return
         limits = self._limits
         if self._pacing.stalled_s(now) > limits.write_stall_timeout_s:
-            self._fail(ErrorKind.SLOW_CONSUMER, f"client read no audio for {limits.write_stall_timeout_s:g}s "
-                                                "after the audio it had taken would have played")
+            self.fail(Refused(ErrorKind.SLOW_CONSUMER, f"client read no audio for {limits.write_stall_timeout_s:g}s "
+                                                       "after the audio it had taken would have played"))
             return
         if (self.state is StreamState.SPEAKING and self.plan.idle
-                and now - self._last_input_at > limits.stream_timeout_s):
-            self._fail(ErrorKind.TIMEOUT, f"no input for {limits.stream_timeout_s:g}s and no end of input: "
-                                          "the stream is closed")
-
-    def abort(self, kind: ErrorKind, message: str) -> None:
-        """End the stream with an error from outside it (the server's drain time ran out)."""
-        self._fail(kind, message)
+                and now - self.input.last_at > limits.stream_timeout_s):
+            self.fail(Refused(ErrorKind.TIMEOUT, f"no input for {limits.stream_timeout_s:g}s and no end of input: "
+                                                 "the stream is closed"))
 
     # ------------------------------------------------------------------ the consumer's verbs
-
-    def send_text(self, text: str) -> None:
-        """Append text to a stream opened for text input."""
-        self._check_input()
-        check_text(text)
-        self.plan.push(text)
-        self._last_input_at = time.monotonic()
-        self.characters += len(text)
-        self._arm_delay()
-        self._advance()
-
-    def flush(self) -> None:
-        """Speak what is buffered now; a `Flushed` event follows once its audio is yielded."""
-        self._check_input()
-        self._last_input_at = time.monotonic()
-        self.plan.flush()
-        self._advance()
-
-    def end_input(self) -> None:
-        """No more text: the rest is spoken, then the stream ends."""
-        self._check_input()
-        self._last_input_at = time.monotonic()
-        self.plan.end_input()
-        self._advance()
 
     def cancel(self) -> None:
         """Barge-in: audio not yet taken is dropped, the stream ends with `Ended(CANCELLED)`."""
@@ -235,15 +180,9 @@ class Generation:
             self._end(EndReason.CANCELLED)
 
     def stop(self) -> None:
-        """The consumer is gone: stop at once, log nothing."""
+        """The consumer is gone: stop at once."""
         if not self.done:
             self._stop_producing()
-
-    def _check_input(self) -> None:
-        if not self.input_streaming:
-            raise Refused(ErrorKind.INVALID, "this stream was not opened for text input")
-        if self.plan.input_closed:
-            raise Refused(ErrorKind.INVALID, "the input of this stream has already ended")
 
     # ------------------------------------------------------------------ generation (loop)
 
@@ -270,124 +209,40 @@ class Generation:
             except Refused as err:
                 if refuse:
                     raise
-                self._refused(err)
+                self.fail(err)
                 return 0
         return 0
 
     def _speak(self, step: Speak) -> int:
-        """Queue a segment. Engines that do not take phonemes are given the text with its
-        pronunciations respelled, before normalisation; the segment keeps the text as sent. A
-        text with pronunciations to find, or one the engine prepares (normalises), is worked on
-        off the loop first (a lexicon of 20,000 phrases over a 5,000-character text is some
-        35 ms of matching)."""
-        if step.prepared:
-            return self._queue(step.text, step.text, prepared=True)
-        if self._lexicon is not None or self._engine.text.needs_preparing(self.options, self.language):
-            self._work = asyncio.ensure_future(self._prepare_then_queue(step.text))
+        """Queue a segment, its text worked on off the loop first where it needs it."""
+        if not step.prepared and self.segments.needs_preparing():
+            self._work = asyncio.ensure_future(self._queue_prepared(step.text))
             return 0
-        return self._queue(step.text, step.text, prepared=False)
+        return self._queue(step.text, step.text, prepared=step.prepared)
 
-    async def _respelled(self, text: str) -> str:
-        """The text the engine is given, its pronunciations put in (off the loop). IPA entries
-        are only taken by engines that take phonemes, which are given the text as sent: one
-        respelling serves the bound (IPA counted where it applies) and, for the other engines,
-        is the text they are given."""
-        if self._lexicon is None:
-            return text
-        takes_phonemes = self._engine.takes_phonemes
-        said = await self._service.off_loop(respell, text, self._lexicon, takes_phonemes)
-        self._check_pronounced(len(text), len(said))
-        return text if takes_phonemes else said
-
-    def _check_pronounced(self, written: int, said: int) -> None:
-        """What `max_text_chars` bounds is the text as it will be said, pronunciations put in
-        (an entry may say a one-letter word as 100 characters): a one-shot text in all; a
-        streamed one, whose length has no bound, may grow by at most that much over its life."""
-        self._written_chars += written
-        self._pronounced_chars += said
-        limit = self._limits.max_text_chars
-        if not self.input_streaming and self._pronounced_chars > limit:
-            raise Refused(ErrorKind.TOO_LARGE, f"with its pronunciations the text is {self._pronounced_chars} "
-                                               f"characters, over max_text_chars={limit}", field="pronunciations")
-        if self._pronounced_chars - self._written_chars > limit:
-            raise Refused(ErrorKind.TOO_LARGE, "its pronunciations have made the streamed text "
-                                               f"{self._pronounced_chars - self._written_chars} characters longer, "
-                                               f"over max_text_chars={limit}", field="pronunciations")
-
-    async def _prepare_then_queue(self, text: str) -> None:
+    async def _queue_prepared(self, text: str) -> None:
         try:
-            engine_text = await self._respelled(text)
-            if self.done:
-                self._work = None
-                return
-            if not self._engine.text.needs_preparing(self.options, self.language):
-                self._work = None
-                self._queue(text, engine_text, prepared=False)
-                return
-            prepared = await self._service.prepare_text(engine_text, self.options, self.language)
+            pieces = await self.segments.prepared(text, lambda: self.done)
             self._work = None
-            if self.done:
+            if pieces is None:
                 return
-            # Normalised text can be several times longer (numbers spelled out): cut it again
-            # where one generation could not carry it. Those pieces report their normalised text.
-            pieces = self._engine.text.split(prepared, {**self.options, "normalize": False}, self._voice_pin,
-                                             self.language)
-            if len(pieces) > 1:
-                first = self.plan.cut(pieces)
+            if len(pieces) > 1:        # normalised too long for one generation: cut again
+                first = self.plan.cut([piece for piece, _, _ in pieces])
                 self._queue(first, first, prepared=True)
             else:
-                self._queue(text, prepared, prepared=True)
+                self._queue(*pieces[0])
         except Refused as err:
             self._work = None
-            self._refused(err)
+            self.fail(err)
 
     def _queue(self, text: str, engine_text: str, prepared: bool) -> int:
         sink = SegmentSink(functools.partial(self._service.mailbox.post, self._on_request_event), self._output,
                            self._pacing, self.word_timestamps, self.phoneme_timestamps)
-        request = GenerationRequest(text=engine_text, sink=sink, voice=self.voice, voice_pin=self._voice_pin,
-                                    lora_pin=self._lora_pin, options=dict(self.options), owners=self._owners,
-                                    prepared=prepared,
-                                    context=self._context, keep_continuation=self.plan.continues,
-                                    instructions=self._instructions if not self.plan.segments else None,
-                                    language=self.language,
-                                    pronunciations=self._lexicon if self._engine.takes_phonemes else None)
-        self._engine.check(request)
+        request = self.segments.engine_request(engine_text, prepared, sink, self._lora_pin, self._context, self.plan)
         position = self.scheduler.submit(request)
         self._request = request
         self.plan.started(text, self._pacing.produced_s)
         return position
-
-    def _cuts_off_loop(self, parts: list[Part]) -> bool:
-        return self._engine.cuts_texts and sum(len(p) for p in parts if isinstance(p, str)) > SPLIT_ON_LOOP_CHARS
-
-    def _cut_on_loop(self, parts: list[Part]) -> list[Part]:
-        if not self._engine.cuts_texts:
-            return parts
-        return [piece for part in parts
-                for piece in ([part] if isinstance(part, Pause) else
-                              self._engine.text.split(part, self.options, self._voice_pin, self.language))]
-
-    async def _cut(self, parts: list[Part]) -> list[Part]:
-        if not self._cuts_off_loop(parts):
-            return self._cut_on_loop(parts)
-        pieces: list[Part] = []
-        for part in parts:
-            pieces += [part] if isinstance(part, Pause) else \
-                await self._service.split_text(part, self.options, self._voice_pin, self.language)
-        return pieces
-
-    def _arm_delay(self) -> None:
-        """Text with no boundary yet is spoken anyway once the input pauses (whole words only)."""
-        if self._delay_timer is not None:
-            self._delay_timer.cancel()
-        if self.plan.has_partial:
-            self._delay_timer = asyncio.get_running_loop().call_later(self._limits.input_pause_s, self._delay_elapsed)
-
-    def _delay_elapsed(self) -> None:
-        self._delay_timer = None
-        if not self.done:
-            self.plan.pause_elapsed()
-            self._advance()
 
     # ------------------------------------------------------------------ what a request's sink posts (loop)
 
@@ -402,33 +257,22 @@ class Generation:
             self._pacing.put(event)
         elif isinstance(event, Phonemes):
             self._pacing.put(event)
-        elif isinstance(event, RequestEnded):
-            self._segment_done(request, event.reason)
-        else:
-            self._fail(event.kind, event.message, event.retry_after_s)
-
-    def _segment_done(self, request: GenerationRequest, reason: EndReason) -> None:
-        self._request = None
-        if reason == EndReason.CANCELLED:
-            self._end(reason)
-            return
-        segment = self.plan.spoke(self._pacing.produced_s, reason)
-        if self.plan.continues:
-            self._context = request.continuation
-        self._pacing.put(Segment(len(self.plan.segments) - 1, **segment))
-        self._advance()
+        elif not isinstance(event, RequestEnded):
+            self.fail(Refused(event.kind, event.message, event.retry_after_s))
+        elif event.reason == EndReason.CANCELLED:
+            self._request = None
+            self._end(event.reason)
+        else:                                               # a segment spoken: on to the next
+            self._request = None
+            segment = self.plan.spoke(self._pacing.produced_s, event.reason)
+            if self.plan.continues:
+                self._context = request.continuation
+            self._pacing.put(Segment(len(self.plan.segments) - 1, **segment))
+            self._advance()
 
     def _produced(self, chunks: Iterable[Produced]) -> None:
-        metrics = self._service.metrics
-        for chunk in chunks:
-            now = time.monotonic()
-            if self._pacing.first_produced_at is None:       # the pacing keeps that time
-                metrics.first_audio.observe(now - self.started_at)
-            else:
-                metrics.chunk_gap.observe(now - self._last_audio_at)
-            self._last_audio_at = now
-            metrics.audio_seconds.inc(chunk.seconds)
-            self._pacing.put(chunk, now)
+        for chunk, at in self.record.produced(chunks):
+            self._pacing.put(chunk, at)
 
     # ------------------------------------------------------------------ endings
 
@@ -437,41 +281,38 @@ class Generation:
         if reason != EndReason.CANCELLED:
             self._produced(self._output.tail())
         else:
-            self.cancelled = True
             generated_s = self._pacing.produced_s
             self._pacing.drop_unsent()
             heard = self.plan.heard(self._pacing.produced_s, generated_s,
                                      self._timed_words if self.word_timestamps else None)
-        self._stop_producing()
-        stats = self._stats()
-        if heard is not None:
-            stats["heard"] = heard
+        self._stop_producing(reason)
+        stats = {"segments": list(self.plan.segments), "usage": {"characters": self.input.characters},
+                 **({"heard": heard} if heard is not None else {})}
         self._last(Ended(reason, stats))
-        metrics = self._service.metrics
-        metrics.streams.labels(reason.value).inc()
-        if reason == EndReason.CANCELLED:
-            metrics.cancellations.inc()
-        self._log({"reason": reason.value, **self._produced_figures(), **({"heard": heard} if heard else {})})
 
-    def _refused(self, err: Refused) -> None:
-        self._fail(err.kind, err.message, err.retry_after_s)
-
-    def _fail(self, kind: ErrorKind, message: str, retry_after_s: float | None = None) -> None:
+    def fail(self, err: Refused) -> None:
+        """End the stream with an error (its own, or from outside it: the drain time ran out)."""
         if self.done:
             return
-        self._stop_producing()
-        self._last(Failed(kind, message, self._stats(), retry_after_s))
-        self._service.metrics.streams.labels(kind.value).inc()
-        self._log({"error": kind.value, "message": message})
+        self._stop_producing(err.kind)
+        stats = {"segments": list(self.plan.segments), "usage": {"characters": self.input.characters}}
+        self._last(Failed(err.kind, err.message, stats, err.retry_after_s))
 
-    def _stop_producing(self) -> None:
-        self.state = StreamState.DRAINING
-        if self._delay_timer is not None:
-            self._delay_timer.cancel()
+    def _last(self, event: Ended | Failed) -> None:
+        """The stream's last event: the consumer stops after it."""
+        self.last_event = event
+        self._pacing.put(event)
+        self._pacing.close()
+
+    def _stop_producing(self, ended_by: EndReason | ErrorKind | None = None) -> None:
+        self._move(StreamState.DRAINING)
+        self.ended_by = ended_by
+        if ended_by is not None:
+            self.record.ended(ended_by)
+        self.input.stop()
         self.plan.stop()
-        for task in (self._feeder, self._work):
-            if task is not None and task is not asyncio.current_task():
-                task.cancel()
+        if self._work is not None and self._work is not asyncio.current_task():
+            self._work.cancel()
         if self._request is not None and not self._request.cancelled:
             self.scheduler.cancel(self._request)
         self.release_lora()
@@ -480,36 +321,11 @@ class Generation:
     def end_if_unloading(self, name: str) -> None:
         """The unload of adapter `name` has had its time: a stream still speaking with it ends."""
         if self._lora_pin is not None and self._engine.loras.unloading(self._lora_pin, name):
-            self._fail(ErrorKind.INVALID, f"LoRA adapter {name!r} was unloaded: its streams had "
-                                          f"{self._limits.lora_unload_timeout_s:g} s to finish")
+            self.fail(Refused(ErrorKind.INVALID, f"LoRA adapter {name!r} was unloaded: its streams had "
+                                                 f"{self._limits.lora_unload_timeout_s:g} s to finish"))
 
     def release_lora(self) -> None:
         """Let go of the stream's adapter (the engine frees its slot once no request uses it)."""
         pin, self._lora_pin = self._lora_pin, None
         if pin is not None:
             self._engine.loras.unpin(pin)
-
-    def _last(self, event: Ended | Failed) -> None:
-        """The stream's last event: usage is counted, the consumer stops after it."""
-        # Per owner (the broadest: its token or address), labelled by a keyed hash (`owner_label`).
-        owner = self._owners[0] if self._owners else "none"
-        self._service.metrics.count_usage(owner, self.characters, max(self._pacing.produced_s, 0.0))
-        self._pacing.put(event)
-        self._pacing.close()
-
-    def _stats(self) -> dict[str, Any]:
-        """What the stream knows of its figures in its own audio's time; the output stage adds
-        what was handed over (chunks, audio_s, ttfa_ms, rtf) when it hands the last event."""
-        return {"segments": list(self.plan.segments), "usage": {"characters": self.characters}}
-
-    def _produced_figures(self) -> dict[str, Any]:
-        pacing = self._pacing
-        return figures(pacing.produced_chunks, pacing.produced_s, pacing.first_produced_at, self.started_at)
-
-    def _log(self, outcome: dict[str, Any]) -> None:
-        """One structured line per stream, for log pipelines."""
-        record = {"event": "stream", "id": self.number, **self._log_fields, "engine": self._engine.name,
-                  "voice": self.voice, "format": self._output.format, "input": self.input_streaming,
-                  "sample_rate": self._output.rate, "segments": len(self.plan.segments),
-                  "language": self.language, "text_chars": self.characters, **outcome}
-        stream_log.info(json.dumps(record, separators=(",", ":")), extra={"fields": record})

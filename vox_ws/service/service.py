@@ -142,7 +142,7 @@ class StreamService:
         if isinstance(checked.text, str) and checked.input_streaming and checked.text:
             stream.send_text(checked.text)
         elif checked.streamed_text:
-            stream.generation.feed(checked.text)
+            stream.generation.input.feed(checked.text, lambda: stream.generation.done)
         return stream
 
     def _checked(self, request: StreamRequest, resolved: ResolvedVoice) -> StreamRequest:
@@ -239,7 +239,7 @@ class StreamService:
     def abort_all(self, kind: ErrorKind, message: str) -> None:
         """End every live stream with an error (the drain time ran out)."""
         for generation in list(self._live):
-            generation.abort(kind, message)
+            generation.fail(Refused(kind, message))
 
     async def _watch(self) -> None:
         limits = self.limits

@@ -22,10 +22,12 @@ from __future__ import annotations
 from collections import deque
 from typing import Any
 
+from ..engine import EndReason
 from .events import Audio, Ended, Event, Failed, Produced
 from .generation import Generation, StreamHost, StreamState
 from .output import OutputStage
 from .pacing import Pacing
+from .record import StreamRecord
 from .request import StreamRequest, StreamSetup
 
 __all__ = ["Stream", "StreamHost", "StreamState"]
@@ -51,7 +53,8 @@ class Stream:
                                    service.encoding, output.volume)
         self._pacing = Pacing(service.limits.max_buffered_audio_s, output.speed, output.lookahead_s,
                               setup.scheduler.wake)
-        self.generation = Generation(service, request, setup, self._output, self._pacing)
+        record = StreamRecord(service.metrics, request, setup, engine.name, self.sample_rate)
+        self.generation = Generation(service, request, setup, self._output, self._pacing, record)
         self._handed: deque[Event] = deque()     # handed over by the output stage, not yet returned
         self._over: StreamState | None = None    # how the consumer ended: ENDED, FAILED or CLOSED
 
@@ -104,16 +107,20 @@ class Stream:
             else:
                 handed = await self._output.hand_over(queued, self.generation.started_at)
             # Audio encoded while the stream was cancelled or closed is never handed over.
-            if not (isinstance(queued, Produced) and (self.generation.cancelled or self._over is not None)):
+            cancelled = self.generation.ended_by is EndReason.CANCELLED
+            if not (isinstance(queued, Produced) and (cancelled or self._over is not None)):
                 self._handed.extend(handed)
         event = self._handed.popleft()
         if isinstance(event, Audio):
             self._metrics.audio_bytes.labels(self.format).inc(len(event.data))
-        elif isinstance(event, Ended):
-            self._over = StreamState.ENDED
-        elif isinstance(event, Failed):
-            self._over = StreamState.FAILED
+        elif isinstance(event, (Ended, Failed)):
+            self._over = StreamState.ENDED if isinstance(event, Ended) else StreamState.FAILED
+            self._record(event)
         return event
+
+    def _record(self, last: Ended | Failed) -> None:
+        generation = self.generation
+        generation.record.handed(last, generation.input.characters, len(generation.plan.segments))
 
     async def aclose(self) -> None:
         """Leaving the iterator early cancels the stream."""
@@ -121,15 +128,15 @@ class Stream:
 
     def send_text(self, text: str) -> None:
         """Append text to a stream opened for text input (Refused: not one, input ended, too much)."""
-        self.generation.send_text(text)
+        self.generation.input.send_text(text)
 
     def flush(self) -> None:
         """Speak what is buffered now; a `Flushed` event follows once its audio is yielded."""
-        self.generation.flush()
+        self.generation.input.flush()
 
     def end_input(self) -> None:
         """No more text: the rest is spoken, then the stream ends."""
-        self.generation.end_input()
+        self.generation.input.end()
 
     def cancel(self) -> None:
         """Stop now (barge-in): the slot is freed before the next step, audio not yet taken is
@@ -139,9 +146,13 @@ class Stream:
             self.generation.cancel()
 
     def close(self) -> None:
-        """The consumer is gone: stop at once, yield nothing more, log nothing."""
+        """The consumer is gone: stop at once, yield nothing more. A stream that had ended but
+        whose last event the consumer did not take is recorded with what was handed over."""
         if self._over is not None:
             return
+        last = self.generation.last_event
+        if last is not None:
+            self._record(self._output.hand_over_now(last, self.generation.started_at)[-1])
         self._output.close_soon()
         self.generation.stop()
         self._over = StreamState.CLOSED

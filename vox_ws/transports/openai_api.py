@@ -377,7 +377,7 @@ async def _fetch_voice(state: ServerState, voice: str | None, who: str) -> None:
     if voice is None or service.engine.voices.has(voice) or not service.voices.may_be_registered(voice):
         return
     try:
-        await service.ensure_voice(voice, resolved.named)
+        await service.voices.ensure(voice, resolved.named)
     except Refused as err:
         if err.kind is ErrorKind.INVALID:
             raise OpenAIError(400, err.message, "voice", "voice_not_found") from None

@@ -76,7 +76,7 @@ def _notice(settings: dict[str, Any], why: str) -> str | None:
                else f"run `vox-ws models pull {model}`, then start again" if "/" in model and not model.startswith(("/", "."))
                else "pass --model with a VoxCPM2 checkpoint directory (`vox-ws models list` shows what is on disk)")
     else:
-        fix = "see the log line above for why (README, \"VoxCPM2 on a GPU\")"
+        fix = "see the log line above for why (README, \"Quick start\"; docs/DEPLOY.md)"
     return f"a CUDA GPU is present but VoxCPM2 is not served ({why}): {fix}"
 
 
