@@ -147,9 +147,9 @@ def step_steps(ctx: dict) -> dict:
                 parts[part] += time.perf_counter() - started
         return call
 
-    runner.solve = timed("cfm", runner.solve)
-    runner._advance = timed("advance", runner._advance)
-    runner._decode = timed("vae", runner._decode)
+    runner.eager.solve = timed("cfm", runner.eager.solve)
+    runner.eager.advance = timed("advance", runner.eager.advance)
+    runner.vae.decode = timed("vae", runner.vae.decode)
     prompt = build_prompt(model, TEXT, None)
     results = []
     for context, positions in CONTEXTS.items():

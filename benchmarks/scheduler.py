@@ -257,14 +257,11 @@ def profile_step(model_dir: str, device: str, threads: int, batch_sizes: list[in
         engine.close()
     # Inline, so that the parts add up to the step.
     runner = engine.runner = vb.BatchedVoxCPM2(engine.tts.tts_model, max(batch_sizes), decode_process=False)
-    originals = (vb._cfm_solve, vb.advance, runner.vae.decode)
-    vb._cfm_solve = timed("cfm", vb._cfm_solve)
-    vb.advance = timed("stop+locenc+lms", vb.advance)
+    # The step's pieces, eager (`compiled.EagerStep`), timed on this runner alone.
+    runner.eager.solve = timed("cfm", runner.eager.solve)
+    runner.eager.advance = timed("stop+locenc+lms", runner.eager.advance)
     runner.vae.decode = timed("vae", runner.vae.decode)
-    try:
-        inline = run(runner)
-    finally:
-        vb._cfm_solve, vb.advance, runner.vae.decode = originals
+    inline = run(runner)
     return {"as_served": served, "decoder_process": decoder is not None, "inline": inline}
 
 

@@ -105,3 +105,51 @@ def test_lower_layers_never_import_the_doors_or_the_service():
             if module.startswith(f"vox_ws.{layer}"):
                 wrong += [f"{module} -> {target}" for target in imported if target.startswith(forbidden)]
     assert not wrong, wrong
+
+
+def _classes_and_functions(folder: str):
+    for path in sorted((PACKAGE / folder).rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            yield path.relative_to(PACKAGE.parent), node
+
+
+def _methods(cls: ast.ClassDef) -> int:
+    return sum(isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) for n in cls.body)
+
+
+def test_the_service_and_the_engines_are_made_of_small_classes():
+    """A class with more than 20 methods does more than one job; the engine contract, which
+    every engine implements, keeps to 10 (its other verbs are its roles' objects)."""
+    big = [f"{path}:{node.name} ({_methods(node)})" for folder in ("service", "engines")
+           for path, node in _classes_and_functions(folder) if isinstance(node, ast.ClassDef) and _methods(node) > 20]
+    assert not big, big
+    engine = next(node for node in ast.parse((PACKAGE / "engine.py").read_text()).body
+                  if isinstance(node, ast.ClassDef) and node.name == "Engine")
+    assert _methods(engine) <= 10
+
+
+def test_the_services_functions_take_few_parameters():
+    """Six at most: a request travels as one `StreamRequest`, not as its fields."""
+    many = []
+    for path, node in _classes_and_functions("service"):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            names = [a.arg for a in node.args.posonlyargs + node.args.args + node.args.kwonlyargs]
+            count = len(names) - (names[:1] in (["self"], ["cls"]))
+            if count > 6:
+                many.append(f"{path}:{node.name} ({count})")
+    assert not many, many
+
+
+def test_graph_inputs_are_named_not_numbered():
+    """A compiled graph's batch input and dynamic sizes are named by the function's parameters,
+    so a new argument cannot make them point elsewhere."""
+    numbered = []
+    for path, node in _classes_and_functions("engines"):
+        if isinstance(node, ast.Call):
+            for keyword in node.keywords:
+                if keyword.arg == "rows_of" and not isinstance(getattr(keyword.value, "value", None), str):
+                    numbered.append(f"{path}:{node.lineno} rows_of")
+                if keyword.arg == "dynamic" and isinstance(keyword.value, ast.Dict) and \
+                        any(not isinstance(getattr(k, "value", None), str) for k in keyword.value.keys):
+                    numbered.append(f"{path}:{node.lineno} dynamic")
+    assert not numbered, numbered

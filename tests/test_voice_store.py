@@ -15,7 +15,7 @@ from conftest import connect_client
 from test_stream_service import tone_wav
 from vox_ws.engine import ErrorKind, Refused
 from vox_ws.engines.voxcpm.engine import VoxCPMEngine
-from vox_ws.service.voice_store import (ANY_OWNER, DirectoryStore, MemoryStore, RedisStore, StoreLimits,
+from vox_ws.service.voice_store import (ANY_OWNER, DirectoryStore, MemoryStore, Lifetime, RedisStore, StoreLimits,
                                         is_registered_id, new_voice, owner_key)
 
 LIMITS = StoreLimits(per_owner=2, max_voices=4, max_bytes=200_000)
@@ -137,8 +137,8 @@ async def test_addresses_have_a_small_quota_and_their_voices_expire_in_every_sto
 
     def made(owner: str, pitch: float):
         now[0] += 1.0                                               # each one later: "oldest" is clear
-        return new_voice(owner, tone_wav(0.2, pitch=pitch), None, "reference", ttl_s=QUOTA_LIMITS.ttl_s,
-                         clock=store.clock)
+        return new_voice(owner, tone_wav(0.2, pitch=pitch), None, "reference",
+                         lifetime=Lifetime(QUOTA_LIMITS.ttl_s, store.clock))
 
     # A token keeps 3; an address 2 (its third retires its own oldest), each for 100 s.
     tokens = [made("token:t", 200 + n) for n in range(3)]

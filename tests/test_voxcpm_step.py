@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from vox_ws.engines.voxcpm.kv import attend, attention_kernel
 from vox_ws.engines.voxcpm.loading import import_voxcpm
-from vox_ws.engines.voxcpm.runner import _cfm_solve
+from vox_ws.engines.voxcpm.compiled import cfm_solve
 from vox_ws.engines.voxcpm.transfer import to_device
 
 
@@ -60,8 +60,8 @@ def test_cfg_is_applied_in_float32_as_the_package_applies_it(tmp_path):
     torch.manual_seed(2)
     noise = torch.randn(rows, cfm.in_channels, patch, dtype=dtype)
     with torch.inference_mode():
-        got = _cfm_solve(cfm, mu, cond, noise, 10, torch.full((rows,), 2.2))
-        in_bfloat16 = _cfm_solve(cfm, mu, cond, noise, 10, torch.full((rows,), 2.2, dtype=dtype))
+        got = cfm_solve(cfm, mu, cond, noise, 10, torch.full((rows,), 2.2))
+        in_bfloat16 = cfm_solve(cfm, mu, cond, noise, 10, torch.full((rows,), 2.2, dtype=dtype))
     assert got.dtype == dtype
     assert torch.equal(got, expected)
     assert not torch.equal(in_bfloat16, expected)

@@ -592,12 +592,20 @@ def open_store(spec: str, limits: StoreLimits) -> VoiceStore:
     raise ValueError(f"unknown voice store {spec!r}: memory, dir:PATH or redis://HOST:PORT/DB")
 
 
+@dataclass(frozen=True)
+class Lifetime:
+    """How long a voice registered without a token is kept (`ttl_s`; 0: for ever), by `clock`."""
+
+    ttl_s: float = 0.0
+    clock: Callable[[], float] = time.time
+
+
 def new_voice(owner: str, audio: bytes, transcript: str | None, mode: str, name: str | None = None,
-              ttl_s: float = 0.0, clock: Callable[[], float] = time.time) -> StoredVoice:
-    """A voice to keep; an anonymous owner's expires `ttl_s` from now (0: never)."""
+              lifetime: Lifetime = Lifetime()) -> StoredVoice:
+    """A voice to keep; an anonymous owner's expires after its `lifetime`."""
     made = named_voice_id(owner, name) if name else voice_id(owner, audio, transcript, mode)
-    now = clock()
+    now = lifetime.clock()
     anonymous = is_anonymous(owner)
-    expires = now + ttl_s if anonymous and ttl_s > 0 else None
+    expires = now + lifetime.ttl_s if anonymous and lifetime.ttl_s > 0 else None
     return StoredVoice(id=made, audio=audio, transcript=transcript, mode=mode, owner=owner_key(owner),
                        created=now, name=name, anonymous=anonymous, expires=expires)

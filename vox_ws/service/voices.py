@@ -24,8 +24,8 @@ from .registrations import Registration, RegistrationQueue
 from .validation import check_text
 from .voice_aliases import Alias
 from .voice_names import ResolvedVoice, VoiceNames
-from .voice_store import (ANY_OWNER, VoiceStore, VoiceSummary, check_voice_name, is_registered_id, is_voice_name,
-                          named_voice_id, new_voice)
+from .voice_store import (ANY_OWNER, Lifetime, VoiceStore, VoiceSummary, check_voice_name, is_registered_id,
+                          is_voice_name, named_voice_id, new_voice)
 from .work import engine_work
 
 log = logging.getLogger("vox_ws.service")
@@ -138,8 +138,8 @@ class VoiceService:
                 raise self.devices.not_ready()
             assert self._jobs is not None, "VoiceService.start() was not awaited"
             # Hashing megabytes would hold the loop for milliseconds; hashlib lets go of the GIL.
-            stored = await asyncio.to_thread(new_voice, owner, audio, transcript, mode, name, self.limits.voice_ttl_s,
-                                             self.store.clock)
+            stored = await asyncio.to_thread(new_voice, owner, audio, transcript, mode, name,
+                                             Lifetime(self.limits.voice_ttl_s, self.store.clock))
             if name is not None:
                 existing = await self.store.get(stored.id)
                 if existing is not None and (existing.audio, existing.transcript, existing.mode) != \

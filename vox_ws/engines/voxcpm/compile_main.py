@@ -65,7 +65,7 @@ def compile_all(settings: dict[str, Any]) -> None:
     prompt = build_prompt(model, "Timing the step, eager and compiled.", None)
     for rows in buckets:
         started = time.perf_counter()
-        compiled.warm_up(runner._solve_with(compiled), runner.base_kv, runner.residual_kv, (rows,))
+        compiled.warm_up(runner.base_kv, runner.residual_kv, (rows,))
         seconds = time.perf_counter() - started
         timings = _time_both(runner, compiled, prompt, rows, NO_ADAPTER) if measure else {}
         say("bucket", rows=rows, seconds=round(seconds, 2), **timings)

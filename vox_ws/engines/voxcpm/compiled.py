@@ -35,13 +35,13 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Any
 
 import torch
 from torch import nn
 
 from .cache_trust import trusted_cache_dir
-from .graphs import GraphsBySize, GraphStore
+from .graphs import GraphsBySize, GraphStore, bucket_of, padded
 from .kv import SlotKV, key_positions, lm_step
 from .lora import NO_ADAPTER, RowAdapters
 
@@ -50,6 +50,8 @@ log = logging.getLogger("vox_ws.engines.voxcpm")
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 # One velocity call: what a solve of two timesteps makes (the first is CFG-zero*'s zero step).
 WARM_UP_TIMESTEPS = 2
+# The package's sway sampling of the CFM's timesteps.
+SWAY_SAMPLING_COEF = 1.0
 
 
 def default_cache_dir() -> Path:
@@ -76,6 +78,35 @@ def velocity(cfm: nn.Module, x: torch.Tensor, mu_in: torch.Tensor, t_in: torch.T
     # bfloat16 would be 2.203125): the product is taken in float32 and rounded once, as there.
     guided = (cfg.view(b, 1, 1) * (positive - negative * st_star)).to(positive.dtype)
     return negative * st_star + guided
+
+
+def cfm_solve(cfm: nn.Module, mu: torch.Tensor, cond: torch.Tensor, noise: torch.Tensor, n_timesteps: int,
+               cfg_value: torch.Tensor, velocity_of: Any = velocity) -> torch.Tensor:
+    """UnifiedCFM.forward + solve_euler with a per-row cfg_value and caller-drawn noise; each
+    step's velocity from `velocity_of` (`velocity`, eager, or compiled through a graph).
+
+    mu [b, H_dit*2], cond [b, D, P], noise [b, D, P], cfg_value [b] -> x [b, D, P].
+    """
+    b = mu.shape[0]
+    t_span = torch.linspace(1, 0, n_timesteps + 1, device=mu.device, dtype=mu.dtype)
+    t_span = t_span + SWAY_SAMPLING_COEF * (torch.cos(torch.pi / 2 * t_span) - 1 + t_span)
+    x = noise
+    t, dt = t_span[0], t_span[0] - t_span[1]
+    zero_init_steps = max(1, int(len(t_span) * 0.04))
+    mu_in = torch.cat([mu, torch.zeros_like(mu)])
+    cond_in = torch.cat([cond, cond])
+    for step in range(1, len(t_span)):
+        if step <= zero_init_steps:
+            dphi_dt = torch.zeros_like(x)
+        else:
+            t_in = t.expand(2 * b)
+            dt_in = dt.expand(2 * b) if cfm.mean_mode else torch.zeros(2 * b, device=x.device, dtype=x.dtype)
+            dphi_dt = velocity_of(cfm, x, mu_in, t_in, cond_in, dt_in, cfg_value)
+        x = x - dt * dphi_dt
+        t = t - dt
+        if step < len(t_span) - 1:
+            dt = t - t_span[step + 1]
+    return x
 
 
 def encode(model: nn.Module, pred_feat: torch.Tensor) -> torch.Tensor:
@@ -129,12 +160,33 @@ def traced_sources() -> str:
     return "".join(inspect.getsource(m) for m in (sys.modules[__name__], kv, lora, vae))
 
 
-def padded(tensor: torch.Tensor, rows: int) -> torch.Tensor:
-    """`tensor` with its last row repeated up to `rows` rows."""
-    extra = rows - tensor.shape[0]
-    if extra <= 0:
-        return tensor
-    return torch.cat([tensor, tensor[-1:].expand(extra, *tensor.shape[1:])])
+def adapted(adapters: RowAdapters | None, slots: list[int], gathered: bool = False) -> Any:
+    """Row i of the calls inside speaks with adapter slot `slots[i]` (`gathered`: through the
+    per-row gather whatever the mix, as a compiled graph takes it)."""
+    return adapters.rows(slots, gathered) if adapters is not None else contextlib.nullcontext()
+
+
+class EagerStep:
+    """The step's two pieces as they are, for any number of rows (`CompiledStep` is the other
+    way to run them; the runner takes whichever serves a call's rows)."""
+
+    def __init__(self, model: nn.Module, adapters: RowAdapters | None = None) -> None:
+        self.model = model
+        self.adapters = adapters
+
+    def solve(self, mu: torch.Tensor, cond: torch.Tensor, noise: torch.Tensor, timesteps: int, cfg: torch.Tensor,
+              adapter_slots: list[int]) -> torch.Tensor:
+        """The CFM solve of these rows (row i with LoRA adapter slot `adapter_slots[i]`)."""
+        with adapted(self.adapters, adapter_slots + adapter_slots, gathered=False):     # the CFG's two halves
+            return cfm_solve(self.model.feat_decoder, mu, cond, noise, timesteps, cfg)
+
+    def advance(self, base_kv: SlotKV, residual_kv: SlotKV, pred_feat: torch.Tensor, lm_hidden: torch.Tensor,
+                slots: torch.Tensor, positions: torch.Tensor, keys_at: torch.Tensor, adapter_slots: list[int]
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`advance` of these rows: stop flags, and both LMs' next hidden states."""
+        with adapted(self.adapters, adapter_slots, gathered=False):
+            return advance(self.model, base_kv.k, base_kv.v, residual_kv.k, residual_kv.v, pred_feat, lm_hidden,
+                           slots, positions, keys_at)
 
 
 class CompiledStep:
@@ -163,33 +215,46 @@ class CompiledStep:
         self.compile_s: dict[int, float] = {}
         self.ready: set[int] = set()     # the buckets whose graphs are loaded: steps of their rows use them
 
-    def bucket(self, rows: int) -> int:
-        for size in self.buckets:
-            if size >= rows:
-                return size
-        raise ValueError(f"{rows} rows: over the largest compiled bucket ({self.buckets[-1]})")
-
     def serves(self, rows: int) -> bool:
         """Whether a call of `rows` rows goes through graphs loaded already (else it runs eager)."""
-        return any(size >= rows for size in self.buckets) and self.bucket(rows) in self.ready
+        return bucket_of(rows, self.buckets) in self.ready
 
-    def velocity(self, cfm: nn.Module, x: torch.Tensor, mu_in: torch.Tensor, t_in: torch.Tensor,
-                 cond_in: torch.Tensor, dt_in: torch.Tensor, cfg: torch.Tensor) -> torch.Tensor:
-        """`velocity` compiled for x's rows (a bucket: the runner pads)."""
-        return self._velocity(self.adapters, self._row_slots(), cfm, x, mu_in, t_in, cond_in, dt_in, cfg)
+    def solve(self, mu: torch.Tensor, cond: torch.Tensor, noise: torch.Tensor, timesteps: int, cfg: torch.Tensor,
+              adapter_slots: list[int]) -> torch.Tensor:
+        """The CFM solve of these rows through the velocity's graph for their bucket, padded up
+        to it (`EagerStep.solve`)."""
+        count = mu.shape[0]
+        rows = self._bucket(count)
+        slots = adapter_slots + [NO_ADAPTER] * (rows - count)
+        with adapted(self.adapters, slots + slots, gathered=True):           # the CFG's two halves
+            solved = cfm_solve(self.model.feat_decoder, padded(mu, rows), padded(cond, rows), padded(noise, rows),
+                               timesteps, padded(cfg, rows), self._velocity_graph)
+        return solved[:count]
 
     def advance(self, base_kv: SlotKV, residual_kv: SlotKV, pred_feat: torch.Tensor, lm_hidden: torch.Tensor,
-                slots: torch.Tensor, positions: torch.Tensor, keys_at: torch.Tensor
+                slots: torch.Tensor, positions: torch.Tensor, keys_at: torch.Tensor, adapter_slots: list[int]
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """`advance` compiled for the rows' bucket; a padding row repeats the last row's inputs
-        but writes into the KV's padding slot."""
+        """`advance` through its graph for the rows' bucket (`EagerStep.advance`); a padding row
+        repeats the last row's inputs but writes into the KV's padding slot."""
         rows = pred_feat.shape[0]
-        size = self.bucket(rows)
+        size = self._bucket(rows)
         padding_slots = slots.new_full((size - rows,), base_kv.padding_slot)
-        out = self._advance(self.adapters, self._row_slots(), self.model, base_kv.k, base_kv.v, residual_kv.k,
-                            residual_kv.v, padded(pred_feat, size), padded(lm_hidden, size),
-                            torch.cat([slots, padding_slots]), padded(positions, size), keys_at)
+        with adapted(self.adapters, adapter_slots + [NO_ADAPTER] * (size - rows), gathered=True):
+            out = self._advance(self.adapters, self._row_slots(), self.model, base_kv.k, base_kv.v, residual_kv.k,
+                                residual_kv.v, padded(pred_feat, size), padded(lm_hidden, size),
+                                torch.cat([slots, padding_slots]), padded(positions, size), keys_at)
         return tuple(t[:rows] for t in out)
+
+    def _bucket(self, rows: int) -> int:
+        size = bucket_of(rows, self.buckets)
+        if size is None:
+            raise ValueError(f"{rows} rows: over the largest compiled bucket ({self.buckets[-1]})")
+        return size
+
+    def _velocity_graph(self, cfm: nn.Module, x: torch.Tensor, mu_in: torch.Tensor, t_in: torch.Tensor,
+                        cond_in: torch.Tensor, dt_in: torch.Tensor, cfg: torch.Tensor) -> torch.Tensor:
+        """`velocity` through its graph for x's rows (a bucket: `solve` pads)."""
+        return self._velocity(self.adapters, self._row_slots(), cfm, x, mu_in, t_in, cond_in, dt_in, cfg)
 
     def _row_slots(self) -> torch.Tensor | None:
         """The rows' LoRA slots the runner set for this call (`RowAdapters.rows(..., gathered=True)`)."""
@@ -200,11 +265,10 @@ class CompiledStep:
         return self.adapters.row_slots
 
     @torch.inference_mode()
-    def warm_up(self, solve: Callable[..., torch.Tensor], base_kv: SlotKV, residual_kv: SlotKV,
-                buckets: tuple[int, ...] | None = None) -> None:
+    def warm_up(self, base_kv: SlotKV, residual_kv: SlotKV, buckets: tuple[int, ...] | None = None) -> None:
         """Compile `buckets` (default: every one) now, or load them from the disk: a CFM solve
-        (`solve`, the runner's) and an advance of that many rows each, the log counting the
-        buckets; each is `ready` after. The advance writes K and V into the padding slot alone."""
+        and an advance of that many rows each, the log counting the buckets; each is `ready`
+        after. The advance writes K and V into the padding slot alone."""
         m = self.model
         dtype = next(m.parameters()).dtype
         device = next(m.parameters()).device
@@ -217,17 +281,14 @@ class CompiledStep:
             cond = torch.zeros(rows, m.feat_dim, m.patch_size, device=device, dtype=dtype)
             noise = torch.randn(rows, m.feat_dim, m.patch_size, device=device, dtype=dtype)
             cfg = torch.full((rows,), 2.0, device=device, dtype=torch.float32)
-            solved = solve(mu, cond, noise, WARM_UP_TIMESTEPS, cfg, [NO_ADAPTER] * rows)
+            solved = self.solve(mu, cond, noise, WARM_UP_TIMESTEPS, cfg, [NO_ADAPTER] * rows)
             # Position 1 of 0..1: a length of 2, as no real step has less (a symbolic size is
             # specialised for 0 and 1).
             slots = torch.full((rows,), base_kv.padding_slot, dtype=torch.long, device=device)
             positions = torch.ones(rows, dtype=torch.long, device=device)
-            gathered = (self.adapters.rows([NO_ADAPTER] * rows, gathered=True) if self.adapters
-                        else contextlib.nullcontext())
-            with gathered:
-                self.advance(base_kv, residual_kv, solved.transpose(1, 2).contiguous(),
-                             torch.zeros(rows, m.base_lm.config.hidden_size, device=device, dtype=dtype),
-                             slots, positions, key_positions([1], device))
+            self.advance(base_kv, residual_kv, solved.transpose(1, 2).contiguous(),
+                         torch.zeros(rows, m.base_lm.config.hidden_size, device=device, dtype=dtype),
+                         slots, positions, key_positions([1], device), [NO_ADAPTER] * rows)
             self.compile_s[rows] = round(time.perf_counter() - started, 1)
             self.ready.add(rows)
             log.info("%s the step for %d rows in %.1f s", "loaded" if self.store.load_only else "compiled", rows,

@@ -234,7 +234,7 @@ class VoxCPMEngine(Engine):
                     self.runner.adopt(compiled, (event["rows"],))
                     background.adopted.append(event["rows"])
                 elif event["event"] == "decode" and background.adopted:
-                    self.runner.adopt_decode(compiled)
+                    self.runner.adopt(compiled, decode=True)
                     background.adopted_decode = True
             except Exception as exc:  # noqa: BLE001 - a graph that cannot be used leaves the step eager
                 log.warning("compiled graphs for %s not used (%s: %s): eager instead", event, type(exc).__name__, exc)

@@ -296,6 +296,21 @@ class GraphsBySize:
         return graph(*args)
 
 
+def bucket_of(rows: int, buckets: tuple[int, ...]) -> int | None:
+    """The batch size a call of `rows` rows runs at: the smallest bucket that holds it (None:
+    over the largest). The one bucket rule of the step and the decode."""
+    return next((size for size in sorted(buckets) if size >= rows), None)
+
+
+def padded(tensor: torch.Tensor, rows: int) -> torch.Tensor:
+    """`tensor` with its last row repeated up to `rows` rows: the one padding rule of a call up
+    to its bucket (a padding row's outputs are dropped; it computes what a real row would)."""
+    extra = rows - tensor.shape[0]
+    if extra <= 0:
+        return tensor
+    return torch.cat([tensor, tensor[-1:].expand(extra, *tensor.shape[1:])])
+
+
 def _rows(args: tuple) -> int:
     """The rows of a graph's first tensor argument (its batch size), for the timings."""
     return next((a.shape[0] for a in args if isinstance(a, torch.Tensor) and a.dim()), 0)

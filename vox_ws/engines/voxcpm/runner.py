@@ -8,7 +8,7 @@ admitted at different times, advances together:
 - KV caches: one slot per request in per-layer tensors; each row has its own position and
   attends to its own prefix through a mask (`kv.lm_step`, in `compiled.advance`).
 - CFM: one Euler solve per group of requests sharing `inference_timesteps`, each row with its
-  own `cfg_value` and its own noise drawn from the request's generator (`_cfm_solve`).
+  own `cfg_value` and its own noise drawn from the request's generator (`compiled.cfm_solve`).
 - Stop head, LocEnc, projections, both LMs' decode step: one batched call (`compiled.advance`,
   eager or compiled), whose stop flags are read back once, after the whole step is queued.
 - VAE: the package's causal streaming decode, with each request's carried convolution state
@@ -22,7 +22,6 @@ checks it.
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import os
 import time
@@ -31,11 +30,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch import nn
 
 from ...engine import EndReason
 from .decoder_process import DecoderProcess
-from .compiled import CompiledStep, advance, padded, velocity
+from .compiled import CompiledStep, EagerStep, adapted
 from .kv import SlotKV, key_positions
 from .lora import NO_ADAPTER, RowAdapters
 from .prompt import Prompt
@@ -43,7 +41,6 @@ from .transfer import host_to_device, to_device
 from .vae import BatchedStreamingVAE, fold_weight_norm
 
 # Same sway-sampling and CFG-zero* settings as UnifiedCFM.forward's defaults.
-SWAY_SAMPLING_COEF = 1.0
 # The package caps generation at this many steps per target-text token (+10).
 STEPS_PER_TOKEN = 6.0
 # The padded positions one batched prefill call takes at most (rows x the longest prompt): the
@@ -106,6 +103,8 @@ class BatchedVoxCPM2:
         with a core to spare, `wants_decode_process`). Eager until `compile`."""
         self.model = model
         self.adapters = adapters
+        # The step's pieces: eager, or compiled for the buckets whose graphs are loaded (`_step_for`).
+        self.eager = EagerStep(model, adapters)
         self.compiled: CompiledStep | None = None
         self.device = next(model.parameters()).device
         self.dtype = model._dtype()
@@ -155,7 +154,7 @@ class BatchedVoxCPM2:
         store compiles each once, and a process that wants one being compiled waits for it)."""
         if self._decoder is not None:
             self._decoder.compile(compiled.buckets, str(compiled.cache_dir), self.model.patch_size)
-        compiled.warm_up(self._solve_with(compiled), self.base_kv, self.residual_kv)
+        compiled.warm_up(self.base_kv, self.residual_kv)
         self.vae.compile(compiled.buckets, self.model.patch_size, compiled.store)
         if self._decoder is not None:
             loaded, compiled_there = self._decoder.wait_compiled()
@@ -163,19 +162,18 @@ class BatchedVoxCPM2:
             compiled.store.compiled += compiled_there
         self.compiled = compiled
 
-    def adopt(self, compiled: CompiledStep, buckets: tuple[int, ...]) -> None:
-        """Steps of these buckets' rows go through `compiled` from now on, their graphs loaded from
-        its cache (where a background compile put them: `compiled` only loads). Called between
-        two steps; rows of other buckets stay eager."""
-        compiled.warm_up(self._solve_with(compiled), self.base_kv, self.residual_kv, buckets)
-        self.compiled = compiled
-
-    def adopt_decode(self, compiled: CompiledStep) -> None:
-        """Decode through the graphs a background compile made for every bucket, here and in the
-        decoder process (which loads them before its next decode)."""
-        self.vae.compile(compiled.buckets, self.model.patch_size, compiled.store)
-        if self._decoder is not None:
-            self._decoder.compile(compiled.buckets, str(compiled.cache_dir), self.model.patch_size)
+    def adopt(self, compiled: CompiledStep, buckets: tuple[int, ...] = (), decode: bool = False) -> None:
+        """Take in what a background compile put in `compiled`'s cache (`compiled` only loads),
+        between two steps: steps of these `buckets`' rows go through its graphs from now on (rows
+        of other buckets stay eager); with `decode`, the decode too, here and in the decoder
+        process (which loads them before its next decode)."""
+        if buckets:
+            compiled.warm_up(self.base_kv, self.residual_kv, buckets)
+            self.compiled = compiled
+        if decode:
+            self.vae.compile(compiled.buckets, self.model.patch_size, compiled.store)
+            if self._decoder is not None:
+                self._decoder.compile(compiled.buckets, str(compiled.cache_dir), self.model.patch_size)
 
     def take_decoder(self) -> DecoderProcess | None:
         """This runner's decoder process, for another runner (`decoder`); this one no longer
@@ -241,17 +239,17 @@ class BatchedVoxCPM2:
         slots = self._free_slots[:len(inputs)]
         del self._free_slots[:len(inputs)]
         try:
-            text = self._padded([i.prompt.text_tokens for i in inputs])
-            text_mask = self._padded([i.prompt.text_mask for i in inputs])
-            feat = self._padded([i.prompt.audio_feat for i in inputs]).to(self.dtype)
-            feat_mask = self._padded([i.prompt.audio_mask for i in inputs])
+            text = _ragged([i.prompt.text_tokens for i in inputs], self.device)
+            text_mask = _ragged([i.prompt.text_mask for i in inputs], self.device)
+            feat = _ragged([i.prompt.audio_feat for i in inputs], self.device).to(self.dtype)
+            feat_mask = _ragged([i.prompt.audio_mask for i in inputs], self.device)
 
             encoder = getattr(m, "_feat_encoder_raw", m.feat_encoder)
             feat_embed = m.enc_to_lm_proj(encoder(feat))
             text_embed = m.base_lm.embed_tokens(text) * self.scale_emb
             combined = text_mask.unsqueeze(-1) * text_embed + feat_mask.unsqueeze(-1) * feat_embed
 
-            with self._adapted([i.adapter for i in inputs]):
+            with adapted(self.adapters, [i.adapter for i in inputs]):
                 enc_outputs, kv = m.base_lm(inputs_embeds=combined, is_causal=True)
                 enc_outputs = m.fsq_layer(enc_outputs) * feat_mask.unsqueeze(-1) + enc_outputs * text_mask.unsqueeze(-1)
                 residual_in = m.fusion_concat_proj(torch.cat((enc_outputs, feat_mask.unsqueeze(-1) * feat_embed), dim=-1))
@@ -282,23 +280,6 @@ class BatchedVoxCPM2:
                 adapter=given.adapter,
             ))
         return rows
-
-    def _padded(self, tensors: list[torch.Tensor]) -> torch.Tensor:
-        """One [rows, longest, ...] tensor on the device, each row zero-padded at its end (built
-        on the host, copied without blocking where the device is a GPU)."""
-        if len(tensors) == 1:
-            out = tensors[0].unsqueeze(0)
-        else:
-            longest = max(t.shape[0] for t in tensors)
-            out = tensors[0].new_zeros((len(tensors), longest, *tensors[0].shape[1:]))
-            for row, t in enumerate(tensors):
-                out[row, :t.shape[0]] = t
-        return host_to_device(out, self.device)
-
-    def _adapted(self, slots: list[int], gathered: bool = False) -> Any:
-        """Row i of the calls inside speaks with adapter slot `slots[i]` (`gathered`: through the
-        per-row gather whatever the mix, as a compiled graph takes it)."""
-        return self.adapters.rows(slots, gathered) if self.adapters is not None else contextlib.nullcontext()
 
     def release(self, row: RowState) -> None:
         if row.slot not in self._free_slots:
@@ -341,7 +322,8 @@ class BatchedVoxCPM2:
                 rows[i].pending = (job, j)
         now: dict[int, tuple[torch.Tensor, int]] = {}
         if here:
-            audio = self._decode(latents[here], [rows[i].vae_state for i in here])
+            with torch.inference_mode():
+                audio = self.vae.decode(latents[here], [rows[i].vae_state for i in here]).cpu()
             for j, i in enumerate(here):
                 now[id(rows[i])] = (audio, j)
         return now
@@ -383,10 +365,6 @@ class BatchedVoxCPM2:
         return row.decoded_here
 
     @torch.inference_mode()
-    def _decode(self, latents: torch.Tensor, states: list[dict[int, torch.Tensor]]) -> torch.Tensor:
-        return self.vae.decode(latents, states).cpu()
-
-    @torch.inference_mode()
     def _generate(self, rows: list[RowState]) -> torch.Tensor:
         """One patch for every row: CFM, LocEnc, stop head, LM advance. Returns the latents
         [B, D, P] for the VAE and sets `end_reason` on rows whose generation ends here."""
@@ -404,13 +382,16 @@ class BatchedVoxCPM2:
                             dtype=self.dtype) for i in index
             ])
             cfg = to_device([rows[i].cfg_value for i in index], self.device, torch.float32)
-            solved = self.solve(dit_hidden[idx], cond[idx].transpose(1, 2).contiguous(), noise, timesteps, cfg,
-                                [rows[i].adapter for i in index])
+            solved = self._step_for(len(index)).solve(dit_hidden[idx], cond[idx].transpose(1, 2).contiguous(), noise,
+                                                      timesteps, cfg, [rows[i].adapter for i in index])
             pred_feat[idx] = solved.transpose(1, 2)                            # [b, P, D]
 
         # Every row advances, also one that ends here (what it writes in its slot is never read):
         # the step stays one call, and its stop flags are read back once, after it is queued.
-        stop, lm_next, residual_next = self._advance(rows, pred_feat, lm_hidden)
+        positions = [r.position for r in rows]
+        stop, lm_next, residual_next = self._step_for(len(rows)).advance(
+            self.base_kv, self.residual_kv, pred_feat, lm_hidden, to_device([r.slot for r in rows], self.device),
+            to_device(positions, self.device), key_positions(positions, self.device), [r.adapter for r in rows])
         latents = pred_feat.transpose(1, 2).to(torch.float32)                  # b d p  (t = 1)
         for i, (row, stops) in enumerate(zip(rows, stop.tolist())):
             if row.step > row.min_len and stops == 1:
@@ -426,49 +407,11 @@ class BatchedVoxCPM2:
                 row.position += 1
         return latents
 
-    def solve(self, mu: torch.Tensor, cond: torch.Tensor, noise: torch.Tensor, timesteps: int, cfg: torch.Tensor,
-              adapters: list[int]) -> torch.Tensor:
-        """The CFM solve of these rows (row i with LoRA adapter slot `adapters[i]`): eager, or
-        compiled for the rows' bucket, padded up to it."""
-        return self._solve_with(self._compiled_for(mu.shape[0]))(mu, cond, noise, timesteps, cfg, adapters)
-
-    def _compiled_for(self, rows: int) -> CompiledStep | None:
-        """The compiled step, where its graphs for this many rows are loaded; else None (eager)."""
+    def _step_for(self, rows: int) -> EagerStep | CompiledStep:
+        """The step's pieces for a call of `rows` rows: compiled where the graphs of their bucket
+        are loaded, else eager."""
         compiled = self.compiled
-        return compiled if compiled is not None and compiled.serves(rows) else None
-
-    def _solve_with(self, compiled: CompiledStep | None):
-        cfm = self.model.feat_decoder
-
-        def solve(mu: torch.Tensor, cond: torch.Tensor, noise: torch.Tensor, timesteps: int, cfg: torch.Tensor,
-                  adapters: list[int]) -> torch.Tensor:
-            if compiled is None:
-                with self._adapted(adapters + adapters):                  # the CFG's two halves
-                    return _cfm_solve(cfm, mu, cond, noise, timesteps, cfg)
-            count = mu.shape[0]
-            rows = compiled.bucket(count)
-            slots = adapters + [NO_ADAPTER] * (rows - count)
-            with self._adapted(slots + slots, gathered=True):
-                solved = _cfm_solve(cfm, padded(mu, rows), padded(cond, rows), padded(noise, rows), timesteps,
-                                    padded(cfg, rows), compiled.velocity)
-            return solved[:count]
-        return solve
-
-    def _advance(self, rows: list[RowState], pred_feat: torch.Tensor, lm_hidden: torch.Tensor
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """`compiled.advance` for these rows: stop flags, and both LMs' next hidden states."""
-        slots = to_device([r.slot for r in rows], self.device)
-        positions = to_device([r.position for r in rows], self.device)
-        keys_at = key_positions([r.position for r in rows], self.device)
-        adapters = [r.adapter for r in rows]
-        compiled = self._compiled_for(len(rows))
-        if compiled is None:
-            with self._adapted(adapters):
-                return advance(self.model, self.base_kv.k, self.base_kv.v, self.residual_kv.k, self.residual_kv.v,
-                               pred_feat, lm_hidden, slots, positions, keys_at)
-        padding = [NO_ADAPTER] * (compiled.bucket(len(rows)) - len(rows))
-        with self._adapted(adapters + padding, gathered=True):
-            return compiled.advance(self.base_kv, self.residual_kv, pred_feat, lm_hidden, slots, positions, keys_at)
+        return compiled if compiled is not None and compiled.serves(rows) else self.eager
 
 
 class DecodeBalance:
@@ -537,31 +480,14 @@ def _groups(rows: list[RowState], key) -> list[tuple[Any, list[int]]]:
     return list(groups.items())
 
 
-
-def _cfm_solve(cfm: nn.Module, mu: torch.Tensor, cond: torch.Tensor, noise: torch.Tensor, n_timesteps: int,
-               cfg_value: torch.Tensor, velocity_of: Any = velocity) -> torch.Tensor:
-    """UnifiedCFM.forward + solve_euler with a per-row cfg_value and caller-drawn noise; each
-    step's velocity from `velocity_of` (`compiled.velocity`, eager or compiled).
-
-    mu [b, H_dit*2], cond [b, D, P], noise [b, D, P], cfg_value [b] -> x [b, D, P].
-    """
-    b = mu.shape[0]
-    t_span = torch.linspace(1, 0, n_timesteps + 1, device=mu.device, dtype=mu.dtype)
-    t_span = t_span + SWAY_SAMPLING_COEF * (torch.cos(torch.pi / 2 * t_span) - 1 + t_span)
-    x = noise
-    t, dt = t_span[0], t_span[0] - t_span[1]
-    zero_init_steps = max(1, int(len(t_span) * 0.04))
-    mu_in = torch.cat([mu, torch.zeros_like(mu)])
-    cond_in = torch.cat([cond, cond])
-    for step in range(1, len(t_span)):
-        if step <= zero_init_steps:
-            dphi_dt = torch.zeros_like(x)
-        else:
-            t_in = t.expand(2 * b)
-            dt_in = dt.expand(2 * b) if cfm.mean_mode else torch.zeros(2 * b, device=x.device, dtype=x.dtype)
-            dphi_dt = velocity_of(cfm, x, mu_in, t_in, cond_in, dt_in, cfg_value)
-        x = x - dt * dphi_dt
-        t = t - dt
-        if step < len(t_span) - 1:
-            dt = t - t_span[step + 1]
-    return x
+def _ragged(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """One [rows, longest, ...] tensor on `device`, each row zero-padded at its end (prompts of
+    different lengths; built on the host, copied without blocking where the device is a GPU)."""
+    if len(tensors) == 1:
+        out = tensors[0].unsqueeze(0)
+    else:
+        longest = max(t.shape[0] for t in tensors)
+        out = tensors[0].new_zeros((len(tensors), longest, *tensors[0].shape[1:]))
+        for row, t in enumerate(tensors):
+            out[row, :t.shape[0]] = t
+    return host_to_device(out, device)

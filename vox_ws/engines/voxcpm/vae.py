@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .graphs import GraphsBySize, GraphStore
+from .graphs import GraphsBySize, GraphStore, bucket_of, padded
 
 
 # Warming the VAE up for more rows stops once one decode takes this long.
@@ -116,15 +116,13 @@ class BatchedStreamingVAE:
 
     def _decode(self, latents: torch.Tensor, states: list[dict[int, torch.Tensor]]) -> torch.Tensor:
         rows = latents.shape[0]
-        size = next((b for b in self.buckets if b >= rows), rows)
+        size = bucket_of(rows, self.buckets) or rows
         carried = []
         for key, (mod, ctx) in enumerate(self._convs):
             zeros = torch.zeros(1, mod.in_channels, ctx, device=latents.device, dtype=latents.dtype)
             stacked = [s.get(key, zeros) for s in states] + [zeros] * (size - rows)
             carried.append(torch.cat(stacked, dim=0))
-        if size > rows:
-            latents = torch.cat([latents, latents.new_zeros(size - rows, *latents.shape[1:])])
-        latents = latents.contiguous()     # as a compiled graph takes it
+        latents = padded(latents, size).contiguous()     # as a compiled graph takes it
         with self._lock:
             try:
                 audio, carried = self._step(latents, tuple(carried))
