@@ -11,9 +11,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from vox_ws.engine import GenerationRequest
+from vox_ws.engines.voxcpm.compiled import cfm_solve
+from vox_ws.engines.voxcpm.engine import VoxCPMEngine
 from vox_ws.engines.voxcpm.kv import attend, attention_kernel
 from vox_ws.engines.voxcpm.loading import import_voxcpm
-from vox_ws.engines.voxcpm.compiled import cfm_solve
 from vox_ws.engines.voxcpm.transfer import to_device
 
 
@@ -135,3 +137,27 @@ def test_prompts_prefilled_together_equal_each_prefilled_alone(tiny_model):
     assert _prefill_groups([10, 300, 12, 11], budget=40) == [[0, 3, 2], [1]]
     assert _prefill_groups([50], budget=40) == [[0]]
     assert _prefill_groups([20, 8, 19, 9], budget=1000) == [[1, 3], [2, 0]]
+
+
+def test_a_segment_is_tokenized_once_from_its_cut_to_its_prefill(tiny_model):
+    """Cut (does it fit?), checked as it is queued, built as it is prefilled: one tokenization."""
+    engine = VoxCPMEngine(model=str(tiny_model), device="cpu", max_batch=2)
+    engine.load()
+    try:
+        model = engine.tts.tts_model
+        tokenizer, asked = model.text_tokenizer, []
+        model.text_tokenizer = lambda text: asked.append(text) or tokenizer(text)
+        text = "One short segment, said once."
+        (piece,) = engine.text.split(text, {}, None)
+        request = GenerationRequest(text=piece, sink=None)
+        engine.check(request)
+        engine.prefill(request)
+        engine.release(request)
+        assert asked == [text]
+        again = GenerationRequest(text="Another one.", sink=None)
+        engine.check(again)
+        engine.prefill(again)
+        engine.release(again)
+        assert asked == [text, "Another one."]
+    finally:
+        engine.close()

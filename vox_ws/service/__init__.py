@@ -8,6 +8,9 @@
     stream.py    Stream: the consumer's handle (StreamState), owner of the pieces below
     generation.py  Generation: a stream's production on the loop; the service's side of it
     text_plan.py   TextPlan: what is still to be said, in which pieces, and what was (pure)
+    stream_input.py  StreamInput: a stream's text input, its pause and its time-out
+    segments.py  SegmentStarter: a segment's text cut, respelled, prepared; its engine request
+    record.py    StreamRecord: a stream's metrics, usage and log line
     sink.py      SegmentSink: a request's results on the engine thread, posted to the loop
     pacing.py    Pacing: events waiting for the consumer, back-pressure, the playback clock
     output.py    OutputStage: engine audio -> what the consumer receives, and the figures

@@ -4,10 +4,13 @@ each with one owner and one thread, and the way a chunk takes through them, top-
     scheduler thread   SegmentSink (sink.py): one per request; produces the request's audio
                        through the output stage, posts (request, event) to the loop
     event loop         Generation (generation.py): the stream's production; its TextPlan
-                       (text_plan.py, pure) says what to say next; puts events in the pacing
+                       (text_plan.py, pure) says what to say next, its StreamInput
+                       (stream_input.py) takes text in, its SegmentStarter (segments.py) makes
+                       each segment's request; puts events in the pacing
                        Pacing (pacing.py): back-pressure, the stall clock, the lookahead
                        OutputStage.hand_over (output.py): codec, tempo, the final figures
-    the consumer       Stream (here): `async for event in stream`, and a handful of verbs
+    the consumer       Stream (here): `async for event in stream`, and a handful of verbs;
+                       its StreamRecord (record.py) logs the last event it hands over
 
 Its state (`StreamState`) moves one way:
 
@@ -31,6 +34,7 @@ from .record import StreamRecord
 from .request import StreamRequest, StreamSetup
 
 __all__ = ["Stream", "StreamHost", "StreamState"]
+
 
 class Stream:
     """Opened by `StreamService.open_stream`; see the module docstring. `generation` is the

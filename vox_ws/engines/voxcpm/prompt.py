@@ -7,10 +7,34 @@ continuation audio and transcript) taken from a voice's cache.
 from __future__ import annotations
 
 import re
+import threading
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+# Texts whose tokens each model keeps: a segment is counted when it is cut, checked when it is
+# queued and built when it is prefilled, on three threads; the tokenizer runs once for it.
+TOKENS_KEPT = 256
+_kept: "weakref.WeakKeyDictionary[Any, dict[str, list[int]]]" = weakref.WeakKeyDictionary()
+_kept_lock = threading.Lock()
+
+
+def tokens(model: Any, text: str) -> list[int]:
+    """`model.text_tokenizer(text)`, kept for the `TOKENS_KEPT` texts asked last."""
+    with _kept_lock:
+        kept = _kept.setdefault(model, {})
+        found = kept.pop(text, None)
+        if found is not None:
+            kept[text] = found                   # the most recent last
+            return found
+    made = list(model.text_tokenizer(text))
+    with _kept_lock:
+        kept[text] = made
+        while len(kept) > TOKENS_KEPT:
+            del kept[next(iter(kept))]
+    return made
 
 
 @dataclass
@@ -27,40 +51,40 @@ class Prompt:
 def prompt_positions(model: Any, target_text: str, cache: dict | None) -> tuple[int, int]:
     """(positions the prompt of `build_prompt` takes, tokens of the target text), counted
     without building it: cheap enough for the event loop, and no torch."""
-    tokenize = model.text_tokenizer
     mode = "zero_shot" if cache is None else cache.get("mode", "continuation")
     text = target_text
     if mode in ("continuation", "ref_continuation"):
         text = cache.get("prompt_text", "") + target_text
-    positions = len(tokenize(text)) + 1                      # + audio_start
+    positions = len(tokens(model, text)) + 1                 # + audio_start
     if mode in ("reference", "ref_continuation"):
         positions += cache["ref_audio_feat"].shape[0] + 2    # ref_start ... ref_end
     if mode in ("continuation", "ref_continuation"):
         positions += cache["audio_feat"].shape[0]
-    return positions, len(tokenize(target_text))
+    return positions, len(tokens(model, target_text))
 
 
 
 def build_prompt(model: Any, target_text: str, cache: dict | None) -> Prompt:
     """The token/feature sequence for one request (mirrors `_generate_with_prompt_cache`)."""
-    tokenize = model.text_tokenizer
     mode = "zero_shot" if cache is None else cache.get("mode", "continuation")
     text = target_text
     if mode in ("continuation", "ref_continuation"):
         text = cache.get("prompt_text", "") + target_text
-    tokens = torch.cat([torch.LongTensor(tokenize(text)), torch.tensor([model.audio_start_token], dtype=torch.int32)])
-    n_text = tokens.shape[0]
+    text_tokens = torch.cat([torch.LongTensor(tokens(model, text)),
+                             torch.tensor([model.audio_start_token], dtype=torch.int32)])
+    n_text = text_tokens.shape[0]
     zeros_feat = torch.zeros((n_text, model.patch_size, model.audio_vae.latent_dim), dtype=torch.float32)
     ones_text = torch.ones(n_text, dtype=torch.int32)
     zeros_text = torch.zeros(n_text, dtype=torch.int32)
     seq_tokens, seq_feat, seq_tmask, seq_amask = [], [], [], []
     if mode in ("reference", "ref_continuation"):
-        ref_tokens, ref_feats, ref_t_mask, ref_a_mask = model._make_ref_prefix(cache["ref_audio_feat"], tokens.device)
+        ref_tokens, ref_feats, ref_t_mask, ref_a_mask = model._make_ref_prefix(cache["ref_audio_feat"],
+                                                                               text_tokens.device)
         seq_tokens.append(ref_tokens)
         seq_feat.append(ref_feats)
         seq_tmask.append(ref_t_mask)
         seq_amask.append(ref_a_mask)
-    seq_tokens.append(tokens)
+    seq_tokens.append(text_tokens)
     seq_feat.append(zeros_feat)
     seq_tmask.append(ones_text)
     seq_amask.append(zeros_text)
@@ -76,7 +100,7 @@ def build_prompt(model: Any, target_text: str, cache: dict | None) -> Prompt:
         text_mask=torch.cat(seq_tmask),
         audio_feat=torch.cat(seq_feat, dim=0),
         audio_mask=torch.cat(seq_amask),
-        target_tokens=len(tokenize(target_text)),
+        target_tokens=len(tokens(model, target_text)),
     )
 
 
