@@ -400,7 +400,7 @@ def test_auto_on_a_cpu_measures_each_bucket_and_uses_it_only_where_it_is_faster(
         measured = background["measured"]["1"]
         faster = measured["compiled_ms"] < measured["eager_ms"]
         assert (background["adopted"], background["declined"]) == (([1], []) if faster else ([], [1])), background
-        assert engine.runner._compiled_for(1) is (engine.compiled if faster else None)
+        assert engine.runner._step_for(1) is (engine.compiled if faster else engine.runner.eager)
     finally:
         engine.close()
     assert engine.background.status == "done"
