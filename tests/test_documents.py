@@ -105,7 +105,11 @@ def test_an_interrupted_run_says_how_far_it_got_and_its_file_is_whole(small_pipe
     document = tmp_path / "long.txt"
     document.write_text(PARAGRAPH * 40)
     out = tmp_path / "long.wav"
-    proc = subprocess.Popen([sys.executable, "-m", "vox_ws", "say", "--file", str(document), "-o", str(out),
+    # Ctrl-C as a terminal delivers it: a test runner started in the background has SIGINT
+    # ignored, and a child would inherit that, so the child takes it as Python does by default.
+    interruptible = ("import runpy, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+                     "sys.argv[0] = 'vox-ws'; runpy.run_module('vox_ws', run_name='__main__')")
+    proc = subprocess.Popen([sys.executable, "-c", interruptible, "say", "--file", str(document), "-o", str(out),
                              "--url", small_piper.url], stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + WAIT_TIMEOUT
