@@ -84,12 +84,6 @@ class VoiceService:
         """What the voice a client named is, for `owner` (whose voice names count)."""
         return self.names.resolve(self.devices.engine, self.devices.status, voice, owner)
 
-    async def voices_of(self, owner: str) -> list[VoiceSummary]:
-        """The voices `owner` registered, oldest first (none where the engine cannot clone)."""
-        if not self.devices.engine.supports_voices:
-            return []
-        return await self.store.owned_by(owner)
-
     async def owned_by(self, owner: str) -> list[VoiceSummary]:
         """The voices `owner` registered, oldest first (none where the engine cannot clone)."""
         if not self.devices.engine.supports_voices:
