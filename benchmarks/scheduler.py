@@ -16,6 +16,14 @@ one batched step at several batch sizes.
     python -m benchmarks.scheduler [--model DIR] [--concurrency 1,2,4,8,16] [--profile] [--compile on]
 
 Without --model it builds the tiny random-weight VoxCPM2 in a temporary directory.
+
+`--burst` measures as nanovllm-voxcpm's benchmark does instead: N requests of one short text
+("Hello world.") sent at once, for each N, on one engine load (a short warm-up burst of each N
+first); first audio p50/p95 per N and audio seconds per second, eager, and then, where
+`--compile` is not off, with the step the background compile made (as a default start serves
+it). The package's serial arm runs N = 1 only, on the engine's own model:
+
+    python -m benchmarks.scheduler --burst --concurrency 1,32,64 [--compile auto --compile-wait-s 300]
 """
 
 from __future__ import annotations
@@ -29,10 +37,11 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
-from vox_ws.loadtest import count_underruns
+from vox_ws.playback import count_underruns
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TQDM_DISABLE", "1")
@@ -189,6 +198,127 @@ def run_batched(model_dir: str, device: str, clients: list[list[Job]], offsets: 
             **_memory(device)}
 
 
+BURST_TEXT = "Hello world."        # nanovllm-voxcpm's benchmark prompt
+
+
+class _Steps:
+    """The scheduler's steps, as `on_step` reports them: (rows, seconds)."""
+
+    def __init__(self) -> None:
+        self.taken: list[tuple[int, float]] = []
+
+    def __call__(self, rows: int, seconds: float) -> None:
+        self.taken.append((rows, seconds))
+
+
+def _burst(scheduler: Any, engine: Any, n: int, length: int, steps: _Steps, seed: int = 0) -> dict:
+    """N requests of BURST_TEXT submitted at once, each `length` patches long: first audio per
+    request from the moment they were all sent, audio seconds per second until the last ended."""
+    from vox_ws.engine import GenerationRequest
+
+    jobs = [Job(client=i, text=BURST_TEXT, seed=seed * 1000 + i, max_len=length) for i in range(n)]
+    events: queue.Queue = queue.Queue()
+    requests = []
+    for job in jobs:
+        request = GenerationRequest(text=job.text, sink=_Sink(job, engine.sample_rate, events),
+                                    options={"seed": job.seed, "max_len": job.max_len})
+        engine.check(request)
+        requests.append(request)
+    taken = len(steps.taken)
+    t0 = time.perf_counter()
+    for request in requests:
+        scheduler.submit(request)
+    for _ in jobs:
+        events.get(timeout=600)
+    ran = steps.taken[taken:]
+    return {**summarise([[job] for job in jobs], t0),
+            "mean_step_ms": round(sum(s for _, s in ran) / len(ran) * 1000, 2) if ran else 0.0,
+            "steps": len(ran), "largest_step_rows": max((r for r, _ in ran), default=0)}
+
+
+def run_bursts(model_dir: str, device: str, ns: list[int], threads: int, length: int = 25,
+               compile: str = "off", compile_cache: str | None = None, compile_buckets: tuple[int, ...] | None = None,
+               compile_wait_s: float = 0.0, report: Any = None) -> dict:
+    """Bursts of N = `ns` on one engine load: a serial arm (the package's own loop on the
+    engine's model, N = 1), then eager (with a background compile running where `compile` is
+    not off: as a default start serves), then compiled once the background compile is done
+    (waited for `compile_wait_s` at most). `report(partial)` is called after each figure."""
+    from vox_ws.engines.voxcpm.engine import VoxCPMEngine
+    from vox_ws.scheduler import Scheduler
+
+    result: dict[str, Any] = {"text": BURST_TEXT, "length_patches": length, "ns": ns}
+    tell = report or (lambda _: None)
+    slots = max(ns)
+    started = time.perf_counter()
+    engine = VoxCPMEngine(model=model_dir, device=device, threads=threads, max_batch=slots, compile=compile,
+                          compile_cache=compile_cache, compile_buckets=compile_buckets, compile_wait=False)
+    scheduler = Scheduler(engine, max_batch=slots, max_queue=slots)
+    steps = _Steps()
+    scheduler.on_step = steps
+    scheduler.start()
+    try:
+        scheduler.ready_event.wait()
+        if scheduler.status != "ready":
+            raise RuntimeError(scheduler.error)
+        info = engine.describe()
+        result["load"] = {"seconds": round(time.perf_counter() - started, 1), "slots": info["max_batch"],
+                          "step_rows": info["step_rows"], "slots_reason": scheduler.slots_reason,
+                          "attention": info["attention"], "dtype": info["dtype"], **_memory(device)}
+        tell(result)
+        result["serial"] = scheduler.call(lambda: _serial_once(engine, length)).result(timeout=600)
+        tell(result)
+        for phase in ("eager", "compiled"):
+            if phase == "compiled":
+                if engine.background is None:
+                    break
+                deadline = time.monotonic() + compile_wait_s
+                while engine.background.status == "compiling" and time.monotonic() < deadline:
+                    time.sleep(0.5)
+                for n in ns:               # the step adopts what has arrived at its next turn
+                    _burst(scheduler, engine, n, 2, steps)
+            compile_info = engine.describe()["compile"]
+            runs = result[phase] = {"compile": compile_info, "results": []}
+            for n in ns:
+                _burst(scheduler, engine, n, 3, steps, seed=1)          # warm-up: this N's shapes
+                runs["results"].append({"n": n, **_burst(scheduler, engine, n, length, steps, seed=2)})
+                tell(result)
+            runs["adopted"] = engine.describe()["compile"]["buckets"]
+        result["peak"] = _memory(device)
+    finally:
+        scheduler.stop()
+    return result
+
+
+def _serial_once(engine: Any, length: int) -> dict:
+    """The package's own generate_streaming on the engine's model, one request: what a server
+    without a batching scheduler gives one stream (a warm-up request first)."""
+    import torch
+
+    tts, rate = engine.tts, engine.sample_rate
+    list(tts.generate_streaming(text="Warm up.", max_len=3, retry_badcase=False))
+    torch.manual_seed(0)
+    job = Job(client=0, text=BURST_TEXT, seed=0, max_len=length)
+    t0 = time.perf_counter()
+    for chunk in tts.generate_streaming(text=job.text, max_len=length, min_len=length, retry_badcase=False):
+        job.chunks.append((time.perf_counter(), len(chunk) / rate))
+    job.done_at = time.perf_counter()
+    return {"n": 1, **summarise([[job]], t0)}
+
+
+def print_bursts(result: dict) -> None:
+    load = result["load"]
+    print(f"# one load: {load['seconds']} s, {load['slots']} slots ({load['slots_reason']})")
+    print(f"{'phase':>9} {'N':>3} {'ttfa p50':>9} {'ttfa p95':>9} {'audio s/s':>9} {'step ms':>8}")
+    serial = result.get("serial")
+    if serial:
+        print(f"{'serial':>9} {1:>3} {serial['ttfa_p50_ms']:>7.0f}ms {serial['ttfa_p95_ms']:>7.0f}ms "
+              f"{serial['throughput']:>9.2f} {'':>8}")
+    for phase in ("eager", "compiled"):
+        for r in result.get(phase, {}).get("results", []):
+            print(f"{phase:>9} {r['n']:>3} {r['ttfa_p50_ms']:>7.0f}ms {r['ttfa_p95_ms']:>7.0f}ms "
+                  f"{r['throughput']:>9.2f} {r['mean_step_ms']:>8.1f}")
+
+
 def _memory(device: str) -> dict:
     """The process's peak memory: the device's (PyTorch's allocator) on a GPU, else the RSS."""
     import resource
@@ -293,6 +423,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile", action="store_true", help="also time the parts of one step")
     ap.add_argument("--compile", choices=["off", "on", "auto"], default="off",
                     help="the batched arm's --compile (compiled at each N's load; cached across them)")
+    ap.add_argument("--burst", action="store_true", help="N requests of one short text at once per N, one load")
+    ap.add_argument("--length", type=int, default=25, help="--burst: patches (160 ms each) per request")
+    ap.add_argument("--buckets", help="--burst: the batch sizes the background compile compiles")
+    ap.add_argument("--compile-wait-s", type=float, default=300.0,
+                    help="--burst: how long to wait for the background compile before the compiled round")
     ap.add_argument("--json", help="write all results to this file")
     args = ap.parse_args(argv)
 
@@ -306,6 +441,17 @@ def main(argv: list[str] | None = None) -> int:
         from vox_ws.testing.tiny_voxcpm import build
 
         model_dir = str(build(tempfile.mkdtemp(prefix="vox-ws-bench-"), size=args.size))
+    if args.burst:
+        from vox_ws.engines.voxcpm import parse_buckets
+
+        result = run_bursts(model_dir, args.device, [int(x) for x in args.concurrency.split(",")], args.threads,
+                            args.length, args.compile, os.path.join(model_dir, "compile-cache"),
+                            parse_buckets(args.buckets) if args.buckets else None, args.compile_wait_s)
+        print_bursts(result)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"args": vars(args), **result}, f, indent=2)
+        return 0
     voxcpm = import_voxcpm()
     tts = voxcpm.VoxCPM.from_pretrained(model_dir, load_denoiser=False, optimize=False, device=args.device)
     rate = tts.tts_model.sample_rate

@@ -8,11 +8,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 python=.venv/bin/python
 [ -x "$python" ] || { echo "run scripts/setup.sh with the voxcpm extra first (its versions are pinned here)" >&2; exit 2; }
-# voxcpm and what it imports (pydantic, librosa, the text normaliser), what vox-ws imports on
-# the engine's path (soxr, soundfile, sentencex, websockets), and their own dependencies.
-packages=(voxcpm pydantic pydantic-core annotated-types typing-inspection librosa audioread decorator pooch
-          platformdirs soundfile cffi pycparser soxr inflect jaraco.functools more-itertools typeguard wetext
-          contractions textsearch anyascii pyahocorasick kaldifst sentencex websockets)
+# The list is benchmarks/device_stack.py's WHEELS (voxcpm and what it imports, what vox-ws imports
+# on the engine's path, and their own dependencies): the same list the CI test blocks against.
+mapfile -t packages < <("$python" -m benchmarks.device_stack --wheels)
 pins=()
 for package in "${packages[@]}"; do
   version="$("$python" -c 'import importlib.metadata, sys; print(importlib.metadata.version(sys.argv[1]))' "$package")"

@@ -11,15 +11,16 @@ import sys
 import pytest
 
 from vox_ws import capacity
+from vox_ws.playback import playback_gaps
 
 
 def test_a_player_hears_a_gap_when_a_chunk_comes_after_the_audio_before_it_has_played():
     arrivals = [(10.0, 0.5), (10.4, 0.5), (11.2, 0.3), (11.3, 1.0), (12.7, 0.1)]
     # Playing from 10.0: due again at 10.5, then 11.0; 11.2 is 0.2 s late; from 11.2 due at
     # 11.5, then 12.5; 12.7 is 0.2 s late.
-    assert capacity.playback_gaps(arrivals) == pytest.approx([0.2, 0.2])
-    assert capacity.playback_gaps([(0.0, 1.0), (0.5, 1.0)]) == []
-    assert capacity.playback_gaps([]) == []
+    assert playback_gaps(arrivals) == pytest.approx([0.2, 0.2])
+    assert playback_gaps([(0.0, 1.0), (0.5, 1.0)]) == []
+    assert playback_gaps([]) == []
 
 
 def summary(rate: float, p95_ms: float, gap_free: float, listeners: float) -> dict:

@@ -20,7 +20,8 @@ from vox_ws.engines.voxcpm import parse_buckets, parse_compile
 from vox_ws.engines.voxcpm.compiled import buckets_for
 from vox_ws.engines.voxcpm.decoder_process import DecoderProcess
 from vox_ws.engines.voxcpm.engine import VoxCPMEngine
-from vox_ws.engines.voxcpm.graphs import GraphMismatch, GraphMissing, GraphsBySize, GraphStore
+from vox_ws.engines.voxcpm.graphs import (GraphMismatch, GraphMissing, GraphsBySize, GraphStore,
+                                          PrecompileUnavailable)
 
 # The full lane runs these, not the quick one: together they took a minute or more of it (CONTRIBUTING.md, "Tests").
 pytestmark = pytest.mark.slow
@@ -335,6 +336,47 @@ def test_another_users_cache_or_planted_file_is_never_unpickled(tmp_path):
     assert not (tmp_path / "ran").exists()
 
 
+def test_precompile_is_switched_on_where_torch_keeps_it_behind_a_flag(tmp_path, monkeypatch):
+    """torch 2.11 has `enable_aot_compile` off by default: the store turns it on, so graphs are
+    saved and loaded (the flag off, a store silently saved nothing)."""
+    config = torch._dynamo.config
+    if not hasattr(config, "enable_aot_compile"):
+        pytest.skip("this torch keeps no precompile flag")
+    monkeypatch.setattr(config, "enable_aot_compile", False)
+    layer, x = torch.nn.Linear(4, 3), torch.randn(2, 4)
+    store = GraphStore(tmp_path)
+    assert store.precompile and config.enable_aot_compile
+    store.graph("affine", _affine, (layer, x), context="test")
+    assert list((tmp_path / "graphs").glob("affine-*.pt2"))
+    monkeypatch.setattr(config, "enable_aot_compile", False)
+    again = GraphStore(tmp_path, load_only=True)
+    again.graph("affine", _affine, (layer, x), context="test")
+    assert (again.loaded, again.compiled) == (1, 0)
+
+
+def test_without_precompile_a_load_only_store_refuses_and_the_engine_serves_eager(tiny_model, tmp_path,
+                                                                                   monkeypatch, caplog):
+    """A torch that cannot load saved graphs: the serving side never compiles on its own thread;
+    it stays eager, says why, and /v1/info says graphs are not kept."""
+    from vox_ws.engines.voxcpm import graphs
+
+    monkeypatch.setattr(graphs, "precompile_available", lambda: False)
+    with pytest.raises(PrecompileUnavailable, match="cannot load saved graphs"):
+        GraphStore(tmp_path / "store", load_only=True)
+    engine = VoxCPMEngine(model=str(tiny_model), device="cpu", max_batch=1, compile="on", compile_buckets=(1,),
+                          compile_cache=str(tmp_path / "cache"), compile_wait=False)
+    with caplog.at_level(logging.WARNING, logger="vox_ws.engines.voxcpm"):
+        engine.load()
+    try:
+        info = engine.describe()["compile"]
+        assert engine.background is None and engine.compiled is None
+        assert info["precompile"] is False and info["compiled"] is False and "background" not in info
+        assert "serving eager" in caplog.text and "cannot load saved graphs" in caplog.text
+        assert _speak(engine).shape[0] > 0
+    finally:
+        engine.close()
+
+
 @pytest.fixture(scope="module")
 def background_cache(tmp_path_factory):
     """One compile cache for the background compiles of this module: the first compiles into it,
@@ -441,3 +483,44 @@ def test_the_background_compile_ends_with_the_server_that_started_it(tiny_model,
         if parent.poll() is None:
             parent.kill()
             parent.wait()
+
+
+@pytest.mark.slow
+def test_vox_ws_compile_fills_a_cache_that_a_later_serve_loads_without_compiling(tiny_model, tmp_path):
+    """`vox-ws compile` with serve's options compiles every graph into the cache and exits; the
+    server started after it with the same options loads each graph (none compiled there)."""
+    import json
+    import subprocess
+    import sys
+    import urllib.request
+
+    from conftest import start_serve
+
+    options = ["--engine", "voxcpm", "--model", str(tiny_model), "--device", "cpu", "--slots", "1",
+               "--compile-cache", str(tmp_path / "cache")]
+    ahead = subprocess.run([sys.executable, "-m", "vox_ws", "compile", *options], capture_output=True, text=True,
+                           timeout=BACKGROUND_BOUND_S)
+    assert ahead.returncode == 0, ahead.stderr[-3000:]
+    assert "the step for [1] rows" in ahead.stdout and "3 graphs compiled" in ahead.stdout, ahead.stdout
+    proc, port = start_serve([sys.executable, "-m", "vox_ws", "serve", "--port", "0", *options, "--compile", "on",
+                              "--compile-wait", "true"], tmp_path / "serve.log")
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/info", timeout=30) as response:
+            info = json.load(response)
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    compiled = info["compile"]
+    assert compiled["buckets"] == [1] and compiled["precompile"] is True, compiled
+    assert compiled["graphs"]["compiled"] == 0 and compiled["graphs"]["loaded"] >= 2, compiled
+
+
+def test_vox_ws_compile_refuses_what_has_nothing_to_compile():
+    import subprocess
+    import sys
+
+    for options, said in ((["--engine", "piper"], "has no compiled step"),
+                          (["--engine", "voxcpm", "--compile", "off"], "nothing to compile")):
+        run = subprocess.run([sys.executable, "-m", "vox_ws", "compile", *options], capture_output=True, text=True,
+                             timeout=120)
+        assert run.returncode == 2 and said in run.stderr, run.stderr

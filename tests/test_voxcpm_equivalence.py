@@ -126,3 +126,18 @@ def test_a_residual_lm_with_rotary_embeddings_matches_the_package_too(tmp_path):
     (tmp_path / "work").mkdir()
     result = compare(str(model), "cpu", tmp_path / "work", decode_process=False)
     assert result["equal"] and result["max_batch"] == 4, result["max_abs_diff"]
+
+
+def test_mup_scaling_matches_the_package_too(tmp_path):
+    """The released model has muP off (the tiny model follows it); a checkpoint with it on
+    scales the embedding and every residual branch, which the step reproduces, checked here."""
+    from benchmarks.equivalence import compare
+    from vox_ws.testing.tiny_voxcpm import build
+
+    torch.set_num_threads(1)
+    model = build(tmp_path / "mup", stop="never", mup=True)
+    assert import_voxcpm().VoxCPM.from_pretrained(str(model), load_denoiser=False, optimize=False,
+                                                  device="cpu").tts_model.config.lm_config.use_mup
+    (tmp_path / "work").mkdir()
+    result = compare(str(model), "cpu", tmp_path / "work", decode_process=False)
+    assert result["equal"] and result["max_batch"] == 4, result["max_abs_diff"]

@@ -30,6 +30,7 @@ import msgpack
 import numpy as np
 
 from .audio import bytes_per_sample
+from .playback import playback_gaps
 
 SENTENCES = [
     "Sure, I can help with that.",
@@ -48,22 +49,6 @@ TARGET_P95_S = 0.3             # first audio p95 within this ...
 TARGET_GAP_FREE = 0.99         # ... and this share of streams gap-free: the rate is held
 LOAD_SAMPLE_S = 0.25
 LISTENER_TIMEOUT_S = 300.0
-
-
-def playback_gaps(arrivals: list[tuple[float, float]]) -> list[float]:
-    """The gaps a player hears that starts at the first chunk and plays at 1x: for each chunk
-    that arrives after the audio before it has finished playing, how long the player waited.
-    `arrivals`: (arrival time, seconds of audio) per chunk, in order. A chunk within a
-    microsecond of its time is on time (float sums of chunk lengths are not exact)."""
-    gaps, due = [], None
-    for arrived, seconds in arrivals:
-        if due is None:
-            due = arrived
-        elif arrived > due + 1e-6:
-            gaps.append(arrived - due)
-            due = arrived
-        due += seconds
-    return gaps
 
 
 def text_of(rng: random.Random, seconds: float) -> str:

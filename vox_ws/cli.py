@@ -143,12 +143,19 @@ def build_parser() -> argparse.ArgumentParser:
         names = [f"--{option}"] + ([f"--{old}"] if old else [])
         group.add_argument(*names, dest=dest, type=kind, default=value, help=f"{text} [env {env}; default {default}]")
 
-    for option, kind, default, text in _SERVE_OPTIONS:
-        add(serve, option, kind, default, text)
-    for title, settings in _engine_options():
-        group = serve.add_argument_group(title)
-        for setting in settings:
-            add(group, setting.name, setting.kind, setting.default, setting.help, setting.many)
+    from . import compile_ahead, loadtest, models
+
+    compile_command = commands.add_parser("compile", help="compile the step into the compile cache ahead of time, "
+                                                          "then exit (serve's options)",
+                                          description=compile_ahead.__doc__,
+                                          formatter_class=argparse.RawDescriptionHelpFormatter)
+    for command in (serve, compile_command):
+        for option, kind, default, text in _SERVE_OPTIONS:
+            add(command, option, kind, default, text)
+        for title, settings in _engine_options():
+            group = command.add_argument_group(title)
+            for setting in settings:
+                add(group, setting.name, setting.kind, setting.default, setting.help, setting.many)
 
     say = commands.add_parser("say", help="speak a text, a file or standard input through a running server into "
                                           "one file (WAV or a codec's) or the speakers")
@@ -174,8 +181,6 @@ def build_parser() -> argparse.ArgumentParser:
     who.add_argument("--address", help="a client address (clients without a token)")
     owner.add_argument("--metrics-secret", default=os.environ.get("VOX_WS_METRICS_SECRET"),
                        help="the server's --metrics-secret [env VOX_WS_METRICS_SECRET]")
-
-    from . import loadtest, models
 
     models.add_arguments(commands.add_parser("models", help="VoxCPM2 weights: pull a checkpoint, list those on disk",
                                              description=models.__doc__,
@@ -269,6 +274,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         except ImportError:
             return asyncio.run(_serve(config))
         return uvloop.run(_serve(config))
+    if args.command == "compile":
+        from .compile_ahead import compile_ahead
+
+        config = config_from_args(args)
+        try:
+            return compile_ahead(config)
+        except ValueError as exc:             # a setting that cannot be served
+            print(f"vox-ws compile: {exc}", file=sys.stderr)
+            return 2
     if args.command == "say":
         from . import say
 

@@ -26,7 +26,7 @@ from urllib.parse import urlsplit
 import numpy as np
 
 from .audio import bytes_per_sample
-from .capacity import playback_gaps
+from .playback import count_underruns
 from .client import VoxError, connect
 
 TEXTS = [
@@ -60,12 +60,6 @@ class Level:
             "audio_s_per_s": round(self.audio_s / self.wall_s, 3) if self.wall_s else None,
             "errors": dict(self.errors),
         }
-
-
-def count_underruns(arrivals: list[tuple[float, float]]) -> int:
-    """A player that starts at the first chunk: a chunk arriving after the audio before it has
-    finished playing is an underrun (the player then waits and resumes)."""
-    return len(playback_gaps(arrivals))
 
 
 async def one_request(client, text: str, stream_input: bool, words_per_second: float, fmt: str,

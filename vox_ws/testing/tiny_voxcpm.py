@@ -2,8 +2,8 @@
 
 `tiny` (~2 MB, built in about a second on a CPU) serves the tests and the CPU benchmark;
 `real` has the released model's layer sizes (random weights, several GB) and is only for
-timing on a GPU. Both have the released configuration's structure (`RELEASED`: muP scales, a
-residual LM without rotary embeddings); `real` also its 12 + 12 local layers, vocabulary of
+timing on a GPU. Both have the released configuration's structure (`RELEASED`: no muP scaling
+(`use_mup: false`), a residual LM without rotary embeddings); `real` also its 12 + 12 local layers, vocabulary of
 73,448 and 32,768 positions. Both keep the real model's audio geometry: 48 kHz output, 4 latent frames per
 generation step, 7680 samples (160 ms) per chunk.
 
@@ -66,14 +66,17 @@ SIZES = {
 }
 
 
-# The published VoxCPM2 configuration's structure, at every size: muP scales, a residual LM
-# without rotary embeddings (its decode step reads no positions), cfg 2.0 in its examples.
-RELEASED = dict(use_mup=True, scale_emb=12.0, scale_depth=1.4, dim_model_base=256, residual_lm_no_rope=True)
+# The published VoxCPM2 configuration's structure, at every size: no muP scaling (`use_mup`
+# false: the embedding and the residual branches unscaled, whatever scale_emb and scale_depth
+# say), a residual LM without rotary embeddings (its decode step reads no positions), cfg 2.0
+# in its examples.
+RELEASED = dict(use_mup=False, scale_emb=12.0, scale_depth=1.4, dim_model_base=256, residual_lm_no_rope=True)
 
 
-def make_config(size: str, vocab_size: int, dtype: str, residual_rope: bool = False) -> dict:
+def make_config(size: str, vocab_size: int, dtype: str, residual_rope: bool = False, mup: bool = False) -> dict:
     """`residual_rope`: a residual LM with rotary embeddings, as VoxCPM2 checkpoints may have
-    (`residual_lm_no_rope: false`), unlike the released one."""
+    (`residual_lm_no_rope: false`), unlike the released one; `mup`: muP's scaled embedding and
+    residual branches (`use_mup: true`), the step's other path, also unlike the released one."""
     s = SIZES[size]
     hd = s["head_dim"]
     positions = s.get("positions", s["max_len"])
@@ -86,7 +89,7 @@ def make_config(size: str, vocab_size: int, dtype: str, residual_rope: bool = Fa
             "num_hidden_layers": s["lm_layers"], "num_key_value_heads": s["lm_kv_heads"], "rms_norm_eps": 1e-5,
             "rope_scaling": {"type": "longrope", "long_factor": [1.0] * (hd // 2), "short_factor": [1.0] * (hd // 2),
                              "original_max_position_embeddings": positions},
-            "vocab_size": vocab_size, "use_mup": RELEASED["use_mup"], "scale_emb": RELEASED["scale_emb"],
+            "vocab_size": vocab_size, "use_mup": RELEASED["use_mup"] or mup, "scale_emb": RELEASED["scale_emb"],
             "dim_model_base": RELEASED["dim_model_base"], "scale_depth": RELEASED["scale_depth"],
             "rope_theta": 10000.0, "kv_channels": hd,
         },
@@ -117,12 +120,13 @@ def make_config(size: str, vocab_size: int, dtype: str, residual_rope: bool = Fa
 
 
 def build(out_dir: str | os.PathLike, size: str = "tiny", stop: str = "never", seed: int = 0,
-          dtype: str = "float32", residual_rope: bool = False) -> Path:
+          dtype: str = "float32", residual_rope: bool = False, mup: bool = False) -> Path:
     """Write a random-weight checkpoint to `out_dir` and return its path.
 
     stop: `never` runs every request to its length cap (deterministic lengths for tests),
     `always` stops right after min_len, `random` keeps the random stop head.
     residual_rope: the residual LM with rotary embeddings (the released model has none).
+    mup: muP scaling on (the released model has it off).
     """
     import torch
     from safetensors.torch import save_file
@@ -137,7 +141,8 @@ def build(out_dir: str | os.PathLike, size: str = "tiny", stop: str = "never", s
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
-    config_dict = make_config(size, _write_tokenizer(out, SIZES[size]["max_len"]), dtype, residual_rope)
+    config_dict = make_config(size, _write_tokenizer(out, SIZES[size]["max_len"]), dtype, residual_rope,
+                              mup)
     (out / "config.json").write_text(json.dumps(config_dict, indent=2))
     config = VoxCPMConfig.model_validate(config_dict)
     vae = AudioVAEV2(config=AudioVAEConfigV2.model_validate(config_dict["audio_vae_config"]))
@@ -171,9 +176,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     ap.add_argument("--residual-rope", action="store_true",
                     help="a residual LM with rotary embeddings (the released VoxCPM2 has none)")
+    ap.add_argument("--mup", action="store_true", help="muP scaling on (the released VoxCPM2 has it off)")
     args = ap.parse_args(argv)
     started = time.perf_counter()
-    out = build(args.out_dir, args.size, args.stop, args.seed, args.dtype, args.residual_rope)
+    out = build(args.out_dir, args.size, args.stop, args.seed, args.dtype, args.residual_rope, args.mup)
     size = sum(f.stat().st_size for f in out.iterdir())
     print(f"{args.size} VoxCPM2 written to {out}: {size / 1e6:.1f} MB in {time.perf_counter() - started:.1f}s",
           file=sys.stderr)

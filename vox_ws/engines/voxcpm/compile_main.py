@@ -67,14 +67,14 @@ def compile_all(settings: dict[str, Any]) -> None:
         started = time.perf_counter()
         compiled.warm_up(runner.base_kv, runner.residual_kv, (rows,))
         seconds = time.perf_counter() - started
-        timings = _time_both(runner, compiled, prompt, rows, NO_ADAPTER) if measure else {}
+        timings = time_eager_and_compiled(runner, compiled, prompt, rows, NO_ADAPTER) if measure else {}
         say("bucket", rows=rows, seconds=round(seconds, 2), **timings)
     started = time.perf_counter()
     runner.vae.compile(buckets, model.patch_size, compiled.store)
     say("decode", seconds=round(time.perf_counter() - started, 2))
 
 
-def _time_both(runner: Any, compiled: Any, prompt: Any, rows: int, no_adapter: int) -> dict[str, float]:
+def time_eager_and_compiled(runner: Any, compiled: Any, prompt: Any, rows: int, no_adapter: int) -> dict[str, float]:
     """One step of `rows` rows, eager and compiled (the median of 5 after 2 each, the decode
     eager in both): which is the faster on this device."""
     from .runner import PrefillInput

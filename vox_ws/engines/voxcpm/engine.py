@@ -22,6 +22,7 @@ from .settings import COMPILE_MODES
 from .background import BackgroundCompile
 from .decoder_process import DecoderProcess
 from .compiled import BUCKETS, CompiledStep, buckets_for, warm_compiler
+from .graphs import PrecompileUnavailable
 from .kv import attention_kernel
 from .normalizer import NORMALIZE_TIMEOUT_S, Normalizer
 from .options import DEFAULTS, OPTIONS
@@ -101,6 +102,7 @@ class VoxCPMEngine(Engine):
         self._compile_buckets = tuple(compile_buckets) if compile_buckets else BUCKETS
         self._compile_wait = compile_wait
         self.compiled = None       # compiled.CompiledStep, when the step is compiled
+        self.precompile: bool | None = None   # whether compiled graphs are saved and loaded (once known)
         self.background = None     # background.BackgroundCompile, while and after it compiles
         self._warm_normalizer = warm_normalizer
         self.loras = AdapterBook(None, {}, lora_dir, 0.0)    # until `load` builds the slots
@@ -208,8 +210,17 @@ class VoxCPMEngine(Engine):
         """Start compiling every bucket in a child process; `_adopt_compiled` takes each in."""
         buckets = buckets_for(self.max_step_batch, self._compile_buckets)
         # Whose graphs the server will load: the cache made private here first (`cache_trust`).
-        self.compiled = CompiledStep(self.tts.tts_model, buckets, self._compile_cache, adapters=self.loras.adapters,
-                                     load_only=True)
+        try:
+            compiled = CompiledStep(self.tts.tts_model, buckets, self._compile_cache, adapters=self.loras.adapters,
+                                    load_only=True)
+        except PrecompileUnavailable as exc:
+            # Graphs a child compiled could not be loaded here: this process would compile them
+            # itself, on the engine's thread, for minutes. Serving stays eager.
+            self.precompile = False
+            log.warning("the step is not compiled in the background: %s; serving eager (--compile-wait compiles "
+                        "at start instead, in this process)", exc)
+            return
+        self.compiled = compiled
         self.background = BackgroundCompile({
             "model": str(path), "device": self.device, "threads": self._threads, "buckets": list(buckets),
             "cache": str(self.compiled.cache_dir), "lora_rank": self._lora_rank, "lora_alpha": self._lora_alpha,
@@ -251,6 +262,7 @@ class VoxCPMEngine(Engine):
         finally:
             self.loading_phase = None
         self.compiled = compiled
+        self.precompile = compiled.store.precompile
         log.info("the step is compiled for %s rows in %.1f s (cache %s)", list(buckets),
                  time.perf_counter() - started, self.compiled.cache_dir)
 
@@ -351,6 +363,7 @@ class VoxCPMEngine(Engine):
         return {**super().describe(), "dtype": self.dtype, "attention": self.attention, "lora": self.loras.describe(),
                 "max_batch": self._slots, "step_rows": self.max_step_batch,
                 "compile": {"mode": self._compile, "compiled": bool(compiled and compiled.ready),
+                            "precompile": self.precompile if compiled is None else compiled.store.precompile,
                             "buckets": sorted(compiled.ready) if compiled else [],
                             "compile_s": dict(compiled.compile_s) if compiled else {},
                             "graphs": ({"loaded": compiled.store.loaded, "compiled": compiled.store.compiled}

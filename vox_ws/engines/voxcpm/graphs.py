@@ -15,8 +15,11 @@ pickle the weights into every file), so this store keeps the two promises guards
 - every call is checked against the shapes and dtypes it was compiled for (a dynamic size
   anything of at least 2), and refused with `GraphMismatch` otherwise.
 
-Where this PyTorch has no precompile, or a graph cannot be saved, the store falls back to
-`torch.compile` (traced at each start, guarded as usual); the log says which.
+Precompile is switched on where this PyTorch has it behind a flag
+(`torch._dynamo.config.enable_aot_compile`: off by default in torch 2.11, on in 2.13). Where it
+cannot be had, a store that compiles falls back to `torch.compile` (traced at each start, guarded
+as usual, nothing saved) and says so once in the log; a store that only loads refuses at once
+(`PrecompileUnavailable`): it would otherwise compile in the serving process.
 """
 
 from __future__ import annotations
@@ -50,6 +53,21 @@ class GraphMismatch(RuntimeError):
 
 class GraphMissing(RuntimeError):
     """A store that only loads was asked for a graph no one has compiled into it."""
+
+
+class PrecompileUnavailable(RuntimeError):
+    """This PyTorch cannot save or load compiled graphs, and the store was asked only to load."""
+
+
+def precompile_available() -> bool:
+    """Whether compiled graphs can be saved and loaded here: `aot_compile` exists, with its
+    flag switched on where this PyTorch keeps one (torch 2.11 has it off by default)."""
+    config = torch._dynamo.config
+    if hasattr(config, "enable_aot_compile") and not config.enable_aot_compile:
+        config.enable_aot_compile = True
+    return (hasattr(torch.compile(lambda: None), "aot_compile")
+            and hasattr(torch.compiler, "load_compiled_function")
+            and bool(getattr(config, "enable_aot_compile", True)))
 
 
 def module_signature(*modules: nn.Module) -> str:
@@ -168,7 +186,13 @@ class GraphStore:
         self.loaded = 0       # graphs read from the disk
         self.compiled = 0     # graphs compiled (and saved, where they could be)
         self.seconds: list[tuple[str, str, float]] = []   # (graph, "loaded" or "compiled", seconds)
-        self.precompile = hasattr(torch.compile(lambda: None), "aot_compile")
+        self.precompile = precompile_available()
+        if not self.precompile:
+            if load_only:
+                raise PrecompileUnavailable(f"torch {torch.__version__} cannot load saved graphs (no precompile): "
+                                            "a store that only loads would compile in this process")
+            log.warning("torch %s cannot save compiled graphs (no precompile): the step is compiled at each start "
+                        "and nothing is kept in %s", torch.__version__, self.directory)
 
     def graph(self, name: str, fn: Callable, args: tuple, *, context: str,
               dynamic: Mapping[str, int] | None = None) -> Callable:
