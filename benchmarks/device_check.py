@@ -287,6 +287,12 @@ def step_compiled(ctx: dict) -> dict:
     result["step_ms"]["compiled_vs_eager"] = round(result["step_ms"]["compiled_ms"] / result["step_ms"]["eager_ms"],
                                                    3)
     report(result)
+    if ctx["device"].startswith("cuda"):
+        try:
+            result["cuda_graphs"] = _time_cuda_graphs(torch, model, compiled, bucket)
+        except Exception as exc:  # noqa: BLE001 - the step's other figures stand; the table says why
+            result["cuda_graphs"] = {"error": f"{type(exc).__name__}: {exc}"}
+        report(result)
     runner.close()
     del runner, compiled, model
     if ctx["device"].startswith("cuda"):
@@ -307,6 +313,56 @@ def step_compiled(ctx: dict) -> dict:
     if any(kind != "loaded" for _, kind, _ in result["graphs_second"]):
         raise RuntimeError(f"the second process compiled graphs instead of loading them: {result['graphs_second']}")
     return result
+
+
+def _time_cuda_graphs(torch: Any, model: Any, compiled: Any, bucket: int, timesteps: int = 10) -> dict:
+    """The CFM solve (ten LocDiT calls with guidance: most of a step's kernel launches) at B = 1,
+    32, 64, eager against the same replayed from a CUDA graph (`cuda_graphs.CapturedSolves`);
+    and at the compiled bucket, compiled against compiled replayed (`--cuda-graphs`)."""
+    from vox_ws.engines.voxcpm.compiled import cfm_solve
+    from vox_ws.engines.voxcpm.cuda_graphs import CapturedSolves
+
+    device = next(model.parameters()).device
+    dtype = next(model.parameters()).dtype
+    hidden = model.lm_to_dit_proj.out_features + model.res_to_dit_proj.out_features
+
+    def eager(mu: Any, cond: Any, noise: Any, steps: int, cfg: Any) -> Any:
+        return cfm_solve(model.feat_decoder, mu, cond, noise, steps, cfg)
+
+    def median_ms(solve: Callable, rows: int) -> float:
+        args = (torch.randn(rows, hidden, device=device, dtype=dtype),
+                torch.randn(rows, model.feat_dim, model.patch_size, device=device, dtype=dtype),
+                torch.randn(rows, model.feat_dim, model.patch_size, device=device, dtype=dtype), timesteps,
+                torch.full((rows,), 2.0, device=device, dtype=torch.float32))
+        samples = []
+        with torch.inference_mode():
+            for index in range(12):
+                torch.cuda.synchronize()
+                started = time.perf_counter()
+                solve(*args)
+                torch.cuda.synchronize()
+                if index >= 2:
+                    samples.append((time.perf_counter() - started) * 1000)
+        return round(sorted(samples)[len(samples) // 2], 3)
+
+    def largest_difference(solve: Callable, graphed: Callable, rows: int) -> float:
+        generator = torch.Generator(device="cpu").manual_seed(rows)
+        args = [torch.randn(shape, generator=generator).to(device, dtype) for shape in
+                ((rows, hidden), (rows, model.feat_dim, model.patch_size), (rows, model.feat_dim, model.patch_size))]
+        cfg = torch.full((rows,), 2.0, device=device, dtype=torch.float32)
+        with torch.inference_mode():
+            want, got = solve(*args, timesteps, cfg), graphed(*args, timesteps, cfg)
+        return float((want.float() - got.float()).abs().max())
+
+    captured = CapturedSolves(eager, device)
+    rows = [{"batch": b, "eager_ms": median_ms(eager, b), "eager_graphed_ms": median_ms(captured, b),
+             "max_abs_diff": largest_difference(eager, captured, b)} for b in BURSTS]
+    graphed_compiled = CapturedSolves(compiled._solve_padded, device)
+    return {"timesteps": timesteps, "solve": rows, "compiled": {
+        "batch": bucket, "compiled_ms": median_ms(compiled._solve_padded, bucket),
+        "compiled_graphed_ms": median_ms(graphed_compiled, bucket),
+        "max_abs_diff": largest_difference(compiled._solve_padded, graphed_compiled, bucket)},
+        "captured_s": {**captured.captured_s, **{f"compiled {k}": v for k, v in graphed_compiled.captured_s.items()}}}
 
 
 def step_compiled_reload(ctx: dict) -> dict:
@@ -433,6 +489,15 @@ def _compiled_lines(compiled: dict) -> list[str]:
     if step := compiled.get("step_ms"):
         lines.append(f"  B={compiled['bucket']}: eager {step['eager_ms']} ms, compiled {step['compiled_ms']} ms "
                      f"({step['compiled_vs_eager']}x)")
+    graphs = compiled.get("cuda_graphs")
+    if graphs and "error" in graphs:
+        lines.append(f"  CUDA graphs of the CFM solve: FAILED ({graphs['error'][:150]})")
+    elif graphs:
+        lines.append(f"  the CFM solve ({graphs['timesteps']} timesteps), eager -> replayed from a CUDA graph: "
+                     + ", ".join(f"B={r['batch']} {r['eager_ms']} -> {r['eager_graphed_ms']} ms" for r in graphs["solve"])
+                     + f"; compiled B={graphs['compiled']['batch']} {graphs['compiled']['compiled_ms']} -> "
+                       f"{graphs['compiled']['compiled_graphed_ms']} ms; largest |difference| "
+                       f"{max([r['max_abs_diff'] for r in graphs['solve']] + [graphs['compiled']['max_abs_diff']]):.2e}")
     if "graphs_second" in compiled:
         loaded = [g for g in compiled["graphs_second"] if g[1] == "loaded"]
         lines.append(f"  a fresh process: {len(loaded)} of {len(compiled['graphs_second'])} graphs loaded in "

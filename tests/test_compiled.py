@@ -395,8 +395,18 @@ async def test_a_background_compile_never_holds_the_start_and_its_graphs_come_in
     the cache; the engine takes it in at the next step only once the test lets it (so the eager
     stream is eager whatever the machine's speed), and the audio is the same either way."""
     gate = threading.Event()
+    prepared_on: list[str] = []
 
     class Gated(VoxCPMEngine):
+        def _compile_in_background(self, path):
+            super()._compile_in_background(path)
+            prepare = self.background._prepare
+
+            def recorded(rows):
+                prepared_on.append(threading.current_thread().name)
+                prepare(rows)
+            self.background._prepare = recorded
+
         def _adopt_compiled(self):
             if gate.is_set():
                 super()._adopt_compiled()
@@ -414,6 +424,11 @@ async def test_a_background_compile_never_holds_the_start_and_its_graphs_come_in
     assert info["compile"]["buckets"] == [] and info["compile"]["background"]["adopted"] == []
     await wait_until(lambda: engine.background.status != "compiling", timeout=BACKGROUND_BOUND_S)
     assert engine.background.status == "done", engine.background.describe()
+    # The bucket's graphs were loaded and run once on the reader's thread, not the one that
+    # steps, and are not in use until it adopts them; the child ran on idle CPU time only.
+    assert prepared_on == ["vox-ws-background-compile"]
+    assert 1 in engine.compiled.compile_s and engine.compiled.ready == set()
+    assert engine.background.describe()["priority"] == "SCHED_IDLE"
     gate.set()
     async with connect_client(server) as c:
         compiled = await c.speak("The same words, twice.", **request)
@@ -524,3 +539,23 @@ def test_vox_ws_compile_refuses_what_has_nothing_to_compile():
         run = subprocess.run([sys.executable, "-m", "vox_ws", "compile", *options], capture_output=True, text=True,
                              timeout=120)
         assert run.returncode == 2 and said in run.stderr, run.stderr
+
+
+def test_cuda_graphs_are_refused_where_they_cannot_be_had(tiny_model):
+    """`--cuda-graphs` replays the compiled CFM solve on a CUDA device: refused, with what it
+    needs, without the compiled step, with LoRA slots, or on another device (measured on a GPU by
+    `benchmarks.device_check`, which compares its audio with the solve it replays)."""
+    from vox_ws.engines.voxcpm.cuda_graphs import CapturedSolves
+
+    with pytest.raises(ValueError, match="needs --compile on or auto"):
+        VoxCPMEngine(model=str(tiny_model), device="cpu", compile="off", cuda_graphs=True)
+    with pytest.raises(ValueError, match="LoRA"):
+        VoxCPMEngine(model=str(tiny_model), device="cpu", compile="on", lora_rank=4, cuda_graphs=True)
+    engine = VoxCPMEngine(model=str(tiny_model), device="cpu", max_batch=1, compile="on", cuda_graphs=True)
+    try:
+        with pytest.raises(ValueError, match="needs a CUDA device"):
+            engine.load()
+    finally:
+        engine.close()
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        CapturedSolves(lambda *args: None, torch.device("cpu"))

@@ -51,8 +51,14 @@ def test_the_pod_pulls_its_weights_serves_them_and_keeps_its_compile_cache():
     (container,) = pod["containers"]
     args = container["args"]
     model = args[args.index("--model") + 1]
-    (pull,) = pod["initContainers"]
+    pull, ahead = pod["initContainers"]
     assert pull["args"][:2] == ["models", "pull"] and pull["args"][pull["args"].index("--dir") + 1] == model
+    # The step compiled ahead of time, with serve's options, into the cache the server reads.
+    assert ahead["args"][0] == "compile" and ahead["resources"]["limits"]["nvidia.com/gpu"] == 1
+    for option in ("--engine", "--model", "--device", "--compile-cache"):
+        assert ahead["args"][ahead["args"].index(option) + 1] == args[args.index(option) + 1], option
+    assert {m["name"]: m["mountPath"] for m in ahead["volumeMounts"]}["compile-cache"] == \
+        {m["name"]: m["mountPath"] for m in container["volumeMounts"]}["compile-cache"]
     mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
     assert model.startswith(mounts["models"] + "/")
     assert args[args.index("--compile-cache") + 1].startswith(mounts["compile-cache"] + "/")

@@ -48,8 +48,8 @@ def compile_ahead(config: ServerConfig) -> int:
             engine.close()
         seconds = time.perf_counter() - started
         if not info["precompile"]:
-            print(f"vox-ws compile: this torch cannot save compiled graphs (no precompile): a server compiles "
-                  f"them at every start; nothing was kept", file=sys.stderr)
+            print("vox-ws compile: this torch cannot save compiled graphs (no precompile): a server compiles "
+                  "them at every start; nothing was kept", file=sys.stderr)
             return 1
         graphs = info["graphs"]
         print(f"{engine.device}: the step for {info['buckets']} rows in {cache}: {graphs['compiled']} graphs "

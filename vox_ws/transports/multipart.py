@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import asyncio
 import multiprocessing
-import os
 from collections.abc import AsyncIterator
 from concurrent.futures import ProcessPoolExecutor
 
 from starlette.datastructures import FormData, Headers, UploadFile
 from starlette.formparsers import MultiPartException, MultiPartParser
+
+from ..priority import lowest_priority
 
 __all__ = ["MultiPartException", "MultipartParser"]
 
@@ -32,7 +33,7 @@ class MultipartParser:
         MultiPartException for a body that is not multipart as declared."""
         if self._executor is None:
             self._executor = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"),
-                                                 initializer=_lowest_priority)
+                                                 initializer=lowest_priority)
         loop = asyncio.get_running_loop()
         fields, error = await loop.run_in_executor(self._executor, parse_fields, content_type, body, limit)
         if error is not None:
@@ -43,15 +44,6 @@ class MultipartParser:
         if self._executor is not None:
             self._executor.shutdown(wait=False, cancel_futures=True)
             self._executor = None
-
-
-def _lowest_priority() -> None:
-    # SCHED_IDLE runs only where a core would otherwise idle (nice 19 still takes a share
-    # beside busy threads); nice 19 where there is no SCHED_IDLE.
-    try:
-        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-    except (AttributeError, OSError):
-        os.nice(19)
 
 
 def parse_fields(content_type: str, body: bytes, limit: int) -> tuple[dict[str, str | bytes], str | None]:

@@ -2,9 +2,10 @@
 child process (`compile_main`) compiles the step's graphs into the compile cache, and each bucket
 is adopted (its graphs loaded, milliseconds) between two steps as soon as it is there.
 
-`BackgroundCompile` starts the child and reads its events on a thread of its own; the engine's
-scheduler thread takes what has arrived (`arrived`) before each step and adopts it there, so no
-graph is loaded while a step runs. `describe` is its progress, for `/v1/info`.
+`BackgroundCompile` starts the child and reads its events on a thread of its own, where each
+bucket's graphs are loaded and run once (`prepare`: off the thread that steps, which would stall
+every stream meanwhile); the engine's scheduler thread takes what has arrived (`arrived`) before
+each step and only switches it on there (with LoRA slots it loads them there too). `describe` is its progress, for `/v1/info`.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 log = logging.getLogger("vox_ws.engines.voxcpm")
 
@@ -24,8 +25,12 @@ log = logging.getLogger("vox_ws.engines.voxcpm")
 class BackgroundCompile:
     """One child process compiling `settings["buckets"]` (see `compile_main`), and what it said."""
 
-    def __init__(self, settings: dict[str, Any]) -> None:
+    def __init__(self, settings: dict[str, Any], prepare: Callable[[int], None] | None = None) -> None:
+        """`prepare(rows)`: called on this object's reader thread for each bucket the child has
+        put in the cache, before the engine is told (its graphs loaded and run once there, off
+        the thread that steps); a failure leaves the bucket to be loaded when adopted."""
         self.buckets = tuple(settings["buckets"])
+        self._prepare = prepare
         self.device = settings["device"]
         self.status = "compiling"          # then "done", "failed" or "stopped"
         self.error = ""
@@ -36,6 +41,7 @@ class BackgroundCompile:
         self.adopted: list[int] = []       # buckets the step uses (the engine says)
         self.declined: list[int] = []      # compiled, but slower than eager here (the engine says)
         self.adopted_decode = False        # the decode's graphs in use (the engine says)
+        self.priority = ""                 # the CPU priority the child ran at (once done)
         self._events: queue.SimpleQueue = queue.SimpleQueue()
         self._process = subprocess.Popen([sys.executable, "-m", "vox_ws.engines.voxcpm.compile_main",
                                           json.dumps(settings)], stdout=subprocess.PIPE, stdin=subprocess.PIPE,
@@ -63,6 +69,13 @@ class BackgroundCompile:
                 self.compiled.append(event["rows"])
                 if "eager_ms" in event:
                     self.measured[event["rows"]] = {"eager_ms": event["eager_ms"], "compiled_ms": event["compiled_ms"]}
+                measured = self.measured.get(event["rows"])
+                if self._prepare is not None and not (measured and measured["compiled_ms"] >= measured["eager_ms"]):
+                    try:
+                        self._prepare(event["rows"])
+                    except Exception as exc:  # noqa: BLE001 - the engine loads it when it adopts it
+                        log.warning("background compile: the step for %d rows not loaded ahead (%s: %s)",
+                                    event["rows"], type(exc).__name__, exc)
                 log.info("background compile: the step for %d rows compiled in %.1f s (%d/%d)", event["rows"],
                          event["seconds"], len(self.compiled), len(self.buckets))
             elif kind in ("done", "failed"):
@@ -70,6 +83,7 @@ class BackgroundCompile:
                 self.seconds = round(time.monotonic() - self.started, 1)
                 self.status = kind
                 self.error = event.get("error", "")
+                self.priority = event.get("priority", "")
                 if kind == "failed":
                     log.warning("background compile failed (%s): the step stays eager", self.error)
                 else:
@@ -93,6 +107,7 @@ class BackgroundCompile:
         return {"status": self.status, "buckets": list(self.buckets), "compiled": list(self.compiled),
                 "adopted": list(self.adopted), "declined": list(self.declined), "decode": self.adopted_decode,
                 "measured": {str(k): v for k, v in self.measured.items()}, "seconds": self.seconds,
+                **({"priority": self.priority} if self.priority else {}),
                 **({"error": self.error} if self.error else {})}
 
     def close(self) -> None:

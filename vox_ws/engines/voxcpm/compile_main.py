@@ -7,7 +7,9 @@ It says one JSON line on its standard output per event: `{"event": "bucket", "ro
 that many rows timed eager and compiled here: a CPU's compiled step is not always the faster),
 `{"event": "decode", "seconds"}` when the decode's graphs are, then `{"event": "done"}`; or
 `{"event": "failed", "error"}`. Its KV caches have as few slots as a bucket needs: the graphs take
-any number of slots. It runs at a lower priority than the server, whose streams come first.
+any number of slots. It runs on idle CPU time only (`priority.lowest_priority`), with one thread fewer than
+the cores where the server has more: the server's streams, and a busy machine's other work, come
+first.
 
     python -m vox_ws.engines.voxcpm.compile_main '{"model": DIR, "device": ..., "buckets": [...], ...}'
 """
@@ -21,9 +23,7 @@ import threading
 import time
 from typing import Any
 
-# Below the server's streams: on a small CPU the compile shares its cores.
-NICENESS = 10
-
+from ...priority import lowest_priority
 
 # The events go to the standard output this process was given; everything else printed here (the
 # package prints as it loads) goes to the standard error, where the server's log is.
@@ -44,7 +44,7 @@ def compile_all(settings: dict[str, Any]) -> None:
     from .prompt import build_prompt
     from .runner import BatchedVoxCPM2
 
-    torch.set_num_threads(settings.get("threads") or 1)
+    torch.set_num_threads(compile_threads(settings.get("threads") or 1))
     lora_config = None
     if settings.get("lora_rank"):
         from voxcpm.model.voxcpm2 import LoRAConfig
@@ -97,6 +97,11 @@ def time_eager_and_compiled(runner: Any, compiled: Any, prompt: Any, rows: int, 
     return timings
 
 
+def compile_threads(server_threads: int) -> int:
+    """The compile's torch threads: the server's, leaving it one core of its own at least."""
+    return max(1, min(server_threads, (os.cpu_count() or 1) - 1))
+
+
 def _exit_with_parent() -> None:
     sys.stdin.read()
     os._exit(0)
@@ -107,10 +112,7 @@ def main() -> None:
     settings = json.loads(sys.argv[1])
     _events = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)
-    try:
-        os.nice(NICENESS)
-    except OSError:
-        pass
+    priority = lowest_priority()
     os.environ.setdefault("TQDM_DISABLE", "1")
     # The server holds this process's standard input open: when it ends (a crash, a kill), so
     # does this compile, rather than go on alone.
@@ -120,7 +122,7 @@ def main() -> None:
     except Exception as exc:  # noqa: BLE001 - the server serves eager, and says why
         say("failed", error=f"{type(exc).__name__}: {exc}")
         raise SystemExit(1) from exc
-    say("done")
+    say("done", priority=priority)
 
 
 if __name__ == "__main__":

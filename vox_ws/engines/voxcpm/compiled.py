@@ -41,6 +41,7 @@ import torch
 from torch import nn
 
 from .cache_trust import trusted_cache_dir
+from .cuda_graphs import CapturedSolves
 from .graphs import GraphsBySize, GraphStore, bucket_of, padded
 from .kv import SlotKV, key_positions, lm_step
 from .lora import NO_ADAPTER, RowAdapters
@@ -193,10 +194,13 @@ class CompiledStep:
     """The compiled pieces of one model's step, and the buckets they were compiled for."""
 
     def __init__(self, model: nn.Module, buckets: tuple[int, ...], cache_dir: str | os.PathLike | None = None,
-                 adapters: RowAdapters | None = None, load_only: bool = False) -> None:
+                 adapters: RowAdapters | None = None, load_only: bool = False, cuda_graphs: bool = False) -> None:
         """`adapters`: the model's LoRA slots, where it has them (the runner gives every row's);
         `load_only`: graphs are only loaded from the cache, never compiled here (`GraphMissing`:
-        what a background compile made is adopted)."""
+        what a background compile made is adopted); `cuda_graphs`: the CFM solve replayed from
+        CUDA graphs (`cuda_graphs.CapturedSolves`; a CUDA device, no LoRA slots)."""
+        if cuda_graphs and adapters is not None:
+            raise ValueError("--cuda-graphs does not take LoRA slots (--lora-rank): their row map is chosen per step")
         self.model = model
         self.adapters = adapters
         self.buckets = tuple(sorted(buckets))
@@ -214,6 +218,8 @@ class CompiledStep:
                                                                    "residual_v": 0, "keys_at": 0})
         self.compile_s: dict[int, float] = {}
         self.ready: set[int] = set()     # the buckets whose graphs are loaded: steps of their rows use them
+        self.captured = (CapturedSolves(self._solve_padded, next(model.parameters()).device) if cuda_graphs
+                         else None)
 
     def serves(self, rows: int) -> bool:
         """Whether a call of `rows` rows goes through graphs loaded already (else it runs eager)."""
@@ -226,10 +232,15 @@ class CompiledStep:
         count = mu.shape[0]
         rows = self._bucket(count)
         slots = adapter_slots + [NO_ADAPTER] * (rows - count)
+        solve = self.captured or self._solve_padded
         with adapted(self.adapters, slots + slots, gathered=True):           # the CFG's two halves
-            solved = cfm_solve(self.model.feat_decoder, padded(mu, rows), padded(cond, rows), padded(noise, rows),
-                               timesteps, padded(cfg, rows), self._velocity_graph)
+            solved = solve(padded(mu, rows), padded(cond, rows), padded(noise, rows), timesteps, padded(cfg, rows))
         return solved[:count]
+
+    def _solve_padded(self, mu: torch.Tensor, cond: torch.Tensor, noise: torch.Tensor, timesteps: int,
+                      cfg: torch.Tensor) -> torch.Tensor:
+        """The CFM solve of a bucket's rows through the velocity's graph."""
+        return cfm_solve(self.model.feat_decoder, mu, cond, noise, timesteps, cfg, self._velocity_graph)
 
     def advance(self, base_kv: SlotKV, residual_kv: SlotKV, pred_feat: torch.Tensor, lm_hidden: torch.Tensor,
                 slots: torch.Tensor, positions: torch.Tensor, keys_at: torch.Tensor, adapter_slots: list[int]
@@ -264,11 +275,26 @@ class CompiledStep:
             raise RuntimeError("a compiled call with LoRA slots needs every row's slot")
         return self.adapters.row_slots
 
+    def prepare(self, buckets: tuple[int, ...]) -> None:
+        """Load `buckets`' graphs and run each once, off the thread that steps (a background
+        compile's reader): on KV caches of its own (the graphs take any number of slots), so no
+        step's memory is touched. The buckets are not `ready` after: whoever steps adopts them
+        (`ready.add`) between two steps. Not with LoRA slots, whose row map the step shares."""
+        if self.adapters is not None:
+            raise RuntimeError("a model with LoRA slots is warmed up on the thread that steps")
+        m = self.model
+        params = next(m.parameters())
+        # One slot and the padding slot: each dynamic size at least 2, as the graphs were made.
+        base_kv = SlotKV(m.base_lm, 1, m.config.max_length, params.device, params.dtype)
+        residual_kv = SlotKV(m.residual_lm, 1, m.config.max_length, params.device, params.dtype)
+        self.warm_up(base_kv, residual_kv, buckets, mark_ready=False)
+
     @torch.inference_mode()
-    def warm_up(self, base_kv: SlotKV, residual_kv: SlotKV, buckets: tuple[int, ...] | None = None) -> None:
+    def warm_up(self, base_kv: SlotKV, residual_kv: SlotKV, buckets: tuple[int, ...] | None = None,
+                mark_ready: bool = True) -> None:
         """Compile `buckets` (default: every one) now, or load them from the disk: a CFM solve
         and an advance of that many rows each, the log counting the buckets; each is `ready`
-        after. The advance writes K and V into the padding slot alone."""
+        after (unless not `mark_ready`). The advance writes K and V into the padding slot alone."""
         m = self.model
         dtype = next(m.parameters()).dtype
         device = next(m.parameters()).device
@@ -290,7 +316,8 @@ class CompiledStep:
                          torch.zeros(rows, m.base_lm.config.hidden_size, device=device, dtype=dtype),
                          slots, positions, key_positions([1], device), [NO_ADAPTER] * rows)
             self.compile_s[rows] = round(time.perf_counter() - started, 1)
-            self.ready.add(rows)
+            if mark_ready:
+                self.ready.add(rows)
             log.info("%s the step for %d rows in %.1f s", "loaded" if self.store.load_only else "compiled", rows,
                      self.compile_s[rows])
 

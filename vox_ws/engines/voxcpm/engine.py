@@ -64,7 +64,7 @@ class VoxCPMEngine(Engine):
                  max_loras: int = 4, warm_normalizer: bool = False,
                  normalize_timeout: float = NORMALIZE_TIMEOUT_S, compile: str = "off",
                  compile_cache: str | None = None, compile_buckets: tuple[int, ...] | None = None,
-                 compile_wait: bool = True) -> None:
+                 compile_wait: bool = True, cuda_graphs: bool = False) -> None:
         """`compile_wait`: compile at load, ready once compiled (the default here, for callers that
         drive the engine themselves); else in a background process while the engine serves eager
         (`vox-ws serve`'s default)."""
@@ -101,6 +101,11 @@ class VoxCPMEngine(Engine):
         self._compile_cache = compile_cache
         self._compile_buckets = tuple(compile_buckets) if compile_buckets else BUCKETS
         self._compile_wait = compile_wait
+        if cuda_graphs and lora_rank > 0:
+            raise ValueError("--cuda-graphs does not take LoRA slots (--lora-rank): their row map is chosen per step")
+        if cuda_graphs and compile == "off":
+            raise ValueError("--cuda-graphs replays the compiled step: it needs --compile on or auto")
+        self._cuda_graphs = cuda_graphs
         self.compiled = None       # compiled.CompiledStep, when the step is compiled
         self.precompile: bool | None = None   # whether compiled graphs are saved and loaded (once known)
         self.background = None     # background.BackgroundCompile, while and after it compiles
@@ -163,6 +168,8 @@ class VoxCPMEngine(Engine):
             if lora_config is not None:
                 self.loras = self._adapter_slots(model)
             self.device = str(model.device)
+            if self._cuda_graphs and not self.device.startswith("cuda"):
+                raise ValueError(f"--cuda-graphs needs a CUDA device; the model is on {self.device}")
             self.dtype = str(model.config.dtype)
             self.attention = attention_kernel(model.base_lm, model.device, model._dtype())
             log.info("decode attention: SDPA's %s kernel (%s, %s)", self.attention, self.device, self.dtype)
@@ -212,7 +219,7 @@ class VoxCPMEngine(Engine):
         # Whose graphs the server will load: the cache made private here first (`cache_trust`).
         try:
             compiled = CompiledStep(self.tts.tts_model, buckets, self._compile_cache, adapters=self.loras.adapters,
-                                    load_only=True)
+                                    load_only=True, cuda_graphs=self._cuda_graphs)
         except PrecompileUnavailable as exc:
             # Graphs a child compiled could not be loaded here: this process would compile them
             # itself, on the engine's thread, for minutes. Serving stays eager.
@@ -221,12 +228,13 @@ class VoxCPMEngine(Engine):
                         "at start instead, in this process)", exc)
             return
         self.compiled = compiled
+        prepare = None if self.loras.adapters is not None else (lambda rows: compiled.prepare((rows,)))
         self.background = BackgroundCompile({
             "model": str(path), "device": self.device, "threads": self._threads, "buckets": list(buckets),
             "cache": str(self.compiled.cache_dir), "lora_rank": self._lora_rank, "lora_alpha": self._lora_alpha,
             "max_loras": self._max_loras,
             # Where compiling is not certain to pay (a CPU, `auto`), each bucket is timed both ways.
-            "measure": self._compile == "auto" and not self.device.startswith("cuda")})
+            "measure": self._compile == "auto" and not self.device.startswith("cuda")}, prepare)
 
     def _adopt_compiled(self) -> None:
         """Between two steps (the scheduler's thread): the buckets the background compile has put
@@ -254,7 +262,8 @@ class VoxCPMEngine(Engine):
         """Compile the step for every bucket up to the rows a step carries, now: `/readyz` says
         `compiling` meanwhile; the compile cache makes a second start fast."""
         buckets = buckets_for(self.max_step_batch, self._compile_buckets)
-        compiled = CompiledStep(model, buckets, self._compile_cache, adapters=self.loras.adapters)
+        compiled = CompiledStep(model, buckets, self._compile_cache, adapters=self.loras.adapters,
+                                cuda_graphs=self._cuda_graphs)
         self.loading_phase = "compiling"
         started = time.perf_counter()
         try:
@@ -364,6 +373,8 @@ class VoxCPMEngine(Engine):
                 "max_batch": self._slots, "step_rows": self.max_step_batch,
                 "compile": {"mode": self._compile, "compiled": bool(compiled and compiled.ready),
                             "precompile": self.precompile if compiled is None else compiled.store.precompile,
+                            "cuda_graphs": (dict(compiled.captured.captured_s) if compiled and compiled.captured
+                                            else None),
                             "buckets": sorted(compiled.ready) if compiled else [],
                             "compile_s": dict(compiled.compile_s) if compiled else {},
                             "graphs": ({"loaded": compiled.store.loaded, "compiled": compiled.store.compiled}

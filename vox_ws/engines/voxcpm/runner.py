@@ -168,7 +168,11 @@ class BatchedVoxCPM2:
         of other buckets stay eager); with `decode`, the decode too, here and in the decoder
         process (which loads them before its next decode)."""
         if buckets:
-            compiled.warm_up(self.base_kv, self.residual_kv, buckets)
+            # Loaded and run once already off this thread (`CompiledStep.prepare`), or here now.
+            unprepared = tuple(rows for rows in buckets if rows not in compiled.compile_s)
+            if unprepared:
+                compiled.warm_up(self.base_kv, self.residual_kv, unprepared)
+            compiled.ready.update(buckets)
             self.compiled = compiled
         if decode:
             self.vae.compile(compiled.buckets, self.model.patch_size, compiled.store)
