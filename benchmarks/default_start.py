@@ -15,8 +15,8 @@ listeners arriving at each rate for `--seconds`, each a real-time player; a rate
 first audio p95 <= 300 ms and 99% of streams play without a gap) and the first audio p95 at
 each rate.
 
-    python -m benchmarks.default_start [--model DIR] [--rates 6,8,10,12] [--seconds 20] [--neighbour]
-        [--before-tree DIR] [--json FILE]
+    python -m benchmarks.default_start [--model DIR] [--rates 6,8,10,12] [--compiled-rates R] [--seconds 20]
+        [--neighbour] [--before-tree DIR] [--only default] [--json FILE]
 
 Without --model it builds the tiny random-weight VoxCPM2 in a temporary directory. The
 neighbour is one process spinning a core at normal priority for the whole run.
@@ -79,8 +79,10 @@ def _rates(port: int, rates: list[float], seconds: float, label: str) -> list[di
     return summaries
 
 
-def run(label: str, args: list[str], model: str, rates: list[float], seconds: float, bound_s: float,
-        tree: Path = ROOT) -> dict[str, Any]:
+def run(label: str, args: list[str], model: str, rates: tuple[list[float], list[float]], seconds: float,
+        bound_s: float, tree: Path = ROOT) -> dict[str, Any]:
+    """One configuration's server: `rates` from ready, and (where it compiles in the background)
+    once compiled."""
     port = _free_port()
     cache = tempfile.mkdtemp(prefix="vox-ws-default-start-")
     started = time.monotonic()
@@ -99,14 +101,14 @@ def run(label: str, args: list[str], model: str, rates: list[float], seconds: fl
         result["ready_s"] = round(time.monotonic() - started, 1)
         info = _get(port, "/v1/info")[1]
         result["slots"], result["step_rows"] = info.get("max_batch"), info.get("step_rows")
-        phases = {"ready": _rates(port, rates, seconds, f"{label}, from ready")}
+        phases = {"ready": _rates(port, rates[0], seconds, f"{label}, from ready")}
         if _background(port):
             while _background(port).get("status") == "compiling":
                 if time.monotonic() - started > bound_s:
                     raise RuntimeError(f"{label}: the background compile did not end")
                 time.sleep(1)
             result["background_done_s"] = round(time.monotonic() - started, 1)
-            phases["compiled"] = _rates(port, rates, seconds, f"{label}, compiled")
+            phases["compiled"] = _rates(port, rates[1], seconds, f"{label}, compiled")
         result["compile"] = _get(port, "/v1/info")[1].get("compile", {})
         result["phases"] = {name: {"rates": summaries, "capacity": capacity.capacity(summaries)}
                             for name, summaries in phases.items()}
@@ -129,6 +131,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", help="VoxCPM2 checkpoint directory (default: build the tiny model)")
     ap.add_argument("--rates", default="6,8,10,12")
+    ap.add_argument("--compiled-rates", help="the rates once compiled (default: --rates)")
+    ap.add_argument("--only", help="these configurations alone (before, off, default; comma-separated)")
     ap.add_argument("--seconds", type=float, default=20.0, help="arrivals per rate, in seconds")
     ap.add_argument("--neighbour", action="store_true", help="beside a process spinning one core")
     ap.add_argument("--before-tree", help="a checkout of an earlier commit: its default start is measured too")
@@ -140,13 +144,16 @@ def main(argv: list[str] | None = None) -> int:
         from vox_ws.testing.tiny_voxcpm import build
 
         model = str(build(tempfile.mkdtemp(prefix="vox-ws-bench-")))
-    rates = [float(r) for r in args.rates.split(",")]
+    rates = ([float(r) for r in args.rates.split(",")],
+             [float(r) for r in (args.compiled_rates or args.rates).split(",")])
     configurations: list[tuple[str, list[str], Path]] = []
     if args.before_tree:
         configurations.append(("before", [], Path(args.before_tree).resolve()))
     configurations += [("off", ["--compile", "off"], ROOT), ("default", [], ROOT)]
+    if args.only:
+        configurations = [c for c in configurations if c[0] in args.only.split(",")]
     neighbour = _neighbour() if args.neighbour else None
-    results: dict[str, Any] = {"rates": rates, "seconds": args.seconds, "neighbour": args.neighbour,
+    results: dict[str, Any] = {"rates": rates[0], "compiled_rates": rates[1], "seconds": args.seconds, "neighbour": args.neighbour,
                                "configurations": {}}
     try:
         for label, extra, tree in configurations:

@@ -381,6 +381,21 @@ def test_json_log_lines_hold_the_streams_fields(piper_server, caplog):
     assert line["language"] == "en-US" and line["reason"] == "done" and line["chunks"] > 0
 
 
+def test_a_json_log_line_is_one_line_to_any_reader_and_keeps_a_failures_message():
+    """Hardening V, 13: a client's text with Unicode line separators split a record for readers
+    that split the Unicode way, and a failed stream's message was dropped (the line's own
+    `message` key won)."""
+    fields = {"event": "stream", "text": "one\u2028two\u0085three\u009bfour", "error": "invalid",
+              "error_message": "bad \u2029 input"}
+    record = logging.LogRecord("vox_ws.stream", logging.INFO, __file__, 1, "x", None, None)
+    record.fields = fields
+    text = JsonFormatter().format(record)
+    assert text.isascii() and len(text.splitlines()) == 1
+    line = json.loads(text)
+    assert line["text"] == fields["text"] and line["error_message"] == "bad \u2029 input"
+    assert line["message"] == "stream"
+
+
 def test_retries_wait_as_the_server_says_with_jitter_and_a_cap():
     rng = random.Random(7)
     told = [retry_delay(0.2, 2.0, rng) for _ in range(50)]

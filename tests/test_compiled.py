@@ -48,7 +48,8 @@ def test_auto_leaves_the_step_eager_on_a_cpu(tiny_model):
     engine.load()
     try:
         assert engine.compiled is None and engine.runner.compiled is None
-        assert engine.describe()["compile"] == {"mode": "auto", "compiled": False, "buckets": [], "compile_s": {},
+        assert engine.describe()["compile"] == {"mode": "auto", "compiled": False, "precompile": None,
+                                                "cuda_graphs": None, "buckets": [], "compile_s": {},
                                                 "graphs": {"loaded": 0, "compiled": 0}}
     finally:
         engine.close()
@@ -332,25 +333,28 @@ def test_another_users_cache_or_planted_file_is_never_unpickled(tmp_path):
     assert f"{planted} is owned by uid 4242" in why_untrusted(ours)
     for cache in (theirs, ours):
         used = trusted_cache_dir(cache)
-        assert used != cache and not list(used.rglob("*.pt2"))      # nothing of theirs is read
+        # Another directory (this process's one fallback), holding nothing of theirs: loading
+        # the graph their file poses as never runs it.
+        assert used != cache and all(p.stat().st_uid == os.geteuid() for p in used.rglob("*"))
+        GraphStore(used).graph("affine", _affine, (layer, x), context="test")
     assert not (tmp_path / "ran").exists()
 
 
-def test_precompile_is_switched_on_where_torch_keeps_it_behind_a_flag(tmp_path, monkeypatch):
+def test_precompile_is_switched_on_where_torch_keeps_it_behind_a_flag(tmp_path):
     """torch 2.11 has `enable_aot_compile` off by default: the store turns it on, so graphs are
     saved and loaded (the flag off, a store silently saved nothing)."""
     config = torch._dynamo.config
     if not hasattr(config, "enable_aot_compile"):
         pytest.skip("this torch keeps no precompile flag")
-    monkeypatch.setattr(config, "enable_aot_compile", False)
     layer, x = torch.nn.Linear(4, 3), torch.randn(2, 4)
-    store = GraphStore(tmp_path)
-    assert store.precompile and config.enable_aot_compile
-    store.graph("affine", _affine, (layer, x), context="test")
+    with config.patch(enable_aot_compile=False):          # as torch 2.11 comes
+        store = GraphStore(tmp_path)
+        assert store.precompile and config.enable_aot_compile
+        store.graph("affine", _affine, (layer, x), context="test")
     assert list((tmp_path / "graphs").glob("affine-*.pt2"))
-    monkeypatch.setattr(config, "enable_aot_compile", False)
-    again = GraphStore(tmp_path, load_only=True)
-    again.graph("affine", _affine, (layer, x), context="test")
+    with config.patch(enable_aot_compile=False):
+        again = GraphStore(tmp_path, load_only=True)
+        again.graph("affine", _affine, (layer, x), context="test")
     assert (again.loaded, again.compiled) == (1, 0)
 
 
@@ -474,9 +478,11 @@ def test_a_graphs_key_names_the_cuda_and_triton_versions_and_the_gpu_it_was_buil
         assert graphs._device_architecture((x.cuda(),)).endswith(f"sm_{major}{minor}")
 
 
-def test_the_background_compile_ends_with_the_server_that_started_it(tiny_model, tmp_path):
+@pytest.mark.parametrize("stopped", [False, True], ids=["running", "stopped"])
+def test_the_background_compile_ends_with_the_server_that_started_it(tiny_model, tmp_path, stopped):
     """A server killed outright (no close) leaves no compile process behind: the child's
-    standard input closes with its parent, and it exits."""
+    standard input closes with its parent, and it exits; one that is stopped (or stuck, reading
+    nothing) is killed by the kernel with its parent all the same."""
     import signal
     import subprocess
     import sys
@@ -486,11 +492,14 @@ def test_the_background_compile_ends_with_the_server_that_started_it(tiny_model,
     code = ("import json, sys, time; from vox_ws.engines.voxcpm.background import BackgroundCompile; "
             f"b = BackgroundCompile({{'model': {str(tiny_model)!r}, 'device': 'cpu', 'threads': 1, 'buckets': [1], "
             f"'cache': {str(tmp_path / 'cache')!r}, 'lora_rank': 0, 'lora_alpha': 0, 'max_loras': 1}}); "
-            "print(b._process.pid, flush=True); time.sleep(600)")
+            "assert b.started_event.wait(600); print(b._process.pid, b.priority, flush=True); time.sleep(600)")
     parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     try:
-        child = psutil.Process(int(parent.stdout.readline()))
-        assert child.is_running()
+        pid, priority = parent.stdout.readline().split()
+        child = psutil.Process(int(pid))
+        assert child.is_running() and priority == "SCHED_IDLE"
+        if stopped:
+            child.send_signal(signal.SIGSTOP)
         parent.send_signal(signal.SIGKILL)
         parent.wait(WAIT_TIMEOUT)
         child.wait(WAIT_TIMEOUT)             # psutil.TimeoutExpired if it outlived its parent
@@ -559,3 +568,86 @@ def test_cuda_graphs_are_refused_where_they_cannot_be_had(tiny_model):
         engine.close()
     with pytest.raises(ValueError, match="needs a CUDA device"):
         CapturedSolves(lambda *args: None, torch.device("cpu"))
+
+
+def test_a_compile_cache_that_may_not_be_used_falls_back_to_one_private_directory_removed_at_exit(tmp_path):
+    """An untrusted --compile-cache: every ask of the process gets the same private directory
+    (its children are handed it), and it is gone once the process has exited."""
+    import os
+    import subprocess
+    import sys
+
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o777)
+    code = ("from pathlib import Path; from vox_ws.engines.voxcpm.cache_trust import trusted_cache_dir; "
+            f"a = trusted_cache_dir(Path({str(shared)!r})); b = trusted_cache_dir(Path({str(shared)!r})); "
+            "assert a == b and a.is_dir() and trusted_cache_dir(a) == a; print(a)")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    used = Path(run.stdout.strip())
+    assert used != shared and not used.exists()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not hasattr(__import__("os"), "geteuid") or __import__("os").geteuid() != 0,
+                    reason="planting another user's directory needs root (CI runs as root)")
+def test_the_compiler_never_touches_a_shared_temporary_directory_another_user_made_first(tiny_model, tmp_path):
+    """Inductor's default cache is $TMPDIR/torchinductor_<user>, which another local user can
+    make first and fill with a library its CPU probe would load. A server compiling the step
+    (in this process and in its decoder process) points inductor at its private cache before
+    anything warms the compiler: the planted directory is never written or read."""
+    import getpass
+    import os
+    import subprocess
+    import sys
+
+    temporary = tmp_path / "tmp"
+    temporary.mkdir()
+    os.chmod(temporary, 0o1777)
+    planted = temporary / f"torchinductor_{getpass.getuser()}"
+    planted.mkdir()
+    os.chown(planted, 65534, 65534)
+    os.chmod(planted, 0o777)
+    before = planted.stat().st_atime_ns
+    code = ("from vox_ws.engines.voxcpm.engine import VoxCPMEngine; "
+            f"e = VoxCPMEngine(model={str(tiny_model)!r}, device='cpu', max_batch=1, compile='on', "
+            f"compile_buckets=(1,), compile_cache={str(tmp_path / 'cache')!r}); e.load(); "
+            "print(e.describe()['compile']['graphs']); e.close()")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=BACKGROUND_BOUND_S,
+                         env={**os.environ, "TMPDIR": str(temporary)})
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "'compiled': 3" in run.stdout or "'compiled': 4" in run.stdout, run.stdout
+    assert planted.stat().st_atime_ns == before          # never listed (where atimes are kept) ...
+    assert list(planted.iterdir()) == []                 # ... nor written
+    assert not [p for p in temporary.iterdir() if p.name.startswith("torchinductor") and p != planted]
+    # Where inductor keeps its precompiled headers whatever its cache directory (a private part
+    # of torch this relies on: renamed, this says so).
+    from torch._inductor import codecache
+
+    assert hasattr(codecache, "_HEADER_DIR") and hasattr(codecache, "_HEADER_LOCK_DIR")
+
+
+def test_closing_the_background_compile_kills_a_child_that_will_not_stop(tiny_model, tmp_path):
+    """At shutdown a compile child that does not end on SIGTERM (stopped here; stuck alike) is
+    killed after a grace period: none is left behind."""
+    import signal
+
+    import psutil
+
+    from vox_ws.engines.voxcpm.background import BackgroundCompile
+
+    background = BackgroundCompile({"model": str(tiny_model), "device": "cpu", "threads": 1, "buckets": [1],
+                                    "cache": str(tmp_path / "cache"), "lora_rank": 0, "lora_alpha": 0,
+                                    "max_loras": 1})
+    try:
+        assert background.started_event.wait(WAIT_TIMEOUT)
+        child = psutil.Process(background._process.pid)
+        child.send_signal(signal.SIGSTOP)
+    finally:
+        background.close()
+    # Stopped, SIGTERM's default action still ends it (a child stuck in C code under a Python
+    # handler would not: SIGKILL after the grace then); either way none is left.
+    assert background._process.returncode in (-signal.SIGTERM, -signal.SIGKILL)
+    assert background.status == "stopped"
+    assert not psutil.pid_exists(child.pid) or child.status() == psutil.STATUS_ZOMBIE

@@ -253,3 +253,54 @@ def test_the_reader_sends_pieces_the_server_may_hold(tmp_path):
     # Cut after a space, except where a block read ended (what was read is sent at once).
     blocks = -(-os.path.getsize(path) // READ_BYTES)
     assert blocks > 1 and sum(not p[-1].isspace() for p in sent[:-3]) < blocks
+
+
+def test_cue_text_never_holds_a_timing_arrow_or_a_blank_line(tmp_path):
+    """Hardening V, 14: a document holding "-->" ended `say --captions x.vtt` in a traceback
+    with no captions, and .srt got the arrow raw. Cue text is one line without the arrow."""
+    cues = [Cue(0.0, 1.0, "if a --> b then"), Cue(1.0, 2.0, "one\n\ntwo ---> three")]
+    assert [cue.text for cue in cues] == ["if a \u2192 b then", "one two \u2192 three"]
+    for suffix, read in ((".vtt", webvtt.read), (".srt", webvtt.from_srt)):
+        write_captions(cues, tmp_path / f"c{suffix}")
+        assert [c.text for c in read(str(tmp_path / f"c{suffix}"))] == [cue.text for cue in cues]
+        assert "-->" not in "".join(line for line in (tmp_path / f"c{suffix}").read_text().splitlines()
+                                    if not line[:1].isdigit())
+
+
+def test_say_refuses_a_start_that_names_no_usable_sample_rate(tmp_path):
+    """Hardening V, 14: a server answering `start` with `sample_rate: 0` caused a wave.Error
+    traceback. A server that does so here (a real WebSocket server on loopback, speaking v1's
+    hello and start) gets a one-line refusal and exit 1."""
+    import asyncio
+    import threading
+
+    import msgpack
+    from websockets.asyncio.server import serve
+
+    async def answer(ws) -> None:
+        await ws.send(msgpack.packb({"type": "hello", "protocol": 1, "sample_rate": 0, "features": [],
+                                     "limits": {"max_text_chars": 1000}}))
+        start = msgpack.unpackb(await ws.recv())
+        await ws.send(msgpack.packb({"type": "start", "id": start["id"], "sample_rate": 0, "format": "s16"}))
+        await ws.wait_closed()
+
+    ready = threading.Event()
+    running: dict = {}
+
+    async def main() -> None:
+        running["loop"], running["stop"] = asyncio.get_running_loop(), asyncio.Event()
+        async with serve(answer, "127.0.0.1", 0) as server:
+            running["port"] = server.sockets[0].getsockname()[1]
+            ready.set()
+            await running["stop"].wait()
+
+    thread = threading.Thread(target=asyncio.run, args=(main(),))
+    thread.start()
+    try:
+        assert ready.wait(WAIT_TIMEOUT)
+        said = run_say("Hello.", "-o", str(tmp_path / "x.wav"), "--url", f"ws://127.0.0.1:{running['port']}/v1/stream")
+    finally:
+        ready.wait(WAIT_TIMEOUT)
+        running["loop"].call_soon_threadsafe(running["stop"].set)
+        thread.join(WAIT_TIMEOUT)
+    assert said.returncode == 1 and "sample rate of 0 Hz" in said.stderr and "Traceback" not in said.stderr

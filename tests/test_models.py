@@ -151,3 +151,26 @@ def test_what_keeps_a_checkpoint_from_loading_is_named(tiny_model, tmp_path):
     (broken / "config.json").write_text(json.dumps({**config, "architecture": "voxcpm"}))
     assert any("serves VoxCPM2 only" in p for p in check(broken))
     assert check(tmp_path / "nothing") == ["no config.json"]
+
+
+def test_a_config_json_too_large_or_not_a_file_is_refused_unread(tiny_model, tmp_path):
+    """Hardening V, 15: a 200 MB config.json took `models list` to ~450 MB, and a FIFO in its
+    place hung `models list --dir`. It is read through the bounded reader: refused by its size
+    before a byte is read, a FIFO refused without waiting; the listing goes on."""
+    huge = tmp_path / "models" / "huge"
+    shutil.copytree(tiny_model, huge)
+    with open(huge / "config.json", "wb") as f:
+        f.truncate(200 * 2**20)                      # 200 MB, sparse
+    fifo = tmp_path / "models" / "fifo"
+    shutil.copytree(tiny_model, fifo)
+    (fifo / "config.json").unlink()
+    os.mkfifo(fifo / "config.json")
+    assert any("unreadable (FileTooLarge" in p for p in check(huge)), check(huge)
+    assert any("unreadable (NotRegularFile" in p for p in check(fifo)), check(fifo)
+    good = tmp_path / "models" / "good"
+    shutil.copytree(tiny_model, good)
+    run = subprocess.run([sys.executable, "-m", "vox_ws", "models", "list", "--dir", str(tmp_path / "models"),
+                          "--json"], capture_output=True, text=True, timeout=120)
+    assert run.returncode in (0, 1), run.stderr
+    listed = {Path(c["path"]).name: c for c in json.loads(run.stdout)}
+    assert listed["good"]["ok"] and not listed["huge"]["ok"] and not listed["fifo"]["ok"], listed

@@ -6,6 +6,7 @@ MAX_CUE_S long, and a sentence end closes one. The files are written by webvtt-p
 
 from __future__ import annotations
 
+import re
 import textwrap
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -16,6 +17,7 @@ MAX_CUE_CHARS = 42
 MAX_CUE_S = 6.0
 CAPTION_FORMATS = (".srt", ".vtt")
 _SENTENCE_END = tuple(".!?…。！？；।؟")
+_ARROW = re.compile(r"-{2,}>")
 
 
 @dataclass(frozen=True)
@@ -23,6 +25,11 @@ class Cue:
     start_s: float
     end_s: float
     text: str
+
+    def __post_init__(self) -> None:
+        # One line, and never a cue's timing arrow: "-->" in a cue's text ends the file for a
+        # WebVTT reader, and a blank line ends the cue.
+        object.__setattr__(self, "text", _ARROW.sub("\u2192", " ".join(self.text.split())))
 
 
 def cues_from_words(words: Iterable[tuple[str, float, float]]) -> list[Cue]:

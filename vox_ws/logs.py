@@ -23,7 +23,9 @@ class JsonFormatter(logging.Formatter):
             line.update({key: value for key, value in fields.items() if key not in line})
         if record.exc_info:
             line["exception"] = self.formatException(record.exc_info)
-        return json.dumps(line, ensure_ascii=False, default=str, separators=(",", ":"))
+        # ASCII only: a client's text may hold U+2028, U+0085 or U+009B, which readers that split
+        # lines the Unicode way take for the end of a record.
+        return json.dumps(line, ensure_ascii=True, default=str, separators=(",", ":"))
 
 
 def configure(level: str = "info", log_format: str = "text") -> None:

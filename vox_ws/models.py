@@ -16,7 +16,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .engines.voxcpm.loading import DEFAULT_MODEL
+from .engines.voxcpm.loading import DEFAULT_MODEL, read_config
 
 WEIGHTS = ("model.safetensors", "pytorch_model.bin")
 VAE_WEIGHTS = ("audiovae.safetensors", "audiovae.pth")
@@ -46,7 +46,7 @@ def check(path: Path) -> list[str]:
     names are checked against the model at load (`loading.verify_weights`)."""
     problems = []
     try:
-        config = json.loads((path / "config.json").read_text(encoding="utf-8"))
+        config = read_config(path)
     except FileNotFoundError:
         return ["no config.json"]
     except (OSError, ValueError) as exc:

@@ -26,6 +26,9 @@ from .audio import bytes_to_pcm, pcm_to_bytes
 from .captions import CAPTION_FORMATS, cues_from_segments, cues_from_words, write_captions
 from .client import Stream, VoxError, connect
 
+# The sample rates protocol v1's `start` may name (docs/PROTOCOL.md).
+SAMPLE_RATES = (8000, 48000)
+
 # `say --play`: seconds of audio the server may send ahead of what the speakers have played.
 PLAY_LOOKAHEAD_S = 3.0
 # Bytes read from a file or standard input at a time; the most characters one `chunk` carries.
@@ -179,6 +182,9 @@ async def say(args: Any) -> int:
                 instructions=args.instructions, word_timestamps=timed_words, language=args.language,
                 lookahead_s=PLAY_LOOKAHEAD_S if player is not None else None)
             rate = stream.sample_rate
+            if not isinstance(rate, int) or not SAMPLE_RATES[0] <= rate <= SAMPLE_RATES[1]:
+                raise ValueError(f"the server's start names a sample rate of {rate!r} Hz, outside the protocol's "
+                                 f"{SAMPLE_RATES[0]}-{SAMPLE_RATES[1]}")
             if args.output:
                 out = AudioFile(args.output, args.format, rate)
             if player is not None:
@@ -212,6 +218,9 @@ async def say(args: Any) -> int:
                 feeder.cancel()
     except VoxError as err:
         print(f"vox-ws say: {err.code}: {err.message}", file=sys.stderr)
+        outcome = 1
+    except ValueError as err:                 # what the server said cannot be written
+        print(f"vox-ws say: {err}", file=sys.stderr)
         outcome = 1
     except OSError as err:
         print(f"vox-ws say: cannot reach {args.url}: {err}", file=sys.stderr)

@@ -64,7 +64,7 @@ class StreamRecord:
         usage = stats.get("usage", {})
         self._metrics.count_usage(self._owner, characters, max(usage.get("audio_s", 0.0), 0.0))
         outcome: dict[str, Any] = ({"reason": last.reason.value} if isinstance(last, Ended)
-                                   else {"error": last.kind.value, "message": last.message})
+                                   else {"error": last.kind.value, "error_message": last.message})
         figures = {name: stats[name] for name in ("chunks", "audio_s", "ttfa_ms", "rtf") if name in stats}
         record = {**self._line, "segments": segments, "language": self._language, "text_chars": characters,
                   **outcome, **figures, **({"heard": stats["heard"]} if stats.get("heard") else {})}

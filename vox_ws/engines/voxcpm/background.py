@@ -5,13 +5,15 @@ is adopted (its graphs loaded, milliseconds) between two steps as soon as it is 
 `BackgroundCompile` starts the child and reads its events on a thread of its own, where each
 bucket's graphs are loaded and run once (`prepare`: off the thread that steps, which would stall
 every stream meanwhile); the engine's scheduler thread takes what has arrived (`arrived`) before
-each step and only switches it on there (with LoRA slots it loads them there too). `describe` is its progress, for `/v1/info`.
+each step and only switches it on there (with LoRA slots it loads them there too). `describe` is
+its progress, for `/v1/info`.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 import queue
 import subprocess
 import sys
@@ -20,6 +22,10 @@ import time
 from typing import Any, Callable
 
 log = logging.getLogger("vox_ws.engines.voxcpm")
+
+# How long the child has to end on SIGTERM at close before it is killed (a stopped or stuck one
+# never does).
+STOP_GRACE_S = 5.0
 
 
 class BackgroundCompile:
@@ -41,10 +47,13 @@ class BackgroundCompile:
         self.adopted: list[int] = []       # buckets the step uses (the engine says)
         self.declined: list[int] = []      # compiled, but slower than eager here (the engine says)
         self.adopted_decode = False        # the decode's graphs in use (the engine says)
-        self.priority = ""                 # the CPU priority the child ran at (once done)
+        self.priority = ""                 # the CPU priority the child runs at (once started)
+        self.started_event = threading.Event()   # set once the child dies with this process
         self._events: queue.SimpleQueue = queue.SimpleQueue()
+        self._closing = False              # set by `close`: an end is then a stop, not a failure
         self._process = subprocess.Popen([sys.executable, "-m", "vox_ws.engines.voxcpm.compile_main",
-                                          json.dumps(settings)], stdout=subprocess.PIPE, stdin=subprocess.PIPE,
+                                          json.dumps({**settings, "parent": os.getpid()})],
+                                         stdout=subprocess.PIPE, stdin=subprocess.PIPE,
                                          text=True)   # its standard input closes when this process ends
         self._reader = threading.Thread(target=self._read, name="vox-ws-background-compile", daemon=True)
         self._reader.start()
@@ -59,7 +68,10 @@ class BackgroundCompile:
             except ValueError:
                 continue
             kind = event.get("event")
-            if kind == "bucket":
+            if kind == "started":
+                self.priority = event.get("priority", "")
+                self.started_event.set()
+            elif kind == "bucket":
                 if not self.compiled:
                     # What loading a graph first needs (inductor, seconds to import), here rather
                     # than on the scheduler's thread, where it would hold a step.
@@ -83,7 +95,6 @@ class BackgroundCompile:
                 self.seconds = round(time.monotonic() - self.started, 1)
                 self.status = kind
                 self.error = event.get("error", "")
-                self.priority = event.get("priority", "")
                 if kind == "failed":
                     log.warning("background compile failed (%s): the step stays eager", self.error)
                 else:
@@ -91,6 +102,9 @@ class BackgroundCompile:
             self._events.put(event)
         self._process.wait()
         if not ended and self.status == "compiling":
+            if self._closing:
+                self.status = "stopped"
+                return
             self.status, self.error = "failed", f"the compile process exited ({self._process.returncode})"
             log.warning("background compile: %s; the step stays eager", self.error)
 
@@ -111,12 +125,13 @@ class BackgroundCompile:
                 **({"error": self.error} if self.error else {})}
 
     def close(self) -> None:
+        self._closing = True
         if self._process.stdin is not None:
             self._process.stdin.close()
         if self._process.poll() is None:
             self._process.terminate()
             try:
-                self._process.wait(10)
+                self._process.wait(STOP_GRACE_S)
             except subprocess.TimeoutExpired:
                 self._process.kill()
                 self._process.wait()

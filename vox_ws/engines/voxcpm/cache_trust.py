@@ -6,14 +6,17 @@ only when no one else can have written it: a real directory (no link) owned by t
 group and others may not write (it is created 0700), every entry under it owned by this uid (and,
 where others may enter the directory, writable by no one else), and no parent on its path that
 others may write without the sticky bit (from which they could swap the directory). A cache that is not private is left
-untouched (not loaded, not repaired, not written): the step compiles into a fresh private
-directory instead, and a warning says why and what to do.
+untouched (not loaded, not repaired, not written): the step compiles into a private directory
+of this process instead (one, whatever it asks for, removed when it exits), and a warning says
+why and what to do.
 """
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
+import shutil
 import stat
 import tempfile
 from pathlib import Path
@@ -32,11 +35,26 @@ def trusted_cache_dir(requested: Path) -> Path:
         problem = f"it cannot be made or read ({exc.strerror or exc})"
     if problem is None:
         return requested
-    fallback = Path(tempfile.mkdtemp(prefix="vox-ws-compile-"))
+    fallback = _fallback_dir()
     log.warning("compile cache %s not used: %s. Its files are code the server runs; it must be a directory "
                 "owned by uid %d with mode 0700 (chmod 700), holding only this user's files. Compiling into %s "
-                "instead (a next start compiles again)", requested, problem, os.geteuid(), fallback)
+                "instead (removed at exit: a next start compiles again)", requested, problem, os.geteuid(),
+                fallback)
     return fallback
+
+
+_fallback: Path | None = None
+
+
+def _fallback_dir() -> Path:
+    """This process's one private directory for a cache it may not use: made once, reused by
+    every later ask (its children are given its path, which they may trust), and removed when
+    the process exits."""
+    global _fallback
+    if _fallback is None or not _fallback.is_dir():
+        _fallback = Path(tempfile.mkdtemp(prefix="vox-ws-compile-"))
+        atexit.register(shutil.rmtree, _fallback, ignore_errors=True)
+    return _fallback
 
 
 def why_untrusted(path: Path) -> str | None:

@@ -2,14 +2,15 @@
 compiles the step's graphs into the server's compile cache, bucket by bucket, while the server
 serves eager (`background.BackgroundCompile` starts it and reads what it says).
 
-It says one JSON line on its standard output per event: `{"event": "bucket", "rows", "seconds",
+It says one JSON line on its standard output per event: `{"event": "started", "priority"}` once it
+will die with the server and runs at its priority, `{"event": "bucket", "rows", "seconds",
 "eager_ms", "compiled_ms"}` when a bucket's graphs are in the cache (with, where asked, one step of
 that many rows timed eager and compiled here: a CPU's compiled step is not always the faster),
 `{"event": "decode", "seconds"}` when the decode's graphs are, then `{"event": "done"}`; or
 `{"event": "failed", "error"}`. Its KV caches have as few slots as a bucket needs: the graphs take
-any number of slots. It runs on idle CPU time only (`priority.lowest_priority`), with one thread fewer than
-the cores where the server has more: the server's streams, and a busy machine's other work, come
-first.
+any number of slots. It runs on idle CPU time only (`priority.lowest_priority`), with one thread
+fewer than the cores where the server has more: the server's streams, and a busy machine's other
+work, come first.
 
     python -m vox_ws.engines.voxcpm.compile_main '{"model": DIR, "device": ..., "buckets": [...], ...}'
 """
@@ -74,7 +75,8 @@ def compile_all(settings: dict[str, Any]) -> None:
     say("decode", seconds=round(time.perf_counter() - started, 2))
 
 
-def time_eager_and_compiled(runner: Any, compiled: Any, prompt: Any, rows: int, no_adapter: int) -> dict[str, float]:
+def time_eager_and_compiled(runner: Any, compiled: Any, prompt: Any, rows: int,
+                            no_adapter: int) -> dict[str, float]:
     """One step of `rows` rows, eager and compiled (the median of 5 after 2 each, the decode
     eager in both): which is the faster on this device."""
     from .runner import PrefillInput
@@ -107,12 +109,30 @@ def _exit_with_parent() -> None:
     os._exit(0)
 
 
+def _killed_with_parent() -> None:
+    """On Linux, the kernel kills this process (SIGKILL: also when it is stopped, or stuck where
+    no thread reads its standard input) as soon as the server that started it is gone."""
+    try:
+        import ctypes
+        import signal
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        pr_set_pdeathsig = 1
+        libc.prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):
+        return
+
+
 def main() -> None:
     global _events
     settings = json.loads(sys.argv[1])
+    _killed_with_parent()
+    if os.getppid() != settings.get("parent", os.getppid()):    # the server went before that took effect
+        os._exit(0)
     _events = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)
     priority = lowest_priority()
+    say("started", priority=priority)
     os.environ.setdefault("TQDM_DISABLE", "1")
     # The server holds this process's standard input open: when it ends (a crash, a kill), so
     # does this compile, rather than go on alone.
@@ -122,7 +142,7 @@ def main() -> None:
     except Exception as exc:  # noqa: BLE001 - the server serves eager, and says why
         say("failed", error=f"{type(exc).__name__}: {exc}")
         raise SystemExit(1) from exc
-    say("done", priority=priority)
+    say("done")
 
 
 if __name__ == "__main__":

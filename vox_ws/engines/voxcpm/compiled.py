@@ -334,11 +334,22 @@ def warm_compiler(device_type: str) -> None:
         cpu_vec_isa.pick_vec_isa()
 
 
-def use_cache_dir(cache_dir: Path) -> None:
+def use_cache_dir(cache_dir: Path) -> Path:
     """Keep compiled code in `cache_dir` (one `trusted_cache_dir` gave: this process compiles for
-    one cache), and allow a recompile per bucket for every compiled function."""
+    one cache), and allow a recompile per bucket for every compiled function; gives `cache_dir`.
+
+    Inductor keeps its precompiled C++ headers in `$TMPDIR/torchinductor_<user>` whatever its
+    cache directory is (`codecache._HEADER_DIR`, fixed at import), and builds kernels against a
+    header found there: another local user who makes that directory first puts code into every
+    kernel. They go into `cache_dir` too."""
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir)
+    from torch._inductor import codecache
+
+    if hasattr(codecache, "_HEADER_DIR"):
+        codecache._HEADER_DIR = str(cache_dir / "precompiled_headers")
+        codecache._HEADER_LOCK_DIR = str(cache_dir / "precompiled_headers" / "locks")
     dynamo = torch._dynamo.config
     for name in ("recompile_limit", "cache_size_limit"):
         if hasattr(dynamo, name) and getattr(dynamo, name) < 64:
             setattr(dynamo, name, 64)
+    return cache_dir

@@ -21,7 +21,8 @@ from .adapters import AdapterBook
 from .settings import COMPILE_MODES
 from .background import BackgroundCompile
 from .decoder_process import DecoderProcess
-from .compiled import BUCKETS, CompiledStep, buckets_for, warm_compiler
+from .cache_trust import trusted_cache_dir
+from .compiled import BUCKETS, CompiledStep, buckets_for, default_cache_dir, use_cache_dir, warm_compiler
 from .graphs import PrecompileUnavailable
 from .kv import attention_kernel
 from .normalizer import NORMALIZE_TIMEOUT_S, Normalizer
@@ -135,6 +136,13 @@ class VoxCPMEngine(Engine):
             torch.set_num_threads(self._threads)
         os.environ.setdefault("TQDM_DISABLE", "1")
         path = resolve_model_path(self.model)
+        expected = self.device if self.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+        if self._compiles(expected):
+            # Inductor's files are code this process loads: its cache (its probe of the CPU's
+            # vector instructions included) is the checked private one before anything imports
+            # or warms the compiler, here and in every child started after, which inherit it.
+            self._compile_cache = str(use_cache_dir(trusted_cache_dir(
+                Path(self._compile_cache) if self._compile_cache else default_cache_dir())))
         voxcpm = import_voxcpm()
         lora_config = None
         if self._lora_rank > 0:
@@ -145,7 +153,6 @@ class VoxCPMEngine(Engine):
         if self._load_denoiser:
             _check_denoiser_dependencies()
         # Where the step will be compiled here, the compiler warms up while the weights load.
-        expected = self.device if self.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
         compiler = None
         will_compile = self._compiles(expected) and self._compile_wait
         if will_compile:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -10,6 +11,8 @@ import sys
 import types
 from pathlib import Path
 from typing import Any
+
+from ...files import FileTooLarge, read_regular_file
 
 log = logging.getLogger("vox_ws.engines.voxcpm")
 
@@ -76,9 +79,22 @@ def weights_available(model: str) -> bool:
         return False
 
 
+# A checkpoint's config.json is a few kilobytes: one past this is refused unread.
+MAX_CONFIG_BYTES = 1 << 20
+
+
+def read_config(path: Path) -> Any:
+    """`path`/config.json, parsed: a regular file (a FIFO is refused, not waited on) of at most
+    MAX_CONFIG_BYTES (FileTooLarge past it, before a byte is read)."""
+    data = read_regular_file(path / "config.json", MAX_CONFIG_BYTES)
+    if len(data) > MAX_CONFIG_BYTES:
+        raise FileTooLarge(errno.EFBIG, f"over {MAX_CONFIG_BYTES} bytes")
+    return json.loads(data.decode("utf-8"))
+
+
 def architecture(path: Path) -> str:
-    with open(path / "config.json", encoding="utf-8") as f:
-        return str(json.load(f).get("architecture", "voxcpm")).lower()
+    config = read_config(path)
+    return str(config.get("architecture", "voxcpm") if isinstance(config, dict) else "not a JSON object").lower()
 
 
 def verify_weights(model: Any, path: Path) -> None:
