@@ -71,6 +71,31 @@ def test_the_pod_pulls_its_weights_serves_them_and_keeps_its_compile_cache():
     assert pod["volumes"][0]["persistentVolumeClaim"]["claimName"] in claims
 
 
+def test_only_the_ingress_controller_may_name_a_client():
+    """Hardening V, 7: the manifest trusted the whole pod network (10.244.0.0/16), so any pod of
+    the cluster named any client by X-Forwarded-For. Now a NetworkPolicy admits the port only
+    from the ingress controller (and Prometheus, untrusted), and the trusted range is the
+    controller's own."""
+    import ipaddress
+
+    (deployment,) = [d for d in documents() if d["kind"] == "Deployment"]
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    trusted = [ipaddress.ip_network(n) for n in env["VOX_WS_TRUSTED_PROXIES"].split(",")]
+    assert all(n.prefixlen >= 24 for n in trusted), trusted            # a pool, not the pod network
+    (policy,) = [d for d in documents() if d["kind"] == "NetworkPolicy"]
+    assert policy["spec"]["podSelector"]["matchLabels"] == deployment["spec"]["selector"]["matchLabels"]
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
+    port = container["ports"][0]["containerPort"]
+    sources = set()
+    for rule in policy["spec"]["ingress"]:
+        assert [p["port"] for p in rule["ports"]] == [port]
+        for peer in rule["from"]:            # a namespace and a pod selector both: never "any pod"
+            assert peer["namespaceSelector"]["matchLabels"] and peer["podSelector"]["matchLabels"]
+            sources.add(peer["namespaceSelector"]["matchLabels"]["kubernetes.io/metadata.name"])
+    assert sources == {"ingress-nginx", "monitoring"}
+
+
 def test_haproxy_reads_the_configuration():
     if shutil.which("haproxy") is None:
         pytest.fail("haproxy is not installed (scripts/test.sh installs Debian's)")

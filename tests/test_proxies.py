@@ -255,6 +255,30 @@ async def test_a_forwarded_for_header_from_the_balancer_names_the_client(behind_
     await wait_until(lambda: guard.requests_in_flight == 0)
 
 
+UNSPEC = V2_SIGNATURE + bytes([0x21, 0x00]) + struct.pack("!H", 0)                  # PROXY, no address
+UNIX = V2_SIGNATURE + bytes([0x21, 0x31]) + struct.pack("!H", 216) + b"/run/x.sock".ljust(216, b"\0")
+
+
+@pytest.mark.parametrize("preamble", [v2(None), UNSPEC, UNIX, b"PROXY UNKNOWN\r\n"],
+                         ids=["local", "unspec", "unix", "v1-unknown"])
+async def test_a_proxy_header_that_names_no_address_leaves_the_peer_and_ignores_forwarding(behind_balancer,
+                                                                                           preamble):
+    """Hardening V, 10: after a PROXY header naming no address, the client's own
+    X-Forwarded-For decided who it was. Now such a connection is its peer: a request there that
+    forwards for 192.0.2.88 does not count against 192.0.2.88 (which holds one in flight, its
+    bound), nor is it refused as that client."""
+    server = behind_balancer
+    guard = server.server.guard
+    named = held_body(server.port, v1("192.0.2.88"))
+    await wait_until(lambda: guard.requests_in_flight == 1)
+    unnamed = held_body(server.port, preamble, extra=b"X-Forwarded-For: 192.0.2.88\r\n")
+    await wait_until(lambda: guard.requests_in_flight == 2)
+    assert guard.requests_in_flight == 2
+    for sock in (named, unnamed):
+        sock.close()
+    await wait_until(lambda: guard.requests_in_flight == 0)
+
+
 async def test_websocket_sessions_are_counted_by_the_client_the_balancer_names(behind_balancer):
     server = behind_balancer
 

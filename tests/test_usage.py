@@ -127,11 +127,30 @@ def test_usage_series_per_owner_are_bounded_and_kept_by_the_owners_seen_last():
             metrics.count_usage("address:10.0.0.1", 5, 1.0)
     text = metrics.exposition().decode()
     series = [line for line in text.splitlines() if line.startswith("voxws_owner_characters_total{")]
-    assert len(series) == MAX_OWNER_SERIES
+    assert len(series) == MAX_OWNER_SERIES + 1              # and the evicted owners' "other"
     assert f'voxws_owner_characters_total{{owner="{owner_label("address:10.0.0.1", b"k")}"}} 10.0' in series
     # The ones unseen the longest gave their series up; the newest have theirs.
     assert owner_label("address:10.1.0.0", b"k") not in text
     assert owner_label(f"address:10.1.1.{MAX_OWNER_SERIES + 9 - 256}", b"k") in text
+
+
+def test_the_sum_of_usage_only_grows_when_owners_are_evicted():
+    """Hardening V, 12: 256 one-word requests evicted a client's series, and the sum over the
+    series went down from 2,218 to 768 characters. Evicted usage moves into "other"."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    metrics = Metrics(b"k")
+    metrics.count_usage("address:192.0.2.1", 1450, 90.0)
+    sums = []
+    for n in range(MAX_OWNER_SERIES + 1):
+        metrics.count_usage(f"address:10.2.{n // 256}.{n % 256}", 3, 0.25)
+        families = {f.name: f for f in text_string_to_metric_families(metrics.exposition().decode())}
+        sums.append(sum(s.value for s in families["voxws_owner_characters"].samples if s.name.endswith("_total")))
+    assert sums == sorted(sums) and sums[-1] == 1450 + 3 * (MAX_OWNER_SERIES + 1)
+    text = metrics.exposition().decode()
+    assert owner_label("address:192.0.2.1", b"k") not in text
+    assert 'voxws_owner_characters_total{owner="other"} 1453.0' in text
+    assert 'voxws_owner_audio_seconds_total{owner="other"} 90.25' in text
 
 
 def test_owner_labels_are_keyed_so_no_one_without_the_secret_can_tell_whose():

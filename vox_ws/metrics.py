@@ -18,8 +18,10 @@ CONTENT_TYPE = CONTENT_TYPE_LATEST
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0, 5.0, 10.0)
 _STEP_BUCKETS = (0.002, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.2, 0.5, 1.0, 2.0)
 # Owners given series of their own in the usage counters: the most recent; an owner beyond them
-# takes the place of the one unseen the longest (whose series ends).
+# takes the place of the one unseen the longest, whose usage so far moves into the series of
+# OTHER_OWNERS (so that every sum over the series only grows).
 MAX_OWNER_SERIES = 256
+OTHER_OWNERS = "other"
 
 
 def owner_label(owner: str, secret: bytes) -> str:
@@ -68,7 +70,8 @@ class Metrics:
                                         ["owner"], registry=r)
         self.owner_audio_seconds = Counter("voxws_owner_audio_seconds", "Seconds of audio sent, per owner",
                                            ["owner"], registry=r)
-        self._owners: OrderedDict[str, None] = OrderedDict()      # labels, the least recent first
+        # Labels, the least recent first, with what each has counted: [characters, audio seconds].
+        self._owners: OrderedDict[str, list[float]] = OrderedDict()
 
     def bind(self, active: Callable[[], float], queued: Callable[[], float], sessions: Callable[[], float],
              ready: Callable[[], float]) -> None:
@@ -93,10 +96,15 @@ class Metrics:
             self._owners.move_to_end(label)
         else:
             if len(self._owners) >= MAX_OWNER_SERIES:
-                gone, _ = self._owners.popitem(last=False)
+                gone, (gone_characters, gone_audio_s) = self._owners.popitem(last=False)
                 self.owner_characters.remove(gone)
                 self.owner_audio_seconds.remove(gone)
-            self._owners[label] = None
+                self.owner_characters.labels(OTHER_OWNERS).inc(gone_characters)
+                self.owner_audio_seconds.labels(OTHER_OWNERS).inc(gone_audio_s)
+            self._owners[label] = [0.0, 0.0]
+        counted = self._owners[label]
+        counted[0] += characters
+        counted[1] += audio_s
         self.owner_characters.labels(label).inc(characters)
         self.owner_audio_seconds.labels(label).inc(audio_s)
 

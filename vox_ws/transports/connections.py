@@ -293,6 +293,7 @@ class HttpProtocol(_WatchedWrites, HttpToolsProtocol):
         self._peer = "unknown"                    # the connection's own peer
         self._address = "unknown"                 # the client of the request being read
         self._proxied: str | None = None          # the client a trusted peer's PROXY header named
+        self._unnamed = False                     # its PROXY header named no address
         self._preamble: bytearray | None = None   # a trusted peer's first bytes, until a PROXY header is told
         self._in_flight: collections.deque[str] = collections.deque()   # the guard's count, by client
         self._ws_class = self.ws_protocol_class
@@ -346,6 +347,8 @@ class HttpProtocol(_WatchedWrites, HttpToolsProtocol):
         if header.source is not None:
             self._proxied = header.source
             self.client = (header.source, header.port)
+        elif header.length:
+            self._unnamed = True
         return rest
 
     def on_message_begin(self) -> None:
@@ -380,7 +383,14 @@ class HttpProtocol(_WatchedWrites, HttpToolsProtocol):
         429) if that client goes on after its refusals. A client behind a balancer is not
         closed at accept, which would look to the balancer like a dead replica: it is answered,
         at the cost of its headers only."""
-        self._address = self.guard.proxies.client(self._peer, self._proxied, self.headers)
+        if self._unnamed:
+            # The PROXY header named no address (LOCAL, UNSPEC, a UNIX socket, UNKNOWN): the
+            # connection is the balancer's own, or its client cannot be told; either way it is
+            # its peer, and no forwarding header (the client's own, for all the server knows)
+            # renames it.
+            self._address = self._peer
+        else:
+            self._address = self.guard.proxies.client(self._peer, self._proxied, self.headers)
         self.client = (self._address, self.client[1] if self.client else 0)
         self.scope["client"] = self.client
         if self.guard.heard(self._address):
