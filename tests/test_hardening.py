@@ -75,6 +75,27 @@ async def test_a_token_as_a_subprotocol_is_taken_and_a_malformed_one_is_no_token
         assert_good_stream(await c.speak("Still served.", "a"))
 
 
+async def test_offered_subprotocols_are_read_once_and_bounded(guarded, monkeypatch):
+    """Hardening V, 11: offered `vox-ws.bearer.*` subprotocols cost the event loop 10-18x what as
+    many ordinary header bytes did (every rule decoded every one again). They are parsed once a
+    request, none taken past 8 of them or 4 KiB: a token among 60 offered is no token, and each
+    bearer of a handshake is decoded at most once."""
+    import base64
+
+    from vox_ws.transports import auth
+
+    decoded: list[str] = []
+    unbase64 = auth._unbase64
+    monkeypatch.setattr(auth, "_unbase64", lambda text: decoded.append(text) or unbase64(text))
+    good = "vox-ws.bearer." + base64.urlsafe_b64encode(b"alpha").decode().rstrip("=")
+    many = [f"vox-ws.bearer.{n:x}" for n in range(60)] + [good]
+    await closed_with(guarded, 4001, subprotocols=["vox-ws", *many])
+    assert decoded == []                                         # past the bound: not one decoded
+    async with connect(guarded.url, subprotocols=["vox-ws", good]) as ws:
+        assert msgpack.unpackb(await asyncio.wait_for(ws.recv(), 10))["type"] == "hello"
+    assert decoded == [good[len("vox-ws.bearer."):]]             # once, for every rule that asked
+
+
 @pytest.mark.parametrize("how", ["header", "query", "second", "admin"])
 async def test_valid_tokens_by_header_or_query(guarded, how):
     kwargs = {

@@ -18,11 +18,25 @@ from ..service.voice_store import ADDRESS_OWNER_PREFIX
 # history and Referer headers).
 SUBPROTOCOL = "vox-ws"
 BEARER_PREFIX = "vox-ws.bearer."
+# A browser offers two subprotocols (SUBPROTOCOL and its token's); past these bounds none is
+# taken (a token among them is not presented), and the offer costs one pass over its bytes.
+MAX_SUBPROTOCOLS = 8
+MAX_SUBPROTOCOL_BYTES = 4096
+# What a request presented, worked out once per request (each rule below asks for it).
+_TOKENS = "vox_ws.presented_tokens"
+_OFFERED = "vox_ws.offered_subprotocols"
 
 
 def presented_tokens(conn: HTTPConnection) -> list[str]:
     """Tokens from `Authorization: Bearer <t>` (servers), a WebSocket subprotocol
-    `vox-ws.bearer.<base64url(t)>` (browsers), or `?token=<t>`."""
+    `vox-ws.bearer.<base64url(t)>` (browsers), or `?token=<t>`; read once per request."""
+    found = conn.scope.get(_TOKENS)
+    if found is None:
+        found = conn.scope[_TOKENS] = _read_tokens(conn)
+    return found
+
+
+def _read_tokens(conn: HTTPConnection) -> list[str]:
     tokens = []
     headers = conn.headers.getlist("authorization")
     if len(headers) > 1:
@@ -36,8 +50,18 @@ def presented_tokens(conn: HTTPConnection) -> list[str]:
 
 
 def offered_subprotocols(conn: HTTPConnection) -> list[str]:
-    return [p.strip() for value in conn.headers.getlist("sec-websocket-protocol") for p in value.split(",")
-            if p.strip()]
+    """The subprotocols offered, parsed once per request; none past MAX_SUBPROTOCOLS or
+    MAX_SUBPROTOCOL_BYTES."""
+    offered = conn.scope.get(_OFFERED)
+    if offered is None:
+        values = conn.headers.getlist("sec-websocket-protocol")
+        offered = []
+        if sum(len(value) for value in values) <= MAX_SUBPROTOCOL_BYTES:
+            offered = [p.strip() for value in values for p in value.split(",") if p.strip()]
+            if len(offered) > MAX_SUBPROTOCOLS:
+                offered = []
+        conn.scope[_OFFERED] = offered
+    return offered
 
 
 def _unbase64(text: str) -> str:
