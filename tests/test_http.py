@@ -173,3 +173,60 @@ async def test_each_endpoint_stands_alone_on_an_app_that_carries_a_servers_state
             mine, theirs = await alone.get(path), await server.get(on_server)
             assert (mine.status_code, mine.json()) == (theirs.status_code, theirs.json()), path
         assert (await alone.get("/ready")).json() == {"status": "ready"}
+
+
+async def test_a_page_of_another_origin_cannot_register_or_delete_for_its_visitor(voxcpm_http):
+    """Hardening V, 8: a multipart POST needs no preflight, so a page the visitor opened sent
+    four registrations as the visitor (by address) and retired the visitor's own voice. A
+    state-changing request whose Origin is neither the server's own nor configured is refused
+    403, and nothing changes; the server's own page and clients without an Origin are served."""
+    async with httpx.AsyncClient(base_url=voxcpm_http.http) as http:
+        own = await http.post("/v1/audio/voices", files={"audio": ("me.wav", wav(1.0), "audio/wav")},
+                              data={"name": "mine"})
+        assert own.status_code == 200, own.text
+        before = (await http.get("/v1/audio/voices")).json()["uploaded_voices"]
+        evil = {"origin": "https://evil.example"}
+        for _ in range(4):
+            forged = await http.post("/v1/audio/voices", files={"audio": ("x.wav", wav(1.0), "audio/wav")},
+                                     headers=evil)
+            assert forged.status_code == 403 and "origin not allowed" in forged.text, forged.text
+        for path in ("/v1/voices", "/v1/audio/speech"):
+            refused = await http.post(path, content=b"{}", headers={**evil, "content-type": "application/json"})
+            assert refused.status_code == 403, (path, refused.text)
+        refused = await http.delete("/v1/audio/voices/mine", headers=evil)
+        assert refused.status_code == 403
+        assert (await http.get("/v1/audio/voices")).json()["uploaded_voices"] == before
+        # The server's own page (its Origin is the server's host and port) is served.
+        same = await http.post("/v1/audio/speech", json={"input": "Same origin.", "voice": "mine",
+                                                         "response_format": "pcm"},
+                               headers={"origin": voxcpm_http.http})
+        assert same.status_code == 200, same.text
+        assert (await http.delete("/v1/audio/voices/mine", headers={"origin": voxcpm_http.http})).status_code == 200
+
+
+async def test_cors_for_any_page_never_deletes_nor_lists_a_visitors_voices_without_a_token(start_server,
+                                                                                          tiny_model):
+    """Hardening V, 9: with `--cors-origins '*'` and no tokens, any page listed the visitor's
+    voices and, after a preflight that allowed DELETE, deleted them. Now a page of another
+    origin may still speak and register (what '*' is for), but lists only the server's own
+    voices and aliases, and may delete nothing, without a token."""
+    from vox_ws.engines.voxcpm.engine import VoxCPMEngine
+
+    server = start_server(VoxCPMEngine(model=str(tiny_model), device="cpu", max_batch=1), max_batch=1,
+                          cors_origins=["*"], max_voice_audio_s=5.0)
+    evil = {"origin": "https://evil.example"}
+    async with httpx.AsyncClient(base_url=server.http) as http:
+        own = await http.post("/v1/audio/voices", files={"audio": ("me.wav", wav(1.0), "audio/wav")},
+                              data={"name": "mine"})
+        assert own.status_code == 200, own.text
+        mine = (await http.get("/v1/audio/voices")).json()
+        assert [v["name"] for v in mine["uploaded_voices"]] == ["mine"]
+        seen = await http.get("/v1/audio/voices", headers=evil)
+        assert seen.status_code == 200 and seen.headers["access-control-allow-origin"] == "*"
+        assert seen.json()["uploaded_voices"] == [] and all(v["kind"] != "uploaded" for v in seen.json()["voices"])
+        gone = await http.delete("/v1/audio/voices/mine", headers=evil)
+        assert gone.status_code == 403
+        spoken = await http.post("/v1/audio/speech", json={"input": "Any page.", "voice": "alloy",
+                                                           "response_format": "pcm"}, headers=evil)
+        assert spoken.status_code == 200, spoken.text
+        assert [v["name"] for v in (await http.get("/v1/audio/voices")).json()["uploaded_voices"]] == ["mine"]

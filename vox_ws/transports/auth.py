@@ -6,6 +6,8 @@ import base64
 import binascii
 import hashlib
 import hmac
+from collections.abc import Sequence
+from urllib.parse import urlsplit
 
 from starlette.requests import HTTPConnection
 
@@ -89,10 +91,45 @@ def is_admin(conn: HTTPConnection, admin_tokens: list[str]) -> bool:
     return bool(admin_tokens) and token_matches(presented_tokens(conn), admin_tokens)
 
 
-def origin_allowed(conn: HTTPConnection, allow_origins: list[str]) -> bool:
-    """Browsers always send Origin; requests without one (servers) are not affected."""
+# What a page may send another origin without asking first (a form's POST needs no preflight):
+# such requests from another origin are refused unless the server was told to take them.
+STATE_CHANGING = frozenset({"POST", "PUT", "PATCH", "DELETE"})
+
+
+def cross_origin(conn: HTTPConnection) -> bool:
+    """Whether a browser sent this from a page of another origin than the server's own (its
+    Origin names another host and port than the request's Host; scheme aside, which a TLS
+    balancer in front changes)."""
     origin = conn.headers.get("origin")
-    return not allow_origins or origin is None or origin in allow_origins
+    if origin is None:
+        return False
+    netloc = urlsplit(origin).netloc.lower() if origin != "null" else ""
+    return not netloc or netloc != (conn.headers.get("host") or "").lower()
+
+
+def origin_allowed(conn: HTTPConnection, allow_origins: list[str], cors_origins: Sequence[str] = ()) -> bool:
+    """Browsers always send Origin; requests without one (servers) are not affected. With
+    `allow_origins`, only those; and a state-changing HTTP request from a page of another
+    origin only where `cors_origins` names it (`*`: any, but DELETE only with a token)."""
+    origin = conn.headers.get("origin")
+    if origin is None:
+        return True
+    if allow_origins and origin not in allow_origins:
+        return False
+    if conn.scope.get("type") != "http" or conn.scope.get("method") not in STATE_CHANGING or not cross_origin(conn):
+        return True
+    if origin in cors_origins or origin in allow_origins:
+        return True
+    if "*" in cors_origins:
+        return conn.scope["method"] != "DELETE" or bool(presented_tokens(conn))
+    return False
+
+
+def shows_uploaded_voices(conn: HTTPConnection) -> bool:
+    """Whether a listing may name the caller's uploaded voices: not to a page of another origin
+    that presents no token (with `--cors-origins '*'` any page could read the visitor's, who is
+    the caller by address); the server's own voices and aliases are listed to anyone."""
+    return not cross_origin(conn) or bool(presented_tokens(conn))
 
 
 def owner(conn: HTTPConnection, tokens: list[str], admin_tokens: list[str]) -> str:

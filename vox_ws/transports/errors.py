@@ -25,6 +25,10 @@ HTTP_STATUS = {
 }
 
 
+ORIGIN_REFUSED = ("origin not allowed: a page of another origin may not send this here (the server's "
+                  "--allow-origin and --cors-origins say which may)")
+
+
 def error_response(status: int, code: str, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
     """`{"error": {"code", "message"}}`, with protocol v1's error codes."""
     return JSONResponse({"error": {"code": code, "message": message}}, status_code=status, headers=headers)
@@ -48,8 +52,8 @@ def unauthorized_response() -> JSONResponse:
 
 def access_refusal(request: Request, config: ServerConfig) -> JSONResponse | None:
     """The refusal of a request from an origin or without a token the server does not take."""
-    if not origin_allowed(request, config.allow_origins):
-        return error_response(403, p.UNAUTHORIZED, "origin not allowed")
+    if not origin_allowed(request, config.allow_origins, config.cors_origins):
+        return error_response(403, p.UNAUTHORIZED, ORIGIN_REFUSED)
     if not is_authorized(request, config.tokens, config.admin_tokens):
         return unauthorized_response()
     return None

@@ -38,7 +38,7 @@ from ..service.validation import (MAX_INSTRUCTIONS_CHARS, MAX_SAMPLE_RATE, MIN_S
 from . import protocol as p
 from .auth import is_authorized, origin_allowed, owner
 from .body import BodyTooLarge, read_body
-from .errors import HTTP_STATUS, retry_headers
+from .errors import HTTP_STATUS, ORIGIN_REFUSED, retry_headers
 from .state import ServerState, server_state
 
 log = logging.getLogger("vox_ws.openai")
@@ -105,8 +105,8 @@ class SpeechRequest:
 def _guard(request: Request, state: ServerState) -> None:
     """Raises OpenAIError for a request from an origin or without a key the server does not take."""
     config = state.config
-    if not origin_allowed(request, config.allow_origins):
-        raise OpenAIError(403, "origin not allowed", code="origin_not_allowed")
+    if not origin_allowed(request, config.allow_origins, config.cors_origins):
+        raise OpenAIError(403, ORIGIN_REFUSED, code="origin_not_allowed")
     if not is_authorized(request, config.tokens, config.admin_tokens):
         raise OpenAIError(401, "Incorrect API key provided: present a valid token as `Authorization: Bearer`",
                           code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})

@@ -35,7 +35,7 @@ from ..service.registrations import Registration
 from ..service.voice_store import VoiceSummary
 from . import protocol as p
 from ..service.voice_store import owner_key
-from .auth import address_owner, owner
+from .auth import address_owner, owner, shows_uploaded_voices
 from .body import BodyTooLarge, read_body
 from .errors import access_refusal, admin_refusal, error_response, refused_response
 from .multipart import MultiPartException
@@ -159,7 +159,7 @@ async def list_openai_style(request: Request) -> Response:
     if (refusal := access_refusal(request, state.config)) is not None:
         return refusal
     try:
-        owned = await state.service.voices.owned_by(_owner(request, state))
+        owned = await state.service.voices.owned_by(_owner(request, state)) if shows_uploaded_voices(request) else []
     except Refused as err:
         return refused_response(err)
     uploaded = [_described(v) for v in owned]
