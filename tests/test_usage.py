@@ -259,8 +259,16 @@ def test_a_voice_store_that_is_down_and_a_loading_engine_say_when_to_retry():
 
 
 @pytest.mark.slow
-async def test_usage_per_token_is_under_the_label_vox_ws_owner_prints(start_server, capsys):
+async def test_usage_per_token_is_under_the_label_vox_ws_owner_prints(start_server, capsys, monkeypatch):
+    import logging
+
     from vox_ws.cli import main
+
+    # `main` points the root logger at this test's captured standard error, closed after it:
+    # the handlers are put back, so later tests' log lines do not go to a closed file.
+    root = logging.getLogger()
+    monkeypatch.setattr(root, "handlers", list(root.handlers))
+    monkeypatch.setattr(root, "level", root.level)
 
     server = start_server(PiperEngine(), tokens=["team-a-token"], metrics_secret="shared by the replicas")
     async with connect_client(server, additional_headers={"Authorization": "Bearer team-a-token"}) as c:
