@@ -84,10 +84,16 @@ def _reporter(ctx: dict) -> Callable[[dict], None]:
     path = Path(ctx["result"])
 
     def report(result: dict) -> None:
-        partial = path.with_name(f".{path.name}.partial")
-        partial.write_text(json.dumps({**result, "partial": True}))
-        os.replace(partial, path)
+        _write_whole(path, {**result, "partial": True})
     return report
+
+
+def _write_whole(path: Path, result: dict) -> None:
+    """`result` as JSON in `path`, written aside and renamed over: a reader (the run, after a
+    kill) finds the last whole one, never a part."""
+    aside = path.with_name(f".{path.name}.partial")
+    aside.write_text(json.dumps(result))
+    os.replace(aside, path)
 
 
 def _version(package: str) -> str | None:
@@ -329,11 +335,15 @@ def _time_cuda_graphs(torch: Any, model: Any, compiled: Any, bucket: int, timest
     def eager(mu: Any, cond: Any, noise: Any, steps: int, cfg: Any) -> Any:
         return cfm_solve(model.feat_decoder, mu, cond, noise, steps, cfg)
 
+    def solve_inputs(rows: int) -> tuple:
+        """mu, cond, noise (the same for a given `rows`), timesteps, cfg."""
+        generator = torch.Generator(device="cpu").manual_seed(rows)
+        return (*(torch.randn(shape, generator=generator).to(device, dtype) for shape in
+                  ((rows, hidden), (rows, model.feat_dim, model.patch_size), (rows, model.feat_dim, model.patch_size))),
+                timesteps, torch.full((rows,), 2.0, device=device, dtype=torch.float32))
+
     def median_ms(solve: Callable, rows: int) -> float:
-        args = (torch.randn(rows, hidden, device=device, dtype=dtype),
-                torch.randn(rows, model.feat_dim, model.patch_size, device=device, dtype=dtype),
-                torch.randn(rows, model.feat_dim, model.patch_size, device=device, dtype=dtype), timesteps,
-                torch.full((rows,), 2.0, device=device, dtype=torch.float32))
+        args = solve_inputs(rows)
         samples = []
         with torch.inference_mode():
             for index in range(12):
@@ -346,12 +356,9 @@ def _time_cuda_graphs(torch: Any, model: Any, compiled: Any, bucket: int, timest
         return round(sorted(samples)[len(samples) // 2], 3)
 
     def largest_difference(solve: Callable, graphed: Callable, rows: int) -> float:
-        generator = torch.Generator(device="cpu").manual_seed(rows)
-        args = [torch.randn(shape, generator=generator).to(device, dtype) for shape in
-                ((rows, hidden), (rows, model.feat_dim, model.patch_size), (rows, model.feat_dim, model.patch_size))]
-        cfg = torch.full((rows,), 2.0, device=device, dtype=torch.float32)
+        args = solve_inputs(rows)
         with torch.inference_mode():
-            want, got = solve(*args, timesteps, cfg), graphed(*args, timesteps, cfg)
+            want, got = solve(*args), graphed(*args)
         return float((want.float() - got.float()).abs().max())
 
     captured = CapturedSolves(eager, device)
@@ -657,11 +664,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--result", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.run_step:
-        result = _step_function(args.run_step)(json.loads(args.context))
-        path = Path(args.result)
-        partial = path.with_name(f".{path.name}.partial")
-        partial.write_text(json.dumps(result))
-        os.replace(partial, path)
+        _write_whole(Path(args.result), _step_function(args.run_step)(json.loads(args.context)))
         return 0
     return run_all(args)
 

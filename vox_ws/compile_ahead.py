@@ -11,15 +11,12 @@ but off (`auto` on a CPU later uses only the buckets it measures faster).
 
 from __future__ import annotations
 
-import logging
 import sys
 import time
 
 from . import engines
 from .config import ServerConfig
 from .devices import parse_devices
-
-log = logging.getLogger("vox_ws.compile")
 
 # The engines with a compiled step.
 COMPILES = ("voxcpm",)

@@ -81,8 +81,7 @@ class BackgroundCompile:
                 self.compiled.append(event["rows"])
                 if "eager_ms" in event:
                     self.measured[event["rows"]] = {"eager_ms": event["eager_ms"], "compiled_ms": event["compiled_ms"]}
-                measured = self.measured.get(event["rows"])
-                if self._prepare is not None and not (measured and measured["compiled_ms"] >= measured["eager_ms"]):
+                if self._prepare is not None and self.slower_than_eager(event["rows"]) is None:
                     try:
                         self._prepare(event["rows"])
                     except Exception as exc:  # noqa: BLE001 - the engine loads it when it adopts it
@@ -107,6 +106,12 @@ class BackgroundCompile:
                 return
             self.status, self.error = "failed", f"the compile process exited ({self._process.returncode})"
             log.warning("background compile: %s; the step stays eager", self.error)
+
+    def slower_than_eager(self, rows: int) -> dict[str, float] | None:
+        """The child's timings of a step of `rows` rows where compiled was not the faster (the
+        bucket is left eager), else None (faster, or not measured: taken)."""
+        measured = self.measured.get(rows)
+        return measured if measured and measured["compiled_ms"] >= measured["eager_ms"] else None
 
     def arrived(self) -> list[dict[str, Any]]:
         """The events said since the last call (never blocks)."""

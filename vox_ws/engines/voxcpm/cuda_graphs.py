@@ -13,6 +13,7 @@ grows every step.
 from __future__ import annotations
 
 import logging
+import time
 from typing import Callable
 
 import torch
@@ -57,8 +58,6 @@ class CapturedSolves:
 
     def _capture(self, mu: torch.Tensor, cond: torch.Tensor, noise: torch.Tensor, timesteps: int,
                  cfg: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor, torch.cuda.CUDAGraph]:
-        import time
-
         started = time.perf_counter()
         inputs = [t.clone() for t in (mu, cond, noise, cfg)]
         current = torch.cuda.current_stream(self._device)

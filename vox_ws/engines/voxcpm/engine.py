@@ -108,7 +108,7 @@ class VoxCPMEngine(Engine):
             raise ValueError("--cuda-graphs replays the compiled step: it needs --compile on or auto")
         self._cuda_graphs = cuda_graphs
         self.compiled = None       # compiled.CompiledStep, when the step is compiled
-        self.precompile: bool | None = None   # whether compiled graphs are saved and loaded (once known)
+        self.precompile: bool | None = None   # False where no compiled step could be made for want of it
         self.background = None     # background.BackgroundCompile, while and after it compiles
         self._warm_normalizer = warm_normalizer
         self.loras = AdapterBook(None, {}, lora_dir, 0.0)    # until `load` builds the slots
@@ -251,8 +251,8 @@ class VoxCPMEngine(Engine):
         for event in background.arrived():
             try:
                 if event["event"] == "bucket":
-                    measured = background.measured.get(event["rows"])
-                    if measured and measured["compiled_ms"] >= measured["eager_ms"]:
+                    measured = background.slower_than_eager(event["rows"])
+                    if measured is not None:
                         background.declined.append(event["rows"])
                         log.info("the compiled step for %d rows is not faster here (%.1f ms against %.1f eager): "
                                  "left eager", event["rows"], measured["compiled_ms"], measured["eager_ms"])
@@ -278,7 +278,6 @@ class VoxCPMEngine(Engine):
         finally:
             self.loading_phase = None
         self.compiled = compiled
-        self.precompile = compiled.store.precompile
         log.info("the step is compiled for %s rows in %.1f s (cache %s)", list(buckets),
                  time.perf_counter() - started, self.compiled.cache_dir)
 

@@ -94,7 +94,9 @@ def read_config(path: Path) -> Any:
 
 def architecture(path: Path) -> str:
     config = read_config(path)
-    return str(config.get("architecture", "voxcpm") if isinstance(config, dict) else "not a JSON object").lower()
+    if not isinstance(config, dict):
+        raise ValueError(f"{path / 'config.json'} is not a JSON object")
+    return str(config.get("architecture", "voxcpm")).lower()
 
 
 def verify_weights(model: Any, path: Path) -> None:
