@@ -5,6 +5,9 @@ is usable through another replica, and an unreachable store fails voice operatio
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import os
+import stat
 import time
 
 import httpx
@@ -15,8 +18,9 @@ from conftest import connect_client
 from test_stream_service import tone_wav
 from vox_ws.engine import ErrorKind, Refused
 from vox_ws.engines.voxcpm.engine import VoxCPMEngine
-from vox_ws.service.voice_store import (ANY_OWNER, DirectoryStore, MemoryStore, Lifetime, RedisStore, StoreLimits,
-                                        is_registered_id, new_voice, owner_key)
+from vox_ws.service.voice_store import (ANY_OWNER, DirectoryStore, MemoryStore, Lifetime, RedisStore, StoredVoice,
+                                        StoreLimits, StoreUnavailable, _digest_id, is_registered_id, new_voice,
+                                        owner_key)
 
 LIMITS = StoreLimits(per_owner=2, max_voices=4, max_bytes=200_000)
 
@@ -31,6 +35,7 @@ async def store(request, tmp_path, redis_server):
     else:
         made = RedisStore(redis_server.url, LIMITS)
         await made._redis.flushdb()
+        await made.open()
     yield made
     await made.close()
 
@@ -84,6 +89,82 @@ async def test_the_rules_hold_in_every_store(store):
         await store.check_room(voice("token:erin", 300, seconds=6.0))
     with pytest.raises(Refused, match="bytes"):
         await store.put(voice("token:erin", 300, seconds=6.0))
+
+
+def computed_id(owner: str, name: str) -> str:
+    """What a named voice's id was before the store kept a secret: a hash of public inputs, which
+    any client could compute (Hardening V, finding 1)."""
+    return _digest_id(hashlib.sha256(), b"vox-ws named voice", owner_key(owner).encode(), name.encode())
+
+
+def named(store, owner: str, name: str, pitch: float = 240.0) -> StoredVoice:
+    return new_voice(owner, tone_wav(0.5, pitch=pitch), None, "reference", name=name,
+                     named_id=store.named_id(owner, name))
+
+
+async def test_a_named_voices_id_is_made_under_the_stores_secret_and_speaks_for_its_owner_only(store):
+    owner, other = "address:127.0.0.3", "address:127.0.0.2"
+    mine = named(store, owner, "me")
+    assert await store.put(mine) == []
+    assert is_registered_id(mine.id) and mine.id == store.named_id(owner, "me")
+    # Not what a client computes from the owner and the name, nor what another store makes.
+    assert mine.id != computed_id(owner, "me") and await store.get(computed_id(owner, "me")) is None
+    assert MemoryStore(LIMITS).named_id(owner, "me") != mine.id
+    # Its owner and an admin speak with it; nobody else, even holding its id.
+    assert await store.usable(mine.id, owner) and await store.usable(mine.id, ANY_OWNER)
+    assert not await store.usable(mine.id, other)
+    assert store.usable_now(mine.id, other) in (False, None)            # None: the store must be asked
+    assert store.usable_now(mine.id, owner) in (True, None)
+    # A voice registered without a name is a capability: its id (made from its audio) speaks.
+    unnamed = voice("token:a", 250)
+    await store.put(unnamed)
+    assert await store.usable(unnamed.id, other) and store.usable_now(unnamed.id, other) in (True, None)
+    assert not await store.usable("v_" + "a" * 32, owner)
+
+
+async def test_the_secret_is_kept_with_the_voices_and_shared_by_replicas(tmp_path, redis_server):
+    owner = "token:a"
+    first = DirectoryStore(tmp_path / "v", LIMITS)
+    await first.open()
+    secret = tmp_path / "v" / "secret"
+    assert stat.S_IMODE(secret.stat().st_mode) == 0o600 and secret.stat().st_size == 32
+    again = DirectoryStore(tmp_path / "v", LIMITS)
+    await again.open()                                          # a restart: the same ids
+    assert again.named_id(owner, "me") == first.named_id(owner, "me")
+    elsewhere = DirectoryStore(tmp_path / "w", LIMITS)
+    await elsewhere.open()
+    assert elsewhere.named_id(owner, "me") != first.named_id(owner, "me")
+    # A secret others may read is no secret: the store refuses to open, saying what to do.
+    os.chmod(secret, 0o644)
+    with pytest.raises(StoreUnavailable, match="no one else may read"):
+        await DirectoryStore(tmp_path / "v", LIMITS).open()
+    # Unread, a store names no voice (it would name the wrong one).
+    with pytest.raises(StoreUnavailable):
+        DirectoryStore(tmp_path / "x", LIMITS).named_id(owner, "me")
+    # Replicas on one Redis: the first to open makes the secret, every one reads the same.
+    stores = [RedisStore(redis_server.url, LIMITS) for _ in range(3)]
+    try:
+        await stores[0]._redis.flushdb()
+        await asyncio.gather(*(s.open() for s in stores))
+        assert len({s.named_id(owner, "me") for s in stores}) == 1
+        assert stores[0].named_id(owner, "me") != first.named_id(owner, "me")
+    finally:
+        for made in stores:
+            await made.close()
+
+
+async def test_named_voices_kept_under_computable_ids_move_to_their_new_ids(store):
+    owner = "token:a"
+    old = new_voice(owner, tone_wav(0.5, pitch=260), None, "reference", name="me", named_id=computed_id(owner, "me"))
+    plain = voice("token:b", 270)
+    await store.put(old)
+    await store.put(plain)
+    assert await store.rekey_named() == [old.id]
+    assert await store.get(old.id) is None
+    moved = await store.get(store.named_id(owner, "me"))
+    assert (moved.audio, moved.name, moved.owner, moved.created) == (old.audio, "me", old.owner, old.created)
+    assert (await store.get(plain.id)).audio == plain.audio
+    assert await store.rekey_named() == []
 
 
 async def test_a_directory_store_survives_a_restart(tmp_path):
@@ -446,3 +527,53 @@ async def test_a_handful_of_addresses_cannot_fill_the_store_for_good(start_serve
     assert (await upload("127.0.0.35", 310)).status_code == 201
     result = await speak(server, None)
     assert result.error is None and result.end is not None
+
+
+@pytest.mark.slow
+async def test_a_named_voice_is_its_owners_whether_named_or_given_by_id(start_server, tiny_model):
+    """The attack (Hardening V, finding 1): 127.0.0.2 computes the id of the voice 127.0.0.3
+    registered as "me" (and of the admin's "narrator") from public inputs and speaks with it
+    over OpenAI and v1. Now the id is made under the store's secret, and even an id that leaked
+    speaks for its owner (and an admin) only."""
+    server = tiny_server(start_server, tiny_model, "memory", admin_tokens=[ADMIN])
+
+    def http(address: str, **headers: str) -> httpx.AsyncClient:
+        return httpx.AsyncClient(base_url=server.http, headers=headers, timeout=60,
+                                 transport=httpx.AsyncHTTPTransport(local_address=address))
+
+    async def register_named(client: httpx.AsyncClient, name: str, pitch: float) -> str:
+        made = await client.post("/v1/voices", params={"name": name}, content=tone_wav(1.0, pitch=pitch),
+                                 headers={"content-type": "audio/wav"})
+        assert made.status_code == 201, made.text
+        return made.json()["voice"]
+
+    async def over_openai(client: httpx.AsyncClient, voice: str) -> httpx.Response:
+        return await client.post("/v1/audio/speech", json={"model": "tts-1", "voice": voice, "input": "Hello there.",
+                                                            "response_format": "pcm", "max_len": 3})
+
+    async def over_v1(address: str, voice: str, **kwargs) -> dict:
+        async with connect_client(server, local_addr=(address, 0), **kwargs) as c:
+            result = await c.speak("Hello there.", "s", voice=voice, options={"max_len": 3})
+        return result.error or result.end
+
+    async with http("127.0.0.3") as owner, http("127.0.0.2") as other, \
+            http("127.0.0.1", Authorization=f"Bearer {ADMIN}") as admin:
+        mine = await register_named(owner, "me", 210.0)
+        narrator = await register_named(admin, "narrator", 230.0)
+        computed = computed_id("address:127.0.0.3", "me")
+        assert mine != computed and narrator != computed_id(ANY_OWNER, "narrator")
+        for voice in (computed, computed_id(ANY_OWNER, "narrator"), mine, narrator):
+            refused = await over_openai(other, voice)
+            assert refused.status_code == 400 and refused.json()["error"]["code"] == "voice_not_found", refused.text
+            error = await over_v1("127.0.0.2", voice)
+            assert error["code"] == "bad_request" and "unknown voice" in error["message"], error
+        # Its owner speaks with it by name and by id; an admin too; and the attacker's own voice.
+        for voice in ("me", mine):
+            assert (await over_openai(owner, voice)).status_code == 200
+            assert (await over_v1("127.0.0.3", voice))["reason"] == "max_len"
+        assert (await over_openai(admin, narrator)).status_code == 200
+        assert (await over_v1("127.0.0.1", narrator, additional_headers={"Authorization": f"Bearer {ADMIN}"})
+                )["reason"] == "max_len"
+        theirs = await register_named(other, "me", 250.0)
+        assert theirs not in (mine, computed_id("address:127.0.0.2", "me"))
+        assert (await over_openai(other, "me")).status_code == 200

@@ -111,8 +111,10 @@ class StreamService:
             raise self.devices.not_ready()
         if self.mailbox is None:
             raise RuntimeError("StreamService.start() was not awaited")
-        resolved = self.voices.resolve(request.voice, owners[0] if owners else ANY_OWNER)
+        owner = owners[0] if owners else ANY_OWNER
+        resolved = self.voices.resolve(request.voice, owner)
         checked = self._checked(request, resolved)
+        self.voices.check_use_now(checked.voice, owner, resolved.named)
         spoken = self._spoken(checked)
         scheduler = self.devices.place()          # the stream stays on this device to its end
         stream = lora_pin = None
@@ -120,9 +122,6 @@ class StreamService:
         try:
             lora_pin = scheduler.engine.loras.pin(checked.lora)
             from_store = self.voices.needs_store(voice, scheduler.engine)
-            if from_store and self.voices.store.known_now(voice) is False:
-                # Refused now, as any unknown voice, by the name the client gave.
-                scheduler.engine.voices.check(resolved.named or voice)
             # The stream keeps its voice until it ends, even if the voice is deleted meanwhile.
             voice_pin = None if from_store else scheduler.engine.voices.pin(voice)
             setup = StreamSetup(scheduler, next(self._numbers), owners, dict(log_fields or {}), voice_pin, lora_pin,
@@ -130,7 +129,7 @@ class StreamService:
             stream = Stream(self, checked, setup)
             # A voice from the store is fetched (and built) first; what the stream says waits for it.
             stream.queued = stream.generation.start(None if checked.input_streaming else spoken,
-                                                    self.voices.ensure(voice, resolved.named) if from_store else None)
+                                                    self.voices.ensure(voice, resolved.named, owner) if from_store else None)
         except BaseException:
             self.devices.release(scheduler)
             if stream is not None:

@@ -4,7 +4,7 @@ owner gave a voice it registered. The same answer at every front door.
     built-in ("joe")          the engine's own voice
     alias ("alloy")           `voice_aliases.py`: another voice, or one designed from words
     registered id ("v_...")   a voice in the store, by the id registration answered
-    name ("my voice")         the caller's own registered voice of that name (`named_voice_id`)
+    name ("my voice")         the caller's own registered voice of that name (the store's `named_id`)
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from ..engine import Engine, Readiness
 from .voice_aliases import Alias, check_aliases, default_aliases
-from .voice_store import is_registered_id, is_voice_name, named_voice_id
+from .voice_store import VoiceStore, is_registered_id, is_voice_name
 
 log = logging.getLogger("vox_ws.service")
 
@@ -30,7 +30,8 @@ class VoiceNames:
     """The aliases in force (configured, else the engine's defaults once it has loaded) and
     the resolution of a name. Event loop only."""
 
-    def __init__(self, configured: dict[str, Alias] | None = None) -> None:
+    def __init__(self, store: VoiceStore, configured: dict[str, Alias] | None = None) -> None:
+        self._store = store
         self._configured = configured
         self._aliases: dict[str, Alias] | None = None
 
@@ -57,5 +58,5 @@ class VoiceNames:
         if alias is not None:
             return ResolvedVoice(alias.voice, alias)
         if engine.supports_voices and is_voice_name(voice):
-            return ResolvedVoice(named_voice_id(owner, voice), named=voice)
+            return ResolvedVoice(self._store.named_id(owner, voice), named=voice)
         return ResolvedVoice(voice)              # unknown: the engine refuses it, naming it

@@ -17,6 +17,12 @@ Rules, enforced by every store (atomically in Redis, across replicas):
 
 Owners are stored as a hash of their name (a name may be a client token).
 
+A voice's id is a capability or a name. One registered without a name has an id made from its
+audio and owner: whoever holds it may speak with it, and nobody computes it without the audio.
+A named voice's id is an HMAC of its owner and name under the store's own secret (made once,
+kept with the voices, shared by the replicas of a shared store): no client computes it, and
+only its owner (or an admin) speaks with it, by name or by id.
+
     memory        this process only (tests, or a server that wants no state)
     dir:PATH      a local directory: one audio file and one JSON file per voice (the default)
     redis://...   a Redis server, shared by replicas (the `redis` package's asyncio client)
@@ -26,10 +32,15 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import dataclasses
 import hashlib
+import hmac
 import json
+import logging
 import os
 import re
+import secrets
+import stat
 import time
 from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass
@@ -37,6 +48,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ..engine import ErrorKind, Refused
+
+log = logging.getLogger("vox_ws.service")
 
 ANY_OWNER = "admin"
 # The owner a client without a token is: this and its address (its voices are the anonymous ones).
@@ -128,23 +141,35 @@ def is_voice_name(name: str) -> bool:
     return True
 
 
-def named_voice_id(owner: str, name: str) -> str:
-    """The id of `owner`'s voice called `name`: made from the two, so that any server finds the
-    voice by its name without a lookup, and one owner's names never reach another's voices."""
-    return _digest_id(b"vox-ws named voice", owner_key(owner).encode(), name.encode())
+# The secret named voices' ids are made under: this many random bytes, made once per store.
+SECRET_BYTES = 32
+
+
+def named_voice_id(secret: bytes, key: str, name: str) -> str:
+    """The id of the voice called `name` by the owner whose key (`owner_key`) is `key`: an HMAC
+    of the two under the store's `secret`, so that every server sharing the store finds the
+    voice by its name without a lookup, one owner's names never reach another's voices, and
+    no client computes another's id."""
+    return _digest_id(hmac.new(secret, digestmod=hashlib.sha256), b"vox-ws named voice", key.encode(), name.encode())
 
 
 def voice_id(owner: str, audio: bytes, transcript: str | None, mode: str) -> str:
     """The id of a voice: its content and its owner's, hashed; unguessable without the audio."""
-    return _digest_id(b"vox-ws voice", owner_key(owner).encode(), mode.encode(), (transcript or "").encode(), audio)
+    return _digest_id(hashlib.sha256(), b"vox-ws voice", owner_key(owner).encode(), mode.encode(),
+                      (transcript or "").encode(), audio)
 
 
-def _digest_id(*parts: bytes) -> str:
-    digest = hashlib.sha256()
+def _digest_id(digest: Any, *parts: bytes) -> str:
     for part in parts:
         digest.update(len(part).to_bytes(8, "big"))
         digest.update(part)
     return "v_" + base64.b32encode(digest.digest()[:20]).decode().lower().rstrip("=")
+
+
+def may_speak_with(stored_owner: str, name: str | None, owner: str) -> bool:
+    """Whether `owner` may speak with a voice kept for `stored_owner` (a key) under `name`: any
+    holder of an unnamed voice's id may; a named voice is its owner's (and an admin's)."""
+    return name is None or owner == ANY_OWNER or stored_owner == owner_key(owner)
 
 
 # How long an unavailable store is given before a client tries again: nothing measures when it
@@ -156,9 +181,9 @@ class StoreUnavailable(Refused):
     """The store cannot be reached or refuses the operation: voice operations fail
     (`not_ready`, retryable), built-in voices are unaffected."""
 
-    def __init__(self, what: str, exc: BaseException) -> None:
-        super().__init__(ErrorKind.NOT_READY, f"the voice store is unavailable ({what}): {type(exc).__name__}: {exc}",
-                         STORE_RETRY_AFTER_S)
+    def __init__(self, what: str, exc: BaseException | None = None) -> None:
+        why = f": {type(exc).__name__}: {exc}" if exc is not None else ""
+        super().__init__(ErrorKind.NOT_READY, f"the voice store is unavailable ({what}){why}", STORE_RETRY_AFTER_S)
 
 
 class VoiceStore(ABC):
@@ -171,6 +196,45 @@ class VoiceStore(ABC):
     def __init__(self, limits: StoreLimits, clock: Callable[[], float] = time.time) -> None:
         self.limits = limits
         self.clock = clock
+        self._secret: bytes | None = None
+
+    async def open(self) -> None:
+        """Read what the store keeps (its secret, and for some its voices); StoreUnavailable
+        when it cannot be read. Named voices are unknown until it has been."""
+        if self._secret is None:
+            self._secret = await self._read_secret()
+
+    @property
+    def opened(self) -> bool:
+        return self._secret is not None
+
+    @abstractmethod
+    async def _read_secret(self) -> bytes:
+        """The store's secret, made by the first server to ask for it."""
+
+    def named_id(self, owner: str, name: str) -> str:
+        """The id of `owner`'s voice called `name` (`named_voice_id`)."""
+        if self._secret is None:
+            raise StoreUnavailable("it has not been read yet")
+        return named_voice_id(self._secret, owner_key(owner), name)
+
+    async def rekey_named(self) -> list[str]:
+        """Move named voices kept under ids made before the store kept a secret to their ids
+        now; the ids let go. Each is deleted, then put back under its new id."""
+        assert self._secret is not None, "open() first"
+        moved = []
+        for summary in await self.every_voice():
+            if summary.name is None or summary.id == named_voice_id(self._secret, summary.owner, summary.name):
+                continue
+            stored = await self.get(summary.id)
+            if stored is None or not await self.delete(summary.id, ANY_OWNER):
+                continue                                # gone meanwhile, or moved by another server
+            moved.append(summary.id)
+            try:
+                await self.put(dataclasses.replace(stored, id=named_voice_id(self._secret, stored.owner, stored.name)))
+            except Refused as err:
+                log.error("the named voice %s could not be moved to its new id: %s", summary.id, err.message)
+        return moved
 
     async def has(self, voice: str) -> bool:
         return await self.get(voice) is not None
@@ -179,6 +243,15 @@ class VoiceStore(ABC):
         """Whether the store has the voice, where that is known without waiting (a store in this
         process); None where it must be asked."""
         return None
+
+    def usable_now(self, voice: str, owner: str) -> bool | None:
+        """Whether the store has the voice and `owner` may speak with it (`may_speak_with`),
+        where that is known without waiting; None where it must be asked (`usable`)."""
+        return None
+
+    async def usable(self, voice: str, owner: str) -> bool:
+        stored = await self.get(voice)
+        return stored is not None and may_speak_with(stored.owner, stored.name, owner)
 
     @abstractmethod
     async def get(self, voice: str) -> StoredVoice | None:
@@ -253,6 +326,11 @@ class MemoryStore(VoiceStore):
         super().__init__(limits, clock)
         self._voices: dict[str, StoredVoice] = {}
         self._lock = asyncio.Lock()
+        if type(self) is MemoryStore:
+            self._secret = secrets.token_bytes(SECRET_BYTES)      # its voices go with the process
+
+    async def _read_secret(self) -> bytes:
+        return secrets.token_bytes(SECRET_BYTES)
 
     async def get(self, voice: str) -> StoredVoice | None:
         stored = self._voices.get(voice)
@@ -260,6 +338,11 @@ class MemoryStore(VoiceStore):
 
     def known_now(self, voice: str) -> bool | None:
         return voice in self._voices and not self._voices[voice].expired(self.clock())
+
+    def usable_now(self, voice: str, owner: str) -> bool | None:
+        stored = self._voices.get(voice)
+        return stored is not None and not stored.expired(self.clock()) and \
+            may_speak_with(stored.owner, stored.name, owner)
 
     async def put(self, voice: StoredVoice) -> list[str]:
         async with self._lock:
@@ -337,11 +420,47 @@ class DirectoryStore(MemoryStore):
         super().__init__(limits, clock)
         self.path = Path(path).expanduser()
 
+    # The secret named voices' ids are made under, beside the voices, readable by this user only.
+    SECRET_FILE = "secret"
+
     async def open(self) -> None:
         try:
             self._voices = await asyncio.to_thread(self._read_all)
         except OSError as exc:
             raise StoreUnavailable(str(self.path), exc) from None
+        await super().open()
+
+    async def _read_secret(self) -> bytes:
+        try:
+            return await asyncio.to_thread(self._secret_file)
+        except OSError as exc:
+            raise StoreUnavailable(str(self.path / self.SECRET_FILE), exc) from None
+
+    def _secret_file(self) -> bytes:
+        """The secret, made (0600, never through a link) by the first start; refused where
+        another user could have read or written it."""
+        path = self.path / self.SECRET_FILE
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        except FileExistsError:
+            pass
+        else:
+            made = secrets.token_bytes(SECRET_BYTES)
+            with os.fdopen(fd, "wb") as file:
+                file.write(made)
+                file.flush()
+                os.fsync(file.fileno())
+            return made
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        with os.fdopen(fd, "rb") as file:
+            info = os.fstat(file.fileno())
+            if not stat.S_ISREG(info.st_mode) or info.st_uid != os.geteuid() or info.st_mode & 0o077:
+                raise PermissionError(f"{path} must be a file of this user's that no one else may read or write "
+                                      "(delete it: named voices then get new ids)")
+            kept = file.read(SECRET_BYTES + 1)
+        if len(kept) != SECRET_BYTES:
+            raise OSError(f"{path} is not a secret this server made (delete it: named voices then get new ids)")
+        return kept
 
     def _read_all(self) -> dict[str, StoredVoice]:
         self.path.mkdir(parents=True, exist_ok=True)
@@ -518,6 +637,21 @@ class RedisStore(VoiceStore):
                              anonymous=text.get("anonymous") == b"1", expires=float(expires) if expires else None)
         return None if stored.expired(self.clock()) else stored
 
+    async def _read_secret(self) -> bytes:
+        """Made by the first replica to ask (SET NX), read by every one after."""
+        key = self._key("secret")
+        await self._call("secret", self._redis.set(key, secrets.token_bytes(SECRET_BYTES), nx=True))
+        kept = await self._call("secret", self._redis.get(key))
+        if kept is None or len(kept) != SECRET_BYTES:
+            raise StoreUnavailable(f"its key {key} does not hold a secret of {SECRET_BYTES} bytes")
+        return kept
+
+    async def usable(self, voice: str, owner: str) -> bool:
+        stored, name, expires = await self._call("get", self._redis.hmget(self._key("voice", voice), "owner", "name",
+                                                                          "expires"))
+        return stored is not None and not (expires and float(expires) <= self.clock()) and \
+            may_speak_with(stored.decode(), (name or b"").decode() or None, owner)
+
     async def has(self, voice: str) -> bool:
         expires = await self._call("has", self._redis.hmget(self._key("voice", voice), "owner", "expires"))
         return expires[0] is not None and not (expires[1] and float(expires[1]) <= self.clock())
@@ -601,9 +735,12 @@ class Lifetime:
 
 
 def new_voice(owner: str, audio: bytes, transcript: str | None, mode: str, name: str | None = None,
-              lifetime: Lifetime = Lifetime()) -> StoredVoice:
-    """A voice to keep; an anonymous owner's expires after its `lifetime`."""
-    made = named_voice_id(owner, name) if name else voice_id(owner, audio, transcript, mode)
+              lifetime: Lifetime = Lifetime(), named_id: str | None = None) -> StoredVoice:
+    """A voice to keep; an anonymous owner's expires after its `lifetime`. A named one is kept
+    under `named_id` (the store's `named_id(owner, name)`)."""
+    if (name is None) != (named_id is None):
+        raise ValueError("a named voice needs the id the store makes of its name, and only a named one")
+    made = named_id or voice_id(owner, audio, transcript, mode)
     now = lifetime.clock()
     anonymous = is_anonymous(owner)
     expires = now + lifetime.ttl_s if anonymous and lifetime.ttl_s > 0 else None

@@ -24,8 +24,8 @@ from .registrations import Registration, RegistrationQueue
 from .validation import check_text
 from .voice_aliases import Alias
 from .voice_names import ResolvedVoice, VoiceNames
-from .voice_store import (ANY_OWNER, Lifetime, VoiceStore, VoiceSummary, check_voice_name, is_registered_id,
-                          is_voice_name, named_voice_id, new_voice)
+from .voice_store import (ANY_OWNER, STORE_RETRY_AFTER_S, Lifetime, StoreUnavailable, VoiceStore, VoiceSummary,
+                          check_voice_name, is_registered_id, is_voice_name, new_voice)
 from .work import engine_work
 
 log = logging.getLogger("vox_ws.service")
@@ -49,7 +49,7 @@ class VoiceService:
         self.store = store
         self.registrations = RegistrationQueue(limits.max_pending_voices_per_owner, limits.max_pending_voices)
         # Aliases and names (`voice_names.py`); None: the defaults (`voice_aliases.py`).
-        self.names = VoiceNames(aliases)
+        self.names = VoiceNames(store, aliases)
         self._fetching: dict[str, asyncio.Future] = {}      # voices being rebuilt from the store
         self._jobs: asyncio.Semaphore | None = None
         self._sweeper: asyncio.Task | None = None
@@ -58,11 +58,21 @@ class VoiceService:
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="vox-ws-voice")
 
     async def start(self) -> None:
-        opening = getattr(self.store, "open", None)
-        if opening is not None:
-            await opening()
+        """Open the store; one shared by other servers that cannot be reached now is opened
+        later (until then, voice operations fail `not_ready`)."""
         self._jobs = asyncio.Semaphore(MAX_CONCURRENT_VOICE_JOBS)
+        try:
+            await self._open_store()
+        except StoreUnavailable as err:
+            if not self.store.shared:
+                raise
+            log.warning("%s: registered voices wait for it", err.message)
         self._sweeper = asyncio.create_task(self._sweep(), name="vox-ws-voice-sweeper")
+
+    async def _open_store(self) -> None:
+        await self.store.open()
+        for voice in await self.store.rekey_named():
+            _delete_everywhere(self.devices, voice)
 
     async def close(self) -> None:
         if self._sweeper is not None:
@@ -133,7 +143,8 @@ class VoiceService:
             assert self._jobs is not None, "VoiceService.start() was not awaited"
             # Hashing megabytes would hold the loop for milliseconds; hashlib lets go of the GIL.
             stored = await asyncio.to_thread(new_voice, owner, audio, transcript, mode, name,
-                                             Lifetime(self.limits.voice_ttl_s, self.store.clock))
+                                             Lifetime(self.limits.voice_ttl_s, self.store.clock),
+                                             None if name is None else self.store.named_id(owner, name))
             if name is not None:
                 existing = await self.store.get(stored.id)
                 if existing is not None and (existing.audio, existing.transcript, existing.mode) != \
@@ -158,10 +169,20 @@ class VoiceService:
         finally:
             registration.release()
 
-    async def ensure(self, voice: str, named: str | None = None) -> None:
-        """Make a registered voice ready on every device, from the store; Refused (INVALID)
-        when the store has no such voice (naming it as the client did: `named`, or its id).
-        Concurrent callers share one build."""
+    def check_use_now(self, voice: str | None, owner: str, named: str | None = None) -> None:
+        """Refuse (INVALID, as an unknown voice) a registered voice that `owner` may not speak
+        with (`voice_store.may_speak_with`: another owner's named voice), or that the store no
+        longer has, where the store tells without waiting; `ensure` asks one that cannot."""
+        if voice is not None and self.may_be_registered(voice) and self.store.usable_now(voice, owner) is False:
+            raise self._unknown(named or voice)
+
+    async def ensure(self, voice: str, named: str | None = None, owner: str = ANY_OWNER) -> None:
+        """Make a registered voice ready on every device, from the store, for `owner`; Refused
+        (INVALID) when the store has no such voice or `owner` may not speak with it (naming it
+        as the client did: `named`, or its id). Concurrent callers share one build."""
+        usable = self.store.usable_now(voice, owner)
+        if not (await self.store.usable(voice, owner) if usable is None else usable):
+            raise self._unknown(named or voice)
         pending = self._fetching.get(voice)
         if pending is None:
             pending = asyncio.ensure_future(self._fetch(voice, named or voice))
@@ -178,11 +199,14 @@ class VoiceService:
             return
         stored = await self.store.get(voice)
         if stored is None:
-            raise Refused(ErrorKind.INVALID, f"unknown voice {named!r} (built-in: {self.devices.engine.voices.names()}; "
-                                             "or register one)")
+            raise self._unknown(named)
         assert self._jobs is not None, "VoiceService.start() was not awaited"
         async with self._jobs:
             await self._build(stored.audio, stored.transcript, stored.mode, voice)
+
+    def _unknown(self, named: str) -> Refused:
+        return Refused(ErrorKind.INVALID, f"unknown voice {named!r} (built-in: {self.devices.engine.voices.names()}; "
+                                          "or register one)")
 
     async def _build(self, audio: bytes, transcript: str | None, mode: str, voice: str) -> dict:
         """Decode a reference and build its voice, under its id, on every device that lacks it,
@@ -214,7 +238,7 @@ class VoiceService:
         (another owner's voice looks like no voice at all); `voice` may be its name. Streams
         using it keep it to their end."""
         if self.devices.engine.supports_voices and not is_registered_id(voice) and is_voice_name(voice):
-            voice = named_voice_id(owner, voice)
+            voice = self.store.named_id(owner, voice)
         deleted = await self.store.delete(voice, owner)
         if deleted:
             _delete_everywhere(self.devices, voice)
@@ -234,7 +258,15 @@ class VoiceService:
 
     async def _sweep(self) -> None:
         """Expired voices leave the store and every device (a store in this process also
-        refuses them at once; this frees their memory)."""
+        refuses them at once; this frees their memory). A store not opened yet is tried first,
+        until it opens."""
+        while not self.store.opened:
+            await asyncio.sleep(STORE_RETRY_AFTER_S)
+            try:
+                await self._open_store()
+            except StoreUnavailable:
+                continue
+            log.info("the voice store %s is open", self.store.describe())
         while True:
             await asyncio.sleep(VOICE_SWEEP_S)
             try:

@@ -369,15 +369,18 @@ def _voice(value: Any, state: ServerState) -> str | None:
 
 async def _fetch_voice(state: ServerState, voice: str | None, who: str) -> None:
     """A registered voice this server has not built yet (registered through another replica,
-    or before a restart) is fetched from the store and built, as for every front door. One
-    already built is left to the stream, which asks a shared store once whether it still exists."""
+    or before a restart) is fetched from the store and built, as for every front door; one `who`
+    may not speak with (another owner's named voice) is refused as unknown. One already built is
+    left to the stream, which asks a shared store once whether it still exists."""
     service = state.service
     resolved = service.voices.resolve(voice, who)
     voice = resolved.voice
-    if voice is None or service.engine.voices.has(voice) or not service.voices.may_be_registered(voice):
+    if voice is None or not service.voices.may_be_registered(voice):
         return
     try:
-        await service.voices.ensure(voice, resolved.named)
+        service.voices.check_use_now(voice, who, resolved.named)
+        if not service.engine.voices.has(voice):
+            await service.voices.ensure(voice, resolved.named, who)
     except Refused as err:
         if err.kind is ErrorKind.INVALID:
             raise OpenAIError(400, err.message, "voice", "voice_not_found") from None
