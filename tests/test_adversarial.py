@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import io
 import os
 import signal
@@ -536,6 +537,63 @@ async def test_unfinished_requests_are_bounded_per_address_and_timed_out(start_s
         sock.close()
     status, _ = server.get("/healthz")
     assert status == 200
+    async with connect_client(server) as c:
+        assert_good_stream(await c.speak(SENTENCE, "after"))
+
+
+def _handshake(path: str = "/", headers: list[tuple[str, str]] = ()) -> bytes:
+    lines = [f"GET {path} HTTP/1.1", "Host: 127.0.0.1", "Upgrade: websocket", "Connection: Upgrade",
+             "Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==", "Sec-WebSocket-Version: 13"]
+    lines += [f"{name}: {value}" for name, value in headers]
+    return ("\r\n".join(lines) + "\r\n\r\n").encode()
+
+
+def _answer_then_closed(sock: socket.socket) -> bytes:
+    """Everything the server writes until it closes the connection (b"" if it never answers
+    within WAIT_TIMEOUT: the attack's outcome before)."""
+    sock.settimeout(WAIT_TIMEOUT)
+    got = b""
+    try:
+        while chunk := sock.recv(65536):
+            got += chunk
+    except TimeoutError:
+        return b""
+    except ConnectionResetError:
+        pass
+    return got
+
+
+@pytest.mark.parametrize("attack, status", [
+    (_handshake(headers=[("X-Long", "a" * 9000)]), 431),                                  # a line over 8 KiB
+    (_handshake(headers=[(f"X-H{n}", "1") for n in range(129)]), 431),                    # 129 lines and more
+    (_handshake(headers=[("X-Long", "a" * 3_000_000)])[:-4], 431),                       # one line, never ended
+    (_handshake(path="/?" + "a" * 9000), 400),                                            # websockets' own refusal
+])
+async def test_a_handshake_refused_for_its_headers_is_answered_and_closed(start_server, attack, status):
+    """Hardening V, 4: a handshake with a header line over 8 KiB (or over 128 lines) was taken
+    by httptools, refused by websockets' parser and never answered nor timed out; it counted
+    nowhere, and one address held 1,100 of them. Now each is answered (431, or 400 for what
+    websockets alone refuses) and closed; then a bystander is served."""
+    server = start_server(PiperEngine(), max_connections_per_address=4)
+
+    def attack_once() -> bytes:
+        with socket.create_connection(("127.0.0.1", server.port)) as sock:
+            try:
+                sock.sendall(attack)
+            except (BrokenPipeError, ConnectionResetError):
+                pass                              # answered and closed before the rest was read
+            return _answer_then_closed(sock)
+
+    answers = []
+    for _ in range(3):                            # 12 in all: 3x the per-address bound, each round at it
+        answers += await asyncio.gather(*(asyncio.to_thread(attack_once) for _ in range(4)))
+    for answer in answers:
+        assert answer.startswith(b"HTTP/1.1 %d " % status), answer[:200]
+        assert json.loads(answer.partition(b"\r\n\r\n")[2])["error"]["code"] == \
+            ("too_large" if status == 431 else "bad_request")
+    assert server.server.guard.pending == 0
+    status_now, _ = server.get("/healthz")
+    assert status_now == 200
     async with connect_client(server) as c:
         assert_good_stream(await c.speak(SENTENCE, "after"))
 

@@ -362,3 +362,32 @@ async def test_a_forged_forwarded_for_cannot_act_for_another_clients_voices(tiny
             assert forged.status_code == 404, forged.text
         deleted = await mine.delete(f"/v1/voices/{voice}")
         assert deleted.status_code == 200 and deleted.json()["deleted"], deleted.text
+
+
+async def test_a_clients_unfinished_requests_through_the_balancer_count_as_its_own(start_server):
+    """Hardening V, 5: behind a TCP balancer speaking PROXY, unfinished requests counted under
+    the balancer, which no per-address bound holds: one client's filled `max_connections`, and
+    every client of the balancer, and its health checks, were closed at accept. Now each counts
+    under the client its PROXY header names, as soon as it is read: held to that client's
+    bound, while another client and the balancer's check are served."""
+    server = start_server(PiperEngine(), trusted_proxies=[BALANCER], max_connections=6,
+                          max_connections_per_address=2)
+    guard = server.server.guard
+    unfinished = b"GET /healthz HTTP/1.1\r\nHost: x\r\n"                 # headers never finished
+    held = []
+    for n in range(6):
+        held.append(await asyncio.to_thread(connected, server.port, v2(CLIENT_A, port=40000 + n) + unfinished))
+        if n < 2:
+            await wait_until(lambda: guard.pending_from(CLIENT_A) == n + 1)
+        else:                                    # closed once its PROXY header was read
+            assert await asyncio.to_thread(read_until_closed, held[-1]) == b""
+    assert guard.pending == guard.pending_from(CLIENT_A) == 2 and guard.pending_from(BALANCER) == 0
+    for preamble in (v2(CLIENT_B), v2(None), v1("192.0.2.45")):          # another client; the balancer's check
+        sock = await asyncio.to_thread(connected, server.port, preamble + b"GET /healthz HTTP/1.1\r\nHost: x\r\n"
+                                                                          b"Connection: close\r\n\r\n")
+        answer = await asyncio.to_thread(read_until_closed, sock)
+        sock.close()
+        assert answer.startswith(b"HTTP/1.1 200 "), answer[:100]
+    for sock in held:
+        sock.close()
+    await wait_until(lambda: guard.pending == 0)

@@ -69,6 +69,9 @@ _SERVE_OPTIONS: list[tuple[str, Callable[[str], Any], Any, str]] = [
      "where registered voices are kept: dir:PATH (survives restarts), redis://HOST:PORT/DB (shared by "
      "replicas) or memory"),
     ("voice-store-max-mb", float, 512.0, "reference audio the voice store may hold, in MB (then `busy`)"),
+    ("max-whole-mb-per-owner", float, Limits.max_whole_bytes_per_owner / 2**20,
+     "MB whole responses (`stream: false`) of one client may hold until sent (then 413, or `busy` beside others)"),
+    ("max-whole-mb", float, Limits.max_whole_bytes / 2**20, "MB all whole responses may hold until sent (then `busy`)"),
     ("idle-timeout", float, Limits.idle_timeout_s, "seconds before a connection with no stream and no message is closed"),
     ("max-buffered-audio", float, Limits.max_buffered_audio_s, "audio seconds a stream may have unsent before generation pauses"),
     ("write-stall-timeout", float, Limits.write_stall_timeout_s, "seconds a paused stream may wait on its reader before `slow_consumer`"),
@@ -216,6 +219,8 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         discard_bytes_per_s=args.discard_rate,
         refused_requests_per_s=args.refused_rate,
         lora_unload_timeout_s=args.lora_unload_timeout,
+        max_whole_bytes_per_owner=int(args.max_whole_mb_per_owner * 2**20),
+        max_whole_bytes=int(args.max_whole_mb * 2**20),
     )
     fields = {f.name for f in dataclasses.fields(ServerConfig)}
     values = {k: v for k, v in vars(args).items() if k in fields and k not in ("cors_origins", "trusted_proxies")}

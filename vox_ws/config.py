@@ -48,6 +48,10 @@ class Limits:
     # hearing that address: its new connections are closed at accept, before any HTTP is read,
     # until the budget (bursts of five seconds' worth) has refilled. 0: always heard.
     refused_requests_per_s: float = 20.0
+    # Bytes whole responses (`stream: false`) hold until sent, per owner and in all (past 2 MB
+    # each, in a temporary file).
+    max_whole_bytes_per_owner: int = 128 << 20
+    max_whole_bytes: int = 1 << 30
     # An unloading LoRA adapter's streams have this long to finish; then they end (`bad_request`)
     # and its slot frees, so a stream that keeps sending a word now and then cannot hold it.
     lora_unload_timeout_s: float = 30.0

@@ -3,7 +3,8 @@ limits a server exposed to hostile clients needs.
 
 HTTP (httptools):
 - A connection that has not finished sending its first request's headers is *half-open*.
-  Half-open connections are bounded per address and in total, and one whose headers take
+  Half-open connections are bounded per address and in total (a trusted balancer's count
+  under the client its PROXY header names, as soon as it is read), and one whose headers take
   longer than `REQUEST_HEADER_TIMEOUT_S` is closed (any later request on a keep-alive
   connection gets the same time for its headers), so unfinished requests cannot use up the
   server's descriptors.
@@ -18,6 +19,11 @@ HTTP (httptools):
   any HTTP is read, until its budget has refilled. A refused request costs the server its
   headers, its routing and its answer; a connection closed at accept costs almost nothing, so
   a client that ignores `Retry-After` cannot keep the event loop busy with refusals.
+- A request's headers are bounded as websockets' own parser bounds a handshake's
+  (`MAX_HEADER_LINE_BYTES` a line, `MAX_HEADERS` lines, `MAX_REQUEST_HEADER_BYTES` in all,
+  counted as they arrive): beyond, it is answered 431 and its connection closed, before the
+  rest is read. A handshake websockets still refuses (a request line too long, a header it
+  cannot read) is answered 400 and closed: no refused handshake is left hanging.
 - Writes are bounded as a WebSocket's are (below): a response nobody reads is aborted once the
   client has acknowledged nothing for `limits.write_stall_timeout_s`, whether the app is
   still writing or the response is complete and waits in the buffers.
@@ -48,6 +54,7 @@ import asyncio
 import collections
 import fcntl
 import functools
+import json
 import logging
 import socket
 import struct
@@ -58,6 +65,8 @@ from typing import Any, Awaitable, Callable
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
+from websockets.exceptions import HeaderLineTooLong, TooManyHeaders
+from websockets.http11 import MAX_LINE_LENGTH, MAX_NUM_HEADERS
 
 from ..config import Limits
 from .proxies import ProxyHeaderError, TrustedProxies, parse_proxy_header
@@ -67,6 +76,13 @@ log = logging.getLogger("vox_ws.connections")
 
 # Seconds a client has to send a request's headers.
 REQUEST_HEADER_TIMEOUT_S = 10.0
+# A request's header lines: websockets' own bounds for a handshake (an upgrade within them is
+# one websockets reads), for every request.
+MAX_HEADER_LINE_BYTES = MAX_LINE_LENGTH
+MAX_HEADERS = MAX_NUM_HEADERS
+# Bytes of a request's headers the server holds before they are complete: every line at its
+# longest, and the request line.
+MAX_REQUEST_HEADER_BYTES = (MAX_HEADERS + 1) * MAX_HEADER_LINE_BYTES
 # A WebSocket's application-level write buffer: sends wait above HIGH until it is below LOW.
 WRITE_BUFFER_HIGH = 32 * 1024
 WRITE_BUFFER_LOW = 8 * 1024
@@ -175,6 +191,9 @@ class ConnectionGuard:
     def pending(self) -> int:
         return len(self._pending)
 
+    def pending_from(self, address: str) -> int:
+        return self._per_address.get(address, 0)
+
     def admit(self, transport: asyncio.BaseTransport, address: str) -> str | None:
         """None if a new connection is admitted; else why not."""
         if not self.heard(address):
@@ -184,6 +203,20 @@ class ConnectionGuard:
                 self._per_address[address] >= self.per_address_limit and not self.proxies.trusts(address)):
             self.refused += 1
             return "too many unfinished connections (from its address or in all)"
+        self._pending[transport] = address
+        self._per_address[address] += 1
+        return None
+
+    def move(self, transport: asyncio.BaseTransport, address: str) -> str | None:
+        """A half-open connection's client is `address` (a trusted peer's PROXY header named
+        it): from now it counts there, within that address's bound, not the peer's. None if
+        it may; else why not (the caller closes it)."""
+        if transport not in self._pending:
+            return None
+        if self._per_address[address] >= self.per_address_limit and not self.proxies.trusts(address):
+            self.refused += 1
+            return "too many unfinished connections from its address"
+        self.settle(transport)
         self._pending[transport] = address
         self._per_address[address] += 1
         return None
@@ -300,6 +333,8 @@ class HttpProtocol(_WatchedWrites, HttpToolsProtocol):
         self._body: BodyClock | None = None
         self._body_timer: asyncio.TimerHandle | None = None
         self._answered = False                    # the request's response is complete
+        self._header_bytes = 0                    # of the request whose headers are being read
+        self._headers_refused = False             # they were over a bound, and answered 431
         self.stall = StallWatch(self, limits.write_stall_timeout_s)
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
@@ -323,11 +358,47 @@ class HttpProtocol(_WatchedWrites, HttpToolsProtocol):
         return self.guard.proxies.trusts(self._peer)
 
     def data_received(self, data: bytes) -> None:
+        if self._headers_refused:
+            return                                # answered: what follows is not read
         if self._preamble is not None:
             data = self._after_proxy_header(data)
             if not data:
                 return
         super().data_received(data)
+        if self._header_timer is not None and not self._headers_refused:
+            # Still in a request's headers: all of this was headers (or the end of the
+            # request before, at most one read's worth). httptools keeps an unfinished line
+            # whole, so the bound is on what arrives, not on the lines it has told of.
+            self._header_bytes += len(data)
+            if self._header_bytes > MAX_REQUEST_HEADER_BYTES:
+                self._refuse_headers(f"over {MAX_REQUEST_HEADER_BYTES} bytes of headers")
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if len(name) + len(value) + 4 > MAX_HEADER_LINE_BYTES:
+            self._refuse_headers(f"a header line over {MAX_HEADER_LINE_BYTES} bytes")
+        elif len(self.headers) >= MAX_HEADERS:
+            self._refuse_headers(f"over {MAX_HEADERS} header lines")
+        if self._headers_refused:
+            raise _HeadersRefused             # httptools stops reading; send_400_response answers
+        super().on_header(name, value)
+
+    def _refuse_headers(self, why: str) -> None:
+        if self._headers_refused:
+            return
+        log.info("%s: %s: answered 431", self.client, why)
+        self._headers_refused = True
+        self.ws_protocol_class = None             # never upgraded
+        self._disarm_header_timer()
+        self.guard.settle(self.transport)
+        if self.cycle is None or not self.cycle.response_started:
+            self.transport.write(_response(431, "Request Header Fields Too Large", "too_large",
+                                           f"the request's headers are too large: {why}"))
+        self.transport.close()
+        self.stall.arm()                          # the answer goes out, or the connection is aborted
+
+    def send_400_response(self, msg: str) -> None:
+        if not self._headers_refused:             # else answered 431 already
+            super().send_400_response(msg)
 
     def _after_proxy_header(self, data: bytes) -> bytes:
         """What follows a trusted peer's PROXY header (all of it where it sent none); b"" while
@@ -345,6 +416,11 @@ class HttpProtocol(_WatchedWrites, HttpToolsProtocol):
             return b""
         rest, self._preamble = bytes(self._preamble[header.length:]), None
         if header.source is not None:
+            refused = self.guard.move(self.transport, header.source)
+            if refused is not None:
+                log.warning("closing a connection for %s (by %s): %s", header.source, self._peer, refused)
+                self.transport.abort()
+                return b""
             self._proxied = header.source
             self.client = (header.source, header.port)
         elif header.length:
@@ -353,10 +429,13 @@ class HttpProtocol(_WatchedWrites, HttpToolsProtocol):
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
+        self._header_bytes = 0
         self._arm_header_timer()
 
     def on_headers_complete(self) -> None:
         self._disarm_header_timer()
+        if self._headers_refused:
+            return
         self.guard.settle(self.transport)
         if self._from_proxy and not self._proxied_client_heard():
             return
@@ -524,9 +603,18 @@ class HttpProtocol(_WatchedWrites, HttpToolsProtocol):
         self.stall.arm()                          # the 408 goes out, or the connection is aborted
 
 
-_REQUEST_TIMEOUT_BODY = b'{"error":{"code":"timeout","message":"the request body did not arrive in time"}}'
-_REQUEST_TIMEOUT = (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\nconnection: close\r\n"
-                    b"content-length: %d\r\n\r\n%s" % (len(_REQUEST_TIMEOUT_BODY), _REQUEST_TIMEOUT_BODY))
+class _HeadersRefused(Exception):
+    """Raised in httptools' header callback to stop it reading a request answered 431."""
+
+
+def _response(status: int, phrase: str, code: str, message: str) -> bytes:
+    """A whole response written below the app (a JSON error, as the app's), closing the connection."""
+    body = json.dumps({"error": {"code": code, "message": message}}).encode()
+    return (b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\nconnection: close\r\ncontent-length: %d\r\n\r\n%s"
+            % (status, phrase.encode(), len(body), body))
+
+
+_REQUEST_TIMEOUT = _response(408, "Request Timeout", "timeout", "the request body did not arrive in time")
 
 
 class _RefusalWatch:
@@ -580,6 +668,25 @@ class WebSocketProtocol(_WatchedWrites, WebSocketsSansIOProtocol):
         if self._forwarded_client is not None:
             self.client = self._forwarded_client
         bound_writes(transport)
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        if not self.handshake_initiated and self.conn.handshake_exc is not None and not self.transport.is_closing():
+            self._refuse_handshake(self.conn.handshake_exc)
+
+    def _refuse_handshake(self, exc: BaseException) -> None:
+        """websockets refused the handshake's request: it only half-closes, and uvicorn writes
+        nothing; answered here (431 for header lines, 400 else) and closed."""
+        cause = exc.__cause__ or exc
+        log.info("%s: a WebSocket handshake websockets cannot read (%s): answered", self.client, cause)
+        self.handshake_complete = self.close_sent = True
+        if isinstance(cause, (HeaderLineTooLong, TooManyHeaders)):
+            answer = _response(431, "Request Header Fields Too Large", "too_large", f"the handshake's {cause}")
+        else:
+            answer = _response(400, "Bad Request", "bad_request", f"not a WebSocket handshake this server reads: {cause}")
+        self.transport.write(answer)
+        self.transport.close()
+        self._abort_if_unsent(self.close_timeout)
 
     def handle_connect(self, event: Any) -> None:
         super().handle_connect(event)

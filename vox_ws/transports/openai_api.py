@@ -39,6 +39,7 @@ from . import protocol as p
 from .auth import is_authorized, origin_allowed, owner
 from .body import BodyTooLarge, read_body
 from .errors import HTTP_STATUS, ORIGIN_REFUSED, retry_headers
+from .spool import Spool
 from .state import ServerState, server_state
 
 log = logging.getLogger("vox_ws.openai")
@@ -137,8 +138,8 @@ async def speech(request: Request) -> Response:
     if ignored:
         headers["X-Ignored-Parameters"] = ",".join(ignored)
     media_type = "text/event-stream" if speech_request.sse else CONTENT_TYPES[speech_request.response_format]
-    return SpeechResponse(stream, speech_request.sse, media_type, headers, whole=speech_request.whole,
-                          timestamps=timestamps)
+    return SpeechResponse(stream, speech_request.sse, media_type, headers,
+                          whole=Spool(state.spools, who) if speech_request.whole else None, timestamps=timestamps)
 
 
 async def audio_models(request: Request) -> Response:
@@ -412,7 +413,7 @@ class SpeechResponse(Response):
     that looks whole (SSE: an `error` event first)."""
 
     def __init__(self, stream: Stream, sse: bool, media_type: str, headers: dict[str, str],
-                 whole: bool = False, timestamps: str | None = None) -> None:
+                 whole: Spool | None = None, timestamps: str | None = None) -> None:
         # No body and no Content-Length: the response is chunked (Starlette's StreamingResponse
         # sets itself up the same way).
         self.status_code = 200
@@ -421,7 +422,7 @@ class SpeechResponse(Response):
         self.init_headers(headers)
         self.stream = stream
         self.sse = sse
-        self.whole = whole                 # one body with its length, sent once all is spoken
+        self.whole = whole                 # one body with its length, held here until all is spoken
         self.timestamps = timestamps       # SSE: "word" or "segment" events beside the audio
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -433,6 +434,8 @@ class SpeechResponse(Response):
         finally:
             watcher.cancel()
             self.stream.close()
+            if self.whole is not None:
+                await self.whole.close()
 
     async def _watch(self, receive: Receive) -> None:
         while True:
@@ -450,8 +453,8 @@ class SpeechResponse(Response):
             refusal = Refused(first.kind, first.message, first.retry_after_s)
             await OpenAIError.from_refused(refusal).response()({"type": "http"}, _no_receive, send)
             return
-        if self.whole:
-            await self._respond_whole(send, first, events)
+        if self.whole is not None:
+            await self._respond_whole(send, first, events, self.whole)
             return
         await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
         started = time.monotonic()
@@ -480,22 +483,29 @@ class SpeechResponse(Response):
                 raise _StreamBroke(event.message)
             event = await anext(events, None)
 
-    async def _respond_whole(self, send: Send, event: Any, events: Any) -> None:
-        """`stream: false`: the whole file, with its Content-Length, or the failure's own status."""
-        body = bytearray()
+    async def _respond_whole(self, send: Send, event: Any, events: Any, spool: Spool) -> None:
+        """`stream: false`: the whole file, with its Content-Length, or the failure's own status;
+        held in `spool` meanwhile, then sent as fast as the client reads it."""
         while event is not None and not isinstance(event, Ended):
             if isinstance(event, Failed):
                 refusal = Refused(event.kind, event.message, event.retry_after_s)
                 await OpenAIError.from_refused(refusal).response()({"type": "http"}, _no_receive, send)
                 return
             if isinstance(event, Audio):
-                body += event.data
+                try:
+                    await spool.write(event.data)
+                except Refused as err:
+                    self.stream.close()
+                    await OpenAIError.from_refused(err).response()({"type": "http"}, _no_receive, send)
+                    return
             event = await anext(events, None)
         if event is None:
             return                                       # closed: the client is gone
-        headers = [*self.raw_headers, (b"content-length", str(len(body)).encode())]
+        headers = [*self.raw_headers, (b"content-length", str(spool.size).encode())]
         await send({"type": "http.response.start", "status": 200, "headers": headers})
-        await send({"type": "http.response.body", "body": bytes(body), "more_body": False})
+        async for piece in spool.pieces():
+            await self._body(send, piece)
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     def _frame(self, audio: Audio) -> bytes:
         if not self.sse:

@@ -18,6 +18,7 @@ from ..engines import option_vocabulary
 from ..metrics import Metrics
 from ..service import StreamService
 from .multipart import MultipartParser
+from .spool import SpoolBudget
 
 log = logging.getLogger("vox_ws.server")
 
@@ -44,6 +45,8 @@ class ServerState:
         # Every option some engine knows is validated; the served engine's specs win.
         self.option_specs = option_vocabulary(service.engine)
         self.multipart = MultipartParser()       # voice uploads' multipart bodies, off the process
+        # Whole responses' bytes (`stream: false`) held until sent.
+        self.spools = SpoolBudget(config.limits.max_whole_bytes_per_owner, config.limits.max_whole_bytes)
 
     @property
     def limits(self) -> Limits:

@@ -1,0 +1,105 @@
+"""Whole responses (`stream: false`): held until the stream has ended, then sent at the pace
+their client reads.
+
+A whole file must wait for its stream's end (its length goes first), so the stream is read as
+fast as it is made and what it makes has to be held somewhere: here, in memory up to
+`MEMORY_BYTES`, then in an unnamed temporary file written and read on a worker thread (never
+on the event loop). What an owner's whole responses hold together is bounded, and so is what
+all of them hold (`SpoolBudget`): a request past its owner's bound is refused `too_large` (it
+may ask for the audio streamed), one that would take its owner, or everyone, past the bound
+with others is refused `busy` (retryable).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import tempfile
+from collections import Counter
+from typing import IO, AsyncIterator
+
+from ..engine import ErrorKind, Refused
+
+# Bytes of a whole response held in memory; beyond, it goes to a temporary file.
+MEMORY_BYTES = 2 << 20
+# Bytes gathered before one write to the file (one hop to a worker thread each).
+WRITE_BYTES = 256 << 10
+# Bytes of the file read and sent at a time: the transport's flow control paces the next.
+SEND_BYTES = 64 << 10
+
+
+class SpoolBudget:
+    """Bytes held by whole responses in flight, per owner and in all. Event loop only."""
+
+    def __init__(self, per_owner: int, total: int) -> None:
+        self.per_owner = per_owner
+        self.total = total
+        self._held: Counter[str] = Counter()
+        self.spilled = 0                          # responses that went to a file
+
+    @property
+    def held(self) -> int:
+        return sum(self._held.values())
+
+    def take(self, owner: str, size: int, own: int) -> None:
+        """`size` more bytes for a response of `owner` holding `own` already; Refused beyond
+        the bounds."""
+        if own + size > self.per_owner:
+            raise Refused(ErrorKind.TOO_LARGE, f"the whole file would be over {self.per_owner >> 20} MB: ask for it "
+                                               "streamed (`stream`: true)")
+        if self._held[owner] + size > self.per_owner or self.held + size > self.total:
+            raise Refused(ErrorKind.BUSY, "whole files in flight (yours, or everyone's) hold as much as they may: "
+                                          "try again once they are sent, or ask for the audio streamed", 1.0)
+        self._held[owner] += size
+
+    def give_back(self, owner: str, size: int) -> None:
+        self._held[owner] -= size
+        if self._held[owner] <= 0:
+            del self._held[owner]
+
+
+class Spool:
+    """One whole response's bytes: `await write(...)` as they come, `size`, then `pieces()`;
+    `await close()` always (it gives the bytes back to the budget and drops the file)."""
+
+    def __init__(self, budget: SpoolBudget, owner: str) -> None:
+        self._budget = budget
+        self._owner = owner
+        self.size = 0
+        self._memory = bytearray()
+        self._file: IO[bytes] | None = None
+
+    async def write(self, data: bytes) -> None:
+        self._budget.take(self._owner, len(data), self.size)
+        self.size += len(data)
+        self._memory += data
+        if self._file is None and len(self._memory) > MEMORY_BYTES:
+            self._file = await asyncio.to_thread(tempfile.TemporaryFile, prefix="vox-ws-whole-")
+            self._budget.spilled += 1
+        if self._file is not None and len(self._memory) >= WRITE_BYTES:
+            await self._flush()
+
+    async def _flush(self) -> None:
+        assert self._file is not None
+        pending, self._memory = bytes(self._memory), bytearray()
+        await asyncio.to_thread(self._file.write, pending)
+
+    async def pieces(self) -> AsyncIterator[bytes]:
+        """The bytes written, in order, a piece at a time."""
+        if self._file is None:
+            for start in range(0, len(self._memory), SEND_BYTES):
+                yield bytes(self._memory[start:start + SEND_BYTES])
+            return
+        if self._memory:
+            await self._flush()
+        file = self._file
+        await asyncio.to_thread(file.seek, 0)
+        while piece := await asyncio.to_thread(file.read, SEND_BYTES):
+            yield piece
+
+    async def close(self) -> None:
+        self._budget.give_back(self._owner, self.size)
+        self.size = 0
+        self._memory = bytearray()
+        if self._file is not None:
+            file, self._file = self._file, None
+            await asyncio.to_thread(file.close)
