@@ -391,3 +391,43 @@ async def test_a_clients_unfinished_requests_through_the_balancer_count_as_its_o
     for sock in held:
         sock.close()
     await wait_until(lambda: guard.pending == 0)
+
+
+async def test_an_ipv6_client_counts_by_its_64_for_every_bound_and_owner(behind_balancer):
+    """Hardening V, 6: IPv6 clients were keyed by their whole /128, though every IPv6 host has a
+    /64: 40 sessions from one /64 were all admitted, against 32 from one address. Now a client
+    is its /64 (`--ipv6-prefix`) for requests in flight, sessions and owners
+    (`max_connections_per_address` is 1 here)."""
+    from vox_ws.transports.auth import address_owner
+
+    server = behind_balancer
+    guard = server.server.guard
+    holder = held_body(server.port, v1("2001:db8:5:6::1"))
+    await wait_until(lambda: guard.requests_in_flight == 1)
+    same = held_body(server.port, v2("2001:db8:5:6:ffff:ffff:ffff:ffff"))
+    assert (await asyncio.to_thread(read_until_closed, same)).startswith(b"HTTP/1.1 429")
+    other = held_body(server.port, v2("2001:db8:5:7::1"))                  # the next /64
+    await wait_until(lambda: guard.requests_in_flight == 2)
+    for sock in (holder, same, other):
+        sock.close()
+    await wait_until(lambda: guard.requests_in_flight == 0)
+
+    async def session(source: str):
+        sock = await asyncio.to_thread(connected, server.port, v2(source))
+        return await websockets.connect(server.url, sock=sock)
+
+    first = await session("2001:db8:9:1::1")
+    assert await asyncio.wait_for(first.recv(), WAIT_TIMEOUT)              # hello
+    second = await session("2001:db8:9:1::2")
+    with pytest.raises(websockets.ConnectionClosed) as closed:
+        await asyncio.wait_for(second.recv(), WAIT_TIMEOUT)
+    assert closed.value.rcvd.code == p.CLOSE_TOO_MANY_FROM_ADDRESS
+    third = await session("2001:db8:9:2::1")
+    assert await asyncio.wait_for(third.recv(), WAIT_TIMEOUT)
+    await first.close()
+    await third.close()
+    # One owner (voices, quotas, usage) per /64; an IPv4-mapped address is its IPv4 address.
+    assert address_owner("2001:db8:9:1::1", 64) == address_owner("2001:db8:9:1:a:b:c:d", 64) == \
+        "address:2001:db8:9:1::/64" != address_owner("2001:db8:9:2::1", 64)
+    assert address_owner("2001:db8:9:1::1", 128) != address_owner("2001:db8:9:1::2", 128)
+    assert address_owner("::ffff:192.0.2.5", 64) == address_owner("192.0.2.5", 64) == "address:192.0.2.5"

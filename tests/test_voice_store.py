@@ -231,15 +231,15 @@ async def test_addresses_have_a_small_quota_and_their_voices_expire_in_every_sto
     assert await store.put(first) == [] and await store.put(second) == []
     await store.check_room(third)                                   # at its cap: retires, not refused
     assert await store.put(third) == [first.id]
-    other = made("address:10.0.0.2", 400)
+    other = made("address:10.0.2.2", 400)
     await store.put(other)
     assert (await store.usage())["voices"] == 6
     # An admin sees every voice with its owner's key, and deletes one owner's.
     listed = await store.every_voice()
     assert [v.id for v in listed] == [*(v.id for v in tokens), second.id, third.id, other.id]
     assert {v.owner for v in listed} == {owner_key("token:t"), owner_key("address:10.0.0.1"),
-                                         owner_key("address:10.0.0.2")}
-    assert await store.delete_owned(owner_key("address:10.0.0.2")) == [other.id]
+                                         owner_key("address:10.0.2.2")}
+    assert await store.delete_owned(owner_key("address:10.0.2.2")) == [other.id]
     assert await store.get(other.id) is None
     # 100 s after they were registered the address's voices are gone; the token's stay.
     now[0] = second.created + 100.0
@@ -253,10 +253,78 @@ async def test_addresses_have_a_small_quota_and_their_voices_expire_in_every_sto
     assert await store.usage() == {"voices": 3, "bytes": sum(len(v.audio) for v in tokens)}
     assert [(await store.get(v.id)).id for v in tokens] == [v.id for v in tokens]
     # A put lets go of what expired too (the service deletes those ids everywhere).
-    late = made("address:10.0.0.3", 500)
+    late = made("address:10.0.3.3", 500)
     await store.put(late)
     now[0] = late.created + 100.0
-    assert await store.put(made("address:10.0.0.4", 501)) == [late.id]
+    assert await store.put(made("address:10.0.4.4", 501)) == [late.id]
+
+
+SHARE_LIMITS = StoreLimits(per_owner=4, max_voices=64, max_bytes=10_000_000, per_address=2, ttl_s=100.0)
+
+
+@pytest.fixture(params=["memory", "dir", "redis"])
+async def share_store(request, tmp_path, redis_server):
+    """A store whose shares are small: 4 voices without a token a network, 32 in all."""
+    now = [1_000_000.0]
+    clock = lambda: now[0]                                          # noqa: E731
+    if request.param == "memory":
+        made = MemoryStore(SHARE_LIMITS, clock)
+    elif request.param == "dir":
+        made = DirectoryStore(tmp_path / "voices", SHARE_LIMITS, clock)
+        await made.open()
+    else:
+        made = RedisStore(redis_server.url, SHARE_LIMITS, clock)
+        await made._redis.flushdb()
+    yield made, now
+    await made.close()
+
+
+async def test_addresses_share_the_store_by_network_and_never_lock_out_tokens(share_store):
+    """Hardening V, 6: 64 addresses (of one IPv6 /64, or IPv4) filled `max_voices` in seconds,
+    and every new owner was refused for a day. Now voices without a token hold at most a
+    sixteenth of the store per network (an IPv4 /24, an IPv6 /48) and half of it in all."""
+    store, now = share_store
+    assert (SHARE_LIMITS.per_network, SHARE_LIMITS.anonymous) == (4, 32)
+    pitch = iter(range(100, 10_000, 7))
+
+    def made(owner: str):
+        now[0] += 1.0
+        return new_voice(owner, tone_wav(0.2, pitch=next(pitch)), None, "reference",
+                         lifetime=Lifetime(SHARE_LIMITS.ttl_s, store.clock))
+
+    async def refused(voice) -> str:
+        with pytest.raises(Refused) as forecast:
+            await store.check_room(voice)
+        with pytest.raises(Refused) as put:
+            await store.put(voice)
+        assert forecast.value.kind is put.value.kind is ErrorKind.BUSY
+        return put.value.message
+
+    # Two addresses of one /24 fill its share; a third of that network is refused, not others.
+    for address in ("10.0.0.1", "10.0.0.2"):
+        for _ in range(2):
+            assert await store.put(made(f"address:{address}")) == []
+    assert "your network" in await refused(made("address:10.0.0.3"))
+    # An owner at its quota still retires its own oldest (its network's count stays).
+    oldest = (await store.owned_by("address:10.0.0.1"))[0].id
+    assert await store.put(made("address:10.0.0.1")) == [oldest]
+    # IPv6: owners of one /48 share it (each owner a /64, as `addresses.client_key` keys them).
+    for owner in ("address:2001:db8:0:1::/64", "address:2001:db8:0:2::/64"):
+        for _ in range(2):
+            await store.put(made(owner))
+    assert "your network" in await refused(made("address:2001:db8:0:3::/64"))
+    await store.put(made("address:2001:db8:1::/64"))                # another /48
+    # Networks fill the half of the store voices without a token may hold: 32 in all.
+    assert (await store.usage())["voices"] == 9
+    for network in range(23):                                       # one voice each of 23 more networks
+        assert await store.put(made(f"address:10.{network + 10}.0.1")) == []
+    assert (await store.usage())["voices"] == 32
+    assert "share of the store" in await refused(made("address:10.30.0.1"))
+    # Clients with tokens are never locked out by them; and when theirs expire, places come back.
+    assert await store.put(made("token:t")) == []
+    now[0] += SHARE_LIMITS.ttl_s
+    assert await store.put(made("address:10.30.0.1")) != []           # the expired ones let go
+    assert await store.put(made("address:10.0.0.3")) == []
 
 
 # ------------------------------------------------------------------ servers on one store
@@ -448,9 +516,10 @@ ADMIN = "admin-secret"
 @pytest.mark.slow
 async def test_a_handful_of_addresses_cannot_fill_the_store_for_good(start_server, tiny_model):
     """The attack: a few addresses registering voices until `max_voices` is reached, for good.
-    Now each address keeps its quota (2 here, 4 by default), an admin lists and deletes by owner
+    Now each address keeps its quota (2 here, 4 by default), voices without a token hold half
+    the store (6 of 12 here), an admin lists and deletes by owner
     over REST and v1, and token-less voices expire (the store's clock moved past the TTL)."""
-    server = tiny_server(start_server, tiny_model, "memory", max_voices=6, max_voices_per_address=2,
+    server = tiny_server(start_server, tiny_model, "memory", max_voices=12, max_voices_per_address=2,
                          admin_tokens=[ADMIN])
     service = server.server.service
     now = [time.time()]
@@ -468,7 +537,7 @@ async def test_a_handful_of_addresses_cannot_fill_the_store_for_good(start_serve
 
     kept: dict[str, list[str]] = {}
     for n in (1, 2, 3):
-        address = f"127.0.0.{30 + n}"
+        address = f"127.0.{30 + n}.1"          # each of its own network
         ids = []
         for k in range(3):                                          # the third retires the first
             created = await upload(address, 150 + 10 * n + k)
@@ -476,27 +545,27 @@ async def test_a_handful_of_addresses_cannot_fill_the_store_for_good(start_serve
             ids.append(created.json()["voice"])
         kept[address] = ids[1:]
     assert (await service.voices.store.usage())["voices"] == 6
-    full = await upload("127.0.0.34", 300)
+    full = await upload("127.0.34.1", 300)
     assert full.status_code == 429 and full.json()["error"]["code"] == "busy", full.text
     # The owner sees when each of its voices expires.
-    async with client("127.0.0.31") as http:
+    async with client("127.0.31.1") as http:
         mine = (await http.get("/v1/audio/voices")).json()["uploaded_voices"]
-    assert [v["voice_id"] for v in mine] == kept["127.0.0.31"]
+    assert [v["voice_id"] for v in mine] == kept["127.0.31.1"]
     assert all(v["expires_at"] == pytest.approx(now[0] + 86400, abs=10) for v in mine)
     # An admin over REST: everyone's voices with their owners' keys, and one owner's deleted.
     async with client("127.0.0.1", Authorization=f"Bearer {ADMIN}") as admin, client("127.0.0.1") as anyone:
         assert (await anyone.get("/v1/admin/voices")).status_code == 403
-        assert (await anyone.delete("/v1/admin/voices", params={"address": "127.0.0.31"})).status_code == 403
+        assert (await anyone.delete("/v1/admin/voices", params={"address": "127.0.31.1"})).status_code == 403
         listing = (await admin.get("/v1/admin/voices")).json()
         assert sorted(v["voice"] for v in listing["voices"]) == sorted(sum(kept.values(), []))
         assert listing["usage"]["voices"] == 6
         assert (await admin.get("/v1/admin/voices", params={"address": "nonsense"})).status_code == 400
         assert (await admin.delete("/v1/admin/voices")).status_code == 400
-        gone = await admin.delete("/v1/admin/voices", params={"address": "127.0.0.31"})
-        assert gone.status_code == 200 and sorted(gone.json()["deleted"]) == sorted(kept["127.0.0.31"])
-    for voice in kept["127.0.0.31"]:
+        gone = await admin.delete("/v1/admin/voices", params={"address": "127.0.31.1"})
+        assert gone.status_code == 200 and sorted(gone.json()["deleted"]) == sorted(kept["127.0.31.1"])
+    for voice in kept["127.0.31.1"]:
         assert not service.engine.voices.has(voice)
-    assert (await upload("127.0.0.34", 300)).status_code == 201     # room again
+    assert (await upload("127.0.34.1", 300)).status_code == 201     # room again
     # The same over protocol v1, only on an admin connection.
     async with connect_client(server) as c:
         await c.send({"type": "voice_admin", "id": "a", "op": "list"})
@@ -506,16 +575,16 @@ async def test_a_handful_of_addresses_cannot_fill_the_store_for_good(start_serve
         assert (await c.error("b"))["code"] == "bad_request"
         await c.send({"type": "voice_admin", "id": "c", "op": "delete"})
         assert (await c.error("c"))["code"] == "bad_request"
-        await c.send({"type": "voice_admin", "id": "d", "op": "list", "address": "127.0.0.32"})
+        await c.send({"type": "voice_admin", "id": "d", "op": "list", "address": "127.0.32.1"})
         listed = await c.recv_where(lambda m: m.get("id") == "d")
-        assert [v["voice"] for v in listed["voices"]] == kept["127.0.0.32"], listed
+        assert [v["voice"] for v in listed["voices"]] == kept["127.0.32.1"], listed
         owner = listed["voices"][0]["owner"]
         await c.send({"type": "voice_admin", "id": "e", "op": "delete", "owner": owner})
         deleted = await c.recv_where(lambda m: m.get("id") == "e")
-        assert deleted["type"] == "voice_admin" and sorted(deleted["deleted"]) == sorted(kept["127.0.0.32"])
+        assert deleted["type"] == "voice_admin" and sorted(deleted["deleted"]) == sorted(kept["127.0.32.1"])
     # A day later the token-less voices are gone: unknown to streams at once, then swept from
     # every device; a newcomer registers, and a built-in voice speaks as before.
-    victim = kept["127.0.0.33"][0]
+    victim = kept["127.0.33.1"][0]
     assert service.engine.voices.has(victim)
     now[0] += 86400.0 + 10
     async with connect_client(server) as c:
@@ -524,7 +593,7 @@ async def test_a_handful_of_addresses_cannot_fill_the_store_for_good(start_serve
     swept = asyncio.run_coroutine_threadsafe(service.voices.expire(), server.loop).result(30)
     assert victim in swept or not service.engine.voices.has(victim)
     assert not service.engine.voices.has(victim) and (await service.voices.store.usage())["voices"] == 0
-    assert (await upload("127.0.0.35", 310)).status_code == 201
+    assert (await upload("127.0.35.1", 310)).status_code == 201
     result = await speak(server, None)
     assert result.error is None and result.end is not None
 
@@ -577,3 +646,27 @@ async def test_a_named_voice_is_its_owners_whether_named_or_given_by_id(start_se
         theirs = await register_named(other, "me", 250.0)
         assert theirs not in (mine, computed_id("address:127.0.0.2", "me"))
         assert (await over_openai(other, "me")).status_code == 200
+
+
+@pytest.mark.slow
+async def test_many_addresses_of_one_network_cannot_lock_new_owners_out(start_server, tiny_model):
+    """Hardening V, 6, the attack: 64 addresses (of one /64, or IPv4) filled `max_voices` in
+    seconds, and every new owner was refused for `--voice-ttl`. Here 32 addresses of one /24
+    try 2 voices each against `max_voices` 64: their network keeps its share (4), and a new
+    owner of another network and an admin register."""
+    server = tiny_server(start_server, tiny_model, "memory", max_voices=64, max_voices_per_address=2,
+                         admin_tokens=[ADMIN])
+
+    async def upload(address: str, pitch: float, **headers: str) -> int:
+        async with httpx.AsyncClient(base_url=server.http, headers=headers, timeout=60,
+                                     transport=httpx.AsyncHTTPTransport(local_address=address)) as http:
+            made = await http.post("/v1/voices", content=tone_wav(1.0, pitch=pitch),
+                                   headers={"content-type": "audio/wav"})
+            assert made.status_code in (201, 429), made.text
+            return made.status_code
+
+    codes = [await upload(f"127.0.0.{40 + n}", 150 + 2 * n + k) for n in range(32) for k in range(2)]
+    assert codes.count(201) == 4 and codes.count(429) == 60
+    assert (await server.server.service.voices.store.usage())["voices"] == 4
+    assert await upload("127.0.1.1", 400) == 201
+    assert await upload("127.0.0.1", 410, Authorization=f"Bearer {ADMIN}") == 201

@@ -15,6 +15,15 @@ from .config import Limits, ServerConfig
 from .transports.proxies import FORWARDING_HEADERS
 
 
+def _ipv6_prefix(text: str) -> int:
+    from .addresses import check_ipv6_prefix
+
+    try:
+        return check_ipv6_prefix(int(text))
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _proxy_header(text: str) -> str:
     if text.lower() not in FORWARDING_HEADERS:
         raise argparse.ArgumentTypeError(f"{text!r}: one of {', '.join(FORWARDING_HEADERS)}")
@@ -44,6 +53,8 @@ _SERVE_OPTIONS: list[tuple[str, Callable[[str], Any], Any, str]] = [
                                    "others both are ignored (docs/DEPLOY.md). Default: none"),
     ("proxy-header", _proxy_header, "x-forwarded-for", "the header a trusted proxy names the client in: x-forwarded-for, "
                                              "forwarded (RFC 7239) or none (PROXY protocol only)"),
+    ("ipv6-prefix", _ipv6_prefix, 64, "leading bits of an IPv6 address that name one client, for every per-address "
+                                      "bound and owner (16-128; every IPv6 host has a /64)"),
     ("max-connections", int, Limits.max_connections, "open connections in total (then close 1013)"),
     ("max-connections-per-address", int, Limits.max_connections_per_address,
      "open connections per client address (then close 4029)"),
@@ -184,6 +195,8 @@ def build_parser() -> argparse.ArgumentParser:
     who.add_argument("--address", help="a client address (clients without a token)")
     owner.add_argument("--metrics-secret", default=os.environ.get("VOX_WS_METRICS_SECRET"),
                        help="the server's --metrics-secret [env VOX_WS_METRICS_SECRET]")
+    owner.add_argument("--ipv6-prefix", type=_ipv6_prefix, default=os.environ.get("VOX_WS_IPV6_PREFIX", "64"),
+                       help="the server's --ipv6-prefix (an IPv6 address counts by its network) [env VOX_WS_IPV6_PREFIX]")
 
     models.add_arguments(commands.add_parser("models", help="VoxCPM2 weights: pull a checkpoint, list those on disk",
                                              description=models.__doc__,
@@ -314,7 +327,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not args.metrics_secret:
             print("vox-ws owner: labels are keyed by the server's --metrics-secret: give the same one", file=sys.stderr)
             return 2
-        owner = token_owner(args.token) if args.token else address_owner(args.address)
+        owner = token_owner(args.token) if args.token else address_owner(args.address, args.ipv6_prefix)
         print(owner_label(owner, args.metrics_secret.encode()))
         return 0
     return 2

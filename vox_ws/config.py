@@ -101,6 +101,8 @@ class ServerConfig:
     trusted_proxies: list[str] = field(default_factory=list)
     # The header a trusted proxy writes the client in: x-forwarded-for, forwarded or none.
     proxy_header: str = "x-forwarded-for"
+    # An IPv6 client counts by this many leading bits of its address (`vox_ws.addresses`).
+    ipv6_prefix: int = 64
     # The browser demo served at `/` (default: web/demo of the source tree when present).
     demo_dir: str | None = None
     # Readiness turns 503, and new connections are closed 1013, while every slot is busy (for

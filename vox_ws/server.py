@@ -82,7 +82,7 @@ class VoxServer:
                                      voice_aliases=aliases)
         self.state = ServerState(config, self.service, self.metrics)
         self.proxies = TrustedProxies(config.trusted_proxies, config.proxy_header)
-        self.guard = ConnectionGuard(config.limits, proxies=self.proxies)
+        self.guard = ConnectionGuard(config.limits, proxies=self.proxies, ipv6_prefix=config.ipv6_prefix)
         self.metrics.bind(
             active=lambda: self.devices.stats()["active"],
             queued=lambda: self.devices.stats()["queued"],
@@ -120,7 +120,7 @@ class VoxServer:
                 from .transports.wyoming import WyomingServer
             except ImportError as exc:
                 raise RuntimeError(f"--wyoming needs the wyoming package: pip install 'vox-ws[wyoming]' ({exc})") from None
-            self.wyoming = WyomingServer(self.config.wyoming, self.service, self.proxies)
+            self.wyoming = WyomingServer(self.config.wyoming, self.service, self.proxies, self.config.ipv6_prefix)
         if self.config.lexicon:
             problems = await self.service.load_lexicon(self.config.lexicon)
             if problems:

@@ -259,7 +259,7 @@ class Session:
             address = parse_host(message.address)
             if address is None:
                 raise Refused(ErrorKind.INVALID, f"{message.address[:64]!r} is not an IP address", field="address")
-            selected = owner_key(address_owner(address))
+            selected = owner_key(address_owner(address, self.state.config.ipv6_prefix))
         if message.op == "delete":
             assert selected is not None                     # the parser's rule
             return {"op": "delete", "owner": selected, "deleted": await self.service.voices.delete_owned(selected)}

@@ -11,6 +11,10 @@ Rules, enforced by every store (atomically in Redis, across replicas):
   else's;
 - a voice of an owner without a token expires `ttl_s` after it was registered: with the small
   per-address quota, no handful of addresses fills the store for good;
+- voices of owners without a token hold at most half the store's places together, and those
+  of one network (`addresses.network_of`: a /24, an IPv6 /48) at most a sixteenth (never
+  fewer than one owner's quota): beyond, a registration without a token is refused (`busy`),
+  so no set of addresses locks every new owner out, and clients with tokens never;
 - the store holds at most `max_voices` voices and `max_bytes` bytes of audio: beyond either a
   registration is refused (`busy`) until voices are deleted: nothing is evicted for it;
 - only the owner (or an admin) deletes a voice; another owner's voice looks like no voice.
@@ -47,6 +51,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from ..addresses import network_of
 from ..engine import ErrorKind, Refused
 
 log = logging.getLogger("vox_ws.service")
@@ -71,6 +76,7 @@ class StoredVoice:
     name: str | None = None    # what its owner calls it (its id is then made from the name)
     anonymous: bool = False    # its owner presented no token
     expires: float | None = None   # when it is gone (time.time()); None: never
+    network: str | None = None     # an anonymous owner's network, hashed (`network_key`)
 
     def expired(self, now: float) -> bool:
         return self.expires is not None and self.expires <= now
@@ -105,9 +111,27 @@ class StoreLimits:
     def cap_of(self, anonymous: bool) -> int:
         return self.per_address if anonymous else self.per_owner
 
+    @property
+    def anonymous(self) -> int:
+        """Places that voices of owners without a token may hold together."""
+        return max(self.per_address, self.max_voices // 2)
+
+    @property
+    def per_network(self) -> int:
+        """Places that voices of owners without a token in one network may hold together."""
+        return max(self.per_address, self.max_voices // 16)
+
 
 def owner_key(owner: str) -> str:
     return hashlib.sha256(b"vox-ws owner\0" + owner.encode()).hexdigest()[:32]
+
+
+def network_key(owner: str) -> str | None:
+    """The network of an owner without a token (its address's), hashed as owners are; None for
+    an owner with a token."""
+    if not is_anonymous(owner):
+        return None
+    return owner_key("network:" + network_of(owner[len(ADDRESS_OWNER_PREFIX):]))
 
 
 _REGISTERED_ID = re.compile(r"v_[a-z2-7]{32}")
@@ -270,6 +294,12 @@ class VoiceStore(ABC):
             return                                   # put keeps it as is, or retires the owner's oldest
         usage = await self.usage()
         self._refuse_full(usage["voices"], usage["bytes"], len(voice.audio))
+        if voice.network is not None:
+            self._refuse_share(*await self._anonymous(voice.network))
+
+    @abstractmethod
+    async def _anonymous(self, network: str) -> tuple[int, int]:
+        """How many voices of owners without a token the store holds: in all, and in `network`."""
 
     @abstractmethod
     async def _owned(self, owner: str) -> int:
@@ -308,6 +338,18 @@ class VoiceStore(ABC):
 
     def describe(self) -> str:
         return self.name
+
+    def _refuse_share(self, anonymous: int, in_network: int) -> None:
+        """Refuses (BUSY) one more voice without a token beside `anonymous` such voices, of which
+        `in_network` in its network."""
+        limits = self.limits
+        if anonymous + 1 > limits.anonymous:
+            raise Refused(ErrorKind.BUSY, f"voices registered without a token hold their share of the store "
+                                          f"({limits.anonymous}): try again once some expire, or register with a token")
+        if in_network + 1 > limits.per_network:
+            raise Refused(ErrorKind.BUSY, f"voices registered without a token from your network hold its share of the "
+                                          f"store ({limits.per_network}): try again once some expire, or register "
+                                          "with a token")
 
     def _refuse_full(self, voices: int, size: int, adding: int) -> None:
         limits = self.limits
@@ -357,6 +399,8 @@ class MemoryStore(VoiceStore):
         retired = [v.id for v in owned[:max(0, len(owned) - self.limits.cap_of(voice.anonymous) + 1)]]
         remaining = [v for v in self._voices.values() if v.id not in retired]
         self._refuse_full(len(remaining), sum(len(v.audio) for v in remaining), len(voice.audio))
+        if voice.network is not None:
+            self._refuse_share(*self._count_anonymous(remaining, voice.network))
         for old in retired:
             self._drop(old)
         self._keep(voice)
@@ -379,6 +423,15 @@ class MemoryStore(VoiceStore):
 
     async def _owned(self, owner: str) -> int:
         return len(self._voices_of(owner))
+
+    async def _anonymous(self, network: str) -> tuple[int, int]:
+        now = self.clock()
+        return self._count_anonymous([v for v in self._voices.values() if not v.expired(now)], network)
+
+    @staticmethod
+    def _count_anonymous(voices: list[StoredVoice], network: str) -> tuple[int, int]:
+        anonymous = [v for v in voices if v.anonymous]
+        return len(anonymous), sum(1 for v in anonymous if v.network == network)
 
     async def owned_by(self, owner: str) -> list[VoiceSummary]:
         return [v.summary() for v in self._voices_of(owner_key(owner))]
@@ -515,30 +568,39 @@ class DirectoryStore(MemoryStore):
             return gone
 
 
+# Let go of one voice and every index of it. Defined first in each script that drops voices.
+_DROP = """
+local function drop(prefix, id)
+  local key = prefix .. 'voice:' .. id
+  local fields = redis.call('HMGET', key, 'owner', 'size', 'network')
+  redis.call('DECRBY', prefix .. 'bytes', tonumber(fields[2] or '0'))
+  redis.call('DEL', key)
+  redis.call('ZREM', prefix .. 'voices', id)
+  redis.call('ZREM', prefix .. 'expiry', id)
+  redis.call('ZREM', prefix .. 'anonymous', id)
+  if fields[1] then redis.call('ZREM', prefix .. 'owner:' .. fields[1], id) end
+  if fields[3] and fields[3] ~= '' then redis.call('ZREM', prefix .. 'network:' .. fields[3], id) end
+end
+"""
+
 # Drop the voices whose time is up (the `expiry` zset: id -> when), as a delete would. Needs
 # `prefix` and `now` set; leaves their ids in `expired`.
 _PURGE = """
 local expired = redis.call('ZRANGEBYSCORE', prefix .. 'expiry', '-inf', now)
-for _, old in ipairs(expired) do
-  local key = prefix .. 'voice:' .. old
-  local owner = redis.call('HGET', key, 'owner')
-  redis.call('DECRBY', prefix .. 'bytes', tonumber(redis.call('HGET', key, 'size') or '0'))
-  redis.call('DEL', key)
-  redis.call('ZREM', prefix .. 'voices', old)
-  redis.call('ZREM', prefix .. 'expiry', old)
-  if owner then redis.call('ZREM', prefix .. 'owner:' .. owner, old) end
-end
+for _, old in ipairs(expired) do drop(prefix, old) end
 """
 
 # ARGV: the key prefix, now. Returns the ids dropped.
-_EXPIRE = "local prefix, now = ARGV[1], ARGV[2]\n" + _PURGE + "return expired\n"
+_EXPIRE = _DROP + "local prefix, now = ARGV[1], ARGV[2]\n" + _PURGE + "return expired\n"
 
 # Keep a voice in Redis under the rules, atomically: drop expired voices, retire the owner's
-# oldest beyond its cap, refuse when the store is full, then write. KEYS: voices (zset id ->
-# created), owner's (zset), bytes (counter), the voice (hash). ARGV: id, owner, created, size,
-# the owner's cap, max_voices, max_bytes, audio, transcript, mode, the key prefix, the name (''
-# for none), anonymous ('1' or '0'), expires ('' for never), now. Returns {status, ids let go...}.
-_PUT = "local prefix, now = ARGV[11], ARGV[15]\n" + _PURGE + """
+# oldest beyond its cap, refuse when the store (or, without a token, its share) is full, then
+# write. KEYS: voices (zset id -> created), owner's (zset), bytes (counter), the voice (hash).
+# ARGV: id, owner, created, size, the owner's cap, max_voices, max_bytes, audio, transcript,
+# mode, the key prefix, the name ('' for none), anonymous ('1' or '0'), expires ('' for never),
+# now, network ('' for an owner with a token), the anonymous share, the network's share.
+# Returns {status, ids let go...}.
+_PUT = _DROP + "local prefix, now = ARGV[11], ARGV[15]\n" + _PURGE + """
 if redis.call('EXISTS', KEYS[4]) == 1 then table.insert(expired, 1, 'exists') return expired end
 local cap, max_voices, max_bytes = tonumber(ARGV[5]), tonumber(ARGV[6]), tonumber(ARGV[7])
 local size = tonumber(ARGV[4])
@@ -555,37 +617,44 @@ local voices = redis.call('ZCARD', KEYS[1]) - freed_voices
 local bytes = tonumber(redis.call('GET', KEYS[3]) or '0') - freed_bytes
 if voices + 1 > max_voices then table.insert(expired, 1, 'full_voices') return expired end
 if bytes + size > max_bytes then table.insert(expired, 1, 'full_bytes') return expired end
+local network = ARGV[16]
+if network ~= '' then
+  -- the owner's voices retired are its own: without a token, and of its network
+  if redis.call('ZCARD', prefix .. 'anonymous') - freed_voices + 1 > tonumber(ARGV[17]) then
+    table.insert(expired, 1, 'full_anonymous') return expired
+  end
+  if redis.call('ZCARD', prefix .. 'network:' .. network) - freed_voices + 1 > tonumber(ARGV[18]) then
+    table.insert(expired, 1, 'full_network') return expired
+  end
+end
 for _, old in ipairs(retire) do
-  redis.call('DEL', prefix .. 'voice:' .. old)
-  redis.call('ZREM', KEYS[1], old)
-  redis.call('ZREM', KEYS[2], old)
-  redis.call('ZREM', prefix .. 'expiry', old)
+  drop(prefix, old)
   table.insert(expired, old)
 end
-redis.call('INCRBY', KEYS[3], size - freed_bytes)
+redis.call('INCRBY', KEYS[3], size)
 redis.call('HSET', KEYS[4], 'audio', ARGV[8], 'transcript', ARGV[9], 'mode', ARGV[10], 'owner', ARGV[2],
-           'created', ARGV[3], 'size', ARGV[4], 'name', ARGV[12], 'anonymous', ARGV[13], 'expires', ARGV[14])
+           'created', ARGV[3], 'size', ARGV[4], 'name', ARGV[12], 'anonymous', ARGV[13], 'expires', ARGV[14],
+           'network', network)
 redis.call('ZADD', KEYS[1], ARGV[3], ARGV[1])
 redis.call('ZADD', KEYS[2], ARGV[3], ARGV[1])
 if ARGV[14] ~= '' then redis.call('ZADD', prefix .. 'expiry', ARGV[14], ARGV[1]) end
+if network ~= '' then
+  redis.call('ZADD', prefix .. 'anonymous', ARGV[3], ARGV[1])
+  redis.call('ZADD', prefix .. 'network:' .. network, ARGV[3], ARGV[1])
+end
 table.insert(expired, 1, 'ok')
 return expired
 """
 
 # Delete one voice if `owner` owns it (ARGV[2] empty: any owner) and it has not expired (that is
-# for the purge). KEYS: the voice, voices, bytes. ARGV: id, owner, the key prefix, now.
-_DELETE = """
+# for the purge). KEYS: the voice. ARGV: id, owner, the key prefix, now.
+_DELETE = _DROP + """
 local owner = redis.call('HGET', KEYS[1], 'owner')
 if not owner then return 0 end
 if ARGV[2] ~= '' and owner ~= ARGV[2] then return 0 end
 local expires = redis.call('HGET', KEYS[1], 'expires')
 if expires and expires ~= '' and tonumber(expires) <= tonumber(ARGV[4]) then return 0 end
-local size = tonumber(redis.call('HGET', KEYS[1], 'size') or '0')
-redis.call('DEL', KEYS[1])
-redis.call('ZREM', KEYS[2], ARGV[1])
-redis.call('ZREM', ARGV[3] .. 'owner:' .. owner, ARGV[1])
-redis.call('ZREM', ARGV[3] .. 'expiry', ARGV[1])
-redis.call('DECRBY', KEYS[3], size)
+drop(ARGV[3], ARGV[1])
 return 1
 """
 
@@ -632,9 +701,11 @@ class RedisStore(VoiceStore):
         transcript = text["transcript"].decode()
         name = text.get("name", b"").decode()
         expires = text.get("expires", b"").decode()
+        network = text.get("network", b"").decode()
         stored = StoredVoice(id=voice, audio=text["audio"], transcript=transcript or None, mode=text["mode"].decode(),
                              owner=text["owner"].decode(), created=float(text["created"]), name=name or None,
-                             anonymous=text.get("anonymous") == b"1", expires=float(expires) if expires else None)
+                             anonymous=text.get("anonymous") == b"1", expires=float(expires) if expires else None,
+                             network=network or None)
         return None if stored.expired(self.clock()) else stored
 
     async def _read_secret(self) -> bytes:
@@ -661,6 +732,14 @@ class RedisStore(VoiceStore):
 
     async def owned_by(self, owner: str) -> list[VoiceSummary]:
         return await self._summaries(self._key("owner", owner_key(owner)))
+
+    async def _anonymous(self, network: str) -> tuple[int, int]:
+        # Expired voices still counted until the next purge: a forecast, which `put` decides.
+        pipe = self._redis.pipeline(transaction=False)
+        pipe.zcard(self._key("anonymous"))
+        pipe.zcard(self._key("network", network))
+        anonymous, in_network = await self._call("usage", pipe.execute())
+        return int(anonymous), int(in_network)
 
     async def every_voice(self) -> list[VoiceSummary]:
         return await self._summaries(self._key("voices"))
@@ -690,7 +769,8 @@ class RedisStore(VoiceStore):
         args = [voice.id, voice.owner, repr(voice.created), len(voice.audio), limits.cap_of(voice.anonymous),
                 limits.max_voices, limits.max_bytes, voice.audio, voice.transcript or "", voice.mode, self.PREFIX,
                 voice.name or "", "1" if voice.anonymous else "0",
-                repr(voice.expires) if voice.expires is not None else "", repr(self.clock())]
+                repr(voice.expires) if voice.expires is not None else "", repr(self.clock()), voice.network or "",
+                limits.anonymous, limits.per_network]
         answer = await self._call("put", self._put_script(keys=keys, args=args))
         status = answer[0].decode() if isinstance(answer[0], bytes) else answer[0]
         if status in ("exists", "ok"):
@@ -699,10 +779,14 @@ class RedisStore(VoiceStore):
             raise Refused(ErrorKind.BUSY, f"the voice store holds {limits.max_voices} voices: delete some first")
         if status == "full_bytes":
             raise Refused(ErrorKind.BUSY, f"the voice store holds {limits.max_bytes} bytes of audio: delete some first")
+        if status == "full_anonymous":
+            self._refuse_share(limits.anonymous, 0)
+        if status == "full_network":
+            self._refuse_share(0, limits.per_network)
         raise AssertionError(f"the put script answered {status!r}")
 
     async def delete(self, voice: str, owner: str) -> bool:
-        keys = [self._key("voice", voice), self._key("voices"), self._key("bytes")]
+        keys = [self._key("voice", voice)]
         who = "" if owner == ANY_OWNER else owner_key(owner)
         return bool(await self._call("delete", self._delete_script(keys=keys, args=[voice, who, self.PREFIX, repr(self.clock())])))
 
@@ -745,4 +829,4 @@ def new_voice(owner: str, audio: bytes, transcript: str | None, mode: str, name:
     anonymous = is_anonymous(owner)
     expires = now + lifetime.ttl_s if anonymous and lifetime.ttl_s > 0 else None
     return StoredVoice(id=made, audio=audio, transcript=transcript, mode=mode, owner=owner_key(owner),
-                       created=now, name=name, anonymous=anonymous, expires=expires)
+                       created=now, name=name, anonymous=anonymous, expires=expires, network=network_key(owner))

@@ -19,6 +19,7 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.routing import WebSocketRoute
 from starlette.websockets import WebSocket
 
+from ..addresses import client_key
 from ..session import Session
 from . import http_routes, loras_api, openai_api, voices_api
 from . import protocol as p
@@ -43,13 +44,13 @@ async def stream_endpoint(ws: WebSocket) -> None:
     if refusal is not None:
         code, reason, label = refusal
         state.metrics.rejected.labels(label).inc()
-        log.info("connection from %s refused: %s", _address(ws), reason)
+        log.info("connection from %s refused: %s", _address(ws, state), reason)
         await ws.close(code, reason)
         return
-    address = _address(ws)
+    address = _address(ws, state)
     config = state.config
     session = Session(ws, state, is_admin=is_admin(ws, config.admin_tokens),
-                      owner=owner(ws, config.tokens, config.admin_tokens))
+                      owner=owner(ws, config.tokens, config.admin_tokens, config.ipv6_prefix))
     state.sessions.add(session)
     state.per_address[address] += 1
     log.info("session %d open from %s", session.number, address)
@@ -111,10 +112,11 @@ def _admission(state: ServerState, ws: WebSocket) -> tuple[int, str, str] | None
         return p.CLOSE_TRY_AGAIN_LATER, "try again later: server at its connection limit", "capacity"
     if config.unready_when_full and state.full():
         return p.CLOSE_TRY_AGAIN_LATER, "try again later: every generation slot is busy", "full"
-    if state.per_address[_address(ws)] >= limits.max_connections_per_address:
+    if state.per_address[_address(ws, state)] >= limits.max_connections_per_address:
         return p.CLOSE_TOO_MANY_FROM_ADDRESS, "too many connections from your address", "per_address"
     return None
 
 
-def _address(ws: WebSocket) -> str:
-    return ws.client.host if ws.client is not None else "unknown"
+def _address(ws: WebSocket, state: ServerState) -> str:
+    """What the connection counts under: its client's address, an IPv6 one's network."""
+    return client_key(ws.client.host if ws.client is not None else "unknown", state.config.ipv6_prefix)

@@ -12,6 +12,7 @@ from urllib.parse import urlsplit
 from starlette.requests import HTTPConnection
 
 from ..service import ANY_OWNER
+from ..addresses import client_key
 from ..service.voice_store import ADDRESS_OWNER_PREFIX
 
 # A browser cannot set headers on a WebSocket: it offers the subprotocols SUBPROTOCOL and
@@ -132,17 +133,17 @@ def shows_uploaded_voices(conn: HTTPConnection) -> bool:
     return not cross_origin(conn) or bool(presented_tokens(conn))
 
 
-def owner(conn: HTTPConnection, tokens: list[str], admin_tokens: list[str]) -> str:
+def owner(conn: HTTPConnection, tokens: list[str], admin_tokens: list[str], ipv6_prefix: int) -> str:
     """Whom a request acts for, in the stream service's words: "admin" (may delete any voice),
-    one client token (by a digest, never the token itself), or the client's address where no
-    token was presented."""
+    one client token (by a digest, never the token itself), or the client's address (an IPv6
+    one's network, `addresses.client_key`) where no token was presented."""
     presented = presented_tokens(conn)
     if is_admin(conn, admin_tokens):
         return ANY_OWNER
     for token in tokens:
         if token_matches(presented, [token]):
             return token_owner(token)
-    return address_owner(conn.client.host if conn.client is not None else "unknown")
+    return address_owner(conn.client.host if conn.client is not None else "unknown", ipv6_prefix)
 
 
 def token_owner(token: str) -> str:
@@ -150,7 +151,7 @@ def token_owner(token: str) -> str:
     return "token:" + hashlib.sha256(token.encode()).hexdigest()[:16]
 
 
-def address_owner(host: str) -> str:
-    """The owner a client without a token is, by its address, at every door (so one client
-    speaking over several doors is one client to the fair shares)."""
-    return ADDRESS_OWNER_PREFIX + host
+def address_owner(host: str, ipv6_prefix: int) -> str:
+    """The owner a client without a token is, by its address (an IPv6 one's network), at every
+    door (so one client speaking over several doors is one client to the fair shares)."""
+    return ADDRESS_OWNER_PREFIX + client_key(host, ipv6_prefix)

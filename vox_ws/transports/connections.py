@@ -68,6 +68,7 @@ from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIO
 from websockets.exceptions import HeaderLineTooLong, TooManyHeaders
 from websockets.http11 import MAX_LINE_LENGTH, MAX_NUM_HEADERS
 
+from ..addresses import DEFAULT_IPV6_PREFIX, client_key
 from ..config import Limits
 from .proxies import ProxyHeaderError, TrustedProxies, parse_proxy_header
 from .rate import BUDGET_EXTENSION, MessageBudget, TokenBucket
@@ -114,9 +115,10 @@ class ConnectionGuard:
     and it is always heard (its clients are counted by their own addresses)."""
 
     def __init__(self, limits: Limits, clock: Callable[[], float] = time.monotonic,
-                 proxies: TrustedProxies | None = None) -> None:
+                 proxies: TrustedProxies | None = None, ipv6_prefix: int = DEFAULT_IPV6_PREFIX) -> None:
         self._clock = clock
         self.proxies = proxies or TrustedProxies()
+        self.ipv6_prefix = ipv6_prefix          # every count is by `client_key`: an IPv6 client's network
         self.per_address_limit = limits.max_connections_per_address
         self.total_limit = limits.max_connections
         self._discard_rate = limits.discard_bytes_per_s
@@ -136,25 +138,31 @@ class ConnectionGuard:
     def requests_in_flight(self) -> int:
         return sum(self._requests.values())
 
+    def _key(self, address: str) -> str:
+        return client_key(address, self.ipv6_prefix)
+
     def begin_request(self, address: str) -> bool:
         """One more HTTP request in flight from `address`, if within the bounds."""
+        key = self._key(address)
         if self.requests_in_flight >= self.total_limit or (
-                self._requests[address] >= self.per_address_limit and not self.proxies.trusts(address)):
+                self._requests[key] >= self.per_address_limit and not self.proxies.trusts(address)):
             self.requests_refused += 1
             return False
-        self._requests[address] += 1
+        self._requests[key] += 1
         return True
 
     def end_request(self, address: str, count: int = 1) -> None:
-        self._requests[address] -= count
-        if self._requests[address] <= 0:
-            del self._requests[address]
+        key = self._key(address)
+        self._requests[key] -= count
+        if self._requests[key] <= 0:
+            del self._requests[key]
 
     def may_discard(self, address: str, size: int) -> bool:
         """Whether the server reads and drops `size` more bytes of a body it answered before
         reading (so that the connection can serve a next request): `discard_bytes_per_s` per
         address, in bursts of DISCARD_BURST_FRAMES `max_frame_bytes` bodies. Beyond, the
         connection is closed."""
+        address = self._key(address)
         bucket = self._discards.get(address)
         if bucket is None:
             if len(self._discards) >= DISCARD_BUDGETS_KEPT:
@@ -167,6 +175,7 @@ class ConnectionGuard:
         (with `refused_requests_per_s` 0, every address is always heard)."""
         if self._refusal_rate <= 0 or self.proxies.trusts(address):
             return
+        address = self._key(address)
         bucket = self._refusals.get(address)
         if bucket is None:
             if len(self._refusals) >= REFUSAL_BUDGETS_KEPT:
@@ -184,7 +193,7 @@ class ConnectionGuard:
 
     def heard(self, address: str) -> bool:
         """Whether a new connection from `address` is read at all."""
-        bucket = self._refusals.get(address)
+        bucket = self._refusals.get(self._key(address))
         return bucket is None or bucket.tokens >= 1.0
 
     @property
@@ -192,19 +201,20 @@ class ConnectionGuard:
         return len(self._pending)
 
     def pending_from(self, address: str) -> int:
-        return self._per_address.get(address, 0)
+        return self._per_address.get(self._key(address), 0)
 
     def admit(self, transport: asyncio.BaseTransport, address: str) -> str | None:
         """None if a new connection is admitted; else why not."""
         if not self.heard(address):
             self.unheard += 1
             return "its address goes on sending requests after being refused"
+        key = self._key(address)
         if len(self._pending) >= self.total_limit or (
-                self._per_address[address] >= self.per_address_limit and not self.proxies.trusts(address)):
+                self._per_address[key] >= self.per_address_limit and not self.proxies.trusts(address)):
             self.refused += 1
             return "too many unfinished connections (from its address or in all)"
-        self._pending[transport] = address
-        self._per_address[address] += 1
+        self._pending[transport] = key
+        self._per_address[key] += 1
         return None
 
     def move(self, transport: asyncio.BaseTransport, address: str) -> str | None:
@@ -213,12 +223,13 @@ class ConnectionGuard:
         it may; else why not (the caller closes it)."""
         if transport not in self._pending:
             return None
-        if self._per_address[address] >= self.per_address_limit and not self.proxies.trusts(address):
+        key = self._key(address)
+        if self._per_address[key] >= self.per_address_limit and not self.proxies.trusts(address):
             self.refused += 1
             return "too many unfinished connections from its address"
         self.settle(transport)
-        self._pending[transport] = address
-        self._per_address[address] += 1
+        self._pending[transport] = key
+        self._per_address[key] += 1
         return None
 
     def settle(self, transport: asyncio.BaseTransport) -> None:

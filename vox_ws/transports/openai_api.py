@@ -389,7 +389,7 @@ async def _fetch_voice(state: ServerState, voice: str | None, who: str) -> None:
 
 
 def _who(request: Request, state: ServerState) -> str:
-    return owner(request, state.config.tokens, state.config.admin_tokens)
+    return owner(request, state.config.tokens, state.config.admin_tokens, state.config.ipv6_prefix)
 
 
 def _open(state: ServerState, request: Request, speech: StreamRequest, who: str) -> Stream:

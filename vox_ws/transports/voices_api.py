@@ -49,7 +49,7 @@ AUDIO_TYPES = ("audio/wav", "audio/x-wav", "audio/wave", "audio/vnd.wave", "audi
 
 
 def _owner(request: Request, state: ServerState) -> str:
-    return owner(request, state.config.tokens, state.config.admin_tokens)
+    return owner(request, state.config.tokens, state.config.admin_tokens, state.config.ipv6_prefix)
 
 
 async def list_voices(request: Request) -> Response:
@@ -195,7 +195,7 @@ def _admin_owner(request: Request) -> str | None | Response:
         address = parse_host(given["address"])
         if address is None:
             return error_response(400, p.BAD_REQUEST, f"{given['address'][:64]!r} is not an IP address")
-        return owner_key(address_owner(address))
+        return owner_key(address_owner(address, server_state(request).config.ipv6_prefix))
     return given.get("owner")
 
 

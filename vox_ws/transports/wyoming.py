@@ -40,6 +40,7 @@ from wyoming.server import AsyncEventHandler, AsyncServer
 from wyoming.tts import Synthesize, SynthesizeChunk, SynthesizeStart, SynthesizeStop, SynthesizeStopped
 
 from .. import __version__
+from ..addresses import DEFAULT_IPV6_PREFIX, client_key
 from ..engine import ErrorKind, Refused
 from ..service import AudioOutput, StreamRequest, StreamService
 from ..service.events import Audio, Ended, Failed, Segment
@@ -64,10 +65,12 @@ MAX_HEADER_BYTES = 64 << 10
 class WyomingServer:
     """Listens on a Wyoming URI (tcp://HOST:PORT or unix://PATH) beside the WebSocket port."""
 
-    def __init__(self, uri: str, service: StreamService, proxies: TrustedProxies | None = None) -> None:
+    def __init__(self, uri: str, service: StreamService, proxies: TrustedProxies | None = None,
+                 ipv6_prefix: int = DEFAULT_IPV6_PREFIX) -> None:
         self.uri = uri
         self.service = service
         self.proxies = proxies or TrustedProxies()
+        self.ipv6_prefix = ipv6_prefix          # an IPv6 client counts by its network (`addresses`)
         self._server = AsyncServer.from_uri(uri)
         self._numbers = itertools.count(1)
         self.connections = 0
@@ -123,12 +126,13 @@ class WyomingHandler(AsyncEventHandler):
                 self.writer.close()
                 return
         server.connections += 1
-        server.per_address[self.peer] += 1
+        counted = client_key(self.peer, server.ipv6_prefix)
+        server.per_address[counted] += 1
         try:
             if server.connections > limits.max_connections:
                 await self._error(ErrorKind.BUSY, f"over max_connections={limits.max_connections}")
                 return
-            if (server.per_address[self.peer] > limits.max_connections_per_address
+            if (server.per_address[counted] > limits.max_connections_per_address
                     and not server.proxies.trusts(self.peer)):
                 await self._error(ErrorKind.BUSY, "too many connections from your address (over "
                                                   f"max_connections_per_address={limits.max_connections_per_address})")
@@ -149,9 +153,9 @@ class WyomingHandler(AsyncEventHandler):
             return
         finally:
             server.connections -= 1
-            server.per_address[self.peer] -= 1
-            if server.per_address[self.peer] <= 0:
-                del server.per_address[self.peer]
+            server.per_address[counted] -= 1
+            if server.per_address[counted] <= 0:
+                del server.per_address[counted]
             await self.disconnect()
             self.writer.close()
 
@@ -283,7 +287,7 @@ class WyomingHandler(AsyncEventHandler):
             name = self._voice_for_language(language)
         request = StreamRequest(text, voice=name, output=AudioOutput("s16"), input_streaming=streaming,
                                 language=language)
-        stream = self.service.open_stream(request, owners=(address_owner(self.peer), f"wyoming-{self.number}"),
+        stream = self.service.open_stream(request, owners=(address_owner(self.peer, self.server.ipv6_prefix), f"wyoming-{self.number}"),
                                           log_fields={"transport": "wyoming", "peer": self.peer})
         self._stream = stream
         return stream
