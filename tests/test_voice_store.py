@@ -14,7 +14,7 @@ import httpx
 import numpy as np
 import pytest
 
-from conftest import connect_client
+from conftest import connect_client, wait_until
 from test_stream_service import tone_wav
 from vox_ws.engine import ErrorKind, Refused
 from vox_ws.engines.voxcpm.engine import VoxCPMEngine
@@ -409,6 +409,35 @@ async def test_an_unreachable_store_fails_voice_operations_only(start_server, ti
 
 
 @pytest.mark.slow
+@pytest.mark.hardening                   # a fault: the full lane's
+async def test_a_shared_store_unreachable_at_start_opens_when_it_comes_back(start_server, tiny_model, tmp_path):
+    """Named voices need the store's secret: a server started while Redis is down answers
+    them `not_ready` (never a 500), serves built-in voices, and opens the store once it is back."""
+    from conftest import RedisServer
+
+    redis = RedisServer(str(tmp_path))
+    redis.stop()
+    server = tiny_server(start_server, tiny_model, redis.url)
+    store = server.server.service.voices.store
+    try:
+        assert not store.opened
+        answer = httpx.post(server.http + "/v1/audio/speech", timeout=60,
+                            json={"model": "tts-1", "voice": "me", "input": "Hello.", "response_format": "pcm"})
+        assert answer.status_code == 503 and answer.json()["error"]["code"] == "not_ready", answer.text
+        async with connect_client(server) as c:
+            named = await c.speak("Hello.", "n", voice="me", options={"max_len": 2})
+            assert named.error["code"] == "not_ready" and named.error["retryable"]
+            assert (await c.speak("Hello.", "b", options={"max_len": 2})).end["reason"] == "max_len"
+        redis.start()
+        await wait_until(lambda: store.opened)          # the sweeper tries it again each second
+        made = httpx.post(server.http + "/v1/voices", params={"name": "me"}, content=tone_wav(1.0, pitch=260),
+                          headers={"content-type": "audio/wav"}, timeout=60)
+        assert made.status_code == 201, made.text
+        assert (await speak(server, "me")).end["reason"] == "max_len"
+    finally:
+        redis.stop()
+
+
 async def test_same_audio_twice_is_one_voice_over_the_wire(start_server, tiny_model):
     server = tiny_server(start_server, tiny_model, "memory")
     first, second = await register(server, pitch=300), await register(server, pitch=300)

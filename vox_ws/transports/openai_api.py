@@ -358,7 +358,10 @@ def _voice(value: Any, state: ServerState) -> str | None:
         raise OpenAIError(400, "'voice' must be a voice id (a string, or an object with 'id')", "voice",
                           "invalid_value")
     service = state.service
-    resolved = service.voices.resolve(value)
+    try:
+        resolved = service.voices.resolve(value)
+    except Refused as err:                     # a store not read yet: names wait for it
+        raise OpenAIError.from_refused(err, "voice") from None
     if resolved.voice is None or resolved.alias is not None or service.engine.voices.has(resolved.voice) \
             or service.voices.may_be_registered(resolved.voice):
         return value                           # a registered one is looked up in the store next
@@ -374,11 +377,11 @@ async def _fetch_voice(state: ServerState, voice: str | None, who: str) -> None:
     may not speak with (another owner's named voice) is refused as unknown. One already built is
     left to the stream, which asks a shared store once whether it still exists."""
     service = state.service
-    resolved = service.voices.resolve(voice, who)
-    voice = resolved.voice
-    if voice is None or not service.voices.may_be_registered(voice):
-        return
     try:
+        resolved = service.voices.resolve(voice, who)
+        voice = resolved.voice
+        if voice is None or not service.voices.may_be_registered(voice):
+            return
         service.voices.check_use_now(voice, who, resolved.named)
         if not service.engine.voices.has(voice):
             await service.voices.ensure(voice, resolved.named, who)
