@@ -231,6 +231,15 @@ def test_stream_false_answers_one_whole_file_with_its_length(piper_server):
     assert reply.status_code == 200 and int(reply.headers["content-length"]) == len(reply.content)
     assert "chunked" not in reply.headers.get("transfer-encoding", "")
     assert wav_seconds(reply.content) > 1.5
+    # Its sizes are true (they said "unknown", 0xFFFFFFFF: `wave` read 2,147,483,647 frames of a
+    # 1 s file), as Python's `wave` reads them; a streamed WAV keeps the open-ended header.
+    with wave.open(io.BytesIO(reply.content)) as whole:
+        data_at = reply.content.index(b"data") + 8
+        assert whole.getnframes() == (len(reply.content) - data_at) // 2
+        assert int.from_bytes(reply.content[4:8], "little") == len(reply.content) - 8
+    streamed = httpx.post(piper_server.http + "/v1/audio/speech", timeout=60,
+                          json={"input": SENTENCE, "voice": "alloy", "response_format": "wav"})
+    assert streamed.content[4:8] == b"\xff\xff\xff\xff"
 
 
 def test_volume_scales_the_audio_and_never_clips(tiny_voxcpm):

@@ -40,6 +40,8 @@ async def test_methods_and_unknown_paths(piper_server):
     async with httpx.AsyncClient(base_url=piper_server.http) as http:
         head = await http.head("/healthz")
         assert head.status_code == 200 and head.content == b""
+        health = await http.get("/health")                 # Kokoro-FastAPI's probe path
+        assert health.status_code == 200 and health.text == "ok\n"
         assert (await http.head("/readyz")).status_code == 200
         assert (await http.get("/nope")).status_code == 404
         wrong = await http.post("/healthz", content=b"x")

@@ -12,6 +12,7 @@ piece. `opus_packets` skips the container: each call returns raw Opus packets fo
 
 from __future__ import annotations
 
+import struct
 import threading
 from fractions import Fraction
 from dataclasses import dataclass, field
@@ -83,6 +84,24 @@ CODECS: dict[str, Codec] = {c.name: c for c in (
 )}
 
 OUTPUT_FORMATS = PCM_FORMATS + tuple(CODECS)
+
+
+def wav_with_sizes(head: bytes, total: int) -> bytes:
+    """The first bytes of a streamed WAV (whose RIFF and data sizes say "unknown": written before
+    the length was) with the sizes of the whole file, once it is known to be `total` bytes long.
+    `head` must hold the header up to the data chunk's size; anything else is returned as is."""
+    if head[:4] != b"RIFF" or head[8:12] != b"WAVE":
+        return head
+    patched = bytearray(head)
+    struct.pack_into("<I", patched, 4, min(total - 8, 0xFFFFFFFF))
+    position = 12
+    while position + 8 <= len(patched):
+        chunk, size = patched[position:position + 4], struct.unpack_from("<I", patched, position + 4)[0]
+        if chunk == b"data":
+            struct.pack_into("<I", patched, position + 4, min(total - position - 8, 0xFFFFFFFF))
+            break
+        position += 8 + size + (size & 1)
+    return bytes(patched)
 
 
 def needs_pipeline(fmt: str, speed: float) -> bool:

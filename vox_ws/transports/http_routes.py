@@ -89,6 +89,7 @@ def _private(request: Request, state: ServerState) -> Response | None:
 
 ROUTES: list[BaseRoute] = [
     Route("/healthz", healthz, methods=["GET"]),
+    Route("/health", healthz, methods=["GET"]),             # what Kokoro-FastAPI's compose files probe
     Route("/v1/lexicon", reload_lexicon, methods=["POST"]),
     Route("/readyz", readyz, methods=["GET"]),
     Route("/v1/load", load, methods=["GET"]),

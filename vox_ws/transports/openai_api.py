@@ -28,7 +28,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 from starlette.types import Receive, Scope, Send
 
-from ..codecs import CODECS
+from ..codecs import CODECS, wav_with_sizes
 from ..engine import ErrorKind, Refused
 from ..lexicon import request_entries
 from ..service import AudioOutput, Stream, StreamRequest
@@ -506,7 +506,11 @@ class SpeechResponse(Response):
             return                                       # closed: the client is gone
         headers = [*self.raw_headers, (b"content-length", str(spool.size).encode())]
         await send({"type": "http.response.start", "status": 200, "headers": headers})
+        first = True
         async for piece in spool.pieces():
+            if first and self.media_type == CONTENT_TYPES["wav"]:
+                piece = wav_with_sizes(piece, spool.size)      # the whole file's length is known now
+            first = False
             await self._body(send, piece)
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 

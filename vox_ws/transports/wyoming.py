@@ -11,9 +11,10 @@ service as every other door.
 Events are framed by the `wyoming` package (a JSON header line, optional JSON data, an optional
 binary payload). Wyoming carries no request ids, so one connection speaks one request at a time,
 in the order asked; Home Assistant's `synthesize` sent inside a streaming request (for older
-servers) is ignored there, as Wyoming's own servers do. A bad event is answered with an `error`
-event and the connection goes on; only a frame that cannot be read (too large, not framed, or
-not finished within `body_timeout_s` of its header) closes it.
+servers) is ignored there, as Wyoming's own servers do. Anything refused (a bad event, a frame
+that cannot be read, a stream that fails) is answered with an `error` event, and the connection
+is then closed, as wyoming-piper does: Home Assistant reads no `error` event and would otherwise
+wait on the open connection until its own time-out.
 
 The v1 limits hold: connections per address and in all, a message budget per connection
 (`max_messages_per_s`), and a connection with no request being spoken that sends nothing for
@@ -111,6 +112,7 @@ class WyomingHandler(AsyncEventHandler):
         self._speaking: asyncio.Task | None = None   # writes the current request's audio
         self._streaming = False                      # between synthesize-start and synthesize-stop
         self._request_ended_at = 0.0                 # loop time the last request's audio was written
+        self._failed = False                         # an error was sent: the connection closes
         self.budget = MessageBudget(self.service.limits.max_messages_per_s)
 
     async def run(self) -> None:
@@ -137,9 +139,9 @@ class WyomingHandler(AsyncEventHandler):
                 await self._error(ErrorKind.BUSY, "too many connections from your address (over "
                                                   f"max_connections_per_address={limits.max_connections_per_address})")
                 return
-            while True:
+            while not self._failed:
                 event = await self._read_event()
-                if event is None:
+                if event is None or self._failed:
                     return
                 if not self.budget.take():
                     if self.budget.exhausted:
@@ -352,13 +354,18 @@ class WyomingHandler(AsyncEventHandler):
         return Info(tts=[program])
 
     async def _error(self, kind: ErrorKind, message: str) -> None:
-        # The same codes as protocol v1's `error` (docs/PROTOCOL.md).
-        await self.write_event(Error(text=message, code=code_for(kind)).event())
+        """Sends `error` (the codes of protocol v1's, docs/PROTOCOL.md), then closes the
+        connection, as wyoming-piper does: Home Assistant reads no `error` event, and waits on
+        a connection left open until its own time-out."""
+        self._failed = True
+        try:
+            await self.write_event(Error(text=message, code=code_for(kind)).event())
+        finally:
+            self.writer.close()
 
     async def _read_event(self) -> Event | None:
-        """The next event, or None at the end of the connection. A line that is not JSON is
-        answered with an error and skipped; a frame longer than allowed closes the connection
-        (what follows it could not be told apart from the next event)."""
+        """The next event, or None at the end of the connection (or after an error, which
+        closes it)."""
         while True:
             try:
                 line = await self._next_line()
@@ -377,10 +384,10 @@ class WyomingHandler(AsyncEventHandler):
                     raise TypeError("'type' must be a string and 'data' an object")
             except RecursionError:
                 await self._error(ErrorKind.INVALID, "not a Wyoming event header: JSON nested too deeply")
-                continue
+                return None
             except (ValueError, KeyError, TypeError) as exc:
                 await self._error(ErrorKind.INVALID, f"not a Wyoming event header: {type(exc).__name__}: {exc}")
-                continue
+                return None
             if not 0 <= data_length <= MAX_HEADER_BYTES or not 0 <= payload_length <= MAX_HEADER_BYTES:
                 await self._error(ErrorKind.TOO_LARGE, f"event data or payload over {MAX_HEADER_BYTES} bytes")
                 return None
@@ -398,10 +405,10 @@ class WyomingHandler(AsyncEventHandler):
                         raise TypeError("the event data must be an object")
                 except RecursionError:
                     await self._error(ErrorKind.INVALID, "bad event data: JSON nested too deeply")
-                    continue
+                    return None
                 except (ValueError, TypeError) as exc:
                     await self._error(ErrorKind.INVALID, f"bad event data: {exc}")
-                    continue
+                    return None
                 data.update(more)
             return Event(type=kind, data=data, payload=payload)
 
