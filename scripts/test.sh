@@ -16,8 +16,8 @@ fi
 
 # System packages: Node.js for the demo's JavaScript unit tests; for the full run also Debian's
 # Chromium for the browser tests (Playwright drives it; it never downloads a browser of its
-# own), redis-server and HAProxy for the scale-out tests, and a C++ compiler for the compiled
-# step's tests.
+# own), redis-server and HAProxy for the scale-out tests, a C++ compiler for the compiled
+# step's tests, and ALSA's player (`say --play` on a machine with no sound card).
 missing=()
 command -v node >/dev/null 2>&1 || missing+=(nodejs)
 if [ "$quick" -eq 0 ]; then
@@ -25,6 +25,7 @@ if [ "$quick" -eq 0 ]; then
   command -v redis-server >/dev/null 2>&1 || missing+=(redis-server)
   command -v haproxy >/dev/null 2>&1 || missing+=(haproxy)
   command -v g++ >/dev/null 2>&1 || missing+=(g++)        # torch.compile on a CPU writes C++
+  command -v aplay >/dev/null 2>&1 || missing+=(alsa-utils)   # `say --play` with no sound card
 fi
 if [ ${#missing[@]} -gt 0 ]; then
   sudo=""

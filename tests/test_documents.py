@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -126,6 +128,9 @@ def test_an_interrupted_run_says_how_far_it_got_and_its_file_is_whole(small_pipe
     assert proc.returncode == 130, stderr
     assert "interrupted after" in stderr and f"of {sum(1 for c in PARAGRAPH * 40 if not c.isspace())}" in stderr
     assert wav_seconds(out) > 1.0                      # the header was patched: the file is whole
+    # What it says the file holds is what the file holds (it said where the last sentence ended).
+    held = float(re.search(r"long\.wav holds ([0-9.]+) s", stderr).group(1))
+    assert held == pytest.approx(wav_seconds(out), abs=0.05), stderr
 
 
 def test_on_a_terminal_a_progress_bar_shows_characters_audio_and_the_real_time_factor(small_piper, tmp_path):
@@ -171,6 +176,30 @@ def test_say_refuses_what_it_cannot_do(tmp_path, piper_server):
     assert run_say("--file", str(tmp_path / "missing.txt"), "-o", "x.wav").returncode == 2
     refused = run_say("Hi.", "-o", str(tmp_path / "x.wav"), "--captions", str(tmp_path / "x.txt"))
     assert refused.returncode == 2 and ".srt or .vtt" in refused.stderr
+    contradiction = run_say("Hi.", "-o", str(tmp_path / "x.mp3"), "--format", "wav", "--url", piper_server.url)
+    assert contradiction.returncode == 2 and "contradicts" in contradiction.stderr
+    assert not (tmp_path / "x.mp3").exists()
+
+
+@pytest.mark.skipif(not shutil.which("aplay"), reason="ALSA's aplay is installed by the full lane (scripts/test.sh)")
+def test_say_play_without_a_sound_card_fails_saying_so(piper_server):
+    """`--play` with no sound card exited 0; ALSA's own player (no card here, nor in CI) fails,
+    and `say` says so and exits 1."""
+    done = run_say("Hello there, nobody is listening.", "--play", "--url", piper_server.url)
+    assert done.returncode == 1, done.stderr
+    assert "aplay could not play" in done.stderr
+
+
+@pytest.mark.parametrize("name, magic", [("out.mp3", (b"\xff\xf3", b"\xff\xfb", b"\xff\xf2", b"ID3")),
+                                         ("out.ogg", (b"OggS",)), ("out.opus", (b"OggS",)), ("out.flac", (b"fLaC",)),
+                                         ("out.aac", (b"\xff\xf1", b"\xff\xf9")), ("out.wav", (b"RIFF",)),
+                                         ("out.pcm16", (b"RIFF",))])
+def test_say_writes_the_format_its_output_is_named_for(tmp_path, piper_server, name, magic):
+    """`say -o out.mp3` wrote WAV bytes into the file and exited 0; the extension names the
+    format now (WAV for one it does not know), unless --format says otherwise."""
+    done = run_say("Hello there.", "-o", str(tmp_path / name), "--url", piper_server.url)
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / name).read_bytes().startswith(magic)
 
 
 # ------------------------------------------------------------------------------ captions

@@ -175,12 +175,13 @@ def build_parser() -> argparse.ArgumentParser:
                                           "one file (WAV or a codec's) or the speakers")
     say.add_argument("text", nargs="?", help="what to say (or --file)")
     say.add_argument("-f", "--file", help="a text file of any length to speak, or - for standard input")
-    say.add_argument("-o", "--output", help="file to write (WAV, or the --format's own file)")
+    say.add_argument("-o", "--output", help="file to write, in the format its extension names (.wav, .mp3, .opus or "
+                                            ".ogg, .aac, .flac; WAV for any other)")
     say.add_argument("--captions", help="also write captions, .srt or .vtt (word timings where the engine has them)")
     say.add_argument("--language", help="the text's language (en, de, zh, ...): where its sentences end")
     say.add_argument("-q", "--quiet", action="store_true", help="no progress bar (none when not on a terminal)")
-    say.add_argument("--format", default="wav", choices=("wav", "opus", "mp3", "aac", "flac"),
-                     help="the file's format (encoded by the server as it speaks)")
+    say.add_argument("--format", choices=("wav", "opus", "mp3", "aac", "flac"),
+                     help="the file's format (encoded by the server as it speaks); default: the output's extension's")
     say.add_argument("--speed", type=float, default=1.0, help="0.25-4.0, pitch kept")
     say.add_argument("--instructions", help="how to speak, in words (VoxCPM2)")
     say.add_argument("--play", action="store_true", help="play it as it arrives (needs an audio device)")

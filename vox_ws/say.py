@@ -16,6 +16,7 @@ import codecs
 import os
 import re
 import sys
+import tempfile
 import time
 import wave
 from collections.abc import AsyncIterator
@@ -121,6 +122,7 @@ class AudioFile:
     def __init__(self, path: str, fmt: str, rate: int) -> None:
         self.path = path
         self.format = fmt
+        self.rate = rate
         self.bytes = 0
         if fmt == "wav":
             self._wav = wave.open(path, "wb")
@@ -139,6 +141,11 @@ class AudioFile:
 
     def close(self) -> None:
         (self._wav if self.format == "wav" else self._file).close()
+
+    @property
+    def seconds(self) -> float | None:
+        """The audio the file holds, where its bytes tell (WAV); None for an encoded file."""
+        return self.bytes / 2 / self.rate if self.format == "wav" else None
 
 
 def _bar(progress: Progress, quiet: bool) -> Any:
@@ -211,6 +218,8 @@ async def say(args: Any) -> int:
                         _advance(bar, progress)
                     elif kind == "words":
                         words += [(w["word"], w["start_s"], w["end_s"]) for w in message["words"]]
+                        if words:
+                            progress.audio_s = max(progress.audio_s, words[-1][2])
                     elif kind == "end":
                         progress.audio_s = message.get("audio_s", progress.audio_s)
                 await feeder
@@ -225,6 +234,9 @@ async def say(args: Any) -> int:
     except OSError as err:
         print(f"vox-ws say: cannot reach {args.url}: {err}", file=sys.stderr)
         outcome = 1
+    except PlayerFailed as err:
+        print(f"vox-ws say --play: {err}", file=sys.stderr)
+        outcome = 1
     except asyncio.CancelledError:
         outcome = 130
     finally:
@@ -233,7 +245,11 @@ async def say(args: Any) -> int:
         if out is not None:
             out.close()
         if player is not None:
-            player.close()
+            try:
+                player.close()
+            except PlayerFailed as err:
+                print(f"vox-ws say --play: {err}", file=sys.stderr)
+                outcome = outcome or 1
         if args.captions and (words or segments):
             write_captions(cues_from_words(words) if words else cues_from_segments(segments), args.captions)
         _report(args, progress, out, outcome)
@@ -263,7 +279,9 @@ def _advance(bar: Any, progress: Progress) -> None:
 
 
 def _report(args: Any, progress: Progress, out: AudioFile | None, outcome: int) -> None:
-    where = f"; {out.path} holds {progress.audio_s:.1f} s ({out.bytes} bytes of {out.format})" if out else ""
+    # What the file holds: a WAV's own length; else as far as the words and sentences reached.
+    held = out.seconds if out is not None and out.seconds is not None else progress.audio_s
+    where = f"; {out.path} holds {held:.1f} s ({out.bytes} bytes of {out.format})" if out else ""
     captions = f"; captions in {args.captions}" if args.captions and progress.spoken else ""
     if outcome == 0:
         print(f"vox-ws say: {progress.line()}{where}{captions}", file=sys.stderr)
@@ -281,10 +299,20 @@ def _file_chars(path: str | None) -> int | None:
         return sum(spoken_chars(block) for block in iter(lambda: f.read(1 << 16), ""))
 
 
+# The file formats `say` writes, by the output's extension.
+FORMAT_OF_EXTENSION = {".wav": "wav", ".mp3": "mp3", ".opus": "opus", ".ogg": "opus", ".oga": "opus", ".aac": "aac",
+                       ".flac": "flac"}
+
+
 def check_args(args: Any) -> str | None:
-    """What is wrong with `say`'s arguments, if anything."""
+    """What is wrong with `say`'s arguments, if anything; settles `args.format` (the output's
+    extension's, where --format does not say it)."""
     if (args.text is None) == (args.file is None):
         return "give a text, or --file PATH (- for standard input), not both"
+    named = FORMAT_OF_EXTENSION.get(os.path.splitext(args.output or "")[1].lower())
+    if args.format is not None and named is not None and named != args.format:
+        return f"--format {args.format} contradicts {args.output}, a {named} file's name: drop one"
+    args.format = args.format or named or "wav"
     if args.play and args.format != "wav":
         return "--play plays PCM; write other formats with -o FILE"
     if not args.output and not args.play:
@@ -294,8 +322,13 @@ def check_args(args: Any) -> str | None:
     return None
 
 
+class PlayerFailed(Exception):
+    """The audio output could not play (no sound card, the player stopped)."""
+
+
 class _Player:
-    """Plays 16-bit mono PCM as it arrives, through the first audio output found."""
+    """Plays 16-bit mono PCM as it arrives, through the first audio output found. Raises
+    PlayerFailed when it cannot: a player program that stops, or ends with an error."""
 
     def __init__(self, command: list[str] | None) -> None:
         self.command = command
@@ -312,22 +345,37 @@ class _Player:
             self.stream.start()
         else:
             argv = [part.replace("{rate}", str(rate)) for part in self.command]
-            self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE)
+            # What it says goes to a file, read when it fails: a pipe nobody reads could fill.
+            self._said = tempfile.TemporaryFile()
+            self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stderr=self._said)
 
     def write(self, data: bytes) -> None:
         if self.stream is not None:
             self.stream.write(data)
-        else:
+            return
+        try:
             self.proc.stdin.write(data)
             self.proc.stdin.flush()
+        except BrokenPipeError:
+            raise PlayerFailed(self._failure()) from None
 
     def close(self) -> None:
         if self.stream is not None:
             self.stream.stop()
             self.stream.close()
         if self.proc is not None:
-            self.proc.stdin.close()
-            self.proc.wait()
+            try:
+                self.proc.stdin.close()
+            except BrokenPipeError:
+                pass
+            if self.proc.wait() != 0:
+                raise PlayerFailed(self._failure())
+
+    def _failure(self) -> str:
+        code = self.proc.wait()
+        self._said.seek(0)
+        said = [line.strip() for line in self._said.read().decode(errors="replace").splitlines() if line.strip()]
+        return f"{self.command[0]} could not play (exit {code}){': ' + said[-1] if said else ''}"
 
 
 def _player() -> _Player | None:
