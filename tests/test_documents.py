@@ -215,6 +215,31 @@ def test_word_cues_are_readable_lines_that_close_at_sentence_ends():
                or cue.end_s - cue.start_s + 0.5 > MAX_CUE_S or cue is cues[-1] for cue in cues)
 
 
+def test_captions_keep_angle_brackets_and_long_words_within_the_bounds(tmp_path):
+    """`<https://fsf.org/>` was written raw into .vtt (a player drops it as a tag), the .srt lost
+    `<info@example.org>`, a cue of one long word ran to 8.7 s and 48 characters, and the .srt had
+    no final newline."""
+    import html
+
+    words = [("See", 0.0, 0.3), ("<https://fsf.org/>", 0.3, 1.0), ("or", 1.0, 1.1), ("<info@example.org>", 1.1, 1.9),
+             ("a", 1.9, 2.0), ("<", 2.0, 2.1), ("b", 2.1, 2.2), ("&", 2.2, 2.3), ("c.", 2.3, 2.5),
+             ("Rindfleischetikettierungsueberwachungsaufgaben", 2.5, 11.2)]
+    cues = cues_from_words(words)
+    assert all(len(cue.text) <= MAX_CUE_CHARS and cue.end_s - cue.start_s <= MAX_CUE_S + 0.001 for cue in cues)
+    long_word = [cue.text for cue in cues][[cue.text.endswith("c.") for cue in cues].index(True) + 1:]
+    assert len(long_word) == 2 and "".join(long_word) == "Rindfleischetikettierungsueberwachungsaufgaben"
+    assert cues[-1].end_s == pytest.approx(11.2)
+    write_captions(cues, tmp_path / "c.vtt")
+    write_captions(cues, tmp_path / "c.srt")
+    vtt = (tmp_path / "c.vtt").read_text()
+    assert "<https" not in vtt and "&lt;https://fsf.org/&gt;" in vtt and "a &lt; b &amp; c." in vtt
+    # What a WebVTT reader shows once it decodes the text is what was said.
+    assert [html.unescape(c.text) for c in webvtt.read(str(tmp_path / "c.vtt"))] == [c.text for c in cues]
+    srt = (tmp_path / "c.srt").read_text()
+    assert " ".join(cue.text for cue in cues[:-2]) == "See <https://fsf.org/> or <info@example.org> a < b & c."
+    assert all(f"\n{cue.text}\n" in srt for cue in cues) and srt.endswith("\n")
+
+
 def test_segment_cues_share_the_time_by_length_and_cut_cjk_at_the_width(tmp_path):
     cues = cues_from_segments([("A short one.", 0.0, 1.0), ("我们今天去公园散步天气非常好" * 5, 1.0, 11.0)])
     assert cues[0] == Cue(0.0, 1.0, "A short one.")

@@ -63,6 +63,17 @@ async def test_every_word_is_timed_in_order_within_the_audio(piper_server):
     assert words[4]["start_s"] - words[3]["end_s"] > 0.05
 
 
+async def test_words_espeak_says_nothing_for_keep_their_place(piper_server):
+    """Lone `<` and `>` (espeak reads them as nothing) vanished from the words, and so from
+    captions; now every written word is there, in order, an unspoken one taking no time."""
+    text = "Is a < b or a > b? Write it down <"
+    words, _, end = await speak_with_words(piper_server, text)
+    assert end["reason"] == "done"
+    assert [w["word"] for w in words] == text.split()
+    assert all(a["end_s"] <= b["start_s"] + 1e-3 for a, b in zip(words, words[1:]))
+    assert all(w["start_s"] <= w["end_s"] <= end["audio_s"] + 1e-3 for w in words)
+
+
 async def test_words_follow_the_speed_and_the_segments(piper_server):
     normal, _, end1 = await speak_with_words(piper_server, "One two three four five.")
     fast, _, end2 = await speak_with_words(piper_server, "One two three four five.", speed=2.0)
