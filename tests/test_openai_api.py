@@ -162,7 +162,7 @@ BAD_BODIES = [
     ({"speed": 4.5}, 400, "speed"),
     ({"speed": "fast"}, 400, "speed"),
     ({"stream_format": "chunks"}, 400, "stream_format"),
-    ({"model": "whisper-1"}, 400, "model"),
+    ({"model": 7}, 400, "model"),
     ({"sample_rate": 1000}, 400, "sample_rate"),
     ({"response_format": "opus", "sample_rate": 22050}, 400, "sample_rate"),
     ({"noise_scale": "loud"}, 400, "noise_scale"),
@@ -181,6 +181,18 @@ def test_bad_requests_get_openai_shaped_errors(piper_server, fields, status, par
     error = response.json()["error"]
     assert set(error) == {"message", "type", "param", "code"}
     assert error["param"] == param and error["message"]
+
+
+@pytest.mark.parametrize("model", ["kokoro", "tts-1-hd", "gpt-4o-mini-tts-2025-12-15", "whisper-1", "my-tts"])
+def test_any_model_name_a_client_was_set_up_with_speaks(piper_server, model):
+    """Open WebUI set up by Kokoro-FastAPI's guide sends `model: "kokoro"` and got 400 on every
+    utterance ("External: 400"). The names clients are set up with are the served model; any
+    other is served too, and named in X-Ignored-Parameters."""
+    body = {"model": model, "input": "Hello there.", "voice": "alloy", "response_format": "mp3"}   # Open WebUI's shape
+    response = httpx.post(piper_server.http + "/v1/audio/speech", json=body, timeout=30)
+    assert response.status_code == 200 and len(response.content) > 0, response.text
+    ignored = response.headers.get("x-ignored-parameters", "").split(",")
+    assert ("model" in ignored) == (model in ("whisper-1", "my-tts"))
 
 
 def test_the_sdk_raises_its_own_errors(client):
@@ -215,6 +227,22 @@ def test_bad_token_is_401_and_good_token_works(guarded):
     assert caught.value.status_code == 401 and caught.value.body["code"] == "invalid_api_key"
     good = openai.OpenAI(base_url=guarded.http + "/v1", api_key=TOKEN, max_retries=0)
     assert len(good.audio.speech.create(model="tts-1", voice="alloy", input="Hi.", response_format="pcm").content) > 0
+
+
+def test_the_lists_a_client_reads_answer_without_a_key(guarded, start_server):
+    """Open WebUI lists voices and models without a key: with `--token` it got 401 and fell back
+    to OpenAI's six names silently. The server's own voices and model answer anyone it serves
+    (uploaded voices stay their owner's); `--private-info` keeps them behind the token."""
+    voices = httpx.get(guarded.http + "/v1/audio/voices", timeout=30)
+    assert voices.status_code == 200 and voices.json()["uploaded_voices"] == []
+    assert {"alloy"} <= {v["id"] for v in voices.json()["voices"]}
+    models = httpx.get(guarded.http + "/v1/audio/models", timeout=30)
+    assert models.status_code == 200 and models.json()["models"][0]["id"]
+    assert httpx.post(guarded.http + "/v1/audio/speech", json={"input": "Hi.", "voice": "alloy"}).status_code == 401
+    private = start_server(PiperEngine(), tokens=[TOKEN], private_info=True)
+    for path in ("/v1/audio/voices", "/v1/audio/models"):
+        assert httpx.get(private.http + path, timeout=30).status_code == 401
+        assert httpx.get(private.http + path, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=30).status_code == 200
 
 
 async def test_a_full_queue_is_429_with_retry_after(guarded):

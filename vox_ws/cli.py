@@ -53,6 +53,9 @@ _SERVE_OPTIONS: list[tuple[str, Callable[[str], Any], Any, str]] = [
                                    "others both are ignored (docs/DEPLOY.md). Default: none"),
     ("proxy-header", _proxy_header, "x-forwarded-for", "the header a trusted proxy names the client in: x-forwarded-for, "
                                              "forwarded (RFC 7239) or none (PROXY protocol only)"),
+    ("model-aliases", str, None, "more model names (comma-separated) the OpenAI door takes for the served model "
+                                 "(its own, OpenAI's and `kokoro` always are; any other is served and named in "
+                                 "X-Ignored-Parameters)"),
     ("ipv6-prefix", _ipv6_prefix, 64, "leading bits of an IPv6 address that name one client, for every per-address "
                                       "bound and owner (16-128; every IPv6 host has a /64)"),
     ("max-connections", int, Limits.max_connections, "open connections in total (then close 1013)"),
@@ -237,13 +240,14 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         max_whole_bytes=int(args.max_whole_mb * 2**20),
     )
     fields = {f.name for f in dataclasses.fields(ServerConfig)}
-    values = {k: v for k, v in vars(args).items() if k in fields and k not in ("cors_origins", "trusted_proxies")}
+    values = {k: v for k, v in vars(args).items()
+              if k in fields and k not in ("cors_origins", "trusted_proxies", "model_aliases")}
     engine_keys = {s.key for _, group in _engine_options()[1:] for s in group}
     engine_settings = {k: v for k, v in vars(args).items() if k in engine_keys}
     return ServerConfig(**values, ping_timeout=max(args.ping_interval * 2, 5.0), limits=limits,
                         tokens=_list(args.token), admin_tokens=_list(args.admin_token),
                         allow_origins=_list(args.allow_origin), cors_origins=_list(args.cors_origins),
-                        trusted_proxies=_list(args.trusted_proxies),
+                        trusted_proxies=_list(args.trusted_proxies), model_aliases=_list(args.model_aliases),
                         engine_settings=engine_settings)
 
 

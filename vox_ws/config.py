@@ -101,6 +101,8 @@ class ServerConfig:
     trusted_proxies: list[str] = field(default_factory=list)
     # The header a trusted proxy writes the client in: x-forwarded-for, forwarded or none.
     proxy_header: str = "x-forwarded-for"
+    # Model names the OpenAI door takes for the served model, beside its own, OpenAI's and `kokoro`.
+    model_aliases: list[str] = field(default_factory=list)
     # An IPv6 client counts by this many leading bits of its address (`vox_ws.addresses`).
     ipv6_prefix: int = 64
     # The browser demo served at `/` (default: web/demo of the source tree when present).

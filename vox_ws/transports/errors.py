@@ -59,6 +59,17 @@ def access_refusal(request: Request, config: ServerConfig) -> JSONResponse | Non
     return None
 
 
+def listing_refusal(request: Request, config: ServerConfig) -> JSONResponse | None:
+    """The refusal of a request for the lists of the server's own voices and models: only from
+    an origin it does not take, or without a token under `--private-info`. Clients such as Open
+    WebUI send no key when they list, and fall back to OpenAI's names silently on a 401."""
+    if config.private_info:
+        return access_refusal(request, config)
+    if not origin_allowed(request, config.allow_origins, config.cors_origins):
+        return error_response(403, p.UNAUTHORIZED, ORIGIN_REFUSED)
+    return None
+
+
 def admin_refusal(request: Request, config: ServerConfig, what: str) -> JSONResponse | None:
     """The refusal of an admin operation to a caller without the admin token: 403 for a caller
     the server otherwise serves, 401 for one it does not."""

@@ -38,7 +38,7 @@ from ..service.validation import (MAX_INSTRUCTIONS_CHARS, MAX_SAMPLE_RATE, MIN_S
 from . import protocol as p
 from .auth import is_authorized, origin_allowed, owner
 from .body import BodyTooLarge, read_body
-from .errors import HTTP_STATUS, ORIGIN_REFUSED, retry_headers
+from .errors import HTTP_STATUS, ORIGIN_REFUSED, listing_refusal, retry_headers
 from .spool import Spool
 from .state import ServerState, server_state
 
@@ -47,10 +47,11 @@ log = logging.getLogger("vox_ws.openai")
 RESPONSE_FORMATS = ("mp3", "opus", "aac", "flac", "wav", "pcm")
 # OpenAI's speech API sends every format at 24 kHz unless the body asks otherwise.
 DEFAULT_RATE = 24_000
-# Model names OpenAI clients send by default; all mean the served model, as do their dated
-# snapshots (gpt-4o-mini-tts-2025-12-15, tts-1-1106).
-OPENAI_MODELS = ("tts-1", "tts-1-hd", "gpt-4o-mini-tts")
-_OPENAI_MODEL = re.compile(r"(?:tts-1|tts-1-hd|gpt-4o-mini-tts)(?:-\d{4}-\d{2}-\d{2}|-\d{4})?")
+# Model names clients send by default (OpenAI's, and Kokoro-FastAPI's, whose guides set up Open
+# WebUI); all mean the served model, as do OpenAI's dated snapshots (gpt-4o-mini-tts-2025-12-15,
+# tts-1-1106) and the names in `--model-aliases`. Any other name is served too, and said ignored.
+OPENAI_MODELS = ("tts-1", "tts-1-hd", "gpt-4o-mini-tts", "kokoro")
+_OPENAI_MODEL = re.compile(r"(?:tts-1|tts-1-hd|gpt-4o-mini-tts)(?:-\d{4}-\d{2}-\d{2}|-\d{4})?|kokoro")
 # Kokoro's one-letter `lang_code`s, as the language tags they stand for.
 KOKORO_LANG_CODES = {"a": "en-US", "b": "en-GB", "e": "es", "f": "fr", "h": "hi", "i": "it", "j": "ja", "p": "pt-BR",
                      "z": "zh"}
@@ -143,9 +144,13 @@ async def speech(request: Request) -> Response:
 
 
 async def audio_models(request: Request) -> Response:
-    """The served model as Kokoro-FastAPI lists TTS models (Open WebUI reads `models[].id`)."""
-    card = _guarded_card(request)
-    return card if isinstance(card, Response) else JSONResponse({"models": [{**card, "name": card["id"]}]})
+    """The served model as Kokoro-FastAPI lists TTS models (Open WebUI reads `models[].id`, and
+    asks without a key: `listing_refusal`)."""
+    state = server_state(request)
+    if (refusal := listing_refusal(request, state.config)) is not None:
+        return refusal
+    card = _model_card(state)
+    return JSONResponse({"models": [{**card, "name": card["id"]}]})
 
 
 async def models(request: Request) -> Response:
@@ -229,11 +234,12 @@ def parse_speech(body: dict[str, Any], state: ServerState) -> SpeechRequest:
     if unknown:
         raise OpenAIError(400, f"Unrecognized request argument supplied: {unknown[0]}", unknown[0], "unknown_parameter")
     model = body.get("model")
-    if model is not None and (not isinstance(model, str) or (model not in (engine.model, engine.name)
-                                                             and not _OPENAI_MODEL.fullmatch(model))):
-        raise OpenAIError(400, f"model {model!r} is not served here (served: {engine.model or engine.name!r}; "
-                               f"also accepted: {list(OPENAI_MODELS)} and their dated snapshots)", "model",
-                          "model_not_found")
+    if model is not None and not isinstance(model, str):
+        raise OpenAIError(400, f"'model' must be a string, got {model!r}", "model", "invalid_value")
+    # A model this server does not know by name is served all the same, and said ignored: a
+    # client set up for another server (a guide's model name) speaks instead of failing.
+    ignored_model = model is not None and model not in (engine.model, engine.name, *state.config.model_aliases) \
+        and not _OPENAI_MODEL.fullmatch(model)
     text = body.get("input")
     if not isinstance(text, str) or not text.strip():
         raise OpenAIError(400, "'input' must be a non-empty string", "input", "invalid_value")
@@ -277,6 +283,8 @@ def parse_speech(body: dict[str, Any], state: ServerState) -> SpeechRequest:
         raise OpenAIError(400, "'lora' must be the name of a loaded LoRA adapter", "lora", "invalid_value")
     raw_options = {name: body[name] for name in body if name in specs and name not in KNOWN_FIELDS}
     normalization, ignored = _normalization(body.get("normalization_options"))
+    if ignored_model:
+        ignored = ["model", *ignored]
     if normalization is not None and "normalize" in specs:
         raw_options.setdefault("normalize", normalization)
     try:

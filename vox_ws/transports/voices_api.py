@@ -37,7 +37,7 @@ from . import protocol as p
 from ..service.voice_store import owner_key
 from .auth import address_owner, owner, shows_uploaded_voices
 from .body import BodyTooLarge, read_body
-from .errors import access_refusal, admin_refusal, error_response, refused_response
+from .errors import access_refusal, admin_refusal, error_response, listing_refusal, refused_response
 from .multipart import MultiPartException
 from .proxies import parse_host
 from .state import ServerState, server_state
@@ -155,11 +155,14 @@ async def _register(request: Request, state: ServerState, registration: Registra
 
 
 async def list_openai_style(request: Request) -> Response:
+    """The server's voices to anyone it serves (`listing_refusal`: Open WebUI lists without a
+    key), and the caller's uploaded voices to a caller that may use them."""
     state = server_state(request)
-    if (refusal := access_refusal(request, state.config)) is not None:
+    if (refusal := listing_refusal(request, state.config)) is not None:
         return refusal
+    mine = access_refusal(request, state.config) is None and shows_uploaded_voices(request)
     try:
-        owned = await state.service.voices.owned_by(_owner(request, state)) if shows_uploaded_voices(request) else []
+        owned = await state.service.voices.owned_by(_owner(request, state)) if mine else []
     except Refused as err:
         return refused_response(err)
     uploaded = [_described(v) for v in owned]
