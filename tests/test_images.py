@@ -47,6 +47,8 @@ def test_each_image_runs_as_a_user_with_a_health_check_and_private_cache(name):
     user = [rest for kind, rest in steps if kind == "USER"]
     assert user and user[-1] not in ("root", "0"), "the server must not run as root"
     assert "HEALTHCHECK" in kinds and "/readyz" in dict(steps)["HEALTHCHECK"]
+    # Home Assistant's door too: served and exposed (it ran no Wyoming server, exposed no 10200).
+    assert "tcp://0.0.0.0:10200" in dict(steps)["CMD"] and "10200" in dict(steps)["EXPOSE"].split()
     runs = " ".join(rest for kind, rest in steps if kind == "RUN")
     assert "useradd" in runs and "chmod 700 /cache" in runs  # cache_trust reads only a private cache
     assert "VOX_WS_COMPILE_CACHE=/cache/compile" in dict(steps)["ENV"]

@@ -66,6 +66,27 @@ async def test_describe_lists_the_voices_and_streaming(server):
     assert program.name == "vox-ws" and program.supports_synthesize_streaming
     assert [v.name for v in program.voices] == ["joe"]
     assert program.voices[0].languages == ["en_US"]
+    # Credited to the engine that speaks (it named OpenBMB/VoxCPM while Piper spoke).
+    assert "Piper" in program.voices[0].attribution.name and "piper" in program.voices[0].attribution.url
+
+
+async def test_text_format_ssml_is_read_as_markup(server):
+    """wyoming >= 1.9's `text_format`: "ssml" was ignored, and markup without `<speak>` read
+    aloud. Now "ssml" reads it as SSML; "text" reads even a `<speak>` text as written."""
+    marked = 'Hello <sub alias="there">over yonder</sub> friend.'
+
+    async def seconds(**fields) -> float:
+        async with client(server) as c:
+            await c.write_event(Synthesize(text=marked, **fields).event())
+            fmt, pcm = await read_utterance(c)
+            return len(pcm) / fmt.rate
+
+    as_ssml, as_text = await seconds(text_format="ssml"), await seconds(text_format="text")
+    async with client(server) as c:
+        await c.write_event(Synthesize(text="Hello there friend.").event())
+        fmt, pcm = await read_utterance(c)
+        plain = len(pcm) / fmt.rate
+    assert as_ssml < plain * 1.3 < as_text                 # the tags are not spoken; as text they are
 
 
 async def test_one_shot_synthesis_is_one_utterance(server):

@@ -63,6 +63,12 @@ DEFAULT_VOICE = "default"
 MAX_HEADER_BYTES = 64 << 10
 
 
+# Whom Home Assistant credits for a voice: the engine that speaks it.
+PROJECT_URL = "https://pypi.org/project/vox-ws/"
+ENGINE_ATTRIBUTIONS = {"piper": ("Piper (Open Home Foundation)", "https://github.com/OHF-Voice/piper1-gpl"),
+                       "voxcpm": ("VoxCPM2 (OpenBMB)", "https://github.com/OpenBMB/VoxCPM")}
+
+
 class WyomingServer:
     """Listens on a Wyoming URI (tcp://HOST:PORT or unix://PATH) beside the WebSocket port."""
 
@@ -245,14 +251,14 @@ class WyomingHandler(AsyncEventHandler):
                 return          # the whole text again, for servers that cannot stream: already heard
             request = Synthesize.from_event(event)
             await self._wait_for_previous()
-            stream = self._open(_text(request.text), request.voice, streaming=False)
+            stream = self._open(_text(request.text), request.voice, streaming=False, text_format=request.text_format)
             self._speak(stream, streaming=False)
         elif SynthesizeStart.is_type(kind):
             if self._streaming:
                 raise Refused(ErrorKind.INVALID, "a streaming synthesis is already open (send synthesize-stop)")
             request = SynthesizeStart.from_event(event)
             await self._wait_for_previous()
-            stream = self._open(None, request.voice, streaming=True)
+            stream = self._open(None, request.voice, streaming=True, text_format=request.text_format)
             self._streaming = True
             self._speak(stream, streaming=True)
         elif SynthesizeChunk.is_type(kind):
@@ -276,7 +282,10 @@ class WyomingHandler(AsyncEventHandler):
             raise Refused(ErrorKind.INVALID, "no streaming synthesis is open (send synthesize-start first)")
         return self._stream
 
-    def _open(self, text: str | None, voice: Any, streaming: bool) -> Stream:
+    def _open(self, text: str | None, voice: Any, streaming: bool, text_format: Any = None) -> Stream:
+        """A stream for a request; `text_format` (wyoming >= 1.9) "ssml" reads the text as SSML
+        (a `<speak>` root added where it lacks one), "text" as plain text even where it starts
+        with `<speak`; unsaid, a text starting with `<speak` is SSML."""
         name = voice.name if voice is not None and voice.name else None
         language = voice.language if voice is not None and voice.language else None
         engine = self.service.engine
@@ -287,8 +296,9 @@ class WyomingHandler(AsyncEventHandler):
             language, name = language or name, self._voice_for_language(name)
         elif name is None and language is not None:
             name = self._voice_for_language(language)
+        markup = {"ssml": "ssml", "text": "none"}.get(getattr(text_format, "value", text_format))
         request = StreamRequest(text, voice=name, output=AudioOutput("s16"), input_streaming=streaming,
-                                language=language)
+                                language=language, markup=markup)
         stream = self.service.open_stream(request, owners=(address_owner(self.peer, self.server.ipv6_prefix), f"wyoming-{self.number}"),
                                           log_fields={"transport": "wyoming", "peer": self.peer})
         self._stream = stream
@@ -342,7 +352,7 @@ class WyomingHandler(AsyncEventHandler):
 
     def _info(self) -> Info:
         engine = self.service.engine
-        attribution = Attribution(name="vox-ws", url="https://github.com/OpenBMB/VoxCPM")
+        attribution = Attribution(*ENGINE_ATTRIBUTIONS.get(engine.name, (f"vox-ws ({engine.name})", PROJECT_URL)))
         names = self.service.voices.listed() or [DEFAULT_VOICE]
         voices = [TtsVoice(name=voice, description=f"{engine.name} voice {voice}", attribution=attribution,
                            installed=True, version=__version__,
