@@ -280,11 +280,10 @@ async def test_wyoming_frames_that_never_finish_and_requests_gone_quiet_are_clos
     assert "did not follow its header" in await expect_wyoming_error(reader, "timeout")
     assert await next_event(reader) is None
     writer.close()
-    # synthesize-start, then silence: the stream times out, then the idle connection is closed.
+    # synthesize-start, then silence: the stream times out, and the connection closes with it.
     reader, writer = await wyoming_connection(wyoming_server)
     await async_write_event(SynthesizeStart().event(), writer)
     await expect_wyoming_error(reader, "timeout")                     # the stream's input time-out
-    assert "idle" in await expect_wyoming_error(reader, "timeout")    # then the connection's
     assert await next_event(reader) is None
     writer.close()
     await wait_until(lambda: wyoming_server.server.wyoming.connections == 0)
@@ -308,21 +307,18 @@ async def test_wyoming_connections_are_capped_per_address(wyoming_patient):
         writer.close()
 
 
-async def test_wyoming_bad_json_of_any_shape_is_an_error_and_the_connection_goes_on(wyoming_patient):
-    from wyoming.event import async_write_event
-    from wyoming.ping import Ping, Pong
-
-    reader, writer = await wyoming_connection(wyoming_patient)
-    writer.write(b"[" * 50_000 + b"\n")                       # a header nested past any parser
-    await expect_wyoming_error(reader, "bad_request")
+async def test_wyoming_bad_json_of_any_shape_is_an_error_and_the_connection_closes(wyoming_patient):
     data = b"{\"a\":" * 10_000 + b"1" + b"}" * 10_000
-    writer.write(json.dumps({"type": "ping", "data_length": len(data)}).encode() + b"\n" + data)
-    await expect_wyoming_error(reader, "bad_request")
-    writer.write(json.dumps({"type": "synthesize", "data": {"text": "Hello \ud800 world."}}).encode() + b"\n")
-    assert "Unicode" in await expect_wyoming_error(reader, "bad_request")
-    await async_write_event(Ping().event(), writer)
-    assert Pong.is_type((await next_event(reader)).type)
-    writer.close()
+    for bad, said in ((b"[" * 50_000 + b"\n", ""),                  # a header nested past any parser
+                      (json.dumps({"type": "ping", "data_length": len(data)}).encode() + b"\n" + data, ""),
+                      (json.dumps({"type": "synthesize", "data": {"text": "Hello \ud800 world."}}).encode() + b"\n",
+                       "Unicode")):
+        reader, writer = await wyoming_connection(wyoming_patient)
+        writer.write(bad)
+        assert said in await expect_wyoming_error(reader, "bad_request")
+        assert await next_event(reader) is None                       # closed, as wyoming-piper does
+        writer.close()
+    await assert_wyoming_speaks(wyoming_patient)
 
 
 # ------------------------------------------------------------------ text and JSON of any shape
@@ -878,7 +874,8 @@ async def test_whole_responses_are_spooled_within_a_bound_per_owner(start_server
     # A good one, past the spool's memory: served whole from its file, with its length.
     served = await asyncio.to_thread(whole, SENTENCE, ATTACKER)
     assert served.status_code == 200 and int(served.headers["content-length"]) == len(served.content) > 64 << 10
-    assert served.content[:4] == b"RIFF" and budget.spilled >= 1 and budget.held == 0
+    assert served.content[:4] == b"RIFF" and budget.spilled >= 1
+    await wait_until(lambda: budget.held == 0)                              # given back once sent
 
 
 async def test_a_spool_budget_refuses_past_an_owner_and_past_everyone():

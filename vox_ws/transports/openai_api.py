@@ -507,6 +507,7 @@ class SpeechResponse(Response):
                     await spool.write(event.data)
                 except Refused as err:
                     self.stream.close()
+                    await spool.close()                  # its bytes are free before the answer
                     await OpenAIError.from_refused(err).response()({"type": "http"}, _no_receive, send)
                     return
             event = await anext(events, None)
