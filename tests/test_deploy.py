@@ -14,7 +14,8 @@ import yaml
 
 pytestmark = pytest.mark.replicas
 
-DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
+ROOT = Path(__file__).resolve().parent.parent
+DEPLOY = ROOT / "deploy"
 KUBERNETES_VERSION = "1.33.0"
 
 
@@ -101,3 +102,47 @@ def test_haproxy_reads_the_configuration():
         pytest.fail("haproxy is not installed (scripts/test.sh installs Debian's)")
     check = subprocess.run(["haproxy", "-c", "-f", str(DEPLOY / "haproxy.cfg")], capture_output=True, text=True)
     assert check.returncode == 0, check.stdout + check.stderr
+
+
+# ------------------------------------------------------------------ Docker Compose
+
+COMPOSE_SPEC = ROOT / ".tools" / "compose" / "compose_spec.json"
+
+
+def _compose_validator():
+    import json
+
+    import jsonschema
+
+    if not COMPOSE_SPEC.is_file():
+        pytest.fail("the Compose schema is fetched by scripts/test.sh (the full lane): run it")
+    return jsonschema.Draft201909Validator(json.loads(COMPOSE_SPEC.read_text()))
+
+
+@pytest.mark.parametrize("name", ["compose.yaml", "compose.gpu.yaml"])
+def test_the_compose_files_are_valid_compose(name):
+    validator = _compose_validator()
+    doc = yaml.safe_load((DEPLOY / name).read_text())
+    assert [error.message for error in validator.iter_errors(doc)] == []
+    broken = {**doc, "services": {**doc["services"], "vox-ws": {**doc["services"]["vox-ws"], "portz": [1]}}}
+    assert list(validator.iter_errors(broken))                       # the schema does check
+
+
+def test_compose_pairs_vox_ws_with_open_webui_and_home_assistant():
+    """Open WebUI in Docker could not reach a vox-ws bound to 127.0.0.1, and no compose file
+    paired them. Here the image serves on 0.0.0.0 with Wyoming on 10200, and Open WebUI is set
+    up, by its own environment variables, to speak through vox-ws's OpenAI door."""
+    doc = yaml.safe_load((DEPLOY / "compose.yaml").read_text())
+    vox, webui = doc["services"]["vox-ws"], doc["services"]["open-webui"]
+    assert vox["build"]["dockerfile"] == "deploy/Dockerfile.cpu" and "command" not in vox   # the image's own
+    cmd = (DEPLOY / "Dockerfile.cpu").read_text()
+    assert '"--host", "0.0.0.0"' in cmd and '"tcp://0.0.0.0:10200"' in cmd and '"dir:/data/voices"' in cmd
+    assert {"8765:8765", "10200:10200"} <= set(vox["ports"]) and "voices:/data/voices" in vox["volumes"]
+    env = webui["environment"]
+    assert env["AUDIO_TTS_ENGINE"] == "openai" and env["AUDIO_TTS_OPENAI_API_BASE_URL"] == "http://vox-ws:8765/v1"
+    assert env["AUDIO_TTS_MODEL"] and env["AUDIO_TTS_VOICE"] == "alloy"
+    assert webui["depends_on"]["vox-ws"]["condition"] == "service_healthy"
+    gpu = yaml.safe_load((DEPLOY / "compose.gpu.yaml").read_text())["services"]["vox-ws"]
+    assert gpu["build"]["dockerfile"] == "deploy/Dockerfile.cuda" and "models:/models" in gpu["volumes"]
+    assert gpu["deploy"]["resources"]["reservations"]["devices"][0]["capabilities"] == ["gpu"]
+    assert '"dir:/data/voices"' in (DEPLOY / "Dockerfile.cuda").read_text()
