@@ -54,6 +54,6 @@ fi
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TQDM_DISABLE=1
 if [ "$quick" -eq 1 ]; then
   # Two workers: the lane stays under 3 minutes on a 2-core machine.
-  exec .venv/bin/python -m pytest -n 2 -m "not (browser or frameworks or replicas or packaging or hardening or slow)" "$@"
+  exec .venv/bin/python -m pytest -n 2 -m "not (browser or frameworks or replicas or packaging or hardening or slow or docs)" "$@"
 fi
 exec .venv/bin/python -m pytest "$@"

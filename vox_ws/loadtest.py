@@ -16,6 +16,7 @@ import argparse
 import asyncio
 import ipaddress
 import json
+import os
 import random
 import time
 from collections import Counter
@@ -147,7 +148,7 @@ def chart(levels: list[dict[str, Any]], path: str, title: str) -> None:
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--url", default="ws://127.0.0.1:8765/v1/stream")
+    ap.add_argument("--url", default=os.environ.get("VOX_WS_URL", "ws://127.0.0.1:8765/v1/stream"))
     ap.add_argument("--token")
     ap.add_argument("--concurrency", default="1,2,4,8", help="comma-separated levels")
     ap.add_argument("--rate", help="open-loop instead: listeners arriving at these rates a second "
@@ -158,12 +159,19 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--words-per-second", type=float, default=12.0)
     ap.add_argument("--format", default="s16", choices=["f32", "s16", "mulaw"])
     ap.add_argument("--json", help="write the results here")
-    ap.add_argument("--chart", help="write a PNG chart of first audio against concurrency here")
+    ap.add_argument("--chart", help="write a PNG chart of first audio against concurrency here (needs "
+                                    "matplotlib: the `bench` extra, pip install '.[bench]' in a checkout)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--allow-remote", action="store_true", help="allow a target that is not on this machine")
 
 
 def main(args: argparse.Namespace) -> int:
+    if args.chart:
+        try:
+            import matplotlib  # noqa: F401 - asked for before the run, not after it
+        except ImportError:
+            raise SystemExit("vox-ws bench --chart draws with matplotlib: pip install matplotlib (the `bench` "
+                             "extra; in a checkout: pip install '.[bench]')") from None
     host = urlsplit(args.url).hostname or ""
     local = host == "localhost" or _is_loopback(host)
     if not local and not args.allow_remote:
