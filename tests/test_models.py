@@ -174,3 +174,14 @@ def test_a_config_json_too_large_or_not_a_file_is_refused_unread(tiny_model, tmp
     assert run.returncode in (0, 1), run.stderr
     listed = {Path(c["path"]).name: c for c in json.loads(run.stdout)}
     assert listed["good"]["ok"] and not listed["huge"]["ok"] and not listed["fifo"]["ok"], listed
+
+
+@pytest.mark.parametrize("command", [["list"], ["pull"]])
+def test_without_the_voxcpm_extra_models_says_so_in_one_line(command):
+    """`vox-ws models list` in a Piper-only install was a traceback (`No module named
+    'huggingface_hub'`). huggingface_hub made unimportable here, as it is in such an install."""
+    script = ("import sys; sys.modules.update(dict.fromkeys(['huggingface_hub', 'safetensors', 'torch'])); sys.argv = ['vox-ws', 'models', *sys.argv[1:]]; "
+              "from vox_ws.cli import main; raise SystemExit(main())")
+    run = subprocess.run([sys.executable, "-c", script, *command], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2 and "Traceback" not in run.stderr, run.stderr
+    assert run.stderr.count("\n") == 1 and "voxcpm" in run.stderr and "huggingface_hub" in run.stderr

@@ -42,9 +42,11 @@ _SERVE_OPTIONS: list[tuple[str, Callable[[str], Any], Any, str]] = [
     ("allow-origin", str, None, "browser origins allowed to connect (comma-separated); default any"),
     ("cors-origins", str, None, "origins whose pages may call the HTTP API (CORS; comma-separated, or *); "
                                 "default none"),
-    ("voice-aliases", str, None, "a JSON or TOML file of voice aliases (e.g. alloy = \"joe\"); default: OpenAI's "
-                                 "names on distinct voices where the engine has them (docs/PROTOCOL.md)"),
-    ("private-info", engines.parse_bool, False, "with --token: /v1/info and /metrics need a token too"),
+    ("voice-aliases", str, None, "a JSON or TOML file of voice aliases (e.g. alloy = \"joe\"; echo = false takes "
+                                 "a default away), added to the defaults: OpenAI's names on distinct voices where "
+                                 "the engine has them (docs/PROTOCOL.md)"),
+    ("private-info", engines.parse_bool, False, "with --token: /v1/info, /metrics and the voice and model lists "
+                                                "need a token too"),
     ("metrics-secret", str, None, "the key of /metrics' per-owner labels (an HMAC of the token or address); give "
                                   "replicas the same one, and `vox-ws owner` finds a label with it (default: random "
                                   "at each start)"),

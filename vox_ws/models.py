@@ -124,6 +124,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    try:
+        import huggingface_hub  # noqa: F401 - what pull and list are made of
+        import safetensors  # noqa: F401
+    except ImportError as exc:
+        print(f"vox-ws models: VoxCPM2's weights are handled with the `voxcpm` extra ({exc.name} is missing): "
+              "pip install '.[voxcpm]' in a checkout, or VOX_WS_EXTRAS=voxcpm scripts/setup.sh", file=sys.stderr)
+        return 2
     if args.models_command == "pull":
         return _pull(args)
     checkpoints = on_disk(args.dir)

@@ -51,7 +51,7 @@ class StreamService:
 
     def __init__(self, devices: Devices | Scheduler, limits: Limits | None = None,
                  metrics: Metrics | None = None, voice_store: VoiceStore | None = None,
-                 voice_aliases: dict[str, Alias] | None = None) -> None:
+                 voice_aliases: dict[str, Alias | None] | None = None) -> None:
         self.devices = devices if isinstance(devices, Devices) else Devices([devices])
         self.limits = limits or Limits()
         # Voices: built-in, aliases, and those registered, kept in the store (`voices.py`).

@@ -6,10 +6,12 @@ engine designs from words (`instructions`, with a pinned `seed` so that the voic
 from one request to the next). A request naming an alias gets the alias's voice, its
 instructions unless the request has its own, and its options under the request's own.
 
-`--voice-aliases FILE` (JSON or TOML) replaces the defaults:
+`--voice-aliases FILE` (JSON or TOML) adds its names to the defaults, its own winning where a
+name is both; `false` takes a default name away:
 
     # TOML                                    // JSON
     alloy = "joe"                             {"alloy": "joe",
+    echo = false                               "echo": false,
     [nova]                                     "nova": {"instructions": "A young woman, bright.",
     instructions = "A young woman, bright."             "options": {"seed": 7}}}
     options = { seed = 7 }
@@ -85,10 +87,10 @@ def default_aliases(engine: Engine) -> dict[str, Alias]:
     return {name: Alias(name) for name in OPENAI_VOICES}
 
 
-def load_aliases(path: str) -> dict[str, Alias]:
-    """Aliases from a JSON or TOML file (by its suffix; else JSON); raises ValueError saying what
-    is wrong. Which voices they name is checked against the engine once it has loaded
-    (`check_aliases`)."""
+def load_aliases(path: str) -> dict[str, Alias | None]:
+    """Aliases from a JSON or TOML file (by its suffix; else JSON), None for a name taken away
+    (`false`); raises ValueError saying what is wrong. Which voices they name is checked against
+    the engine once it has loaded (`check_aliases`)."""
     file = Path(path).expanduser()
     try:
         if not file.is_file():
@@ -109,13 +111,15 @@ def load_aliases(path: str) -> dict[str, Alias]:
     return {name: _alias(path, name, value) for name, value in table.items()}
 
 
-def _alias(path: str, name: Any, value: Any) -> Alias:
+def _alias(path: str, name: Any, value: Any) -> Alias | None:
     if not isinstance(name, str) or not _ALIAS_NAME.fullmatch(name):
         raise ValueError(f"{path}: alias {name!r}: names are 1-64 letters, digits, '_', '.' or '-'")
+    if value is False:
+        return None                                      # a default name taken away
     if isinstance(value, str) or value is None:
         return Alias(name, value or None)
     if not isinstance(value, dict):
-        raise ValueError(f"{path}: alias {name!r}: a voice name or a table of voice, instructions, options")
+        raise ValueError(f"{path}: alias {name!r}: a voice name, false, or a table of voice, instructions, options")
     unknown = sorted(set(value) - {"voice", "instructions", "options"})
     if unknown:
         raise ValueError(f"{path}: alias {name!r}: unknown field {unknown[0]!r}")
@@ -127,6 +131,12 @@ def _alias(path: str, name: Any, value: Any) -> Alias:
     if not isinstance(options, dict):
         raise ValueError(f"{path}: alias {name!r}: 'options' must be a table")
     return Alias(name, voice or None, instructions or None, dict(options))
+
+
+def with_defaults(configured: Mapping[str, Alias | None], engine: Engine) -> dict[str, Alias]:
+    """The defaults, with a file's aliases over them and the names it takes away (None) gone."""
+    merged: dict[str, Alias | None] = {**default_aliases(engine), **configured}
+    return {name: alias for name, alias in merged.items() if alias is not None}
 
 
 def check_aliases(aliases: Mapping[str, Alias], engine: Engine) -> list[tuple[str, str]]:

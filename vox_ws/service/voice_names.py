@@ -13,7 +13,7 @@ import logging
 from dataclasses import dataclass
 
 from ..engine import Engine, Readiness
-from .voice_aliases import Alias, check_aliases, default_aliases
+from .voice_aliases import Alias, check_aliases, default_aliases, with_defaults
 from .voice_store import VoiceStore, is_registered_id, is_voice_name
 
 log = logging.getLogger("vox_ws.service")
@@ -30,7 +30,7 @@ class VoiceNames:
     """The aliases in force (configured, else the engine's defaults once it has loaded) and
     the resolution of a name. Event loop only."""
 
-    def __init__(self, store: VoiceStore, configured: dict[str, Alias] | None = None) -> None:
+    def __init__(self, store: VoiceStore, configured: dict[str, Alias | None] | None = None) -> None:
         self._store = store
         self._configured = configured
         self._aliases: dict[str, Alias] | None = None
@@ -45,11 +45,12 @@ class VoiceNames:
     def _checked(self, engine: Engine) -> dict[str, Alias]:
         if self._configured is None:
             return default_aliases(engine)
-        problems = check_aliases(self._configured, engine)
+        given = {name: alias for name, alias in self._configured.items() if alias is not None}
+        problems = check_aliases(given, engine)
         for name, why in problems:
             log.error("--voice-aliases: alias %r is not served: %s", name, why)
         bad = {name for name, _ in problems}
-        return {name: alias for name, alias in self._configured.items() if name not in bad}
+        return with_defaults({name: alias for name, alias in self._configured.items() if name not in bad}, engine)
 
     def resolve(self, engine: Engine, status: Readiness, voice: str | None, owner: str) -> ResolvedVoice:
         if voice is None or engine.voices.has(voice) or is_registered_id(voice):

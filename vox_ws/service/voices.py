@@ -43,7 +43,7 @@ class VoiceService:
     that will use it."""
 
     def __init__(self, devices: Devices, limits: Limits, store: VoiceStore,
-                 aliases: dict[str, Alias] | None = None) -> None:
+                 aliases: dict[str, Alias | None] | None = None) -> None:
         self.devices = devices
         self.limits = limits
         self.store = store
