@@ -20,7 +20,7 @@ from vox_ws.engine import ErrorKind, Refused
 from vox_ws.engines.voxcpm.engine import VoxCPMEngine
 from vox_ws.service.voice_store import (ANY_OWNER, DirectoryStore, MemoryStore, Lifetime, RedisStore, StoredVoice,
                                         StoreLimits, StoreUnavailable, _digest_id, is_registered_id, new_voice,
-                                        owner_key)
+                                        owner_key, rekey_named)
 
 LIMITS = StoreLimits(per_owner=2, max_voices=4, max_bytes=200_000)
 
@@ -98,18 +98,18 @@ def computed_id(owner: str, name: str) -> str:
 
 
 def named(store, owner: str, name: str, pitch: float = 240.0) -> StoredVoice:
-    return new_voice(owner, tone_wav(0.5, pitch=pitch), None, "reference", name=name,
-                     named_id=store.named_id(owner, name))
+    return new_voice(owner, tone_wav(0.5, pitch=pitch), None, "reference",
+                     named=(name, store.named_id(owner_key(owner), name)))
 
 
 async def test_a_named_voices_id_is_made_under_the_stores_secret_and_speaks_for_its_owner_only(store):
     owner, other = "address:127.0.0.3", "address:127.0.0.2"
     mine = named(store, owner, "me")
     assert await store.put(mine) == []
-    assert is_registered_id(mine.id) and mine.id == store.named_id(owner, "me")
+    assert is_registered_id(mine.id) and mine.id == store.named_id(owner_key(owner), "me")
     # Not what a client computes from the owner and the name, nor what another store makes.
     assert mine.id != computed_id(owner, "me") and await store.get(computed_id(owner, "me")) is None
-    assert MemoryStore(LIMITS).named_id(owner, "me") != mine.id
+    assert MemoryStore(LIMITS).named_id(owner_key(owner), "me") != mine.id
     # Its owner and an admin speak with it; nobody else, even holding its id.
     assert await store.usable(mine.id, owner) and await store.usable(mine.id, ANY_OWNER)
     assert not await store.usable(mine.id, other)
@@ -130,24 +130,24 @@ async def test_the_secret_is_kept_with_the_voices_and_shared_by_replicas(tmp_pat
     assert stat.S_IMODE(secret.stat().st_mode) == 0o600 and secret.stat().st_size == 32
     again = DirectoryStore(tmp_path / "v", LIMITS)
     await again.open()                                          # a restart: the same ids
-    assert again.named_id(owner, "me") == first.named_id(owner, "me")
+    assert again.named_id(owner_key(owner), "me") == first.named_id(owner_key(owner), "me")
     elsewhere = DirectoryStore(tmp_path / "w", LIMITS)
     await elsewhere.open()
-    assert elsewhere.named_id(owner, "me") != first.named_id(owner, "me")
+    assert elsewhere.named_id(owner_key(owner), "me") != first.named_id(owner_key(owner), "me")
     # A secret others may read is no secret: the store refuses to open, saying what to do.
     os.chmod(secret, 0o644)
     with pytest.raises(StoreUnavailable, match="no one else may read"):
         await DirectoryStore(tmp_path / "v", LIMITS).open()
     # Unread, a store names no voice (it would name the wrong one).
     with pytest.raises(StoreUnavailable):
-        DirectoryStore(tmp_path / "x", LIMITS).named_id(owner, "me")
+        DirectoryStore(tmp_path / "x", LIMITS).named_id(owner_key(owner), "me")
     # Replicas on one Redis: the first to open makes the secret, every one reads the same.
     stores = [RedisStore(redis_server.url, LIMITS) for _ in range(3)]
     try:
         await stores[0]._redis.flushdb()
         await asyncio.gather(*(s.open() for s in stores))
-        assert len({s.named_id(owner, "me") for s in stores}) == 1
-        assert stores[0].named_id(owner, "me") != first.named_id(owner, "me")
+        assert len({s.named_id(owner_key(owner), "me") for s in stores}) == 1
+        assert stores[0].named_id(owner_key(owner), "me") != first.named_id(owner_key(owner), "me")
     finally:
         for made in stores:
             await made.close()
@@ -155,16 +155,16 @@ async def test_the_secret_is_kept_with_the_voices_and_shared_by_replicas(tmp_pat
 
 async def test_named_voices_kept_under_computable_ids_move_to_their_new_ids(store):
     owner = "token:a"
-    old = new_voice(owner, tone_wav(0.5, pitch=260), None, "reference", name="me", named_id=computed_id(owner, "me"))
+    old = new_voice(owner, tone_wav(0.5, pitch=260), None, "reference", named=("me", computed_id(owner, "me")))
     plain = voice("token:b", 270)
     await store.put(old)
     await store.put(plain)
-    assert await store.rekey_named() == [old.id]
+    assert await rekey_named(store) == [old.id]
     assert await store.get(old.id) is None
-    moved = await store.get(store.named_id(owner, "me"))
+    moved = await store.get(store.named_id(owner_key(owner), "me"))
     assert (moved.audio, moved.name, moved.owner, moved.created) == (old.audio, "me", old.owner, old.created)
     assert (await store.get(plain.id)).audio == plain.audio
-    assert await store.rekey_named() == []
+    assert await rekey_named(store) == []
 
 
 async def test_a_directory_store_survives_a_restart(tmp_path):

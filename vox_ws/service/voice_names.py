@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from ..engine import Engine, Readiness
 from .voice_aliases import Alias, check_aliases, default_aliases, with_defaults
-from .voice_store import VoiceStore, is_registered_id, is_voice_name
+from .voice_store import VoiceStore, is_registered_id, is_voice_name, owner_key
 
 log = logging.getLogger("vox_ws.service")
 
@@ -59,5 +59,5 @@ class VoiceNames:
         if alias is not None:
             return ResolvedVoice(alias.voice, alias)
         if engine.supports_voices and is_voice_name(voice):
-            return ResolvedVoice(self._store.named_id(owner, voice), named=voice)
+            return ResolvedVoice(self._store.named_id(owner_key(owner), voice), named=voice)
         return ResolvedVoice(voice)              # unknown: the engine refuses it, naming it

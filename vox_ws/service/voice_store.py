@@ -121,6 +121,23 @@ class StoreLimits:
         """Places that voices of owners without a token in one network may hold together."""
         return max(self.per_address, self.max_voices // 16)
 
+    def refuse_share(self, anonymous: int, in_network: int) -> None:
+        """Refuses (BUSY) one more voice without a token beside `anonymous` such voices, of which
+        `in_network` in its network."""
+        if anonymous + 1 > self.anonymous:
+            raise Refused(ErrorKind.BUSY, f"voices registered without a token hold their share of the store "
+                                          f"({self.anonymous}): try again once some expire, or register with a token")
+        if in_network + 1 > self.per_network:
+            raise Refused(ErrorKind.BUSY, f"voices registered without a token from your network hold its share of the "
+                                          f"store ({self.per_network}): try again once some expire, or register "
+                                          "with a token")
+
+    def refuse_full(self, voices: int, size: int, adding: int) -> None:
+        if voices + 1 > self.max_voices:
+            raise Refused(ErrorKind.BUSY, f"the voice store holds {self.max_voices} voices: delete some first")
+        if size + adding > self.max_bytes:
+            raise Refused(ErrorKind.BUSY, f"the voice store holds {self.max_bytes} bytes of audio: delete some first")
+
 
 def owner_key(owner: str) -> str:
     return hashlib.sha256(b"vox-ws owner\0" + owner.encode()).hexdigest()[:32]
@@ -221,56 +238,33 @@ class VoiceStore(ABC):
         self.limits = limits
         self.clock = clock
         self._secret: bytes | None = None
+        self.opened = False                  # its secret read: named voices are known from then
 
     async def open(self) -> None:
         """Read what the store keeps (its secret, and for some its voices); StoreUnavailable
         when it cannot be read. Named voices are unknown until it has been."""
         if self._secret is None:
             self._secret = await self._read_secret()
-
-    @property
-    def opened(self) -> bool:
-        return self._secret is not None
+        self.opened = True
 
     @abstractmethod
     async def _read_secret(self) -> bytes:
         """The store's secret, made by the first server to ask for it."""
 
-    def named_id(self, owner: str, name: str) -> str:
-        """The id of `owner`'s voice called `name` (`named_voice_id`)."""
+    def named_id(self, key: str, name: str) -> str:
+        """The id of the voice called `name` by the owner whose key (`owner_key`) is `key`
+        (`named_voice_id`)."""
         if self._secret is None:
             raise StoreUnavailable("it has not been read yet")
-        return named_voice_id(self._secret, owner_key(owner), name)
-
-    async def rekey_named(self) -> list[str]:
-        """Move named voices kept under ids made before the store kept a secret to their ids
-        now; the ids let go. Each is deleted, then put back under its new id."""
-        assert self._secret is not None, "open() first"
-        moved = []
-        for summary in await self.every_voice():
-            if summary.name is None or summary.id == named_voice_id(self._secret, summary.owner, summary.name):
-                continue
-            stored = await self.get(summary.id)
-            if stored is None or not await self.delete(summary.id, ANY_OWNER):
-                continue                                # gone meanwhile, or moved by another server
-            moved.append(summary.id)
-            try:
-                await self.put(dataclasses.replace(stored, id=named_voice_id(self._secret, stored.owner, stored.name)))
-            except Refused as err:
-                log.error("the named voice %s could not be moved to its new id: %s", summary.id, err.message)
-        return moved
+        return named_voice_id(self._secret, key, name)
 
     async def has(self, voice: str) -> bool:
         return await self.get(voice) is not None
 
-    def known_now(self, voice: str) -> bool | None:
-        """Whether the store has the voice, where that is known without waiting (a store in this
-        process); None where it must be asked."""
-        return None
-
     def usable_now(self, voice: str, owner: str) -> bool | None:
-        """Whether the store has the voice and `owner` may speak with it (`may_speak_with`),
-        where that is known without waiting; None where it must be asked (`usable`)."""
+        """Whether the store has the voice and `owner` may speak with it (`may_speak_with`; for
+        ANY_OWNER: whether it has it), where that is known without waiting (a store in this
+        process); None where it must be asked (`usable`)."""
         return None
 
     async def usable(self, voice: str, owner: str) -> bool:
@@ -293,9 +287,9 @@ class VoiceStore(ABC):
         if await self.has(voice.id) or await self._owned(voice.owner) >= self.limits.cap_of(voice.anonymous):
             return                                   # put keeps it as is, or retires the owner's oldest
         usage = await self.usage()
-        self._refuse_full(usage["voices"], usage["bytes"], len(voice.audio))
+        self.limits.refuse_full(usage["voices"], usage["bytes"], len(voice.audio))
         if voice.network is not None:
-            self._refuse_share(*await self._anonymous(voice.network))
+            self.limits.refuse_share(*await self._anonymous(voice.network))
 
     @abstractmethod
     async def _anonymous(self, network: str) -> tuple[int, int]:
@@ -339,26 +333,6 @@ class VoiceStore(ABC):
     def describe(self) -> str:
         return self.name
 
-    def _refuse_share(self, anonymous: int, in_network: int) -> None:
-        """Refuses (BUSY) one more voice without a token beside `anonymous` such voices, of which
-        `in_network` in its network."""
-        limits = self.limits
-        if anonymous + 1 > limits.anonymous:
-            raise Refused(ErrorKind.BUSY, f"voices registered without a token hold their share of the store "
-                                          f"({limits.anonymous}): try again once some expire, or register with a token")
-        if in_network + 1 > limits.per_network:
-            raise Refused(ErrorKind.BUSY, f"voices registered without a token from your network hold its share of the "
-                                          f"store ({limits.per_network}): try again once some expire, or register "
-                                          "with a token")
-
-    def _refuse_full(self, voices: int, size: int, adding: int) -> None:
-        limits = self.limits
-        if voices + 1 > limits.max_voices:
-            raise Refused(ErrorKind.BUSY, f"the voice store holds {limits.max_voices} voices: delete some first")
-        if size + adding > limits.max_bytes:
-            raise Refused(ErrorKind.BUSY, f"the voice store holds {limits.max_bytes} bytes of audio: delete some first")
-
-
 class MemoryStore(VoiceStore):
     """This process only; the rules as every store's."""
 
@@ -370,6 +344,7 @@ class MemoryStore(VoiceStore):
         self._lock = asyncio.Lock()
         if type(self) is MemoryStore:
             self._secret = secrets.token_bytes(SECRET_BYTES)      # its voices go with the process
+            self.opened = True
 
     async def _read_secret(self) -> bytes:
         return secrets.token_bytes(SECRET_BYTES)
@@ -377,9 +352,6 @@ class MemoryStore(VoiceStore):
     async def get(self, voice: str) -> StoredVoice | None:
         stored = self._voices.get(voice)
         return None if stored is None or stored.expired(self.clock()) else stored
-
-    def known_now(self, voice: str) -> bool | None:
-        return voice in self._voices and not self._voices[voice].expired(self.clock())
 
     def usable_now(self, voice: str, owner: str) -> bool | None:
         stored = self._voices.get(voice)
@@ -398,9 +370,9 @@ class MemoryStore(VoiceStore):
         owned = self._voices_of(voice.owner)
         retired = [v.id for v in owned[:max(0, len(owned) - self.limits.cap_of(voice.anonymous) + 1)]]
         remaining = [v for v in self._voices.values() if v.id not in retired]
-        self._refuse_full(len(remaining), sum(len(v.audio) for v in remaining), len(voice.audio))
+        self.limits.refuse_full(len(remaining), sum(len(v.audio) for v in remaining), len(voice.audio))
         if voice.network is not None:
-            self._refuse_share(*self._count_anonymous(remaining, voice.network))
+            self.limits.refuse_share(*self._count_anonymous(remaining, voice.network))
         for old in retired:
             self._drop(old)
         self._keep(voice)
@@ -780,9 +752,9 @@ class RedisStore(VoiceStore):
         if status == "full_bytes":
             raise Refused(ErrorKind.BUSY, f"the voice store holds {limits.max_bytes} bytes of audio: delete some first")
         if status == "full_anonymous":
-            self._refuse_share(limits.anonymous, 0)
+            self.limits.refuse_share(limits.anonymous, 0)
         if status == "full_network":
-            self._refuse_share(0, limits.per_network)
+            self.limits.refuse_share(0, limits.per_network)
         raise AssertionError(f"the put script answered {status!r}")
 
     async def delete(self, voice: str, owner: str) -> bool:
@@ -810,6 +782,24 @@ def open_store(spec: str, limits: StoreLimits) -> VoiceStore:
     raise ValueError(f"unknown voice store {spec!r}: memory, dir:PATH or redis://HOST:PORT/DB")
 
 
+async def rekey_named(store: VoiceStore) -> list[str]:
+    """Move named voices kept under ids made before the store kept a secret to their ids now;
+    the ids let go. Each is deleted, then put back under its new id."""
+    moved = []
+    for summary in await store.every_voice():
+        if summary.name is None or summary.id == store.named_id(summary.owner, summary.name):
+            continue
+        stored = await store.get(summary.id)
+        if stored is None or not await store.delete(summary.id, ANY_OWNER):
+            continue                                    # gone meanwhile, or moved by another server
+        moved.append(summary.id)
+        try:
+            await store.put(dataclasses.replace(stored, id=store.named_id(stored.owner, summary.name)))
+        except Refused as err:
+            log.error("the named voice %s could not be moved to its new id: %s", summary.id, err.message)
+    return moved
+
+
 @dataclass(frozen=True)
 class Lifetime:
     """How long a voice registered without a token is kept (`ttl_s`; 0: for ever), by `clock`."""
@@ -818,13 +808,11 @@ class Lifetime:
     clock: Callable[[], float] = time.time
 
 
-def new_voice(owner: str, audio: bytes, transcript: str | None, mode: str, name: str | None = None,
-              lifetime: Lifetime = Lifetime(), named_id: str | None = None) -> StoredVoice:
+def new_voice(owner: str, audio: bytes, transcript: str | None, mode: str, lifetime: Lifetime = Lifetime(),
+              named: tuple[str, str] | None = None) -> StoredVoice:
     """A voice to keep; an anonymous owner's expires after its `lifetime`. A named one is kept
-    under `named_id` (the store's `named_id(owner, name)`)."""
-    if (name is None) != (named_id is None):
-        raise ValueError("a named voice needs the id the store makes of its name, and only a named one")
-    made = named_id or voice_id(owner, audio, transcript, mode)
+    under the id its store makes of its name: `named` is (its name, that id)."""
+    name, made = named or (None, voice_id(owner, audio, transcript, mode))
     now = lifetime.clock()
     anonymous = is_anonymous(owner)
     expires = now + lifetime.ttl_s if anonymous and lifetime.ttl_s > 0 else None

@@ -25,7 +25,7 @@ from .validation import check_text
 from .voice_aliases import Alias
 from .voice_names import ResolvedVoice, VoiceNames
 from .voice_store import (ANY_OWNER, STORE_RETRY_AFTER_S, Lifetime, StoreUnavailable, VoiceStore, VoiceSummary,
-                          check_voice_name, is_registered_id, is_voice_name, new_voice)
+                          check_voice_name, is_registered_id, is_voice_name, new_voice, owner_key, rekey_named)
 from .work import engine_work
 
 log = logging.getLogger("vox_ws.service")
@@ -62,17 +62,13 @@ class VoiceService:
         later (until then, voice operations fail `not_ready`)."""
         self._jobs = asyncio.Semaphore(MAX_CONCURRENT_VOICE_JOBS)
         try:
-            await self._open_store()
+            await _open_store(self.store, self.devices)
         except StoreUnavailable as err:
             if not self.store.shared:
                 raise
             log.warning("%s: registered voices wait for it", err.message)
         self._sweeper = asyncio.create_task(self._sweep(), name="vox-ws-voice-sweeper")
 
-    async def _open_store(self) -> None:
-        await self.store.open()
-        for voice in await self.store.rekey_named():
-            _delete_everywhere(self.devices, voice)
 
     async def close(self) -> None:
         if self._sweeper is not None:
@@ -110,7 +106,7 @@ class VoiceService:
         a store shared by several servers, any registered voice (it may have been deleted)."""
         if voice is None or not self.devices.engine.supports_voices or not is_registered_id(voice):
             return False
-        return self.store.shared or not engine.voices.has(voice) or self.store.known_now(voice) is False
+        return self.store.shared or not engine.voices.has(voice) or self.store.usable_now(voice, ANY_OWNER) is False
 
     # ------------------------------------------------------------------ registering
 
@@ -142,9 +138,9 @@ class VoiceService:
                 raise self.devices.not_ready()
             assert self._jobs is not None, "VoiceService.start() was not awaited"
             # Hashing megabytes would hold the loop for milliseconds; hashlib lets go of the GIL.
-            stored = await asyncio.to_thread(new_voice, owner, audio, transcript, mode, name,
+            stored = await asyncio.to_thread(new_voice, owner, audio, transcript, mode,
                                              Lifetime(self.limits.voice_ttl_s, self.store.clock),
-                                             None if name is None else self.store.named_id(owner, name))
+                                             None if name is None else (name, self.store.named_id(owner_key(owner), name)))
             if name is not None:
                 existing = await self.store.get(stored.id)
                 if existing is not None and (existing.audio, existing.transcript, existing.mode) != \
@@ -174,7 +170,7 @@ class VoiceService:
         with (`voice_store.may_speak_with`: another owner's named voice), or that the store no
         longer has, where the store tells without waiting; `ensure` asks one that cannot."""
         if voice is not None and self.may_be_registered(voice) and self.store.usable_now(voice, owner) is False:
-            raise self._unknown(named or voice)
+            raise _unknown(self.devices, named or voice)
 
     async def ensure(self, voice: str, named: str | None = None, owner: str = ANY_OWNER) -> None:
         """Make a registered voice ready on every device, from the store, for `owner`; Refused
@@ -182,7 +178,7 @@ class VoiceService:
         as the client did: `named`, or its id). Concurrent callers share one build."""
         usable = self.store.usable_now(voice, owner)
         if not (await self.store.usable(voice, owner) if usable is None else usable):
-            raise self._unknown(named or voice)
+            raise _unknown(self.devices, named or voice)
         pending = self._fetching.get(voice)
         if pending is None:
             pending = asyncio.ensure_future(self._fetch(voice, named or voice))
@@ -193,20 +189,16 @@ class VoiceService:
     async def _fetch(self, voice: str, named: str) -> None:
         missing = [e for e in self.devices.engines if not e.voices.has(voice)]
         if not missing:
-            if (self.store.shared or self.store.known_now(voice) is False) and not await self.store.has(voice):
+            if (self.store.shared or self.store.usable_now(voice, ANY_OWNER) is False) and not await self.store.has(voice):
                 _delete_everywhere(self.devices, voice)            # deleted through another server, or expired
                 raise Refused(ErrorKind.INVALID, f"unknown voice {named!r}")
             return
         stored = await self.store.get(voice)
         if stored is None:
-            raise self._unknown(named)
+            raise _unknown(self.devices, named)
         assert self._jobs is not None, "VoiceService.start() was not awaited"
         async with self._jobs:
             await self._build(stored.audio, stored.transcript, stored.mode, voice)
-
-    def _unknown(self, named: str) -> Refused:
-        return Refused(ErrorKind.INVALID, f"unknown voice {named!r} (built-in: {self.devices.engine.voices.names()}; "
-                                          "or register one)")
 
     async def _build(self, audio: bytes, transcript: str | None, mode: str, voice: str) -> dict:
         """Decode a reference and build its voice, under its id, on every device that lacks it,
@@ -238,7 +230,7 @@ class VoiceService:
         (another owner's voice looks like no voice at all); `voice` may be its name. Streams
         using it keep it to their end."""
         if self.devices.engine.supports_voices and not is_registered_id(voice) and is_voice_name(voice):
-            voice = self.store.named_id(owner, voice)
+            voice = self.store.named_id(owner_key(owner), voice)
         deleted = await self.store.delete(voice, owner)
         if deleted:
             _delete_everywhere(self.devices, voice)
@@ -263,7 +255,7 @@ class VoiceService:
         while not self.store.opened:
             await asyncio.sleep(STORE_RETRY_AFTER_S)
             try:
-                await self._open_store()
+                await _open_store(self.store, self.devices)
             except StoreUnavailable:
                 continue
             log.info("the voice store %s is open", self.store.describe())
@@ -283,6 +275,17 @@ class VoiceService:
             log.info("%d voices expired", len(gone))
         return gone
 
+
+
+async def _open_store(store: VoiceStore, devices: Devices) -> None:
+    await store.open()
+    for voice in await rekey_named(store):
+        _delete_everywhere(devices, voice)
+
+
+def _unknown(devices: Devices, named: str) -> Refused:
+    return Refused(ErrorKind.INVALID, f"unknown voice {named!r} (built-in: {devices.engine.voices.names()}; "
+                                      "or register one)")
 
 
 def _delete_everywhere(devices: Devices, voice: str) -> bool:

@@ -21,7 +21,7 @@ from starlette.websockets import WebSocket
 
 from ..addresses import client_key
 from ..session import Session
-from . import http_routes, loras_api, openai_api, voices_api
+from . import http_routes, loras_api, openai_api, openapi, voices_api
 from . import protocol as p
 from .auth import SUBPROTOCOL, is_admin, is_authorized, offered_subprotocols, origin_allowed, owner
 from .state import ServerState, server_state
@@ -86,7 +86,7 @@ def cors_origins(cors: list[str], allowed: list[str]) -> list[str]:
 def build_app(state: ServerState, demo_dir: Path | None = None) -> Starlette:
     """Every route, module-level endpoints all: each finds the server's state on its app."""
     routes = [WebSocketRoute(STREAM_PATH, stream_endpoint), *voices_api.ROUTES, *loras_api.ROUTES,
-              *openai_api.ROUTES, *http_routes.routes(demo_dir)]
+              *openai_api.ROUTES, *openapi.ROUTES, *http_routes.routes(demo_dir)]
     middleware = []
     origins = cors_origins(state.config.cors_origins, state.config.allow_origins)
     if origins:
