@@ -20,6 +20,7 @@ from wyoming.tts import (Synthesize, SynthesizeChunk, SynthesizeStart, Synthesiz
                          SynthesizeVoice)
 
 from vox_ws.engines.piper import PiperEngine
+from vox_ws.service.voice_aliases import OPENAI_VOICES
 
 READ_TIMEOUT = 60.0
 
@@ -64,8 +65,10 @@ async def test_describe_lists_the_voices_and_streaming(server):
         info = Info.from_event(await read(c))
     (program,) = info.tts
     assert program.name == "vox-ws" and program.supports_synthesize_streaming
-    assert [v.name for v in program.voices] == ["joe"]
-    assert program.voices[0].languages == ["en_US"]
+    # Every voice a client may name: the built-in one, then the aliases (it listed joe alone).
+    assert [v.name for v in program.voices] == ["joe", *OPENAI_VOICES]
+    assert all(v.languages == ["en_US"] for v in program.voices)
+    assert program.voices[1].description == "alias of joe"
     # Credited to the engine that speaks (it named OpenBMB/VoxCPM while Piper spoke).
     assert "Piper" in program.voices[0].attribution.name and "piper" in program.voices[0].attribution.url
 
@@ -336,3 +339,61 @@ async def test_connections_over_the_cap_are_refused_busy(start_server):
     async with client(server) as c:               # the two left: room again
         await c.write_event(Ping().event())
         assert Pong.is_type((await read(c)).type)
+
+
+async def test_an_alias_carries_a_speed_to_home_assistant(start_server, tmp_path):
+    """Home Assistant has no speed field: an alias that carries one (`slow-joe`) slows the voice
+    for it, listed in `describe`; a request's own speed multiplies the alias's (OpenAI)."""
+    import httpx
+
+    aliases = tmp_path / "aliases.toml"
+    aliases.write_text('slow-joe = { voice = "joe", speed = 0.5 }\n')
+    slowed = start_server(PiperEngine(), wyoming="tcp://127.0.0.1:0", voice_aliases=str(aliases))
+    async with client(slowed) as c:
+        await c.write_event(Describe().event())
+        listed = {v.name: v for v in Info.from_event(await read(c)).tts[0].voices}
+    assert listed["slow-joe"].description == "alias of joe, at 0.5x" and "alloy" in listed
+
+    async def seconds(voice: str) -> float:
+        async with client(slowed) as c:
+            await c.write_event(Synthesize(text="Hello there, how are you today?",
+                                           voice=SynthesizeVoice(name=voice)).event())
+            fmt, pcm = await read_utterance(c)
+            return len(pcm) / fmt.rate
+
+    normal, slow = await seconds("joe"), await seconds("slow-joe")
+    assert 1.6 < slow / normal < 2.4
+    body = {"input": "Hello there, how are you today?", "voice": "slow-joe", "response_format": "pcm", "speed": 2.0}
+    both = httpx.post(slowed.http + "/v1/audio/speech", json=body, timeout=60)
+    assert both.status_code == 200
+    assert 0.8 < len(both.content) / 2 / 24000 / normal < 1.25          # 0.5 x 2: the voice's own pace
+
+
+@pytest.mark.slow
+async def test_describe_lists_the_voices_this_address_registered_by_name(start_server, tiny_model):
+    """Over Wyoming, VoxCPM2 listed a single `default`, though naming aliases and registered
+    voices in a request worked. Now an address sees the voices it registered by name (nobody
+    else's), beside the aliases."""
+    import httpx
+    from wyoming.event import async_read_event, async_write_event
+
+    from test_stream_service import tone_wav
+    from vox_ws.engines.voxcpm.engine import VoxCPMEngine
+
+    served = start_server(VoxCPMEngine(model=str(tiny_model), device="cpu", max_batch=2), max_batch=2,
+                          voice_store="memory", wyoming="tcp://127.0.0.1:0")
+    made = httpx.post(served.http + "/v1/voices", params={"name": "grandma"}, content=tone_wav(1.0, pitch=200),
+                      headers={"content-type": "audio/wav"}, timeout=60)
+    assert made.status_code == 201, made.text
+
+    async def names_seen_from(address: str) -> list[str]:
+        reader, writer = await asyncio.open_connection("127.0.0.1", served.server.wyoming.port,
+                                                       local_addr=(address, 0))
+        await async_write_event(Describe().event(), writer)
+        info = Info.from_event(await asyncio.wait_for(async_read_event(reader), WAIT_TIMEOUT))
+        writer.close()
+        return [v.name for v in info.tts[0].voices]
+
+    mine, theirs = await names_seen_from("127.0.0.1"), await names_seen_from("127.0.0.2")
+    assert mine[0] == "default" and "grandma" in mine and "alloy" in mine
+    assert "grandma" not in theirs and "alloy" in theirs

@@ -31,7 +31,8 @@ from .loras import LoraService
 from .markup import parse_ssml, wants_markup
 from .request import StreamRequest, StreamSetup
 from .stream import Stream
-from .validation import check_instructions, check_language, check_length, check_output, check_text
+from .validation import (MAX_SPEED, MIN_SPEED, check_instructions, check_language, check_length, check_output,
+                         check_text)
 from .voice_aliases import Alias
 from .voice_names import ResolvedVoice
 from .voice_store import ANY_OWNER, MemoryStore, StoreLimits, VoiceStore
@@ -149,6 +150,10 @@ class StreamService:
         instructions and options, the request's own winning), input streaming where the text is
         an iterator, its language's tag canonical, its timestamps those the engine gives."""
         check_output(request.output.speed, request.output.lookahead_s, request.output.volume)
+        output = request.output
+        if resolved.alias is not None and resolved.alias.speed != 1.0:
+            # The alias's speed, times the request's own (an alias "slow-joe" slows any client).
+            output = dataclasses.replace(output, speed=max(MIN_SPEED, min(MAX_SPEED, output.speed * resolved.alias.speed)))
         language = None if request.language is None else check_language(request.language)
         text = request.text
         input_streaming = request.input_streaming or request.streamed_text
@@ -170,7 +175,7 @@ class StreamService:
             raise Refused(ErrorKind.INVALID, "SSML is read in one-shot texts, not in streamed input")
         return dataclasses.replace(
             request, voice=resolved.voice, options=options, instructions=instructions, input_streaming=input_streaming,
-            language=language,
+            language=language, output=output,
             word_timestamps=request.word_timestamps and self.engine.word_timings,
             phoneme_timestamps=request.phoneme_timestamps and self.engine.phoneme_timings)
 

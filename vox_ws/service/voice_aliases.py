@@ -12,6 +12,7 @@ name is both; `false` takes a default name away:
     # TOML                                    // JSON
     alloy = "joe"                             {"alloy": "joe",
     echo = false                               "echo": false,
+    slow-joe = { voice = "joe", speed = 0.8 }  "slow-joe": {"voice": "joe", "speed": 0.8},
     [nova]                                     "nova": {"instructions": "A young woman, bright.",
     instructions = "A young woman, bright."             "options": {"seed": 7}}}
     options = { seed = 7 }
@@ -30,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
+from ..codecs import MAX_SPEED, MIN_SPEED
 from ..engine import Engine
 
 try:
@@ -66,9 +68,12 @@ class Alias:
     voice: str | None = None                 # a built-in voice; None: the engine's default
     instructions: str | None = None          # a voice designed from words, where the engine can
     options: Mapping[str, Any] = field(default_factory=dict)
+    speed: float = 1.0                       # times the request's own speed
 
     def describe(self) -> dict[str, Any]:
         described: dict[str, Any] = {"voice": self.voice}
+        if self.speed != 1.0:
+            described["speed"] = self.speed
         if self.instructions:
             described["instructions"] = self.instructions
         if self.options:
@@ -120,7 +125,7 @@ def _alias(path: str, name: Any, value: Any) -> Alias | None:
         return Alias(name, value or None)
     if not isinstance(value, dict):
         raise ValueError(f"{path}: alias {name!r}: a voice name, false, or a table of voice, instructions, options")
-    unknown = sorted(set(value) - {"voice", "instructions", "options"})
+    unknown = sorted(set(value) - {"voice", "instructions", "options", "speed"})
     if unknown:
         raise ValueError(f"{path}: alias {name!r}: unknown field {unknown[0]!r}")
     voice, instructions, options = value.get("voice"), value.get("instructions"), value.get("options", {})
@@ -130,7 +135,10 @@ def _alias(path: str, name: Any, value: Any) -> Alias | None:
         raise ValueError(f"{path}: alias {name!r}: 'instructions' must be a string")
     if not isinstance(options, dict):
         raise ValueError(f"{path}: alias {name!r}: 'options' must be a table")
-    return Alias(name, voice or None, instructions or None, dict(options))
+    speed = value.get("speed", 1.0)
+    if isinstance(speed, bool) or not isinstance(speed, (int, float)) or not MIN_SPEED <= speed <= MAX_SPEED:
+        raise ValueError(f"{path}: alias {name!r}: 'speed' must be a number in [{MIN_SPEED:g}, {MAX_SPEED:g}]")
+    return Alias(name, voice or None, instructions or None, dict(options), float(speed))
 
 
 def with_defaults(configured: Mapping[str, Alias | None], engine: Engine) -> dict[str, Alias]:

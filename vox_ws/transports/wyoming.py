@@ -243,7 +243,7 @@ class WyomingHandler(AsyncEventHandler):
     async def _handle(self, event: Event) -> None:
         kind = event.type
         if Describe.is_type(kind):
-            await self.write_event(self._info().event())
+            await self.write_event((await self._info()).event())
         elif Ping.is_type(kind):
             await self.write_event(Pong(text=Ping.from_event(event).text).event())
         elif Synthesize.is_type(kind):
@@ -350,14 +350,29 @@ class WyomingHandler(AsyncEventHandler):
         finally:
             self._request_ended_at = asyncio.get_running_loop().time()
 
-    def _info(self) -> Info:
+    async def _info(self) -> Info:
+        """Every voice this client may name (Home Assistant's picker shows what is here): the
+        built-in ones, the aliases (with their speed), and the voices this address registered
+        by name."""
         engine = self.service.engine
+        voices_service = self.service.voices
         attribution = Attribution(*ENGINE_ATTRIBUTIONS.get(engine.name, (f"vox-ws ({engine.name})", PROJECT_URL)))
-        names = self.service.voices.listed() or [DEFAULT_VOICE]
-        voices = [TtsVoice(name=voice, description=f"{engine.name} voice {voice}", attribution=attribution,
-                           installed=True, version=__version__,
-                           languages=list(engine.voices.languages(None if voice == DEFAULT_VOICE else voice)))
-                  for voice in names]
+
+        def voice(name: str, description: str, speaks: str | None) -> TtsVoice:
+            return TtsVoice(name=name, description=description, attribution=attribution, installed=True,
+                            version=__version__, languages=list(engine.voices.languages(speaks)))
+
+        voices = [voice(name, f"{engine.name} voice {name}", None if name == DEFAULT_VOICE else name)
+                  for name in voices_service.listed() or [DEFAULT_VOICE]]
+        for name, alias in voices_service.aliases().items():
+            what = alias.voice or alias.instructions or "the default voice"
+            speed = f", at {alias.speed:g}x" if alias.speed != 1.0 else ""
+            voices.append(voice(name, f"alias of {what}{speed}", alias.voice))
+        try:
+            owned = await voices_service.owned_by(address_owner(self.peer, self.server.ipv6_prefix))
+        except Refused:                                 # the store cannot be reached: the others stand
+            owned = []
+        voices += [voice(v.name, "a voice registered here", None) for v in owned if v.name]
         program = TtsProgram(name="vox-ws", description=f"vox-ws streaming text-to-speech ({engine.model})",
                              attribution=attribution, installed=True, version=__version__, voices=voices,
                              supports_synthesize_streaming=True)
