@@ -513,3 +513,27 @@ async def test_wyoming_describes_voxcpm_by_its_languages(start_server, tiny_mode
         await c.write_event(Synthesize(text="Hallo.", voice=SynthesizeVoice(name="default", language="de")).event())
         first = await asyncio.wait_for(c.read_event(), 60)
         assert first.type == "audio-start", first
+
+
+def test_a_voices_folder_serves_each_voice_by_its_file_name(start_server, tmp_path, caplog):
+    """Every other voice was a file passed with its own --piper-voice. A folder serves them all,
+    by their files' names; one at another rate is left out with a log line, not the start."""
+    folder = tmp_path / "voices"
+    make_voice(folder, "en_GB-slow-medium")
+    make_voice(folder, "en_US-quick-medium", language="en_US", length_scale=1.0)
+    make_voice(folder, "de_DE-low-x_low", language="de_DE", rate=16000)
+    with caplog.at_level(logging.ERROR, "vox_ws.engine"):
+        voices = voice_set([], str(folder))
+    assert [v.name for v in voices] == ["joe", "en_GB-slow-medium", "en_US-quick-medium"]
+    assert "de_DE-low-x_low" in caplog.text and "16000 Hz" in caplog.text
+    # --piper-voice NAME names a voice of the folder (under that name, once).
+    assert [v.name for v in voice_set(["en_US-quick-medium"], str(folder))][1] == "en_US-quick-medium"
+    with pytest.raises(ValueError, match="no such file"):
+        voice_set(["nobody-here"], str(folder))
+    server = start_server(PiperEngine(voices=voices))
+    listed = {v["id"] for v in httpx.get(server.http + "/v1/voices").json()["voices"] if v["kind"] == "builtin"}
+    assert listed == {"joe", "en_GB-slow-medium", "en_US-quick-medium"}
+    client = sdk(server)
+    slow = client.audio.speech.create(model="tts-1", voice="en_GB-slow-medium", input=SENTENCE, response_format="wav")
+    plain = client.audio.speech.create(model="tts-1", voice="joe", input=SENTENCE, response_format="wav")
+    assert wav_seconds(slow.content) > 1.3 * wav_seconds(plain.content)

@@ -138,6 +138,8 @@ def test_compose_pairs_vox_ws_with_open_webui_and_home_assistant():
     cmd = (DEPLOY / "Dockerfile.cpu").read_text()
     assert '"--host", "0.0.0.0"' in cmd and '"tcp://0.0.0.0:10200"' in cmd and '"dir:/data/voices"' in cmd
     assert {"8765:8765", "10200:10200"} <= set(vox["ports"]) and "voices:/data/voices" in vox["volumes"]
+    assert any(volume.endswith(":/data/piper-voices:ro") for volume in vox["volumes"])
+    assert '"--piper-voices-dir", "/data/piper-voices"' in cmd
     env = webui["environment"]
     assert env["AUDIO_TTS_ENGINE"] == "openai" and env["AUDIO_TTS_OPENAI_API_BASE_URL"] == "http://vox-ws:8765/v1"
     assert env["AUDIO_TTS_MODEL"] and env["AUDIO_TTS_VOICE"] == "alloy"

@@ -224,11 +224,15 @@ PLUGIN = EnginePlugin(
     name="piper",
     summary="Piper (VITS, ONNX Runtime): a real English voice on any CPU, nothing to download",
     create=lambda settings: PiperEngine(threads=settings.get("threads") or 1,
-                                        voices=voice_set(list(settings.get("piper_voice") or []))),
+                                        voices=voice_set(list(settings.get("piper_voice") or []),
+                                                         settings.get("piper_voices_dir"))),
     options=PiperEngine.options,
     settings=(Setting("piper-voice", str, None, "another Piper voice to serve, [NAME=]PATH.onnx with its .json "
                       "beside it (repeatable; env: comma-separated); the bundled joe stays the default",
-                      many=True),),
+                      many=True),
+              Setting("piper-voices-dir", str, None, "serve every Piper voice in this folder (NAME.onnx with "
+                      "NAME.onnx.json), each by its file's name; one that cannot be served is left out with a log "
+                      "line; --piper-voice NAME then names one of them")),
     auto_priority=0,
     probe=_probe,
 )

@@ -5,14 +5,22 @@ as Piper's own releases name them, or `NAME.json`). `--piper-voice [NAME=]PATH.o
 (repeatable); its name is NAME, or the file's stem. The config says the voice's language
 (`language.code`) and sample rate: every voice of one server speaks at one rate (a stream's
 format is fixed at its start), so a voice at another rate than the default's is refused at start.
+
+`--piper-voices-dir DIR` serves every voice in a folder (wyoming-piper's `--data-dir`): each
+`*.onnx` with its config beside it, named after its file. One that cannot be served (another
+rate, no config, a name taken) is left out with a log line, and the others are served; a
+`--piper-voice NAME` then names one of them by its name alone.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import re
 from dataclasses import dataclass
 from pathlib import Path
+
+log = logging.getLogger("vox_ws.engine")
 
 DEFAULT_VOICE = "joe"
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
@@ -68,16 +76,32 @@ def read_voice(name: str, model_path: str, config_path: str) -> PiperVoiceFile:
     return PiperVoiceFile(name, model_path, config_path, language, rate)
 
 
-def voice_set(specs: list[str]) -> list[PiperVoiceFile]:
-    """The bundled voice first (the default), then each voice named; raises ValueError."""
+def voice_set(specs: list[str], directory: str | None = None) -> list[PiperVoiceFile]:
+    """The bundled voice first (the default), then each voice named, then the folder's;
+    raises ValueError for a voice named that cannot be served."""
     voices = [bundled()]
+    folder = {}
+    if directory is not None:
+        root = Path(directory).expanduser()
+        if not root.is_dir():
+            raise ValueError(f"--piper-voices-dir {directory!r}: not a folder")
+        folder = {model.stem: model for model in sorted(root.glob("*.onnx"))}
     for spec in specs:
-        voice = voice_from_spec(spec)
-        if any(v.name == voice.name for v in voices):
-            raise ValueError(f"piper voice {spec!r}: a voice named {voice.name!r} is served already")
-        if voice.sample_rate != voices[0].sample_rate:
-            raise ValueError(f"piper voice {spec!r} speaks at {voice.sample_rate} Hz; every voice of a server "
-                             f"speaks at the default voice's {voices[0].sample_rate} Hz")
-        voices.append(voice)
+        named = folder.pop(spec, None) if _NAME.fullmatch(spec) and not Path(spec).expanduser().exists() else None
+        _add(voices, voice_from_spec(f"{spec}={named}" if named is not None else spec), spec)
+    for name, model in folder.items():
+        try:
+            _add(voices, voice_from_spec(f"{name}={model}"), str(model))
+        except ValueError as exc:
+            log.error("--piper-voices-dir: %s: left out", exc)
     return voices
+
+
+def _add(voices: list[PiperVoiceFile], voice: PiperVoiceFile, spec: str) -> None:
+    if any(v.name == voice.name for v in voices):
+        raise ValueError(f"piper voice {spec!r}: a voice named {voice.name!r} is served already")
+    if voice.sample_rate != voices[0].sample_rate:
+        raise ValueError(f"piper voice {spec!r} speaks at {voice.sample_rate} Hz; every voice of a server "
+                         f"speaks at the default voice's {voices[0].sample_rate} Hz")
+    voices.append(voice)
 
