@@ -32,7 +32,8 @@ def _git(cwd: Path, *args: str) -> None:
 @pytest.fixture(scope="module")
 def hub(tmp_path_factory):
     """The hub's address; it serves openbmb/VoxCPM2 (main, and a tag `v2` with a changed
-    config) and nothing else."""
+    config), and rhasspy/piper-voices holding one voice, en_GB-test-medium, laid out as that
+    repository lays out its voices (the bundled joe's model, a config naming en_GB)."""
     from vox_ws.testing.tiny_voxcpm import build
 
     if not OLAH.exists():
@@ -48,6 +49,19 @@ def hub(tmp_path_factory):
     _git(repo, "commit", "-qam", "max_length 4096")
     _git(repo, "tag", "v2")
     _git(repo, "reset", "-q", "--hard", "HEAD~1")           # main: the first commit
+    from vox_ws.engines.piper_voices import bundled
+
+    joe = bundled()
+    voices = root / "mirrors" / "models" / "rhasspy" / "piper-voices"
+    folder = voices / "en" / "en_GB" / "test" / "medium"
+    folder.mkdir(parents=True)
+    shutil.copyfile(joe.model_path, folder / "en_GB-test-medium.onnx")
+    config = json.loads(Path(joe.config_path).read_text())
+    config["language"] = {**config["language"], "code": "en_GB"}
+    (folder / "en_GB-test-medium.onnx.json").write_text(json.dumps(config))
+    _git(voices, "init", "-q", "-b", "main")
+    _git(voices, "add", "-A")
+    _git(voices, "commit", "-qm", "one voice")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -184,4 +198,33 @@ def test_without_the_voxcpm_extra_models_says_so_in_one_line(command):
               "from vox_ws.cli import main; raise SystemExit(main())")
     run = subprocess.run([sys.executable, "-c", script, *command], capture_output=True, text=True, timeout=120)
     assert run.returncode == 2 and "Traceback" not in run.stderr, run.stderr
-    assert run.stderr.count("\n") == 1 and "voxcpm" in run.stderr and "huggingface_hub" in run.stderr
+    assert run.stderr.count("\n") == 1 and "piper" in run.stderr and "huggingface_hub" in run.stderr
+
+
+def test_a_piper_voice_is_pulled_by_name_and_served_by_it(hub, tmp_path, start_server):
+    """wyoming-piper takes `--voice en_US-lessac-medium` and fetches it; vox-ws had one voice and
+    files a user had to find. `models pull piper:NAME` fetches a voice from the Piper voices
+    repository (here its mirror) into a voices folder, and the server serves it by its name."""
+    from vox_ws.engines.piper import PiperEngine
+    from vox_ws.engines.piper_voices import voice_set
+
+    home, folder = tmp_path / "hf", tmp_path / "piper-voices"
+    pulled = _vox_ws(hub, home, "pull", "piper:en_GB-test-medium", "--dir", str(folder))
+    assert pulled.returncode == 0, pulled.stderr
+    assert (folder / "en_GB-test-medium.onnx").is_file() and (folder / "en_GB-test-medium.onnx.json").is_file()
+    assert f"--piper-voices-dir {folder}" in pulled.stdout
+    assert _vox_ws(hub, home, "pull", "piper:en_GB-test-medium", "--dir", str(folder)).returncode == 0   # again: there
+    missing = _vox_ws(hub, home, "pull", "piper:en_US-nobody-medium", "--dir", str(folder))
+    assert missing.returncode == 1 and "en_US-nobody-medium" in missing.stderr
+    bad = _vox_ws(hub, home, "pull", "piper:lessac", "--dir", str(folder))
+    assert bad.returncode == 2 and "LANG_REGION-DATASET-QUALITY" in bad.stderr
+    # Served by its name, from the folder and by --piper-voice NAME; it speaks.
+    voices = voice_set(["en_GB-test-medium"], str(folder))
+    assert [(v.name, v.language) for v in voices] == [("joe", "en_US"), ("en_GB-test-medium", "en_GB")]
+    import httpx
+
+    server = start_server(PiperEngine(voices=voices))
+    spoken = httpx.post(server.http + "/v1/audio/speech", timeout=60,
+                        json={"input": "Hello from the pulled voice.", "voice": "en_GB-test-medium",
+                              "response_format": "pcm"})
+    assert spoken.status_code == 200 and len(spoken.content) > 10_000

@@ -1,5 +1,6 @@
-"""VoxCPM2 weights on disk: `vox-ws models pull` fetches a checkpoint, `vox-ws models list` shows
-what is here and whether the engine can load each.
+"""VoxCPM2 weights and Piper voices on disk: `vox-ws models pull` fetches a checkpoint (or,
+`piper:NAME`, a Piper voice: `engines/piper_hub.py`), `vox-ws models list` shows what is here and
+whether the engine can load each.
 
 The server itself never downloads (it loads from a directory or the local Hugging Face cache,
 offline), so a start never waits on a network or fails halfway through a download. The pull
@@ -16,7 +17,10 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .engines.piper_hub import DEFAULT_VOICES_DIR, default_voices_dir, files_of, pull_voice
 from .engines.voxcpm.loading import DEFAULT_MODEL, read_config
+
+PIPER_PREFIX = "piper:"
 
 WEIGHTS = ("model.safetensors", "pytorch_model.bin")
 VAE_WEIGHTS = ("audiovae.safetensors", "audiovae.pth")
@@ -113,8 +117,11 @@ def on_disk(directories: list[str]) -> list[Checkpoint]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     commands = parser.add_subparsers(dest="models_command", required=True)
-    get = commands.add_parser("pull", help="download a VoxCPM2 checkpoint (resumable; HF_ENDPOINT for a mirror)")
-    get.add_argument("repo", nargs="?", default=DEFAULT_MODEL, help=f"hub id (default {DEFAULT_MODEL})")
+    get = commands.add_parser("pull", help="download a VoxCPM2 checkpoint, or a Piper voice by name "
+                                           "(resumable; HF_ENDPOINT for a mirror)")
+    get.add_argument("repo", nargs="?", default=DEFAULT_MODEL,
+                     help=f"hub id (default {DEFAULT_MODEL}), or piper:NAME (e.g. piper:en_US-lessac-medium) for a "
+                          f"Piper voice, put in {DEFAULT_VOICES_DIR} (or --dir), which the server serves")
     get.add_argument("--revision", help="a branch, tag or commit (default: main)")
     get.add_argument("--dir", help="download into this directory instead of the hub cache (then serve "
                                    "with --model DIR)")
@@ -126,24 +133,54 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     try:
         import huggingface_hub  # noqa: F401 - what pull and list are made of
-        import safetensors  # noqa: F401
     except ImportError as exc:
-        print(f"vox-ws models: VoxCPM2's weights are handled with the `voxcpm` extra ({exc.name} is missing): "
-              "pip install '.[voxcpm]' in a checkout, or VOX_WS_EXTRAS=voxcpm scripts/setup.sh", file=sys.stderr)
+        print(f"vox-ws models: the hub's client is part of the `voxcpm` and `piper` extras ({exc.name} is "
+              "missing): pip install '.[piper]' in a checkout, or VOX_WS_EXTRAS=piper scripts/setup.sh",
+              file=sys.stderr)
         return 2
     if args.models_command == "pull":
-        return _pull(args)
+        return _pull_piper(args) if args.repo.startswith(PIPER_PREFIX) else _pull(args)
     checkpoints = on_disk(args.dir)
+    voices = piper_voices_on_disk()
     if args.json:
-        print(json.dumps([c.as_dict() for c in checkpoints], indent=2))
+        print(json.dumps([c.as_dict() for c in checkpoints] + [v.as_dict() for v in voices], indent=2))
         return 0
     if not checkpoints:
         print(f"no checkpoints on disk (hub cache: {_hub_cache()}); `vox-ws models pull` fetches {DEFAULT_MODEL}")
-        return 0
-    for c in checkpoints:
+    for c in checkpoints + voices:
         where = f"{c.name}@{c.revision[:10]}" if c.revision else c.name
         verdict = "ok" if c.ok else "cannot load: " + "; ".join(c.problems)
         print(f"{where}\n    {c.path}\n    {verdict}")
+    return 0
+
+
+def piper_voices_on_disk() -> list[Checkpoint]:
+    """The Piper voices in the voices folder pulls fill (each served by its name)."""
+    folder = default_voices_dir()
+    if folder is None:
+        return []
+    return [Checkpoint(model, PIPER_PREFIX + model.stem, "",
+                       [] if model.with_name(model.name + ".json").is_file() else ["no config beside it"])
+            for model in sorted(folder.glob("*.onnx"))]
+
+
+def _pull_piper(args: argparse.Namespace) -> int:
+    name = args.repo[len(PIPER_PREFIX):]
+    try:
+        files_of(name)
+    except ValueError as exc:
+        print(f"vox-ws models pull: {exc}", file=sys.stderr)
+        return 2
+    if os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on"):
+        print("vox-ws models pull: HF_HUB_OFFLINE is set, so nothing can be downloaded; unset it", file=sys.stderr)
+        return 2
+    try:
+        model = pull_voice(name, args.dir, args.revision)
+    except Exception as exc:  # noqa: BLE001 - the hub's errors (not found, network) say what went wrong
+        print(f"vox-ws models pull: {args.repo}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    serve = f"vox-ws serve --piper-voices-dir {model.parent}" if args.dir else "vox-ws serve"
+    print(f"{args.repo} is in {model}\nserve it (as voice {name!r}) with: {serve}")
     return 0
 
 

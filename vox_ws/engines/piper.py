@@ -20,6 +20,7 @@ from ..engine import (EndReason, Engine, ErrorKind, GenerationRequest, OptionSpe
                       Voices)
 from ..text import segment
 from . import EnginePlugin, Setting
+from .piper_hub import DEFAULT_VOICES_DIR, default_voices_dir
 from .piper_voices import DEFAULT_VOICE, PiperVoiceFile, voice_set
 from .piper_words import NO_WORD, phoneme_spans, text_words, word_spans
 from .piper_worker import Piece, PiperWorker, Said
@@ -216,6 +217,12 @@ def _first_word(owners: list[int]) -> int:
     return next((owner for owner in owners if owner != NO_WORD), NO_WORD)
 
 
+def _pulled_voices() -> str | None:
+    """The folder `vox-ws models pull piper:NAME` fills, where it exists: served by default."""
+    folder = default_voices_dir()
+    return None if folder is None else str(folder)
+
+
 def _probe(settings: dict) -> tuple[bool, str]:
     return (True, "the CPU voice") if available() else (False, "piper-tts or its voice is not installed")
 
@@ -225,14 +232,16 @@ PLUGIN = EnginePlugin(
     summary="Piper (VITS, ONNX Runtime): a real English voice on any CPU, nothing to download",
     create=lambda settings: PiperEngine(threads=settings.get("threads") or 1,
                                         voices=voice_set(list(settings.get("piper_voice") or []),
-                                                         settings.get("piper_voices_dir"))),
+                                                         settings.get("piper_voices_dir")
+                                                         or _pulled_voices())),
     options=PiperEngine.options,
     settings=(Setting("piper-voice", str, None, "another Piper voice to serve, [NAME=]PATH.onnx with its .json "
                       "beside it (repeatable; env: comma-separated); the bundled joe stays the default",
                       many=True),
               Setting("piper-voices-dir", str, None, "serve every Piper voice in this folder (NAME.onnx with "
                       "NAME.onnx.json), each by its file's name; one that cannot be served is left out with a log "
-                      "line; --piper-voice NAME then names one of them")),
+                      f"line; --piper-voice NAME then names one of them. Default: {DEFAULT_VOICES_DIR}, where "
+                      "`vox-ws models pull piper:NAME` puts voices, if it exists")),
     auto_priority=0,
     probe=_probe,
 )
