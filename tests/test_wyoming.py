@@ -397,3 +397,24 @@ async def test_describe_lists_the_voices_this_address_registered_by_name(start_s
     mine, theirs = await names_seen_from("127.0.0.1"), await names_seen_from("127.0.0.2")
     assert mine[0] == "default" and "grandma" in mine and "alloy" in mine
     assert "grandma" not in theirs and "alloy" in theirs
+
+
+async def test_an_alias_carries_pipers_own_settings(start_server, tmp_path):
+    """Piper's synthesis settings (wyoming-piper's --length-scale, --noise-scale,
+    --noise-w-scale, --sentence-silence) per request, and so per alias, for clients with no
+    field for them (Home Assistant)."""
+    aliases = tmp_path / "aliases.toml"
+    aliases.write_text('[drawl]\nvoice = "joe"\noptions = { length_scale = 2.0, noise_scale = 0.0 }\n'
+                       '[pausing]\nvoice = "joe"\noptions = { sentence_silence = 1.0 }\n')
+    served = start_server(PiperEngine(), wyoming="tcp://127.0.0.1:0", voice_aliases=str(aliases))
+
+    async def seconds(voice: str) -> float:
+        async with client(served) as c:
+            await c.write_event(Synthesize(text="One sentence here. And another one.",
+                                           voice=SynthesizeVoice(name=voice)).event())
+            fmt, pcm = await read_utterance(c)
+            return len(pcm) / fmt.rate
+
+    normal, drawl, pausing = await seconds("joe"), await seconds("drawl"), await seconds("pausing")
+    assert 1.6 < drawl / normal < 2.4
+    assert 1.8 < pausing - normal < 2.2                  # a second after each of the two sentences

@@ -15,6 +15,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 
 from ..engine import (EndReason, Engine, ErrorKind, GenerationRequest, OptionSpec, Refused, StepResult, TextRules,
                       Voices)
@@ -58,6 +59,8 @@ class _PiperState:
     # A word cut in two pieces is given once, with its last piece: (index, first sample, end
     # sample) so far, counted from the start of the next piece's audio.
     held: tuple[int, int, int] | None = None
+    scales: tuple[float | None, float | None, float | None] = (None, None, None)   # length, noise, noise_w
+    silence_s: float = 0.0                # after each segment
 
 
 class PiperEngine(Engine):
@@ -65,8 +68,14 @@ class PiperEngine(Engine):
     max_step_batch = 1
     can_park = True          # a request's state is where it is in its text
     takes_phonemes = True    # IPA pronunciations, through Piper's own phoneme input
-    # max_len caps the number of segments (sentences or clauses) spoken.
-    options = {"max_len": OptionSpec(int, 1, 8192, None, "segments spoken at most")}
+    # max_len caps the number of segments (sentences or clauses) spoken; the others are Piper's own
+    # synthesis settings (wyoming-piper's --length-scale, --noise-scale, --noise-w-scale,
+    # --sentence-silence), per request or per alias; unsaid, the voice's own config decides.
+    options = {"max_len": OptionSpec(int, 1, 8192, None, "segments spoken at most"),
+               "length_scale": OptionSpec(float, 0.25, 4.0, None, "the voice's pace: over 1 slower (its config's by default)"),
+               "noise_scale": OptionSpec(float, 0.0, 2.0, None, "variation in the voice (its config's by default)"),
+               "noise_w_scale": OptionSpec(float, 0.0, 2.0, None, "variation in phoneme lengths (its config's by default)"),
+               "sentence_silence": OptionSpec(float, 0.0, 5.0, 0.0, "seconds of silence after each sentence")}
 
     def __init__(self, threads: int = 1, voices: list[PiperVoiceFile] | None = None) -> None:
         """`voices`: the voices served, the default first (`piper_voices.voice_set`); None: the
@@ -107,7 +116,10 @@ class PiperEngine(Engine):
     def prefill(self, request: GenerationRequest) -> None:
         request.state = _PiperState(segments=segment(request.text, language=request.language or self._language(request)),
                                     voice=self._numbers.get(request.voice or DEFAULT_VOICE, 0),
-                                    steps_cap=request.options.get("max_len"))
+                                    steps_cap=request.options.get("max_len"),
+                                    scales=(request.options.get("length_scale"), request.options.get("noise_scale"),
+                                            request.options.get("noise_w_scale")),
+                                    silence_s=request.options.get("sentence_silence") or 0.0)
 
     def step(self, batch: list[GenerationRequest]) -> list[StepResult]:
         (request,) = batch
@@ -133,7 +145,9 @@ class PiperEngine(Engine):
         return languages[0] if languages else None
 
     def _speak(self, state: _PiperState, phonemes: list[str], owners: list[int]) -> StepResult:
-        audio, alignment = self._worker.speak(phonemes, state.voice)
+        audio, alignment = self._worker.speak(phonemes, state.voice, state.scales)
+        if state.silence_s and not state.pieces:                # a segment's last piece
+            audio = np.concatenate([audio, np.zeros(int(state.silence_s * self.sample_rate), np.float32)])
         if alignment is None:
             return StepResult(audio=audio)
         spans = [(index, start, min(end, len(audio))) for index, start, end in word_spans(owners, *alignment)]

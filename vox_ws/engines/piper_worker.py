@@ -79,10 +79,12 @@ class PiperWorker(Worker):
         the language of voice number `voice`."""
         return self.ask(("phonemize", (voice, text, said or [])), SPEAK_TIMEOUT_S, "phonemizing")
 
-    def speak(self, phonemes: list[str], voice: int = 0) -> tuple[np.ndarray, tuple[int, list[int]] | None]:
-        """The audio of a piece in voice number `voice`, and where its phonemes lie in it:
-        (samples before the first, samples of each), or None without the model's durations."""
-        audio, alignment = self.ask(("speak", (voice, phonemes)), SPEAK_TIMEOUT_S, "speaking")
+    def speak(self, phonemes: list[str], voice: int = 0, scales: tuple = (None, None, None)
+              ) -> tuple[np.ndarray, tuple[int, list[int]] | None]:
+        """The audio of a piece in voice number `voice` (with `scales`: length, noise, noise_w;
+        None: the voice's own), and where its phonemes lie in it: (samples before the first,
+        samples of each), or None without the model's durations."""
+        audio, alignment = self.ask(("speak", (voice, phonemes, scales)), SPEAK_TIMEOUT_S, "speaking")
         return np.frombuffer(audio, dtype=np.float32), alignment
 
 
@@ -187,18 +189,23 @@ def _cut(phonemes: list[str], start: int, near: int) -> int:
     return best
 
 
-def speak(voice, phonemes: list[str], aligned: bool) -> tuple[np.ndarray, tuple[int, list[int]] | None]:
+def speak(voice, phonemes: list[str], aligned: bool, scales: tuple = (None, None, None)
+          ) -> tuple[np.ndarray, tuple[int, list[int]] | None]:
     """One piece to float32 audio, and where each phoneme lies in it (see PiperWorker.speak).
     Unlike PiperVoice.synthesize, no per-sentence peak normalisation: it would make loudness
     jump between pieces."""
+    from piper.config import SynthesisConfig
+
+    length, noise, noise_w = scales
+    config = SynthesisConfig(length_scale=length, noise_scale=noise, noise_w_scale=noise_w, normalize_audio=False)
     ids = voice.phonemes_to_ids(phonemes)
     alignment = None
     if aligned:
-        audio, id_samples = voice.phoneme_ids_to_audio(ids, include_alignments=True)
+        audio, id_samples = voice.phoneme_ids_to_audio(ids, config, include_alignments=True)
         if id_samples is not None and len(id_samples) == len(ids):
             alignment = phoneme_samples(phonemes, id_samples, voice.config.phoneme_id_map)
     else:
-        audio = voice.phoneme_ids_to_audio(ids)
+        audio = voice.phoneme_ids_to_audio(ids, config)
     return np.clip(np.asarray(audio, dtype=np.float32), -1.0, 1.0), alignment
 
 
@@ -220,7 +227,7 @@ def _start(init: tuple) -> tuple[tuple[int, bool, float], Callable[[str, Any], t
         voice, _, aligned = loaded[number]
         if kind == "phonemize":
             return ("pieces", phonemize(voice, *rest))
-        audio, alignment = speak(voice, rest[0], aligned)
+        audio, alignment = speak(voice, rest[0], aligned, *rest[1:])
         return ("audio", (audio.tobytes(), alignment))
     return (rate, aligned, speed), handle
 
