@@ -418,3 +418,36 @@ async def test_an_alias_carries_pipers_own_settings(start_server, tmp_path):
     normal, drawl, pausing = await seconds("joe"), await seconds("drawl"), await seconds("pausing")
     assert 1.6 < drawl / normal < 2.4
     assert 1.8 < pausing - normal < 2.2                  # a second after each of the two sentences
+
+
+async def test_zeroconf_advertises_the_wyoming_door_to_a_browser(start_server):
+    """There was no zeroconf: Home Assistant's integration had to be added by host and port.
+    With --zeroconf the door is advertised (`_wyoming._tcp`), and a zeroconf browser on the
+    same network (here loopback) finds it at its port; it is taken back at shutdown."""
+    from zeroconf import ServiceStateChange
+    from zeroconf.asyncio import AsyncServiceBrowser, AsyncZeroconf
+
+    served = start_server(PiperEngine(), wyoming="tcp://127.0.0.1:0", zeroconf="vox-ws-test")
+    port = served.server.wyoming.port
+    browser_zc = AsyncZeroconf(interfaces=["127.0.0.1"])
+    changes: list[tuple[str, ServiceStateChange]] = []
+
+    def seen(zeroconf, service_type, name, state_change) -> None:
+        changes.append((name, state_change))
+
+    browser = AsyncServiceBrowser(browser_zc.zeroconf, "_wyoming._tcp.local.", handlers=[seen])
+    try:
+        await wait_until(lambda: ("vox-ws-test._wyoming._tcp.local.", ServiceStateChange.Added) in changes)
+        info = await browser_zc.async_get_service_info("_wyoming._tcp.local.", "vox-ws-test._wyoming._tcp.local.",
+                                                       timeout=int(WAIT_TIMEOUT * 1000))
+        assert info is not None and info.port == port and "127.0.0.1" in info.parsed_addresses()
+        served.stop()
+        await wait_until(lambda: ("vox-ws-test._wyoming._tcp.local.", ServiceStateChange.Removed) in changes)
+    finally:
+        await browser.async_cancel()
+        await browser_zc.async_close()
+
+
+def test_zeroconf_without_a_tcp_wyoming_door_is_refused_at_start(start_server):
+    with pytest.raises(Exception, match="--zeroconf advertises the Wyoming door"):
+        start_server(PiperEngine(), zeroconf="vox-ws-test")

@@ -109,6 +109,8 @@ _SERVE_OPTIONS: list[tuple[str, Callable[[str], Any], Any, str]] = [
     ("lexicon", str, None, "the server's pronunciations: a JSON or TSV file (see docs/PROTOCOL.md); reloaded on "
                            "SIGHUP and by POST /v1/lexicon with an admin token"),
     ("demo-dir", str, None, "directory of the browser demo served at / (default: web/demo of the source tree)"),
+    ("zeroconf", str, None, "advertise the Wyoming door on the local network (zeroconf, _wyoming._tcp) under this "
+                            "name, e.g. --zeroconf vox-ws, so Home Assistant finds it by itself (needs --wyoming tcp://...)"),
     ("wyoming", str, None, "also serve the Wyoming protocol (Home Assistant) at this URI, e.g. "
                            "tcp://0.0.0.0:10200; it has no authentication: trusted networks only"),
     ("ping-interval", float, 10.0, "seconds between keepalive pings"),

@@ -116,6 +116,8 @@ class ServerConfig:
     voice_store_max_mb: float = 512.0
     # Also serve the Wyoming protocol (Home Assistant) here: tcp://HOST:PORT or unix://PATH.
     wyoming: str | None = None
+    # Advertise the Wyoming door on the local network (zeroconf) under this name.
+    zeroconf: str | None = None
     # The server's pronunciations (a JSON or TSV file, vox_ws/lexicon.py); reloaded on SIGHUP
     # and by `POST /v1/lexicon` with an admin token.
     lexicon: str | None = None

@@ -11,6 +11,7 @@ import logging
 import signal
 import socket
 import time
+from urllib.parse import urlsplit
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -100,6 +101,7 @@ class VoxServer:
         self._stopped: asyncio.Event | None = None   # created on the running loop in start()
         self._shutdown: asyncio.Task | None = None
         self.wyoming: Any = None                      # transports.wyoming.WyomingServer, with --wyoming
+        self._advert: Any = None                      # transports.discovery.WyomingAdvert, with --zeroconf
 
     @property
     def sessions(self) -> set[OpenSession]:
@@ -114,6 +116,8 @@ class VoxServer:
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._stopped = asyncio.Event()
+        if self.config.zeroconf and not (self.config.wyoming or "").startswith("tcp://"):
+            raise RuntimeError("--zeroconf advertises the Wyoming door: serve it with --wyoming tcp://HOST:PORT")
         if self.config.wyoming:
             # Imported here: the wyoming package is an optional extra.
             try:
@@ -157,6 +161,12 @@ class VoxServer:
             await asyncio.sleep(0.01)
         if self.wyoming is not None:
             await self.wyoming.start()
+            if self.config.zeroconf:
+                from .transports.discovery import WyomingAdvert
+
+                self._advert = WyomingAdvert(self.config.zeroconf, urlsplit(self.config.wyoming).hostname or "",
+                                             self.wyoming.port)
+                await self._advert.start()
         self.state.listening = True
         log.info("listening on ws://%s:%d%s (engine %s, loading)", self.config.host, self.port, STREAM_PATH,
                  self.engine.name)
@@ -201,6 +211,8 @@ class VoxServer:
         except asyncio.TimeoutError:
             log.warning("some connections did not take their close frame in %.0fs: dropping them", CLOSE_GRACE_S)
         self.state.listening = False
+        if self._advert is not None:
+            await self._advert.close()
         if self.wyoming is not None:
             await self.wyoming.stop()
         if self._uvicorn is not None:
