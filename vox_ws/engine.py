@@ -282,6 +282,10 @@ class Voices:
         """The languages one voice speaks (None: the default voice). Cheap."""
         return self.engine.languages
 
+    def speakers(self, voice: str) -> tuple[str, ...]:
+        """The speakers of a voice that has several (each also a voice, `voice:speaker`)."""
+        return ()
+
     def check(self, voice: str | None) -> None:
         """Refuse an unknown voice."""
         if voice is not None and not self.has(voice):

@@ -59,7 +59,8 @@ class _PiperState:
     # A word cut in two pieces is given once, with its last piece: (index, first sample, end
     # sample) so far, counted from the start of the next piece's audio.
     held: tuple[int, int, int] | None = None
-    scales: tuple[float | None, float | None, float | None] = (None, None, None)   # length, noise, noise_w
+    # length, noise and noise_w scales, and the speaker's id (None: the voice's own, its first speaker)
+    scales: tuple[float | None, float | None, float | None, int | None] = (None, None, None, None)
     silence_s: float = 0.0                # after each segment
 
 
@@ -84,7 +85,6 @@ class PiperEngine(Engine):
         self.device = "cpu"
         self._threads = threads
         self.voice_files = voices or voice_set([])
-        self._numbers = {voice.name: number for number, voice in enumerate(self.voice_files)}
         # Each voice's language, in the order served (the default's first), once each.
         self.languages = tuple(dict.fromkeys(v.language for v in self.voice_files if v.language))
         self._worker: PiperWorker | None = None
@@ -114,11 +114,12 @@ class PiperEngine(Engine):
                        f"turns, so half of that, {slots}, stay ahead of their listeners with room to spare")
 
     def prefill(self, request: GenerationRequest) -> None:
+        number, speaker = self.voices.find(request.voice) or (0, None)
         request.state = _PiperState(segments=segment(request.text, language=request.language or self._language(request)),
-                                    voice=self._numbers.get(request.voice or DEFAULT_VOICE, 0),
+                                    voice=number,
                                     steps_cap=request.options.get("max_len"),
                                     scales=(request.options.get("length_scale"), request.options.get("noise_scale"),
-                                            request.options.get("noise_w_scale")),
+                                            request.options.get("noise_w_scale"), speaker),
                                     silence_s=request.options.get("sentence_silence") or 0.0)
 
     def step(self, batch: list[GenerationRequest]) -> list[StepResult]:
@@ -184,14 +185,32 @@ class _PiperVoices(Voices):
         self.files = engine.voice_files
 
     def names(self) -> list[str]:
-        return [voice.name for voice in self.files]
+        """Each voice, and each speaker of a voice with several as `voice:speaker`."""
+        return [name for voice in self.files for name in (voice.name, *(f"{voice.name}:{s}" for s in voice.speakers))]
 
     def has(self, voice: str) -> bool:
-        return any(v.name == voice for v in self.files)
+        return self.find(voice) is not None
+
+    def find(self, voice: str | None) -> tuple[int, int | None] | None:
+        """(the voice's number, its speaker's id or None) of `voice` or `voice:speaker`; None for
+        no such voice."""
+        name, _, speaker = (voice or DEFAULT_VOICE).partition(":")
+        name = name or DEFAULT_VOICE                          # ":speaker": of the default voice
+        for number, file in enumerate(self.files):
+            if file.name == name:
+                if not speaker:
+                    return number, None
+                speaker_id = file.speaker_id(speaker)
+                return None if speaker_id is None else (number, speaker_id)
+        return None
 
     def languages(self, voice: str | None) -> tuple[str, ...]:
-        language = next((v.language for v in self.files if v.name == (voice or DEFAULT_VOICE)), self.files[0].language)
+        name = (voice or DEFAULT_VOICE).partition(":")[0] or DEFAULT_VOICE
+        language = next((v.language for v in self.files if v.name == name), self.files[0].language)
         return (language,) if language else ()
+
+    def speakers(self, voice: str) -> tuple[str, ...]:
+        return next((v.speakers for v in self.files if v.name == voice), ())
 
 
 class _PiperText(TextRules):

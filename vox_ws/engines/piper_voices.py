@@ -33,6 +33,10 @@ class PiperVoiceFile:
     config_path: str
     language: str            # the config's `language.code` (e.g. en_US); "" where it has none
     sample_rate: int
+    speakers: tuple[str, ...] = ()     # a multi-speaker voice's, in id order (`speaker_id_map`)
+
+    def speaker_id(self, speaker: str) -> int | None:
+        return self.speakers.index(speaker) if speaker in self.speakers else None
 
 
 def bundled() -> PiperVoiceFile:
@@ -71,9 +75,13 @@ def read_voice(name: str, model_path: str, config_path: str) -> PiperVoiceFile:
             config = json.load(f)
         rate = int(config["audio"]["sample_rate"])
         language = str((config.get("language") or {}).get("code") or "")
+        ids = config.get("speaker_id_map") or {} if int(config.get("num_speakers") or 1) > 1 else {}
+        speakers = tuple(str(speaker) for speaker, _ in sorted(ids.items(), key=lambda item: int(item[1])))
+        if speakers and [int(number) for number in sorted(ids.values())] != list(range(len(speakers))):
+            raise ValueError("its speaker_id_map does not number its speakers 0, 1, 2, ...")
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise ValueError(f"piper voice {name!r}: unreadable config {config_path!r}: {exc}") from None
-    return PiperVoiceFile(name, model_path, config_path, language, rate)
+    return PiperVoiceFile(name, model_path, config_path, language, rate, speakers)
 
 
 def voice_set(specs: list[str], directory: str | None = None) -> list[PiperVoiceFile]:

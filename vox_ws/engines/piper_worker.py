@@ -79,11 +79,11 @@ class PiperWorker(Worker):
         the language of voice number `voice`."""
         return self.ask(("phonemize", (voice, text, said or [])), SPEAK_TIMEOUT_S, "phonemizing")
 
-    def speak(self, phonemes: list[str], voice: int = 0, scales: tuple = (None, None, None)
+    def speak(self, phonemes: list[str], voice: int = 0, scales: tuple = (None, None, None, None)
               ) -> tuple[np.ndarray, tuple[int, list[int]] | None]:
-        """The audio of a piece in voice number `voice` (with `scales`: length, noise, noise_w;
-        None: the voice's own), and where its phonemes lie in it: (samples before the first,
-        samples of each), or None without the model's durations."""
+        """The audio of a piece in voice number `voice` (with `scales`: length, noise, noise_w,
+        and the speaker's id; None: the voice's own), and where its phonemes lie in it:
+        (samples before the first, samples of each), or None without the model's durations."""
         audio, alignment = self.ask(("speak", (voice, phonemes, scales)), SPEAK_TIMEOUT_S, "speaking")
         return np.frombuffer(audio, dtype=np.float32), alignment
 
@@ -189,15 +189,16 @@ def _cut(phonemes: list[str], start: int, near: int) -> int:
     return best
 
 
-def speak(voice, phonemes: list[str], aligned: bool, scales: tuple = (None, None, None)
+def speak(voice, phonemes: list[str], aligned: bool, scales: tuple = (None, None, None, None)
           ) -> tuple[np.ndarray, tuple[int, list[int]] | None]:
     """One piece to float32 audio, and where each phoneme lies in it (see PiperWorker.speak).
     Unlike PiperVoice.synthesize, no per-sentence peak normalisation: it would make loudness
     jump between pieces."""
     from piper.config import SynthesisConfig
 
-    length, noise, noise_w = scales
-    config = SynthesisConfig(length_scale=length, noise_scale=noise, noise_w_scale=noise_w, normalize_audio=False)
+    length, noise, noise_w, speaker = scales
+    config = SynthesisConfig(speaker_id=speaker, length_scale=length, noise_scale=noise, noise_w_scale=noise_w,
+                             normalize_audio=False)
     ids = voice.phonemes_to_ids(phonemes)
     alignment = None
     if aligned:

@@ -12,11 +12,23 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from ..engine import Engine, Readiness
+from ..engine import Engine, ErrorKind, Readiness, Refused
 from .voice_aliases import Alias, check_aliases, default_aliases, with_defaults
 from .voice_store import VoiceStore, is_registered_id, is_voice_name, owner_key
 
 log = logging.getLogger("vox_ws.service")
+
+
+def with_speaker(voice: str | None, speaker: str | None) -> str | None:
+    """The voice a request names with a `speaker` of a multi-speaker voice: `voice:speaker`
+    (`:speaker`: of the default voice). Refused (INVALID, field "speaker") for a speaker that is
+    not a name."""
+    if speaker is None:
+        return voice
+    if not isinstance(speaker, str) or not speaker or ":" in speaker or len(speaker) > 128:
+        raise Refused(ErrorKind.INVALID, f"field 'speaker' must name a speaker of the voice, got {speaker!r}",
+                      field="speaker")
+    return f"{voice or ''}:{speaker}"
 
 
 @dataclass(frozen=True)

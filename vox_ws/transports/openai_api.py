@@ -33,6 +33,7 @@ from ..engine import ErrorKind, Refused
 from ..lexicon import request_entries
 from ..service import AudioOutput, Stream, StreamRequest
 from ..service.events import Audio, Ended, Failed, Segment, Words
+from ..service.voice_names import with_speaker
 from ..service.validation import (MAX_INSTRUCTIONS_CHARS, MAX_SAMPLE_RATE, MIN_SAMPLE_RATE, check_instructions,
                                   check_language, check_length, check_options, check_output, check_speed)
 from . import protocol as p
@@ -63,7 +64,7 @@ CONTENT_TYPES = {"pcm": "audio/pcm", **{name: CODECS[name].content_type for name
                                          if name in CODECS}}
 KNOWN_FIELDS = {"model", "input", "voice", "response_format", "speed", "instructions", "stream_format",
                 "sample_rate", "lookahead_s", "markup", "pronunciations", "lora", "language", "lang_code", "volume",
-                "volume_multiplier", "stream", "normalization_options", "timestamps"}
+                "volume_multiplier", "stream", "normalization_options", "timestamps", "speaker"}
 TIMESTAMPS = ("word", "segment")
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                404: "not_found_error", 408: "timeout_error", 413: "invalid_request_error",
@@ -244,7 +245,7 @@ def parse_speech(body: dict[str, Any], state: ServerState) -> SpeechRequest:
     if not isinstance(text, str) or not text.strip():
         raise OpenAIError(400, "'input' must be a non-empty string", "input", "invalid_value")
     _checked(check_length, text, state.limits.max_text_chars, "input")
-    voice = _voice(body.get("voice"), state)
+    voice = _voice(_checked(with_speaker, _named(body.get("voice")), body.get("speaker")), state)
     response_format = body.get("response_format", "mp3")
     if response_format not in RESPONSE_FORMATS:
         raise OpenAIError(400, f"'response_format' must be one of {list(RESPONSE_FORMATS)}, got {response_format!r}",
@@ -353,6 +354,11 @@ def _checked(rule: Any, *args: Any) -> Any:
     except Refused as err:
         raise OpenAIError(HTTP_STATUS[err.kind], err.message, err.field,
                           "too_large" if err.kind is ErrorKind.TOO_LARGE else "invalid_value") from None
+
+
+def _named(value: Any) -> Any:
+    """OpenAI's `voice`: a name, or an object with its `id`."""
+    return value.get("id") if isinstance(value, dict) else value
 
 
 def _voice(value: Any, state: ServerState) -> str | None:

@@ -21,6 +21,7 @@ from ..service import AudioOutput, StreamRequest
 from ..service.events import Audio, Ended, Event, Failed, Flushed, Phonemes, Segment, Words
 from ..service.validation import (MAX_SAMPLE_RATE, MIN_SAMPLE_RATE, check_instructions, check_language,
                                   check_length, check_options, check_output, check_speed)
+from ..service.voice_names import with_speaker
 from ..service.voice_store import check_voice_name
 from .state import ServerState
 
@@ -268,6 +269,10 @@ def _parse_start(obj: dict[str, Any], limits: Limits, specs: Mapping[str, Option
     has_text = obj.get("text") is not None
     text = _text(obj, "text", limits, allow_empty=stream_input) if has_text or not stream_input else ""
     voice = _optional(obj, "voice", str, None)
+    try:
+        voice = with_speaker(voice, obj.get("speaker"))
+    except Refused as err:
+        raise ProtocolError.from_refused(err, sid) from None
     fmt = _optional(obj, "format", str, "f32")
     if fmt not in OUTPUT_FORMATS:
         raise ProtocolError(BAD_REQUEST, f"field 'format' must be one of {list(OUTPUT_FORMATS)}, got {fmt!r}", sid)

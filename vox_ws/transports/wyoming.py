@@ -35,7 +35,7 @@ from typing import Any
 from wyoming.audio import AudioChunk, AudioStart, AudioStop
 from wyoming.error import Error
 from wyoming.event import Event
-from wyoming.info import Attribution, Describe, Info, TtsProgram, TtsVoice
+from wyoming.info import Attribution, Describe, Info, TtsProgram, TtsVoice, TtsVoiceSpeaker
 from wyoming.ping import Ping, Pong
 from wyoming.server import AsyncEventHandler, AsyncServer
 from wyoming.tts import Synthesize, SynthesizeChunk, SynthesizeStart, SynthesizeStop, SynthesizeStopped
@@ -46,6 +46,7 @@ from ..engine import ErrorKind, Refused
 from ..service import AudioOutput, StreamRequest, StreamService
 from ..service.events import Audio, Ended, Failed, Segment
 from ..service.stream import Stream
+from ..service.voice_names import with_speaker
 from .auth import address_owner
 from .protocol import code_for
 from .proxies import ProxyHeaderError, TrustedProxies, parse_proxy_header, v2_header_length
@@ -288,6 +289,7 @@ class WyomingHandler(AsyncEventHandler):
         with `<speak`; unsaid, a text starting with `<speak` is SSML."""
         name = voice.name if voice is not None and voice.name else None
         language = voice.language if voice is not None and voice.language else None
+        speaker = voice.speaker if voice is not None and voice.speaker else None
         engine = self.service.engine
         if name == DEFAULT_VOICE and not engine.voices.has(name):
             name = None                       # the entry `describe` lists for an engine without voices
@@ -296,6 +298,7 @@ class WyomingHandler(AsyncEventHandler):
             language, name = language or name, self._voice_for_language(name)
         elif name is None and language is not None:
             name = self._voice_for_language(language)
+        name = with_speaker(name, speaker)
         markup = {"ssml": "ssml", "text": "none"}.get(getattr(text_format, "value", text_format))
         request = StreamRequest(text, voice=name, output=AudioOutput("s16"), input_streaming=streaming,
                                 language=language, markup=markup)
@@ -307,7 +310,8 @@ class WyomingHandler(AsyncEventHandler):
     def _voice_for_language(self, language: str) -> str | None:
         """The first voice that speaks `language` (None: the default voice)."""
         engine = self.service.engine
-        return next((v for v in self.service.voices.listed() if language in engine.voices.languages(v)), None)
+        return next((v for v in self.service.voices.listed()
+                     if ":" not in v and language in engine.voices.languages(v)), None)
 
     async def _wait_for_previous(self) -> None:
         if self._speaking is not None and not self._speaking.done():
@@ -359,11 +363,14 @@ class WyomingHandler(AsyncEventHandler):
         attribution = Attribution(*ENGINE_ATTRIBUTIONS.get(engine.name, (f"vox-ws ({engine.name})", PROJECT_URL)))
 
         def voice(name: str, description: str, speaks: str | None) -> TtsVoice:
+            speakers = engine.voices.speakers(name)
             return TtsVoice(name=name, description=description, attribution=attribution, installed=True,
-                            version=__version__, languages=list(engine.voices.languages(speaks)))
+                            version=__version__, languages=list(engine.voices.languages(speaks)),
+                            speakers=[TtsVoiceSpeaker(name=s) for s in speakers] if speakers else None)
 
+        # A voice of several speakers is listed once, its speakers with it (`voice.speaker`).
         voices = [voice(name, f"{engine.name} voice {name}", None if name == DEFAULT_VOICE else name)
-                  for name in voices_service.listed() or [DEFAULT_VOICE]]
+                  for name in voices_service.listed() or [DEFAULT_VOICE] if ":" not in name]
         for name, alias in voices_service.aliases().items():
             what = alias.voice or alias.instructions or "the default voice"
             speed = f", at {alias.speed:g}x" if alias.speed != 1.0 else ""
