@@ -136,7 +136,8 @@ async def test_wyoming_describes_each_voice_with_its_language_and_speaks_it(two_
     async with AsyncTcpClient("127.0.0.1", two_voices.server.wyoming.port) as c:
         await c.write_event(Describe().event())
         info = Info.from_event(await asyncio.wait_for(c.read_event(), 60))
-        assert [(v.name, v.languages) for v in info.tts[0].voices] == [("joe", ["en_US"]), ("slow", ["en_GB"])]
+        # The built-in voices first, each with its language (then the aliases).
+        assert [(v.name, v.languages) for v in info.tts[0].voices][:2] == [("joe", ["en_US"]), ("slow", ["en_GB"])]
         joe = await utterance_seconds(c, SynthesizeVoice(name="joe"))
         slow = await utterance_seconds(c, SynthesizeVoice(name="slow"))
         # Home Assistant may name only a language: the voice that speaks it.
@@ -508,8 +509,9 @@ async def test_wyoming_describes_voxcpm_by_its_languages(start_server, tiny_mode
     async with AsyncTcpClient("127.0.0.1", server.server.wyoming.port) as c:
         await c.write_event(Describe().event())
         info = Info.from_event(await asyncio.wait_for(c.read_event(), 60))
-        (voice,) = info.tts[0].voices
+        voice, *aliases = info.tts[0].voices                     # then OpenAI's names, designed voices
         assert voice.name == "default" and voice.languages == list(LANGUAGES) and len(LANGUAGES) == 30
+        assert [a.name for a in aliases] == list(OPENAI_VOICES) and aliases[0].description.startswith("alias of A ")
         await c.write_event(Synthesize(text="Hallo.", voice=SynthesizeVoice(name="default", language="de")).event())
         first = await asyncio.wait_for(c.read_event(), 60)
         assert first.type == "audio-start", first

@@ -26,7 +26,8 @@ def test_built_in_engines_and_their_declarations():
     assert {"piper", "voxcpm"} <= set(plugins)
     assert set(plugins["voxcpm"].options) == {"cfg_value", "inference_timesteps", "min_len", "max_len", "normalize",
                                               "denoise", "seed"}
-    assert set(plugins["piper"].options) == {"max_len"}
+    assert set(plugins["piper"].options) == {"max_len", "length_scale", "noise_scale", "noise_w_scale",
+                                             "sentence_silence"}
     assert {s.name for s in plugins["voxcpm"].settings} >= {"model", "lora-rank", "voices-dir"}
     vocabulary = engines.option_vocabulary()
     assert vocabulary["cfg_value"].check(2) == 2.0
