@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import io
+import json
 import os
 import signal
 import socket
@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import soundfile
 from conftest import WAIT_TIMEOUT, assert_good_stream, connect_client, wait_until
+from test_hostile_doors import read_until_closed
 from test_server_piper import LONG, SENTENCE
 from test_scheduler import HeldTone
 from test_stream_service import audio_of, drain, loaded_scheduler, service_on, tone_wav
@@ -548,21 +549,6 @@ def _handshake(path: str = "/", headers: list[tuple[str, str]] = ()) -> bytes:
     return ("\r\n".join(lines) + "\r\n\r\n").encode()
 
 
-def _answer_then_closed(sock: socket.socket) -> bytes:
-    """Everything the server writes until it closes the connection (b"" if it never answers
-    within WAIT_TIMEOUT: the attack's outcome before)."""
-    sock.settimeout(WAIT_TIMEOUT)
-    got = b""
-    try:
-        while chunk := sock.recv(65536):
-            got += chunk
-    except TimeoutError:
-        return b""
-    except ConnectionResetError:
-        pass
-    return got
-
-
 @pytest.mark.parametrize("attack, status", [
     (_handshake(headers=[("X-Long", "a" * 9000)]), 431),                                  # a line over 8 KiB
     (_handshake(headers=[(f"X-H{n}", "1") for n in range(129)]), 431),                    # 129 lines and more
@@ -582,7 +568,7 @@ async def test_a_handshake_refused_for_its_headers_is_answered_and_closed(start_
                 sock.sendall(attack)
             except (BrokenPipeError, ConnectionResetError):
                 pass                              # answered and closed before the rest was read
-            return _answer_then_closed(sock)
+            return read_until_closed(sock)               # a hang (the attack before) fails as a time-out
 
     answers = []
     for _ in range(3):                            # 12 in all: 3x the per-address bound, each round at it

@@ -196,19 +196,25 @@ async def test_redis_keeps_voices_across_its_restart(redis_server):
 QUOTA_LIMITS = StoreLimits(per_owner=3, max_voices=8, max_bytes=1_000_000, per_address=2, ttl_s=100.0)
 
 
+async def _store_on_a_clock(kind: str, limits: StoreLimits, tmp_path, redis_server):
+    """A store of `kind` with `limits`, on a clock the test moves: (store, [now])."""
+    now = [1_000_000.0]
+    clock = lambda: now[0]                                          # noqa: E731
+    if kind == "memory":
+        made = MemoryStore(limits, clock)
+    elif kind == "dir":
+        made = DirectoryStore(tmp_path / "voices", limits, clock)
+        await made.open()
+    else:
+        made = RedisStore(redis_server.url, limits, clock)
+        await made._redis.flushdb()
+    return made, now
+
+
 @pytest.fixture(params=["memory", "dir", "redis"])
 async def quota_store(request, tmp_path, redis_server):
     """A store with per-address quotas and expiry, on a clock the test moves."""
-    now = [1_000_000.0]
-    clock = lambda: now[0]                                          # noqa: E731
-    if request.param == "memory":
-        made = MemoryStore(QUOTA_LIMITS, clock)
-    elif request.param == "dir":
-        made = DirectoryStore(tmp_path / "voices", QUOTA_LIMITS, clock)
-        await made.open()
-    else:
-        made = RedisStore(redis_server.url, QUOTA_LIMITS, clock)
-        await made._redis.flushdb()
+    made, now = await _store_on_a_clock(request.param, QUOTA_LIMITS, tmp_path, redis_server)
     yield made, now
     await made.close()
 
@@ -265,16 +271,7 @@ SHARE_LIMITS = StoreLimits(per_owner=4, max_voices=64, max_bytes=10_000_000, per
 @pytest.fixture(params=["memory", "dir", "redis"])
 async def share_store(request, tmp_path, redis_server):
     """A store whose shares are small: 4 voices without a token a network, 32 in all."""
-    now = [1_000_000.0]
-    clock = lambda: now[0]                                          # noqa: E731
-    if request.param == "memory":
-        made = MemoryStore(SHARE_LIMITS, clock)
-    elif request.param == "dir":
-        made = DirectoryStore(tmp_path / "voices", SHARE_LIMITS, clock)
-        await made.open()
-    else:
-        made = RedisStore(redis_server.url, SHARE_LIMITS, clock)
-        await made._redis.flushdb()
+    made, now = await _store_on_a_clock(request.param, SHARE_LIMITS, tmp_path, redis_server)
     yield made, now
     await made.close()
 

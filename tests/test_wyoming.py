@@ -341,6 +341,14 @@ async def test_connections_over_the_cap_are_refused_busy(start_server):
         assert Pong.is_type((await read(c)).type)
 
 
+async def spoken_seconds(server, text: str, voice: str) -> float:
+    """How long `voice` takes to say `text` over Wyoming."""
+    async with client(server) as c:
+        await c.write_event(Synthesize(text=text, voice=SynthesizeVoice(name=voice)).event())
+        fmt, pcm = await read_utterance(c)
+        return len(pcm) / fmt.rate
+
+
 async def test_an_alias_carries_a_speed_to_home_assistant(start_server, tmp_path):
     """Home Assistant has no speed field: an alias that carries one (`slow-joe`) slows the voice
     for it, listed in `describe`; a request's own speed multiplies the alias's (OpenAI)."""
@@ -354,14 +362,8 @@ async def test_an_alias_carries_a_speed_to_home_assistant(start_server, tmp_path
         listed = {v.name: v for v in Info.from_event(await read(c)).tts[0].voices}
     assert listed["slow-joe"].description == "alias of joe, at 0.5x" and "alloy" in listed
 
-    async def seconds(voice: str) -> float:
-        async with client(slowed) as c:
-            await c.write_event(Synthesize(text="Hello there, how are you today?",
-                                           voice=SynthesizeVoice(name=voice)).event())
-            fmt, pcm = await read_utterance(c)
-            return len(pcm) / fmt.rate
-
-    normal, slow = await seconds("joe"), await seconds("slow-joe")
+    text = "Hello there, how are you today?"
+    normal, slow = await spoken_seconds(slowed, text, "joe"), await spoken_seconds(slowed, text, "slow-joe")
     assert 1.6 < slow / normal < 2.4
     body = {"input": "Hello there, how are you today?", "voice": "slow-joe", "response_format": "pcm", "speed": 2.0}
     both = httpx.post(slowed.http + "/v1/audio/speech", json=body, timeout=60)
@@ -408,14 +410,8 @@ async def test_an_alias_carries_pipers_own_settings(start_server, tmp_path):
                        '[pausing]\nvoice = "joe"\noptions = { sentence_silence = 1.0 }\n')
     served = start_server(PiperEngine(), wyoming="tcp://127.0.0.1:0", voice_aliases=str(aliases))
 
-    async def seconds(voice: str) -> float:
-        async with client(served) as c:
-            await c.write_event(Synthesize(text="One sentence here. And another one.",
-                                           voice=SynthesizeVoice(name=voice)).event())
-            fmt, pcm = await read_utterance(c)
-            return len(pcm) / fmt.rate
-
-    normal, drawl, pausing = await seconds("joe"), await seconds("drawl"), await seconds("pausing")
+    text = "One sentence here. And another one."
+    normal, drawl, pausing = [await spoken_seconds(served, text, voice) for voice in ("joe", "drawl", "pausing")]
     assert 1.6 < drawl / normal < 2.4
     assert 1.8 < pausing - normal < 2.2                  # a second after each of the two sentences
 
