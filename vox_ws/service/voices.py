@@ -69,7 +69,6 @@ class VoiceService:
             log.warning("%s: registered voices wait for it", err.message)
         self._sweeper = asyncio.create_task(self._sweep(), name="vox-ws-voice-sweeper")
 
-
     async def close(self) -> None:
         if self._sweeper is not None:
             self._sweeper.cancel()
