@@ -302,7 +302,8 @@ class WyomingHandler(AsyncEventHandler):
         markup = {"ssml": "ssml", "text": "none"}.get(getattr(text_format, "value", text_format))
         request = StreamRequest(text, voice=name, output=AudioOutput("s16"), input_streaming=streaming,
                                 language=language, markup=markup)
-        stream = self.service.open_stream(request, owners=(address_owner(self.peer, self.server.ipv6_prefix), f"wyoming-{self.number}"),
+        owner = address_owner(self.peer, self.server.ipv6_prefix)
+        stream = self.service.open_stream(request, owners=(owner, f"wyoming-{self.number}"),
                                           log_fields={"transport": "wyoming", "peer": self.peer})
         self._stream = stream
         return stream
