@@ -164,13 +164,14 @@ class PiperEngine(Engine):
         words = []
         for index, start, end in spans:
             if index > state.last_word:
-                # Words espeak says nothing for (a lone "<", "&") keep their place, taking no time.
-                words += [(word, start, start) for word in state.words[state.last_word + 1:index]]
+                # Words espeak says nothing for (a lone "<", "&") keep their place, taking no time
+                # ("" is a word a pronunciation's phrase took into the one before).
+                words += [(word, start, start) for word in state.words[state.last_word + 1:index] if word]
                 words.append((state.words[index], start, end))
                 state.last_word = index
         if not state.pieces and state.held is None and words:
             end = words[-1][2]
-            words += [(word, end, end) for word in state.words[state.last_word + 1:]]
+            words += [(word, end, end) for word in state.words[state.last_word + 1:] if word]
             state.last_word = len(state.words) - 1
         spoken = [(ph, start, min(end, len(audio))) for ph, start, end in phoneme_spans(phonemes, *alignment)]
         return StepResult(audio=audio, words=words, phonemes=spoken)

@@ -143,7 +143,7 @@ def phonemize(voice, text: str, said: list[Said] = ()) -> tuple[list[str], list[
             if held:
                 sentence[held[0]:held[-1] + 1] = phonemes
                 owner[held[0]:held[-1] + 1] = [first] * len(phonemes)
-        words[first] = " ".join(words[first:end])
+        words[first:end] = [" ".join(words[first:end]), *[""] * (end - first - 1)]   # one word; its index kept
     pieces: list[Piece] = []
     for sentence, owner in zip(sentences, owners):
         count = -(-len(sentence) // MAX_PHONEMES)
