@@ -139,6 +139,9 @@ def main(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
     if args.models_command == "pull":
+        if os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on"):
+            print("vox-ws models pull: HF_HUB_OFFLINE is set, so nothing can be downloaded; unset it", file=sys.stderr)
+            return 2
         return _pull_piper(args) if args.repo.startswith(PIPER_PREFIX) else _pull(args)
     checkpoints = on_disk(args.dir)
     voices = piper_voices_on_disk()
@@ -171,9 +174,6 @@ def _pull_piper(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"vox-ws models pull: {exc}", file=sys.stderr)
         return 2
-    if os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on"):
-        print("vox-ws models pull: HF_HUB_OFFLINE is set, so nothing can be downloaded; unset it", file=sys.stderr)
-        return 2
     try:
         model = pull_voice(name, args.dir, args.revision)
     except Exception as exc:  # noqa: BLE001 - the hub's errors (not found, network) say what went wrong
@@ -185,9 +185,6 @@ def _pull_piper(args: argparse.Namespace) -> int:
 
 
 def _pull(args: argparse.Namespace) -> int:
-    if os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on"):
-        print("vox-ws models pull: HF_HUB_OFFLINE is set, so nothing can be downloaded; unset it", file=sys.stderr)
-        return 2
     try:
         path = pull(args.repo, args.revision, args.dir)
     except Exception as exc:  # noqa: BLE001 - the hub's errors (not found, gated, network) say what went wrong

@@ -399,51 +399,50 @@ class WyomingHandler(AsyncEventHandler):
     async def _read_event(self) -> Event | None:
         """The next event, or None at the end of the connection (or after an error, which
         closes it)."""
-        while True:
+        try:
+            line = await self._next_line()
+        except ValueError:                        # a header line over the reader's limit
+            await self._error(ErrorKind.TOO_LARGE, f"event header over {MAX_HEADER_BYTES} bytes")
+            return None
+        if not line:
+            return None
+        try:
+            header = json.loads(line)
+            kind = header["type"]
+            data = header.get("data") or {}
+            data_length = int(header.get("data_length") or 0)
+            payload_length = int(header.get("payload_length") or 0)
+            if not isinstance(kind, str) or not isinstance(data, dict):
+                raise TypeError("'type' must be a string and 'data' an object")
+        except RecursionError:
+            await self._error(ErrorKind.INVALID, "not a Wyoming event header: JSON nested too deeply")
+            return None
+        except (ValueError, KeyError, TypeError) as exc:
+            await self._error(ErrorKind.INVALID, f"not a Wyoming event header: {type(exc).__name__}: {exc}")
+            return None
+        if not 0 <= data_length <= MAX_HEADER_BYTES or not 0 <= payload_length <= MAX_HEADER_BYTES:
+            await self._error(ErrorKind.TOO_LARGE, f"event data or payload over {MAX_HEADER_BYTES} bytes")
+            return None
+        try:
+            raw_data, payload = await asyncio.wait_for(self._read_rest(data_length, payload_length),
+                                                       self.service.limits.body_timeout_s)
+        except asyncio.TimeoutError:
+            await self._error(ErrorKind.TIMEOUT, f"the event's data and payload did not follow its header within "
+                                                 f"{self.service.limits.body_timeout_s:g}s: closing the connection")
+            return None
+        if raw_data is not None:
             try:
-                line = await self._next_line()
-            except ValueError:                        # a header line over the reader's limit
-                await self._error(ErrorKind.TOO_LARGE, f"event header over {MAX_HEADER_BYTES} bytes")
-                return None
-            if not line:
-                return None
-            try:
-                header = json.loads(line)
-                kind = header["type"]
-                data = header.get("data") or {}
-                data_length = int(header.get("data_length") or 0)
-                payload_length = int(header.get("payload_length") or 0)
-                if not isinstance(kind, str) or not isinstance(data, dict):
-                    raise TypeError("'type' must be a string and 'data' an object")
+                more = json.loads(raw_data)
+                if not isinstance(more, dict):
+                    raise TypeError("the event data must be an object")
             except RecursionError:
-                await self._error(ErrorKind.INVALID, "not a Wyoming event header: JSON nested too deeply")
+                await self._error(ErrorKind.INVALID, "bad event data: JSON nested too deeply")
                 return None
-            except (ValueError, KeyError, TypeError) as exc:
-                await self._error(ErrorKind.INVALID, f"not a Wyoming event header: {type(exc).__name__}: {exc}")
+            except (ValueError, TypeError) as exc:
+                await self._error(ErrorKind.INVALID, f"bad event data: {exc}")
                 return None
-            if not 0 <= data_length <= MAX_HEADER_BYTES or not 0 <= payload_length <= MAX_HEADER_BYTES:
-                await self._error(ErrorKind.TOO_LARGE, f"event data or payload over {MAX_HEADER_BYTES} bytes")
-                return None
-            try:
-                raw_data, payload = await asyncio.wait_for(self._read_rest(data_length, payload_length),
-                                                           self.service.limits.body_timeout_s)
-            except asyncio.TimeoutError:
-                await self._error(ErrorKind.TIMEOUT, f"the event's data and payload did not follow its header within "
-                                                     f"{self.service.limits.body_timeout_s:g}s: closing the connection")
-                return None
-            if raw_data is not None:
-                try:
-                    more = json.loads(raw_data)
-                    if not isinstance(more, dict):
-                        raise TypeError("the event data must be an object")
-                except RecursionError:
-                    await self._error(ErrorKind.INVALID, "bad event data: JSON nested too deeply")
-                    return None
-                except (ValueError, TypeError) as exc:
-                    await self._error(ErrorKind.INVALID, f"bad event data: {exc}")
-                    return None
-                data.update(more)
-            return Event(type=kind, data=data, payload=payload)
+            data.update(more)
+        return Event(type=kind, data=data, payload=payload)
 
     async def _read_rest(self, data_length: int, payload_length: int) -> tuple[bytes | None, bytes | None]:
         """An event's data and payload, after its header line."""
