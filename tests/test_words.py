@@ -9,7 +9,8 @@ import threading
 import pytest
 
 from conftest import WAIT_TIMEOUT, connect_client
-from vox_ws.engines.piper_words import NO_WORD, phoneme_spans, text_words, word_owners, word_spans
+from vox_ws.engines.piper_words import NO_WORD, phoneme_spans, word_owners, word_spans
+from vox_ws.text import text_words
 from vox_ws.testing.tone import ToneEngine
 
 TEXT = "Hello there, my friend. It is 1999 and I want to go to the shop."
@@ -156,7 +157,8 @@ async def test_a_cancel_reports_the_words_heard_of_the_cut_segment(piper_server)
 
 
 async def test_an_engine_without_word_timings_says_so_and_sends_none(start_server):
-    server = start_server(ToneEngine())
+    """With `--word-timings engine` (no aligner): by default the aligner times its words."""
+    server = start_server(ToneEngine(), word_timings="engine")
     async with connect_client(server) as c:
         assert "word_timestamps" not in c.hello["features"] and "phoneme_timestamps" not in c.hello["features"]
         await c.send({"type": "start", "id": "t", "text": "No times here.", "format": "s16", "word_timestamps": True,

@@ -108,6 +108,9 @@ _SERVE_OPTIONS: list[tuple[str, Callable[[str], Any], Any, str]] = [
     ("drain-timeout", float, 10.0, "seconds streams may finish after SIGTERM"),
     ("lexicon", str, None, "the server's pronunciations: a JSON or TSV file (see docs/PROTOCOL.md); reloaded on "
                            "SIGHUP and by POST /v1/lexicon with an admin token"),
+    ("word-timings", str, "auto", "where word times come from: auto (the engine's own, else the aligner's: "
+                                  "PocketSphinx, English), aligned (the aligner's for every engine, to measure it) "
+                                  "or engine (never the aligner)"),
     ("demo-dir", str, None, "directory of the browser demo served at / (default: web/demo of the source tree)"),
     ("zeroconf", str, None, "advertise the Wyoming door on the local network (zeroconf, _wyoming._tcp) under this "
                             "name, e.g. --zeroconf vox-ws, so Home Assistant finds it by itself (needs --wyoming tcp://...)"),

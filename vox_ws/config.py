@@ -121,6 +121,9 @@ class ServerConfig:
     # The server's pronunciations (a JSON or TSV file, vox_ws/lexicon.py); reloaded on SIGHUP
     # and by `POST /v1/lexicon` with an admin token.
     lexicon: str | None = None
+    # Where word times come from: auto (the engine's own, else the aligner's), aligned (the
+    # aligner's for every engine) or engine (never the aligner). See service/word_timings.py.
+    word_timings: str = "auto"
     limits: Limits = field(default_factory=Limits)
 
     def engine_options(self) -> dict[str, Any]:

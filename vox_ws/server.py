@@ -26,6 +26,7 @@ from .service import StreamService
 from .service.service import store_limits
 from .service.voice_aliases import load_aliases
 from .service.voice_store import open_store
+from .service.word_timings import WordTimings
 from .transports import protocol as p
 from .transports.app import STREAM_PATH, build_app, cors_origins
 from .transports.http_routes import default_demo_dir
@@ -80,7 +81,7 @@ class VoxServer:
         cors_origins(config.cors_origins, config.allow_origins)      # refused before anything starts
         aliases = load_aliases(config.voice_aliases) if config.voice_aliases else None
         self.service = StreamService(self.devices, config.limits, self.metrics, voice_store=store,
-                                     voice_aliases=aliases)
+                                     voice_aliases=aliases, word_timings=WordTimings.for_mode(config.word_timings))
         self.state = ServerState(config, self.service, self.metrics)
         self.proxies = TrustedProxies(config.trusted_proxies, config.proxy_header)
         self.guard = ConnectionGuard(config.limits, proxies=self.proxies, ipv6_prefix=config.ipv6_prefix)

@@ -25,6 +25,12 @@ _SENTENCE_MARKS = ".!?…。！？；।॥؟۔።"
 _FULL_STOP = re.compile(r"[。！？；।॥][”’」』）)]*")
 # The end of a buffer after its last space: a word that may still be arriving.
 _PARTIAL_WORD = re.compile(r"\S*$")
+_WORD = re.compile(r"\S+")
+
+
+def text_words(text: str) -> list[str]:
+    """The words of a text as it is written (punctuation attached): what word timings are given for."""
+    return _WORD.findall(text)
 
 
 def base_language(language: str | None) -> str:

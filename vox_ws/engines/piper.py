@@ -19,11 +19,11 @@ import numpy as np
 
 from ..engine import (EndReason, Engine, ErrorKind, GenerationRequest, OptionSpec, Refused, StepResult, TextRules,
                       Voices)
-from ..text import segment
+from ..text import segment, text_words
 from . import EnginePlugin, Setting
 from .piper_hub import DEFAULT_VOICES_DIR, default_voices_dir
 from .piper_voices import DEFAULT_VOICE, PiperVoiceFile, voice_set
-from .piper_words import NO_WORD, phoneme_spans, text_words, word_spans
+from .piper_words import NO_WORD, phoneme_spans, word_spans
 from .piper_worker import Piece, PiperWorker, Said
 
 log = logging.getLogger("vox_ws.engines.piper")

@@ -16,18 +16,11 @@ then the model's own: the first and last sample of the word's phonemes.
 from __future__ import annotations
 
 import difflib
-import re
 from collections.abc import Callable, Mapping, Sequence
 
 NO_WORD = -1
-_WORD = re.compile(r"\S+")
 # Phonemes that carry no sound of their own and may differ between a word alone and in context.
 _MARKS = frozenset(" ˈˌ.,;:!?-'\"()")
-
-
-def text_words(text: str) -> list[str]:
-    """The words of a text as it is written (punctuation attached): what timings are given for."""
-    return _WORD.findall(text)
 
 
 def word_owners(words: Sequence[str], sentences: Sequence[Sequence[str]],

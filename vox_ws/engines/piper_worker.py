@@ -27,7 +27,8 @@ from typing import Any, Callable
 import numpy as np
 
 from .child import Worker, WorkerCrashed, serve_worker
-from .piper_words import NO_WORD, phoneme_samples, text_words, word_owners
+from ..text import text_words
+from .piper_words import NO_WORD, phoneme_samples, word_owners
 
 __all__ = ["MAX_PHONEMES", "Piece", "PiperWorker", "WorkerCrashed"]
 

@@ -54,12 +54,15 @@ class Word:
     word: str
     start_s: float
     end_s: float
+    # Placed between its neighbours, not heard: the aligner could not find it in the audio.
+    estimated: bool = False
 
 
 @dataclass(frozen=True, slots=True)
 class Words:
-    """Words whose audio has just been yielded, with their times: given only for streams that
-    asked for them, by engines that know them (`Engine.word_timings`)."""
+    """Words whose audio has been yielded, with their times: given only for streams that asked
+    for them, by engines that know them (`Engine.word_timings`), else by the aligner (a
+    segment's words once the segment is complete, `vox_ws.alignment`)."""
 
     words: tuple[Word, ...]
 

@@ -35,9 +35,10 @@ from .pacing import Pacing
 from .record import StreamRecord
 from .request import StreamRequest, StreamSetup
 from .segments import SegmentStarter, TextWork
-from .sink import RequestEnded, RequestEvent, SegmentSink
+from .sink import Aligned, RequestEnded, RequestEvent, SegmentAlignment, SegmentSink
 from .stream_input import StreamInput
 from .text_plan import Pause, Speak, TextPlan
+from .word_timings import AlignedInOrder
 
 
 class StreamState(str, enum.Enum):
@@ -109,6 +110,11 @@ class Generation:
         self._request: GenerationRequest | None = None    # of the segment being generated
         self._context: Any = None                # the previous segment's continuation
         self._timed_words: list[Word] = []       # every word time produced (for `heard`)
+        # Where the aligner times the words: the spoken segments (their sinks) whose words are not
+        # yet sent, and the end that waits for them (`Ended` comes after every word).
+        self._aligner = setup.aligner if self.word_timestamps else None
+        self._aligning = AlignedInOrder()
+        self._ending: EndReason | None = None
         self._work: asyncio.Future | None = None  # the voice, a cut or a preparation, off the loop
 
     @property
@@ -236,8 +242,9 @@ class Generation:
             self.fail(err)
 
     def _queue(self, text: str, engine_text: str, prepared: bool) -> int:
+        alignment = None if self._aligner is None else SegmentAlignment(self._aligner, text, engine_text)
         sink = SegmentSink(functools.partial(self._service.mailbox.post, self._on_request_event), self._output,
-                           self._pacing, self.word_timestamps, self.phoneme_timestamps)
+                           self._pacing, self.word_timestamps, self.phoneme_timestamps, alignment)
         request = self.segments.engine_request(engine_text, prepared, sink, self._lora_pin, self._context, self.plan)
         position = self.scheduler.submit(request)
         self._request = request
@@ -247,6 +254,13 @@ class Generation:
     # ------------------------------------------------------------------ what a request's sink posts (loop)
 
     def _on_request_event(self, sink: SegmentSink, event: RequestEvent) -> None:
+        if isinstance(event, Aligned):               # a spoken segment's words: wherever the next one has got to
+            for words in self._aligning.answer(sink, event.words):
+                self._timed_words.extend(words)
+                self._pacing.put(Words(words))
+            if self._ending is not None and not self._aligning.waiting and not self.done:
+                self._end(self._ending)
+            return
         request = self._request
         if request is None or sink is not request.sink or self.done:
             return                                 # a request this stream no longer waits for
@@ -264,6 +278,8 @@ class Generation:
             self._end(event.reason)
         else:                                               # a segment spoken: on to the next
             self._request = None
+            if sink.aligning:
+                self._aligning.expect(sink)
             segment = self.plan.spoke(self._pacing.produced_s, event.reason)
             if self.plan.continues:
                 self._context = request.continuation
@@ -277,6 +293,9 @@ class Generation:
     # ------------------------------------------------------------------ endings
 
     def _end(self, reason: EndReason) -> None:
+        if reason != EndReason.CANCELLED and self._aligning.waiting:
+            self._ending = reason                   # once the aligner's last words are in
+            return
         heard = None
         if reason != EndReason.CANCELLED:
             self._produced(self._output.tail())
@@ -309,6 +328,7 @@ class Generation:
         self.ended_by = ended_by
         if ended_by is not None:
             self.record.ended(ended_by)
+        self._aligning.clear()
         self.input.stop()
         self.plan.stop()
         if self._work is not None and self._work is not asyncio.current_task():

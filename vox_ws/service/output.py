@@ -26,7 +26,7 @@ import numpy as np
 from ..audio import Gain, StreamEncoder
 from ..codecs import CODECS, Encoded, OutputPipeline, needs_pipeline
 from ..engine import EndReason, ErrorKind, Refused
-from .events import Audio, Ended, Event, Failed, Flushed, Phoneme, Phonemes, Produced, Queued, Segment, Word, Words
+from .events import Audio, Ended, Event, Failed, Flushed, Phoneme, Phonemes, Produced, Queued, Segment, Words
 
 # The most audio one chunk carries, in seconds.
 MAX_CHUNK_S = 1.0
@@ -149,7 +149,8 @@ class OutputStage:
         if isinstance(event, Segment):
             return [replace(event, start_s=self._scaled(event.start_s), end_s=self._scaled(event.end_s))]
         if isinstance(event, Words):
-            return [Words(tuple(Word(w.word, self._scaled(w.start_s), self._scaled(w.end_s)) for w in event.words))]
+            return [Words(tuple(replace(w, start_s=self._scaled(w.start_s), end_s=self._scaled(w.end_s))
+                                for w in event.words))]
         if isinstance(event, Phonemes):
             return [Phonemes(tuple(Phoneme(p.phoneme, self._scaled(p.start_s), self._scaled(p.end_s))
                                    for p in event.phonemes))]

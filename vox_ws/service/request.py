@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Mapping
 
+from ..alignment.pool import WordAligner
 from ..lexicon import Lexicon, Pronunciation
 from ..scheduler import Scheduler
 from .output import AudioOutput
@@ -61,7 +62,8 @@ class StreamSetup:
     """What the service settled as a stream opened: its device's scheduler and its number, the
     clients it is for (broadest first: token or address, then connection; the scheduler shares
     slots among them), its log line's fields, the voice and adapter it holds to its end, its
-    pronunciations (the request's before the server's), and what of the request is ignored."""
+    pronunciations (the request's before the server's), what of the request is ignored, and
+    the aligner that times its words where the engine does not."""
 
     scheduler: Scheduler
     number: int
@@ -71,3 +73,5 @@ class StreamSetup:
     lora_pin: Any = None
     lexicon: Lexicon | None = None
     ignored: tuple[str, ...] = ()
+    # Where its word times come from, if it asked for them: None, the engine; else this aligner.
+    aligner: WordAligner | None = None

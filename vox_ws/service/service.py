@@ -37,6 +37,7 @@ from .voice_aliases import Alias
 from .voice_names import ResolvedVoice
 from .voice_store import ANY_OWNER, MemoryStore, StoreLimits, VoiceStore
 from .voices import VoiceService
+from .word_timings import WordTimings
 from .work import engine_work
 
 log = logging.getLogger("vox_ws.service")
@@ -52,7 +53,8 @@ class StreamService:
 
     def __init__(self, devices: Devices | Scheduler, limits: Limits | None = None,
                  metrics: Metrics | None = None, voice_store: VoiceStore | None = None,
-                 voice_aliases: dict[str, Alias | None] | None = None) -> None:
+                 voice_aliases: dict[str, Alias | None] | None = None,
+                 word_timings: WordTimings | None = None) -> None:
         self.devices = devices if isinstance(devices, Devices) else Devices([devices])
         self.limits = limits or Limits()
         # Voices: built-in, aliases, and those registered, kept in the store (`voices.py`).
@@ -72,6 +74,9 @@ class StreamService:
         # Long texts are cut (tokenised) here: never behind a slow normalisation.
         self._splitter = ThreadPoolExecutor(1, thread_name_prefix="vox-ws-split")
         self.encoding = ThreadPoolExecutor(ENCODING_THREADS, thread_name_prefix="vox-ws-encode")
+        # Where word times come from: the engine, else the aligner's processes (started at the
+        # first stream that asks).
+        self.word_timings = word_timings or WordTimings()
 
     @property
     def engine(self) -> Engine:
@@ -90,6 +95,7 @@ class StreamService:
         self._preparer.shutdown(wait=False, cancel_futures=True)
         self._splitter.shutdown(wait=False, cancel_futures=True)
         self.encoding.shutdown(wait=False, cancel_futures=True)
+        await asyncio.to_thread(self.word_timings.close)
         await self.voices.close()
 
     # ------------------------------------------------------------------ streams
@@ -125,8 +131,13 @@ class StreamService:
             from_store = self.voices.needs_store(voice, scheduler.engine)
             # The stream keeps its voice until it ends, even if the voice is deleted meanwhile.
             voice_pin = None if from_store else scheduler.engine.voices.pin(voice)
+            aligner = self.word_timings.aligner_for(scheduler.engine, checked.language) \
+                if checked.word_timestamps else None
+            if aligner is not None:
+                aligner.start()
             setup = StreamSetup(scheduler, next(self._numbers), owners, dict(log_fields or {}), voice_pin, lora_pin,
-                                combined(checked.pronunciations, self.lexicon), self._ignored(request, checked))
+                                combined(checked.pronunciations, self.lexicon), self._ignored(request, checked),
+                                aligner)
             stream = Stream(self, checked, setup)
             # A voice from the store is fetched (and built) first; what the stream says waits for it.
             stream.queued = stream.generation.start(None if checked.input_streaming else spoken,
@@ -176,7 +187,7 @@ class StreamService:
         return dataclasses.replace(
             request, voice=resolved.voice, options=options, instructions=instructions, input_streaming=input_streaming,
             language=language, output=output,
-            word_timestamps=request.word_timestamps and self.engine.word_timings,
+            word_timestamps=request.word_timestamps and self.word_timings.given(self.engine, language),
             phoneme_timestamps=request.phoneme_timestamps and self.engine.phoneme_timings)
 
     @staticmethod

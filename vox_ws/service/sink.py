@@ -11,19 +11,32 @@ loop, drops what a sink of a request it no longer waits for posts.
     scheduler thread                                     event loop
     deliver(pcm, words, phonemes) -> produce -> post ──▶  Generation._on_request_event(sink, event)
     finish(reason) / fail(kind, ...)          -> post ──▶
+
+Where the stream's words come from the aligner (`SegmentAlignment`), the sink also keeps the
+segment's audio, and at its end hands it to the aligner's processes; their words are posted
+(`Aligned`) after the segment's end, whenever they are done:
+
+    finish(DONE) -> post RequestEnded ───────────────────────────────────────────────────▶
+                 -> aligner.align(audio)
+    an aligner process's answer -> post Aligned(words, or None where it failed) ─────────▶
 """
 
 from __future__ import annotations
 
+import logging
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Callable, Union
 
 import numpy as np
 
+from ..alignment.pool import SegmentRecording, WordAligner
 from ..engine import EndReason, ErrorKind
 from .events import Phoneme, Phonemes, Produced, Word, Words
 from .output import OutputStage
 from .pacing import Pacing
+
+log = logging.getLogger("vox_ws.service")
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,21 +51,43 @@ class RequestFailed:
     retry_after_s: float | None = None
 
 
-RequestEvent = Union[Produced, Words, Phonemes, RequestEnded, RequestFailed]
+@dataclass(frozen=True, slots=True)
+class Aligned:
+    """A segment's words from the aligner, in the stream's timeline; None where it failed (the
+    stream goes on without them)."""
+
+    words: tuple[Word, ...] | None
+
+
+RequestEvent = Union[Produced, Words, Phonemes, RequestEnded, RequestFailed, Aligned]
 """What a request's sink posts to its stream."""
 
 Post = Callable[["SegmentSink", RequestEvent], None]
 
 
+@dataclass(frozen=True)
+class SegmentAlignment:
+    """A segment whose words the aligner times: its text as the client wrote it, and as the
+    engine was given it (respelled, normalised)."""
+
+    aligner: WordAligner
+    written: str
+    spoken: str
+
+
 class SegmentSink:
     def __init__(self, post: Post, output: OutputStage, pacing: Pacing, word_timestamps: bool,
-                 phoneme_timestamps: bool) -> None:
+                 phoneme_timestamps: bool, alignment: SegmentAlignment | None = None) -> None:
         self._post = post
         self._output = output
         self._pacing = pacing
-        self._words = word_timestamps
+        self._words = word_timestamps and alignment is None
         self._phonemes = phoneme_timestamps
         self._failed = False
+        self._alignment = alignment
+        self._recording = SegmentRecording(output.engine_rate) if alignment is not None else None
+        self._first_sample: int | None = None    # where the segment starts in the stream's audio
+        self.aligning = False                    # its words are with the aligner (set before RequestEnded)
 
     def deliver(self, pcm: np.ndarray, words: list[tuple[str, int, int]] | None = None,
                 phonemes: list[tuple[str, int, int]] | None = None) -> None:
@@ -67,6 +102,10 @@ class SegmentSink:
             return
         output = self._output
         rate, offset = output.engine_rate, output.engine_samples
+        if self._recording is not None:
+            if self._first_sample is None:
+                self._first_sample = offset
+            self._recording.add(pcm)
         for chunk in output.produce(pcm):
             self._post(self, chunk)
         # After the audio they are in: a cancel that drops that audio drops them too.
@@ -78,7 +117,11 @@ class SegmentSink:
                                                for p, a, b in phonemes)))
 
     def finish(self, reason: EndReason) -> None:
+        # The end first, the words (or their loss) after it, however soon the aligner answers.
+        self.aligning = reason != EndReason.CANCELLED and self._first_sample is not None and not self._failed
         self._post(self, RequestEnded(reason))
+        if self.aligning:
+            self._align()
 
     def fail(self, kind: ErrorKind, message: str, retry_after_s: float | None = None) -> None:
         self._post(self, RequestFailed(kind, message, retry_after_s))
@@ -88,6 +131,31 @@ class SegmentSink:
 
     def audio_ahead_s(self) -> float:
         return self._pacing.audio_ahead_s()
+
+    # ------------------------------------------------------------------ the aligner's words
+
+    def _align(self) -> None:
+        alignment, recording = self._alignment, self._recording
+        assert alignment is not None and recording is not None
+        try:
+            future = alignment.aligner.align(recording.take(), alignment.written, alignment.spoken)
+        except Exception as exc:
+            future = Future()
+            future.set_exception(exc)
+        future.add_done_callback(self._aligned)
+
+    def _aligned(self, future: Future) -> None:
+        """On the pool's thread: the words, or their loss, to the stream."""
+        try:
+            timed = future.result()
+        except BaseException as exc:          # the aligner failed, or was closed: words lost, never audio
+            log.warning("aligning a segment failed (%s: %s): its words are not sent", type(exc).__name__, exc)
+            words = None
+        else:
+            start = self._first_sample / self._output.engine_rate
+            words = tuple(Word(word, round(start + a, 4), round(start + b, 4), estimated)
+                          for word, a, b, estimated in timed)
+        self._post(self, Aligned(words))
 
 
 def _at(sample: int, rate: int) -> float:

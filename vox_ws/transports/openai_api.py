@@ -480,8 +480,7 @@ class SpeechResponse(Response):
             if isinstance(event, Audio):
                 await self._body(send, self._frame(event))
             elif isinstance(event, Words) and self.timestamps == "word":
-                await self._body(send, _sse({"type": "speech.audio.words", "words": [
-                    {"word": w.word, "start_s": w.start_s, "end_s": w.end_s} for w in event.words]}))
+                await self._body(send, _sse({"type": "speech.audio.words", "words": p.timed_words(event)}))
             elif isinstance(event, Segment) and self.timestamps:
                 await self._body(send, _sse({"type": "speech.audio.segment", "index": event.index, "text": event.text,
                                              "start_s": event.start_s, "end_s": event.end_s}))

@@ -432,6 +432,13 @@ def reply_message(kind: str, result: dict[str, Any], request_id: str | None) -> 
     return message
 
 
+def timed_words(event: Words) -> list[dict[str, Any]]:
+    """A `words` message's words; `estimated` only on a word the aligner placed between its
+    neighbours rather than heard."""
+    return [{"word": w.word, "start_s": w.start_s, "end_s": w.end_s, **({"estimated": True} if w.estimated else {})}
+            for w in event.words]
+
+
 def event_message(sid: str, event: Event) -> dict[str, Any]:
     """One stream event as its frame: `chunk`, `segment`, `words`, `phonemes`, `flushed`, `end`
     or `error`."""
@@ -441,8 +448,7 @@ def event_message(sid: str, event: Event) -> dict[str, Any]:
         return {"type": "segment", "id": sid, "index": event.index, "text": event.text, "start_s": event.start_s,
                 "end_s": event.end_s}
     if isinstance(event, Words):
-        return {"type": "words", "id": sid,
-                "words": [{"word": w.word, "start_s": w.start_s, "end_s": w.end_s} for w in event.words]}
+        return {"type": "words", "id": sid, "words": timed_words(event)}
     if isinstance(event, Phonemes):
         return {"type": "phonemes", "id": sid, "phonemes": [
             {"phoneme": ph.phoneme, "start_s": ph.start_s, "end_s": ph.end_s} for ph in event.phonemes]}

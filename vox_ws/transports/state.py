@@ -103,7 +103,7 @@ class ServerState:
                  "pronunciations", "language", "volume"]
                 + (["voice_cloning"] if engine.supports_voices else [])
                 + (["instructions"] if engine.text.follows_instructions(None) else [])
-                + (["word_timestamps"] if engine.word_timings else [])
+                + (["word_timestamps"] if self.service.word_timings.offered(engine) else [])
                 + (["phoneme_timestamps"] if engine.phoneme_timings else [])
                 + (["lora"] if self.service.loras.describe().get("configured") else []))
 
@@ -125,6 +125,7 @@ class ServerState:
             "languages": list(self.service.engine.languages),
             "aliases": {name: alias.describe() for name, alias in self.service.voices.aliases().items()},
             "features": self.features(),
+            "word_timings": self.service.word_timings.describe(self.service.engine),
             "lexicon": {"path": self.config.lexicon, "entries": len(self.service.lexicon)},
             "sessions": len(self.sessions),
             "streams_open": self.service.open_streams,

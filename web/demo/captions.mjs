@@ -1,5 +1,5 @@
-// The captions of the stream being played: its words where the engine times them (Piper's
-// `words` messages), else its segments (`segment` messages), in order, each with its place in
+// The captions of the stream being played: its words where they are timed (the engine's or
+// the aligner's `words` messages), else its segments (`segment` messages), in order, each with its place in
 // the stream's own timeline, and which one is being heard at a moment of playback.
 
 export class CaptionTrack {

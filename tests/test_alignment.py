@@ -1,0 +1,264 @@
+"""Word timings by forced alignment (`vox_ws.alignment`): the text spelled as it is heard, the
+aligner's words against Piper's own on the same audio, VoxCPM2's words over v1 and a barge-in's
+`heard` (over the OpenAI door and in captions: test_documents.py), and what a failing aligner
+costs (the words, never the audio). The aligner runs in processes of its own: pocketsphinx is
+never loaded in this one."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+from concurrent.futures import Future
+
+import numpy as np
+import pytest
+
+from conftest import WAIT_TIMEOUT, assert_good_stream, connect_client, wait_until
+from vox_ws.alignment.pool import WordAligner
+from vox_ws.alignment.spelling import AlignmentText, spoken_words, written_times
+from vox_ws.alignment.sphinx import letters_to_phones
+from vox_ws.engines.piper import PiperEngine
+from vox_ws.service.word_timings import WordTimings
+
+TEXT = "Doctor Smith paid $3.50 for the tickets on Tuesday. The show started at 8, and it was wonderful."
+# Piper speaking without its random noise: the same text gives the same audio, the same times.
+STILL = {"noise_scale": 0.0, "noise_w_scale": 0.0}
+
+
+async def stream_words(server, text: str, **fields) -> tuple[list[dict], list[dict], dict, dict]:
+    """(words, chunks, start, end) of one stream over v1, in the order they came."""
+    async with connect_client(server) as c:
+        await c.send({"type": "start", "id": "w", "text": text, "format": "s16", "word_timestamps": True, **fields})
+        words, chunks, start = [], [], None
+        while True:
+            message = await c.recv_where(lambda m: m.get("id") == "w")
+            if message["type"] == "start":
+                start = message
+            elif message["type"] == "words":
+                words += message["words"]
+            elif message["type"] == "chunk":
+                chunks.append(message)
+            elif message["type"] in ("end", "error"):
+                return words, chunks, start, message
+
+
+def ordered(words: list[dict], audio_s: float) -> bool:
+    return (all(0 <= w["start_s"] <= w["end_s"] <= audio_s + 1e-3 for w in words)
+            and all(a["end_s"] <= b["start_s"] + 1e-3 for a, b in zip(words, words[1:])))
+
+
+# ------------------------------------------------------------------------------ the text as heard
+
+
+def test_numbers_money_symbols_and_abbreviations_are_spelled_as_said():
+    assert spoken_words("$3.50") == ["three", "dollars", "fifty", "cents"]
+    assert spoken_words("£12") == ["twelve", "pounds"]
+    assert spoken_words("1999") == ["nineteen", "ninety", "nine"]
+    assert spoken_words("2,024") == ["two", "thousand", "twenty", "four"]
+    assert spoken_words("R&D,") == ["r", "and", "d"]
+    assert spoken_words("50%") == ["fifty", "percent"]
+    assert spoken_words("Dr.") == ["doctor"] and spoken_words("dr") == ["dr"]
+    assert spoken_words("3-day") == ["three", "day"]
+    assert spoken_words("isn’t") == ["isn't"]
+    assert spoken_words("—") == []
+
+
+def test_the_spoken_words_belong_to_the_words_the_client_wrote():
+    """The engine was given a normalised text: its words are timed, and each belongs to the
+    written word it says; a written word said as nothing is still there."""
+    text = AlignmentText.of("Dr. Smith paid $3.50 — twice.", "Doctor Smith paid three dollars fifty cents, twice.")
+    assert text.written == ("Dr.", "Smith", "paid", "$3.50", "—", "twice.")
+    assert text.words == ("doctor", "smith", "paid", "three", "dollars", "fifty", "cents", "twice")
+    assert [text.written[i] for i in text.owner] == ["Dr.", "Smith", "paid", "$3.50", "$3.50", "$3.50", "$3.50",
+                                                    "twice."]
+
+
+def test_a_word_not_placed_is_estimated_between_its_neighbours_never_dropped():
+    text = AlignmentText.of("one two three four", "one two three four")
+    timed = written_times(text, [(0.0, 0.5), None, None, (1.6, 2.0)], 2.0)
+    assert [w[0] for w in timed] == ["one", "two", "three", "four"]
+    assert [w[3] for w in timed] == [False, True, True, False]
+    assert timed[1][1] == 0.5 and timed[2][2] == pytest.approx(1.6)
+    assert timed[1][2] == pytest.approx(timed[2][1])
+    # Nothing placed (audio the aligner could not follow): shared over the segment by length.
+    nothing = written_times(text, [None] * 4, 3.0)
+    assert all(w[3] for w in nothing) and nothing[0][1] == 0.0 and nothing[-1][2] == pytest.approx(3.0)
+
+
+def test_a_word_out_of_the_dictionary_is_spelled_by_rule():
+    assert letters_to_phones("zorblax") == "Z AO R B L AE K S"
+    assert letters_to_phones("shakespeare").split()[0] == "SH"
+    assert letters_to_phones("'''") == "AH"
+
+
+# ------------------------------------------------------------------------------ the aligner itself
+
+
+@pytest.fixture(scope="module")
+def aligner():
+    aligner = WordAligner(workers=1)
+    yield aligner
+    aligner.close()
+
+
+def test_audio_too_short_for_its_words_gets_estimated_times(aligner):
+    timed = aligner.align(np.zeros(1600, np.int16), "far too many words for a tenth of a second",
+                          "far too many words for a tenth of a second").result(WAIT_TIMEOUT)
+    assert [w[0] for w in timed] == "far too many words for a tenth of a second".split()
+    assert all(w[3] for w in timed) and timed[-1][2] == pytest.approx(0.1)
+
+
+def test_a_process_that_dies_costs_its_segment_and_the_next_is_aligned(aligner):
+    aligner.start()
+    aligner._started().submit(os._exit, 3)
+    for _ in range(3):      # the pool is found broken at a submit (then replaced) or when it runs
+        try:
+            timed = aligner.align(np.zeros(16000, np.int16), "hello", "hello").result(WAIT_TIMEOUT)
+            break
+        except Exception:
+            continue
+    assert [w[0] for w in timed] == ["hello"]
+
+
+# ------------------------------------------------------------------------------ VoxCPM2 over every door
+
+
+async def test_voxcpm_streams_carry_a_time_for_every_word_in_english(tiny_voxcpm):
+    async with connect_client(tiny_voxcpm) as c:
+        assert "word_timestamps" in c.hello["features"]
+    assert tiny_voxcpm.get("/v1/info")[1]["word_timings"] == {"source": "aligner", "languages": ["en"]}
+    text = "First, a short clause. Then a second sentence follows it, and a third one ends it all."
+    words, chunks, start, end = await stream_words(tiny_voxcpm, text, options={"max_len": 12})
+    assert end["type"] == "end" and end["reason"] in ("done", "max_len"), end
+    assert "ignored_options" not in start
+    assert [w["word"] for w in words] == text.split()
+    assert ordered(words, end["audio_s"])
+    # Each segment's words lie in that segment's audio (random weights: placed by length).
+    for segment in end["segments"]:
+        inside = [w for w in words if segment["start_s"] - 1e-3 <= w["start_s"] <= segment["end_s"] + 1e-3]
+        assert [w["word"] for w in inside][:len(segment["text"].split())] == segment["text"].split()
+    assert all(set(w) <= {"word", "start_s", "end_s", "estimated"} for w in words)
+
+
+async def test_another_language_names_word_timestamps_ignored(tiny_voxcpm):
+    words, _, start, end = await stream_words(tiny_voxcpm, "你好，世界。", language="zh", options={"max_len": 4})
+    assert end["type"] == "end" and words == []
+    assert "word_timestamps" in start["ignored_options"]
+
+
+async def test_voxcpm_words_scale_with_the_speed_and_come_before_the_end(tiny_voxcpm):
+    text = "Slow and steady wins the race."
+    plain, _, _, end = await stream_words(tiny_voxcpm, text, options={"max_len": 10, "seed": 7})
+    faster, _, _, fast_end = await stream_words(tiny_voxcpm, text, options={"max_len": 10, "seed": 7}, speed=2.0)
+    assert [w["word"] for w in faster] == text.split()
+    assert fast_end["audio_s"] == pytest.approx(end["audio_s"] / 2, abs=0.05)
+    for a, b in zip(plain, faster):
+        assert b["start_s"] == pytest.approx(a["start_s"] / 2, abs=0.02)
+
+
+async def test_a_barge_in_hears_the_aligned_words_wholly_taken(tiny_voxcpm):
+    """An agent's reply streams in and plays in real time (a lookahead: the server hands over
+    audio no faster than it plays); the listener barges in once its first sentence is whole
+    and timed by the aligner, while the reply goes on: `heard` names that sentence's words
+    that ended in what was taken."""
+    first = " ".join(["one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten"] * 2) + "."
+    async with connect_client(tiny_voxcpm) as c:
+        # 100 steps, 16 s: far longer than it takes to make and align it, or than the 10 s
+        # the server holds ahead of a listener (max_buffered_audio_s).
+        await c.send({"type": "start", "id": "b", "stream_input": True, "format": "s16", "word_timestamps": True,
+                      "lookahead_s": 0.5, "options": {"max_len": 100}})
+        await c.recv_where(lambda m: m["type"] == "start")
+        await c.send({"type": "chunk", "id": "b", "text": first + " "})
+        await c.send({"type": "flush", "id": "b"})
+        listening = asyncio.ensure_future(c.recv_where(lambda m: m["type"] == "end"))   # plays as it comes
+        service = tiny_voxcpm.server.service
+        await wait_until(lambda: any(g._timed_words for g in list(service._live)))
+        timed = next(g._timed_words for g in list(service._live) if g._timed_words)
+        await c.send({"type": "cancel", "id": "b"})
+        end = await listening
+    assert end["reason"] == "cancelled"
+    heard = end["heard"]
+    assert 0 < heard["audio_s"] < 16.0
+    partial = heard["partial"]
+    assert partial["text"] == first
+    assert partial["words"] == [w.word for w in timed if w.end_s <= heard["audio_s"] + 1e-3]
+    assert 0 < len(partial["words"]) < len(first.split())
+    assert partial["words"] == first.split()[:len(partial["words"])]
+
+
+# ------------------------------------------------------------------------------ a failing aligner
+
+
+class FailingAligner(WordAligner):
+    """An aligner whose every segment fails, as a crashed process's would."""
+
+    def start(self) -> None:
+        pass
+
+    def align(self, audio, written, spoken) -> Future:
+        failed: Future = Future()
+        failed.set_exception(RuntimeError("the aligner crashed"))
+        return failed
+
+
+async def test_a_failing_aligner_costs_the_stream_its_words_never_its_audio(start_server, tiny_model):
+    from vox_ws.engines.voxcpm.engine import VoxCPMEngine
+
+    server = start_server(VoxCPMEngine(model=str(tiny_model), device="cpu", max_batch=2), max_batch=2,
+                          word_timings="engine")
+    server.server.service.word_timings = WordTimings(FailingAligner())
+    text = "The audio still comes. Every second of it."
+    words, chunks, start, end = await stream_words(server, text, options={"max_len": 10})
+    assert end["type"] == "end" and words == [] and len(end["segments"]) >= 1
+    assert "word_timestamps" not in start.get("ignored_options", [])
+    assert sum(len(c["audio"]) for c in chunks) / 2 / start["sample_rate"] == pytest.approx(end["audio_s"], abs=1e-3)
+    # The server goes on: the next stream is served whole.
+    async with connect_client(server) as c:
+        result = await c.speak("And the next one too.", "n", format="s16", options={"max_len": 10})
+    assert_good_stream(result, min_seconds=0.5, reason=result.end["reason"])
+
+
+# ------------------------------------------------------------------------------ any engine's words, aligned
+
+
+@pytest.fixture(scope="module")
+def aligned_piper(start_server):
+    """Piper whose words come from the aligner (`--word-timings aligned`), to measure it."""
+    return start_server(PiperEngine(), max_batch=2, word_timings="aligned")
+
+
+async def test_word_timings_aligned_times_piper_by_the_aligner_close_to_its_own(aligned_piper, piper_server):
+    assert aligned_piper.get("/v1/info")[1]["word_timings"] == {"source": "aligner", "languages": ["en"]}
+    assert piper_server.get("/v1/info")[1]["word_timings"] == {"source": "engine"}
+    aligned, _, _, end = await stream_words(aligned_piper, TEXT, options=STILL)
+    own, _, _, own_end = await stream_words(piper_server, TEXT, options=STILL)
+    assert end["audio_s"] == pytest.approx(own_end["audio_s"], abs=0.01)       # the same speech
+    assert [w["word"] for w in aligned] == [w["word"] for w in own] == TEXT.split()
+    assert ordered(aligned, end["audio_s"]) and not any(w.get("estimated") for w in aligned)
+    errors = [abs(a[k] - b[k]) for a, b in zip(aligned, own) for k in ("start_s", "end_s")]
+    assert np.mean(errors) < 0.1, errors
+    # Aligned by pocketsphinx (no word estimated), which was never loaded in this process: not on
+    # the event loop, not on the engine's thread, but in the aligner's own processes.
+    assert "pocketsphinx" not in sys.modules
+    pool = aligned_piper.server.service.word_timings.aligner._pool
+    assert pool is not None and pool._processes and os.getpid() not in pool._processes
+
+
+def test_word_timings_takes_three_modes():
+    with pytest.raises(ValueError, match="auto, aligned, engine"):
+        WordTimings.for_mode("always")
+    assert WordTimings.for_mode("engine").aligner is None
+
+
+def test_aligned_words_go_out_in_the_order_spoken_however_the_processes_answer():
+    from vox_ws.service.events import Word
+    from vox_ws.service.word_timings import AlignedInOrder
+
+    order = AlignedInOrder()
+    first, second, third = (Word("a", 0, 1),), (Word("b", 1, 2),), (Word("c", 2, 3),)
+    for segment in "xyz":
+        order.expect(segment)
+    assert order.answer("z", third) == [] and order.answer("y", None) == []      # y failed: no words
+    assert order.answer("x", first) == [first, third] and not order.waiting
+    assert order.answer("elsewhere", second) == []

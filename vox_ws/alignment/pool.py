@@ -1,0 +1,120 @@
+"""The aligner processes: where a segment's audio and texts go once the segment is complete.
+
+A pool of spawned processes, one per core, started at the first segment that asks: each makes
+its decoder once (`sphinx.SphinxAligner`) and aligns one segment at a time. Nothing of it runs
+on the event loop or the engine's thread: they only hand over the audio and take a future.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import multiprocessing
+import os
+import threading
+from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+
+import numpy as np
+import soxr
+
+from ..text import base_language
+from .spelling import AlignmentText, written_times
+from .sphinx import SAMPLE_RATE
+
+# A timed word: (the word as written, start s, end s, estimated: placed between its neighbours).
+TimedWord = tuple[str, float, float, bool]
+
+_aligner = None
+
+
+def _start_worker() -> None:
+    global _aligner
+    from .sphinx import SphinxAligner
+    _aligner = SphinxAligner()
+
+
+def _ready() -> None:
+    """Nothing: a process that ran it has started."""
+
+
+def align_segment(audio: np.ndarray, written: str, spoken: str) -> list[TimedWord]:
+    """In an aligner process: the written words of a segment with their times in its audio
+    (a `SegmentRecording`'s)."""
+    text = AlignmentText.of(written, spoken)
+    times = _aligner.align(audio, text.words) if _aligner is not None else [None] * len(text.words)
+    return written_times(text, times, len(audio) / SAMPLE_RATE)
+
+
+class SegmentRecording:
+    """A segment's audio as the aligner takes it (16-bit at SAMPLE_RATE: a sixth of 48 kHz
+    float's memory), gathered as the engine yields it."""
+
+    def __init__(self, rate: int) -> None:
+        self._resampler = None if rate == SAMPLE_RATE else soxr.ResampleStream(rate, SAMPLE_RATE, 1, dtype="float32")
+        self._parts: list[np.ndarray] = []
+
+    def add(self, pcm: np.ndarray, last: bool = False) -> None:
+        pcm = np.asarray(pcm, dtype=np.float32)
+        if self._resampler is not None:
+            pcm = self._resampler.resample_chunk(pcm, last=last)
+        self._parts.append((np.clip(pcm, -1.0, 1.0) * 32767).astype(np.int16))
+
+    def take(self) -> np.ndarray:
+        """All of it, the resampler's tail included."""
+        self.add(np.zeros(0, dtype=np.float32), last=True)
+        audio, self._parts = np.concatenate(self._parts), []
+        return audio
+
+
+class WordAligner:
+    """Thread-safe: sinks on the engine's thread hand it segments."""
+
+    languages = ("en",)
+
+    def __init__(self, workers: int | None = None) -> None:
+        self.workers = workers or len(os.sched_getaffinity(0))
+        self._pool: ProcessPoolExecutor | None = None
+        self._lock = threading.Lock()
+        self._closed = False
+
+    @staticmethod
+    def available() -> bool:
+        """Whether its aligner is installed (pocketsphinx, in the voxcpm extra)."""
+        return importlib.util.find_spec("pocketsphinx") is not None
+
+    def serves(self, language: str | None) -> bool:
+        """Whether it aligns speech in `language` (None: read from the text, as VoxCPM2 does;
+        a text in another script is given estimated times)."""
+        return language is None or base_language(language) in self.languages
+
+    def align(self, audio: np.ndarray, written: str, spoken: str) -> Future:
+        """A future of `align_segment`'s words: `audio` a `SegmentRecording`'s, `written` the
+        segment's text as the client sent it, `spoken` as the engine was given it."""
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the aligner is closed")
+            try:
+                return self._started().submit(align_segment, audio, written, spoken)
+            except BrokenProcessPool:       # a process died (its segment lost its words): anew
+                self._pool = None
+                return self._started().submit(align_segment, audio, written, spoken)
+
+    def start(self) -> None:
+        """Start every process now (each makes its decoder: some 0.5 s), not at the first words."""
+        with self._lock:
+            if self._pool is None and not self._closed:
+                for _ in range(self.workers):
+                    self._started().submit(_ready)
+
+    def _started(self) -> ProcessPoolExecutor:
+        if self._pool is None:
+            self._pool = ProcessPoolExecutor(self.workers, mp_context=multiprocessing.get_context("spawn"),
+                                             initializer=_start_worker)
+        return self._pool
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True, cancel_futures=True)
