@@ -141,6 +141,37 @@ async def test_voxcpm_streams_carry_a_time_for_every_word_in_english(tiny_voxcpm
     assert all(set(w) <= {"word", "start_s", "end_s", "estimated"} for w in words)
 
 
+@pytest.fixture(scope="module")
+def voxcpm_normalising(start_server, tiny_model):
+    """The tiny VoxCPM2 with its defaults, for streams that start its text normaliser (a
+    process this module stops with the server)."""
+    from vox_ws.engines.voxcpm.engine import VoxCPMEngine
+
+    engine = VoxCPMEngine(model=str(tiny_model), device="cpu", max_batch=2)
+    engine.given = []
+    prefill_many = engine.prefill_many
+
+    def recorded(requests):          # the texts the engine is given
+        engine.given.extend(r.text for r in requests)
+        return prefill_many(requests)
+
+    engine.prefill_many = recorded
+    return start_server(engine, max_batch=2)
+
+
+async def test_words_are_those_sent_when_the_engine_was_given_others(voxcpm_normalising):
+    """Normalised ("$3.50" said as "three dollars fifty cents") and respelled ("SQL" said
+    "sequel"): the aligner hears what the engine was given, the client gets back what it sent."""
+    text = "The SQL course costs $3.50 on 3 May."
+    words, _, _, end = await stream_words(voxcpm_normalising, text, pronunciations=[{"match": "SQL", "say": "sequel"}],
+                                          options={"max_len": 20, "normalize": True})
+    assert end["type"] == "end", end
+    assert [w["word"] for w in words] == text.split()
+    assert ordered(words, end["audio_s"])
+    given = voxcpm_normalising.engine.given[-1]
+    assert "sequel" in given and "$" not in given            # what the engine spoke
+
+
 async def test_another_language_names_word_timestamps_ignored(tiny_voxcpm):
     words, _, start, end = await stream_words(tiny_voxcpm, "你好，世界。", language="zh", options={"max_len": 4})
     assert end["type"] == "end" and words == []

@@ -271,9 +271,9 @@ def test_clone_my_voice_from_a_file_then_speak_with_it(browser, start_server, ti
     s = speak_and_drain(page, "Hi.")
     assert s["stream"]["request"]["instructions"] == "a warm, low voice, slowly" and "voice" not in s["stream"]["request"]
     assert s["lastEnd"]["reason"] == "max_len" and "instructions" not in s["stream"]["ignored"]
-    # VoxCPM2 times no words: the captions are its segments, lit in turn.
+    # VoxCPM2 times no words itself: the aligner does, and the captions are its words.
+    assert s["stream"]["request"].get("word_timestamps") is True
     assert page.eval_on_selector_all("#captions span", "els => els.map(e => e.textContent)") == ["Hi."]
-    assert s["stream"]["request"].get("word_timestamps") is None
     context.close()
 
 

@@ -109,7 +109,7 @@ class Stream:
         self.ended: dict[str, Any] | None = None
         self.finished = False                         # its `end` or `error` has arrived
         self.segments: list[dict[str, Any]] = []
-        self.words: list[dict[str, Any]] = []       # with word_timestamps: {word, start_s, end_s}
+        self.words: list[dict[str, Any]] = []       # with word_timestamps: {word, start_s, end_s, estimated?}
         self.description: bytes | None = None       # opus_packets: the OpusHead
         self._queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
         self._start_reply: asyncio.Future = asyncio.get_running_loop().create_future()
