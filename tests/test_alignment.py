@@ -248,6 +248,17 @@ async def test_a_failing_aligner_costs_the_stream_its_words_never_its_audio(star
     async with connect_client(server) as c:
         result = await c.speak("And the next one too.", "n", format="s16", options={"max_len": 10})
     assert_good_stream(result, min_seconds=0.5, reason=result.end["reason"])
+    # An aligner that never answers (a hung process): the end waits for its words no longer
+    # than the aligner's time (none here), then comes without them.
+    server.server.service.word_timings = WordTimings(HangingAligner(answer_within_s=0.0))
+    words, chunks, start, end = await stream_words(server, text, options={"max_len": 10})
+    assert end["type"] == "end" and words == []
+    assert sum(len(c["audio"]) for c in chunks) / 2 / start["sample_rate"] == pytest.approx(end["audio_s"], abs=1e-3)
+
+
+class HangingAligner(FailingAligner):
+    def align(self, audio, written, spoken) -> Future:
+        return Future()                 # never answered
 
 
 # ------------------------------------------------------------------------------ any engine's words, aligned

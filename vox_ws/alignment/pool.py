@@ -23,12 +23,19 @@ from .sphinx import SAMPLE_RATE
 
 # A timed word: (the word as written, start s, end s, estimated: placed between its neighbours).
 TimedWord = tuple[str, float, float, bool]
+ALIGNER_NICE = 10
+# How long a stream's end waits for its last words before it goes without them (an aligner
+# process hung, or starved of CPU): its audio is all sent by then.
+ANSWER_WITHIN_S = 10.0
 
 _aligner = None
 
 
 def _start_worker() -> None:
     global _aligner
+    # Below the engine and the event loop, as a CPU server's engine shares the cores: words wait
+    # for audio, never the other way round. Not idle-only: the stream's end waits for its words.
+    os.nice(ALIGNER_NICE)
     from .sphinx import SphinxAligner
     _aligner = SphinxAligner()
 
@@ -71,8 +78,9 @@ class WordAligner:
 
     languages = ("en",)
 
-    def __init__(self, workers: int | None = None) -> None:
+    def __init__(self, workers: int | None = None, answer_within_s: float = ANSWER_WITHIN_S) -> None:
         self.workers = workers or len(os.sched_getaffinity(0))
+        self.answer_within_s = answer_within_s
         self._pool: ProcessPoolExecutor | None = None
         self._lock = threading.Lock()
         self._closed = False
@@ -96,7 +104,8 @@ class WordAligner:
             try:
                 return self._started().submit(align_segment, audio, written, spoken)
             except BrokenProcessPool:       # a process died (its segment lost its words): anew
-                self._pool = None
+                broken, self._pool = self._pool, None
+                broken.shutdown(wait=False)
                 return self._started().submit(align_segment, audio, written, spoken)
 
     def start(self) -> None:

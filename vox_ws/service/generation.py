@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import functools
+import time
 from concurrent.futures import Executor
 from typing import Any, Awaitable, Iterable, Protocol
 
@@ -115,6 +116,7 @@ class Generation:
         self._aligner = setup.aligner if self.word_timestamps else None
         self._aligning = AlignedInOrder()
         self._ending: EndReason | None = None
+        self._ending_since = 0.0
         self._work: asyncio.Future | None = None  # the voice, a cut or a preparation, off the loop
 
     @property
@@ -167,6 +169,10 @@ class Generation:
     def check_timers(self, now: float) -> None:
         """The service's watchdog: a consumer that stopped reading, input that stopped coming."""
         if self.done:
+            return
+        if self._ending is not None and now - self._ending_since > self._aligner.answer_within_s:
+            self._aligning.clear()                    # its words are late: the end goes without them
+            self._end(self._ending)
             return
         limits = self._limits
         if self._pacing.stalled_s(now) > limits.write_stall_timeout_s:
@@ -294,7 +300,7 @@ class Generation:
 
     def _end(self, reason: EndReason) -> None:
         if reason != EndReason.CANCELLED and self._aligning.waiting:
-            self._ending = reason                   # once the aligner's last words are in
+            self._ending, self._ending_since = reason, time.monotonic()   # once the aligner's last words are in
             return
         heard = None
         if reason != EndReason.CANCELLED:
