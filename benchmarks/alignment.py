@@ -27,10 +27,10 @@ import subprocess
 import sys
 import time
 
-import msgpack
 import numpy as np
 import websockets
 
+from vox_ws import wire
 from vox_ws.alignment.pool import SegmentRecording, WordAligner
 from vox_ws.alignment.sphinx import END_SHIFT_S, START_SHIFT_S
 
@@ -99,11 +99,11 @@ async def piper_speech(url: str, text: str) -> tuple[np.ndarray, int, list[tuple
     """Piper's audio (float, its own rate) and its own word times for one sentence."""
     async with websockets.connect(url, max_size=None) as ws:
         await ws.recv()
-        await ws.send(msgpack.packb({"type": "start", "id": "a", "text": text, "format": "s16",
-                                     "word_timestamps": True, "options": STILL}))
+        await ws.send(wire.encode(wire.start_frame("a", text=text, format="s16", word_timestamps=True,
+                                                   options=STILL)))
         audio, words, rate = [], [], 0
         while True:
-            message = msgpack.unpackb(await ws.recv())
+            message = wire.decode(await ws.recv())
             if message["type"] == "start":
                 rate = message["sample_rate"]
             elif message["type"] == "chunk":

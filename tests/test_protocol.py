@@ -145,3 +145,39 @@ def test_option_refusals_name_their_field_for_every_door():
         # Protocol v1 says the same as a bad_request of the stream.
         v1 = refused({"type": "start", "id": "s", "text": "Hi.", "options": raw})
         assert v1.code == p.BAD_REQUEST and v1.message == shared.value.message and v1.stream_id == "s"
+
+
+# ------------------------------------------------------------------------------ the vocabulary both sides share
+
+
+def test_the_client_loads_the_wire_and_no_server_module():
+    """`vox_ws.client` (and so every client built on it) loads the shared vocabulary, not the
+    stream service, the scheduler or an engine."""
+    import subprocess
+    import sys
+
+    loaded = subprocess.run([sys.executable, "-c", "import sys, vox_ws.client; "
+                             "print(' '.join(sorted(m for m in sys.modules if m.startswith('vox_ws'))))"],
+                            capture_output=True, text=True, check=True).stdout.split()
+    assert loaded == ["vox_ws", "vox_ws.audio", "vox_ws.client", "vox_ws.wire"]
+
+
+def test_the_wire_imports_nothing_of_the_server_and_the_server_keeps_its_codes():
+    import ast
+    from pathlib import Path
+
+    from vox_ws import wire
+    from vox_ws.engine import ErrorKind
+
+    tree = ast.parse(Path(wire.__file__).read_text())
+    assert not [node for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.level > 0]
+    # Retryable on the wire is what the service says is retryable, and a client's flooding.
+    assert wire.RETRYABLE == {p.code_for(kind) for kind in ErrorKind if kind.retryable} | {wire.RATE_LIMITED}
+    assert set(wire.ERROR_CODES) >= {p.code_for(kind) for kind in ErrorKind}
+    # The frames a client sends are the ones the server reads.
+    from vox_ws.config import Limits
+
+    for frame in (wire.start_frame("s", text="Hi.", voice=None, format="s16"), wire.text_frame("s", "more"),
+                  wire.flush_frame("s"), wire.end_frame("s"), wire.cancel_frame("s")):
+        assert p.decode_frame(wire.encode(frame), Limits()) == frame
+    assert "voice" not in wire.start_frame("s", voice=None)

@@ -28,13 +28,12 @@ from collections.abc import AsyncIterator
 from types import TracebackType
 from typing import Any
 
-import msgpack
 from websockets.asyncio.client import ClientConnection
 from websockets.asyncio.client import connect as ws_connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 from .audio import bytes_to_pcm, wav_bytes
-from .transports import protocol as p
+from . import wire
 
 
 class VoxError(Exception):
@@ -58,22 +57,22 @@ def _error_class(code: str) -> type[VoxError]:
 
 
 # One exception class per protocol error code: BadFrame, BadRequest, UnknownStream, ...
-ERRORS: dict[str, type[VoxError]] = {code: _error_class(code) for code in p.ERROR_CODES}
-BadFrame = ERRORS[p.BAD_FRAME]
-BadRequest = ERRORS[p.BAD_REQUEST]
-UnknownStream = ERRORS[p.UNKNOWN_STREAM]
-DuplicateStream = ERRORS[p.DUPLICATE_STREAM]
-TooLarge = ERRORS[p.TOO_LARGE]
-TooManyStreams = ERRORS[p.TOO_MANY_STREAMS]
-Busy = ERRORS[p.BUSY]
-NotReady = ERRORS[p.NOT_READY]
-Timeout = ERRORS[p.TIMEOUT]
-Internal = ERRORS[p.INTERNAL]
-SlowConsumer = ERRORS[p.SLOW_CONSUMER]
-Unsupported = ERRORS[p.UNSUPPORTED]
-Unauthorized = ERRORS[p.UNAUTHORIZED]
-RateLimited = ERRORS[p.RATE_LIMITED]
-GoingAway = ERRORS[p.GOING_AWAY]
+ERRORS: dict[str, type[VoxError]] = {code: _error_class(code) for code in wire.ERROR_CODES}
+BadFrame = ERRORS[wire.BAD_FRAME]
+BadRequest = ERRORS[wire.BAD_REQUEST]
+UnknownStream = ERRORS[wire.UNKNOWN_STREAM]
+DuplicateStream = ERRORS[wire.DUPLICATE_STREAM]
+TooLarge = ERRORS[wire.TOO_LARGE]
+TooManyStreams = ERRORS[wire.TOO_MANY_STREAMS]
+Busy = ERRORS[wire.BUSY]
+NotReady = ERRORS[wire.NOT_READY]
+Timeout = ERRORS[wire.TIMEOUT]
+Internal = ERRORS[wire.INTERNAL]
+SlowConsumer = ERRORS[wire.SLOW_CONSUMER]
+Unsupported = ERRORS[wire.UNSUPPORTED]
+Unauthorized = ERRORS[wire.UNAUTHORIZED]
+RateLimited = ERRORS[wire.RATE_LIMITED]
+GoingAway = ERRORS[wire.GOING_AWAY]
 
 
 class ConnectionLost(VoxError):
@@ -126,27 +125,27 @@ class Stream:
     # -------------------------------------------------------------- input streaming
 
     async def send_text(self, text: str) -> None:
-        await self.client._send({"type": "chunk", "id": self.id, "text": text})
+        await self.client._send(wire.text_frame(self.id, text))
 
     async def flush(self, wait: bool = True) -> dict[str, Any] | None:
         """Speak what is buffered now; returns when that audio has been generated (`flushed`),
         or at once with `wait=False` (the `flushed` message then comes among `events()`)."""
         if not wait:
-            await self.client._send({"type": "flush", "id": self.id})
+            await self.client._send(wire.flush_frame(self.id))
             return None
         done = asyncio.get_running_loop().create_future()
         self._flushed.append(done)
-        await self.client._send({"type": "flush", "id": self.id})
+        await self.client._send(wire.flush_frame(self.id))
         return await done
 
     async def end(self) -> None:
         """No more text: the stream ends once everything sent has been spoken."""
-        await self.client._send({"type": "end", "id": self.id})
+        await self.client._send(wire.end_frame(self.id))
 
     async def cancel(self) -> None:
         """Barge-in: stop now. Iteration ends once the server confirms."""
         if not self.finished:
-            await self.client._send({"type": "cancel", "id": self.id})
+            await self.client._send(wire.cancel_frame(self.id))
 
     # -------------------------------------------------------------- audio
 
@@ -337,14 +336,8 @@ class Client:
         sid = f"c{next(self._ids)}"
         stream = Stream(self, sid)
         self._streams[sid] = stream
-        message: dict[str, Any] = {"type": "start", "id": sid, "format": fmt, **fields}
-        if voice:
-            message["voice"] = voice
-        if sample_rate:
-            message["sample_rate"] = sample_rate
-        if options:
-            message["options"] = options
-        await self._send(message)
+        await self._send(wire.start_frame(sid, format=fmt, **fields, voice=voice or None,
+                                          sample_rate=sample_rate or None, options=options or None))
         await stream._start_reply
         return stream
 
@@ -357,14 +350,14 @@ class Client:
 
     async def _send(self, message: dict[str, Any]) -> None:
         try:
-            await self.ws.send(msgpack.packb(message, use_bin_type=True))
+            await self.ws.send(wire.encode(message))
         except ConnectionClosed as exc:
             raise ConnectionLost(f"connection closed ({exc.rcvd.code if exc.rcvd else 'no close frame'})") from None
 
     async def _read(self) -> None:
         try:
             async for data in self.ws:
-                message = msgpack.unpackb(data, raw=False)
+                message = wire.decode(data)
                 target = message.get("id")
                 if target in self._requests:
                     future = self._requests.pop(target)
@@ -480,7 +473,7 @@ async def open_client(url: str = "ws://127.0.0.1:8765/v1/stream", *, token: str 
 
 async def _greeted(ws: ClientConnection) -> Client:
     """The server speaks first: its `hello`."""
-    hello = msgpack.unpackb(await ws.recv(), raw=False)
+    hello = wire.decode(await ws.recv())
     if not isinstance(hello, dict) or hello.get("type") != "hello":
         raise VoxError(f"expected the server's hello, got {hello!r:.80}")
     return Client(ws, hello)

@@ -32,13 +32,14 @@ import asyncio
 from collections.abc import AsyncGenerator
 from typing import Any
 
-import msgpack
 from loguru import logger
 from pipecat.frames.frames import ErrorFrame, Frame, TTSAudioRawFrame, TTSStoppedFrame
 from pipecat.processors.frame_processor import FrameProcessorSetup
 from pipecat.services.settings import TTSSettings
 from pipecat.services.tts_service import WebsocketTTSService
 from websockets.protocol import State
+
+from .. import wire
 
 # How long the server's `hello` may take after the handshake.
 HELLO_TIMEOUT_S = 10.0
@@ -116,7 +117,7 @@ class VoxWSTTSService(WebsocketTTSService):
                 return
             headers = {"Authorization": f"Bearer {self._token}"} if self._token else {}
             websocket = await self._websocket_connect(self._url, additional_headers=headers, max_size=None)
-            hello = msgpack.unpackb(await asyncio.wait_for(websocket.recv(), HELLO_TIMEOUT_S), raw=False)
+            hello = wire.decode(await asyncio.wait_for(websocket.recv(), HELLO_TIMEOUT_S))
             if hello.get("type") != "hello":
                 await websocket.close()
                 raise ConnectionError(f"expected the server's hello, got {hello.get('type')!r}")
@@ -151,7 +152,7 @@ class VoxWSTTSService(WebsocketTTSService):
                 raise ConnectionError(f"cannot connect to {self._url}")
         try:
             async for data in self._websocket:
-                await self._handle_message(msgpack.unpackb(data, raw=False))
+                await self._handle_message(wire.decode(data))
         finally:
             await self._end_lost_contexts()
 
@@ -168,7 +169,7 @@ class VoxWSTTSService(WebsocketTTSService):
     async def _send(self, message: dict[str, Any]) -> None:
         if not self._websocket or self._websocket.state is not State.OPEN:
             raise ConnectionError("not connected")
-        await self._websocket.send(msgpack.packb(message, use_bin_type=True))
+        await self._websocket.send(wire.encode(message))
 
     # ------------------------------------------------------------------ server -> Pipecat
 
@@ -214,7 +215,7 @@ class VoxWSTTSService(WebsocketTTSService):
             if context_id not in self._open:
                 await self._send(self._start_message(context_id))
                 self._open.add(context_id)
-            await self._send({"type": "chunk", "id": context_id, "text": text})
+            await self._send(wire.text_frame(context_id, text))
             await self.start_tts_usage_metrics(text)
             yield None
         except Exception as e:  # noqa: BLE001 - Pipecat's convention: an error frame, then stop
@@ -224,22 +225,12 @@ class VoxWSTTSService(WebsocketTTSService):
             yield TTSStoppedFrame(context_id=context_id)
 
     def _start_message(self, context_id: str) -> dict[str, Any]:
-        message: dict[str, Any] = {"type": "start", "id": context_id, "stream_input": True, "format": "s16",
-                                   "sample_rate": self.sample_rate}
         voice = self._settings.voice
-        if isinstance(voice, str) and voice:
-            message["voice"] = voice
-        if self._options:
-            message["options"] = self._options
-        if self._speed != 1.0:
-            message["speed"] = self._speed
-        if self._instructions:
-            message["instructions"] = self._instructions
-        if self._words:
-            message["word_timestamps"] = True
-        if self._pronunciations:
-            message["pronunciations"] = self._pronunciations
-        return message
+        return wire.start_frame(context_id, stream_input=True, format="s16", sample_rate=self.sample_rate,
+                                voice=voice if isinstance(voice, str) and voice else None,
+                                options=self._options or None, speed=self._speed if self._speed != 1.0 else None,
+                                instructions=self._instructions or None, word_timestamps=self._words or None,
+                                pronunciations=self._pronunciations or None)
 
     async def flush_audio(self, context_id: str | None = None) -> None:
         """The turn has no more text: speak what is buffered now and close the stream."""
@@ -247,8 +238,8 @@ class VoxWSTTSService(WebsocketTTSService):
         if not flush_id or flush_id not in self._open:
             return
         try:
-            await self._send({"type": "flush", "id": flush_id})
-            await self._send({"type": "end", "id": flush_id})
+            await self._send(wire.flush_frame(flush_id))
+            await self._send(wire.end_frame(flush_id))
         except (ConnectionError, OSError) as e:
             logger.warning(f"{self}: cannot flush {flush_id}: {e}")
 
@@ -257,7 +248,7 @@ class VoxWSTTSService(WebsocketTTSService):
         await self.stop_all_metrics()
         if context_id in self._open:
             try:
-                await self._send({"type": "cancel", "id": context_id})
+                await self._send(wire.cancel_frame(context_id))
             except (ConnectionError, OSError) as e:
                 logger.warning(f"{self}: cannot cancel {context_id}: {e}")
         await super().on_audio_context_interrupted(context_id)

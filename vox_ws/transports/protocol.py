@@ -1,4 +1,5 @@
-"""Protocol v1's wire format, in one place: decoding, validation, encoding and error codes.
+"""Protocol v1's server side: decoding and checking a client's frames, the server's replies
+(the codes and the encoding both sides share are `vox_ws.wire`'s).
 
 Pure functions and plain data only (no sockets, no asyncio), so that every rule here can be
 tested exhaustively and cheaply. ``docs/PROTOCOL.md`` is the prose version of this module;
@@ -23,46 +24,15 @@ from ..service.validation import (MAX_SAMPLE_RATE, MIN_SAMPLE_RATE, check_instru
                                   check_length, check_options, check_output, check_speed)
 from ..service.voice_names import with_speaker
 from ..service.voice_store import check_voice_name
+# The vocabulary both sides share, under this module's names too (`p.BUSY`, `p.encode`).
+from ..wire import (BAD_FRAME, BAD_REQUEST, BUSY, CLOSE_IDLE, CLOSE_INTERNAL, CLOSE_POLICY,  # noqa: F401
+                    CLOSE_SERVICE_RESTART, CLOSE_TOO_MANY_FROM_ADDRESS, CLOSE_TRY_AGAIN_LATER, CLOSE_UNAUTHORIZED,
+                    DUPLICATE_STREAM, ERROR_CODES, GOING_AWAY, INTERNAL, LORA_OPS, MAX_ID_CHARS, NOT_READY,
+                    RATE_LIMITED, RETRYABLE, SLOW_CONSUMER, TIMEOUT, TOO_LARGE, TOO_MANY_STREAMS, UNAUTHORIZED,
+                    UNKNOWN_STREAM, UNSUPPORTED, encode)
 from .state import ServerState
 
 PROTOCOL_VERSION = 1
-
-# Error codes (the `code` of an `error` message).
-BAD_FRAME = "bad_frame"
-BAD_REQUEST = "bad_request"
-UNKNOWN_STREAM = "unknown_stream"
-DUPLICATE_STREAM = "duplicate_stream"
-TOO_LARGE = "too_large"
-TOO_MANY_STREAMS = "too_many_streams"
-BUSY = "busy"
-NOT_READY = "not_ready"
-TIMEOUT = "timeout"
-INTERNAL = "internal"
-SLOW_CONSUMER = "slow_consumer"
-UNSUPPORTED = "unsupported"
-UNAUTHORIZED = "unauthorized"
-RATE_LIMITED = "rate_limited"
-GOING_AWAY = "going_away"
-ERROR_CODES = (
-    BAD_FRAME, BAD_REQUEST, UNKNOWN_STREAM, DUPLICATE_STREAM, TOO_LARGE, TOO_MANY_STREAMS,
-    BUSY, NOT_READY, TIMEOUT, INTERNAL, SLOW_CONSUMER, UNSUPPORTED, UNAUTHORIZED, RATE_LIMITED, GOING_AWAY,
-)
-
-# WebSocket close codes used by the server.
-CLOSE_SERVICE_RESTART = 1012     # the server is draining (shutting down): reconnect, elsewhere
-CLOSE_POLICY = 1008              # policy violation: flooding, or not reading while sending
-CLOSE_INTERNAL = 1011            # the engine died
-CLOSE_TRY_AGAIN_LATER = 1013     # server at its connection limit, or full: reconnect, elsewhere or later
-CLOSE_IDLE = 4000                # idle timeout: no open stream and no message
-CLOSE_UNAUTHORIZED = 4001        # no valid token presented
-CLOSE_TOO_MANY_FROM_ADDRESS = 4029  # too many connections from this client address
-
-MAX_ID_CHARS = 128
-
-
-# A `lora` message's operations: the service's `loras.load`, `.unload`, `.set_default`, `.clear_default`.
-LORA_OPS = ("load", "unload", "enable", "disable")
-
 
 class ProtocolError(Exception):
     """A request the server refuses; becomes one `error` message on the wire."""
@@ -91,7 +61,6 @@ def code_for(kind: ErrorKind) -> str:
 
 # A client may retry these later with the same request and expect it to work: the service's
 # retryable kinds (`ErrorKind.retryable`, the one table), and this door's own flood refusal.
-RETRYABLE = frozenset({code_for(kind) for kind in ErrorKind if kind.retryable} | {RATE_LIMITED})
 
 
 # --------------------------------------------------------------------------- messages
@@ -383,11 +352,6 @@ _kind = type_name
 
 
 # --------------------------------------------------------------------------- encoding
-
-
-def encode(message: dict[str, Any]) -> bytes:
-    """One server message as one binary frame. Audio stays raw msgpack `bin`."""
-    return msgpack.packb(message, use_bin_type=True)
 
 
 def chunk_message(sid: str, audio: Audio) -> dict[str, Any]:
