@@ -281,6 +281,36 @@ async def test_segments_continue_from_the_previous_one(voxcpm_server):
 # ------------------------------------------------------------------ the Python client
 
 
+async def test_every_client_method_takes_every_field_of_a_start(piper_server):
+    """One request (`wire.Speech`), taken whole or by its fields, by every way to speak: the
+    fields the signatures once lacked (markup, volume, phoneme times, language) reach the server."""
+    from vox_ws.wire import Speech
+
+    ssml = "<speak>Quiet <break time='300ms'/> now.</speak>"
+    speech = Speech(format="s16", markup="ssml", volume=0.5, language="en", phoneme_timestamps=True,
+                    word_timestamps=True, segment_events=True)
+    async with vc.connect(piper_server.url) as client:
+        s = await client.start_stream(ssml, speech)
+        events = [m async for m in s.events()]
+        assert s.started.get("ignored_options") is None
+        assert {"words", "phonemes", "segment"} <= {m["type"] for m in events}
+        assert [w["word"] for w in s.words] == ["Quiet", "now."]
+        # The same by name, on the other methods.
+        loud = b"".join([c async for c in client.stream("Loud now.", format="s16", volume=2.0, speed=1.25)])
+        soft = b"".join([c async for c in client.stream("Loud now.", speech, markup=None, speed=1.25)])
+        assert np.abs(bytes_to_pcm(loud, "s16")).max() > np.abs(bytes_to_pcm(soft, "s16")).max()
+        wav = await client.synthesize("A whole file.", speech, markup=None, sample_rate=16000)
+        with wave.open(io.BytesIO(wav)) as w:
+            assert w.getframerate() == 16000
+        opened = await client.open_stream(speech, markup=None, language="en-US")
+        await opened.send_text("Streamed in.")
+        await opened.end()
+        await opened.read_all()
+        assert opened.ended["reason"] == "done" and opened.words
+        with pytest.raises(TypeError, match="volumes"):
+            await client.start_stream("x", volumes=2)
+
+
 async def test_client_stream_synthesize_and_input_streaming(piper_server):
     async with vc.connect(piper_server.url) as client:
         assert client.hello["engine"] == "piper"

@@ -211,25 +211,6 @@ class Stream:
         self._queue.put_nowait(message)
 
 
-def _delivery(speed: float, instructions: str | None, word_timestamps: bool = False,
-              lookahead_s: float | None = None, pronunciations: list[dict[str, Any]] | None = None,
-              lora: str | None = None) -> dict[str, Any]:
-    fields: dict[str, Any] = {}
-    if lora:
-        fields["lora"] = lora
-    if pronunciations:
-        fields["pronunciations"] = pronunciations
-    if speed != 1.0:
-        fields["speed"] = speed
-    if lookahead_s is not None:
-        fields["lookahead_s"] = lookahead_s
-    if instructions:
-        fields["instructions"] = instructions
-    if word_timestamps:
-        fields["word_timestamps"] = True
-    return fields
-
-
 class Client:
     """One connection. Use `connect()` to make one."""
 
@@ -245,20 +226,16 @@ class Client:
     def sample_rate(self) -> int:
         return self.hello["sample_rate"]
 
-    async def stream(self, text: str, *, voice: str | None = None, format: str = "f32",
-                     sample_rate: int | None = None, options: dict[str, Any] | None = None, speed: float = 1.0,
-                     instructions: str | None = None, lookahead_s: float | None = None,
-                     pronunciations: list[dict[str, Any]] | None = None,
-                     lora: str | None = None) -> AsyncIterator[bytes]:
-        """Speak `text`; yields audio bytes in `format` (raw PCM, or a codec's file piece by
+    # Every way to speak takes a `wire.Speech` and/or its fields by name (voice, format,
+    # sample_rate, speed, volume, language, instructions, markup, options, pronunciations,
+    # lora, lookahead_s, segment_events, word_timestamps, phoneme_timestamps, speaker).
+
+    async def stream(self, text: str, speech: wire.Speech | None = None, **fields: Any) -> AsyncIterator[bytes]:
+        """Speak `text`; yields audio bytes in its `format` (raw PCM, or a codec's file piece by
         piece) as they are generated. Leaving the loop early cancels the stream on the server.
         A player that reads as it plays passes `lookahead_s` (the server then sends at most
-        that far ahead of real time); without it the audio comes as fast as it is read.
-        `pronunciations`: entries `{match, say}` or `{match, ipa}` (docs/PROTOCOL.md); `lora`: a
-        loaded LoRA adapter to speak with."""
-        s = await self.start_stream(text, voice=voice, format=format, sample_rate=sample_rate, options=options,
-                                    speed=speed, instructions=instructions, lookahead_s=lookahead_s,
-                                    pronunciations=pronunciations, lora=lora)
+        that far ahead of real time); without it the audio comes as fast as it is read."""
+        s = await self.start_stream(text, speech, **fields)
         try:
             async for chunk in s:
                 yield chunk
@@ -266,37 +243,17 @@ class Client:
             if s.ended is None and not self.ws.close_code:
                 await s.cancel()
 
-    async def start_stream(self, text: str, *, voice: str | None = None, format: str = "f32",
-                           sample_rate: int | None = None, options: dict[str, Any] | None = None, speed: float = 1.0,
-                           instructions: str | None = None, word_timestamps: bool = False,
-                           lookahead_s: float | None = None,
-                           pronunciations: list[dict[str, Any]] | None = None, lora: str | None = None) -> Stream:
+    async def start_stream(self, text: str, speech: wire.Speech | None = None, **fields: Any) -> Stream:
         """Speak `text` on a stream of its own: iterate it for the audio, or `events()`."""
-        return await self._start({"text": text, **_delivery(speed, instructions, word_timestamps, lookahead_s,
-                                                            pronunciations, lora)}, voice, format, sample_rate, options)
+        return await self._start(wire.Speech.of(speech, fields), text=text)
 
-    async def open_stream(self, *, voice: str | None = None, format: str = "f32", sample_rate: int | None = None,
-                          options: dict[str, Any] | None = None, segment_events: bool = False, speed: float = 1.0,
-                          instructions: str | None = None, word_timestamps: bool = False,
-                          lookahead_s: float | None = None,
-                          pronunciations: list[dict[str, Any]] | None = None, lora: str | None = None,
-                          language: str | None = None) -> Stream:
-        """A stream whose text arrives piece by piece (`send_text`, `flush`, `end`); `language`
-        the text's (where sentences end in it)."""
-        extra: dict[str, Any] = {"stream_input": True,
-                                 **_delivery(speed, instructions, word_timestamps, lookahead_s, pronunciations, lora)}
-        if segment_events:
-            extra["segment_events"] = True
-        if language:
-            extra["language"] = language
-        return await self._start(extra, voice, format, sample_rate, options)
+    async def open_stream(self, speech: wire.Speech | None = None, **fields: Any) -> Stream:
+        """A stream whose text arrives piece by piece (`send_text`, `flush`, `end`)."""
+        return await self._start(wire.Speech.of(speech, fields), stream_input=True)
 
-    async def synthesize(self, text: str, *, voice: str | None = None, sample_rate: int | None = None,
-                         options: dict[str, Any] | None = None, speed: float = 1.0,
-                         instructions: str | None = None, lora: str | None = None) -> bytes:
-        """The whole utterance as a 16-bit WAV file."""
-        s = await self._start({"text": text, **_delivery(speed, instructions, lora=lora)}, voice, "f32", sample_rate,
-                              options)
+    async def synthesize(self, text: str, speech: wire.Speech | None = None, **fields: Any) -> bytes:
+        """The whole utterance as a 16-bit WAV file (whatever `format` says)."""
+        s = await self._start(wire.Speech.of(speech, {**fields, "format": "f32"}), text=text)
         pcm = bytes_to_pcm(await s.read_all(), "f32")
         return wav_bytes(pcm, s.sample_rate)
 
@@ -331,13 +288,11 @@ class Client:
 
     # -------------------------------------------------------------- internals
 
-    async def _start(self, fields: dict[str, Any], voice: str | None, fmt: str, sample_rate: int | None,
-                     options: dict[str, Any] | None) -> Stream:
+    async def _start(self, speech: wire.Speech, **start: Any) -> Stream:
         sid = f"c{next(self._ids)}"
         stream = Stream(self, sid)
         self._streams[sid] = stream
-        await self._send(wire.start_frame(sid, format=fmt, **fields, voice=voice or None,
-                                          sample_rate=sample_rate or None, options=options or None))
+        await self._send(wire.start_frame(sid, **start, **speech.start_fields()))
         await stream._start_reply
         return stream
 

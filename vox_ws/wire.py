@@ -9,6 +9,8 @@ and checking a client's frames, its own replies). docs/PROTOCOL.md is the refere
 
 from __future__ import annotations
 
+import dataclasses
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
@@ -62,6 +64,50 @@ def decode(data: bytes) -> Any:
 
 
 # --------------------------------------------------------------------------- a client's frames
+
+
+@dataclass(frozen=True)
+class Speech:
+    """How a stream is to be spoken: every `start` field but its id, its text and `stream_input`
+    (PROTOCOL.md's `start` table), at the protocol's defaults. A client takes one, or its fields
+    by name: a field added here is a field of every client method."""
+
+    voice: str | None = None
+    speaker: str | None = None
+    format: str = "f32"
+    sample_rate: int | None = None
+    speed: float = 1.0
+    volume: float = 1.0
+    language: str | None = None
+    instructions: str | None = None
+    markup: str | None = None
+    options: dict[str, Any] = field(default_factory=dict)
+    pronunciations: list[dict[str, Any]] = field(default_factory=list)
+    lora: str | None = None
+    lookahead_s: float | None = None
+    segment_events: bool = False
+    word_timestamps: bool = False
+    phoneme_timestamps: bool = False
+
+    @classmethod
+    def of(cls, speech: "Speech | None", fields: dict[str, Any]) -> "Speech":
+        """`speech` (or the defaults) with `fields` set; a name that is no field is a TypeError
+        naming it."""
+        unknown = set(fields) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            raise TypeError(f"not a field of a stream's start: {', '.join(sorted(unknown))}")
+        return dataclasses.replace(speech or cls(), **fields)
+
+    def start_fields(self) -> dict[str, Any]:
+        """The `start` fields that differ from the protocol's defaults (and the format, always)."""
+        fields = {}
+        for item in dataclasses.fields(self):
+            value = getattr(self, item.name)
+            default = item.default_factory() if item.default_factory is not dataclasses.MISSING else item.default
+            if value != default or item.name == "format":
+                fields[item.name] = value
+        return fields
+
 
 
 def start_frame(sid: str, **fields: Any) -> dict[str, Any]:

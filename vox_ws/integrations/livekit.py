@@ -54,8 +54,8 @@ class TTS(tts.TTS):
 
     `url` (ws://HOST:PORT/v1/stream), `token`, `voice` (None: the engine's default),
     `sample_rate` (the server resamples), `options` (engine options), `speed` (0.25-4, pitch
-    kept), `instructions` (VoxCPM2), `word_timestamps` (aligned transcripts, where the engine
-    has true word timings: Piper yes, VoxCPM2 no), `pronunciations` (entries `{match, say}` or
+    kept), `instructions` (VoxCPM2), `word_timestamps` (aligned transcripts, where the server
+    times words: Piper's own, VoxCPM2's by the aligner in English), `pronunciations` (entries `{match, say}` or
     `{match, ipa}`, before the server's lexicon).
     """
 
