@@ -21,9 +21,9 @@ import subprocess
 import time
 from typing import Any
 
-import msgpack
 import numpy as np
 
+from vox_ws import wire
 from vox_ws.codecs import CODECS, OutputPipeline
 
 from . import ROOT, module_command
@@ -43,16 +43,16 @@ async def _speak(url: str, text: str, fmt: str, rate: int | None) -> tuple[float
     from websockets.asyncio.client import connect
 
     async with connect(url, max_size=None, compression=None) as ws:
-        msgpack.unpackb(await ws.recv())
+        wire.decode(await ws.recv())
         start = {"type": "start", "id": "s", "text": text, "format": fmt}
         if rate:
             start["sample_rate"] = rate
         sent = time.monotonic()
-        await ws.send(msgpack.packb(start))
+        await ws.send(wire.encode(start))
         first = None
         chunks = []
         while True:
-            message = msgpack.unpackb(await ws.recv())
+            message = wire.decode(await ws.recv())
             if message["type"] == "chunk":
                 first = first if first is not None else time.monotonic() - sent
                 chunks.append(message)

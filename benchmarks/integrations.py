@@ -35,7 +35,7 @@ import time
 import urllib.request
 from typing import Any
 
-import msgpack
+from vox_ws import wire
 
 from . import ROOT, module_command
 
@@ -51,19 +51,17 @@ async def v1(url: str, stream_input: bool = False) -> float:
     from websockets.asyncio.client import connect
 
     async with connect(url, max_size=None, compression=None) as ws:
-        msgpack.unpackb(await ws.recv())
+        wire.decode(await ws.recv())
         sent = time.monotonic()
         if stream_input:
-            await ws.send(msgpack.packb({"type": "start", "id": "s", "stream_input": True, "format": "s16",
-                                         "sample_rate": RATE}))
-            await ws.send(msgpack.packb({"type": "chunk", "id": "s", "text": TEXT}))
-            await ws.send(msgpack.packb({"type": "end", "id": "s"}))
+            await ws.send(wire.encode(wire.start_frame("s", stream_input=True, format="s16", sample_rate=RATE)))
+            await ws.send(wire.encode(wire.text_frame("s", TEXT)))
+            await ws.send(wire.encode(wire.end_frame("s")))
         else:
-            await ws.send(msgpack.packb({"type": "start", "id": "s", "text": TEXT, "format": "s16",
-                                         "sample_rate": RATE}))
+            await ws.send(wire.encode(wire.start_frame("s", text=TEXT, format="s16", sample_rate=RATE)))
         first = None
         while True:
-            message = msgpack.unpackb(await ws.recv())
+            message = wire.decode(await ws.recv())
             if message["type"] == "chunk" and first is None:
                 first = time.monotonic() - sent
             elif message["type"] in ("end", "error"):
@@ -247,16 +245,16 @@ async def v1_interruption(url: str) -> dict[str, float]:
     from websockets.asyncio.client import connect
 
     async with connect(url, max_size=None, compression=None) as ws:
-        msgpack.unpackb(await ws.recv())
-        await ws.send(msgpack.packb({"type": "start", "id": "s", "text": LONG, "format": "s16", "sample_rate": RATE}))
-        while msgpack.unpackb(await ws.recv())["type"] != "chunk":
+        wire.decode(await ws.recv())
+        await ws.send(wire.encode(wire.start_frame("s", text=LONG, format="s16", sample_rate=RATE)))
+        while wire.decode(await ws.recv())["type"] != "chunk":
             pass
         await asyncio.sleep(0.3)
         cancelled = time.monotonic()
-        await ws.send(msgpack.packb({"type": "cancel", "id": "s"}))
+        await ws.send(wire.encode(wire.cancel_frame("s")))
         last = cancelled
         while True:
-            message = msgpack.unpackb(await ws.recv())
+            message = wire.decode(await ws.recv())
             if message["type"] == "chunk":
                 last = time.monotonic()
             if message["type"] in ("end", "error"):

@@ -32,6 +32,8 @@ import numpy as np
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed, InvalidHandshake
 
+from vox_ws import wire
+
 TEXTS = [
     "Hello there.",
     "Your table is ready.",
@@ -57,19 +59,19 @@ class Tally:
 
 async def one_stream(url: str, behaviour: str, rng: random.Random, tally: Tally) -> None:
     async with connect(url, max_size=None, open_timeout=30) as ws:
-        hello = msgpack.unpackb(await asyncio.wait_for(ws.recv(), 30))
+        hello = wire.decode(await asyncio.wait_for(ws.recv(), 30))
         assert hello["type"] == "hello"
         if behaviour == "garbage":
             for frame in (b"\xc1", "text", msgpack.packb([1]), msgpack.packb({"type": "start", "id": 5})):
                 await ws.send(frame)
-                reply = msgpack.unpackb(await asyncio.wait_for(ws.recv(), 30))
+                reply = wire.decode(await asyncio.wait_for(ws.recv(), 30))
                 tally.errors[reply.get("code", "?")] += 1
         sent = time.monotonic()
         text = LONG_TEXT if behaviour in ("cancel", "slow") else rng.choice(TEXTS)
-        await ws.send(msgpack.packb({"type": "start", "id": "s", "text": text, "format": "s16"}))
+        await ws.send(wire.encode(wire.start_frame("s", text=text, format="s16")))
         expected_seq = 0
         while True:
-            message = msgpack.unpackb(await asyncio.wait_for(ws.recv(), 300))
+            message = wire.decode(await asyncio.wait_for(ws.recv(), 300))
             kind = message["type"]
             if kind == "chunk":
                 if message["seq"] != expected_seq:
@@ -79,7 +81,7 @@ async def one_stream(url: str, behaviour: str, rng: random.Random, tally: Tally)
                 if expected_seq == 1:
                     tally.first_audio_ms.append((time.monotonic() - sent) * 1000)
                     if behaviour == "cancel":
-                        await ws.send(msgpack.packb({"type": "cancel", "id": "s"}))
+                        await ws.send(wire.encode(wire.cancel_frame("s")))
                     elif behaviour == "disconnect":
                         tally.outcomes["disconnected"] += 1
                         return

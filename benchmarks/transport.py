@@ -21,9 +21,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import msgpack
 import numpy as np
 
+from vox_ws import wire
 from vox_ws.testing.tone import STAMP_SAMPLES, read_stamp
 
 from . import ROOT, module_command
@@ -71,16 +71,16 @@ async def _client(url: str, level: Level, until: float, measuring: list[bool]) -
     from websockets.asyncio.client import connect
 
     async with connect(url, max_size=None, compression=None) as ws:
-        msgpack.unpackb(await ws.recv())
+        wire.decode(await ws.recv())
         n = 0
         while time.monotonic() < until:
             n += 1
             sid = f"s{n}"
             sent = time.monotonic()
-            await ws.send(msgpack.packb({"type": "start", "id": sid, "text": TEXT, "format": "f32"}))
+            await ws.send(wire.encode(wire.start_frame(sid, text=TEXT, format="f32")))
             first = True
             while True:
-                message = msgpack.unpackb(await ws.recv())
+                message = wire.decode(await ws.recv())
                 now_ns = time.time_ns()
                 kind = message["type"]
                 if kind == "chunk":

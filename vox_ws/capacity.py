@@ -26,9 +26,9 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
-import msgpack
 import numpy as np
 
+from . import wire
 from .audio import bytes_per_sample
 from .playback import playback_gaps
 
@@ -81,11 +81,11 @@ async def listen(url: str, listener: Listener, text: str, fmt: str, options: dic
     arrivals: list[tuple[float, float]] = []
     try:
         async with connect(url, additional_headers=headers, **kwargs) as ws:
-            hello = msgpack.unpackb(await ws.recv())
+            hello = wire.decode(await ws.recv())
             width, rate = bytes_per_sample(fmt), hello["sample_rate"]
-            await ws.send(msgpack.packb({"type": "start", "text": text, "format": fmt, "options": options}))
+            await ws.send(wire.encode({"type": "start", "text": text, "format": fmt, "options": options}))
             async for frame in ws:
-                message = msgpack.unpackb(frame)
+                message = wire.decode(frame)
                 if message["type"] == "chunk":
                     arrivals.append((time.monotonic(), len(message["audio"]) / width / rate))
                 elif message["type"] == "start" and message.get("sample_rate"):
@@ -246,7 +246,7 @@ async def steps_per_second(url: str, token: str | None = None, fmt: str = "s16")
 
     headers = {"Authorization": f"Bearer {token}"} if token else None
     async with connect(url, additional_headers=headers) as ws:
-        hello = msgpack.unpackb(await ws.recv())
+        hello = wire.decode(await ws.recv())
     if not {"min_len", "max_len"} <= set(hello.get("options", ())):
         return None                                    # its text sets the length (Piper)
     steps = 20
