@@ -32,8 +32,8 @@ from websockets.asyncio.client import ClientConnection
 from websockets.asyncio.client import connect as ws_connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
-from .audio import bytes_to_pcm, wav_bytes
 from . import wire
+from .audio import bytes_to_pcm, wav_bytes
 
 
 class VoxError(Exception):
