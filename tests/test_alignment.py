@@ -304,3 +304,14 @@ def test_aligned_words_go_out_in_the_order_spoken_however_the_processes_answer()
     assert order.answer("z", third) == [] and order.answer("y", None) == []      # y failed: no words
     assert order.answer("x", first) == [first, third] and not order.waiting
     assert order.answer("elsewhere", second) == []
+
+
+def test_hostile_texts_cost_the_aligner_little():
+    """A 4,999-digit number is read digit by digit (inflect is never given it), and a segment
+    with far more words than its audio could hold is not searched: its words are estimated."""
+    from vox_ws.alignment.sphinx import SphinxAligner
+
+    assert spoken_words("7" * 4999) == ["seven"] * 4999
+    assert "trillion" in spoken_words("1" * 15) and len(spoken_words("1" * 16)) == 16
+    aligner = SphinxAligner.__new__(SphinxAligner)       # no decoder needed: it is never searched
+    assert aligner.align(np.zeros(16000, np.int16), ("seven",) * 100) == [None] * 100

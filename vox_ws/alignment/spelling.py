@@ -33,16 +33,22 @@ def _inflect():
     return inflect.engine()
 
 
+# Longer runs of digits are read digit by digit (and inflect's time on them stays bounded).
+MAX_NUMBER_DIGITS = 15
+
+
 def _number_words(number: str) -> list[str]:
     digits = number.replace(",", "")
     try:
+        if len(digits) > MAX_NUMBER_DIGITS:
+            raise ValueError(digits)
         if digits.isdigit() and len(digits) == 4 and "," not in number and 1100 <= int(digits) <= 1999:
             # a year: "nineteen ninety-nine", "nineteen hundred"
             spoken = _inflect().number_to_words(digits[:2]) + " " + (
                 "hundred" if digits[2:] == "00" else _inflect().number_to_words(digits[2:], group=2))
         else:
             spoken = _inflect().number_to_words(digits, andword="")
-    except Exception:        # inflect refuses some forms ("1.2.3"): digit by digit
+    except Exception:        # too long, or a form inflect refuses ("1.2.3"): digit by digit
         spoken = " ".join(_inflect().number_to_words(d) for d in digits if d.isdigit())
     return [w for w in re.split(r"[\s,-]+", str(spoken)) if w]
 

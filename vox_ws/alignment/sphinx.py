@@ -5,8 +5,9 @@ is fetched. Given a segment's audio and the words spoken in it, the decoder is c
 exactly those words (`set_align_text`) and its Viterbi path gives each word's frames (10 ms).
 Its C search holds the GIL, so it runs in processes of its own, never on a thread of the server.
 
-Making a decoder costs some 0.3 s, aligning a second of speech about 10 ms: each process makes
-one and keeps it. Words out of the dictionary are added with a pronunciation spelled by rule
+Making a decoder costs some 0.3 s, aligning a second of speech about 20 ms: each process makes
+one and keeps it. A segment with more words than its audio could hold (MAX_WORDS_PER_S) is not
+searched: its words are estimated, and no text holds a process for long. Words out of the dictionary are added with a pronunciation spelled by rule
 (`letters_to_phones`): close enough to place the word between its neighbours. Added words are
 kept (a name recurs) up to MAX_ADDED_WORDS, and then the decoder is made anew, so that a stream
 of invented words cannot grow it without bound.
@@ -26,6 +27,8 @@ FRAME_S = 0.01
 START_SHIFT_S = 0.055
 END_SHIFT_S = 0.005
 MAX_ADDED_WORDS = 5000
+# Words a second of audio may hold and still be searched (speech says some 3 a second).
+MAX_WORDS_PER_S = 10
 
 log = logging.getLogger("vox_ws.alignment")
 
@@ -97,6 +100,8 @@ class SphinxAligner:
         all None where it could not be aligned to the words (too short for them, say)."""
         if not words:
             return []
+        if len(words) > MAX_WORDS_PER_S * len(audio) / SAMPLE_RATE + 4:
+            return [None] * len(words)
         raw = np.asarray(audio, dtype="<i2").tobytes()
         self._know(words)
         decoder = self._decoder
