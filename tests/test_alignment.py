@@ -19,6 +19,7 @@ from vox_ws.alignment.pool import WordAligner
 from vox_ws.alignment.spelling import AlignmentText, spoken_words, written_times
 from vox_ws.alignment.sphinx import letters_to_phones
 from vox_ws.engines.piper import PiperEngine
+from vox_ws.service.text_plan import CLOSE_S
 from vox_ws.service.word_timings import WordTimings
 
 TEXT = "Doctor Smith paid $3.50 for the tickets on Tuesday. The show started at 8, and it was wonderful."
@@ -213,7 +214,7 @@ async def test_a_barge_in_hears_the_aligned_words_wholly_taken(tiny_voxcpm):
     assert 0 < heard["audio_s"] < 16.0
     partial = heard["partial"]
     assert partial["text"] == first
-    assert partial["words"] == [w.word for w in timed if w.end_s <= heard["audio_s"] + 1e-3]
+    assert partial["words"] == [w.word for w in timed if w.end_s <= heard["audio_s"] + CLOSE_S]
     assert 0 < len(partial["words"]) < len(first.split())
     assert partial["words"] == first.split()[:len(partial["words"])]
 
