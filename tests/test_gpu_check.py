@@ -41,10 +41,10 @@ def test_the_blocker_hides_what_the_device_lacks_and_the_check_imports_without_i
     blocked = subprocess.run([sys.executable, "-c", "import starlette"], capture_output=True, text=True, env=env,
                              cwd=ROOT)
     assert blocked.returncode != 0 and "No module named 'starlette'" in blocked.stderr
-    # What the device lacks, a client of the server needs: the blocker does not let it by.
-    client = subprocess.run([sys.executable, "-c", "import vox_ws.client"], capture_output=True, text=True, env=env,
+    # What the device lacks, the server's front doors need: the blocker does not let it by.
+    server = subprocess.run([sys.executable, "-c", "import vox_ws.server"], capture_output=True, text=True, env=env,
                             cwd=ROOT)
-    assert client.returncode != 0 and "No module named" in client.stderr
+    assert server.returncode != 0 and "No module named" in server.stderr
     # Every module the check's steps import, under the blocker; and `find_spec` agrees with import.
     code = ("import importlib.util, benchmarks.device_check, benchmarks.scheduler, benchmarks.attention, "
             "benchmarks.equivalence, vox_ws.engines.voxcpm.engine, vox_ws.engines.voxcpm.compile_main, "
