@@ -15,8 +15,8 @@ from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 
 import numpy as np
-import soxr
 
+from ..audio import StreamEncoder
 from ..text import base_language
 from .spelling import AlignmentText, written_times
 from .sphinx import SAMPLE_RATE
@@ -57,19 +57,16 @@ class SegmentRecording:
     float's memory), gathered as the engine yields it."""
 
     def __init__(self, rate: int) -> None:
-        self._resampler = None if rate == SAMPLE_RATE else soxr.ResampleStream(rate, SAMPLE_RATE, 1, dtype="float32")
-        self._parts: list[np.ndarray] = []
+        self._encoder = StreamEncoder(rate, SAMPLE_RATE, "s16")
+        self._parts: list[bytes] = []
 
-    def add(self, pcm: np.ndarray, last: bool = False) -> None:
-        pcm = np.asarray(pcm, dtype=np.float32)
-        if self._resampler is not None:
-            pcm = self._resampler.resample_chunk(pcm, last=last)
-        self._parts.append((np.clip(pcm, -1.0, 1.0) * 32767).astype(np.int16))
+    def add(self, pcm: np.ndarray) -> None:
+        self._parts.append(self._encoder.encode(pcm))
 
     def take(self) -> np.ndarray:
         """All of it, the resampler's tail included."""
-        self.add(np.zeros(0, dtype=np.float32), last=True)
-        audio, self._parts = np.concatenate(self._parts), []
+        self._parts.append(self._encoder.flush())
+        audio, self._parts = np.frombuffer(b"".join(self._parts), dtype="<i2"), []
         return audio
 
 
