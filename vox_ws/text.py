@@ -10,8 +10,9 @@ Thai marks no sentence end but a space between sentences, so a Thai text is also
 
 from __future__ import annotations
 
+import difflib
 import re
-from typing import Callable
+from typing import Callable, Sequence
 
 import sentencex
 
@@ -31,6 +32,26 @@ _WORD = re.compile(r"\S+")
 def text_words(text: str) -> list[str]:
     """The words of a text as it is written (punctuation attached): what word timings are given for."""
     return _WORD.findall(text)
+
+
+def matched_owners(reference: Sequence[str], reference_owner: Sequence[int], target: Sequence[str]) -> list[int]:
+    """For each item of `target` (what was said), the owner (a written word's index) of the
+    `reference` item it matches (each written word said alone), by difflib: equal items pair
+    up, a run of others is shared in order, an item with no counterpart goes with the one
+    before it; owners never go backwards. -1 for every item where `reference` is empty."""
+    if not reference:
+        return [-1] * len(target)
+    matched = [-1] * len(target)
+    matcher = difflib.SequenceMatcher(None, reference, target, autojunk=False)
+    for tag, r0, r1, t0, t1 in matcher.get_opcodes():
+        if tag in ("equal", "replace") and r1 > r0:
+            for k in range(t0, t1):
+                matched[k] = reference_owner[r0 + (k - t0) * (r1 - r0) // (t1 - t0)]
+    last = reference_owner[0]
+    for k, owner in enumerate(matched):
+        last = max(last, owner)
+        matched[k] = last
+    return matched
 
 
 def base_language(language: str | None) -> str:

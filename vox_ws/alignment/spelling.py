@@ -8,12 +8,11 @@ word it belongs to, so that the times come back for the words the client wrote, 
 
 from __future__ import annotations
 
-import difflib
 import re
 from dataclasses import dataclass
 from functools import lru_cache
 
-from ..text import text_words
+from ..text import matched_owners, text_words
 
 # Symbols that are words when spoken alone or inside a token ("R&D", "50%").
 _SYMBOLS = {"&": "and", "%": "percent", "+": "plus", "@": "at", "=": "equals", "$": "dollars", "£": "pounds",
@@ -111,16 +110,8 @@ class AlignmentText:
         if written_text == spoken_text:
             return cls(tuple(written), tuple(words), tuple(spoken_owner))
         reference, reference_owner = _spelled(written)
-        owner = [-1] * len(words)
-        matcher = difflib.SequenceMatcher(None, reference, words, autojunk=False)
-        for tag, r0, r1, s0, s1 in matcher.get_opcodes():
-            if tag in ("equal", "replace") and r1 > r0:
-                for k in range(s0, s1):
-                    owner[k] = reference_owner[r0 + (k - s0) * (r1 - r0) // (s1 - s0)]
-        last = reference_owner[0] if reference_owner else 0
-        for k, index in enumerate(owner):
-            last = max(last, index)
-            owner[k] = last
+        # Written words that are all said as nothing ("—"): the first takes what was said.
+        owner = matched_owners(reference, reference_owner, words) if reference else [0] * len(words)
         return cls(tuple(written), tuple(words), tuple(owner))
 
 

@@ -15,8 +15,9 @@ then the model's own: the first and last sample of the word's phonemes.
 
 from __future__ import annotations
 
-import difflib
 from collections.abc import Callable, Mapping, Sequence
+
+from ..text import matched_owners
 
 NO_WORD = -1
 # Phonemes that carry no sound of their own and may differ between a word alone and in context.
@@ -36,22 +37,9 @@ def word_owners(words: Sequence[str], sentences: Sequence[Sequence[str]],
             reference_owner.append(index)
     spoken = [(s, i) for s, sentence in enumerate(sentences) for i, ph in enumerate(sentence) if ph not in _MARKS]
     owners = [[NO_WORD] * len(sentence) for sentence in sentences]
-    if not reference or not spoken:
-        return owners
-    target = [sentences[s][i] for s, i in spoken]
-    matched: list[int] = [NO_WORD] * len(target)
-    matcher = difflib.SequenceMatcher(None, reference, target, autojunk=False)
-    for tag, r0, r1, t0, t1 in matcher.get_opcodes():
-        if tag in ("equal", "replace") and r1 > r0:
-            for k in range(t0, t1):
-                matched[k] = reference_owner[r0 + (k - t0) * (r1 - r0) // (t1 - t0)]
-    # Phonemes with no counterpart (espeak said more in context) go with the word before them;
-    # owners never go backwards.
-    last = reference_owner[0]
-    for k, owner in enumerate(matched):
-        last = max(last, owner)
-        s, i = spoken[k]
-        owners[s][i] = last
+    # Phonemes with no counterpart (espeak said more in context) go with the word before them.
+    for (s, i), owner in zip(spoken, matched_owners(reference, reference_owner, [sentences[s][i] for s, i in spoken])):
+        owners[s][i] = owner
     # A stress mark belongs to the phoneme after it.
     for s, sentence in enumerate(sentences):
         for i in range(len(sentence) - 2, -1, -1):
