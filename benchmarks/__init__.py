@@ -7,6 +7,7 @@ server, is). A benchmark that starts a server of its own runs it as `python -m b
 
 from __future__ import annotations
 
+import socket
 import sys
 from pathlib import Path
 
@@ -16,3 +17,10 @@ ROOT = Path(__file__).resolve().parents[1]
 def module_command(module: str, *args: str) -> list[str]:
     """The command line of `python -m benchmarks.MODULE ARGS`; run it with cwd=ROOT."""
     return [sys.executable, "-m", f"benchmarks.{module}", *args]
+
+
+def free_port() -> int:
+    """A TCP port on loopback that nothing listens on now, for a server a benchmark starts."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]

@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -33,6 +32,8 @@ import websockets
 from vox_ws import wire
 from vox_ws.alignment.pool import SegmentRecording, WordAligner
 from vox_ws.alignment.sphinx import END_SHIFT_S, START_SHIFT_S
+
+from . import free_port
 
 SENTENCES = [
     "The quick brown fox jumps over the lazy dog.",
@@ -89,12 +90,6 @@ SENTENCES = [
 STILL = {"noise_scale": 0.0, "noise_w_scale": 0.0}
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 async def piper_speech(url: str, text: str) -> tuple[np.ndarray, int, list[tuple[str, float, float]]]:
     """Piper's audio (float, its own rate) and its own word times for one sentence."""
     async with websockets.connect(url, max_size=None) as ws:
@@ -127,7 +122,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--port", type=int, default=0)
     args = parser.parse_args()
-    port = args.port or _free_port()
+    port = args.port or free_port()
     server = subprocess.Popen([sys.executable, "-m", "vox_ws", "serve", "--engine", "piper", "--port", str(port),
                                "--word-timings", "engine", "--voice-store", "memory"],
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

@@ -28,7 +28,6 @@ import argparse
 import asyncio
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -39,13 +38,9 @@ from typing import Any
 
 from vox_ws import capacity
 
+from . import free_port
+
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _get(port: int, path: str) -> tuple[int, dict[str, Any]]:
@@ -83,7 +78,7 @@ def run(label: str, args: list[str], model: str, rates: tuple[list[float], list[
         bound_s: float, tree: Path = ROOT) -> dict[str, Any]:
     """One configuration's server: `rates` from ready, and (where it compiles in the background)
     once compiled."""
-    port = _free_port()
+    port = free_port()
     cache = tempfile.mkdtemp(prefix="vox-ws-default-start-")
     started = time.monotonic()
     # `python -m` puts the working directory first on the path: `tree`'s vox_ws is the one served.

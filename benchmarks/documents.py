@@ -18,7 +18,6 @@ import argparse
 import json
 import os
 import random
-import socket
 import subprocess
 import sys
 import tempfile
@@ -26,6 +25,7 @@ import time
 import urllib.request
 import wave
 
+from . import free_port
 from .attacks import _process_tree, _rss_mb
 
 SUBJECTS = ["The keeper", "A sailor", "The old clock", "Our neighbour", "The river", "A quiet train",
@@ -47,12 +47,6 @@ def document(chars: int, seed: int = 7) -> str:
         sentences.append(sentence + ("\n\n" if rng.random() < 0.15 else " "))
         size += len(sentences[-1])
     return "".join(sentences)[:chars]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def serve(engine: str, port: int, workdir: str) -> subprocess.Popen:

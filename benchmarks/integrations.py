@@ -26,7 +26,6 @@ import asyncio
 import json
 import os
 import random
-import socket
 import statistics
 import subprocess
 import sys
@@ -37,7 +36,7 @@ from typing import Any
 
 from vox_ws import wire
 
-from . import ROOT, module_command
+from . import ROOT, free_port, module_command
 
 TEXT = "Hello! This is the first sentence of the reply. A second one follows it."
 LONG = "This reply is long enough to be interrupted while it is spoken, sentence after sentence. " * 6
@@ -302,12 +301,6 @@ async def measure(url: str, http: str, wyoming_port: int, rounds: int) -> dict[s
     }
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def serve(engine_name: str, port: int, wyoming_port: int) -> None:
     from vox_ws.config import Limits, ServerConfig
 
@@ -331,7 +324,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.serve:
         serve(args.serve, args.port, args.wyoming_port)
         return 0
-    port, wyoming_port = _free_port(), _free_port()
+    port, wyoming_port = free_port(), free_port()
     log = tempfile.TemporaryFile()
     proc = subprocess.Popen(module_command("integrations", "--serve", args.engine,
                                            "--port", str(port), "--wyoming-port", str(wyoming_port)),

@@ -14,20 +14,15 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import os
-import socket
 import subprocess
 import sys
 import time
 
 import httpx
 
+from . import free_port
+
 TEXT = "The quick brown fox jumps over the lazy dog while the evening light fades slowly over the hills. " * 6
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _memory_kb(pid: int) -> dict[str, int]:
@@ -36,7 +31,7 @@ def _memory_kb(pid: int) -> dict[str, int]:
 
 
 def measure(streamed: bool, tree: str | None) -> dict:
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "PYTHONPATH": tree} if tree else None
     server = subprocess.Popen([sys.executable, "-m", "vox_ws", "serve", "--engine", "piper", "--port", str(port),
                                "--voice-store", "memory"], env=env, cwd=tree, stdout=subprocess.DEVNULL,
