@@ -29,7 +29,7 @@ def run_server(engine: Engine, port: int, config: ServerConfig | None = None, po
     """Serve until SIGTERM. Once the engine is ready, the port is printed ("PORT n") and, with
     `port_file`, written there."""
     logging.basicConfig(level=logging.WARNING)
-    config = config or ServerConfig(port=port, max_batch=engine.max_step_batch,
+    config = config or ServerConfig(port=port, slots=engine.max_step_batch,
                                     limits=Limits(max_connections=4096, max_connections_per_address=4096,
                                                   max_queue=4096))
 

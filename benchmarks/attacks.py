@@ -536,14 +536,14 @@ def serve(engine_name: str, port_file: str, model: str | None = None, device: st
         rows = 8 if device == "cpu" else 32
         slots = (4 if device == "cpu" else 2) * rows if "deadline" in engine_name else rows
         compiled = "compiled" in engine_name
-        engine = VoxCPMEngine(model=model, device=device, max_batch=slots, step_rows=rows,
+        engine = VoxCPMEngine(model=model, device=device, slots=slots, step_rows=rows,
                               compile="on" if compiled else "off",
                               compile_cache=os.path.join(tempfile.gettempdir(), "vox-ws-bench-compile-cache"))
     else:
         from vox_ws.engines.piper import PiperEngine
 
         engine = PiperEngine()
-    run_server(engine, 0, ServerConfig(port=0, max_batch=slots, limits=Limits()), port_file=port_file)
+    run_server(engine, 0, ServerConfig(port=0, slots=slots, limits=Limits()), port_file=port_file)
 
 
 class Server:

@@ -36,7 +36,7 @@ def _engine(model_dir: str, slots: int, compile: str, cache: str | None, device:
             buckets: tuple[int, ...] | None = None) -> Any:
     from vox_ws.engines.voxcpm.engine import VoxCPMEngine
 
-    return VoxCPMEngine(model=model_dir, device=device, threads=1, max_batch=slots, compile=compile,
+    return VoxCPMEngine(model=model_dir, device=device, threads=1, slots=slots, compile=compile,
                         compile_cache=cache, compile_buckets=buckets)
 
 

@@ -95,7 +95,7 @@ def run(label: str, args: list[str], model: str, rates: tuple[list[float], list[
             time.sleep(0.1)
         result["ready_s"] = round(time.monotonic() - started, 1)
         info = _get(port, "/v1/info")[1]
-        result["slots"], result["step_rows"] = info.get("max_batch"), info.get("step_rows")
+        result["slots"], result["step_rows"] = info.get("slots"), info.get("step_rows")
         phases = {"ready": _rates(port, rates[0], seconds, f"{label}, from ready")}
         if _background(port):
             while _background(port).get("status") == "compiling":

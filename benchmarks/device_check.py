@@ -187,7 +187,7 @@ def step_steps(ctx: dict) -> dict:
     device = ctx["device"]
     model = _package_model(ctx)
     batches = [b for b in STEP_BATCHES if b <= ctx["max_rows"]]
-    runner = BatchedVoxCPM2(model, max_batch=max(batches), decode_process=False, warm_rows=1)
+    runner = BatchedVoxCPM2(model, slots=max(batches), decode_process=False, warm_rows=1)
     parts = {"cfm": 0.0, "advance": 0.0, "vae": 0.0}
     report = _reporter(ctx)
 
@@ -281,7 +281,7 @@ def step_compiled(ctx: dict) -> dict:
     bucket = ctx["compile_bucket"]
     ctx = {**ctx, "compile_cache": str(Path(ctx["work"]) / "compile-cache")}
     model = _package_model(ctx)
-    runner = BatchedVoxCPM2(model, max_batch=bucket, decode_process=False, warm_rows=1)
+    runner = BatchedVoxCPM2(model, slots=bucket, decode_process=False, warm_rows=1)
     started = time.perf_counter()
     compiled = _compiled_step(ctx, model, runner, load_only=False)
     result: dict[str, Any] = {"bucket": bucket, "precompile": compiled.store.precompile,
@@ -379,7 +379,7 @@ def step_compiled_reload(ctx: dict) -> dict:
     from vox_ws.engines.voxcpm.runner import BatchedVoxCPM2
 
     model = _package_model(ctx)
-    runner = BatchedVoxCPM2(model, max_batch=ctx["compile_bucket"], decode_process=False, warm_rows=1)
+    runner = BatchedVoxCPM2(model, slots=ctx["compile_bucket"], decode_process=False, warm_rows=1)
     started = time.perf_counter()
     compiled = _compiled_step(ctx, model, runner, load_only=True)
     seconds = round(time.perf_counter() - started, 2)

@@ -75,7 +75,7 @@ def reference_audio(tts: Any, text: str, seed: int, voice: tuple | None = None, 
     return np.concatenate(chunks)
 
 
-def run_batched(model: Any, requests: list, max_batch: int = 4, decode_process: bool | None = None,
+def run_batched(model: Any, requests: list, slots: int = 4, decode_process: bool | None = None,
                 adapters: Any = None, adapter_slots: list[int] | None = None,
                 compiled_buckets: tuple[int, ...] | None = None, compile_cache: Any = None,
                 ) -> tuple[dict[int, np.ndarray], list[int], Any]:
@@ -96,7 +96,7 @@ def run_batched(model: Any, requests: list, max_batch: int = 4, decode_process: 
                 prompt_wav_path=str(path) if mode != "reference" else None,
                 reference_wav_path=str(path) if mode != "continuation" else None,
             )
-    runner = BatchedVoxCPM2(model, max_batch=max_batch, decode_process=decode_process, adapters=adapters)
+    runner = BatchedVoxCPM2(model, slots=slots, decode_process=decode_process, adapters=adapters)
     if compiled_buckets:
         from vox_ws.engines.voxcpm.compiled import CompiledStep
 
@@ -108,7 +108,7 @@ def run_batched(model: Any, requests: list, max_batch: int = 4, decode_process: 
     batch_sizes = []
     while pending or rows:
         joining = []
-        while pending and requests[pending[0]][2] <= step and len(rows) + len(joining) < runner.max_batch:
+        while pending and requests[pending[0]][2] <= step and len(rows) + len(joining) < runner.slots:
             joining.append(pending.pop(0))
         # Those joining at one step are prefilled together, as the scheduler's turn does.
         inputs = []
@@ -161,9 +161,9 @@ def compare(model_dir: str, device: str, work_dir: Path, decode_process: bool | 
         diffs.append(float(np.max(np.abs(have - want))) if have.shape == want.shape else float("inf"))
     tolerance = TOLERANCE.get(dtype, 1e-4)
     return {"device": device, "dtype": dtype, "compiled": list(compiled_buckets or ()),
-            "requests": len(requests), "max_batch": max(batch_sizes),
+            "requests": len(requests), "slots": max(batch_sizes),
             "max_abs_diff": diffs, "tolerance": tolerance, "equal": all(d < tolerance for d in diffs),
-            "slots_returned": sorted(runner._free_slots) == list(range(runner.max_batch))}
+            "slots_returned": sorted(runner._free_slots) == list(range(runner.slots))}
 
 
 # LoRA: per request of `scenario`, its adapter (None: the base model): one alone at first, then
@@ -213,7 +213,7 @@ def compare_loras(model_dir: str, device: str, work_dir: Path,
     changes = [None if LORA_PLAN[i] is None else float("inf") if want.shape != plain[i].shape
                else float(np.max(np.abs(want - plain[i]))) for i, want in enumerate(expected)]
     return {"device": device, "compiled": list(compiled_buckets or ()), "plan": list(LORA_PLAN),
-            "max_batch": max(batch_sizes), "max_abs_diff": diffs,
+            "slots": max(batch_sizes), "max_abs_diff": diffs,
             "change_by_adapter": changes,
             "adapters_change_audio": all(c is None or c > 100 * TOLERANCE["float32"] for c in changes),
             "equal": all(d < TOLERANCE["float32"] for d in diffs)}

@@ -307,7 +307,7 @@ def serve(engine_name: str, port: int, wyoming_port: int) -> None:
     from ._transport_server import bench_engine, run_server
 
     engine = bench_engine(engine_name)
-    config = ServerConfig(port=port, max_batch=engine.max_step_batch, wyoming=f"tcp://127.0.0.1:{wyoming_port}",
+    config = ServerConfig(port=port, slots=engine.max_step_batch, wyoming=f"tcp://127.0.0.1:{wyoming_port}",
                           limits=Limits(max_connections=4096, max_connections_per_address=4096))
     run_server(engine, port, config=config)
 

@@ -71,8 +71,8 @@ def run(model_dir: str, rank: int, batch: int, steps: int, repeats: int, threads
     package = package_model(model_dir, rank, 2 * rank)
     for n in range(8):
         write_adapter(model_dir, folder / f"voice{n}", rank=rank, alpha=2 * rank, seed=n, model=package)
-    plain = VoxCPMEngine(model=model_dir, device="cpu", threads=threads, max_batch=batch)
-    adapted = VoxCPMEngine(model=model_dir, device="cpu", threads=threads, max_batch=batch, lora_rank=rank,
+    plain = VoxCPMEngine(model=model_dir, device="cpu", threads=threads, slots=batch)
+    adapted = VoxCPMEngine(model=model_dir, device="cpu", threads=threads, slots=batch, lora_rank=rank,
                            max_loras=8, lora_dir=str(folder))
     for engine in (plain, adapted):
         engine.load()

@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     model = import_voxcpm().VoxCPM.from_pretrained(model_dir, load_denoiser=False, optimize=False,
                                                    device=args.device).tts_model
     bursts = [int(b) for b in args.bursts.split(",")]
-    runner = BatchedVoxCPM2(model, max_batch=args.running + max(bursts), decode_process=False)
+    runner = BatchedVoxCPM2(model, slots=args.running + max(bursts), decode_process=False)
     print(f"# first audio under a burst: {model_dir} on {args.device}, {args.threads} thread(s), "
           f"{args.running} streams running, median of {args.repeats}")
     print(f"{'burst':>5} {'one at a time ms':>17} {'together ms':>12} {'together/alone':>15}")

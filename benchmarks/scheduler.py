@@ -5,7 +5,7 @@ each sends `--rounds` requests back to back (random texts and lengths, fixed see
 
   (a) serial:  the package's own `generate_streaming`, one request at a time in arrival order,
                as any server without a batching scheduler must run it;
-  (b) batched: vox-ws's Scheduler + VoxCPMEngine, every active request advancing each step.
+  (b) batched: vox-ws's EngineLoop + VoxCPMEngine, every active request advancing each step.
 
 Per concurrency N it prints aggregate audio seconds per wall second, first-audio p50/p95
 (arrival -> first chunk), playback underruns per stream (a chunk arriving after the audio
@@ -156,12 +156,12 @@ def run_batched(model_dir: str, device: str, clients: list[list[Job]], offsets: 
                 compile: str = "off", compile_cache: str | None = None) -> dict:
     from vox_ws.engine import GenerationRequest
     from vox_ws.engines.voxcpm.engine import VoxCPMEngine
-    from vox_ws.scheduler import Scheduler
+    from vox_ws.scheduling.loop import EngineLoop
 
     n = len(clients)
-    engine = VoxCPMEngine(model=model_dir, device=device, threads=threads, max_batch=n, compile=compile,
+    engine = VoxCPMEngine(model=model_dir, device=device, threads=threads, slots=n, compile=compile,
                           compile_cache=compile_cache)
-    scheduler = Scheduler(engine, max_batch=n, max_queue=n)
+    scheduler = EngineLoop(engine, slots=n, max_queue=n)
     scheduler.start()
     scheduler.ready_event.wait()
     if scheduler.status != "ready":
@@ -244,15 +244,15 @@ def run_bursts(model_dir: str, device: str, ns: list[int], threads: int, length:
     not off: as a default start serves), then compiled once the background compile is done
     (waited for `compile_wait_s` at most). `report(partial)` is called after each figure."""
     from vox_ws.engines.voxcpm.engine import VoxCPMEngine
-    from vox_ws.scheduler import Scheduler
+    from vox_ws.scheduling.loop import EngineLoop
 
     result: dict[str, Any] = {"text": BURST_TEXT, "length_patches": length, "ns": ns}
     tell = report or (lambda _: None)
     slots = max(ns)
     started = time.perf_counter()
-    engine = VoxCPMEngine(model=model_dir, device=device, threads=threads, max_batch=slots, compile=compile,
+    engine = VoxCPMEngine(model=model_dir, device=device, threads=threads, slots=slots, compile=compile,
                           compile_cache=compile_cache, compile_buckets=compile_buckets, compile_wait=False)
-    scheduler = Scheduler(engine, max_batch=slots, max_queue=slots)
+    scheduler = EngineLoop(engine, slots=slots, max_queue=slots)
     steps = _Steps()
     scheduler.on_step = steps
     scheduler.start()
@@ -261,7 +261,7 @@ def run_bursts(model_dir: str, device: str, ns: list[int], threads: int, length:
         if scheduler.status != "ready":
             raise RuntimeError(scheduler.error)
         info = engine.describe()
-        result["load"] = {"seconds": round(time.perf_counter() - started, 1), "slots": info["max_batch"],
+        result["load"] = {"seconds": round(time.perf_counter() - started, 1), "slots": info["slots"],
                           "step_rows": info["step_rows"], "slots_reason": scheduler.slots_reason,
                           "attention": info["attention"], "dtype": info["dtype"], **_memory(device)}
         tell(result)
@@ -373,7 +373,7 @@ def profile_step(model_dir: str, device: str, threads: int, batch_sizes: list[in
                 runner.release(row)
         return rows_out
 
-    engine = VoxCPMEngine(model=model_dir, device=device, threads=threads, max_batch=max(batch_sizes))
+    engine = VoxCPMEngine(model=model_dir, device=device, threads=threads, slots=max(batch_sizes))
     engine.load()
     runner = engine.runner
     generate, decoder = runner._generate, runner._decoder

@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> None:
         build(Path(folder))
         model = import_voxcpm().VoxCPM.from_pretrained(folder, load_denoiser=False, optimize=False,
                                                        device="cpu").tts_model
-    runner = BatchedVoxCPM2(model, max_batch=max(batches), decode_process=False)
+    runner = BatchedVoxCPM2(model, slots=max(batches), decode_process=False)
     prompt = build_prompt(model, "A sentence for timing the step of the runner.", None)
     medians = {}
     for batch in batches:

@@ -122,7 +122,7 @@ def serve(port: int, chunk_s: float, interval_s: float) -> None:
 
     from ._transport_server import run_server
 
-    engine = ToneEngine(sample_rate=24000, max_batch=512, chunk_s=chunk_s, step_interval_s=interval_s, stamp=True)
+    engine = ToneEngine(sample_rate=24000, slots=512, chunk_s=chunk_s, step_interval_s=interval_s, stamp=True)
     run_server(engine, port)
 
 

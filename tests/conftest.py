@@ -199,7 +199,7 @@ def stops_what_it_starts(request):
 def piper_server(shared_servers) -> RunningServer:
     from vox_ws.engines.piper import PiperEngine
 
-    return shared_servers(PiperEngine(), max_batch=4, max_streams=4)
+    return shared_servers(PiperEngine(), slots=4, max_streams=4)
 
 
 # ------------------------------------------------------------------------------ client
@@ -336,7 +336,7 @@ def tiny_voxcpm(shared_servers, tiny_model) -> RunningServer:
             self.given.extend(r.text for r in requests)
             return super().prefill_many(requests)
 
-    return shared_servers(Recording(model=str(tiny_model), device="cpu", max_batch=2), max_batch=2)
+    return shared_servers(Recording(model=str(tiny_model), device="cpu", slots=2), slots=2)
 
 
 @pytest.fixture(scope="session")

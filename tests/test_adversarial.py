@@ -19,7 +19,7 @@ import soundfile
 from conftest import WAIT_TIMEOUT, assert_good_stream, connect_client, wait_until
 from test_hostile_doors import read_until_closed
 from test_server_piper import LONG, SENTENCE
-from test_scheduler import HeldTone
+from test_engine_loop import HeldTone
 from test_stream_service import audio_of, drain, loaded_scheduler, service_on, tone_wav
 from websockets.asyncio.client import connect
 from websockets.client import ClientProtocol
@@ -30,7 +30,7 @@ from websockets.uri import parse_uri
 from vox_ws.engine import EndReason, ErrorKind, Refused
 from vox_ws.engines.piper import PiperEngine
 from vox_ws.engines.voxcpm.normalizer import NORMALIZE_TIMEOUT_S
-from vox_ws.scheduler import Scheduler
+from vox_ws.scheduling.loop import EngineLoop
 from vox_ws.service import ANY_OWNER, Audio, Ended, Failed, StreamRequest
 from vox_ws.transports.connections import WRITE_BUFFER_HIGH
 
@@ -237,7 +237,7 @@ def _flac_bomb(seconds: int, channels: int = 8, rate: int = 48000, declare_lengt
 def voxcpm_service_scheduler(tiny_model):
     from vox_ws.engines.voxcpm.engine import VoxCPMEngine
 
-    scheduler = loaded_scheduler(VoxCPMEngine(model=str(tiny_model), device="cpu", max_batch=2), max_batch=2)
+    scheduler = loaded_scheduler(VoxCPMEngine(model=str(tiny_model), device="cpu", slots=2), slots=2)
     yield scheduler
     scheduler.stop()
 
@@ -326,7 +326,7 @@ async def test_a_queued_stream_keeps_its_voice_when_the_voice_is_deleted(voxcpm_
 async def test_another_token_cannot_delete_a_voice_over_the_wire(start_server, tiny_model):
     from vox_ws.engines.voxcpm.engine import VoxCPMEngine
 
-    server = start_server(VoxCPMEngine(model=str(tiny_model), device="cpu", max_batch=2), tokens=["alpha", "beta"])
+    server = start_server(VoxCPMEngine(model=str(tiny_model), device="cpu", slots=2), tokens=["alpha", "beta"])
     async with connect_client(server, additional_headers={"Authorization": "Bearer alpha"}) as alpha:
         await alpha.send({"type": "voice", "id": "r", "audio": tone_wav(0.5)})
         voice = (await alpha.recv_where(lambda m: m.get("id") == "r"))["voice"]
@@ -353,8 +353,8 @@ def _delete(server, voice: str, token: str) -> tuple[int, bytes]:
 
 
 async def test_a_client_holding_every_slot_gives_one_back_to_a_newcomer():
-    scheduler = loaded_scheduler(PiperEngine(), max_batch=2)
-    assert scheduler.max_share == 1
+    scheduler = loaded_scheduler(PiperEngine(), slots=2)
+    assert scheduler.queue.fair.max_share == 1
     # No stall time-out in reach: a stream whose reader takes nothing keeps its slot for good.
     service = await service_on(scheduler, write_stall_timeout_s=3600.0)
     hog = [service.open_stream(StreamRequest(LONG * 3), owners=("connection:1",)) for _ in range(2)]
@@ -386,7 +386,7 @@ async def test_a_stream_queued_too_long_ends_busy():
     for the waiter, before the time-out on one machine and after it on another.)"""
     max_wait_s = 0.5
     engine = UnparkedHeldTone()
-    scheduler = Scheduler(engine, max_batch=1, max_queue=4, max_wait_s=max_wait_s)
+    scheduler = EngineLoop(engine, slots=1, max_queue=4, max_wait_s=max_wait_s)
     scheduler.start()
     assert scheduler.ready_event.wait(120)
     service = await service_on(scheduler)
@@ -620,7 +620,7 @@ async def test_two_streams_of_dense_text_do_not_hold_up_a_newcomer():
     """Dense text on two streams (85 s of speech each, once one step) cannot hold up a third:
     the newcomer's client had the least of the engine, so its steps run back to back."""
     engine = RecordingPiper()
-    scheduler = loaded_scheduler(engine, max_batch=4)
+    scheduler = loaded_scheduler(engine, slots=4)
     service = await service_on(scheduler)
     dense = ("我们今天去公园散步，天气非常好。" * 15)[:240]
     hogs = [service.open_stream(StreamRequest(dense), owners=(f"connection:{n}",)) for n in (1, 2)]
@@ -643,7 +643,7 @@ async def test_two_streams_of_dense_text_do_not_hold_up_a_newcomer():
 
 
 async def test_a_full_queue_makes_room_for_a_client_that_holds_less():
-    scheduler = loaded_scheduler(PiperEngine(), max_batch=1, max_queue=2)
+    scheduler = loaded_scheduler(PiperEngine(), slots=1, max_queue=2)
     service = await service_on(scheduler)
     flooder = [service.open_stream(StreamRequest(LONG), owners=("address:a", "connection:1")) for _ in range(3)]
     # Another connection of the same address is told apart by its connection.

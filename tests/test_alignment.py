@@ -148,7 +148,7 @@ def voxcpm_normalising(start_server, tiny_model):
     process this module stops with the server)."""
     from vox_ws.engines.voxcpm.engine import VoxCPMEngine
 
-    engine = VoxCPMEngine(model=str(tiny_model), device="cpu", max_batch=2)
+    engine = VoxCPMEngine(model=str(tiny_model), device="cpu", slots=2)
     engine.given = []
     prefill_many = engine.prefill_many
 
@@ -157,7 +157,7 @@ def voxcpm_normalising(start_server, tiny_model):
         return prefill_many(requests)
 
     engine.prefill_many = recorded
-    return start_server(engine, max_batch=2)
+    return start_server(engine, slots=2)
 
 
 async def test_words_are_those_sent_when_the_engine_was_given_others(voxcpm_normalising):
@@ -237,7 +237,7 @@ class FailingAligner(WordAligner):
 async def test_a_failing_aligner_costs_the_stream_its_words_never_its_audio(start_server, tiny_model):
     from vox_ws.engines.voxcpm.engine import VoxCPMEngine
 
-    server = start_server(VoxCPMEngine(model=str(tiny_model), device="cpu", max_batch=2), max_batch=2,
+    server = start_server(VoxCPMEngine(model=str(tiny_model), device="cpu", slots=2), slots=2,
                           word_timings="engine")
     server.server.service.word_timings = WordTimings(FailingAligner())
     text = "The audio still comes. Every second of it."
@@ -268,7 +268,7 @@ class HangingAligner(FailingAligner):
 @pytest.fixture(scope="module")
 def aligned_piper(start_server):
     """Piper whose words come from the aligner (`--word-timings aligned`), to measure it."""
-    return start_server(PiperEngine(), max_batch=2, word_timings="aligned")
+    return start_server(PiperEngine(), slots=2, word_timings="aligned")
 
 
 async def test_word_timings_aligned_times_piper_by_the_aligner_close_to_its_own(aligned_piper, piper_server):

@@ -21,7 +21,7 @@ def slow_tone() -> ToneEngine:
 
 
 async def test_load_reports_slots_queue_step_time_and_one_figure(start_server):
-    server = start_server(slow_tone(), max_batch=2)
+    server = start_server(slow_tone(), slots=2)
     status, idle = server.get("/v1/load")
     assert status == 200
     assert idle == {"ready": True, "draining": False, "slots": 2, "step_rows": 2, "active": 0, "queued": 0,
@@ -40,7 +40,7 @@ async def test_load_reports_slots_queue_step_time_and_one_figure(start_server):
 
 
 async def test_full_server_turns_unready_and_sends_new_connections_elsewhere(start_server):
-    server = start_server(slow_tone(), max_batch=1, unready_when_full=True)
+    server = start_server(slow_tone(), slots=1, unready_when_full=True)
     assert server.get("/readyz")[0] == 200
     async with connect_client(server) as c:
         await c.send({"type": "start", "id": "long", "text": "x" * 60})

@@ -63,7 +63,7 @@ async def test_listeners_arriving_at_random_on_the_tiny_voxcpm_get_the_length_th
     s = result.summary()
     assert s["streams"] == len(result.listeners) and not s["errors"]
     assert 0.0 <= s["gap_free_share"] <= 1.0 and s["concurrent_listeners"] > 0
-    assert result.load and s["slots"] == tiny_voxcpm.server.service.devices.max_batch
+    assert result.load and s["slots"] == tiny_voxcpm.server.service.devices.slots
     # They came from addresses of their own, as from many machines.
     assert capacity.source_addresses(tiny_voxcpm.url)[0] == "127.0.0.2"
 

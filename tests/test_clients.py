@@ -61,7 +61,7 @@ def slow_voice(tmp_path_factory) -> Path:
 def two_voices(start_server, slow_voice):
     """Piper with the bundled joe (the default) and a second voice file, named `slow`."""
     engine = PiperEngine(voices=voice_set([f"slow={slow_voice}"]))
-    return start_server(engine, max_batch=2, wyoming="tcp://127.0.0.1:0")
+    return start_server(engine, slots=2, wyoming="tcp://127.0.0.1:0")
 
 
 def sdk(server, **kwargs) -> openai.OpenAI:
@@ -500,12 +500,12 @@ def test_the_demo_offers_each_piper_voice_and_speaks_the_one_chosen(two_voices):
 async def test_wyoming_describes_voxcpm_by_its_languages(start_server, tiny_model):
     from vox_ws.engines.voxcpm.engine import LANGUAGES, VoxCPMEngine
 
-    engine = VoxCPMEngine(model=str(tiny_model), device="cpu", max_batch=1)
+    engine = VoxCPMEngine(model=str(tiny_model), device="cpu", slots=1)
     # Normalisation has Chinese and English grammars: a German text is spoken as written.
     needs_preparing = engine.text.needs_preparing
     assert needs_preparing({"normalize": True}, None) and needs_preparing({"normalize": True}, "zh-CN")
     assert not needs_preparing({"normalize": True}, "de") and not needs_preparing({}, "en")
-    server = start_server(engine, max_batch=1, wyoming="tcp://127.0.0.1:0")
+    server = start_server(engine, slots=1, wyoming="tcp://127.0.0.1:0")
     async with AsyncTcpClient("127.0.0.1", server.server.wyoming.port) as c:
         await c.write_event(Describe().event())
         info = Info.from_event(await asyncio.wait_for(c.read_event(), 60))

@@ -44,7 +44,7 @@ def test_buckets_cover_every_batch_up_to_the_rows():
 
 
 def test_auto_leaves_the_step_eager_on_a_cpu(tiny_model):
-    engine = VoxCPMEngine(model=str(tiny_model), device="cpu", max_batch=1, compile="auto")
+    engine = VoxCPMEngine(model=str(tiny_model), device="cpu", slots=1, compile="auto")
     engine.load()
     try:
         assert engine.compiled is None and engine.runner.compiled is None
@@ -69,9 +69,9 @@ async def test_readyz_says_compiling_until_the_step_is_compiled_then_it_serves(s
             super()._compile_step(model)
 
     cache = tmp_path / "cache"
-    engine = HeldCompile(model=str(tiny_model), device="cpu", max_batch=1, compile="on", compile_buckets=(1,),
+    engine = HeldCompile(model=str(tiny_model), device="cpu", slots=1, compile="on", compile_buckets=(1,),
                          compile_cache=str(cache))
-    server = start_server(engine, wait=False, max_batch=1)
+    server = start_server(engine, wait=False, slots=1)
     assert entered.wait(WAIT_TIMEOUT)
     status, body = server.get("/readyz")
     assert status == 503 and body["status"] == "compiling", body
@@ -100,7 +100,7 @@ def _speak(engine: VoxCPMEngine) -> np.ndarray:
 @pytest.mark.slow
 def test_a_second_start_loads_every_compiled_graph_from_the_disk_and_says_the_same(tiny_model, tmp_path):
     def start() -> VoxCPMEngine:
-        engine = VoxCPMEngine(model=str(tiny_model), device="cpu", max_batch=2, compile="on", compile_buckets=(2,),
+        engine = VoxCPMEngine(model=str(tiny_model), device="cpu", slots=2, compile="on", compile_buckets=(2,),
                               compile_cache=str(tmp_path / "cache"))
         engine.load()
         return engine
@@ -222,7 +222,7 @@ def test_a_graph_per_batch_size_and_a_dynamic_size_takes_any_length_of_two_or_mo
 
 
 def test_a_decode_compile_that_fails_is_refused_with_its_reason_and_the_process_goes_on(tiny_model, tmp_path):
-    engine = VoxCPMEngine(model=str(tiny_model), device="cpu", max_batch=1)
+    engine = VoxCPMEngine(model=str(tiny_model), device="cpu", slots=1)
     engine.load()
     vae = engine.tts.tts_model.audio_vae
     decoder = DecoderProcess(threads=1)
@@ -367,7 +367,7 @@ def test_without_precompile_a_load_only_store_refuses_and_the_engine_serves_eage
     monkeypatch.setattr(graphs, "precompile_available", lambda: False)
     with pytest.raises(PrecompileUnavailable, match="cannot load saved graphs"):
         GraphStore(tmp_path / "store", load_only=True)
-    engine = VoxCPMEngine(model=str(tiny_model), device="cpu", max_batch=1, compile="on", compile_buckets=(1,),
+    engine = VoxCPMEngine(model=str(tiny_model), device="cpu", slots=1, compile="on", compile_buckets=(1,),
                           compile_cache=str(tmp_path / "cache"), compile_wait=False)
     with caplog.at_level(logging.WARNING, logger="vox_ws.engines.voxcpm"):
         engine.load()
@@ -415,9 +415,9 @@ async def test_a_background_compile_never_holds_the_start_and_its_graphs_come_in
             if gate.is_set():
                 super()._adopt_compiled()
 
-    engine = Gated(model=str(tiny_model), device="cpu", max_batch=1, compile="on", compile_buckets=(1,),
+    engine = Gated(model=str(tiny_model), device="cpu", slots=1, compile="on", compile_buckets=(1,),
                    compile_cache=str(background_cache), compile_wait=False)
-    server = start_server(engine, max_batch=1)
+    server = start_server(engine, slots=1)
     status, body = server.get("/readyz")
     assert status == 200 and body["status"] == "ready"
     request = {"options": {"seed": 5, "max_len": 4}}
@@ -448,7 +448,7 @@ async def test_a_background_compile_never_holds_the_start_and_its_graphs_come_in
 def test_auto_on_a_cpu_measures_each_bucket_and_uses_it_only_where_it_is_faster(tiny_model, background_cache):
     """The graphs are in the cache already (the test above): the child loads them, times a step
     of the bucket's rows both ways, and the engine adopts or declines each by that."""
-    engine = VoxCPMEngine(model=str(tiny_model), device="cpu", max_batch=1, compile="auto", compile_buckets=(1,),
+    engine = VoxCPMEngine(model=str(tiny_model), device="cpu", slots=1, compile="auto", compile_buckets=(1,),
                           compile_cache=str(background_cache), compile_wait=False)
     engine.load()
     try:
@@ -560,7 +560,7 @@ def test_cuda_graphs_are_refused_where_they_cannot_be_had(tiny_model):
         VoxCPMEngine(model=str(tiny_model), device="cpu", compile="off", cuda_graphs=True)
     with pytest.raises(ValueError, match="LoRA"):
         VoxCPMEngine(model=str(tiny_model), device="cpu", compile="on", lora_rank=4, cuda_graphs=True)
-    engine = VoxCPMEngine(model=str(tiny_model), device="cpu", max_batch=1, compile="on", cuda_graphs=True)
+    engine = VoxCPMEngine(model=str(tiny_model), device="cpu", slots=1, compile="on", cuda_graphs=True)
     try:
         with pytest.raises(ValueError, match="needs a CUDA device"):
             engine.load()
@@ -611,7 +611,7 @@ def test_the_compiler_never_touches_a_shared_temporary_directory_another_user_ma
     os.chmod(planted, 0o777)
     before = planted.stat().st_atime_ns
     code = ("from vox_ws.engines.voxcpm.engine import VoxCPMEngine; "
-            f"e = VoxCPMEngine(model={str(tiny_model)!r}, device='cpu', max_batch=1, compile='on', "
+            f"e = VoxCPMEngine(model={str(tiny_model)!r}, device='cpu', slots=1, compile='on', "
             f"compile_buckets=(1,), compile_cache={str(tmp_path / 'cache')!r}); e.load(); "
             "print(e.describe()['compile']['graphs']); e.close()")
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=BACKGROUND_BOUND_S,

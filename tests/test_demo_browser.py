@@ -239,7 +239,7 @@ def test_clone_my_voice_from_a_file_then_speak_with_it(browser, start_server, ti
 
     from vox_ws.engines.voxcpm.engine import VoxCPMEngine
 
-    server = start_server(VoxCPMEngine(model=str(tiny_model), device="cpu", max_batch=2), max_batch=2)
+    server = start_server(VoxCPMEngine(model=str(tiny_model), device="cpu", slots=2), slots=2)
     wav = tmp_path / "me.wav"
     t = np.arange(int(1.5 * 22050)) / 22050
     soundfile.write(wav, (0.3 * np.sin(2 * np.pi * 180 * t)).astype(np.float32), 22050)

@@ -77,7 +77,7 @@ def test_uvicorns_protocol_methods_that_vox_ws_overrides_are_there():
 
 @pytest.fixture(scope="module")
 def tone_server(start_server):
-    return start_server(ToneEngine(max_batch=4))
+    return start_server(ToneEngine(slots=4))
 
 
 def _live_connections(server) -> list:

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from conftest import connect_client
-from vox_ws.devices import parse_devices
+from vox_ws.scheduling.devices import parse_devices
 from vox_ws.engine import EngineFailure
 from vox_ws.engines.voxcpm.engine import VoxCPMEngine
 from vox_ws.testing.tone import ToneEngine
@@ -20,8 +20,8 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def two_cpus(start_server, tiny_model):
-    engines = [VoxCPMEngine(model=str(tiny_model), device="cpu", max_batch=2) for _ in range(2)]
-    return start_server(engines, max_batch=2, max_streams=8)
+    engines = [VoxCPMEngine(model=str(tiny_model), device="cpu", slots=2) for _ in range(2)]
+    return start_server(engines, slots=2, max_streams=8)
 
 
 def test_device_lists():
@@ -47,7 +47,7 @@ async def test_streams_go_to_the_device_with_the_most_free_slots_and_stay(two_cp
         await c.recv_where(lambda m: m["type"] == "start" and m["id"] == "s3")
         info = two_cpus.get("/v1/info")[1]
         assert [d["streams_open"] for d in info["devices"]] == [2, 1]
-        assert info["max_batch"] == 4 and info["device"] == "cpu,cpu"
+        assert info["slots"] == 4 and info["device"] == "cpu,cpu"
         for sid in ("s0", "s2", "s3"):
             await c.send({"type": "cancel", "id": sid})
             await c.recv_where(lambda m, sid=sid: m["type"] == "end" and m["id"] == sid)
@@ -96,7 +96,7 @@ class DiesOnCue(ToneEngine):
 
 
 async def test_one_device_failing_leaves_the_others_serving(start_server):
-    server = start_server([DiesOnCue(), ToneEngine()], max_batch=1)
+    server = start_server([DiesOnCue(), ToneEngine()], slots=1)
     async with connect_client(server) as c:
         await c.send({"type": "start", "id": "doomed", "text": "DIE now please."})     # device 0
         error = await c.error("doomed")
@@ -115,41 +115,41 @@ async def test_one_device_failing_leaves_the_others_serving(start_server):
 
 
 @pytest.mark.slow
-async def test_max_batch_auto_sizes_the_slots_to_the_device(start_server, tiny_model):
+async def test_slots_auto_sizes_the_slots_to_the_device(start_server, tiny_model):
     """`--slots auto` on a CPU: the engine times its batched step and keeps the most rows
     whose step takes at most half the audio it makes as the rows a step carries, and four KV
     slots a row (at most 32); hello and /v1/info say how many and why."""
-    server = start_server(VoxCPMEngine(model=str(tiny_model), device="cpu", max_batch=None), max_batch=None)
+    server = start_server(VoxCPMEngine(model=str(tiny_model), device="cpu", slots=None), slots=None)
     info = server.get("/v1/info")[1]
-    assert 1 <= info["step_rows"] <= info["max_batch"] <= min(32, 4 * info["step_rows"])
+    assert 1 <= info["step_rows"] <= info["slots"] <= min(32, 4 * info["step_rows"])
     assert "a step of B rows took" in info["slots_reason"] and "ms of audio each" in info["slots_reason"]
     async with connect_client(server) as c:
-        assert (c.hello["slots"], c.hello["step_rows"]) == (info["max_batch"], info["step_rows"])
+        assert (c.hello["slots"], c.hello["step_rows"]) == (info["slots"], info["step_rows"])
         result = await c.speak("Sized to the device.", "a", options={"seed": 1, "max_len": 4})
     assert result.end["reason"] == "max_len"
 
 
-async def test_max_batch_auto_for_piper_follows_its_measured_speed(start_server):
+async def test_slots_auto_for_piper_follows_its_measured_speed(start_server):
     from vox_ws.engines.piper import PiperEngine
 
-    server = start_server(PiperEngine(), max_batch=None)
+    server = start_server(PiperEngine(), slots=None)
     info = server.get("/v1/info")[1]
-    assert info["max_batch"] >= 1 and "faster than real time" in info["slots_reason"]
+    assert info["slots"] >= 1 and "faster than real time" in info["slots_reason"]
 
 
 def test_the_command_line_takes_auto_or_a_number_of_slots_by_either_spelling(monkeypatch):
     from vox_ws.cli import build_parser, config_from_args
 
-    assert config_from_args(build_parser().parse_args(["serve"])).max_batch is None
-    assert config_from_args(build_parser().parse_args(["serve", "--slots", "12"])).max_batch == 12
-    assert config_from_args(build_parser().parse_args(["serve", "--max-batch", "12"])).max_batch == 12
+    assert config_from_args(build_parser().parse_args(["serve"])).slots is None
+    assert config_from_args(build_parser().parse_args(["serve", "--slots", "12"])).slots == 12
+    assert config_from_args(build_parser().parse_args(["serve", "--max-batch", "12"])).slots == 12
     for spelling in ("--slots", "--max-batch"):
         with pytest.raises(SystemExit):
             build_parser().parse_args(["serve", spelling, "0"])
     monkeypatch.setenv("VOX_WS_MAX_BATCH", "6")
-    assert config_from_args(build_parser().parse_args(["serve"])).max_batch == 6
+    assert config_from_args(build_parser().parse_args(["serve"])).slots == 6
     monkeypatch.setenv("VOX_WS_SLOTS", "5")
-    assert config_from_args(build_parser().parse_args(["serve"])).max_batch == 5
+    assert config_from_args(build_parser().parse_args(["serve"])).slots == 5
 
 
 async def test_a_lora_adapter_loads_on_every_device(start_server, tiny_model, tmp_path):
@@ -158,9 +158,9 @@ async def test_a_lora_adapter_loads_on_every_device(start_server, tiny_model, tm
     from vox_ws.testing.lora_adapters import write_adapter
 
     write_adapter(tiny_model, tmp_path / "bright", rank=4, alpha=8, seed=1, scale=0.25)
-    engines = [VoxCPMEngine(model=str(tiny_model), device="cpu", max_batch=1, lora_rank=4, lora_dir=str(tmp_path))
+    engines = [VoxCPMEngine(model=str(tiny_model), device="cpu", slots=1, lora_rank=4, lora_dir=str(tmp_path))
                for _ in range(2)]
-    server = start_server(engines, max_batch=1, admin_tokens=["admin-secret"])
+    server = start_server(engines, slots=1, admin_tokens=["admin-secret"])
 
     async def pair(c, **fields) -> tuple:
         """The same request on each device (one slot each: opened together, one per device)."""

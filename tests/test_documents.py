@@ -61,7 +61,7 @@ def words_of(text: str) -> list[str]:
 @pytest.fixture(scope="module")
 def small_piper(start_server):
     """Piper with a small text bound: a document is many times what the server holds at once."""
-    return start_server(PiperEngine(), max_batch=2, max_text_chars=300)
+    return start_server(PiperEngine(), slots=2, max_text_chars=300)
 
 
 def test_a_document_many_times_the_text_bound_is_one_file_with_word_captions(small_piper, tmp_path):

@@ -46,9 +46,9 @@ def test_auto_never_picks_a_plugin_without_priority_and_falls_back_to_the_cpu_vo
 
 
 async def test_a_registered_engine_is_served_end_to_end(tone_registered, start_server):
-    engine = engines.create_engine("tone", {"max_batch": 8})
+    engine = engines.create_engine("tone", {"slots": 8})
     assert isinstance(engine, tone.ToneEngine)
-    server = start_server(engine, max_batch=8)
+    server = start_server(engine, slots=8)
     async with connect_client(server) as c:
         assert c.hello["engine"] == "tone" and c.hello["options"] == []
         result = await c.speak("A tone of some length.", "t", options={"cfg_value": 3})
@@ -88,17 +88,36 @@ def test_command_line_offers_each_engines_settings_and_reads_the_environment(mon
     monkeypatch.setenv("VOX_WS_LORA_RANK", "8")
     args = build_parser().parse_args(["serve", "--engine", "voxcpm", "--model", "/m", "--max-batch", "4"])
     config = config_from_args(args)
-    assert config.engine == "voxcpm" and config.max_batch == 4
+    assert config.engine == "voxcpm" and config.slots == 4
     assert config.engine_settings["lora_rank"] == 8 and config.engine_settings["model"] == "/m"
-    assert config.engine_options()["max_batch"] == 4 and config.engine_options()["device"] == "auto"
+    assert config.engine_options()["slots"] == 4 and config.engine_options()["device"] == "auto"
     # A default start compiles in the background; --compile-wait is the old blocking start.
     assert (config.engine_settings["compile"], config.engine_settings["compile_wait"]) == ("auto", False)
     engine = engines.create_engine("voxcpm", config.engine_options())
-    assert (engine._compile, engine._compile_wait) == ("auto", False)
+    assert (engine.settings.compile, engine.settings.compile_wait) == ("auto", False)
     waiting = build_parser().parse_args(["serve", "--engine", "voxcpm", "--compile-wait", "true"])
     assert config_from_args(waiting).engine_settings["compile_wait"] is True
     text = subprocess.run([sys.executable, "-m", "vox_ws", "serve", "--help"], capture_output=True, text=True).stdout
     assert "engines: auto, piper, voxcpm" in text and "voxcpm engine:" in text and "--lora-rank" in text
+
+
+def test_voxcpm_is_built_from_one_settings_object_with_a_field_for_each_of_its_options():
+    import dataclasses
+
+    from vox_ws.engines.voxcpm.engine import VoxCPMEngine
+    from vox_ws.engines.voxcpm.settings import COMMON, SETTINGS, VoxCPMSettings
+
+    assert {f.name for f in dataclasses.fields(VoxCPMSettings)} == set(COMMON) | {s.key for s in SETTINGS}
+    settings = VoxCPMSettings(model="/m", device="cpu", slots=2, lora_rank=4)
+    engine = VoxCPMEngine(settings, step_rows=1)             # a field by name wins over the object's
+    assert engine.settings == dataclasses.replace(settings, step_rows=1)
+    assert (engine.model, engine.max_step_batch, engine.slots()[0]) == ("/m", 1, 2)
+    for wrong in ({"compile": "sometimes"}, {"optimize": True}, {"cuda_graphs": True},
+                  {"cuda_graphs": True, "compile": "on", "lora_rank": 4}, {"lora_rank": 4, "max_loras": 0}):
+        with pytest.raises(ValueError, match="--"):
+            VoxCPMSettings(**wrong)
+    with pytest.raises(TypeError):
+        VoxCPMEngine(no_such_setting=1)
 
 
 def test_engines_refuse_in_their_own_vocabulary():

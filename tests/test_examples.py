@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 @pytest.fixture(scope="module")
 def server(start_server):
-    return start_server(PiperEngine(), max_batch=2, wyoming="tcp://127.0.0.1:0")
+    return start_server(PiperEngine(), slots=2, wyoming="tcp://127.0.0.1:0")
 
 
 @pytest.mark.parametrize("example", ["pipecat_say.py", "livekit_say.py", "wyoming_say.py"])

@@ -48,7 +48,7 @@ def test_the_blocker_hides_what_the_device_lacks_and_the_check_imports_without_i
     # Every module the check's steps import, under the blocker; and `find_spec` agrees with import.
     code = ("import importlib.util, benchmarks.device_check, benchmarks.scheduler, benchmarks.attention, "
             "benchmarks.equivalence, vox_ws.engines.voxcpm.engine, vox_ws.engines.voxcpm.compile_main, "
-            "vox_ws.scheduler; from vox_ws.engines.voxcpm.loading import import_voxcpm; import_voxcpm(); "
+            "vox_ws.scheduling.loop; from vox_ws.engines.voxcpm.loading import import_voxcpm; import_voxcpm(); "
             "assert importlib.util.find_spec('uvicorn') is None and importlib.util.find_spec('av') is None")
     imports = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=ROOT)
     assert imports.returncode == 0, imports.stderr[-3000:]

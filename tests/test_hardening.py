@@ -164,7 +164,7 @@ async def test_slow_reader_is_paused_then_cancelled_and_never_delays_others(star
     # The slow client reads nothing until the end, so it cannot answer pings either: the
     # keepalive (not what is tested here) must outlast the scenario, which on a loaded machine
     # took longer than the fixtures' 10 s ping time-out and was then cut as it should be.
-    server = start_server(PiperEngine(), max_buffered_audio_s=1.0, write_stall_timeout_s=1.5, max_batch=4,
+    server = start_server(PiperEngine(), max_buffered_audio_s=1.0, write_stall_timeout_s=1.5, slots=4,
                           ping_interval=60.0, ping_timeout=120.0)
     sock = socket.socket()
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
@@ -207,7 +207,7 @@ class CountingPiper(PiperEngine):
 
 async def test_cancel_and_disconnect_free_the_slot_before_the_next_step(start_server):
     engine = CountingPiper()
-    server = start_server(engine, max_batch=4)
+    server = start_server(engine, slots=4)
     long_a, long_b, other = LONG + " A.", LONG + " B.", LONG + " C."
     async with connect_client(server) as keeper:
         await keeper.send({"type": "start", "id": "keep", "text": other})
@@ -245,7 +245,7 @@ class CrashingPiper(PiperEngine):
 
 
 async def test_engine_thread_death_tells_everyone_and_stops_with_exit_code_3(start_server):
-    server = start_server(CrashingPiper(), max_batch=4)
+    server = start_server(CrashingPiper(), slots=4)
     async with connect_client(server) as c:
         await c.send({"type": "start", "id": "victim", "text": LONG})
         await c.recv_where(lambda m: m["type"] == "chunk" and m["id"] == "victim")

@@ -200,7 +200,7 @@ async def test_a_chunked_body_that_trickles_extensions_or_crawls_is_cut_off(star
 
 
 async def test_a_speech_response_nobody_reads_ends_and_its_connection_closes(start_server, caplog):
-    server = start_server(PiperEngine(), max_buffered_audio_s=1.0, write_stall_timeout_s=1.0, max_batch=2)
+    server = start_server(PiperEngine(), max_buffered_audio_s=1.0, write_stall_timeout_s=1.0, slots=2)
     body = json.dumps({"input": LONG * 3, "response_format": "pcm"}).encode()
     readers = [attacker_socket(server.port, rcvbuf=4096) for _ in range(3)]
     ports = [sock.getsockname()[1] for sock in readers]
@@ -225,14 +225,14 @@ async def test_a_speech_response_nobody_reads_ends_and_its_connection_closes(sta
 
 @pytest.fixture(scope="module")
 def wyoming_server(start_server):
-    return start_server(PiperEngine(), max_batch=2, wyoming="tcp://127.0.0.1:0", idle_timeout_s=1.0,
+    return start_server(PiperEngine(), slots=2, wyoming="tcp://127.0.0.1:0", idle_timeout_s=1.0,
                         body_timeout_s=1.0, stream_timeout_s=1.0)
 
 
 @pytest.fixture(scope="module")
 def wyoming_patient(start_server):
     """No idle or body time-out in reach: what a test sees is never cut short by one."""
-    return start_server(PiperEngine(), max_batch=2, wyoming="tcp://127.0.0.1:0", idle_timeout_s=3600.0,
+    return start_server(PiperEngine(), slots=2, wyoming="tcp://127.0.0.1:0", idle_timeout_s=3600.0,
                         body_timeout_s=3600.0, max_connections_per_address=3)
 
 
@@ -539,7 +539,7 @@ async def test_streams_waiting_on_slow_readers_give_their_slots_to_a_waiting_str
 
     # Neither a stall time-out, nor a queue wait, nor the keepalive in reach: the victim can
     # speak only if the readers' slots are given back while they lag.
-    server = start_server(PiperEngine(), max_batch=2, write_stall_timeout_s=3600.0, max_queue_wait_s=3600.0,
+    server = start_server(PiperEngine(), slots=2, write_stall_timeout_s=3600.0, max_queue_wait_s=3600.0,
                           ping_interval=3600.0, ping_timeout=3600.0, max_buffered_audio_s=1.0)
     readers = []
     for address in (ATTACKER, "127.0.0.3"):             # two clients, one slot each: their share
@@ -570,7 +570,7 @@ async def test_a_stream_parked_while_its_reader_lags_holds_no_place_in_the_queue
     from vox_ws.engine import EndReason
     from vox_ws.service import Ended, StreamRequest
 
-    scheduler = loaded_scheduler(PiperEngine(), max_batch=1, max_queue=1)
+    scheduler = loaded_scheduler(PiperEngine(), slots=1, max_queue=1)
     service = await service_on(scheduler, max_buffered_audio_s=1.0, write_stall_timeout_s=3600.0,
                                max_queue_wait_s=3600.0)
     lagging = [service.open_stream(StreamRequest(LONG), owners=(f"address:{n}", f"connection:{n}")) for n in (1, 2)]
@@ -597,10 +597,10 @@ async def test_a_lookahead_keeps_the_stream_within_it_of_a_real_time_clock(start
     machine only keeps it further behind)."""
     from test_stream_service import service_on
 
-    from vox_ws.scheduler import Scheduler
+    from vox_ws.scheduling.loop import EngineLoop
     from vox_ws.service import Audio, AudioOutput, Ended, StreamRequest
 
-    scheduler = Scheduler(PiperEngine(), max_batch=2)
+    scheduler = EngineLoop(PiperEngine(), slots=2)
     scheduler.start()
     assert scheduler.ready_event.wait(WAIT_TIMEOUT)
     service = await service_on(scheduler)
@@ -632,7 +632,7 @@ async def test_a_stock_websockets_client_playing_in_real_time_hears_a_three_minu
     from test_adversarial import STORY
     from websockets.asyncio.client import connect
 
-    server = start_server(PiperEngine(), max_batch=2)
+    server = start_server(PiperEngine(), slots=2)
     text = " ".join([STORY] * 15)
 
     async def play(fmt: str, rate: int) -> tuple[dict, float]:
@@ -755,7 +755,7 @@ async def test_cancelled_codec_streams_free_their_ffmpeg_threads_without_the_gar
 
     from test_stream_service import service_on
 
-    from vox_ws.scheduler import Scheduler
+    from vox_ws.scheduling.loop import EngineLoop
     from vox_ws.service import Audio, AudioOutput, StreamRequest
 
     def threads() -> int:
@@ -763,7 +763,7 @@ async def test_cancelled_codec_streams_free_their_ffmpeg_threads_without_the_gar
         python = {str(t.native_id) for t in threading.enumerate()}
         return len(set(os.listdir("/proc/self/task")) - python)
 
-    scheduler = Scheduler(PiperEngine(), max_batch=4)
+    scheduler = EngineLoop(PiperEngine(), slots=4)
     scheduler.start()
     assert scheduler.ready_event.wait(WAIT_TIMEOUT)
     service = await service_on(scheduler)
@@ -801,11 +801,11 @@ async def test_one_client_over_wyoming_and_v1_is_one_owner_to_the_fair_shares(wy
     await async_write_event(Synthesize(text=LONG).event(), writer)
     async with connect_client(wyoming_patient) as c:
         await c.send({"type": "start", "id": "v1", "text": LONG})
-        scheduler = wyoming_patient.server.devices.schedulers[0]
+        scheduler = wyoming_patient.server.devices.loops[0]
 
         def owners() -> list[str]:
             with scheduler._cond:
-                return [r.owners[0] for r in scheduler._active + list(scheduler._waiting)]
+                return [r.owners[0] for held in scheduler.queue._lists.values() for r in held]
         await wait_until(lambda: len(owners()) == 2)
         assert owners() == ["address:127.0.0.1"] * 2
         await c.send({"type": "cancel", "id": "v1"})

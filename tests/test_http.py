@@ -27,8 +27,8 @@ def wav(seconds: float, rate: int = 16000, fmt: str = "WAV") -> bytes:
 def voxcpm_http(start_server, tiny_model):
     from vox_ws.engines.voxcpm.engine import VoxCPMEngine
 
-    engine = VoxCPMEngine(model=str(tiny_model), device="cpu", max_batch=2)
-    return start_server(engine, max_batch=2, max_frame_bytes=256 * 1024, max_voice_audio_s=5.0)
+    engine = VoxCPMEngine(model=str(tiny_model), device="cpu", slots=2)
+    return start_server(engine, slots=2, max_frame_bytes=256 * 1024, max_voice_audio_s=5.0)
 
 
 @pytest.fixture(scope="module")
@@ -214,7 +214,7 @@ async def test_cors_for_any_page_never_deletes_nor_lists_a_visitors_voices_witho
     voices and aliases, and may delete nothing, without a token."""
     from vox_ws.engines.voxcpm.engine import VoxCPMEngine
 
-    server = start_server(VoxCPMEngine(model=str(tiny_model), device="cpu", max_batch=1), max_batch=1,
+    server = start_server(VoxCPMEngine(model=str(tiny_model), device="cpu", slots=1), slots=1,
                           cors_origins=["*"], max_voice_audio_s=5.0)
     evil = {"origin": "https://evil.example"}
     async with httpx.AsyncClient(base_url=server.http) as http:

@@ -21,7 +21,7 @@ RATE = 24_000
 
 @pytest.fixture(scope="module")
 def server(start_server):
-    return start_server(PiperEngine(), max_batch=2)
+    return start_server(PiperEngine(), slots=2)
 
 
 def samples(events: list[lk_tts.SynthesizedAudio]) -> np.ndarray:

@@ -75,10 +75,10 @@ def adapters(tiny_model, tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def server(start_server, tiny_model, adapters):
-    engine = VoxCPMEngine(model=str(tiny_model), device="cpu", max_batch=4, lora_rank=4, max_loras=2,
+    engine = VoxCPMEngine(model=str(tiny_model), device="cpu", slots=4, lora_rank=4, max_loras=2,
                           lora_dir=str(adapters))
     # Unloads here wait for their streams (lora_unload_timeout_s is tested on a server of its own).
-    return start_server(engine, max_batch=4, max_streams=8, admin_tokens=[ADMIN], max_buffered_audio_s=1.0,
+    return start_server(engine, slots=4, max_streams=8, admin_tokens=[ADMIN], max_buffered_audio_s=1.0,
                         lora_unload_timeout_s=600.0)
 
 
@@ -379,9 +379,9 @@ def test_a_row_gathers_only_its_own_adapter():
 async def test_an_unload_ends_the_streams_still_using_it_once_its_time_is_up(start_server, tiny_model, adapters):
     """A stream that keeps its input open (as one sending a word every few seconds would) holds
     an unloading adapter only for `lora_unload_timeout_s`: then it ends, typed, and the slot frees."""
-    engine = VoxCPMEngine(model=str(tiny_model), device="cpu", max_batch=2, lora_rank=4, max_loras=1,
+    engine = VoxCPMEngine(model=str(tiny_model), device="cpu", slots=2, lora_rank=4, max_loras=1,
                           lora_dir=str(adapters))
-    server = start_server(engine, max_batch=2, admin_tokens=[ADMIN], lora_unload_timeout_s=0.5,
+    server = start_server(engine, slots=2, admin_tokens=[ADMIN], lora_unload_timeout_s=0.5,
                           stream_timeout_s=600.0)
     async with connect_client(server, additional_headers=ADMIN_HEADERS) as admin, \
             connect_client(server) as user:

@@ -124,7 +124,7 @@ def test_a_pulled_model_is_listed_and_served_from_the_cache(hub, tmp_path, monke
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(home / "hub"))
     assert resolve_model_path("openbmb/VoxCPM2") == Path(listed[0]["path"])
-    engine = VoxCPMEngine(model="openbmb/VoxCPM2", device="cpu", max_batch=1, compile="off")
+    engine = VoxCPMEngine(model="openbmb/VoxCPM2", device="cpu", slots=1, compile="off")
     try:
         engine.load()
         assert engine.architecture == "voxcpm2" and engine.sample_rate == 48000

@@ -66,7 +66,7 @@ def stream_speech(client: openai.OpenAI, text: str = TEXT, on_first=None, **fiel
 def test_every_format_streams_and_decodes(client, piper_server, fmt):
     """The first bytes reach the client while the text is still being spoken: the engine
     thread is held before its second step until they have (whatever the machine's speed)."""
-    (scheduler,) = piper_server.server.devices.schedulers
+    (scheduler,) = piper_server.server.devices.loops
     second_step = threading.Event()
     steps = []
 
@@ -217,7 +217,7 @@ def test_malformed_json_wrong_type_and_huge_bodies(piper_server):
 
 @pytest.fixture(scope="module")
 def guarded(start_server):
-    return start_server(PiperEngine(), tokens=[TOKEN], max_batch=1, max_queue=1, max_queue_wait_s=0.5)
+    return start_server(PiperEngine(), tokens=[TOKEN], slots=1, max_queue=1, max_queue_wait_s=0.5)
 
 
 def test_bad_token_is_401_and_good_token_works(guarded):

@@ -106,7 +106,7 @@ def audio_s(frames: list[Frame]) -> float:
 
 @pytest.fixture(scope="module")
 def server(start_server):
-    return start_server(PiperEngine(), max_batch=2)
+    return start_server(PiperEngine(), slots=2)
 
 
 TURN = "Hello from a Pipecat pipeline. The first sentence is spoken while the rest still streams in. ".split(" ")

@@ -82,7 +82,7 @@ async def test_the_known_triggers_are_spoken(piper_server, text):
 @pytest.mark.hardening                   # a fault: the full lane's
 async def test_a_crash_fails_only_its_stream(start_server):
     engine = CrashOnCue()
-    server = start_server(engine, max_batch=4)
+    server = start_server(engine, slots=4)
     first_worker = engine.worker_pid
     async with connect_client(server) as victim, connect_client(server) as other:
         await other.send({"type": "start", "id": "long", "text": LONG})

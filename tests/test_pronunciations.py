@@ -258,7 +258,7 @@ async def test_pronunciations_are_found_off_the_event_loop(start_server):
             threads.append(threading.current_thread().name)
             return super()._longest(folded, exact, i)
 
-    server = start_server(PiperEngine(), max_batch=1)
+    server = start_server(PiperEngine(), slots=1)
     server.server.service.lexicon = Watched([entry({"match": "vox", "say": "box"}, "x")])
     async with connect_client(server) as c:
         assert_good_stream(await c.speak("Vox speaks. Then vox again.", "a"))

@@ -142,14 +142,14 @@ def test_forwarded_header_and_bad_networks():
 @pytest.fixture(scope="module")
 def behind_balancer(start_server):
     """Trusts this test's own connections (from 127.0.0.1): they are the balancer's."""
-    return start_server(PiperEngine(), max_batch=2, trusted_proxies=[BALANCER], max_connections_per_address=1,
+    return start_server(PiperEngine(), slots=2, trusted_proxies=[BALANCER], max_connections_per_address=1,
                         body_timeout_s=3600.0, refused_requests_per_s=0.001, wyoming="tcp://127.0.0.1:0")
 
 
 @pytest.fixture(scope="module")
 def not_behind_one(start_server):
     """Trusts 127.0.0.2 only: this test's connections from 127.0.0.1 are clients'."""
-    return start_server(PiperEngine(), max_batch=2, trusted_proxies=["127.0.0.2"], max_connections_per_address=1,
+    return start_server(PiperEngine(), slots=2, trusted_proxies=["127.0.0.2"], max_connections_per_address=1,
                         body_timeout_s=3600.0)
 
 

@@ -11,7 +11,7 @@ from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 
 from vox_ws.engines.piper import PiperEngine
-from vox_ws.scheduler import LOADING_RETRY_AFTER_S
+from vox_ws.scheduling.loop import LOADING_RETRY_AFTER_S
 
 SENTENCE = "The quick brown fox jumps over the lazy dog."
 LONG = " ".join(
@@ -195,7 +195,7 @@ async def test_http_endpoints(piper_server):
     status, info = piper_server.get("/v1/info")
     assert status == 200
     assert info["engine"] == "piper" and info["device"] == "cpu" and info["sample_rate"] == 22050
-    assert info["max_batch"] == 4 and {"sessions", "active", "queued", "streams_open"} <= set(info)
+    assert info["slots"] == 4 and {"sessions", "active", "queued", "streams_open"} <= set(info)
     assert piper_server.get("/nope")[0] == 404
 
 
@@ -259,7 +259,7 @@ class FaultyPiper(PiperEngine):
 
 @pytest.mark.hardening                   # a fault: the full lane's
 async def test_engine_exception_in_one_stream_leaves_others_intact(start_server):
-    server = start_server(FaultyPiper(), max_batch=4)
+    server = start_server(FaultyPiper(), slots=4)
     async with connect_client(server) as c:
         await c.send({"type": "start", "id": "ok1", "text": LONG[:200]})
         await c.send({"type": "start", "id": "bad", "text": "This one will #fail now."})
@@ -274,7 +274,7 @@ async def test_engine_exception_in_one_stream_leaves_others_intact(start_server)
 
 
 async def test_queue_position_and_busy(start_server):
-    server = start_server(PiperEngine(), max_batch=1, max_queue=1)
+    server = start_server(PiperEngine(), slots=1, max_queue=1)
     async with connect_client(server) as c:
         await c.send({"type": "start", "id": "a", "text": LONG})
         await c.recv_where(lambda m: m["type"] == "chunk" and m["id"] == "a")

@@ -23,7 +23,7 @@ from websockets.exceptions import ConnectionClosed
 from vox_ws.engines.voxcpm.engine import VoxCPMEngine
 from vox_ws.engines.voxcpm.loading import import_voxcpm
 from vox_ws.engines.voxcpm.prompt import prompt_positions
-from vox_ws.scheduler import Scheduler
+from vox_ws.scheduling.loop import EngineLoop
 
 ADMIN = "admin-secret"
 
@@ -48,9 +48,9 @@ def voxcpm_server(start_server, tiny_model, tmp_path_factory):
     (voices / "narrator.wav").write_bytes(tone_wav(1.0, pitch=150))
     (voices / "narrator.txt").write_text("This is the narrator.")
     lora_dir = tmp_path_factory.mktemp("lora")
-    engine = VoxCPMEngine(model=str(tiny_model), device="cpu", max_batch=4, voices_dir=str(voices), lora_rank=4,
+    engine = VoxCPMEngine(model=str(tiny_model), device="cpu", slots=4, voices_dir=str(voices), lora_rank=4,
                           lora_dir=str(lora_dir))
-    return start_server(engine, max_batch=4, max_streams=8, admin_tokens=[ADMIN])
+    return start_server(engine, slots=4, max_streams=8, admin_tokens=[ADMIN])
 
 
 def reference(tiny_model, text: str, seed: int, **options) -> np.ndarray:
@@ -75,7 +75,7 @@ async def test_hello_and_info_describe_the_model(voxcpm_server):
     assert hello["engine"] == "voxcpm" and hello["sample_rate"] == 48000 and hello["voices"] == ["narrator"]
     assert set(hello["options"]) == {"cfg_value", "inference_timesteps", "min_len", "max_len", "normalize", "seed"}
     status, info = voxcpm_server.get("/v1/info")
-    assert info["device"] == "cpu" and info["dtype"] == "float32" and info["max_batch"] == 4
+    assert info["device"] == "cpu" and info["dtype"] == "float32" and info["slots"] == 4
     assert info["lora"]["configured"] is True and info["lora"]["adapters"] == [] and info["lora"]["default"] is None
 
 
@@ -92,7 +92,7 @@ async def test_concurrent_streams_are_batched_and_match_the_package(voxcpm_serve
     step batches them, and each stream's audio equals the package's output for that request
     alone. The joins are certain whatever the machine's speed: after the first stream's step 1,
     and again after step 4, the engine thread waits until the test has queued the next stream."""
-    (scheduler,) = voxcpm_server.server.devices.schedulers
+    (scheduler,) = voxcpm_server.server.devices.loops
     plan = [("First stream, longest text of all of them.", 101, 20),
             ("Second one.", 202, 14),
             ("Third stream joins later.", 303, 10)]
@@ -139,8 +139,8 @@ async def test_with_more_slots_than_rows_each_stream_is_still_the_packages(start
     report both numbers."""
     from vox_ws.engines.voxcpm.engine import VoxCPMEngine
 
-    server = start_server(VoxCPMEngine(model=str(tiny_model), device="cpu", max_batch=4, step_rows=2), max_batch=4)
-    (scheduler,) = server.server.devices.schedulers
+    server = start_server(VoxCPMEngine(model=str(tiny_model), device="cpu", slots=4, step_rows=2), slots=4)
+    (scheduler,) = server.server.devices.loops
     sizes: list[int] = []
     observe = scheduler.on_step
 
@@ -165,7 +165,7 @@ async def test_with_more_slots_than_rows_each_stream_is_still_the_packages(start
     _, load = server.get("/v1/load")
     _, info = server.get("/v1/info")
     assert (load["slots"], load["step_rows"]) == (4, 2)
-    assert (info["max_batch"], info["step_rows"], info["devices"][0]["step_rows"]) == (4, 2, 2)
+    assert (info["slots"], info["step_rows"], info["devices"][0]["step_rows"]) == (4, 2, 2)
 
 
 async def test_same_seed_same_audio_other_seed_other_audio(voxcpm_server):
@@ -194,7 +194,7 @@ async def test_options_map_onto_the_model(voxcpm_server, tiny_model_stops):
 
 @pytest.mark.slow
 async def test_stop_head_ends_with_done_after_min_len(start_server, tiny_model_stops):
-    server = start_server(VoxCPMEngine(model=str(tiny_model_stops), device="cpu", max_batch=2), max_batch=2)
+    server = start_server(VoxCPMEngine(model=str(tiny_model_stops), device="cpu", slots=2), slots=2)
     async with connect_client(server) as c:
         result = await c.speak("The stop head says stop.", "s", options={"min_len": 4})
     assert result.end["reason"] == "done"
@@ -366,7 +366,7 @@ async def test_hub_id_resolves_from_the_local_cache_offline(start_server, tiny_m
     (cache / "refs" / "main").write_text(snapshot.name)
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
     monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(tmp_path / "hub"))
-    server = start_server(VoxCPMEngine(model="openbmb/VoxCPM2", device="cpu", max_batch=1), max_batch=1)
+    server = start_server(VoxCPMEngine(model="openbmb/VoxCPM2", device="cpu", slots=1), slots=1)
     async with connect_client(server) as c:
         assert_good_stream(await c.speak("From the cache.", "a", options={"max_len": 2}))
 
@@ -417,8 +417,8 @@ def two_cpus(monkeypatch):
 
 @pytest.mark.slow
 def test_the_decoder_process_starts_with_the_engine_and_ends_with_the_scheduler(tiny_model, two_cpus):
-    engine = VoxCPMEngine(model=str(tiny_model), device="cpu", max_batch=2)
-    scheduler = Scheduler(engine, max_batch=2)
+    engine = VoxCPMEngine(model=str(tiny_model), device="cpu", slots=2)
+    scheduler = EngineLoop(engine, slots=2)
     scheduler.start()
     assert scheduler.ready_event.wait(WAIT_TIMEOUT) and scheduler.status == "ready"
     process = engine.runner._decoder._proc
@@ -466,7 +466,7 @@ def test_a_runners_decoder_process_serves_the_next_runner_and_says_the_same(tiny
     from vox_ws.engines.voxcpm.runner import BatchedVoxCPM2
 
     others = set(_decoder_processes())          # other tests' servers, up until the session ends
-    engine = VoxCPMEngine(model=str(tiny_model), device="cpu", max_batch=2)
+    engine = VoxCPMEngine(model=str(tiny_model), device="cpu", slots=2)
     engine.load()
     try:
         model = engine.tts.tts_model
@@ -506,8 +506,8 @@ async def test_a_load_that_fails_stops_the_decoder_process_it_started(start_serv
 async def test_decoder_process_death_fails_every_stream_and_stops_the_server(start_server, tiny_model, two_cpus):
     """The engine cannot decode without it: like any death of the engine thread, every stream
     gets `internal`, connections close with 1011 and the server exits with code 3."""
-    engine = VoxCPMEngine(model=str(tiny_model), device="cpu", max_batch=2)
-    server = start_server(engine, max_batch=2)
+    engine = VoxCPMEngine(model=str(tiny_model), device="cpu", slots=2)
+    server = start_server(engine, slots=2)
     async with connect_client(server) as c:
         await c.send({"type": "start", "id": "victim", "text": "A long text that takes many steps to say."})
         await c.recv_where(lambda m: m["type"] == "chunk" and m["id"] == "victim")

@@ -15,12 +15,12 @@ from vox_ws.audio import bytes_to_pcm
 from vox_ws.config import Limits
 from vox_ws.engine import EndReason, ErrorKind, Refused
 from vox_ws.engines.piper import PiperEngine
-from vox_ws.scheduler import Scheduler
+from vox_ws.scheduling.loop import EngineLoop
 from vox_ws.service import Audio, AudioOutput, Ended, Failed, Flushed, Segment, StreamRequest, StreamService
 
 
-def loaded_scheduler(engine, max_batch=4, max_queue=8) -> Scheduler:
-    scheduler = Scheduler(engine, max_batch=max_batch, max_queue=max_queue)
+def loaded_scheduler(engine, slots=4, max_queue=8) -> EngineLoop:
+    scheduler = EngineLoop(engine, slots=slots, max_queue=max_queue)
     scheduler.start()
     assert scheduler.ready_event.wait(120) and scheduler.status == "ready", scheduler.error
     return scheduler
@@ -193,7 +193,7 @@ async def test_refusals_are_typed(piper_scheduler):
 
 
 async def test_full_queue_is_busy_and_a_loading_engine_not_ready():
-    scheduler = loaded_scheduler(PiperEngine(), max_batch=1, max_queue=1)
+    scheduler = loaded_scheduler(PiperEngine(), slots=1, max_queue=1)
     service = await service_on(scheduler)
     streams = [service.open_stream(StreamRequest(LONG)), service.open_stream(StreamRequest(LONG))]
     assert [s.queued for s in streams] == [0, 1]
@@ -204,7 +204,7 @@ async def test_full_queue_is_busy_and_a_loading_engine_not_ready():
         stream.cancel()
     scheduler.stop()
     await service.close()
-    not_loaded = Scheduler(PiperEngine())
+    not_loaded = EngineLoop(PiperEngine())
     service = await service_on(not_loaded)
     with pytest.raises(Refused) as info:
         service.open_stream(StreamRequest("Hi."))
@@ -219,7 +219,7 @@ async def test_full_queue_is_busy_and_a_loading_engine_not_ready():
 def voxcpm_scheduler(tiny_model):
     from vox_ws.engines.voxcpm.engine import VoxCPMEngine
 
-    scheduler = loaded_scheduler(VoxCPMEngine(model=str(tiny_model), device="cpu", max_batch=4))
+    scheduler = loaded_scheduler(VoxCPMEngine(model=str(tiny_model), device="cpu", slots=4))
     yield scheduler
     scheduler.stop()
 

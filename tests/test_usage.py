@@ -14,9 +14,10 @@ import time
 import pytest
 from conftest import WAIT_TIMEOUT, assert_good_stream, bytes_to_pcm, connect_client, wait_until
 
+from vox_ws.engine import GenerationRequest, Refused
 from vox_ws.engines.piper import PiperEngine
 from vox_ws.metrics import MAX_OWNER_SERIES, Metrics, owner_label
-from vox_ws.scheduler import MAX_RETRY_AFTER_S, MIN_RETRY_AFTER_S, QueuePace
+from vox_ws.scheduling.queue import MAX_RETRY_AFTER_S, MIN_RETRY_AFTER_S, QueuePace
 from vox_ws.testing.tone import ToneEngine
 
 TEXT = "Usage adds up. It counts what was sent."
@@ -48,7 +49,7 @@ SECRET = "usage-test-secret"
 
 @pytest.fixture(scope="module")
 def piper(start_server):
-    return start_server(PiperEngine(), max_batch=2, metrics_secret=SECRET)
+    return start_server(PiperEngine(), slots=2, metrics_secret=SECRET)
 
 
 async def test_usage_over_v1_adds_up_for_one_shot_streamed_and_cancelled_text(piper):
@@ -188,7 +189,7 @@ class HeldTone(ToneEngine):
     """The tone engine, whose steps wait while the test holds its gate."""
 
     def __init__(self) -> None:
-        super().__init__(max_batch=1)
+        super().__init__(slots=1)
         self.gate = threading.Event()
         self.gate.set()
 
@@ -200,13 +201,13 @@ class HeldTone(ToneEngine):
 async def test_busy_refusals_carry_a_retry_hint_from_the_queues_pace_that_shrinks_as_it_moves(start_server):
     # One slot, one queue place; while the gate is held, the stream in the slot keeps it.
     engine = HeldTone()
-    server = start_server(engine, max_batch=1, max_queue=1, max_queue_wait_s=None)
-    scheduler = server.devices.schedulers[0]
+    server = start_server(engine, slots=1, max_queue=1, max_queue_wait_s=None)
+    scheduler = server.devices.loops[0]
     async with connect_client(server) as c:
         assert_good_stream(await c.speak("Measured first.", "first"))        # a hold is measured
-    await wait_until(lambda: scheduler.pace.observed >= 1)
+    await wait_until(lambda: scheduler.queue.pace.observed >= 1)
     assert scheduler.stats()["slot_hold_s"] is not None
-    scheduler.pace.hold_s = 30.0          # a pace the checks below can tell from their own time
+    scheduler.queue.pace.hold_s = 30.0          # a pace the checks below can tell from their own time
     engine.gate.clear()
     async with connect_client(server) as holder, connect_client(server) as c:
         sent_at = time.monotonic()        # the holder is admitted after this
@@ -248,14 +249,17 @@ async def test_busy_refusals_carry_a_retry_hint_from_the_queues_pace_that_shrink
 
 
 def test_a_voice_store_that_is_down_and_a_loading_engine_say_when_to_retry():
-    from vox_ws.scheduler import LOADING_RETRY_AFTER_S, Scheduler
+    from vox_ws.engine import Readiness
+    from vox_ws.scheduling.loop import LOADING_RETRY_AFTER_S, EngineLoop, not_ready
     from vox_ws.service.voice_store import STORE_RETRY_AFTER_S, StoreUnavailable
 
     assert StoreUnavailable("put", OSError("refused")).retry_after_s == STORE_RETRY_AFTER_S
-    loading = Scheduler(ToneEngine())
-    assert loading.not_ready_retry_s() == LOADING_RETRY_AFTER_S
-    loading.status = "failed"
-    assert loading.not_ready_retry_s() is None          # trying again will not help
+    loading = EngineLoop(ToneEngine())
+    with pytest.raises(Refused) as refused:
+        loading.submit(GenerationRequest(text="Too soon.", sink=None))
+    assert refused.value.retry_after_s == LOADING_RETRY_AFTER_S
+    assert not_ready(Readiness.COMPILING).retry_after_s == LOADING_RETRY_AFTER_S
+    assert not_ready(Readiness.FAILED, "load failed").retry_after_s is None     # trying again will not help
 
 
 @pytest.mark.slow

@@ -233,7 +233,7 @@ async def test_incomplete_input_times_out(start_server):
 
 @pytest.fixture(scope="module")
 def voxcpm_server(start_server, tiny_model):
-    return start_server(VoxCPMEngine(model=str(tiny_model), device="cpu", max_batch=4), max_batch=4,
+    return start_server(VoxCPMEngine(model=str(tiny_model), device="cpu", slots=4), slots=4,
                         admin_tokens=["adm"])
 
 

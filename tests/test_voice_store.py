@@ -328,7 +328,7 @@ async def test_addresses_share_the_store_by_network_and_never_lock_out_tokens(sh
 
 
 def tiny_server(start_server, tiny_model, store: str, **limits):
-    return start_server(VoxCPMEngine(model=str(tiny_model), device="cpu", max_batch=2), max_batch=2,
+    return start_server(VoxCPMEngine(model=str(tiny_model), device="cpu", slots=2), slots=2,
                         voice_store=store, **limits)
 
 

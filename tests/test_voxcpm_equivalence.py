@@ -54,7 +54,7 @@ def test_batched_loop_matches_the_package_request_by_request(tiny_model, wavs, d
         assert np.max(np.abs(got[i] - want)) < TOLERANCE["float32"], (i, float(np.max(np.abs(got[i] - want))))
         assert np.sqrt(np.mean(want ** 2)) > 1e-4, "reference audio should not be silent"
     # Every KV slot was returned.
-    assert sorted(runner._free_slots) == list(range(runner.max_batch))
+    assert sorted(runner._free_slots) == list(range(runner.slots))
 
 
 @pytest.mark.slow
@@ -62,7 +62,7 @@ def test_the_equivalence_check_as_scripts_run_it(tiny_model, tmp_path):
     from benchmarks.equivalence import compare
 
     result = compare(str(tiny_model), "cpu", tmp_path)
-    assert result["equal"] and result["max_batch"] == 4 and result["slots_returned"]
+    assert result["equal"] and result["slots"] == 4 and result["slots_returned"]
     assert result["dtype"] == "float32" and max(result["max_abs_diff"]) < 1e-4
 
 
@@ -74,7 +74,7 @@ def test_rows_with_different_adapters_match_the_package_with_only_theirs(tiny_mo
 
     torch.set_num_threads(1)
     result = compare_loras(str(tiny_model), "cpu", tmp_path)
-    assert result["max_batch"] == 4, "the scenario must batch rows with different adapters"
+    assert result["slots"] == 4, "the scenario must batch rows with different adapters"
     assert result["adapters_change_audio"], result["change_by_adapter"]
     assert result["equal"], result["max_abs_diff"]
 
@@ -89,7 +89,7 @@ def test_the_compiled_step_matches_the_package_with_and_without_adapters(tiny_mo
     (tmp_path / "plain").mkdir()
     (tmp_path / "loras").mkdir()
     plain = compare(str(tiny_model), "cpu", tmp_path / "plain", compiled_buckets=(4,))
-    assert plain["compiled"] == [4] and plain["max_batch"] == 4
+    assert plain["compiled"] == [4] and plain["slots"] == 4
     assert plain["equal"], plain["max_abs_diff"]
     adapted = compare_loras(str(tiny_model), "cpu", tmp_path / "loras", compiled_buckets=(4,))
     assert adapted["adapters_change_audio"] and adapted["equal"], adapted["max_abs_diff"]
@@ -125,7 +125,7 @@ def test_a_residual_lm_with_rotary_embeddings_matches_the_package_too(tmp_path):
                                                   device="cpu").tts_model.residual_lm.rope_emb is not None
     (tmp_path / "work").mkdir()
     result = compare(str(model), "cpu", tmp_path / "work", decode_process=False)
-    assert result["equal"] and result["max_batch"] == 4, result["max_abs_diff"]
+    assert result["equal"] and result["slots"] == 4, result["max_abs_diff"]
 
 
 def test_mup_scaling_matches_the_package_too(tmp_path):
@@ -140,4 +140,4 @@ def test_mup_scaling_matches_the_package_too(tmp_path):
                                                   device="cpu").tts_model.config.lm_config.use_mup
     (tmp_path / "work").mkdir()
     result = compare(str(model), "cpu", tmp_path / "work", decode_process=False)
-    assert result["equal"] and result["max_batch"] == 4, result["max_abs_diff"]
+    assert result["equal"] and result["slots"] == 4, result["max_abs_diff"]

@@ -110,7 +110,7 @@ def test_prompts_prefilled_together_equal_each_prefilled_alone(tiny_model):
     torch.set_num_threads(1)
     model = import_voxcpm().VoxCPM.from_pretrained(str(tiny_model), load_denoiser=False, optimize=False,
                                                    device="cpu").tts_model
-    runner = BatchedVoxCPM2(model, max_batch=6, decode_process=False)
+    runner = BatchedVoxCPM2(model, slots=6, decode_process=False)
     reference = {"mode": "reference", "ref_audio_feat": torch.randn(9, model.patch_size, model.feat_dim)}
     prompts = [build_prompt(model, "A sentence of some length, with a clause or two in it.", None),
                build_prompt(model, "Hi.", None),
@@ -141,7 +141,7 @@ def test_prompts_prefilled_together_equal_each_prefilled_alone(tiny_model):
 
 def test_a_segment_is_tokenized_once_from_its_cut_to_its_prefill(tiny_model):
     """Cut (does it fit?), checked as it is queued, built as it is prefilled: one tokenization."""
-    engine = VoxCPMEngine(model=str(tiny_model), device="cpu", max_batch=2)
+    engine = VoxCPMEngine(model=str(tiny_model), device="cpu", slots=2)
     engine.load()
     try:
         model = engine.tts.tts_model

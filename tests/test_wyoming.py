@@ -29,7 +29,7 @@ READ_TIMEOUT = 60.0
 def server(start_server):
     # A pause in a request's text (while a test reads the audio of what came before) never cuts
     # a sentence here, however long reading takes: the tests say where sentences end.
-    return start_server(PiperEngine(), max_batch=2, wyoming="tcp://127.0.0.1:0", input_pause_s=WAIT_TIMEOUT)
+    return start_server(PiperEngine(), slots=2, wyoming="tcp://127.0.0.1:0", input_pause_s=WAIT_TIMEOUT)
 
 
 def client(server) -> AsyncTcpClient:
@@ -252,7 +252,7 @@ async def test_a_client_that_leaves_mid_stream_frees_its_slot(server):
 @pytest.fixture(scope="module")
 def strict_server(start_server):
     """Short idle and write-stall time-outs, so reaping shows in a test's time."""
-    return start_server(PiperEngine(), max_batch=2, wyoming="tcp://127.0.0.1:0",
+    return start_server(PiperEngine(), slots=2, wyoming="tcp://127.0.0.1:0",
                         idle_timeout_s=1.0, write_stall_timeout_s=1.0)
 
 
@@ -328,7 +328,7 @@ def test_a_client_that_never_reads_loses_its_connection_and_its_slot(strict_serv
 
 @pytest.mark.hardening                   # a client over its cap: the full lane's
 async def test_connections_over_the_cap_are_refused_busy(start_server):
-    server = start_server(PiperEngine(), max_batch=2, wyoming="tcp://127.0.0.1:0", max_connections=2)
+    server = start_server(PiperEngine(), slots=2, wyoming="tcp://127.0.0.1:0", max_connections=2)
     async with client(server) as a, client(server) as b:
         for c in (a, b):
             await c.write_event(Ping().event())
@@ -382,7 +382,7 @@ async def test_describe_lists_the_voices_this_address_registered_by_name(start_s
     from test_stream_service import tone_wav
     from vox_ws.engines.voxcpm.engine import VoxCPMEngine
 
-    served = start_server(VoxCPMEngine(model=str(tiny_model), device="cpu", max_batch=2), max_batch=2,
+    served = start_server(VoxCPMEngine(model=str(tiny_model), device="cpu", slots=2), slots=2,
                           voice_store="memory", wyoming="tcp://127.0.0.1:0")
     made = httpx.post(served.http + "/v1/voices", params={"name": "grandma"}, content=tone_wav(1.0, pitch=200),
                       headers={"content-type": "audio/wav"}, timeout=60)

@@ -133,7 +133,7 @@ def _engine_options() -> list[tuple[str, list[engines.Setting]]]:
 
 # Options renamed for what they are, by their old spelling (still taken, with its variable) and
 # the name of the setting they fill.
-_OLD_SPELLINGS = {"slots": ("max-batch", "max_batch")}
+_OLD_SPELLINGS = {"slots": ("max-batch", "slots")}
 
 
 def _env_name(option: str) -> str:
@@ -265,9 +265,9 @@ def _list(text: str | None) -> list[str]:
 async def _serve(config: ServerConfig) -> int:
     from .server import VoxServer
 
-    from .devices import parse_devices
+    from .scheduling.devices import parse_devices
 
-    # One engine (one copy of the model) per device, each with its own scheduler.
+    # One engine (one copy of the model) per device, each with its own engine loop.
     try:
         built = [engines.create_engine(config.engine, {**config.engine_options(), "device": device})
                  for device in parse_devices(config.device)]
@@ -292,7 +292,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.getLogger("uvicorn.error").setLevel(logging.WARNING)
     if args.command == "serve":
         config = config_from_args(args)
-        from .devices import parse_devices
+        from .scheduling.devices import parse_devices
 
         try:
             parse_devices(config.device)

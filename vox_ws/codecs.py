@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from .audio import FORMATS as PCM_FORMATS  # packed on the scheduler thread when the speed is 1
+from .audio import FORMATS as PCM_FORMATS  # packed on the engine loop's thread when the speed is 1
 from .audio import pcm_to_bytes, to_int16
 
 # A page of Ogg at most this long (µs): FFmpeg's default of 1 s would hold the audio back. A
@@ -105,7 +105,7 @@ def wav_with_sizes(head: bytes, total: int) -> bytes:
 
 
 def needs_pipeline(fmt: str, speed: float) -> bool:
-    """Whether a stream's output goes through an `OutputPipeline` (off the scheduler thread)."""
+    """Whether a stream's output goes through an `OutputPipeline` (off the engine loop's thread)."""
     return fmt in CODECS or speed != 1.0
 
 

@@ -16,7 +16,7 @@ import time
 
 from . import engines
 from .config import ServerConfig
-from .devices import parse_devices
+from .scheduling.devices import parse_devices
 
 # The engines with a compiled step.
 COMPILES = ("voxcpm",)

@@ -69,9 +69,9 @@ class ServerConfig:
     threads: int = 1
     # Slots per device (streams generated at once); None: sized to the device once the engine
     # has loaded (`Engine.slots`; the command line's default, `--slots auto`).
-    max_batch: int | None = 8
+    slots: int | None = 8
     # Slots one client (a connection; a token or address) may hold while others wait;
-    # None: half of max_batch.
+    # None: half of slots.
     max_share: int | None = None
     # The chosen engine's own settings (by key, e.g. "lora_rank"); see vox_ws.engines.
     engine_settings: dict[str, Any] = field(default_factory=dict)
@@ -128,4 +128,4 @@ class ServerConfig:
 
     def engine_options(self) -> dict[str, Any]:
         """What the engine registry's `create` receives: the common settings and the engine's own."""
-        return {"device": self.device, "threads": self.threads, "max_batch": self.max_batch, **self.engine_settings}
+        return {"device": self.device, "threads": self.threads, "slots": self.slots, **self.engine_settings}

@@ -1,6 +1,6 @@
 """The engine interface: what a speech model must do to be served, in the engine layer's words.
 
-An engine is driven by the scheduler (`vox_ws.scheduler`) on one thread: `prefill` a newly
+An engine is driven by the engine loop (`vox_ws.scheduling`) on one thread: `prefill` a newly
 admitted request, `step` a batch of active requests (each step yields a piece of audio per
 request and says when one is finished), `release` what a request held. It knows no socket, no
 stream and no wire format: it refuses work with `Refused(kind, message)` and ends requests with
@@ -64,7 +64,7 @@ class Refused(Exception):
 
 
 class Readiness(str, enum.Enum):
-    """Whether the model can serve: each device's scheduler has one (loading -> ready | failed;
+    """Whether the model can serve: each device's engine loop has one (loading -> ready | failed;
     ready -> failed), the device set answers for all of them (`Devices.status`), and the server
     adds draining (`ServerState.status`). Its value is what `/readyz`, `/v1/info` and `hello` say."""
 
@@ -85,12 +85,14 @@ class EndReason(str, enum.Enum):
 
 
 class RequestStatus(str, enum.Enum):
-    """Where a generation request is in the scheduler; only the scheduler thread moves it on.
+    """Where a generation request is in its device's slot queue (`scheduling/queue.py`), which
+    alone moves it on, by its table of moves:
 
-    WAITING -> PREFILLING -> RUNNING -> FINISHED, with RUNNING -> PARKED -> RUNNING where the
-    engine can pause a prefilled request (`Engine.can_park`); any of them -> FINISHED when it is
-    cancelled, refused or fails."""
+    NEW -> WAITING -> PREFILLING -> RUNNING -> FINISHED, with RUNNING -> PARKED -> RUNNING where
+    the engine can pause a prefilled request (`Engine.can_park`); any of them -> FINISHED when
+    it is cancelled, refused or fails."""
 
+    NEW = "new"                  # made, not yet submitted
     WAITING = "waiting"          # in the queue for a slot
     PREFILLING = "prefilling"    # taken from the queue, its prompt going into the engine
     RUNNING = "running"          # holds a slot: stepped every turn its reader keeps up
@@ -104,7 +106,7 @@ class RequestStatus(str, enum.Enum):
 class EngineFailure(Exception):
     """The engine can no longer serve anyone (a helper process died, the device is gone).
 
-    Raised from `step`, it ends the scheduler thread like any crash of it would, instead of
+    Raised from `step`, it ends the engine loop's thread like any crash of it would, instead of
     failing one batch and stepping a broken engine again."""
 
 
@@ -158,7 +160,7 @@ def type_name(value: Any) -> str:
 
 
 class RequestSink(Protocol):
-    """Where a request's results go. Called from the scheduler thread; must not block."""
+    """Where a request's results go. Called from the engine loop's thread; must not block."""
 
     def deliver(self, pcm: np.ndarray, words: list[tuple[str, int, int]] | None = None,
                 phonemes: list[tuple[str, int, int]] | None = None) -> None: ...
@@ -193,11 +195,8 @@ class GenerationRequest:
     lora_pin: Any = None
     options: dict[str, Any] = field(default_factory=dict)
     id: int = field(default_factory=itertools.count(1).__next__)
-    # Where it is in the scheduler (moved on by the scheduler thread alone).
-    status: RequestStatus = RequestStatus.WAITING
-    # Asked for by the event loop, acted on by the scheduler thread at its next turn (a plain
-    # bool is enough in CPython).
-    cancelled: bool = False
+    # Where it is in its slot queue (moved on by the queue alone, under the engine loop's lock).
+    status: RequestStatus = RequestStatus.NEW
     # Engine-private per-request state, created by Engine.prefill.
     state: Any = None
     # Input streaming: what the previous segment left for this one to continue from (prosody),
@@ -220,7 +219,7 @@ class GenerationRequest:
     submitted_at: float = field(default_factory=time.monotonic)
     admitted_at: float | None = None      # when it first took a slot (the queue's pace is measured from it)
     # Who the request is for, broadest first (a token or address, then a connection): the
-    # scheduler shares slots fairly among these. Empty: nobody in particular.
+    # slot queue shares slots fairly among these. Empty: nobody in particular.
     owners: tuple[str, ...] = ()
 
     @property
@@ -326,7 +325,7 @@ class TextRules:
 
     def prepare(self, text: str, options: dict[str, Any], language: str | None = None) -> str:
         """Costly work on a text (normalisation) before its request is queued: it runs on a
-        preparation thread of the stream service, never on the scheduler thread or the event
+        preparation thread of the stream service, never on the engine loop's thread or the event
         loop, so it holds up no one else. Thread-safe. Raises Refused."""
         return text
 
@@ -353,7 +352,7 @@ class Loras:
     """An engine's LoRA adapters: a stream pins one (its own, or the default) at its start; an
     admin loads, unloads and sets the default on every device. `pin`, `unpin`, `unloading` and
     `describe` are called by the event loop; `read` on a worker thread; `load`, `unload`,
-    `set_default` and `clear_default` on the scheduler thread, between two steps. This one has no
+    `set_default` and `clear_default` on the engine loop's thread, between two steps. This one has no
     LoRA support."""
 
     def __init__(self, engine: Engine) -> None:
@@ -403,7 +402,7 @@ class Loras:
 
 
 class Engine(ABC):
-    """A speech model behind the scheduler, in roles. The verbs here run on the scheduler
+    """A speech model behind the engine loop, in roles. The verbs here run on the engine loop's
     thread, except `describe` and `check`, which the event loop may call at any time. Its
     `voices`, `text` and `loras` say which thread calls what of them."""
 
@@ -415,11 +414,11 @@ class Engine(ABC):
     device: str = "cpu"
     sample_rate: int = 0
     # How many requests one `step` call may advance together (its rows: compute); 1 means it
-    # cannot batch. It may be fewer than the scheduler's slots (memory: streams open at once):
+    # cannot batch. It may be fewer than the engine loop's slots (memory: streams open at once):
     # each step then carries the requests whose listeners run out of audio soonest.
     max_step_batch: int = 1
     # Whether a prefilled request may wait out of the active set and resume later with its state
-    # (true where that state holds no memory worth a slot): the scheduler then takes slots back
+    # (true where that state holds no memory worth a slot): the engine loop then takes slots back
     # from a client holding more than its share while others wait.
     can_park: bool = False
     # The generation options this engine honours, with ranges and defaults.
@@ -450,7 +449,7 @@ class Engine(ABC):
 
     @abstractmethod
     def load(self) -> None:
-        """Load weights; slow; runs on the scheduler thread before any request."""
+        """Load weights; slow; runs on the engine loop's thread before any request."""
 
     @property
     def honoured_options(self) -> frozenset[str]:
@@ -464,7 +463,7 @@ class Engine(ABC):
             self.voices.check(request.voice)
 
     def slots(self) -> tuple[int, str]:
-        """After `load`: how many streams this device should serve at once (its scheduler's
+        """After `load`: how many streams this device should serve at once (its engine loop's
         slots with `--slots auto`), and how that was chosen."""
         return 8, "the default (this engine does not size itself)"
 
@@ -480,7 +479,7 @@ class Engine(ABC):
         for request in requests:
             try:
                 self.prefill(request)
-            except Exception as exc:  # noqa: BLE001 - the scheduler fails this request alone
+            except Exception as exc:  # noqa: BLE001 - the engine loop fails this request alone
                 errors.append(exc)
             else:
                 errors.append(None)
@@ -495,7 +494,7 @@ class Engine(ABC):
         request.state = None
 
     def close(self) -> None:
-        """Free what `load` started (helper processes, threads). Called once, on the scheduler
+        """Free what `load` started (helper processes, threads). Called once, on the engine loop's
         thread, when it stops or dies."""
         return None
 

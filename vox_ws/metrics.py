@@ -59,7 +59,7 @@ class Metrics:
         self.queued = Gauge("voxws_queued_streams", "Streams waiting for a slot", registry=r)
         self.sessions = Gauge("voxws_open_sessions", "Open WebSocket sessions", registry=r)
         self.ready = Gauge("voxws_ready", "1 when the engine is loaded and the server accepts streams", registry=r)
-        # Per device (one scheduler and model copy each; `index` tells two of a kind apart).
+        # Per device (one engine loop and model copy each; `index` tells two of a kind apart).
         self.device_active = Gauge("voxws_device_active_streams", "Streams holding a slot, per device",
                                    ["index", "device"], registry=r)
         self.device_queued = Gauge("voxws_device_queued_streams", "Streams waiting for a slot, per device",

@@ -1,6 +1,6 @@
 """What a listener hears of a stream's timing: a player that starts at the first chunk and plays
 at 1x, and the gaps it waits through. Shared by the load tests (`capacity`, `loadtest`) and the
-benchmarks that drive the scheduler without a server, so it imports nothing but the standard
+benchmarks that drive the engine loop without a server, so it imports nothing but the standard
 library: the device check runs it on a machine with no web stack.
 """
 

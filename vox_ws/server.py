@@ -1,4 +1,4 @@
-"""The composition root: one engine, its scheduler, the stream service, the front doors, and
+"""The composition root: one engine, its engine loop, the stream service, the front doors, and
 the ASGI server (uvicorn, with websockets' sans-I/O protocol) that carries them on one port.
 Also the server's life: start, drain on SIGTERM, stop, and the engine's death."""
 
@@ -20,8 +20,8 @@ import uvicorn
 from .config import ServerConfig
 from .engine import Engine, ErrorKind, Readiness
 from .metrics import Metrics
-from .devices import Devices
-from .scheduler import Scheduler
+from .scheduling.devices import Devices
+from .scheduling.loop import EngineLoop
 from .service import StreamService
 from .service.service import store_limits
 from .service.voice_aliases import load_aliases
@@ -67,13 +67,13 @@ class _Uvicorn(uvicorn.Server):
 
 
 class VoxServer:
-    """One listening socket, one scheduler per device (one copy of the model each), every front door."""
+    """One listening socket, one engine loop per device (one copy of the model each), every front door."""
 
     def __init__(self, config: ServerConfig, engines: Engine | list[Engine]) -> None:
         self.config = config
         engines = engines if isinstance(engines, list) else [engines]
         self.engine = engines[0]
-        self.devices = Devices([Scheduler(engine, max_batch=config.max_batch, max_queue=config.limits.max_queue,
+        self.devices = Devices([EngineLoop(engine, slots=config.slots, max_queue=config.limits.max_queue,
                                           on_fatal=self._engine_died, max_share=config.max_share,
                                           max_wait_s=config.limits.max_queue_wait_s) for engine in engines])
         self.metrics = Metrics(config.metrics_secret.encode() if config.metrics_secret else None)
@@ -91,9 +91,9 @@ class VoxServer:
             sessions=lambda: len(self.state.sessions),
             ready=lambda: 1.0 if self.state.ready() else 0.0,
         )
-        for index, scheduler in enumerate(self.devices.schedulers):
-            scheduler.on_step = self.metrics.observe_step
-            self.metrics.bind_device(index, scheduler.engine.device, scheduler.stats)
+        for index, engine_loop in enumerate(self.devices.loops):
+            engine_loop.on_step = self.metrics.observe_step
+            self.metrics.bind_device(index, engine_loop.engine.device, engine_loop.stats)
         self.exit_code = 0
         self._uvicorn: _Uvicorn | None = None
         self._serving: asyncio.Task | None = None
@@ -233,7 +233,7 @@ class VoxServer:
         loop.add_signal_handler(signal.SIGHUP, lambda: asyncio.ensure_future(self.state.reload_lexicon()))
 
     def _engine_died(self, exc: BaseException, during_load: bool) -> None:
-        # Called on a scheduler thread. A failed load keeps the server up, answering 503 with
+        # Called on a engine loop's thread. A failed load keeps the server up, answering 503 with
         # the reason, so an operator can read it. A dead engine thread cannot be trusted to
         # reload in-process (CUDA context, half-freed state): its streams have been told
         # (`internal`) and its device takes no more streams. While another device serves, the
@@ -242,7 +242,7 @@ class VoxServer:
         if during_load or self.devices.status == Readiness.READY:
             if not during_load:
                 log.error("a device failed and takes no more streams; %d of %d still serve",
-                          sum(s.status == Readiness.READY for s in self.devices.schedulers), len(self.devices.schedulers))
+                          sum(s.status == Readiness.READY for s in self.devices.loops), len(self.devices.loops))
             return
         self.exit_code = 3
         if self._loop is not None and not self._loop.is_closed():

@@ -71,7 +71,7 @@ class Session:
         self.is_admin = is_admin
         self.number = next(self._numbers)
         # Whom this connection acts for (a token or an address): owns its voices, and shares
-        # the scheduler's slots fairly with other clients, as does the connection itself.
+        # the slot queue's slots fairly with other clients, as does the connection itself.
         self.owner = owner or f"connection:{self.number}"
         self._owners = (self.owner, f"connection:{self.number}")
         self.streams: dict[str, _OpenStream] = {}

@@ -2,7 +2,7 @@
 frames a client sends, and the one frame encoding (a msgpack map per binary frame).
 
 It imports nothing of the server, so a client (`client.py`, the framework integrations, the
-benchmarks) loads this and no stream service, scheduler or engine; the server's door
+benchmarks) loads this and no stream service, engine loop or engine; the server's door
 (`transports/protocol.py`) takes its codes from here and adds what only a server does (parsing
 and checking a client's frames, its own replies). docs/PROTOCOL.md is the reference.
 """

@@ -64,7 +64,7 @@ class Setting:
 class EnginePlugin:
     name: str
     summary: str
-    # Builds the engine (not loaded) from the common settings (device, threads, max_batch) and
+    # Builds the engine (not loaded) from the common settings (device, threads, slots) and
     # the plugin's own, by key.
     create: Callable[[dict[str, Any]], Engine]
     # The generation options the engine honours (for validation before it is even loaded).
@@ -82,7 +82,7 @@ class EnginePlugin:
 
 COMMON_SETTINGS = (
     Setting("device", str, "auto", "auto, cuda, cuda:N, cpu or mps (engines that run on a device); several, "
-                                    "comma-separated (cuda:0,cuda:1), or cuda:all: one model and scheduler each"),
+                                    "comma-separated (cuda:0,cuda:1), or cuda:all: one model and engine loop each"),
     Setting("threads", int, 1, "CPU threads for the model (torch / ONNX Runtime)"),
 )
 

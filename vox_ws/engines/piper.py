@@ -1,6 +1,6 @@
 """Piper (VITS on ONNX Runtime): a real voice that runs on a CPU with nothing to download.
 
-Piper cannot batch, so `max_step_batch` is 1 and the scheduler steps streams round-robin. A
+Piper cannot batch, so `max_step_batch` is 1 and the engine loop steps streams round-robin. A
 request's text is cut in segments (sentences, or clauses of long ones: `text.segment`), each
 segment's phonemes in pieces of at most `piper_worker.MAX_PHONEMES` (about 3 s of speech); one
 step speaks one piece, so no text holds the engine for more than a fraction of a second while

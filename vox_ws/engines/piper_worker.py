@@ -3,7 +3,7 @@
 Piper phonemizes with the espeak-ng bundled in piper-tts, which segfaults on some inputs (runs of
 single letters with periods, "a.a.a...", over ~95 of them): in the server's own process that
 killed every stream. Here only this worker dies; the engine fails the request that was being
-spoken (`WorkerCrashed`, a plain exception: the scheduler answers that stream with `internal`)
+spoken (`WorkerCrashed`, a plain exception: the engine loop answers that stream with `internal`)
 and starts a new worker for the next one.
 
     engine thread                          worker (python -m vox_ws.engines.piper_worker FD)

@@ -19,7 +19,7 @@
     voice_store.py  registered voices (memory, a directory, Redis): owners, limits, ids, names
     voice_names.py  what a voice a client names is: built-in, alias, registered id, or name
     voice_aliases.py  aliases (OpenAI's names by default) and the `--voice-aliases` file
-    handoff.py   the scheduler thread's way onto the event loop
+    handoff.py   the engine loop's way onto the event loop
 """
 
 from .events import Audio, Ended, Event, Failed, Flushed, Phoneme, Phonemes, Segment, Word, Words

@@ -1,11 +1,11 @@
 """A stream's production on the event loop: its text's way in and its audio's way out of the
-scheduler, up to the pacing queue. The service's side of a stream (`start`, `check_timers`,
+engine loop, up to the pacing queue. The service's side of a stream (`start`, `check_timers`,
 `fail`), and what the consumer's handle (`stream.py`) asks of it.
 
     text in -> StreamInput (stream_input.py) -> TextPlan (what next)
             -> _advance (the one path that starts generation)
             -> SegmentStarter (segments.py): cut, respelled, prepared off the loop where needed;
-               a GenerationRequest and its SegmentSink -> scheduler
+               a GenerationRequest and its SegmentSink -> engine loop
     each request's sink posts (sink, event) -> _on_request_event -> Pacing (audio, timings, segments)
     the last event (Ended, Failed) -> Pacing, closed; the stream's record (record.py) counts
     usage and writes the log line when the consumer is handed it
@@ -26,7 +26,7 @@ from concurrent.futures import Executor
 from typing import Any, Awaitable, Iterable, Protocol
 
 from ..config import Limits
-from ..engine import EndReason, ErrorKind, GenerationRequest, Refused
+from ..engine import EndReason, ErrorKind, GenerationRequest, Refused, RequestStatus
 from ..metrics import Metrics
 from .events import Ended, Failed, Flushed, Phonemes, Produced, Segment, Word, Words
 from .handoff import LoopMailbox
@@ -86,8 +86,8 @@ class Generation:
     def __init__(self, service: StreamHost, request: StreamRequest, setup: StreamSetup, output: OutputStage,
                  pacing: Pacing, record: StreamRecord) -> None:
         self._service = service
-        self.scheduler = setup.scheduler          # its device's: every request of it goes there
-        self._engine = setup.scheduler.engine
+        self.engine_loop = setup.engine_loop          # its device's: every request of it goes there
+        self._engine = setup.engine_loop.engine
         self.number = setup.number
         self._lora_pin = setup.lora_pin          # its adapter, held until it stops producing
         self._limits = service.limits
@@ -252,7 +252,7 @@ class Generation:
         sink = SegmentSink(functools.partial(self._service.mailbox.post, self._on_request_event), self._output,
                            self._pacing, self.word_timestamps, self.phoneme_timestamps, alignment)
         request = self.segments.engine_request(engine_text, prepared, sink, self._lora_pin, self._context, self.plan)
-        position = self.scheduler.submit(request)
+        position = self.engine_loop.submit(request)
         self._request = request
         self.plan.started(text, self._pacing.produced_s)
         return position
@@ -339,8 +339,8 @@ class Generation:
         self.plan.stop()
         if self._work is not None and self._work is not asyncio.current_task():
             self._work.cancel()
-        if self._request is not None and not self._request.cancelled:
-            self.scheduler.cancel(self._request)
+        if self._request is not None and self._request.status is not RequestStatus.FINISHED:
+            self.engine_loop.cancel(self._request)        # one that has ended meanwhile is let be
         self.release_lora()
         self._service.forget(self)
 

@@ -1,4 +1,4 @@
-"""The scheduler thread's way onto the event loop: calls queued in order, one wake-up per burst.
+"""The engine loop's thread's way onto the event loop: calls queued in order, one wake-up per burst.
 
 A batched step hands over a chunk for every stream at once. Waking the loop once per chunk
 (`call_soon_threadsafe` writes to the loop's self-pipe each time) costs a system call and a

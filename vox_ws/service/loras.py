@@ -7,7 +7,7 @@ import asyncio
 from typing import Any, Callable
 
 from ..config import Limits
-from ..devices import Devices
+from ..scheduling.devices import Devices
 from ..engine import Engine, Readiness
 from .work import off_thread, on_each
 

@@ -2,7 +2,7 @@
 
 Two halves, one owner each:
 
-- `produce` (the thread that holds the stream's audio: the scheduler's while a request of the
+- `produce` (the thread that holds the stream's audio: the engine loop's while a request of the
   stream is in flight, the loop's between two of them) resamples the engine's audio to the
   output rate and packs it: in the output format itself for raw PCM at speed 1, else as
   float32 for the pipeline. It returns `Produced` chunks of at most MAX_CHUNK_S.

@@ -1,11 +1,11 @@
 """A stream's events on their way to its consumer, and the back-pressure that the consumer's
-pace makes: how much audio waits untaken (the scheduler skips a backlogged stream's steps),
+pace makes: how much audio waits untaken (the slot queue skips a backlogged stream's steps),
 since when the consumer took nothing (the stall time-out), how far ahead of a real-time
-listener the audio is (the scheduler serves the streams about to run out first), and, with a
+listener the audio is (the slot queue serves the streams about to run out first), and, with a
 lookahead, the playback clock that holds the next audio back.
 
 On the event loop, one owner (the stream); `backlogged` and `audio_ahead_s` are also read by the
-scheduler thread (float and bool reads: a stale value only reorders one step).
+engine loop's thread (float and bool reads: a stale value only reorders one step).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Callable
 
 from .events import Flushed, Phonemes, Produced, Queued, Segment, Words
 
-# A stream with no audio yet counts as this far ahead of its listener when the scheduler picks
+# A stream with no audio yet counts as this far ahead of its listener when the slot queue picks
 # whom to serve: before streams comfortably ahead (first audio matters), after those about to
 # run out (a gap in audio already playing matters more).
 NEW_STREAM_AHEAD_S = 1.0

@@ -16,7 +16,7 @@ from collections import Counter, deque
 from types import TracebackType
 
 from ..engine import ErrorKind, Refused
-from ..scheduler import QueuePace
+from ..scheduling.queue import QueuePace
 
 
 class RegistrationQueue:

@@ -15,7 +15,7 @@ from typing import Any, AsyncIterator, Mapping
 
 from ..alignment.pool import WordAligner
 from ..lexicon import Lexicon, Pronunciation
-from ..scheduler import Scheduler
+from ..scheduling.loop import EngineLoop
 from .output import AudioOutput
 
 
@@ -59,13 +59,13 @@ class StreamRequest:
 
 @dataclass(frozen=True)
 class StreamSetup:
-    """What the service settled as a stream opened: its device's scheduler and its number, the
-    clients it is for (broadest first: token or address, then connection; the scheduler shares
+    """What the service settled as a stream opened: its device's engine loop and its number, the
+    clients it is for (broadest first: token or address, then connection; the slot queue shares
     slots among them), its log line's fields, the voice and adapter it holds to its end, its
     pronunciations (the request's before the server's), what of the request is ignored, and
     the aligner that times its words where the engine does not."""
 
-    scheduler: Scheduler
+    engine_loop: EngineLoop
     number: int
     owners: tuple[str, ...] = ()
     log_fields: Mapping[str, Any] = field(default_factory=dict)

@@ -1,10 +1,10 @@
-"""The stream service: the one way into the scheduler for every front door.
+"""The stream service: the one way into the engine loops for every front door.
 
 A front door (protocol v1 over WebSocket, HTTP, a framework adapter) opens streams here and
 consumes their events; registers and deletes voices (`service.voices`, `voices.py`); asks for
 LoRA changes (`service.loras`, `loras.py`). The service checks
 what it can before any engine work (readiness, draining, voice, limits), runs engine work on the
-scheduler thread, and watches every live stream's timers. It knows no socket and no wire format:
+engine loop's thread, and watches every live stream's timers. It knows no socket and no wire format:
 refusals are `Refused(kind, message)`, and each front door words them its own way.
 """
 
@@ -19,12 +19,12 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Mapping
 
 from ..config import Limits
-from ..devices import Devices
+from ..scheduling.devices import Devices
 from ..engine import Engine, ErrorKind, Readiness, Refused
 from ..files import read_regular_file
 from ..lexicon import MAX_LEXICON_BYTES, Lexicon, combined, parse_lexicon
 from ..metrics import Metrics
-from ..scheduler import Scheduler
+from ..scheduling.loop import EngineLoop
 from .generation import Generation
 from .handoff import LoopMailbox
 from .loras import LoraService
@@ -48,10 +48,10 @@ ENCODING_THREADS = 2
 
 
 class StreamService:
-    """Serves streams on one scheduler per device (one, or several: `Devices`). Create it,
+    """Serves streams on one engine loop per device (one, or several: `Devices`). Create it,
     `await start()` on the loop that will use it."""
 
-    def __init__(self, devices: Devices | Scheduler, limits: Limits | None = None,
+    def __init__(self, devices: Devices | EngineLoop, limits: Limits | None = None,
                  metrics: Metrics | None = None, voice_store: VoiceStore | None = None,
                  voice_aliases: dict[str, Alias | None] | None = None,
                  word_timings: WordTimings | None = None) -> None:
@@ -108,7 +108,7 @@ class StreamService:
                     log_fields: Mapping[str, Any] | None = None) -> Stream:
         """Open a stream for `request` (`request.py`) and start generating. `owners` names the
         clients the stream is for, broadest first (its token or address, its connection), among
-        which the scheduler shares its slots fairly; `log_fields` go into its log line. A
+        which the slot queue shares its slots fairly; `log_fields` go into its log line. A
         one-shot text too long for one generation is spoken in pieces, each continuing the one
         before. What of the request has no effect here is `Stream.ignored_options`. Raises
         `Refused`."""
@@ -123,19 +123,19 @@ class StreamService:
         checked = self._checked(request, resolved)
         self.voices.check_use_now(checked.voice, owner, resolved.named)
         spoken = self._spoken(checked)
-        scheduler = self.devices.place()          # the stream stays on this device to its end
+        engine_loop = self.devices.place()          # the stream stays on this device to its end
         stream = lora_pin = None
         voice = checked.voice
         try:
-            lora_pin = scheduler.engine.loras.pin(checked.lora)
-            from_store = self.voices.needs_store(voice, scheduler.engine)
+            lora_pin = engine_loop.engine.loras.pin(checked.lora)
+            from_store = self.voices.needs_store(voice, engine_loop.engine)
             # The stream keeps its voice until it ends, even if the voice is deleted meanwhile.
-            voice_pin = None if from_store else scheduler.engine.voices.pin(voice)
-            aligner = self.word_timings.aligner_for(scheduler.engine, checked.language) \
+            voice_pin = None if from_store else engine_loop.engine.voices.pin(voice)
+            aligner = self.word_timings.aligner_for(engine_loop.engine, checked.language) \
                 if checked.word_timestamps else None
             if aligner is not None:
                 aligner.start()
-            setup = StreamSetup(scheduler, next(self._numbers), owners, dict(log_fields or {}), voice_pin, lora_pin,
+            setup = StreamSetup(engine_loop, next(self._numbers), owners, dict(log_fields or {}), voice_pin, lora_pin,
                                 combined(checked.pronunciations, self.lexicon), self._ignored(request, checked),
                                 aligner)
             stream = Stream(self, checked, setup)
@@ -143,11 +143,11 @@ class StreamService:
             stream.queued = stream.generation.start(None if checked.input_streaming else spoken,
                                                     self.voices.ensure(voice, resolved.named, owner) if from_store else None)
         except BaseException:
-            self.devices.release(scheduler)
+            self.devices.release(engine_loop)
             if stream is not None:
                 stream.generation.release_lora()
             else:
-                scheduler.engine.loras.unpin(lora_pin)
+                engine_loop.engine.loras.unpin(lora_pin)
             raise
         self._live.add(stream.generation)
         if isinstance(checked.text, str) and checked.input_streaming and checked.text:
@@ -233,7 +233,7 @@ class StreamService:
         """A stream has stopped producing (called by its generation)."""
         if generation in self._live:
             self._live.discard(generation)
-            self.devices.release(generation.scheduler)
+            self.devices.release(generation.engine_loop)
 
     async def off_loop(self, fn: Any, *args: Any) -> Any:
         """`fn(*args)` on the thread that prepares texts: CPU work a stream needs before its next

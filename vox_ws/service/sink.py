@@ -1,14 +1,14 @@
 """The engine thread's side of a stream: one sink per generation request.
 
-The scheduler thread calls a `SegmentSink` (the engine's `RequestSink`); it produces the
+The engine loop's thread calls a `SegmentSink` (the engine's `RequestSink`); it produces the
 request's audio through the stream's output stage (resampling and packing stay off the event
 loop) and posts `(sink, event)` to the loop through the service's mailbox: the sink stands for
 its request (one each), and holds no reference to it (the request holds the sink; a reference
 back would make a cycle for the garbage collector per segment). It reads no state of the
-stream but the pacing's two figures the scheduler asks for; the stream's generation, on the
+stream but the pacing's two figures the slot queue asks for; the stream's generation, on the
 loop, drops what a sink of a request it no longer waits for posts.
 
-    scheduler thread                                     event loop
+    engine loop's thread                                     event loop
     deliver(pcm, words, phonemes) -> produce -> post ──▶  Generation._on_request_event(sink, event)
     finish(reason) / fail(kind, ...)          -> post ──▶
 

@@ -1,7 +1,7 @@
 """One stream: text in, audio events out. This is the consumer's handle; a stream's pieces,
 each with one owner and one thread, and the way a chunk takes through them, top-down:
 
-    scheduler thread   SegmentSink (sink.py): one per request; produces the request's audio
+    engine loop's thread   SegmentSink (sink.py): one per request; produces the request's audio
                        through the output stage, posts (request, event) to the loop
     event loop         Generation (generation.py): the stream's production; its TextPlan
                        (text_plan.py, pure) says what to say next, its StreamInput
@@ -43,9 +43,9 @@ class Stream:
     def __init__(self, service: StreamHost, request: StreamRequest, setup: StreamSetup) -> None:
         """`request` as the service checked it (its voice resolved, its timestamps those the
         engine gives); `setup` what the service settled for it."""
-        engine = setup.scheduler.engine
+        engine = setup.engine_loop.engine
         output = request.output
-        self.scheduler = setup.scheduler
+        self.engine_loop = setup.engine_loop
         self.format = output.format
         self.sample_rate = output.rate_for(engine.sample_rate)
         self.word_timestamps = request.word_timestamps
@@ -56,7 +56,7 @@ class Stream:
         self._output = OutputStage(engine.sample_rate, output.format, self.sample_rate, output.speed,
                                    service.encoding, output.volume)
         self._pacing = Pacing(service.limits.max_buffered_audio_s, output.speed, output.lookahead_s,
-                              setup.scheduler.wake)
+                              setup.engine_loop.wake)
         record = StreamRecord(service.metrics, request, setup, engine.name, self.sample_rate)
         self.generation = Generation(service, request, setup, self._output, self._pacing, record)
         self._handed: deque[Event] = deque()     # handed over by the output stage, not yet returned

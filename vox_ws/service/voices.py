@@ -17,7 +17,7 @@ from typing import Any, Awaitable, Callable
 
 from ..audio import AudioTooLong, decode_audio_file
 from ..config import Limits
-from ..devices import Devices
+from ..scheduling.devices import Devices
 from ..engine import VOICE_MODES, Engine, ErrorKind, Readiness, Refused
 from ..memory import release_memory
 from .registrations import Registration, RegistrationQueue

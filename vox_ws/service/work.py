@@ -1,4 +1,4 @@
-"""Engine work awaited from the event loop: on a device's scheduler thread or a worker thread,
+"""Engine work awaited from the event loop: on a device's engine loop's thread or a worker thread,
 its failures typed."""
 
 from __future__ import annotations
@@ -6,9 +6,9 @@ from __future__ import annotations
 import asyncio
 from typing import Any, Awaitable, Callable
 
-from ..devices import Devices
+from ..scheduling.devices import Devices
 from ..engine import Engine, ErrorKind, Refused
-from ..scheduler import Scheduler
+from ..scheduling.loop import EngineLoop
 
 
 async def engine_work(work: Awaitable[Any], failed: str = "") -> Any:
@@ -22,9 +22,9 @@ async def engine_work(work: Awaitable[Any], failed: str = "") -> Any:
         raise Refused(ErrorKind.INTERNAL, f"{failed}{type(exc).__name__}: {exc}") from exc
 
 
-async def on_each(devices: Devices, schedulers: list[Scheduler], fn: Callable[[Engine], Any]) -> list[Any]:
-    """`fn(engine)` on each scheduler's thread, between two steps: each one's result or refusal."""
-    calls = [engine_work(asyncio.wrap_future(done)) for done in devices.call_each(fn, schedulers)]
+async def on_each(devices: Devices, loops: list[EngineLoop], fn: Callable[[Engine], Any]) -> list[Any]:
+    """`fn(engine)` on each engine loop's thread, between two steps: each one's result or refusal."""
+    calls = [engine_work(asyncio.wrap_future(done)) for done in devices.call_each(fn, loops)]
     return await asyncio.gather(*calls, return_exceptions=True)
 
 

@@ -63,10 +63,10 @@ class ToneEngine(Engine):
     device = "cpu"
     voices = Role(_ToneVoices)
 
-    def __init__(self, sample_rate: int = 24000, max_batch: int = 256, chunk_s: float = 0.08,
+    def __init__(self, sample_rate: int = 24000, slots: int = 256, chunk_s: float = 0.08,
                  step_interval_s: float = 0.0, seconds_per_char: float = 0.05, stamp: bool = False) -> None:
         self.sample_rate = sample_rate
-        self.max_step_batch = max_batch
+        self.max_step_batch = slots
         self._chunk = max(1, int(round(chunk_s * sample_rate)))
         self._interval = step_interval_s
         self._per_char = seconds_per_char
@@ -110,5 +110,5 @@ class ToneEngine(Engine):
 PLUGIN = EnginePlugin(
     name="tone",
     summary="a paced sine per stream, for benchmarks and tests (never chosen by auto)",
-    create=lambda settings: ToneEngine(max_batch=settings.get("max_batch") or 256),
+    create=lambda settings: ToneEngine(slots=settings.get("slots") or 256),
 )

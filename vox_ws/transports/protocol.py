@@ -441,7 +441,7 @@ def hello_message(state: ServerState) -> dict[str, Any]:
         "aliases": sorted(service.voices.aliases()),
         "languages": list(engine.languages),
         "options": sorted(engine.honoured_options),
-        "slots": service.devices.max_batch,
+        "slots": service.devices.slots,
         "step_rows": service.devices.step_rows,
         "features": state.features(),
         "limits": state.limits.as_dict(),

@@ -58,12 +58,12 @@ class ServerState:
     def full(self) -> bool:
         """Every generation slot is busy: a new stream would wait in the queue."""
         stats = self.service.devices.stats()
-        return stats["active"] + stats["queued"] >= stats["max_batch"]
+        return stats["active"] + stats["queued"] >= stats["slots"]
 
     def load(self) -> dict[str, Any]:
         """The balancers' and autoscalers' figure: cheap, no engine work."""
         stats = self.service.devices.stats()
-        slots, busy = stats["max_batch"], stats["active"] + stats["queued"]
+        slots, busy = stats["slots"], stats["active"] + stats["queued"]
         return {
             "ready": self.ready(),
             "draining": self.draining,
@@ -111,6 +111,8 @@ class ServerState:
         devices = self.service.devices
         stats = devices.stats()
         stats.pop("status")
+        for figures in [stats, *stats["devices"]]:    # slots' old name, kept for one release (0.x)
+            figures["max_batch"] = figures["slots"]
         status = self.status()
         described = self.service.engine.describe()
         if "lora" in described:                    # its streams counted on every device

@@ -17,7 +17,7 @@
     compile_main.py     that process's entry point
     lora.py             per-row LoRA layers: every adapter slot's weights, each row its own
     adapters.py         LoRA adapters by name: files, slots, the streams that use them
-    engine.py           the Engine the scheduler drives
+    engine.py           the Engine the engine loop drives
 
 This module registers the engine and must import cheaply: no torch here.
 """
@@ -36,7 +36,7 @@ __all__ = ["COMPILE_MODES", "PLUGIN", "SETTINGS", "parse_buckets", "parse_compil
 def _create(settings: dict[str, Any]):
     from .engine import VoxCPMEngine
 
-    names = {"device", "threads", "max_batch"} | {s.key for s in SETTINGS}
+    names = {"device", "threads", "slots"} | {s.key for s in SETTINGS}
     return VoxCPMEngine(**{k: v for k, v in settings.items() if k in names})
 
 

@@ -8,8 +8,8 @@ are matched as the package's `load_lora_weights` matches them, and reported the 
 in the package.
 
 Threads: `read` runs on a worker thread (disk); `load`, `unload` and the default run on the
-scheduler thread between two steps; `pin` / `unpin` on the event loop; `row_started` /
-`row_ended` on the scheduler thread. A slot is reused only once no stream pins its adapter
+engine loop's thread between two steps; `pin` / `unpin` on the event loop; `row_started` /
+`row_ended` on the engine loop's thread. A slot is reused only once no stream pins its adapter
 and no request in the engine uses it, so weights are never rewritten under a row.
 """
 
@@ -131,7 +131,7 @@ class AdapterBook(Loras):
             adapter.streams -= 1
             self._free_if_unused(adapter)
 
-    # ------------------------------------------------------------------ requests (scheduler thread)
+    # ------------------------------------------------------------------ requests (engine loop's thread)
 
     def row_started(self, adapter: Adapter | None) -> int:
         """A request of a stream pinning `adapter` took a row: its slot (`NO_ADAPTER` for none)."""
@@ -294,7 +294,7 @@ class AdapterBook(Loras):
                 continue
         raise Refused(ErrorKind.INVALID, f"no LoRA adapter named {name!r} in the LoRA directory", field="name")
 
-    # ------------------------------------------------------------------ slots (scheduler thread)
+    # ------------------------------------------------------------------ slots (engine loop's thread)
 
     def load(self, adapter_file: AdapterFile) -> dict[str, Any]:
         self._configured()

@@ -4,7 +4,7 @@ is adopted (its graphs loaded, milliseconds) between two steps as soon as it is 
 
 `BackgroundCompile` starts the child and reads its events on a thread of its own, where each
 bucket's graphs are loaded and run once (`prepare`: off the thread that steps, which would stall
-every stream meanwhile); the engine's scheduler thread takes what has arrived (`arrived`) before
+every stream meanwhile); the engine loop's thread takes what has arrived (`arrived`) before
 each step and only switches it on there (with LoRA slots it loads them there too). `describe` is
 its progress, for `/v1/info`.
 """
@@ -74,7 +74,7 @@ class BackgroundCompile:
             elif kind == "bucket":
                 if not self.compiled:
                     # What loading a graph first needs (inductor, seconds to import), here rather
-                    # than on the scheduler's thread, where it would hold a step.
+                    # than on the engine loop's thread, where it would hold a step.
                     from .compiled import warm_compiler
 
                     warm_compiler("cuda" if self.device.startswith("cuda") else "cpu")

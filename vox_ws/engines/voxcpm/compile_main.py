@@ -60,7 +60,7 @@ def compile_all(settings: dict[str, Any]) -> None:
     measure = settings.get("measure", False)
     # As the server's runner decodes in this process's place: the same VAE settings, so that the
     # decode's graphs are the ones it will look for.
-    runner = BatchedVoxCPM2(model, max_batch=max(buckets) if measure else 1, decode_process=False,
+    runner = BatchedVoxCPM2(model, slots=max(buckets) if measure else 1, decode_process=False,
                             warm_rows=1, adapters=adapters)
     compiled = CompiledStep(model, buckets, settings["cache"], adapters=adapters)
     prompt = build_prompt(model, "Timing the step, eager and compiled.", None)

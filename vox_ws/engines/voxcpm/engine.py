@@ -1,4 +1,4 @@
-"""VoxCPM2 behind the shared scheduler: loading, request checks, prefill, the batched step.
+"""VoxCPM2 behind the shared engine loop: loading, request checks, prefill, the batched step.
 
 Loading goes through the package's own `VoxCPM.from_pretrained` (`loading.py`); generation goes
 through `runner.BatchedVoxCPM2`, which advances every active stream in one batched step.
@@ -6,6 +6,7 @@ through `runner.BatchedVoxCPM2`, which advances every active stream in one batch
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import secrets
@@ -18,14 +19,14 @@ from typing import Any
 from ...engine import Engine, ErrorKind, GenerationRequest, Refused, StepResult
 from .loading import DEFAULT_MODEL, architecture, import_voxcpm, resolve_model_path, verify_weights
 from .adapters import AdapterBook
-from .settings import COMPILE_MODES
+from .settings import VoxCPMSettings
 from .background import BackgroundCompile
 from .decoder_process import DecoderProcess
 from .cache_trust import trusted_cache_dir
 from .compiled import BUCKETS, CompiledStep, buckets_for, default_cache_dir, use_cache_dir, warm_compiler
 from .graphs import PrecompileUnavailable
 from .kv import attention_kernel
-from .normalizer import NORMALIZE_TIMEOUT_S, Normalizer
+from .normalizer import Normalizer
 from .options import DEFAULTS, OPTIONS
 from .prompt import build_prompt, prompt_positions
 from .runner import BatchedVoxCPM2, PrefillInput, wants_decode_process
@@ -58,64 +59,32 @@ class VoxCPMEngine(Engine):
     cuts_texts = True
     languages = LANGUAGES
 
-    def __init__(self, model: str | None = None, device: str = "auto", threads: int = 1, optimize: bool = False,
-                 load_denoiser: bool = False, max_batch: int | None = 8, step_rows: int | None = None,
-                 voices_dir: str | None = None,
-                 lora_rank: int = 0, lora_alpha: int | None = None, lora_dir: str | None = None,
-                 max_loras: int = 4, warm_normalizer: bool = False,
-                 normalize_timeout: float = NORMALIZE_TIMEOUT_S, compile: str = "off",
-                 compile_cache: str | None = None, compile_buckets: tuple[int, ...] | None = None,
-                 compile_wait: bool = True, cuda_graphs: bool = False) -> None:
-        """`compile_wait`: compile at load, ready once compiled (the default here, for callers that
-        drive the engine themselves); else in a background process while the engine serves eager
-        (`vox-ws serve`'s default)."""
-        self.model = model or DEFAULT_MODEL
-        self.device = device or "auto"
-        # KV slots (streams open at once: memory) and the rows one step carries (compute); None:
-        # sized to the device in `load` (`slots`). Rows never exceed slots.
-        self._slots = max_batch
-        self._rows_asked = step_rows
-        if max_batch is not None:
-            self.max_step_batch = min(step_rows or max_batch, max_batch)
+    def __init__(self, settings: VoxCPMSettings | None = None, **fields: Any) -> None:
+        """Built from `settings` (`settings.py`), or from its fields by name
+        (`VoxCPMEngine(model=..., slots=4)`); raises ValueError for settings that cannot work together."""
+        self.settings = dataclasses.replace(settings or VoxCPMSettings(), **fields)
+        self.model = self.settings.model or DEFAULT_MODEL
+        self.device = self.settings.device or "auto"
+        slots, step_rows = self.settings.slots, self.settings.step_rows
+        self._slots = slots
+        if slots is not None:
+            self.max_step_batch = min(step_rows or slots, slots)
         else:
             self.max_step_batch = step_rows or 1     # until `load` sizes both
         self._slots_reason = "--slots" + (" and --step-rows" if step_rows is not None else "")
-        self._threads = threads
-        if optimize:
-            # Refused before minutes of loading: the package's optimize compiles its own
-            # one-request loop, which vox-ws never runs, and renames the weights it wraps
-            # (`_orig_mod.*`), which the load's check then cannot match.
-            raise ValueError("--optimize compiles the voxcpm package's own one-request loop, which vox-ws does not "
-                             "run; use --compile auto (the default: on with CUDA) or --compile on, which compiles "
-                             "vox-ws's batched step")
-        self._load_denoiser = load_denoiser
-        self._voices_dir = Path(voices_dir) if voices_dir else None
-        self._lora_rank = lora_rank
-        self._lora_alpha = lora_alpha if lora_alpha is not None else 2 * lora_rank
-        self._lora_dir = lora_dir
-        if lora_rank > 0 and max_loras < 1:
-            raise ValueError("--max-loras must be at least 1 with --lora-rank")
-        self._max_loras = max_loras
-        if compile not in COMPILE_MODES:
-            raise ValueError(f"--compile must be one of {', '.join(COMPILE_MODES)}, got {compile!r}")
-        self._compile = compile
-        self._compile_cache = compile_cache
-        self._compile_buckets = tuple(compile_buckets) if compile_buckets else BUCKETS
-        self._compile_wait = compile_wait
-        if cuda_graphs and lora_rank > 0:
-            raise ValueError("--cuda-graphs does not take LoRA slots (--lora-rank): their row map is chosen per step")
-        if cuda_graphs and compile == "off":
-            raise ValueError("--cuda-graphs replays the compiled step: it needs --compile on or auto")
-        self._cuda_graphs = cuda_graphs
+        self._voices_dir = Path(self.settings.voices_dir) if self.settings.voices_dir else None
+        lora_rank = self.settings.lora_rank
+        self._lora_alpha = self.settings.lora_alpha if self.settings.lora_alpha is not None else 2 * lora_rank
+        self._compile_buckets = tuple(self.settings.compile_buckets) if self.settings.compile_buckets else BUCKETS
+        self._compile_cache = self.settings.compile_cache    # made the checked private one at load
         self.compiled = None       # compiled.CompiledStep, when the step is compiled
         self.precompile: bool | None = None   # False where no compiled step could be made for want of it
         self.background = None     # background.BackgroundCompile, while and after it compiles
-        self._warm_normalizer = warm_normalizer
-        self.loras = AdapterBook(None, {}, lora_dir, 0.0)    # until `load` builds the slots
+        self.loras = AdapterBook(None, {}, self.settings.lora_dir, 0.0)    # until `load` builds the slots
         self.tts = None            # voxcpm.VoxCPM
         self.runner = None         # runner.BatchedVoxCPM2
         self.voices = VoxCPMVoices(self)
-        self._normalizer = Normalizer(normalize_timeout)
+        self._normalizer = Normalizer(self.settings.normalize_timeout)
         self.text = VoxCPMText(self, self._normalizer)
         self.dtype = ""
         self.architecture = ""
@@ -132,8 +101,8 @@ class VoxCPMEngine(Engine):
     def load(self) -> None:
         import torch
 
-        if self._threads:
-            torch.set_num_threads(self._threads)
+        if self.settings.threads:
+            torch.set_num_threads(self.settings.threads)
         os.environ.setdefault("TQDM_DISABLE", "1")
         path = resolve_model_path(self.model)
         expected = self.device if self.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
@@ -145,16 +114,16 @@ class VoxCPMEngine(Engine):
                 Path(self._compile_cache) if self._compile_cache else default_cache_dir())))
         voxcpm = import_voxcpm()
         lora_config = None
-        if self._lora_rank > 0:
+        if self.settings.lora_rank > 0:
             from voxcpm.model.voxcpm2 import LoRAConfig
 
-            lora_config = LoRAConfig(enable_lm=True, enable_dit=True, enable_proj=False, r=self._lora_rank,
+            lora_config = LoRAConfig(enable_lm=True, enable_dit=True, enable_proj=False, r=self.settings.lora_rank,
                                      alpha=self._lora_alpha)
-        if self._load_denoiser:
+        if self.settings.load_denoiser:
             _check_denoiser_dependencies()
         # Where the step will be compiled here, the compiler warms up while the weights load.
         compiler = None
-        will_compile = self._compiles(expected) and self._compile_wait
+        will_compile = self._compiles(expected) and self.settings.compile_wait
         if will_compile:
             compiler = threading.Thread(target=warm_compiler, args=(expected.split(":")[0],),
                                         name="vox-ws-warm-compiler", daemon=True)
@@ -167,7 +136,7 @@ class VoxCPMEngine(Engine):
                    if wants_decode_process(expected.split(":")[0]) else None)
         try:
             self.tts = voxcpm.VoxCPM.from_pretrained(
-                str(path), load_denoiser=self._load_denoiser, optimize=False,
+                str(path), load_denoiser=self.settings.load_denoiser, optimize=False,
                 device=None if self.device == "auto" else self.device, lora_config=lora_config,
             )
             model = self.tts.tts_model
@@ -175,7 +144,7 @@ class VoxCPMEngine(Engine):
             if lora_config is not None:
                 self.loras = self._adapter_slots(model)
             self.device = str(model.device)
-            if self._cuda_graphs and not self.device.startswith("cuda"):
+            if self.settings.cuda_graphs and not self.device.startswith("cuda"):
                 raise ValueError(f"--cuda-graphs needs a CUDA device; the model is on {self.device}")
             self.dtype = str(model.config.dtype)
             self.attention = attention_kernel(model.base_lm, model.device, model._dtype())
@@ -190,7 +159,7 @@ class VoxCPMEngine(Engine):
             if decoder is not None and not decoder.has_vae:     # no runner has it
                 decoder.close()
             raise
-        if self._warm_normalizer:
+        if self.settings.warm_normalizer:
             self._normalizer.ensure_started()
         if self._voices_dir is not None:
             for name, audio, rate, transcript in builtin_voice_files(self._voices_dir):
@@ -200,7 +169,7 @@ class VoxCPMEngine(Engine):
         if compiler is not None:
             compiler.join()
         if self._compiles(self.device):
-            if self._compile_wait:
+            if self.settings.compile_wait:
                 self._compile_step(model)
             else:
                 self._compile_in_background(path)
@@ -216,9 +185,9 @@ class VoxCPMEngine(Engine):
     def _compiles(self, device: str) -> bool:
         """Whether the step is compiled on `device` (`--compile`): `auto` on a CPU only in the
         background, where each bucket is measured before it is used."""
-        if self._compile == "auto" and not device.startswith("cuda"):
-            return not self._compile_wait
-        return self._compile in ("on", "auto")
+        if self.settings.compile == "auto" and not device.startswith("cuda"):
+            return not self.settings.compile_wait
+        return self.settings.compile in ("on", "auto")
 
     def _compile_in_background(self, path: Path) -> None:
         """Start compiling every bucket in a child process; `_adopt_compiled` takes each in."""
@@ -226,7 +195,7 @@ class VoxCPMEngine(Engine):
         # Whose graphs the server will load: the cache made private here first (`cache_trust`).
         try:
             compiled = CompiledStep(self.tts.tts_model, buckets, self._compile_cache, adapters=self.loras.adapters,
-                                    load_only=True, cuda_graphs=self._cuda_graphs)
+                                    load_only=True, cuda_graphs=self.settings.cuda_graphs)
         except PrecompileUnavailable as exc:
             # Graphs a child compiled could not be loaded here: this process would compile them
             # itself, on the engine's thread, for minutes. Serving stays eager.
@@ -237,14 +206,14 @@ class VoxCPMEngine(Engine):
         self.compiled = compiled
         prepare = None if self.loras.adapters is not None else (lambda rows: compiled.prepare((rows,)))
         self.background = BackgroundCompile({
-            "model": str(path), "device": self.device, "threads": self._threads, "buckets": list(buckets),
-            "cache": str(self.compiled.cache_dir), "lora_rank": self._lora_rank, "lora_alpha": self._lora_alpha,
-            "max_loras": self._max_loras,
+            "model": str(path), "device": self.device, "threads": self.settings.threads, "buckets": list(buckets),
+            "cache": str(self.compiled.cache_dir), "lora_rank": self.settings.lora_rank, "lora_alpha": self._lora_alpha,
+            "max_loras": self.settings.max_loras,
             # Where compiling is not certain to pay (a CPU, `auto`), each bucket is timed both ways.
-            "measure": self._compile == "auto" and not self.device.startswith("cuda")}, prepare)
+            "measure": self.settings.compile == "auto" and not self.device.startswith("cuda")}, prepare)
 
     def _adopt_compiled(self) -> None:
-        """Between two steps (the scheduler's thread): the buckets the background compile has put
+        """Between two steps (the engine loop's thread): the buckets the background compile has put
         in the cache since the last step go into use, each where it is the faster (`auto` on a
         CPU) or always; the decode once every bucket is there."""
         background, compiled = self.background, self.compiled
@@ -270,7 +239,7 @@ class VoxCPMEngine(Engine):
         `compiling` meanwhile; the compile cache makes a second start fast."""
         buckets = buckets_for(self.max_step_batch, self._compile_buckets)
         compiled = CompiledStep(model, buckets, self._compile_cache, adapters=self.loras.adapters,
-                                cuda_graphs=self._cuda_graphs)
+                                cuda_graphs=self.settings.cuda_graphs)
         self.loading_phase = "compiling"
         started = time.perf_counter()
         try:
@@ -286,10 +255,10 @@ class VoxCPMEngine(Engine):
         from .lora import install_row_lora
 
         package_keys = frozenset(k for k, _ in model.named_parameters() if "lora_" not in k)
-        adapters, layers = install_row_lora(model, self._max_loras, self._lora_rank)
-        book = AdapterBook(adapters, layers, self._lora_dir, self._lora_alpha, package_keys)
-        log.info("LoRA: %d adapter slots of rank %d over %d layers, %.1f MiB a slot", self._max_loras,
-                 self._lora_rank, len(layers), book.slot_bytes() / 2**20)
+        adapters, layers = install_row_lora(model, self.settings.max_loras, self.settings.lora_rank)
+        book = AdapterBook(adapters, layers, self.settings.lora_dir, self._lora_alpha, package_keys)
+        log.info("LoRA: %d adapter slots of rank %d over %d layers, %.1f MiB a slot", self.settings.max_loras,
+                 self.settings.lora_rank, len(layers), book.slot_bytes() / 2**20)
         return book
 
     def slots(self) -> tuple[int, str]:
@@ -312,11 +281,11 @@ class VoxCPMEngine(Engine):
             # The background compile loads the weights again on this device, with a few slots and
             # its compiler's work space: left free for it (twice the weights).
             weights = sum(t.numel() * t.element_size() for t in model.parameters())
-            spared = 2 * weights if self._compiles(self.device) and not self._compile_wait else 0
+            spared = 2 * weights if self._compiles(self.device) and not self.settings.compile_wait else 0
             # KV is most of a slot; activations and the streaming VAE's state take a quarter more.
             slots = max(1, min(AUTO_MAX_SLOTS, int(max(free - spared, 0) * 0.8 // (per_slot * 1.25))))
             self._slots = slots
-            self.max_step_batch = min(self._rows_asked or slots, slots)
+            self.max_step_batch = min(self.settings.step_rows or slots, slots)
             self._slots_reason = (f"{free / 2**30:.1f} GiB free on {self.device} after loading"
                                   + (f", {spared / 2**30:.1f} GiB of it left to the background compile" if spared else "")
                                   + f", {per_slot / 2**20:.0f} MiB of KV per slot (whole context) + 25%: 80% of the "
@@ -349,12 +318,12 @@ class VoxCPMEngine(Engine):
                 break
             chosen = size
             size *= 2
-        rows = min(self._rows_asked or chosen, trial)
+        rows = min(self.settings.step_rows or chosen, trial)
         slots = min(trial, CPU_SLOTS_PER_ROW * rows)
         self._slots, self.max_step_batch = slots, rows
         self._slots_reason = (f"on {self.device} a step of B rows took {timings} ms for {step_audio_s * 1000:.0f} ms "
                               f"of audio each: the most rows within half of that is {chosen}; "
-                              + (f"{rows} rows a step (--step-rows), " if self._rows_asked else "")
+                              + (f"{rows} rows a step (--step-rows), " if self.settings.step_rows else "")
                               + f"{slots} slots ({CPU_SLOTS_PER_ROW} per row"
                               + (f", at most {trial} in half the free memory)" if slots == trial else ")"))
         if slots < trial:                    # the caches of slots never used are given back
@@ -376,8 +345,8 @@ class VoxCPMEngine(Engine):
     def describe(self) -> dict[str, Any]:
         compiled = self.compiled
         return {**super().describe(), "dtype": self.dtype, "attention": self.attention, "lora": self.loras.describe(),
-                "max_batch": self._slots, "step_rows": self.max_step_batch,
-                "compile": {"mode": self._compile, "compiled": bool(compiled and compiled.ready),
+                "slots": self._slots, "step_rows": self.max_step_batch,
+                "compile": {"mode": self.settings.compile, "compiled": bool(compiled and compiled.ready),
                             "precompile": self.precompile if compiled is None else compiled.store.precompile,
                             "cuda_graphs": (dict(compiled.captured.captured_s) if compiled and compiled.captured
                                             else None),

@@ -3,7 +3,7 @@ in a process of its own.
 
 Normalising is pure Python that can run for seconds on a hostile text (a 4,999-digit run,
 full-width digits after CJK), and its first use loads its grammars for about 3 s. On the
-scheduler thread that froze every stream; here it runs beside the engine, before a request is
+engine loop's thread that froze every stream; here it runs beside the engine, before a request is
 queued (`Engine.text.prepare`), one text at a time, and a text that takes longer than its
 time-out (`--normalize-timeout`, `NORMALIZE_TIMEOUT_S` by default) is refused (`too_large`) and
 the process replaced.
@@ -22,9 +22,9 @@ from typing import Any, Callable
 
 from ...engine import ErrorKind, Refused
 from ..child import Worker, WorkerCrashed, WorkerHung, serve_worker
+from .settings import NORMALIZE_TIMEOUT_S
 
 WORKER_MODULE = "vox_ws.engines.voxcpm.normalizer"
-NORMALIZE_TIMEOUT_S = 3.0
 LOAD_TIMEOUT_S = 120.0
 
 

@@ -93,10 +93,10 @@ class RowState:
 class BatchedVoxCPM2:
     """Runs prefill per request and one batched generation step for any set of requests."""
 
-    def __init__(self, model: Any, max_batch: int, decode_process: bool | None = None,
+    def __init__(self, model: Any, slots: int, decode_process: bool | None = None,
                  warm_rows: int | None = None, adapters: RowAdapters | None = None,
                  decoder: DecoderProcess | None = None) -> None:
-        """`max_batch` KV slots; steps of up to `warm_rows` rows (default: every slot) are warmed up;
+        """`slots` KV slots; steps of up to `warm_rows` rows (default: every slot) are warmed up;
         `adapters`: the model's LoRA slots (`lora.install_row_lora`), where it has them;
         `decoder`: a decoder process to decode in (started ahead, or another runner's:
         `take_decoder`), else one is started here where `decode_process` (default: on a CPU
@@ -108,10 +108,10 @@ class BatchedVoxCPM2:
         self.compiled: CompiledStep | None = None
         self.device = next(model.parameters()).device
         self.dtype = model._dtype()
-        self.max_batch = max_batch
+        self.slots = slots
         self.max_len = model.config.max_length
-        self.base_kv = SlotKV(model.base_lm, max_batch, self.max_len, self.device, self.dtype)
-        self.residual_kv = SlotKV(model.residual_lm, max_batch, self.max_len, self.device, self.dtype)
+        self.base_kv = SlotKV(model.base_lm, slots, self.max_len, self.device, self.dtype)
+        self.residual_kv = SlotKV(model.residual_lm, slots, self.max_len, self.device, self.dtype)
         fold_weight_norm(model.audio_vae)
         on_cpu = self.device.type == "cpu"
         # On a CPU, decoding more than ~8 rows in one call falls out of cache (B=16 took 54 ms
@@ -127,11 +127,11 @@ class BatchedVoxCPM2:
         if decoder is not None and not decoder.has_vae:
             vae = model.audio_vae
             decoder.load_vae(type(vae), getattr(model.config, "audio_vae_config", None), vae.state_dict(),
-                             rows_per_call=rows_per_call, warm_up=(model.patch_size, warm_rows or max_batch))
+                             rows_per_call=rows_per_call, warm_up=(model.patch_size, warm_rows or slots))
         self.vae = BatchedStreamingVAE(model.audio_vae, rows_per_call=rows_per_call, fold_depthwise=on_cpu)
         if on_cpu:
-            self.vae.warm_up(model.patch_size, warm_rows or max_batch)
-        self._free_slots = list(range(max_batch))
+            self.vae.warm_up(model.patch_size, warm_rows or slots)
+        self._free_slots = list(range(slots))
         self._row_keys = itertools.count(1)
         cfg = model.config.lm_config
         self.scale_emb = cfg.scale_emb if cfg.use_mup else 1.0

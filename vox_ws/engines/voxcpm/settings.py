@@ -3,8 +3,12 @@ the plugin's registration, so cheap: no torch."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from .. import Setting, parse_bool, parse_count
 
+# Seconds one text may take to normalise (`--normalize-timeout`'s default).
+NORMALIZE_TIMEOUT_S = 3.0
 # `--compile`: never; on CUDA only; always.
 COMPILE_MODES = ("off", "auto", "on")
 
@@ -56,6 +60,57 @@ SETTINGS = (
                                               "python -m benchmarks.device_check)"),
     Setting("warm-normalizer", parse_bool, False,
             "load the text normalizer at start-up (first use costs seconds)"),
-    Setting("normalize-timeout", float, 3.0,
+    Setting("normalize-timeout", float, NORMALIZE_TIMEOUT_S,
             "seconds one text may take to normalize; a text that takes longer is refused (too_large)"),
 )
+
+
+# The engine's settings: one field per option above (by its key), and the ones every engine
+# takes (device, threads, slots). `tests/test_engines.py` holds the two lists together.
+COMMON = ("device", "threads", "slots")
+
+
+@dataclass(frozen=True)
+class VoxCPMSettings:
+    """What a `VoxCPMEngine` is built with. The defaults are those of a caller that drives the
+    engine itself (benchmarks, tests): eager, and where it compiles, at load (`compile_wait`);
+    `vox-ws serve` fills every field from the options above, with their own defaults."""
+
+    model: str | None = None
+    device: str = "auto"
+    threads: int = 1
+    # KV slots (streams open at once: memory) and the rows one step carries (compute); None:
+    # sized to the device at load (`VoxCPMEngine.slots`). Rows never exceed slots.
+    slots: int | None = 8
+    step_rows: int | None = None
+    optimize: bool = False
+    load_denoiser: bool = False
+    voices_dir: str | None = None
+    lora_rank: int = 0
+    lora_alpha: int | None = None          # None: 2 x lora_rank
+    lora_dir: str | None = None
+    max_loras: int = 4
+    compile: str = "off"
+    compile_wait: bool = True
+    compile_cache: str | None = None
+    compile_buckets: tuple[int, ...] | None = None
+    cuda_graphs: bool = False
+    warm_normalizer: bool = False
+    normalize_timeout: float = NORMALIZE_TIMEOUT_S
+
+    def __post_init__(self) -> None:
+        """Settings that cannot work together are refused before minutes of loading."""
+        if self.optimize:
+            # The package's optimize compiles its own one-request loop, which vox-ws never runs,
+            # and renames the weights it wraps (`_orig_mod.*`), which the load's check then cannot match.
+            raise ValueError("--optimize compiles the voxcpm package's own one-request loop, which vox-ws does not "
+                             "run; use --compile auto (the default: on with CUDA) or --compile on, which compiles "
+                             "vox-ws's batched step")
+        if self.lora_rank > 0 and self.max_loras < 1:
+            raise ValueError("--max-loras must be at least 1 with --lora-rank")
+        if self.compile not in COMPILE_MODES:
+            raise ValueError(f"--compile must be one of {', '.join(COMPILE_MODES)}, got {self.compile!r}")
+        if self.cuda_graphs and self.lora_rank > 0:
+            raise ValueError("--cuda-graphs does not take LoRA slots (--lora-rank): their row map is chosen per step")
+        if self.cuda_graphs and self.compile == "off":
+            raise ValueError("--cuda-graphs replays the compiled step: it needs --compile on or auto")

@@ -7,7 +7,7 @@ service's business): beyond `MAX_VOICES` the least recently used is dropped, and
 from the store when a stream next names it. So voices registered and retired through other
 replicas, which this one never hears of, cannot fill it. A stream holds its voice's prompt
 itself (`pin_voice`): dropping it from the book never touches a stream speaking with it. The
-event loop reads the book (`get`); the scheduler thread writes it.
+event loop reads the book (`get`); the engine loop's thread writes it.
 """
 
 from __future__ import annotations

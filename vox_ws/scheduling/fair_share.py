@@ -1,5 +1,5 @@
-"""Who gets the scheduler's slots and turns: the fair-share policy, apart from the thread that
-applies it (`scheduler.py`).
+"""Who gets the slots and turns: the fair-share policy, apart from the queue that applies it
+(`queue.py`).
 
 Every request names the clients it is for (`GenerationRequest.owners`), broadest first: an
 owner (a token, or an address), then one of its connections. Clients are compared level by
@@ -20,15 +20,16 @@ level, so connections that share an owner are told apart by what each holds.
   streams comfortably ahead, after those about to run out), then its connections in turn,
   then the oldest.
 
-Not thread-safe: the scheduler calls it under its lock (turns and charges on its own thread).
+Not thread-safe, and needs nothing that is: the slot queue calls it, under the engine loop's lock.
+How far ahead each listener is (`ahead_s`) is given by the caller: the policy reads no sink.
 """
 
 from __future__ import annotations
 
 from collections import Counter, deque
-from typing import Iterable
+from typing import Callable, Iterable
 
-from .engine import GenerationRequest
+from ..engine import GenerationRequest
 
 # How much a step still counts against its client one step later.
 SERVICE_DECAY = 0.9
@@ -57,7 +58,7 @@ class FairShare:
     def to_park(self, waiting: Iterable[GenerationRequest], active: list[GenerationRequest]) -> list[GenerationRequest]:
         """Active requests whose slots go to waiting clients that hold fewer (the caller parks them)."""
         held = _held(active)
-        remaining = [r for r in active if not r.cancelled]
+        remaining = list(active)
         victims = []
         for request in [r for r in waiting if not r.parked]:
             candidates = [r for r in remaining if _outweighs(r, request, held, self.max_share)]
@@ -75,26 +76,28 @@ class FairShare:
         """The waiting request to fail so that `newcomer` fits in a full queue, if any client outweighs its own."""
         waiting = list(waiting)
         held = _held(active + waiting)
-        candidates = [r for r in waiting if not r.parked and not r.cancelled and _outweighs(r, newcomer, held, 0)]
+        candidates = [r for r in waiting if not r.parked and _outweighs(r, newcomer, held, 0)]
         return max(reversed(candidates), key=lambda r: _load(r, held)) if candidates else None
 
     # ------------------------------------------------------------------ turns
 
-    def next_turn(self, runnable: list[GenerationRequest]) -> GenerationRequest:
+    def next_turn(self, runnable: list[GenerationRequest],
+                  ahead_s: Callable[[GenerationRequest], float]) -> GenerationRequest:
         """Owners take turns; within an owner, the listener closest to running out goes first;
         then the owner's connections take turns; then the oldest."""
         def key(r: GenerationRequest) -> tuple:
             served = [self._served.get(k, 0.0) for k in r.owners]
-            return (served[:1], r.sink.audio_ahead_s(), served[1:], r.submitted_at)
+            return (served[:1], ahead_s(r), served[1:], r.submitted_at)
         return min(runnable, key=key)
 
-    def most_urgent(self, runnable: list[GenerationRequest], rows: int) -> list[GenerationRequest]:
+    def most_urgent(self, runnable: list[GenerationRequest], rows: int,
+                    ahead_s: Callable[[GenerationRequest], float]) -> list[GenerationRequest]:
         """The `rows` requests one step carries when more are runnable: by slack, the listener
         that will run out of audio soonest first (a new stream counts as 1 s ahead, as for
         turns: after a listener about to run out, before one comfortably ahead), then the
         client served the fewest steps lately, then the oldest. Kept in their order."""
         def key(r: GenerationRequest) -> tuple:
-            return (r.sink.audio_ahead_s(), [self._served.get(k, 0.0) for k in r.owners], r.submitted_at)
+            return (ahead_s(r), [self._served.get(k, 0.0) for k in r.owners], r.submitted_at)
         chosen = set(map(id, sorted(runnable, key=key)[:rows]))
         return [r for r in runnable if id(r) in chosen]
 

@@ -1,14 +1,14 @@
-"""Several devices in one server: one scheduler (one engine, one copy of the model) per device.
+"""Several devices in one server: one engine loop (one engine, one copy of the model) per device.
 
-    stream service ──open──▶ Devices.place() ──▶ the scheduler with the most free slots
+    stream service ──open──▶ Devices.place() ──▶ the engine loop with the most free slots
                                                   (its open streams against its slots)
-                   ──voices, LoRA──▶ every scheduler
+                   ──voices, LoRA──▶ every engine loop
 
 A stream stays on the device it was placed on (its requests, its continuation, its voice pin
 belong to that engine). Each device's engine loads, steps and may fail on its own thread; a
 device that fails is taken out of placement (its streams got `internal`), and the others go
 on; the server is ready while one device is. `Devices` answers the questions a single
-scheduler answers (status, stats, readiness) for the whole set.
+engine loop answers (status, stats, readiness) for the whole set.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from collections import Counter
 from concurrent.futures import Future
 from typing import Any, Callable
 
-from .engine import Engine, ErrorKind, Readiness, Refused
-from .scheduler import Scheduler
+from ..engine import Engine, Readiness, Refused
+from .loop import EngineLoop, not_ready
 
 
 def parse_devices(spec: str) -> list[str]:
@@ -41,82 +41,82 @@ def parse_devices(spec: str) -> list[str]:
 
 
 class Devices:
-    def __init__(self, schedulers: list[Scheduler]) -> None:
-        if not schedulers:
-            raise ValueError("at least one scheduler")
-        self.schedulers = schedulers
-        self._placed: Counter[int] = Counter()          # open streams per scheduler (by index)
+    def __init__(self, loops: list[EngineLoop]) -> None:
+        if not loops:
+            raise ValueError("at least one engine loop")
+        self.loops = loops
+        self._placed: Counter[int] = Counter()          # open streams per loop (by index)
         self.ready_event = threading.Event()
         self._waiter = threading.Thread(target=self._wait_loaded, name="vox-ws-devices", daemon=True)
 
     # ------------------------------------------------------------------ the set as one
 
     @property
-    def ready(self) -> list[Scheduler]:
-        """The schedulers of the devices that serve now."""
-        return [s for s in self.schedulers if s.status == Readiness.READY]
+    def ready(self) -> list[EngineLoop]:
+        """The loops of the devices that serve now."""
+        return [s for s in self.loops if s.status == Readiness.READY]
 
     @property
     def engine(self) -> Engine:
         """The engine that speaks for all (every device serves the same model and options)."""
         ready = self.ready
-        return (ready[0] if ready else self.schedulers[0]).engine
+        return (ready[0] if ready else self.loops[0]).engine
 
     @property
     def engines(self) -> list[Engine]:
-        return [s.engine for s in self.schedulers]
+        return [s.engine for s in self.loops]
 
     @property
     def status(self) -> Readiness:
         """Ready while one device is; loading while one loads and none is ready (compiling while
         every one still loading is compiling its step); else failed.
         The model's readiness: the rest of the server asks this."""
-        statuses = {s.status for s in self.schedulers}
+        statuses = {s.status for s in self.loops}
         if Readiness.READY in statuses:
             return Readiness.READY
-        loading = [s for s in self.schedulers if s.status == Readiness.LOADING]
+        loading = [s for s in self.loops if s.status == Readiness.LOADING]
         if loading and all(s.engine.loading_phase == "compiling" for s in loading):
             return Readiness.COMPILING
         return Readiness.LOADING if loading else Readiness.FAILED
 
     @property
     def error(self) -> str | None:
-        errors = [f"{s.engine.device}: {s.error}" for s in self.schedulers if s.error]
+        errors = [f"{s.engine.device}: {s.error}" for s in self.loops if s.error]
         return "; ".join(errors) or None
 
     @property
-    def max_batch(self) -> int:
+    def slots(self) -> int:
         """KV slots, all devices together: streams generated at once."""
-        return sum(s.max_batch or 0 for s in self.schedulers)
+        return sum(s.slots or 0 for s in self.loops)
 
     @property
     def step_rows(self) -> int:
         """Rows one step carries, all devices together (at most their slots)."""
-        return sum(s.step_rows for s in self.schedulers)
+        return sum(s.step_rows for s in self.loops)
 
     def start(self) -> None:
-        for scheduler in self.schedulers:
-            scheduler.start()
+        for loop in self.loops:
+            loop.start()
         self._waiter.start()
 
     def stop(self, timeout: float = 5.0) -> None:
-        for scheduler in self.schedulers:
-            scheduler.stop(timeout)
+        for loop in self.loops:
+            loop.stop(timeout)
 
     def _wait_loaded(self) -> None:
-        for scheduler in self.schedulers:
-            scheduler.ready_event.wait()
+        for loop in self.loops:
+            loop.ready_event.wait()
         self.ready_event.set()
 
     def stats(self) -> dict[str, Any]:
         """The totals, and each device's own figures under `devices`."""
-        each = [{"device": s.engine.device, **s.stats()} for s in self.schedulers]
+        each = [{"device": s.engine.device, **s.stats()} for s in self.loops]
         ready = [d for d in each if d["status"] == Readiness.READY]
         return {
             "status": self.status,
             "active": sum(d["active"] for d in each),
             "queued": sum(d["queued"] for d in each),
-            "max_batch": sum(d["max_batch"] for d in ready) if ready else self.max_batch,
+            "slots": sum(d["slots"] for d in ready) if ready else self.slots,
             "step_rows": sum(d["step_rows"] for d in ready) if ready else self.step_rows,
             "max_queue": sum(d["max_queue"] for d in each),
             "parked": sum(d["parked"] for d in each),
@@ -130,35 +130,33 @@ class Devices:
 
     # ------------------------------------------------------------------ placement
 
-    def place(self) -> Scheduler:
-        """The ready scheduler with the most free slots (open streams against its slots; the
+    def place(self) -> EngineLoop:
+        """The ready loop with the most free slots (open streams against its slots; the
         first among equals). Call `release` when the stream ends."""
         best, best_free = None, None
-        for index, scheduler in enumerate(self.schedulers):
-            if scheduler.status != Readiness.READY:
+        for index, loop in enumerate(self.loops):
+            if loop.status != Readiness.READY:
                 continue
-            slots = scheduler.max_batch or 1
+            slots = loop.slots or 1
             free = (slots - self._placed[index]) / slots
             if best_free is None or free > best_free:
                 best, best_free = index, free
         if best is None:
             raise self.not_ready()
         self._placed[best] += 1
-        return self.schedulers[best]
+        return self.loops[best]
 
     def not_ready(self) -> Refused:
         """The refusal of work while no device is ready, with a retry hint while one loads."""
-        loading = [s for s in self.schedulers if s.status == Readiness.LOADING]
-        return Refused(ErrorKind.NOT_READY, f"engine is {self.status}" + (f": {self.error}" if self.error else ""),
-                       loading[0].not_ready_retry_s() if loading else None)
+        return not_ready(self.status, self.error)
 
-    def release(self, scheduler: Scheduler) -> None:
-        index = self.schedulers.index(scheduler)
+    def release(self, loop: EngineLoop) -> None:
+        index = self.loops.index(loop)
         self._placed[index] = max(0, self._placed[index] - 1)
 
     # ------------------------------------------------------------------ on every device
 
-    def call_each(self, fn: Callable[[Engine], Any], schedulers: list[Scheduler] | None = None) -> list[Future]:
-        """Run `fn(engine)` on each device's scheduler thread (`schedulers`; default: every ready
+    def call_each(self, fn: Callable[[Engine], Any], loops: list[EngineLoop] | None = None) -> list[Future]:
+        """Run `fn(engine)` on each device's loop thread (`loops`; default: every ready
         one), between two of its steps: a future for each."""
-        return [s.call(lambda engine=s.engine: fn(engine)) for s in (self.ready if schedulers is None else schedulers)]
+        return [s.call(lambda engine=s.engine: fn(engine)) for s in (self.ready if loops is None else loops)]

@@ -1,5 +1,6 @@
-"""The scheduler's turn, request by request: where each request is (`RequestStatus`) at every
-step, on an engine whose steps the test lets go one at a time (no timing involved)."""
+"""The engine loop's turn, request by request: where each request is (`RequestStatus`) at every
+step, on an engine whose steps the test lets go one at a time (no timing involved). The queue's
+policy itself is tested without a thread (`test_slot_queue.py`)."""
 
 from __future__ import annotations
 
@@ -10,10 +11,10 @@ import numpy as np
 import pytest
 
 from vox_ws.engine import EndReason, ErrorKind, GenerationRequest, Refused, RequestStatus, StepResult
-from vox_ws.scheduler import Scheduler
+from vox_ws.scheduling.loop import EngineLoop
 from vox_ws.testing.tone import ToneEngine
 
-WAIT_S = 60.0        # a bound for a hang, never reached when the scheduler works
+WAIT_S = 60.0        # a bound for a hang, never reached when the loop works
 
 
 class HeldTone(ToneEngine):
@@ -23,7 +24,7 @@ class HeldTone(ToneEngine):
     can_park = True
 
     def __init__(self) -> None:
-        super().__init__(max_batch=8, chunk_s=0.08, seconds_per_char=0.08)
+        super().__init__(slots=8, chunk_s=0.08, seconds_per_char=0.08)
         self.entered = threading.Semaphore(0)
         self.go = threading.Semaphore(0)
         self.batches: list[list[int]] = []
@@ -40,8 +41,8 @@ class HeldTone(ToneEngine):
         return super().step(batch)
 
     def inside_step(self) -> list[int]:
-        """Wait until the scheduler thread is held in a step; the ids of its batch."""
-        assert self.entered.acquire(timeout=WAIT_S), "the scheduler never stepped"
+        """Wait until the loop's thread is held in a step; the ids of its batch."""
+        assert self.entered.acquire(timeout=WAIT_S), "the loop never stepped"
         return self.batches[-1]
 
 
@@ -79,7 +80,7 @@ class RecordingSink:
 @pytest.fixture()
 def held():
     engine = HeldTone()
-    scheduler = Scheduler(engine, max_batch=1, max_queue=4)
+    scheduler = EngineLoop(engine, slots=1, max_queue=4)
     scheduler.start()
     assert scheduler.ready_event.wait(WAIT_S)
     yield engine, scheduler
@@ -107,23 +108,6 @@ def test_a_request_waits_runs_and_finishes_and_the_next_takes_its_slot(held):
     assert engine.prefilled == [first.id, second.id]
 
 
-def test_a_request_cancelled_while_it_waits_finishes_without_being_prefilled(held):
-    engine, scheduler = held
-    running, waiting = request("a" * 40, "one"), request("a", "two")
-    scheduler.submit(running)
-    scheduler.submit(waiting)
-    assert engine.inside_step() == [running.id]
-    scheduler.cancel(waiting)
-    engine.go.release()
-    assert engine.inside_step() == [running.id]
-    assert waiting.status is RequestStatus.FINISHED and waiting.sink.last() == ("finish", EndReason.CANCELLED)
-    assert waiting.id not in engine.prefilled
-    scheduler.cancel(running)
-    engine.go.release()
-    assert running.sink.last() == ("finish", EndReason.CANCELLED)
-    assert running.status is RequestStatus.FINISHED
-
-
 def test_a_stream_whose_reader_lags_is_parked_for_a_waiting_one_and_resumes_unprefilled(held):
     engine, scheduler = held
     lagging, newcomer = request("a" * 40, "one"), request("a", "two")
@@ -145,35 +129,6 @@ def test_a_stream_whose_reader_lags_is_parked_for_a_waiting_one_and_resumes_unpr
     assert lagging.sink.last() == ("finish", EndReason.CANCELLED)
 
 
-def test_with_more_slots_than_rows_each_step_carries_the_listeners_closest_to_running_out():
-    engine = HeldTone()
-    engine.max_step_batch = 2                 # rows a step: compute
-    scheduler = Scheduler(engine, max_batch=4, max_queue=4)     # KV slots: memory
-    scheduler.start()
-    try:
-        assert scheduler.ready_event.wait(WAIT_S)
-        assert (scheduler.stats()["max_batch"], scheduler.stats()["step_rows"]) == (4, 2)
-        ahead = {"a": 5.0, "b": -0.5, "c": 0.3, "d": 9.0}         # seconds ahead of each listener
-        streams = {name: request("a" * 40, name) for name in ahead}
-        for name, each in streams.items():
-            each.sink.ahead_s = ahead[name]
-            assert scheduler.submit(each) == 0               # every one has a slot at once
-        ids = {each.id: name for name, each in streams.items()}
-        assert [ids[i] for i in engine.inside_step()] == ["b", "c"]
-        assert all(each.status is RequestStatus.RUNNING for each in streams.values())
-        for name, seconds in {"a": 0.1, "b": 3.0, "c": 4.0, "d": 0.2}.items():
-            streams[name].sink.ahead_s = seconds
-        engine.go.release()
-        assert [ids[i] for i in engine.inside_step()] == ["a", "d"]
-        for each in streams.values():
-            scheduler.cancel(each)
-        engine.go.release()
-        for each in streams.values():
-            assert each.sink.last() == ("finish", EndReason.CANCELLED)
-    finally:
-        scheduler.stop()
-
-
 class BatchPrefillTone(HeldTone):
     """HeldTone that records each prefill call's requests and refuses a text of "!"."""
 
@@ -193,7 +148,7 @@ class BatchPrefillTone(HeldTone):
 
 def test_the_requests_admitted_in_one_turn_are_prefilled_together_and_a_refused_one_fails_alone():
     engine = BatchPrefillTone()
-    scheduler = Scheduler(engine, max_batch=4, max_queue=8)
+    scheduler = EngineLoop(engine, slots=4, max_queue=8)
     scheduler.start()
     try:
         assert scheduler.ready_event.wait(WAIT_S)
