@@ -314,6 +314,95 @@ class BodyClock:
         return self.started + min(limits.body_max_s, limits.body_timeout_s + earned)
 
 
+class HeaderWatch:
+    """The time bound on a request's headers (`REQUEST_HEADER_TIMEOUT_S`): armed as a request
+    begins, disarmed once its headers are read; past it, the connection is aborted."""
+
+    def __init__(self, protocol: "HttpProtocol") -> None:
+        self._protocol = protocol
+        self._timer: asyncio.TimerHandle | None = None
+
+    @property
+    def armed(self) -> bool:
+        return self._timer is not None
+
+    def arm(self) -> None:
+        if self._timer is None:
+            self._timer = self._protocol.loop.call_later(REQUEST_HEADER_TIMEOUT_S, self._too_slow)
+
+    def disarm(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _too_slow(self) -> None:
+        self._timer = None
+        protocol = self._protocol
+        log.info("%s: no complete request headers in %.0fs: closing", protocol.client, REQUEST_HEADER_TIMEOUT_S)
+        protocol.guard.settle(protocol.transport)
+        protocol.transport.abort()
+
+
+class BodyWatch:
+    """The time bound on a request's body (`BodyClock`): started once its headers are read,
+    ended with the body; past it, the request is answered 408 and the connection closed."""
+
+    def __init__(self, protocol: "HttpProtocol", limits: Limits) -> None:
+        self._protocol = protocol
+        self._limits = limits
+        self.clock: BodyClock | None = None       # while a body is being read
+        self._timer: asyncio.TimerHandle | None = None
+
+    def start(self) -> None:
+        self.clock = BodyClock(self._limits, self._protocol.loop.time())
+        self._arm()
+
+    def end(self) -> None:
+        self.clock = None
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _arm(self) -> None:
+        assert self.clock is not None
+        self._timer = self._protocol.loop.call_at(self.clock.deadline(), self._due)
+
+    def _due(self) -> None:
+        self._timer = None
+        body, protocol = self.clock, self._protocol
+        if body is None:
+            return
+        if protocol.flow.read_paused:
+            # The app has not asked for more yet: the client is not the one behind, and the
+            # time until the app reads again (checked each second) is not counted.
+            body.started += 1.0
+            self._timer = protocol.loop.call_later(1.0, self._due)
+            return
+        if protocol.loop.time() < body.deadline():
+            self._arm()                          # it sent more since: a later deadline
+            return
+        log.warning("%s: request body too slow (%d bytes in %.0fs): closing", protocol.client, body.received,
+                    protocol.loop.time() - body.started)
+        self.end()
+        cycle = protocol.cycle
+        if cycle is not None and not cycle.response_started and not protocol.transport.is_closing():
+            protocol.transport.write(_REQUEST_TIMEOUT)
+        if cycle is not None:
+            cycle.disconnected = True             # the app reads http.disconnect; its writes go nowhere
+            cycle.message_event.set()
+        protocol.transport.close()
+        protocol.stall.arm()                      # the 408 goes out, or the connection is aborted
+
+
+def _has_body(headers: list[tuple[bytes, bytes]]) -> bool:
+    for name, value in headers:
+        if name == b"content-length":
+            return value.strip() not in (b"", b"0")
+        if name == b"transfer-encoding":
+            return True
+    return False
+
+
 class _WatchedWrites:
     """Arms a protocol's `stall` watch while its transport's writes are paused."""
 
@@ -333,7 +422,7 @@ class HttpProtocol(_WatchedWrites, HttpToolsProtocol):
         super().__init__(*args, **kwargs)
         self.guard = guard
         self.limits = limits
-        self._header_timer: asyncio.TimerHandle | None = None
+        self._headers = HeaderWatch(self)
         self._peer = "unknown"                    # the connection's own peer
         self._address = "unknown"                 # the client of the request being read
         self._proxied: str | None = None          # the client a trusted peer's PROXY header named
@@ -341,8 +430,8 @@ class HttpProtocol(_WatchedWrites, HttpToolsProtocol):
         self._preamble: bytearray | None = None   # a trusted peer's first bytes, until a PROXY header is told
         self._in_flight: collections.deque[str] = collections.deque()   # the guard's count, by client
         self._ws_class = self.ws_protocol_class
-        self._body: BodyClock | None = None
-        self._body_timer: asyncio.TimerHandle | None = None
+        self._body = BodyWatch(self, limits)
+        self._trusted_peer = False                # its peer is a proxy this server trusts
         self._answered = False                    # the request's response is complete
         self._header_bytes = 0                    # of the request whose headers are being read
         self._headers_refused = False             # they were over a bound, and answered 431
@@ -358,15 +447,12 @@ class HttpProtocol(_WatchedWrites, HttpToolsProtocol):
                 log.warning("closing a new connection from %s: %s", self._peer, refused)
             transport.abort()
             return
-        if self._from_proxy:
+        self._trusted_peer = self.guard.proxies.trusts(self._peer)
+        if self._trusted_peer:
             self._preamble = bytearray()
         self.app = _RefusalWatch(self.app, self.guard)
         bound_writes(transport)
-        self._arm_header_timer()
-
-    @property
-    def _from_proxy(self) -> bool:
-        return self.guard.proxies.trusts(self._peer)
+        self._headers.arm()
 
     def data_received(self, data: bytes) -> None:
         if self._headers_refused:
@@ -376,7 +462,7 @@ class HttpProtocol(_WatchedWrites, HttpToolsProtocol):
             if not data:
                 return
         super().data_received(data)
-        if self._header_timer is not None and not self._headers_refused:
+        if self._headers.armed and not self._headers_refused:
             # Still in a request's headers: all of this was headers (or the end of the
             # request before, at most one read's worth). httptools keeps an unfinished line
             # whole, so the bound is on what arrives, not on the lines it has told of.
@@ -399,7 +485,7 @@ class HttpProtocol(_WatchedWrites, HttpToolsProtocol):
         log.info("%s: %s: answered 431", self.client, why)
         self._headers_refused = True
         self.ws_protocol_class = None             # never upgraded
-        self._disarm_header_timer()
+        self._headers.disarm()
         self.guard.settle(self.transport)
         if self.cycle is None or not self.cycle.response_started:
             self.transport.write(_response(431, "Request Header Fields Too Large", "too_large",
@@ -441,17 +527,17 @@ class HttpProtocol(_WatchedWrites, HttpToolsProtocol):
     def on_message_begin(self) -> None:
         super().on_message_begin()
         self._header_bytes = 0
-        self._arm_header_timer()
+        self._headers.arm()
 
     def on_headers_complete(self) -> None:
-        self._disarm_header_timer()
+        self._headers.disarm()
         if self._headers_refused:
             return
         self.guard.settle(self.transport)
-        if self._from_proxy and not self._proxied_client_heard():
+        if self._trusted_peer and not self._proxied_client_heard():
             return
         if self.parser.should_upgrade() and self._should_upgrade():
-            if self._from_proxy:
+            if self._trusted_peer:
                 self.ws_protocol_class = functools.partial(self._ws_class, client=self.client)
             super().on_headers_complete()         # a WebSocket: its own protocol's limits
             return
@@ -462,9 +548,8 @@ class HttpProtocol(_WatchedWrites, HttpToolsProtocol):
             return
         self._in_flight.append(self._address)
         self._answered = False
-        if self._has_body():
-            self._body = BodyClock(self.limits, self.loop.time())
-            self._arm_body_timer()
+        if _has_body(self.headers):
+            self._body.start()
         super().on_headers_complete()
         self.cycle.on_response = self._counted_response_complete
 
@@ -499,7 +584,7 @@ class HttpProtocol(_WatchedWrites, HttpToolsProtocol):
         # A request answered before its body was read is in flight until the rest of its body
         # has been dropped (with the body's own time bound): it holds the connection that long.
         self._answered = True
-        if self._body is None:
+        if self._body.clock is None:
             self._request_done()
         self.on_response_complete()
 
@@ -508,19 +593,19 @@ class HttpProtocol(_WatchedWrites, HttpToolsProtocol):
             self.guard.end_request(self._in_flight.popleft())
 
     def on_body(self, body: bytes) -> None:
-        if self._body is not None:
-            self._body.received += len(body)
+        if self._body.clock is not None:
+            self._body.clock.received += len(body)
         if self._answered and not self.guard.may_discard(self._address, len(body)):
             # Answered already: reading the rest only to drop it is free up to the address's
             # budget; beyond, the connection is closed and the kernel drops what follows.
             log.info("%s: dropping more of an answered request's body than its budget: closing", self.client)
-            self._end_body()
+            self._body.end()
             self.transport.close()
             return
         super().on_body(body)
 
     def on_message_complete(self) -> None:
-        self._end_body()
+        self._body.end()
         if self._answered:
             self._request_done()
         super().on_message_complete()
@@ -535,8 +620,8 @@ class HttpProtocol(_WatchedWrites, HttpToolsProtocol):
         return bool(self.flow is not None and self.flow.write_paused)
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self._disarm_header_timer()
-        self._end_body()
+        self._headers.disarm()
+        self._body.end()
         self.stall.disarm()
         self.guard.settle(self.transport)
         while self._in_flight:
@@ -551,67 +636,6 @@ class HttpProtocol(_WatchedWrites, HttpToolsProtocol):
         finally:
             self.app = served
         self.cycle.keep_alive = False             # what the client still sends is not read
-
-    def _has_body(self) -> bool:
-        for name, value in self.headers:
-            if name == b"content-length":
-                return value.strip() not in (b"", b"0")
-            if name == b"transfer-encoding":
-                return True
-        return False
-
-    # ---------------------------------------------------------------- time bounds
-
-    def _arm_header_timer(self) -> None:
-        if self._header_timer is None:
-            self._header_timer = self.loop.call_later(REQUEST_HEADER_TIMEOUT_S, self._headers_too_slow)
-
-    def _disarm_header_timer(self) -> None:
-        if self._header_timer is not None:
-            self._header_timer.cancel()
-            self._header_timer = None
-
-    def _headers_too_slow(self) -> None:
-        self._header_timer = None
-        log.info("%s: no complete request headers in %.0fs: closing", self.client, REQUEST_HEADER_TIMEOUT_S)
-        self.guard.settle(self.transport)
-        self.transport.abort()
-
-    def _arm_body_timer(self) -> None:
-        assert self._body is not None
-        self._body_timer = self.loop.call_at(self._body.deadline(), self._body_due)
-
-    def _end_body(self) -> None:
-        self._body = None
-        if self._body_timer is not None:
-            self._body_timer.cancel()
-            self._body_timer = None
-
-    def _body_due(self) -> None:
-        self._body_timer = None
-        body = self._body
-        if body is None:
-            return
-        if self.flow.read_paused:
-            # The app has not asked for more yet: the client is not the one behind, and the
-            # time until the app reads again (checked each second) is not counted.
-            body.started += 1.0
-            self._body_timer = self.loop.call_later(1.0, self._body_due)
-            return
-        if self.loop.time() < body.deadline():
-            self._arm_body_timer()               # it sent more since: a later deadline
-            return
-        log.warning("%s: request body too slow (%d bytes in %.0fs): closing", self.client, body.received,
-                    self.loop.time() - body.started)
-        self._end_body()
-        cycle = self.cycle
-        if cycle is not None and not cycle.response_started and not self.transport.is_closing():
-            self.transport.write(_REQUEST_TIMEOUT)
-        if cycle is not None:
-            cycle.disconnected = True             # the app reads http.disconnect; its writes go nowhere
-            cycle.message_event.set()
-        self.transport.close()
-        self.stall.arm()                          # the 408 goes out, or the connection is aborted
 
 
 class _HeadersRefused(Exception):
