@@ -24,10 +24,12 @@ def time_steps(engine: Any, text: str, row_adapters: list[int], steps: int, warm
     """One row per entry of `row_adapters` (its LoRA adapter slot), `warm_up` steps, then the
     mean of `steps` steps: (the step, of it the generation: CFM, LocEnc, stop head, LMs), in ms."""
     from vox_ws.engines.voxcpm.prompt import build_prompt
+    from vox_ws.engines.voxcpm.runner import PrefillInput
 
     runner = engine.runner
-    rows = [runner.prefill(build_prompt(engine.tts.tts_model, text, None), seed=i, cfg_value=2.0, timesteps=10,
-                           min_len=2, max_len=4096, adapter=slot) for i, slot in enumerate(row_adapters)]
+    rows = [runner.prefill(PrefillInput(build_prompt(engine.tts.tts_model, text, None), seed=i, cfg_value=2.0,
+                                        timesteps=10, min_len=2, max_len=4096, adapter=slot))
+            for i, slot in enumerate(row_adapters)]
     generate, generated = runner._generate, [0.0]
 
     def timed(step_rows):

@@ -1,4 +1,4 @@
-"""Benchmark: open-loop capacity (`vox_ws.capacity`) of each configuration, in one run.
+"""Benchmark: open-loop capacity (`vox_ws.clients.capacity`) of each configuration, in one run.
 
 For every configuration a fresh server is started (the attack benchmark's: eight slots, or 32
 with eight rows a step for `voxcpm-deadline`; on a GPU 32, and 64 with 32 rows; default
@@ -21,7 +21,7 @@ import argparse
 import asyncio
 import json
 
-from vox_ws import capacity
+from vox_ws.clients import capacity
 
 from .attacks import Server
 

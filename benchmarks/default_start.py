@@ -10,7 +10,7 @@ Each configuration is a server process of its own on a fresh compile cache, with
   whether it was still running), then once the compile is done;
 - `before` (with `--before-tree DIR`, a checkout of an earlier commit): that tree's default.
 
-Per configuration: the seconds to ready, open-loop capacity (`vox_ws.capacity.run_rate`:
+Per configuration: the seconds to ready, open-loop capacity (`vox_ws.clients.capacity.run_rate`:
 listeners arriving at each rate for `--seconds`, each a real-time player; a rate is held when
 first audio p95 <= 300 ms and 99% of streams play without a gap) and the first audio p95 at
 each rate.
@@ -36,7 +36,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from vox_ws import capacity
+from vox_ws.clients import capacity
 
 from . import free_port
 

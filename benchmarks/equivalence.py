@@ -184,13 +184,13 @@ def compare_loras(model_dir: str, device: str, work_dir: Path,
     from vox_ws.engines.voxcpm.adapters import AdapterBook
     from vox_ws.engines.voxcpm.loading import import_voxcpm
     from vox_ws.engines.voxcpm.lora import NO_ADAPTER, install_row_lora
-    from vox_ws.testing.lora_adapters import package_model, write_adapter
+    from vox_ws.testing.lora_adapters import RandomAdapter, package_model, write_adapter
 
     voxcpm = import_voxcpm()
     references = {None: voxcpm.VoxCPM.from_pretrained(model_dir, load_denoiser=False, optimize=False, device=device)}
     for name, spec in LORA_ADAPTERS.items():
         tts = package_model(model_dir, spec["rank"], spec["alpha"], device)
-        write_adapter(model_dir, work_dir / "loras" / name, model=tts, **spec)
+        write_adapter(model_dir, work_dir / "loras" / name, RandomAdapter(**spec), model=tts)
         loaded, skipped = tts.tts_model.load_lora_weights(str(work_dir / "loras" / name))
         if not loaded or skipped:
             raise RuntimeError(f"the package took {len(loaded)} keys of adapter {name} and skipped {skipped}")

@@ -74,7 +74,7 @@ class _PipecatRun:
         from pipecat.frames.frames import Frame
         from pipecat.processors.frame_processor import FrameDirection, FrameProcessor
 
-        from vox_ws.integrations.pipecat import VoxWSTTSService
+        from vox_ws.clients.pipecat import VoxWSTTSService
 
         run = self
 
@@ -159,7 +159,7 @@ async def pipecat_first(run: _PipecatRun) -> float:
 
 
 async def livekit_first(url: str, streaming: bool) -> float:
-    from vox_ws.integrations.livekit import TTS
+    from vox_ws.clients.livekit import TTS
 
     voice = TTS(url=url, sample_rate=RATE)
     try:
@@ -222,7 +222,7 @@ async def pipecat_interruption(run: _PipecatRun) -> dict[str, float]:
 
 
 async def livekit_interruption(url: str, http: str) -> dict[str, float]:
-    from vox_ws.integrations.livekit import TTS
+    from vox_ws.clients.livekit import TTS
 
     voice = TTS(url=url, sample_rate=RATE)
     try:

@@ -65,12 +65,13 @@ def measure(engine: Any, adapters: int | None, slots: list[int], batch: int, ste
 
 def run(model_dir: str, rank: int, batch: int, steps: int, repeats: int, threads: int) -> dict[str, Any]:
     from vox_ws.engines.voxcpm.engine import VoxCPMEngine
-    from vox_ws.testing.lora_adapters import package_model, write_adapter
+    from vox_ws.testing.lora_adapters import RandomAdapter, package_model, write_adapter
 
     folder = Path(tempfile.mkdtemp(prefix="vox-ws-loras-"))
     package = package_model(model_dir, rank, 2 * rank)
     for n in range(8):
-        write_adapter(model_dir, folder / f"voice{n}", rank=rank, alpha=2 * rank, seed=n, model=package)
+        write_adapter(model_dir, folder / f"voice{n}", RandomAdapter(rank=rank, alpha=2 * rank, seed=n),
+                      model=package)
     plain = VoxCPMEngine(model=model_dir, device="cpu", threads=threads, slots=batch)
     adapted = VoxCPMEngine(model=model_dir, device="cpu", threads=threads, slots=batch, lora_rank=rank,
                            max_loras=8, lora_dir=str(folder))

@@ -356,8 +356,9 @@ def profile_step(model_dir: str, device: str, threads: int, batch_sizes: list[in
     def run(runner) -> list[dict]:
         rows_out = []
         for b in batch_sizes:
-            rows = [runner.prefill(engine._prompt(TEXTS[i % len(TEXTS)] * 4, None), seed=i, cfg_value=2.0,
-                                   timesteps=10, min_len=2, max_len=4096) for i in range(b)]
+            rows = [runner.prefill(vb.PrefillInput(engine._prompt(TEXTS[i % len(TEXTS)] * 4, None), seed=i,
+                                                cfg_value=2.0, timesteps=10, min_len=2, max_len=4096))
+                    for i in range(b)]
             for _ in range(3):                   # warm-up, and the decoder process's pipeline filled
                 runner.step(rows)
             timings.clear()

@@ -28,7 +28,7 @@ def main(argv: list[str] | None = None) -> None:
 
     from vox_ws.engines.voxcpm.loading import import_voxcpm
     from vox_ws.engines.voxcpm.prompt import build_prompt
-    from vox_ws.engines.voxcpm.runner import BatchedVoxCPM2
+    from vox_ws.engines.voxcpm.runner import BatchedVoxCPM2, PrefillInput
     from vox_ws.testing.tiny_voxcpm import build
 
     torch.set_num_threads(1)
@@ -43,8 +43,8 @@ def main(argv: list[str] | None = None) -> None:
     for batch in batches:
         times = []
         for _ in range(args.repeats):
-            rows = [runner.prefill(prompt, seed=i, cfg_value=2.0, timesteps=10, min_len=100, max_len=4096)
-                    for i in range(batch)]
+            rows = [runner.prefill(PrefillInput(prompt, seed=i, cfg_value=2.0, timesteps=10, min_len=100,
+                                                max_len=4096)) for i in range(batch)]
             for _ in range(args.steps):
                 started = time.perf_counter()
                 runner.step(rows)

@@ -9,11 +9,12 @@ import wave
 
 from livekit.agents.types import USERDATA_TIMED_TRANSCRIPT
 
-from vox_ws.integrations import livekit as vox_ws
+from vox_ws.clients import livekit as vox_ws
+from vox_ws.wire import Speech
 
 
 async def main(url: str, text: str, path: str) -> None:
-    tts = vox_ws.TTS(url=url, sample_rate=24000, word_timestamps=True)
+    tts = vox_ws.TTS(url=url, sample_rate=24000, speech=Speech(word_timestamps=True))
     pcm = bytearray()
     try:
         stream = tts.stream()                          # an LLM's tokens would be pushed as they come

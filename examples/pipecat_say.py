@@ -14,7 +14,7 @@ from pipecat.pipeline.worker import PipelineParams, PipelineWorker
 from pipecat.processors.frame_processor import FrameProcessor
 from pipecat.workers.runner import WorkerRunner
 
-from vox_ws.integrations.pipecat import VoxWSTTSService
+from vox_ws.clients.pipecat import VoxWSTTSService
 
 
 class WavSink(FrameProcessor):

@@ -1,18 +1,22 @@
 #!/usr/bin/env bash
 # Install everything the tests need (system packages, the venv with every extra) and run them.
 #   scripts/test.sh              every test: what CI runs (.ci/run)
-#   scripts/test.sh --quick      the quick lane, for every change: protocol, service, scheduler,
+#   scripts/test.sh --quick      the quick lane, for every change: protocol, service, scheduling,
 #                                engines, HTTP, Wyoming; no browser, frameworks, replicas,
 #                                packaging, hardening or slow scenarios (markers in pyproject.toml)
+#   scripts/test.sh --unit       the quick lane's tests that start no server (modules alone)
+#   scripts/test.sh --e2e        the quick lane's tests that talk to a real server over loopback
 # Other arguments go to pytest (-k, -x, a file, ...).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 quick=0
-if [ "${1:-}" = "--quick" ]; then
-  quick=1
-  shift
-fi
+lane=""
+case "${1:-}" in
+  --quick) quick=1; shift ;;
+  --unit) quick=1; lane=" and not e2e"; shift ;;
+  --e2e) quick=1; lane=" and e2e"; shift ;;
+esac
 
 # System packages: Node.js for the demo's JavaScript unit tests; for the full run also Debian's
 # Chromium for the browser tests (Playwright drives it; it never downloads a browser of its
@@ -54,6 +58,7 @@ fi
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TQDM_DISABLE=1
 if [ "$quick" -eq 1 ]; then
   # Two workers: the lane stays under 3 minutes on a 2-core machine.
-  exec .venv/bin/python -m pytest -n 2 -m "not (browser or frameworks or replicas or packaging or hardening or slow or docs)" "$@"
+  exec .venv/bin/python -m pytest -n 2 \
+    -m "not (browser or frameworks or replicas or packaging or hardening or slow or docs)$lane" "$@"
 fi
 exec .venv/bin/python -m pytest "$@"

@@ -4,6 +4,7 @@ WebSocket client speaking the msgpack protocol."""
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
 import os
 import re
@@ -95,11 +96,22 @@ def make_config(**overrides: Any) -> ServerConfig:
     return replace(ServerConfig(port=0, ping_interval=5.0, ping_timeout=10.0), limits=limits, **rest)
 
 
+# A test that calls one of these starts a real server itself (a `vox-ws serve` process, or one in
+# this process): it is end-to-end whatever its fixtures.
+_STARTS_A_SERVER = re.compile(r"\b(start_serve|_spawn|VoxServer|run_server)\(")
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """A test that needs a real redis-server is in the `replicas` lane, wherever it lives."""
+    """A test that needs a real redis-server is in the `replicas` lane, and one that talks to a
+    real server over loopback in the `e2e` lane, wherever they live."""
     for item in items:
-        if "redis_server" in getattr(item, "fixturenames", ()):
+        fixtures = set(getattr(item, "fixturenames", ()))
+        if "redis_server" in fixtures:
             item.add_marker(pytest.mark.replicas)
+        function = getattr(item, "function", None)
+        if fixtures & {"start_server", "shared_servers"} or \
+                (function is not None and _STARTS_A_SERVER.search(inspect.getsource(function))):
+            item.add_marker(pytest.mark.e2e)
 
 
 class ServerFactory:
@@ -337,6 +349,26 @@ def tiny_voxcpm(shared_servers, tiny_model) -> RunningServer:
             return super().prefill_many(requests)
 
     return shared_servers(Recording(model=str(tiny_model), device="cpu", slots=2), slots=2)
+
+
+def loaded_loop(engine, slots=4, max_queue=8):
+    """An engine loop on `engine`, started and loaded (the caller stops it)."""
+    from vox_ws.scheduling.loop import EngineLoop
+
+    loop = EngineLoop(engine, slots=slots, max_queue=max_queue)
+    loop.start()
+    assert loop.ready_event.wait(120) and loop.status == "ready", loop.error
+    return loop
+
+
+@pytest.fixture(scope="module")
+def voxcpm_loop(tiny_model):
+    """An engine loop on the tiny VoxCPM2, loaded, for a module's tests of the service on it."""
+    from vox_ws.engines.voxcpm.engine import VoxCPMEngine
+
+    loop = loaded_loop(VoxCPMEngine(model=str(tiny_model), device="cpu", slots=2), slots=2)
+    yield loop
+    loop.stop()
 
 
 @pytest.fixture(scope="session")

@@ -13,8 +13,8 @@ from concurrent.futures import Future
 
 import numpy as np
 import pytest
-
 from conftest import WAIT_TIMEOUT, assert_good_stream, connect_client, wait_until
+
 from vox_ws.alignment.pool import WordAligner
 from vox_ws.alignment.spelling import AlignmentText, spoken_words, written_times
 from vox_ws.alignment.sphinx import letters_to_phones

@@ -18,8 +18,8 @@ from types import SimpleNamespace
 
 import httpx
 import pytest
+from attackers import attacker_socket, read_until_closed, speech_headers
 from conftest import WAIT_TIMEOUT, assert_good_stream, connect_client, start_serve
-from test_hostile_doors import attacker_socket, read_until_closed, speech_headers
 from test_proxies import v2
 from test_replicas import Balancer
 

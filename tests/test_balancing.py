@@ -9,9 +9,9 @@ import threading
 import time
 
 import pytest
-
 from conftest import RunningServer, connect_client, make_config, wait_until
-from vox_ws import client as vox
+
+from vox_ws.clients import v1 as vox
 from vox_ws.testing.tone import ToneEngine
 
 
@@ -87,7 +87,7 @@ async def _drain(server: RunningServer) -> None:
 
 
 async def test_speak_starts_over_on_another_server_when_its_server_goes(start_server):
-    """The server goes away mid-stream; `vox_ws.client.speak` connects again (here the same
+    """The server goes away mid-stream; `vox_ws.clients.v1.speak` connects again (here the same
     address, where a new server comes up: behind a balancer, another replica) and speaks."""
     port = free_port()
     first = start_server(slow_tone(), port=port)

@@ -1,4 +1,4 @@
-"""The open-loop capacity benchmark (`vox_ws.capacity`, `vox-ws bench --rate`): its arithmetic,
+"""The open-loop capacity benchmark (`vox_ws.clients.capacity`, `vox-ws bench --rate`): its arithmetic,
 and runs against real servers. What it measures depends on the machine; these tests check only
 what holds on any: every listener arriving is served and counted, lengths are what was asked."""
 
@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from vox_ws import capacity
+from vox_ws.clients import capacity
 from vox_ws.playback import playback_gaps
 
 

@@ -26,7 +26,7 @@ from wyoming.info import Describe, Info
 from wyoming.tts import Synthesize, SynthesizeVoice
 
 from vox_ws.cli import build_parser, config_from_args
-from vox_ws.client import MAX_RETRY_WAIT_S, retry_delay
+from vox_ws.clients.v1 import MAX_RETRY_WAIT_S, retry_delay
 from vox_ws.engines.piper import PiperEngine
 from vox_ws.engines.piper_voices import bundled, voice_set
 from vox_ws.logs import JsonFormatter
@@ -326,8 +326,8 @@ FETCH_SPEECH = """async ([url, token]) => {
 
 @pytest.mark.browser
 def test_a_page_on_another_origin_calls_the_api_in_chromium(start_server, page_origin):
-    from test_demo_browser import CHROMIUM, LAUNCH_ARGS
     from playwright.sync_api import sync_playwright
+    from test_demo_browser import CHROMIUM, LAUNCH_ARGS
 
     server = start_server(PiperEngine(), tokens=["page-token"], cors_origins=[page_origin])
     with sync_playwright() as pw:
@@ -469,8 +469,8 @@ def test_a_voice_registered_over_v1_keeps_its_name_and_is_spoken_by_it(tiny_voxc
 
 @pytest.mark.browser
 def test_the_demo_offers_each_piper_voice_and_speaks_the_one_chosen(two_voices):
-    from test_demo_browser import CHROMIUM, LAUNCH_ARGS
     from playwright.sync_api import sync_playwright
+    from test_demo_browser import CHROMIUM, LAUNCH_ARGS
 
     with sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True, args=LAUNCH_ARGS)

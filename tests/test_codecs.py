@@ -10,9 +10,11 @@ import httpx
 import numpy as np
 import pytest
 import soxr
-from conftest import connect_client
+from conftest import WAIT_TIMEOUT, connect_client, wait_until
+from test_server_piper import LONG, SENTENCE
 
 from vox_ws.codecs import CODECS, OutputPipeline
+from vox_ws.engines.piper import PiperEngine
 
 PITCH_TEXT = ("The quick brown fox jumps over the lazy dog, and then it rests a while. "
               "A calm voice reads the morning news, slowly and clearly, to anyone who listens.")
@@ -162,3 +164,49 @@ async def test_speed_end_to_end_on_piper_keeps_the_pitch(piper_server, piper_voi
     # Piper's durations vary a little between runs; the tempo is checked exactly above.
     assert out.size / plain.size == pytest.approx(0.5, rel=0.15)
     assert pitch_hz(out, rate) == pytest.approx(pitch_hz(plain, rate), rel=0.15)
+
+
+@pytest.mark.hardening
+async def test_cancelled_codec_streams_free_their_ffmpeg_threads_without_the_garbage_collector():
+    import gc
+    import os
+    import threading
+
+    from test_stream_service import service_on
+
+    from vox_ws.scheduling.loop import EngineLoop
+    from vox_ws.service import Audio, AudioOutput, StreamRequest
+
+    def threads() -> int:
+        """Native threads of this process that are not Python's (FFmpeg's, here)."""
+        python = {str(t.native_id) for t in threading.enumerate()}
+        return len(set(os.listdir("/proc/self/task")) - python)
+
+    scheduler = EngineLoop(PiperEngine(), slots=4)
+    scheduler.start()
+    assert scheduler.ready_event.wait(WAIT_TIMEOUT)
+    service = await service_on(scheduler)
+    warm = service.open_stream(StreamRequest(SENTENCE, output=AudioOutput("mp3", speed=1.5)))
+    async for _ in warm:
+        pass
+    gc.collect()
+    gc.disable()                        # what is freed now is freed by its owner, not by the collector
+    try:
+        before = threads()
+        for n in range(12):
+            output = AudioOutput(("mp3", "opus", "aac")[n % 3], speed=1.5)
+            stream = service.open_stream(StreamRequest(LONG, output=output))
+            async for event in stream:
+                if isinstance(event, Audio):
+                    break
+            if n % 2:
+                stream.cancel()
+                async for _ in stream:
+                    pass
+            else:
+                stream.close()          # the consumer went away
+        await wait_until(lambda: threads() <= before)
+    finally:
+        gc.enable()
+    scheduler.stop()
+    await service.close()

@@ -10,18 +10,23 @@ import threading
 import time
 from pathlib import Path
 
-from conftest import WAIT_TIMEOUT, assert_good_stream, connect_client, wait_until
 import numpy as np
 import pytest
 import torch
+from conftest import WAIT_TIMEOUT, assert_good_stream, connect_client, wait_until
 from test_server_voxcpm import speak_through
 
 from vox_ws.engines.voxcpm import parse_buckets, parse_compile
 from vox_ws.engines.voxcpm.compiled import buckets_for
 from vox_ws.engines.voxcpm.decoder_process import DecoderProcess
 from vox_ws.engines.voxcpm.engine import VoxCPMEngine
-from vox_ws.engines.voxcpm.graphs import (GraphMismatch, GraphMissing, GraphsBySize, GraphStore,
-                                          PrecompileUnavailable)
+from vox_ws.engines.voxcpm.graphs import (
+    GraphMismatch,
+    GraphMissing,
+    GraphsBySize,
+    GraphStore,
+    PrecompileUnavailable,
+)
 
 # The full lane runs these, not the quick one: together they took a minute or more of it (CONTRIBUTING.md, "Tests").
 pytestmark = pytest.mark.slow

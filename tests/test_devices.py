@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from conftest import connect_client
-from vox_ws.scheduling.devices import parse_devices
+from test_server_voxcpm import tone_wav
+
 from vox_ws.engine import EngineFailure
 from vox_ws.engines.voxcpm.engine import VoxCPMEngine
+from vox_ws.scheduling.devices import parse_devices
 from vox_ws.testing.tone import ToneEngine
-from test_server_voxcpm import tone_wav
 
 # The full lane runs these, not the quick one: together they took a minute or more of it (CONTRIBUTING.md, "Tests").
 pytestmark = pytest.mark.slow
@@ -155,9 +155,9 @@ def test_the_command_line_takes_auto_or_a_number_of_slots_by_either_spelling(mon
 async def test_a_lora_adapter_loads_on_every_device(start_server, tiny_model, tmp_path):
     """Loaded once, it is in a slot on each device; a stream naming it speaks the same on
     either, and one naming none speaks with the base model on either."""
-    from vox_ws.testing.lora_adapters import write_adapter
+    from vox_ws.testing.lora_adapters import RandomAdapter, write_adapter
 
-    write_adapter(tiny_model, tmp_path / "bright", rank=4, alpha=8, seed=1, scale=0.25)
+    write_adapter(tiny_model, tmp_path / "bright", RandomAdapter(rank=4, alpha=8, seed=1, scale=0.25))
     engines = [VoxCPMEngine(model=str(tiny_model), device="cpu", slots=1, lora_rank=4, lora_dir=str(tmp_path))
                for _ in range(2)]
     server = start_server(engines, slots=1, admin_tokens=["admin-secret"])

@@ -296,7 +296,7 @@ def test_the_reader_sends_pieces_the_server_may_hold(tmp_path):
     each run of whitespace one character; a word longer than a piece is cut at the limit."""
     import asyncio
 
-    from vox_ws.say import READ_BYTES, pieces, read_blocks
+    from vox_ws.clients.say import READ_BYTES, pieces, read_blocks
 
     path = tmp_path / "t.txt"
     text = "héllo   wörld\n\n  " * 3000 + "x" * 250

@@ -4,14 +4,22 @@ policy itself is tested without a thread (`test_slot_queue.py`)."""
 
 from __future__ import annotations
 
+import asyncio
 import queue
 import threading
+import time
 
 import numpy as np
 import pytest
+from attackers import ATTACKER, attacker_socket
+from conftest import WAIT_TIMEOUT, assert_good_stream, connect_client, loaded_loop, wait_until
+from test_server_piper import LONG, SENTENCE
+from test_stream_service import drain, service_on
 
 from vox_ws.engine import EndReason, ErrorKind, GenerationRequest, Refused, RequestStatus, StepResult
+from vox_ws.engines.piper import PiperEngine
 from vox_ws.scheduling.loop import EngineLoop
+from vox_ws.service import Audio, Ended, Failed, StreamRequest
 from vox_ws.testing.tone import ToneEngine
 
 WAIT_S = 60.0        # a bound for a hang, never reached when the loop works
@@ -177,3 +185,182 @@ def test_the_requests_admitted_in_one_turn_are_prefilled_together_and_a_refused_
         for _ in range(50):
             engine.go.release()
         scheduler.stop()
+
+
+@pytest.mark.hardening
+async def test_streams_waiting_on_slow_readers_give_their_slots_to_a_waiting_stream(start_server):
+    import msgpack
+    from websockets.asyncio.client import connect
+
+    # Neither a stall time-out, nor a queue wait, nor the keepalive in reach: the victim can
+    # speak only if the readers' slots are given back while they lag.
+    server = start_server(PiperEngine(), slots=2, write_stall_timeout_s=3600.0, max_queue_wait_s=3600.0,
+                          ping_interval=3600.0, ping_timeout=3600.0, max_buffered_audio_s=1.0)
+    readers = []
+    for address in (ATTACKER, "127.0.0.3"):             # two clients, one slot each: their share
+        sock = attacker_socket(server.port, rcvbuf=4096, source=address)
+        ws = await connect(server.url, sock=sock, max_queue=1)
+        await ws.recv()                                  # hello
+        await ws.send(msgpack.packb({"type": "start", "id": "slow", "text": LONG * 3}))
+        readers.append(ws)
+    await wait_until(lambda: server.devices.stats()["active"] + server.devices.stats()["parked"] == 2)
+    async with connect_client(server) as c:
+        assert_good_stream(await c.speak(SENTENCE, "victim"))
+    assert server.devices.stats()["parked"] >= 1        # still lagging: still parked
+    # A reader that catches up gets its slot back and its stream goes on to the end.
+    ws = readers[0]
+    kinds = []
+    while "end" not in kinds:
+        kinds.append(msgpack.unpackb(await asyncio.wait_for(ws.recv(), WAIT_TIMEOUT))["type"])
+    assert "error" not in kinds
+    for ws in readers:
+        ws.transport.abort()
+
+
+@pytest.mark.hardening
+async def test_a_stream_parked_while_its_reader_lags_holds_no_place_in_the_queue():
+    """One slot, a queue of one: two readers that take nothing rest parked, and a third stream
+    still finds room in the queue (it is not refused `busy` for streams that wait on nobody)."""
+    from test_stream_service import drain, service_on
+
+    from vox_ws.engine import EndReason
+    from vox_ws.service import Ended, StreamRequest
+
+    scheduler = loaded_loop(PiperEngine(), slots=1, max_queue=1)
+    service = await service_on(scheduler, max_buffered_audio_s=1.0, write_stall_timeout_s=3600.0,
+                               max_queue_wait_s=3600.0)
+    lagging = [service.open_stream(StreamRequest(LONG), owners=(f"address:{n}", f"connection:{n}")) for n in (1, 2)]
+    # The first lags (nobody reads it), the second claims its slot: the first rests parked; then
+    # the second lags with nobody waiting, and keeps the slot.
+    await wait_until(lambda: scheduler.stats()["parked"] == 1 and lagging[1].backlogged())
+    assert scheduler.stats()["queued"] == 0
+    third = service.open_stream(StreamRequest(SENTENCE), owners=("address:3", "connection:3"))
+    assert third.queued == 1
+    events = await drain(third)
+    assert isinstance(events[-1], Ended) and events[-1].reason == EndReason.DONE
+    for stream in lagging:
+        stream.cancel()
+    scheduler.stop()
+    await service.close()
+
+
+@pytest.mark.hardening
+async def test_a_client_holding_every_slot_gives_one_back_to_a_newcomer():
+    scheduler = loaded_loop(PiperEngine(), slots=2)
+    assert scheduler.queue.fair.max_share == 1
+    # No stall time-out in reach: a stream whose reader takes nothing keeps its slot for good.
+    service = await service_on(scheduler, write_stall_timeout_s=3600.0)
+    hog = [service.open_stream(StreamRequest(LONG * 3), owners=("connection:1",)) for _ in range(2)]
+    first = [await hog[0].__anext__(), await hog[1].__anext__()]
+    assert all(isinstance(e, Audio) for e in first)
+    newcomer = service.open_stream(StreamRequest(SENTENCE), owners=("connection:2",))
+    assert newcomer.queued == 1
+    # The hog reads nothing more, so its streams hold their slots for good: the newcomer speaks
+    # only because one was given back (parked), not after the hog's long texts.
+    events = await drain(newcomer)
+    assert isinstance(events[-1], Ended) and events[-1].reason == EndReason.DONE
+    assert not any(s.done for s in hog)
+    for stream in hog:
+        stream.cancel()
+    scheduler.stop()
+    await service.close()
+
+
+class UnparkedHeldTone(HeldTone):
+    """The held tone engine, unable to park: a stream holds its slot until it ends."""
+
+    can_park = False
+
+
+@pytest.mark.hardening
+async def test_a_stream_queued_too_long_ends_busy():
+    """The one slot's holder is held in a step by the test until the waiter has waited past
+    `max_wait_s`, on an engine that cannot park it: the next turn refuses the waiter, whatever
+    the machine's speed. (With Piper the holder, once far ahead of its idle reader, was parked
+    for the waiter, before the time-out on one machine and after it on another.)"""
+    max_wait_s = 0.5
+    engine = UnparkedHeldTone()
+    scheduler = EngineLoop(engine, slots=1, max_queue=4, max_wait_s=max_wait_s)
+    scheduler.start()
+    assert scheduler.ready_event.wait(120)
+    service = await service_on(scheduler)
+    holder_text = "x" * 40
+    holder = service.open_stream(StreamRequest(holder_text), owners=("connection:1",))
+    await asyncio.to_thread(engine.inside_step)              # the holder has the slot, held
+    waiter = service.open_stream(StreamRequest(SENTENCE), owners=("connection:1",))
+    started = time.monotonic()
+    await wait_until(lambda: time.monotonic() - started > max_wait_s)
+    engine.go.release()                                      # one step; then the turn that refuses
+    events = await drain(waiter, timeout=WAIT_TIMEOUT)
+    assert isinstance(events[-1], Failed) and events[-1].kind == ErrorKind.BUSY, events[-1]
+    assert not any(isinstance(e, Audio) for e in events)
+    holder.cancel()
+    for _ in holder_text:
+        engine.go.release()                                  # whatever steps are left go through
+    scheduler.stop()
+    await service.close()
+
+
+class RecordingPiper(PiperEngine):
+    """The real voice, recording which request each step served."""
+
+    def __init__(self):
+        super().__init__()
+        self.served: list[str] = []
+
+    def step(self, batch):
+        self.served.append(batch[0].text)
+        return super().step(batch)
+
+
+@pytest.mark.hardening
+async def test_two_streams_of_dense_text_do_not_hold_up_a_newcomer():
+    """Dense text on two streams (85 s of speech each, once one step) cannot hold up a third:
+    the newcomer's client had the least of the engine, so its steps run back to back."""
+    engine = RecordingPiper()
+    scheduler = loaded_loop(engine, slots=4)
+    service = await service_on(scheduler)
+    dense = ("我们今天去公园散步，天气非常好。" * 15)[:240]
+    hogs = [service.open_stream(StreamRequest(dense), owners=(f"connection:{n}",)) for n in (1, 2)]
+    readers = [asyncio.create_task(drain(h, 120)) for h in hogs]
+    # Both hogs served long enough for their clients' share of the engine to settle (it decays
+    # by SERVICE_DECAY a step: after 20 steps each holds about its steady share).
+    await wait_until(lambda: engine.served.count(dense) >= 20)
+    newcomer_text = SENTENCE + " " + SENTENCE
+    events = await drain(service.open_stream(StreamRequest(newcomer_text), owners=("connection:3",)))
+    assert isinstance(events[-1], Ended) and events[-1].reason == EndReason.DONE
+    served = engine.served
+    mine = [i for i, text in enumerate(served) if text == newcomer_text]
+    assert len(mine) >= 2
+    assert sum(1 for i in range(mine[0], mine[-1]) if served[i] != newcomer_text) == 0, served[mine[0]:mine[-1]]
+    for hog in hogs:
+        hog.cancel()
+    await asyncio.gather(*readers)
+    scheduler.stop()
+    await service.close()
+
+
+@pytest.mark.hardening
+async def test_a_full_queue_makes_room_for_a_client_that_holds_less():
+    scheduler = loaded_loop(PiperEngine(), slots=1, max_queue=2)
+    service = await service_on(scheduler)
+    flooder = [service.open_stream(StreamRequest(LONG), owners=("address:a", "connection:1")) for _ in range(3)]
+    # Another connection of the same address is told apart by its connection.
+    other = service.open_stream(StreamRequest(SENTENCE), owners=("address:a", "connection:2"))
+    assert other.queued
+    pushed = await drain(flooder[2], 30)
+    assert isinstance(pushed[-1], Failed) and pushed[-1].kind == ErrorKind.BUSY and "pushed out" in pushed[-1].message
+    # The flooder's next stream finds the queue full: it outweighs nobody.
+    with pytest.raises(Refused) as info:
+        service.open_stream(StreamRequest(SENTENCE), owners=("address:a", "connection:1"))
+    assert info.value.kind == ErrorKind.BUSY
+    # Another address is told apart by its address: the busiest connection of address a
+    # (the flooder's, not the other's) gives way.
+    third = service.open_stream(StreamRequest(SENTENCE), owners=("address:b", "connection:3"))
+    pushed = await drain(flooder[1], 30)
+    assert isinstance(pushed[-1], Failed) and pushed[-1].kind == ErrorKind.BUSY
+    assert not other.done
+    for stream in flooder + [other, third]:
+        stream.cancel()
+    scheduler.stop()
+    await service.close()

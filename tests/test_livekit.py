@@ -1,5 +1,5 @@
 """vox-ws through LiveKit Agents' own TTS API (no LiveKit server needed): `synthesize()` and
-`stream()` of `vox_ws.integrations.livekit.TTS` against a real vox-ws server with Piper."""
+`stream()` of `vox_ws.clients.livekit.TTS` against a real vox-ws server with Piper."""
 
 from __future__ import annotations
 
@@ -7,12 +7,13 @@ import asyncio
 
 import numpy as np
 import pytest
+from conftest import wait_idle, wait_until
 from livekit.agents import tts as lk_tts
 from livekit.agents.types import USERDATA_TIMED_TRANSCRIPT
 
-from conftest import wait_idle, wait_until
+from vox_ws.clients.livekit import TTS
 from vox_ws.engines.piper import PiperEngine
-from vox_ws.integrations.livekit import TTS
+from vox_ws.wire import Speech
 
 pytestmark = pytest.mark.frameworks
 
@@ -89,7 +90,7 @@ async def test_stream_speaks_pushed_text_and_a_flush_closes_the_segment(server):
 async def test_word_timestamps_become_an_aligned_transcript(server):
     """Piper's true word times go to LiveKit as TimedStrings on the frames; asked of an engine
     without them, the TTS would say aligned_transcript=False instead of inventing any."""
-    voice = TTS(url=server.url, sample_rate=RATE, word_timestamps=True)
+    voice = TTS(url=server.url, sample_rate=RATE, speech=Speech(word_timestamps=True))
     text = "Aligned words for LiveKit. They follow the audio."
     try:
         events = [e async for e in voice.synthesize(text)]
@@ -138,8 +139,8 @@ async def test_an_unknown_voice_is_an_api_error(server):
 
 
 async def test_pronunciations_reach_the_server_and_the_transcript_keeps_the_words_sent(server):
-    voice = TTS(url=server.url, sample_rate=RATE, word_timestamps=True,
-                pronunciations=[{"match": "New York", "say": "Noo Yawk"}])
+    voice = TTS(url=server.url, sample_rate=RATE,
+                speech=Speech(word_timestamps=True, pronunciations=[{"match": "New York", "say": "Noo Yawk"}]))
     try:
         events = [e async for e in voice.synthesize("I love New York.")]
         timed = [str(w).strip() for e in events for w in e.frame.userdata.get(USERDATA_TIMED_TRANSCRIPT, [])]

@@ -11,15 +11,15 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from conftest import assert_good_stream, connect_client
 import httpx
 import numpy as np
 import openai
 import pytest
 import torch
+from conftest import assert_good_stream, connect_client
 
 from vox_ws.engines.voxcpm.engine import VoxCPMEngine
-from vox_ws.testing.lora_adapters import package_model, write_adapter
+from vox_ws.testing.lora_adapters import RandomAdapter, package_model, write_adapter
 
 # The full lane runs these, not the quick one: together they took a minute or more of it (CONTRIBUTING.md, "Tests").
 pytestmark = pytest.mark.slow
@@ -37,11 +37,11 @@ def adapters(tiny_model, tmp_path_factory) -> Path:
 
     folder = tmp_path_factory.mktemp("loras")
     rank4 = package_model(tiny_model, 4, 8)
-    write_adapter(tiny_model, folder / "bright", model=rank4, seed=1, scale=0.25)
-    write_adapter(tiny_model, folder / "third", model=rank4, seed=3, scale=0.25)
+    write_adapter(tiny_model, folder / "bright", RandomAdapter(seed=1, scale=0.25), model=rank4)
+    write_adapter(tiny_model, folder / "third", RandomAdapter(seed=3, scale=0.25), model=rank4)
     # Rank 2 under rank-4 slots, with its own r and alpha (scaling 1, not the server's 2).
-    write_adapter(tiny_model, folder / "soft", rank=2, alpha=2, seed=2, scale=0.25, with_config=True)
-    write_adapter(tiny_model, folder / "wide", rank=8, alpha=16, seed=4)
+    write_adapter(tiny_model, folder / "soft", RandomAdapter(rank=2, alpha=2, seed=2, scale=0.25, with_config=True))
+    write_adapter(tiny_model, folder / "wide", RandomAdapter(rank=8, alpha=16, seed=4))
     state = rank4.tts_model.get_lora_state_dict()
     a_key = next(k for k in state if k.endswith("lora_A"))
     save_file({"nothing.here": torch.zeros(2)}, str(folder / "empty.safetensors"))
@@ -51,7 +51,7 @@ def adapters(tiny_model, tmp_path_factory) -> Path:
     save_file({**state, base_key: dict(rank4.tts_model.named_parameters())[base_key].detach().clone()},
               str(folder / "base.safetensors"))
     (folder / "corrupt.safetensors").write_bytes(b"not a safetensors file")
-    write_adapter(tiny_model, folder / "listconfig", model=rank4, seed=5)
+    write_adapter(tiny_model, folder / "listconfig", RandomAdapter(seed=5), model=rank4)
     (folder / "listconfig" / "lora_config.json").write_text("[4, 8]")
     # Finite weights of 3e38: past what any activation times them can hold (refused at load), and
     # of 1e12: accepted, but the stream speaking with them overflows to NaN in its own rows.
@@ -60,13 +60,13 @@ def adapters(tiny_model, tmp_path_factory) -> Path:
         save_file({key: torch.full(value.shape, size) for key, value in state.items()},
                   str(folder / name / "lora_weights.safetensors"))
     outside = tmp_path_factory.mktemp("outside")
-    write_adapter(tiny_model, outside / "evil", model=rank4, seed=9)
+    write_adapter(tiny_model, outside / "evil", RandomAdapter(seed=9), model=rank4)
     (folder / "escape").symlink_to(outside / "evil")
     # Good weights, with a config that is a link out of the directory (alpha 400 there), a FIFO
     # (reading it would never end) or far past any config's size.
     (outside / "loud.json").write_text('{"r": 4, "alpha": 400}')
     for name in ("linkconfig", "fifoconfig", "bigconfig"):
-        write_adapter(tiny_model, folder / name, model=rank4, seed=6)
+        write_adapter(tiny_model, folder / name, RandomAdapter(seed=6), model=rank4)
     (folder / "linkconfig" / "lora_config.json").symlink_to(outside / "loud.json")
     os.mkfifo(folder / "fifoconfig" / "lora_config.json")
     (folder / "bigconfig" / "lora_config.json").write_text('{"r": 4, "alpha": 8, "pad": "' + "x" * 70_000 + '"}')

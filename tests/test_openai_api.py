@@ -11,11 +11,12 @@ import json
 import threading
 
 import av
-from conftest import WAIT_TIMEOUT, wait_idle, wait_until
 import httpx
 import numpy as np
 import openai
 import pytest
+from attackers import assert_speaks
+from conftest import WAIT_TIMEOUT, wait_idle, wait_until
 
 from vox_ws.engines.piper import PiperEngine
 from vox_ws.service.voice_aliases import OPENAI_VOICES
@@ -355,3 +356,48 @@ def test_openai_shaped_voice_routes_on_an_engine_that_cannot_clone(client, piper
         client.post("/audio/voices", cast_to=object, options={"headers": {"Content-Type": "multipart/form-data"}},
                     body={"name": "me"}, files=[("audio_sample", ("a.wav", b"RIFF", "audio/wav"))])
     assert refused.value.status_code == 501 and refused.value.body["code"] == "unsupported"
+
+
+@pytest.mark.hardening
+def test_deep_json_lone_surrogates_and_escaped_text_over_http(piper_server):
+    url = piper_server.http + "/v1/audio/speech"
+    for deep in (b"[" * 50_000, b'{"input": ' + b"[" * 30_000 + b"]" * 30_000 + b"}"):
+        response = httpx.post(url, content=deep, headers={"Content-Type": "application/json"}, timeout=WAIT_TIMEOUT)
+        assert response.status_code == 400 and response.json()["error"]["code"] == "invalid_json", response.text
+    # Python's json.dumps escapes every character by default: 3,100 emoji (under max_text_chars)
+    # are 37,239 bytes of body, and speak.
+    emoji = json.dumps({"input": "Hello. " + "\U0001F600" * 3100, "response_format": "pcm"})
+    assert emoji.isascii() and len(emoji) > 37_000
+    response = httpx.post(url, content=emoji, headers={"Content-Type": "application/json"}, timeout=WAIT_TIMEOUT)
+    assert response.status_code == 200, response.text[:300]
+    for body in ({"input": "Hello \ud800 world."}, {"input": "Hello.", "instructions": "calm \udfff"}):
+        response = httpx.post(url, content=json.dumps(body), headers={"Content-Type": "application/json"},
+                              timeout=WAIT_TIMEOUT)
+        assert response.status_code == 400 and "Unicode" in response.json()["error"]["message"], response.text
+    assert_speaks(piper_server)
+
+
+@pytest.mark.hardening
+async def test_the_openai_door_speaks_a_stored_voice_this_process_never_built(start_server, tiny_model, tmp_path):
+    import openai
+    from test_voice_store import register, speak, tiny_server
+
+    store = f"dir:{tmp_path / 'voices'}"
+    first = tiny_server(start_server, tiny_model, store)
+    voice_id = await register(first)
+    reference = await speak(first, voice_id)
+    first.stop()
+    second = tiny_server(start_server, tiny_model, store)                 # as after a restart
+    assert not second.server.devices.engines[0].voices.has(voice_id)
+    client = openai.OpenAI(base_url=second.http + "/v1", api_key="unused")
+
+    def say(voice: str) -> bytes:
+        with client.audio.speech.with_streaming_response.create(
+                model="tts-1", voice=voice, input="Speak in the stored voice.", response_format="pcm",
+                extra_body={"seed": 9, "max_len": 4, "sample_rate": 16_000}) as response:
+            return response.read()
+    audio = await asyncio.to_thread(say, voice_id)
+    assert reference.seconds > 0 and abs(len(audio) / 2 / 16_000 - reference.seconds) < 0.01
+    with pytest.raises(openai.BadRequestError) as caught:
+        await asyncio.to_thread(say, "v_" + "a" * 32)
+    assert caught.value.body["param"] == "voice" and caught.value.body["code"] == "voice_not_found"

@@ -10,17 +10,27 @@ from contextlib import asynccontextmanager
 from typing import Any, AsyncIterator
 
 import pytest
-from pipecat.frames.frames import (EndFrame, ErrorFrame, Frame, InterruptionFrame, LLMFullResponseEndFrame,
-                                   LLMFullResponseStartFrame, LLMTextFrame, TTSAudioRawFrame, TTSStoppedFrame,
-                                   TTSTextFrame)
+from conftest import wait_idle, wait_until
+from pipecat.frames.frames import (
+    EndFrame,
+    ErrorFrame,
+    Frame,
+    InterruptionFrame,
+    LLMFullResponseEndFrame,
+    LLMFullResponseStartFrame,
+    LLMTextFrame,
+    TTSAudioRawFrame,
+    TTSStoppedFrame,
+    TTSTextFrame,
+)
 from pipecat.pipeline.pipeline import Pipeline
 from pipecat.pipeline.worker import PipelineParams, PipelineWorker
 from pipecat.processors.frame_processor import FrameDirection, FrameProcessor
 from pipecat.workers.runner import WorkerRunner
 
-from conftest import wait_idle, wait_until
+from vox_ws.clients.pipecat import VoxWSTTSService
 from vox_ws.engines.piper import PiperEngine
-from vox_ws.integrations.pipecat import VoxWSTTSService
+from vox_ws.wire import Speech
 
 pytestmark = pytest.mark.frameworks
 
@@ -202,7 +212,8 @@ async def test_a_server_restart_is_survived_by_reconnecting(start_server):
 
 
 async def test_pronunciations_reach_the_server_and_the_spoken_text_keeps_the_words_sent(server):
-    async with pipeline(server.url, pronunciations=[{"match": "New York", "say": "Noo Yawk"}]) as (worker, tts, sink):
+    speech = Speech(word_timestamps=True, pronunciations=[{"match": "New York", "say": "Noo Yawk"}])
+    async with pipeline(server.url, speech=speech) as (worker, tts, sink):
         await say(worker, ["I ", "love ", "New ", "York. "])
         await sink.wait_for(lambda f: isinstance(f, TTSStoppedFrame))
         assert [f.text.strip() for f in sink.of(TTSTextFrame)] == ["I", "love", "New York."]

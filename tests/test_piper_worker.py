@@ -16,10 +16,10 @@ import pytest
 from conftest import assert_good_stream, connect_client
 from test_server_piper import LONG, SENTENCE
 
-from vox_ws.engines.piper import PiperEngine, defuse_letter_runs
 from vox_ws.engines import piper_worker
-from vox_ws.engines.piper_worker import MAX_PHONEMES, PiperWorker, WorkerCrashed
+from vox_ws.engines.piper import PiperEngine, defuse_letter_runs
 from vox_ws.engines.piper_voices import bundled
+from vox_ws.engines.piper_worker import MAX_PHONEMES, PiperWorker, WorkerCrashed
 
 TRIGGERS = ["a." * 100, "b." * 100, "A.B." * 50]
 CUE = "#crash "

@@ -20,8 +20,18 @@ import pytest
 from conftest import assert_good_stream, connect_client, wait_until
 
 from vox_ws.engine import ErrorKind, Refused
-from vox_ws.lexicon import (MAX_ENTRY_CHARS, MAX_LEXICON_BYTES, MAX_LEXICON_ENTRIES, MAX_REQUEST_ENTRIES, Lexicon,
-                            combined, entry, parse_lexicon, request_entries, respell)
+from vox_ws.lexicon import (
+    MAX_ENTRY_CHARS,
+    MAX_LEXICON_BYTES,
+    MAX_LEXICON_ENTRIES,
+    MAX_REQUEST_ENTRIES,
+    Lexicon,
+    combined,
+    entry,
+    parse_lexicon,
+    request_entries,
+    respell,
+)
 
 TOMATO_IPA = "təmˈɑːtoʊ"
 

@@ -15,8 +15,8 @@ import struct
 import httpx
 import pytest
 import websockets
+from attackers import read_until_closed, speech_headers
 from conftest import WAIT_TIMEOUT, assert_good_stream, connect_client, wait_until
-from test_hostile_doors import read_until_closed, speech_headers
 from test_http import wav
 
 from vox_ws.engines.piper import PiperEngine

@@ -23,10 +23,10 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
-
 from conftest import WAIT_TIMEOUT, RedisServer, wait_until
 from test_stream_service import tone_wav
-from vox_ws import client as vox
+
+from vox_ws.clients import v1 as vox
 
 pytestmark = pytest.mark.replicas
 

@@ -195,7 +195,8 @@ async def test_http_endpoints(piper_server):
     status, info = piper_server.get("/v1/info")
     assert status == 200
     assert info["engine"] == "piper" and info["device"] == "cpu" and info["sample_rate"] == 22050
-    assert info["slots"] == 4 and {"sessions", "active", "queued", "streams_open"} <= set(info)
+    assert info["slots"] == 4 == info["max_batch"] and {"sessions", "active", "queued", "streams_open"} <= set(info)
+    assert [d["slots"] for d in info["devices"]] == [d["max_batch"] for d in info["devices"]] == [4]   # old name, one release
     assert piper_server.get("/nope")[0] == 404
 
 

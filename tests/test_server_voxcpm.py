@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 import soundfile
 import torch
-from conftest import assert_good_stream as _assert_good_stream
 from conftest import WAIT_TIMEOUT, connect_client, wait_until
+from conftest import assert_good_stream as _assert_good_stream
 from websockets.exceptions import ConnectionClosed
 
 from vox_ws.engines.voxcpm.engine import VoxCPMEngine
@@ -444,9 +444,10 @@ def _decoder_processes() -> list[int]:
 def speak_through(runner, text: str, *, seed: int, min_len: int, max_len: int) -> np.ndarray:
     """One request through a runner (`BatchedVoxCPM2`), start to end: its audio."""
     from vox_ws.engines.voxcpm.prompt import build_prompt
+    from vox_ws.engines.voxcpm.runner import PrefillInput
 
-    row = runner.prefill(build_prompt(runner.model, text, None), seed=seed, cfg_value=2.0, timesteps=4,
-                         min_len=min_len, max_len=max_len)
+    row = runner.prefill(PrefillInput(build_prompt(runner.model, text, None), seed=seed, cfg_value=2.0, timesteps=4,
+                                      min_len=min_len, max_len=max_len))
     audio = []
     try:
         while True:

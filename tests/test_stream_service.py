@@ -8,7 +8,7 @@ import io
 import numpy as np
 import pytest
 import soundfile
-from conftest import wait_until
+from conftest import loaded_loop, wait_until
 from test_server_piper import LONG, SENTENCE
 
 from vox_ws.audio import bytes_to_pcm
@@ -19,16 +19,9 @@ from vox_ws.scheduling.loop import EngineLoop
 from vox_ws.service import Audio, AudioOutput, Ended, Failed, Flushed, Segment, StreamRequest, StreamService
 
 
-def loaded_scheduler(engine, slots=4, max_queue=8) -> EngineLoop:
-    scheduler = EngineLoop(engine, slots=slots, max_queue=max_queue)
-    scheduler.start()
-    assert scheduler.ready_event.wait(120) and scheduler.status == "ready", scheduler.error
-    return scheduler
-
-
 @pytest.fixture(scope="module")
 def piper_scheduler():
-    scheduler = loaded_scheduler(PiperEngine())
+    scheduler = loaded_loop(PiperEngine())
     yield scheduler
     scheduler.stop()
 
@@ -193,7 +186,7 @@ async def test_refusals_are_typed(piper_scheduler):
 
 
 async def test_full_queue_is_busy_and_a_loading_engine_not_ready():
-    scheduler = loaded_scheduler(PiperEngine(), slots=1, max_queue=1)
+    scheduler = loaded_loop(PiperEngine(), slots=1, max_queue=1)
     service = await service_on(scheduler)
     streams = [service.open_stream(StreamRequest(LONG)), service.open_stream(StreamRequest(LONG))]
     assert [s.queued for s in streams] == [0, 1]
@@ -219,7 +212,7 @@ async def test_full_queue_is_busy_and_a_loading_engine_not_ready():
 def voxcpm_scheduler(tiny_model):
     from vox_ws.engines.voxcpm.engine import VoxCPMEngine
 
-    scheduler = loaded_scheduler(VoxCPMEngine(model=str(tiny_model), device="cpu", slots=4))
+    scheduler = loaded_loop(VoxCPMEngine(model=str(tiny_model), device="cpu", slots=4))
     yield scheduler
     scheduler.stop()
 

@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 from conftest import WAIT_TIMEOUT, assert_good_stream, connect_client, wait_until
 
-from vox_ws import client as vc
 from vox_ws.audio import bytes_to_pcm, mulaw_decode, mulaw_encode
+from vox_ws.clients import v1 as vc
 from vox_ws.engines.piper import PiperEngine
 from vox_ws.engines.voxcpm.engine import VoxCPMEngine
 from vox_ws.text import StreamSegmenter

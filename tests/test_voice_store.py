@@ -13,14 +13,26 @@ import time
 import httpx
 import numpy as np
 import pytest
-
-from conftest import connect_client, wait_until
+from conftest import WAIT_TIMEOUT, connect_client, wait_until
 from test_stream_service import tone_wav
+
 from vox_ws.engine import ErrorKind, Refused
 from vox_ws.engines.voxcpm.engine import VoxCPMEngine
-from vox_ws.service.voice_store import (ANY_OWNER, DirectoryStore, MemoryStore, Lifetime, RedisStore, StoredVoice,
-                                        StoreLimits, StoreUnavailable, _digest_id, is_registered_id, new_voice,
-                                        owner_key, rekey_named)
+from vox_ws.service.voice_store import (
+    ANY_OWNER,
+    DirectoryStore,
+    Lifetime,
+    MemoryStore,
+    RedisStore,
+    StoredVoice,
+    StoreLimits,
+    StoreUnavailable,
+    _digest_id,
+    is_registered_id,
+    new_voice,
+    owner_key,
+    rekey_named,
+)
 
 LIMITS = StoreLimits(per_owner=2, max_voices=4, max_bytes=200_000)
 
@@ -696,3 +708,95 @@ async def test_many_addresses_of_one_network_cannot_lock_new_owners_out(start_se
     assert (await server.server.service.voices.store.usage())["voices"] == 4
     assert await upload("127.0.1.1", 400) == 201
     assert await upload("127.0.0.1", 410, Authorization=f"Bearer {ADMIN}") == 201
+
+
+@pytest.mark.hardening
+async def test_a_redis_that_refuses_writes_is_not_ready_and_every_request_is_answered(start_server, tiny_model,
+                                                                                        tmp_path, caplog):
+    import redis.asyncio
+    from conftest import RedisServer
+    from test_stream_service import tone_wav
+    from test_voice_store import register, speak, tiny_server
+
+    store = RedisServer(str(tmp_path))
+    try:
+        server = tiny_server(start_server, tiny_model, store.url)
+        voice_id, doomed = await register(server), await register(server, pitch=230)
+        admin = redis.asyncio.from_url(store.url)
+        # OOM at maxmemory (writes refused, reads served), then READONLY (a replica after a
+        # fail-over: its master here is a port nobody listens on).
+        refusals = [("config", "set", "maxmemory", "1"), ("replicaof", "127.0.0.1", "1")]
+        undo = [("config", "set", "maxmemory", "0"), ("replicaof", "no", "one")]
+        for refuse, restore in zip(refusals, undo):
+            await admin.execute_command(*refuse)
+            async with connect_client(server) as c:
+                await c.send({"type": "voice", "id": "r", "audio": tone_wav(1.0, pitch=260)})
+                error = await c.recv_where(lambda m: m.get("id") == "r")
+                assert error["type"] == "error" and error["code"] == "not_ready" and error["retryable"], error
+                if refuse[0] == "replicaof":            # (at maxmemory, deleting is allowed)
+                    await c.send({"type": "voice_delete", "id": "d", "voice": doomed})
+                    error = await c.recv_where(lambda m: m.get("id") == "d")
+                    assert error["type"] == "error" and error["code"] == "not_ready", error
+            response = await asyncio.to_thread(httpx.post, server.http + "/v1/voices", content=tone_wav(1.0, pitch=270),
+                                               headers={"Content-Type": "audio/wav"}, timeout=WAIT_TIMEOUT)
+            assert response.status_code == 503 and response.headers["Retry-After"], response.text
+            assert response.json()["error"]["code"] == "not_ready"
+            spoken = await speak(server, voice_id)                     # reads are still served
+            assert spoken.error is None and spoken.end["reason"] == "max_len", spoken.error
+            await admin.execute_command(*restore)
+        assert await register(server, pitch=280)                       # writes again
+        await admin.aclose()
+    finally:
+        store.stop()
+    unhandled = [r for r in caplog.records if r.exc_info or "Traceback" in r.getMessage()]
+    assert unhandled == [], [r.getMessage() for r in unhandled]
+
+
+@pytest.mark.hardening
+def test_the_built_voices_are_a_cache_the_least_recently_used_leave(monkeypatch):
+    from vox_ws.engines.voxcpm import voices
+
+    monkeypatch.setattr(voices, "MAX_VOICES", 3)
+    book = voices.VoiceBook()
+    book.add({"n": "builtin"}, name="narrator")
+    for n in range(3):
+        book.add({"n": n}, voice_id=f"v{n}")
+    assert book.get("v0") == {"n": 0}                     # used: now the most recent
+    book.add({"n": 3}, voice_id="v3")
+    assert book.get("v1") is None and len(book) == 3      # the least recently used left
+    assert [book.get(v)["n"] for v in ("v0", "v2", "v3")] == [0, 2, 3]
+    for n in range(4, 10):
+        book.add({"n": n}, voice_id=f"v{n}")
+    assert len(book) == 3 and book.get("narrator") == {"n": "builtin"}     # built-ins stay
+
+
+@pytest.mark.hardening
+async def test_voice_churn_through_one_replica_never_fills_another(start_server, tiny_model, redis_server,
+                                                                  monkeypatch):
+    import redis.asyncio
+    from test_voice_store import register, speak, tiny_server
+
+    from vox_ws.engines.voxcpm import voices
+
+    cap = 4
+    monkeypatch.setattr(voices, "MAX_VOICES", cap)
+    client = redis.asyncio.from_url(redis_server.url)
+    await client.flushdb()
+    await client.aclose()
+    a = tiny_server(start_server, tiny_model, redis_server.url, max_voices_per_owner=2)
+    b = tiny_server(start_server, tiny_model, redis_server.url, max_voices_per_owner=2)
+    registered = []
+    # Each cycle registers a new voice on A (which retires the owner's oldest beyond 2) and
+    # speaks with it once on B: three times B's capacity.
+    for cycle in range(3 * cap):
+        registered.append(await register(a, pitch=150.0 + 10 * cycle))
+        spoken = await speak(b, registered[-1])
+        assert spoken.error is None and spoken.end["reason"] == "max_len", (cycle, spoken.error)
+    engine_b = b.server.devices.engines[0]
+    assert len(engine_b.voices.book) <= cap
+    # A voice the store retired is refused on B too, whatever B had built.
+    gone = await speak(b, registered[0])
+    assert gone.error is not None and gone.error["code"] == "bad_request"
+    # One still in the store that B dropped is built again from it.
+    kept = await speak(b, registered[-2])
+    assert kept.error is None and kept.end["reason"] == "max_len"

@@ -120,7 +120,7 @@ def test_a_residual_lm_with_rotary_embeddings_matches_the_package_too(tmp_path):
     from vox_ws.testing.tiny_voxcpm import build
 
     torch.set_num_threads(1)
-    model = build(tmp_path / "rope", stop="never", residual_rope=True)
+    model = build(tmp_path / "rope", stop="never", variant="residual_rope")
     assert import_voxcpm().VoxCPM.from_pretrained(str(model), load_denoiser=False, optimize=False,
                                                   device="cpu").tts_model.residual_lm.rope_emb is not None
     (tmp_path / "work").mkdir()
@@ -135,7 +135,7 @@ def test_mup_scaling_matches_the_package_too(tmp_path):
     from vox_ws.testing.tiny_voxcpm import build
 
     torch.set_num_threads(1)
-    model = build(tmp_path / "mup", stop="never", mup=True)
+    model = build(tmp_path / "mup", stop="never", variant="mup")
     assert import_voxcpm().VoxCPM.from_pretrained(str(model), load_denoiser=False, optimize=False,
                                                   device="cpu").tts_model.config.lm_config.use_mup
     (tmp_path / "work").mkdir()

@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import tomllib
 import urllib.error
 import urllib.request
 import zipfile
@@ -15,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import soundfile
+import tomllib
 from conftest import start_serve
 
 import vox_ws

@@ -7,11 +7,11 @@ from __future__ import annotations
 import threading
 
 import pytest
-
 from conftest import WAIT_TIMEOUT, connect_client
+
 from vox_ws.engines.piper_words import NO_WORD, phoneme_spans, word_owners, word_spans
-from vox_ws.text import text_words
 from vox_ws.testing.tone import ToneEngine
+from vox_ws.text import text_words
 
 TEXT = "Hello there, my friend. It is 1999 and I want to go to the shop."
 

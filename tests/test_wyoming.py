@@ -9,15 +9,23 @@ import time
 
 import numpy as np
 import pytest
-from conftest import WAIT_TIMEOUT, wait_idle, wait_until
+from attackers import ATTACKER
+from conftest import WAIT_TIMEOUT, connect_client, wait_idle, wait_until
+from test_server_piper import LONG, SENTENCE
 from wyoming.audio import AudioChunk, AudioStart, AudioStop
 from wyoming.client import AsyncTcpClient
 from wyoming.error import Error
 from wyoming.event import Event
 from wyoming.info import Describe, Info
 from wyoming.ping import Ping, Pong
-from wyoming.tts import (Synthesize, SynthesizeChunk, SynthesizeStart, SynthesizeStop, SynthesizeStopped,
-                         SynthesizeVoice)
+from wyoming.tts import (
+    Synthesize,
+    SynthesizeChunk,
+    SynthesizeStart,
+    SynthesizeStop,
+    SynthesizeStopped,
+    SynthesizeVoice,
+)
 
 from vox_ws.engines.piper import PiperEngine
 from vox_ws.service.voice_aliases import OPENAI_VOICES
@@ -377,9 +385,9 @@ async def test_describe_lists_the_voices_this_address_registered_by_name(start_s
     voices in a request worked. Now an address sees the voices it registered by name (nobody
     else's), beside the aliases."""
     import httpx
+    from test_stream_service import tone_wav
     from wyoming.event import async_read_event, async_write_event
 
-    from test_stream_service import tone_wav
     from vox_ws.engines.voxcpm.engine import VoxCPMEngine
 
     served = start_server(VoxCPMEngine(model=str(tiny_model), device="cpu", slots=2), slots=2,
@@ -447,3 +455,124 @@ async def test_zeroconf_advertises_the_wyoming_door_to_a_browser(start_server):
 def test_zeroconf_without_a_tcp_wyoming_door_is_refused_at_start(start_server):
     with pytest.raises(Exception, match="--zeroconf advertises the Wyoming door"):
         start_server(PiperEngine(), zeroconf="vox-ws-test")
+
+
+@pytest.fixture(scope="module")
+def wyoming_server(start_server):
+    return start_server(PiperEngine(), slots=2, wyoming="tcp://127.0.0.1:0", idle_timeout_s=1.0,
+                        body_timeout_s=1.0, stream_timeout_s=1.0)
+
+
+@pytest.fixture(scope="module")
+def wyoming_patient(start_server):
+    """No idle or body time-out in reach: what a test sees is never cut short by one."""
+    return start_server(PiperEngine(), slots=2, wyoming="tcp://127.0.0.1:0", idle_timeout_s=3600.0,
+                        body_timeout_s=3600.0, max_connections_per_address=3)
+
+
+async def wyoming_connection(server, source: str = ATTACKER) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    return await asyncio.open_connection("127.0.0.1", server.server.wyoming.port, local_addr=(source, 0))
+
+
+async def next_event(reader: asyncio.StreamReader):
+    from wyoming.event import async_read_event
+
+    return await asyncio.wait_for(async_read_event(reader), WAIT_TIMEOUT)
+
+
+async def expect_wyoming_error(reader: asyncio.StreamReader, code: str) -> str:
+    from wyoming.error import Error
+
+    event = await next_event(reader)
+    assert event is not None and Error.is_type(event.type), event
+    error = Error.from_event(event)
+    assert error.code == code, error
+    return error.text
+
+
+async def assert_wyoming_speaks(server) -> None:
+    from wyoming.audio import AudioStart, AudioStop
+    from wyoming.event import async_write_event
+    from wyoming.tts import Synthesize
+
+    reader, writer = await wyoming_connection(server, "127.0.0.1")
+    await async_write_event(Synthesize(text=SENTENCE).event(), writer)
+    kinds = []
+    while not kinds or not AudioStop.is_type(kinds[-1]):
+        kinds.append((await next_event(reader)).type)
+    assert AudioStart.is_type(kinds[0]) and len(kinds) > 2, kinds
+    writer.close()
+
+
+@pytest.mark.hardening
+async def test_wyoming_frames_that_never_finish_and_requests_gone_quiet_are_closed(wyoming_server):
+    from wyoming.event import async_write_event
+    from wyoming.tts import SynthesizeStart
+
+    # A header that declares a 1,000-byte payload, and 10 bytes of it.
+    reader, writer = await wyoming_connection(wyoming_server)
+    writer.write(json.dumps({"type": "ping", "payload_length": 1000}).encode() + b"\n" + b"x" * 10)
+    assert "did not follow its header" in await expect_wyoming_error(reader, "timeout")
+    assert await next_event(reader) is None
+    writer.close()
+    # synthesize-start, then silence: the stream times out, and the connection closes with it.
+    reader, writer = await wyoming_connection(wyoming_server)
+    await async_write_event(SynthesizeStart().event(), writer)
+    await expect_wyoming_error(reader, "timeout")                     # the stream's input time-out
+    assert await next_event(reader) is None
+    writer.close()
+    await wait_until(lambda: wyoming_server.server.wyoming.connections == 0)
+    await assert_wyoming_speaks(wyoming_server)
+
+
+@pytest.mark.hardening
+async def test_wyoming_connections_are_capped_per_address(wyoming_patient):
+    from wyoming.event import async_write_event
+    from wyoming.ping import Ping, Pong
+
+    held = [await wyoming_connection(wyoming_patient) for _ in range(3)]
+    for reader, writer in held:                     # each is a live connection, kept busy
+        await async_write_event(Ping().event(), writer)
+        assert Pong.is_type((await next_event(reader)).type)
+    reader, writer = await wyoming_connection(wyoming_patient)
+    assert "your address" in await expect_wyoming_error(reader, "busy")
+    assert await next_event(reader) is None
+    writer.close()
+    await assert_wyoming_speaks(wyoming_patient)    # another address is served meanwhile
+    for _, writer in held:
+        writer.close()
+
+
+@pytest.mark.hardening
+async def test_wyoming_bad_json_of_any_shape_is_an_error_and_the_connection_closes(wyoming_patient):
+    data = b"{\"a\":" * 10_000 + b"1" + b"}" * 10_000
+    for bad, said in ((b"[" * 50_000 + b"\n", ""),                  # a header nested past any parser
+                      (json.dumps({"type": "ping", "data_length": len(data)}).encode() + b"\n" + data, ""),
+                      (json.dumps({"type": "synthesize", "data": {"text": "Hello \ud800 world."}}).encode() + b"\n",
+                       "Unicode")):
+        reader, writer = await wyoming_connection(wyoming_patient)
+        writer.write(bad)
+        assert said in await expect_wyoming_error(reader, "bad_request")
+        assert await next_event(reader) is None                       # closed, as wyoming-piper does
+        writer.close()
+    await assert_wyoming_speaks(wyoming_patient)
+
+
+@pytest.mark.hardening
+async def test_one_client_over_wyoming_and_v1_is_one_owner_to_the_fair_shares(wyoming_patient):
+    from wyoming.event import async_write_event
+    from wyoming.tts import Synthesize
+
+    reader, writer = await wyoming_connection(wyoming_patient, "127.0.0.1")
+    await async_write_event(Synthesize(text=LONG).event(), writer)
+    async with connect_client(wyoming_patient) as c:
+        await c.send({"type": "start", "id": "v1", "text": LONG})
+        scheduler = wyoming_patient.server.devices.loops[0]
+
+        def owners() -> list[str]:
+            with scheduler._cond:
+                return [r.owners[0] for held in scheduler.queue._lists.values() for r in held]
+        await wait_until(lambda: len(owners()) == 2)
+        assert owners() == ["address:127.0.0.1"] * 2
+        await c.send({"type": "cancel", "id": "v1"})
+    writer.close()

@@ -167,7 +167,8 @@ def build_parser() -> argparse.ArgumentParser:
         names = [f"--{option}"] + ([f"--{old}"] if old else [])
         group.add_argument(*names, dest=dest, type=kind, default=value, help=f"{text} [env {env}; default {default}]")
 
-    from . import compile_ahead, loadtest, models
+    from . import compile_ahead, models
+    from .clients import loadtest
 
     compile_command = commands.add_parser("compile", help="compile the step into the compile cache ahead of time, "
                                                           "then exit (serve's options)",
@@ -314,7 +315,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"vox-ws compile: {exc}", file=sys.stderr)
             return 2
     if args.command == "say":
-        from . import say
+        from .clients import say
 
         problem = say.check_args(args)
         if problem:
@@ -329,7 +330,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return models.main(args)
     if args.command == "bench":
-        from . import loadtest
+        from .clients import loadtest
 
         return loadtest.main(args)
     if args.command == "owner":

@@ -289,7 +289,8 @@ class Voices:
         """Refuse an unknown voice."""
         if voice is not None and not self.has(voice):
             hint = "; or register one" if self.engine.supports_voices else ""
-            raise Refused(ErrorKind.INVALID, f"unknown voice {voice!r} (built-in: {self.names()}{hint})")
+            raise Refused(ErrorKind.INVALID, f"unknown voice {voice!r} (built-in: {self.names()}{hint})",
+                          field="voice")
 
     def pin(self, voice: str | None) -> Any:
         """Refuse an unknown voice, or return what keeps it usable by one stream until the

@@ -28,9 +28,9 @@ from urllib.parse import urlsplit, urlunsplit
 
 import numpy as np
 
-from . import wire
-from .audio import bytes_per_sample
-from .playback import playback_gaps
+from .. import wire
+from ..audio import bytes_per_sample
+from ..playback import playback_gaps
 
 SENTENCES = [
     "Sure, I can help with that.",
@@ -71,19 +71,34 @@ class Listener:
     error: str | None = None
 
 
-async def listen(url: str, listener: Listener, text: str, fmt: str, options: dict[str, Any],
-                 token: str | None, source: str | None) -> None:
+@dataclass(frozen=True)
+class Target:
+    """The server measured: its protocol v1 URL, the token it wants, the audio format asked for."""
+
+    url: str
+    token: str | None = None
+    format: str = "s16"
+
+    @classmethod
+    def of(cls, target: "Target | str") -> "Target":
+        return target if isinstance(target, Target) else cls(target)
+
+    @property
+    def headers(self) -> dict[str, str] | None:
+        return {"Authorization": f"Bearer {self.token}"} if self.token else None
+
+
+async def listen(target: Target, listener: Listener, text: str, options: dict[str, Any], source: str | None) -> None:
     """One listener: connect (default client settings), ask for `text`, read to the end."""
     from websockets.asyncio.client import connect
 
-    headers = {"Authorization": f"Bearer {token}"} if token else None
     kwargs: dict[str, Any] = {"local_addr": (source, 0)} if source else {}
     arrivals: list[tuple[float, float]] = []
     try:
-        async with connect(url, additional_headers=headers, **kwargs) as ws:
+        async with connect(target.url, additional_headers=target.headers, **kwargs) as ws:
             hello = wire.decode(await ws.recv())
-            width, rate = bytes_per_sample(fmt), hello["sample_rate"]
-            await ws.send(wire.encode({"type": "start", "text": text, "format": fmt, "options": options}))
+            width, rate = bytes_per_sample(target.format), hello["sample_rate"]
+            await ws.send(wire.encode({"type": "start", "text": text, "format": target.format, "options": options}))
             async for frame in ws:
                 message = wire.decode(frame)
                 if message["type"] == "chunk":
@@ -199,21 +214,21 @@ def source_addresses(url: str) -> list[str | None]:
     return [None]
 
 
-async def run_rate(url: str, rate: float, duration: float, *, fmt: str = "s16", token: str | None = None,
-                   speech_s: tuple[float, float] = (3.0, 15.0), steps_per_s: float | None = None,
-                   seed: int = 0) -> RateResult:
+async def run_rate(target: Target | str, rate: float, duration: float, *, speech_s: tuple[float, float] = (3.0, 15.0),
+                   steps_per_s: float | None = None, seed: int = 0) -> RateResult:
     """Listeners arriving at `rate` a second for `duration` seconds; waits for the last to end.
     `steps_per_s`: for an engine whose length is set in steps (VoxCPM2 with random weights
     speaks as long as it is let), each listener's length is set in steps too."""
+    target = Target.of(target)
     rng = random.Random(seed)
     result = RateResult(rate)
-    sources = source_addresses(url)
+    sources = source_addresses(target.url)
     arrivals, t = [], rng.expovariate(rate)
     while t < duration:
         arrivals.append(t)
         t += rng.expovariate(rate)
     stop = asyncio.Event()
-    sampler = asyncio.create_task(_sample_load(load_url(url), result.load, stop))
+    sampler = asyncio.create_task(_sample_load(load_url(target.url), result.load, stop))
     began = time.monotonic()
     tasks = []
     for n, at in enumerate(arrivals):
@@ -224,7 +239,7 @@ async def run_rate(url: str, rate: float, duration: float, *, fmt: str = "s16", 
             if steps_per_s else {}
         result.listeners.append(listener)
         tasks.append(asyncio.create_task(asyncio.wait_for(
-            listen(url, listener, text_of(rng, seconds), fmt, options, token, sources[n % len(sources)]),
+            listen(target, listener, text_of(rng, seconds), options, sources[n % len(sources)]),
             LISTENER_TIMEOUT_S)))
     outcomes = await asyncio.gather(*tasks, return_exceptions=True)
     for listener, outcome in zip(result.listeners, outcomes):
@@ -239,19 +254,19 @@ async def run_rate(url: str, rate: float, duration: float, *, fmt: str = "s16", 
     return result
 
 
-async def steps_per_second(url: str, token: str | None = None, fmt: str = "s16") -> float | None:
+async def steps_per_second(target: Target | str) -> float | None:
     """For an engine whose length is set in steps (`min_len` and `max_len`): how many steps make
     a second of audio, from one request of a known length. None for an engine without them."""
     from websockets.asyncio.client import connect
 
-    headers = {"Authorization": f"Bearer {token}"} if token else None
-    async with connect(url, additional_headers=headers) as ws:
+    target = Target.of(target)
+    async with connect(target.url, additional_headers=target.headers) as ws:
         hello = wire.decode(await ws.recv())
     if not {"min_len", "max_len"} <= set(hello.get("options", ())):
         return None                                    # its text sets the length (Piper)
     steps = 20
     listener = Listener(started=time.monotonic(), speech_s=0.0)
-    await listen(url, listener, "Measuring.", fmt, {"min_len": steps, "max_len": steps}, token, None)
+    await listen(target, listener, "Measuring.", {"min_len": steps, "max_len": steps}, None)
     if listener.error or not listener.audio_s:
         raise RuntimeError(f"the measuring request failed: {listener.error}")
     return steps / listener.audio_s
@@ -297,25 +312,26 @@ def print_summary(s: dict[str, Any]) -> None:
           f"{s['audio_s_per_s'] or 0:>10.2f}  {s['errors'] or ''}", flush=True)
 
 
-async def measure(url: str, rates: list[float], duration: float, *, fmt: str = "s16", token: str | None = None,
-                  seed: int = 0, quiet: bool = False) -> dict[str, Any]:
+async def measure(target: Target | str, rates: list[float], duration: float, *, seed: int = 0,
+                  quiet: bool = False) -> dict[str, Any]:
     """Every rate in turn against one server: the report (summaries and capacity)."""
-    steps = await steps_per_second(url, token, fmt)
+    target = Target.of(target)
+    steps = await steps_per_second(target)
     summaries = []
     if not quiet:
         print_header()
     for rate in rates:
-        summary = (await run_rate(url, rate, duration, fmt=fmt, token=token, steps_per_s=steps, seed=seed)).summary()
+        summary = (await run_rate(target, rate, duration, steps_per_s=steps, seed=seed)).summary()
         summaries.append(summary)
         if not quiet:
             print_summary(summary)
-    return {"url": url, "duration_s": duration, "format": fmt, "steps_per_s": steps, "rates": summaries,
+    return {"url": target.url, "duration_s": duration, "format": target.format, "steps_per_s": steps, "rates": summaries,
             "capacity": capacity(summaries)}
 
 
 def main(args: argparse.Namespace) -> int:
     rates = [float(x) for x in args.rate.split(",")]
-    report = asyncio.run(measure(args.url, rates, args.duration, fmt=args.format, token=args.token, seed=args.seed))
+    report = asyncio.run(measure(Target(args.url, args.token, args.format), rates, args.duration, seed=args.seed))
     held = report["capacity"]
     print("capacity: " + (f"{held['rate_per_s']:g} arrivals/s, {held['concurrent_listeners']:.1f} concurrent "
                           f"listeners" if held else "no rate held") +

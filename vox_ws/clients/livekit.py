@@ -1,6 +1,6 @@
 """vox-ws as a LiveKit Agents TTS (the `livekit` extra: `pip install '.[livekit]'` in a checkout).
 
-    from vox_ws.integrations import livekit as vox_ws
+    from vox_ws.clients import livekit as vox_ws
 
     session = AgentSession(stt=..., llm=..., tts=vox_ws.TTS(url="ws://127.0.0.1:8765/v1/stream"))
 
@@ -11,7 +11,7 @@ Built as LiveKit's current plugins are (Cartesia's is the model): pooled connect
 LiveKit 1.8 speaks one segment per stream; the stream's `end` closes the segment). Audio goes through LiveKit's `AudioEmitter` as
 16-bit PCM at the TTS's rate. `aclose()` (or LiveKit's interruption) cancels the server stream:
 its slot is freed before the next step. Word timings go to `push_timed_transcript` only where
-the server's engine has true ones (`word_timestamps=True` and the server says so in `hello`).
+the server's engine has true ones (`Speech(word_timestamps=True)` and the server says so in `hello`).
 """
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ from typing import Any
 from livekit.agents import APIConnectionError, APIConnectOptions, APIError, APITimeoutError, tts, utils
 from livekit.agents.types import DEFAULT_API_CONNECT_OPTIONS, TimedString
 
-from ..client import Client, ConnectionLost, VoxError, open_client
+from .. import wire
+from .v1 import Client, ConnectionLost, VoxError, open_client
 
 # A connection idle this long is not reused (the server closes idle connections itself).
 MAX_IDLE_S = 50.0
@@ -35,39 +36,32 @@ MAX_IDLE_S = 50.0
 class _Options:
     url: str
     token: str | None
-    voice: str | None
     sample_rate: int
-    options: dict[str, Any] = field(default_factory=dict)
-    speed: float = 1.0
-    instructions: str | None = None
-    word_timestamps: bool = False
-    pronunciations: list[dict[str, Any]] | None = None
+    speech: wire.Speech = field(default_factory=wire.Speech)
 
-    def stream_fields(self) -> dict[str, Any]:
-        return {"voice": self.voice, "format": "s16", "sample_rate": self.sample_rate,
-                "options": self.options or None, "speed": self.speed, "instructions": self.instructions,
-                "pronunciations": self.pronunciations}
+    def stream_fields(self, words: bool) -> wire.Speech:
+        """The stream's `start`: 16-bit PCM at the TTS's rate; word timings where wanted and given."""
+        return replace(self.speech, format="s16", sample_rate=self.sample_rate, word_timestamps=words)
 
 
 class TTS(tts.TTS):
     """A vox-ws server as a LiveKit TTS.
 
     `url` (ws://HOST:PORT/v1/stream), `token`, `voice` (None: the engine's default),
-    `sample_rate` (the server resamples), `options` (engine options), `speed` (0.25-4, pitch
-    kept), `instructions` (VoxCPM2), `word_timestamps` (aligned transcripts, where the server
-    times words: Piper's own, VoxCPM2's by the aligner in English), `pronunciations` (entries `{match, say}` or
-    `{match, ipa}`, before the server's lexicon).
+    `sample_rate` (the server resamples), and `speech` (`vox_ws.wire.Speech`: every other field
+    of a v1 `start`, as the Python client takes it: `options` (engine options), `speed` (0.25-4,
+    pitch kept), `instructions` (VoxCPM2), `language`, `volume`, `pronunciations`,
+    `word_timestamps` (aligned transcripts, where the server times words: Piper's own,
+    VoxCPM2's by the aligner in English), ...).
     """
 
     def __init__(self, *, url: str = "ws://127.0.0.1:8765/v1/stream", token: str | None = None,
-                 voice: str | None = None, sample_rate: int = 24000, options: dict[str, Any] | None = None,
-                 speed: float = 1.0, instructions: str | None = None, word_timestamps: bool = False,
-                 pronunciations: list[dict[str, Any]] | None = None) -> None:
-        super().__init__(capabilities=tts.TTSCapabilities(streaming=True, aligned_transcript=word_timestamps),
+                 voice: str | None = None, sample_rate: int = 24000, speech: wire.Speech | None = None) -> None:
+        speech = speech or wire.Speech()
+        super().__init__(capabilities=tts.TTSCapabilities(streaming=True, aligned_transcript=speech.word_timestamps),
                          sample_rate=sample_rate, num_channels=1)
-        self._opts = _Options(url=url, token=token, voice=voice, sample_rate=sample_rate, options=dict(options or {}),
-                              speed=speed, instructions=instructions, word_timestamps=word_timestamps,
-                              pronunciations=list(pronunciations) if pronunciations else None)
+        self._opts = _Options(url=url, token=token, sample_rate=sample_rate,
+                              speech=speech if voice is None else replace(speech, voice=voice))
         self._pool = utils.ConnectionPool[Client](connect_cb=self._connect, close_cb=self._close,
                                                  max_session_duration=MAX_IDLE_S, mark_refreshed_on_get=True)
 
@@ -88,7 +82,7 @@ class TTS(tts.TTS):
             raise APIConnectionError(f"cannot connect to vox-ws: {e}") from None
         except Exception as e:  # noqa: BLE001 - a refused handshake (401, 503) and the like
             raise APIConnectionError(f"cannot connect to vox-ws: {type(e).__name__}: {e}") from None
-        if self._opts.word_timestamps and "word_timestamps" not in client.hello.get("features", ()):
+        if self._opts.speech.word_timestamps and "word_timestamps" not in client.hello.get("features", ()):
             # No true timings from this engine: no aligned transcript rather than invented times.
             self._capabilities.aligned_transcript = False
         return client
@@ -109,14 +103,9 @@ class TTS(tts.TTS):
 
     def update_options(self, *, voice: str | None = None, speed: float | None = None,
                        instructions: str | None = None, options: dict[str, Any] | None = None) -> None:
-        if voice is not None:
-            self._opts.voice = voice
-        if speed is not None:
-            self._opts.speed = speed
-        if instructions is not None:
-            self._opts.instructions = instructions
-        if options is not None:
-            self._opts.options = dict(options)
+        changes = {"voice": voice, "speed": speed, "instructions": instructions,
+                   "options": None if options is None else dict(options)}
+        self._opts.speech = replace(self._opts.speech, **{k: v for k, v in changes.items() if v is not None})
 
     def synthesize(self, text: str, *, conn_options: APIConnectOptions = DEFAULT_API_CONNECT_OPTIONS) -> "ChunkedStream":
         return ChunkedStream(tts=self, input_text=text, conn_options=conn_options)
@@ -128,7 +117,7 @@ class TTS(tts.TTS):
         await self._pool.aclose()
 
     def _words_wanted(self, client: Client) -> bool:
-        return self._opts.word_timestamps and "word_timestamps" in client.hello.get("features", ())
+        return self._opts.speech.word_timestamps and "word_timestamps" in client.hello.get("features", ())
 
 
 class ChunkedStream(tts.ChunkedStream):
@@ -146,8 +135,8 @@ class ChunkedStream(tts.ChunkedStream):
         stream = None
         try:
             with _api_errors():
-                stream = await client.start_stream(self._input_text, **self._opts.stream_fields(),
-                                                   word_timestamps=self._tts._words_wanted(client))
+                stream = await client.start_stream(self._input_text,
+                                                   self._opts.stream_fields(self._tts._words_wanted(client)))
                 async for message in stream.events():
                     _emit(output_emitter, message)
                 output_emitter.flush()
@@ -171,8 +160,7 @@ class SynthesizeStream(tts.SynthesizeStream):
         stream = None
         try:
             with _api_errors():
-                stream = await client.open_stream(**self._opts.stream_fields(),
-                                                  word_timestamps=self._tts._words_wanted(client))
+                stream = await client.open_stream(self._opts.stream_fields(self._tts._words_wanted(client)))
 
                 async def send_input() -> None:
                     # LiveKit 1.8 speaks one segment per SynthesizeStream and drops text pushed

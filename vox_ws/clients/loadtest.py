@@ -6,7 +6,7 @@ For each concurrency level, N clients send requests back to back for `--duration
 LLM would produce it), and first audio counts from the first word sent. Results are printed as a
 table and can be written as JSON and as a PNG chart of first audio against concurrency.
 
-With `--rate` the load is open-loop instead (`vox_ws.capacity`): listeners arrive at random at
+With `--rate` the load is open-loop instead (`vox_ws.clients.capacity`): listeners arrive at random at
 each rate, whatever the server is doing, and the capacity is the highest rate it holds.
 """
 
@@ -26,9 +26,9 @@ from urllib.parse import urlsplit
 
 import numpy as np
 
-from .audio import bytes_per_sample
-from .playback import count_underruns
-from .client import VoxError, connect
+from ..audio import bytes_per_sample
+from ..playback import count_underruns
+from .v1 import VoxError, connect
 
 TEXTS = [
     "Sure, I can help with that.",
@@ -63,12 +63,23 @@ class Level:
         }
 
 
-async def one_request(client, text: str, stream_input: bool, words_per_second: float, fmt: str,
-                      level: Level) -> None:
+@dataclass(frozen=True)
+class Traffic:
+    """What each simulated user sends, request after request: whole texts, or texts streamed in
+    word by word at `words_per_second`; audio in `format`; its random choices from `seed`."""
+
+    stream_input: bool = False
+    words_per_second: float = 12.0
+    format: str = "s16"
+    seed: int = 0
+
+
+async def one_request(client, text: str, traffic: Traffic, level: Level) -> None:
     started = time.monotonic()
     arrivals: list[tuple[float, float]] = []
+    fmt, words_per_second = traffic.format, traffic.words_per_second
     width = bytes_per_sample(fmt)
-    if stream_input:
+    if traffic.stream_input:
         stream = await client.open_stream(format=fmt)
         started = time.monotonic()
 
@@ -97,19 +108,18 @@ async def one_request(client, text: str, stream_input: bool, words_per_second: f
     level.audio_s += audio
 
 
-async def run_level(url: str, token: str | None, n: int, duration: float, stream_input: bool,
-                    words_per_second: float, fmt: str, seed: int) -> Level:
+async def run_level(url: str, token: str | None, n: int, duration: float, traffic: Traffic) -> Level:
     level = Level(n)
     deadline = time.monotonic() + duration
     started = time.monotonic()
 
     async def user(i: int) -> None:
-        rng = random.Random(seed * 1000 + i)
+        rng = random.Random(traffic.seed * 1000 + i)
         await asyncio.sleep(rng.uniform(0, min(1.0, duration / 4)))
         async with connect(url, token=token, open_timeout=30) as client:
             while time.monotonic() < deadline:
                 try:
-                    await one_request(client, rng.choice(TEXTS), stream_input, words_per_second, fmt, level)
+                    await one_request(client, rng.choice(TEXTS), traffic, level)
                 except VoxError as err:
                     level.errors[err.code] += 1
                     if err.code == "connection_lost":
@@ -184,8 +194,8 @@ def main(args: argparse.Namespace) -> int:
     print(f"{'N':>4} {'streams':>8} {'first p50':>10} {'p95':>8} {'p99':>8} {'RTF':>7} {'underruns':>10} "
           f"{'audio s/s':>10}  errors")
     for n in [int(x) for x in args.concurrency.split(",")]:
-        level = asyncio.run(run_level(args.url, args.token, n, args.duration, args.stream_input,
-                                      args.words_per_second, args.format, args.seed))
+        level = asyncio.run(run_level(args.url, args.token, n, args.duration,
+                                      Traffic(args.stream_input, args.words_per_second, args.format, args.seed)))
         s = level.summary()
         levels.append(s)
         f = s["first_audio_ms"]

@@ -1,8 +1,9 @@
 """vox-ws as a Pipecat TTS service (the `pipecat` extra: `pip install '.[pipecat]'` in a checkout).
 
-    from vox_ws.integrations.pipecat import VoxWSTTSService
+    from vox_ws.clients.pipecat import VoxWSTTSService
 
-    tts = VoxWSTTSService(url="ws://127.0.0.1:8765/v1/stream", voice="joe")
+    tts = VoxWSTTSService(url="ws://127.0.0.1:8765/v1/stream", voice="joe",
+                          speech=wire.Speech(speed=1.1, word_timestamps=True))
     pipeline = Pipeline([transport.input(), stt, user_agg, llm, tts, transport.output(), bot_agg])
 
 Built on Pipecat's `WebsocketTTSService`, as its Cartesia and ElevenLabs services are: one
@@ -49,11 +50,12 @@ class VoxWSTTSService(WebsocketTTSService):
     """Streams text to a vox-ws server and audio back, one vox-ws stream per audio context.
 
     Settings: `url` (ws://HOST:PORT/v1/stream), `token`, `voice` (a built-in or registered voice
-    id; None: the engine's default), `sample_rate` (None: the pipeline's output rate), `options`
-    (engine options, e.g. {"cfg_value": 2.0} for VoxCPM2), `speed` (0.25-4, pitch kept),
-    `instructions` (VoxCPM2: how to speak, in words), `word_timestamps` (ask for word timings
-    where the server's engine has true ones), `pronunciations` (entries `{match, say}` or
-    `{match, ipa}`, before the server's lexicon).
+    id; None: the engine's default; Pipecat's own setting, so a settings update changes it),
+    `sample_rate` (None: the pipeline's output rate), and `speech` (`vox_ws.wire.Speech`: every
+    other field of a v1 `start`, as the Python client takes it: `options` (engine options, e.g.
+    {"cfg_value": 2.0} for VoxCPM2), `speed`, `instructions`, `language`, `volume`,
+    `pronunciations`, `word_timestamps` (word timings where the server's engine has true ones),
+    ...; default: `Speech(word_timestamps=True)`). The rest goes to Pipecat's base class.
 
     Event handlers (besides the base class's): `on_heard(service, context_id, heard)`, after
     an interruption: the server's account of what was sent before the cancel took effect
@@ -61,9 +63,8 @@ class VoxWSTTSService(WebsocketTTSService):
     """
 
     def __init__(self, *, url: str = "ws://127.0.0.1:8765/v1/stream", token: str | None = None,
-                 voice: str | None = None, sample_rate: int | None = None, options: dict[str, Any] | None = None,
-                 speed: float = 1.0, instructions: str | None = None, word_timestamps: bool = True,
-                 pronunciations: list[dict[str, Any]] | None = None, **kwargs: Any) -> None:
+                 voice: str | None = None, sample_rate: int | None = None, speech: wire.Speech | None = None,
+                 **kwargs: Any) -> None:
         # Pipecat hands over sentences without the space after them; vox-ws streams text in,
         # so "Hello!" + "How are you?" would run together and the first sentence's end go
         # unseen until more text came. (Tokens, in token aggregation mode, keep their own spaces.)
@@ -73,11 +74,7 @@ class VoxWSTTSService(WebsocketTTSService):
                          **kwargs)
         self._url = url
         self._token = token
-        self._options = dict(options or {})
-        self._speed = speed
-        self._instructions = instructions
-        self._want_words = word_timestamps
-        self._pronunciations = list(pronunciations) if pronunciations else None
+        self._speech = speech if speech is not None else wire.Speech(word_timestamps=True)
         self.hello: dict[str, Any] | None = None
         self._words = False                       # this server's engine gives true word timings
         self._open: set[str] = set()              # contexts with a live stream on this socket
@@ -123,7 +120,7 @@ class VoxWSTTSService(WebsocketTTSService):
                 raise ConnectionError(f"expected the server's hello, got {hello.get('type')!r}")
             self._websocket = websocket
             self.hello = hello
-            self._words = self._want_words and "word_timestamps" in hello.get("features", ())
+            self._words = self._speech.word_timestamps and "word_timestamps" in hello.get("features", ())
             # With true word timings, Pipecat builds the spoken text from them; without, from
             # its own sentence text frames.
             self._push_text_frames = not self._words
@@ -226,11 +223,10 @@ class VoxWSTTSService(WebsocketTTSService):
 
     def _start_message(self, context_id: str) -> dict[str, Any]:
         voice = self._settings.voice
-        return wire.start_frame(context_id, stream_input=True, format="s16", sample_rate=self.sample_rate,
-                                voice=voice if isinstance(voice, str) and voice else None,
-                                options=self._options or None, speed=self._speed if self._speed != 1.0 else None,
-                                instructions=self._instructions or None, word_timestamps=self._words or None,
-                                pronunciations=self._pronunciations or None)
+        fields = {**self._speech.start_fields(), "format": "s16", "sample_rate": self.sample_rate,
+                  "voice": voice if isinstance(voice, str) and voice else self._speech.voice,
+                  "word_timestamps": self._words or None}
+        return wire.start_frame(context_id, stream_input=True, **fields)
 
     async def flush_audio(self, context_id: str | None = None) -> None:
         """The turn has no more text: speak what is buffered now and close the stream."""

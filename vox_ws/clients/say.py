@@ -23,9 +23,9 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from .audio import bytes_to_pcm, pcm_to_bytes
-from .captions import CAPTION_FORMATS, cues_from_segments, cues_from_words, write_captions
-from .client import Stream, VoxError, connect
+from ..audio import bytes_to_pcm, pcm_to_bytes
+from ..captions import CAPTION_FORMATS, cues_from_segments, cues_from_words, write_captions
+from .v1 import Stream, VoxError, connect
 
 # The sample rates protocol v1's `start` may name (docs/PROTOCOL.md).
 SAMPLE_RATES = (8000, 48000)

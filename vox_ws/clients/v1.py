@@ -1,6 +1,6 @@
 """An asyncio client for vox-ws.
 
-    from vox_ws.client import connect
+    from vox_ws.clients.v1 import connect
 
     async with connect("ws://127.0.0.1:8765/v1/stream", token="...") as c:
         async for pcm in c.stream("Hello!", format="s16"):      # bytes, as they are generated
@@ -32,8 +32,8 @@ from websockets.asyncio.client import ClientConnection
 from websockets.asyncio.client import connect as ws_connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
-from . import wire
-from .audio import bytes_to_pcm, wav_bytes
+from .. import wire
+from ..audio import bytes_to_pcm, wav_bytes
 
 
 class VoxError(Exception):

@@ -1,8 +1,3 @@
-"""vox-ws inside the voice-agent frameworks, each an optional extra; clients of protocol v1.
-
-    pipecat.py   VoxWSTTSService: a Pipecat WebsocketTTSService (`vox-ws[pipecat]`)
-    livekit.py   TTS: a LiveKit Agents tts.TTS with streaming (`vox-ws[livekit]`)
-
-The Wyoming protocol (Home Assistant) is a front door of the server instead:
-`vox-ws serve --wyoming tcp://HOST:PORT` (`vox-ws[wyoming]`, transports/wyoming.py).
-"""
+"""Where the framework clients were first published (`vox_ws.integrations.pipecat`,
+`.livekit`): they live in `vox_ws/clients/` now, and these modules keep their names for the
+code that imports them so."""

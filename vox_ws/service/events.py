@@ -107,6 +107,7 @@ class Failed:
     message: str
     stats: dict[str, Any] = field(default_factory=dict)
     retry_after_s: float | None = None     # when the same request may pass, where that is known
+    field: str | None = None               # the request's field at fault, where one was (`Refused.field`)
 
 
 Event = Union[Audio, Segment, Words, Phonemes, Flushed, Ended, Failed]

@@ -81,18 +81,24 @@ def _only(languages: tuple[str, ...]) -> str | None:
 
 
 class Generation:
-    """Made by a `Stream` (which the service opens); see the module docstring."""
+    """Made by the service as it opens a stream, with the stream's output stage, pacing and
+    record (the `Stream` it hands the consumer reads the first two); see the module docstring."""
 
-    def __init__(self, service: StreamHost, request: StreamRequest, setup: StreamSetup, output: OutputStage,
-                 pacing: Pacing, record: StreamRecord) -> None:
+    def __init__(self, service: StreamHost, request: StreamRequest, setup: StreamSetup) -> None:
+        engine = setup.engine_loop.engine
+        wanted = request.output
+        self.sample_rate = wanted.rate_for(engine.sample_rate)
+        self.output = OutputStage(engine.sample_rate, wanted.format, self.sample_rate, wanted.speed,
+                                  service.encoding, wanted.volume)
+        self.pacing = Pacing(service.limits.max_buffered_audio_s, wanted.speed, wanted.lookahead_s,
+                             setup.engine_loop.wake)
+        record = StreamRecord(service.metrics, request, setup, engine.name, self.sample_rate)
         self._service = service
         self.engine_loop = setup.engine_loop          # its device's: every request of it goes there
         self._engine = setup.engine_loop.engine
         self.number = setup.number
         self._lora_pin = setup.lora_pin          # its adapter, held until it stops producing
         self._limits = service.limits
-        self._output = output
-        self._pacing = pacing
         self.record = record
         self.started_at = record.started_at
         self.word_timestamps = request.word_timestamps
@@ -175,7 +181,7 @@ class Generation:
             self._end(self._ending)
             return
         limits = self._limits
-        if self._pacing.stalled_s(now) > limits.write_stall_timeout_s:
+        if self.pacing.stalled_s(now) > limits.write_stall_timeout_s:
             self.fail(Refused(ErrorKind.SLOW_CONSUMER, f"client read no audio for {limits.write_stall_timeout_s:g}s "
                                                        "after the audio it had taken would have played"))
             return
@@ -206,7 +212,7 @@ class Generation:
         if self.state is not StreamState.SPEAKING:
             return 0
         for _ in range(self.plan.due_flushes()):
-            self._pacing.put(Flushed(round(self._pacing.produced_s, 4)))
+            self.pacing.put(Flushed(round(self.pacing.produced_s, 4)))
         while not self.plan.in_flight:
             step = self.plan.next()
             if step is None:
@@ -214,7 +220,7 @@ class Generation:
                     self._end(self.plan.end_reason)
                 return 0
             if isinstance(step, Pause):
-                self._produced(self._output.silence(step.seconds))
+                self._produced(self.output.silence(step.seconds))
                 continue
             try:
                 return self._speak(step)
@@ -249,12 +255,12 @@ class Generation:
 
     def _queue(self, text: str, engine_text: str, prepared: bool) -> int:
         alignment = None if self._aligner is None else SegmentAlignment(self._aligner, text, engine_text)
-        sink = SegmentSink(functools.partial(self._service.mailbox.post, self._on_request_event), self._output,
-                           self._pacing, self.word_timestamps, self.phoneme_timestamps, alignment)
+        sink = SegmentSink(functools.partial(self._service.mailbox.post, self._on_request_event), self.output,
+                           self.pacing, self.word_timestamps, self.phoneme_timestamps, alignment)
         request = self.segments.engine_request(engine_text, prepared, sink, self._lora_pin, self._context, self.plan)
         position = self.engine_loop.submit(request)
         self._request = request
-        self.plan.started(text, self._pacing.produced_s)
+        self.plan.started(text, self.pacing.produced_s)
         return position
 
     # ------------------------------------------------------------------ what a request's sink posts (loop)
@@ -263,7 +269,7 @@ class Generation:
         if isinstance(event, Aligned):               # a spoken segment's words: wherever the next one has got to
             for words in self._aligning.answer(sink, event.words):
                 self._timed_words.extend(words)
-                self._pacing.put(Words(words))
+                self.pacing.put(Words(words))
             if self._ending is not None and not self._aligning.waiting and not self.done:
                 self._end(self._ending)
             return
@@ -274,9 +280,9 @@ class Generation:
             self._produced((event,))
         elif isinstance(event, Words):
             self._timed_words.extend(event.words)
-            self._pacing.put(event)
+            self.pacing.put(event)
         elif isinstance(event, Phonemes):
-            self._pacing.put(event)
+            self.pacing.put(event)
         elif not isinstance(event, RequestEnded):
             self.fail(Refused(event.kind, event.message, event.retry_after_s))
         elif event.reason == EndReason.CANCELLED:
@@ -286,15 +292,15 @@ class Generation:
             self._request = None
             if sink.aligning:
                 self._aligning.expect(sink)
-            segment = self.plan.spoke(self._pacing.produced_s, event.reason)
+            segment = self.plan.spoke(self.pacing.produced_s, event.reason)
             if self.plan.continues:
                 self._context = request.continuation
-            self._pacing.put(Segment(len(self.plan.segments) - 1, **segment))
+            self.pacing.put(Segment(len(self.plan.segments) - 1, **segment))
             self._advance()
 
     def _produced(self, chunks: Iterable[Produced]) -> None:
         for chunk, at in self.record.produced(chunks):
-            self._pacing.put(chunk, at)
+            self.pacing.put(chunk, at)
 
     # ------------------------------------------------------------------ endings
 
@@ -304,11 +310,11 @@ class Generation:
             return
         heard = None
         if reason != EndReason.CANCELLED:
-            self._produced(self._output.tail())
+            self._produced(self.output.tail())
         else:
-            generated_s = self._pacing.produced_s
-            self._pacing.drop_unsent()
-            heard = self.plan.heard(self._pacing.produced_s, generated_s,
+            generated_s = self.pacing.produced_s
+            self.pacing.drop_unsent()
+            heard = self.plan.heard(self.pacing.produced_s, generated_s,
                                      self._timed_words if self.word_timestamps else None)
         self._stop_producing(reason)
         stats = {"segments": list(self.plan.segments), "usage": {"characters": self.input.characters},
@@ -321,13 +327,13 @@ class Generation:
             return
         self._stop_producing(err.kind)
         stats = {"segments": list(self.plan.segments), "usage": {"characters": self.input.characters}}
-        self._last(Failed(err.kind, err.message, stats, err.retry_after_s))
+        self._last(Failed(err.kind, err.message, stats, err.retry_after_s, err.field))
 
     def _last(self, event: Ended | Failed) -> None:
         """The stream's last event: the consumer stops after it."""
         self.last_event = event
-        self._pacing.put(event)
-        self._pacing.close()
+        self.pacing.put(event)
+        self.pacing.close()
 
     def _stop_producing(self, ended_by: EndReason | ErrorKind | None = None) -> None:
         self._move(StreamState.DRAINING)

@@ -124,7 +124,7 @@ class StreamService:
         self.voices.check_use_now(checked.voice, owner, resolved.named)
         spoken = self._spoken(checked)
         engine_loop = self.devices.place()          # the stream stays on this device to its end
-        stream = lora_pin = None
+        generation = lora_pin = None
         voice = checked.voice
         try:
             lora_pin = engine_loop.engine.loras.pin(checked.lora)
@@ -138,22 +138,23 @@ class StreamService:
             setup = StreamSetup(engine_loop, next(self._numbers), owners, dict(log_fields or {}), voice_pin, lora_pin,
                                 combined(checked.pronunciations, self.lexicon), self._ignored(request, checked),
                                 aligner)
-            stream = Stream(self, checked, setup)
+            generation = Generation(self, checked, setup)
+            stream = Stream(generation, checked, setup.ignored, self.metrics)
             # A voice from the store is fetched (and built) first; what the stream says waits for it.
-            stream.queued = stream.generation.start(None if checked.input_streaming else spoken,
-                                                    self.voices.ensure(voice, resolved.named, owner) if from_store else None)
+            stream.queued = generation.start(None if checked.input_streaming else spoken,
+                                             self.voices.ensure(voice, resolved.named, owner) if from_store else None)
         except BaseException:
             self.devices.release(engine_loop)
-            if stream is not None:
-                stream.generation.release_lora()
+            if generation is not None:
+                generation.release_lora()
             else:
                 engine_loop.engine.loras.unpin(lora_pin)
             raise
-        self._live.add(stream.generation)
+        self._live.add(generation)
         if isinstance(checked.text, str) and checked.input_streaming and checked.text:
             stream.send_text(checked.text)
         elif checked.streamed_text:
-            stream.generation.input.feed(checked.text, lambda: stream.generation.done)
+            generation.input.feed(checked.text, lambda: generation.done)
         return stream
 
     def _checked(self, request: StreamRequest, resolved: ResolvedVoice) -> StreamRequest:
@@ -179,7 +180,7 @@ class StreamService:
             check_text(instructions, "instructions")
             check_instructions(instructions)
         if not input_streaming and (not isinstance(text, str) or not text.strip()):
-            raise Refused(ErrorKind.INVALID, "nothing to say: the text is empty")
+            raise Refused(ErrorKind.INVALID, "field 'text' must not be empty: nothing to say", field="text")
         for item in request.pronunciations:
             self.engine.text.check_pronunciation(item)
         if input_streaming and wants_markup("", request.markup):
@@ -207,7 +208,7 @@ class StreamService:
         """What of the request, as the client `asked` it, has no effect here: options the engine
         does not honour, instructions this voice does not follow, timestamps it cannot give."""
         ignored = sorted(set(checked.options) - self.engine.honoured_options)
-        if asked.instructions and self.ignores_instructions(asked.voice):
+        if asked.instructions and self._ignores_instructions(checked.voice):
             ignored.append("instructions")
         if asked.word_timestamps and not checked.word_timestamps:
             ignored.append("word_timestamps")
@@ -221,10 +222,9 @@ class StreamService:
                                                           voice_pin, language)
         return await engine_work(work, "cutting the text failed: ")
 
-    def ignores_instructions(self, voice: str | None) -> bool:
-        """Whether instructions would be ignored with this voice (the engine cannot follow them;
-        a voice still to be fetched from the store counts as followed)."""
-        voice = self.voices.resolve(voice).voice
+    def _ignores_instructions(self, voice: str | None) -> bool:
+        """Whether instructions would be ignored with this voice, resolved (the engine cannot
+        follow them; a voice still to be fetched from the store counts as followed)."""
         if voice is not None and not self.engine.voices.has(voice):
             return not self.engine.text.follows_instructions(None) if self.engine.supports_voices else True
         return not self.engine.text.follows_instructions(self.engine.voices.pin(voice))

@@ -2,7 +2,7 @@
 each with one owner and one thread, and the way a chunk takes through them, top-down:
 
     engine loop's thread   SegmentSink (sink.py): one per request; produces the request's audio
-                       through the output stage, posts (request, event) to the loop
+                       through the output stage, posts (sink, event) to the loop
     event loop         Generation (generation.py): the stream's production; its TextPlan
                        (text_plan.py, pure) says what to say next, its StreamInput
                        (stream_input.py) takes text in, its SegmentStarter (segments.py) makes
@@ -26,39 +26,32 @@ from collections import deque
 from typing import Any
 
 from ..engine import EndReason
+from ..metrics import Metrics
 from .events import Audio, Ended, Event, Failed, Produced
 from .generation import Generation, StreamHost, StreamState
-from .output import OutputStage
-from .pacing import Pacing
-from .record import StreamRecord
-from .request import StreamRequest, StreamSetup
+from .request import StreamRequest
 
 __all__ = ["Stream", "StreamHost", "StreamState"]
 
 
 class Stream:
-    """Opened by `StreamService.open_stream`; see the module docstring. `generation` is the
-    service's side of it."""
+    """Opened by `StreamService.open_stream`, which hands it its `generation` (the service's side
+    of it); see the module docstring."""
 
-    def __init__(self, service: StreamHost, request: StreamRequest, setup: StreamSetup) -> None:
+    def __init__(self, generation: Generation, request: StreamRequest, ignored: tuple[str, ...],
+                 metrics: Metrics) -> None:
         """`request` as the service checked it (its voice resolved, its timestamps those the
-        engine gives); `setup` what the service settled for it."""
-        engine = setup.engine_loop.engine
-        output = request.output
-        self.engine_loop = setup.engine_loop
-        self.format = output.format
-        self.sample_rate = output.rate_for(engine.sample_rate)
+        engine gives); `ignored`: what of it has no effect here."""
+        self.generation = generation
+        self.format = request.output.format
+        self.sample_rate = generation.sample_rate
         self.word_timestamps = request.word_timestamps
         self.phoneme_timestamps = request.phoneme_timestamps
-        self.ignored_options = list(setup.ignored)   # what of the request has no effect here
+        self.ignored_options = list(ignored)
         self.queued = 0                          # queue position when opened (0: a slot at once)
-        self._metrics = service.metrics
-        self._output = OutputStage(engine.sample_rate, output.format, self.sample_rate, output.speed,
-                                   service.encoding, output.volume)
-        self._pacing = Pacing(service.limits.max_buffered_audio_s, output.speed, output.lookahead_s,
-                              setup.engine_loop.wake)
-        record = StreamRecord(service.metrics, request, setup, engine.name, self.sample_rate)
-        self.generation = Generation(service, request, setup, self._output, self._pacing, record)
+        self._metrics = metrics
+        self._output = generation.output
+        self._pacing = generation.pacing
         self._handed: deque[Event] = deque()     # handed over by the output stage, not yet returned
         self._over: StreamState | None = None    # how the consumer ended: ENDED, FAILED or CLOSED
 

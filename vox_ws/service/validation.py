@@ -40,22 +40,22 @@ def check_language(language: Any) -> str:
     """A language tag as a client gives it (`language`, `lang_code`), checked for shape; what it
     names need not be known (text handling falls back to English rules)."""
     if not isinstance(language, str) or not _LANGUAGE.fullmatch(language):
-        raise Refused(ErrorKind.INVALID, f"language must be a language tag such as 'en', 'en-US' or 'zh', got "
-                                         f"{language!r}", field="language")
+        raise Refused(ErrorKind.INVALID, f"field 'language' must be a language tag such as 'en', 'en-US' or 'zh', "
+                                         f"got {language!r}", field="language")
     return language
 
 
 def check_output(speed: float, lookahead_s: float | None, volume: float = 1.0) -> None:
     """A stream's speed, lookahead and volume (`AudioOutput`) in their ranges."""
     if isinstance(volume, bool) or not isinstance(volume, (int, float)) or not 0.0 <= volume <= MAX_VOLUME:
-        raise Refused(ErrorKind.INVALID, f"volume must be a number in [0, {MAX_VOLUME:g}], got {volume!r}",
+        raise Refused(ErrorKind.INVALID, f"field 'volume' must be a number in [0, {MAX_VOLUME:g}], got {volume!r}",
                       field="volume")
-    if not MIN_SPEED <= speed <= MAX_SPEED:
-        raise Refused(ErrorKind.INVALID, f"speed must be in [{MIN_SPEED:g}, {MAX_SPEED:g}], got {speed:g}",
-                      field="speed")
+    if isinstance(speed, bool) or not isinstance(speed, (int, float)) or not MIN_SPEED <= speed <= MAX_SPEED:
+        raise Refused(ErrorKind.INVALID, f"field 'speed' must be a number in [{MIN_SPEED:g}, {MAX_SPEED:g}], "
+                                         f"got {speed!r}", field="speed")
     if lookahead_s is not None and not MIN_LOOKAHEAD_S <= lookahead_s <= MAX_LOOKAHEAD_S:
-        raise Refused(ErrorKind.INVALID, f"lookahead_s must be in [{MIN_LOOKAHEAD_S:g}, {MAX_LOOKAHEAD_S:g}], "
-                                         f"got {lookahead_s:g}", field="lookahead_s")
+        raise Refused(ErrorKind.INVALID, f"field 'lookahead_s' must be in [{MIN_LOOKAHEAD_S:g}, "
+                                         f"{MAX_LOOKAHEAD_S:g}], got {lookahead_s:g}", field="lookahead_s")
 
 
 def check_length(text: str, max_chars: int, field: str = "text") -> None:

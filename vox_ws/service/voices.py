@@ -190,7 +190,7 @@ class VoiceService:
         if not missing:
             if (self.store.shared or self.store.usable_now(voice, ANY_OWNER) is False) and not await self.store.has(voice):
                 _delete_everywhere(self.devices, voice)            # deleted through another server, or expired
-                raise Refused(ErrorKind.INVALID, f"unknown voice {named!r}")
+                raise Refused(ErrorKind.INVALID, f"unknown voice {named!r}", field="voice")
             return
         stored = await self.store.get(voice)
         if stored is None:
@@ -284,7 +284,7 @@ async def _open_store(store: VoiceStore, devices: Devices) -> None:
 
 def _unknown(devices: Devices, named: str) -> Refused:
     return Refused(ErrorKind.INVALID, f"unknown voice {named!r} (built-in: {devices.engine.voices.names()}; "
-                                      "or register one)")
+                                      "or register one)", field="voice")
 
 
 def _delete_everywhere(devices: Devices, voice: str) -> bool:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -27,21 +28,34 @@ def package_model(model_dir: str | Path, rank: int, alpha: float, device: str = 
                                          lora_config=config)
 
 
-def write_adapter(model_dir: str | Path, out: Path, rank: int = 4, alpha: float = 8, seed: int = 0,
-                  scale: float = 0.05, with_config: bool = False, model: Any = None) -> Path:
+@dataclass(frozen=True)
+class RandomAdapter:
+    """A random adapter's shape: its rank and alpha, the seed of its weights and their scale, and
+    whether its directory says its r and alpha (`lora_config.json`)."""
+
+    rank: int = 4
+    alpha: float = 8
+    seed: int = 0
+    scale: float = 0.05
+    with_config: bool = False
+
+
+def write_adapter(model_dir: str | Path, out: Path, adapter: RandomAdapter = RandomAdapter(),
+                  model: Any = None) -> Path:
     """An adapter directory (`lora_weights.safetensors`, and `lora_config.json` with its r and
-    alpha when asked) with every LoRA parameter the package's model has, random."""
+    alpha when asked) with every LoRA parameter the package's model has, random; `model`: the
+    package's model with LoRA of the adapter's rank, where the caller has it loaded."""
     import torch
     from safetensors.torch import save_file
 
-    tts = model or package_model(model_dir, rank, alpha)
-    generator = torch.Generator().manual_seed(seed)
-    state = {key: torch.randn(value.shape, generator=generator).to(value.dtype) * scale
+    tts = model or package_model(model_dir, adapter.rank, adapter.alpha)
+    generator = torch.Generator().manual_seed(adapter.seed)
+    state = {key: torch.randn(value.shape, generator=generator).to(value.dtype) * adapter.scale
              for key, value in tts.tts_model.get_lora_state_dict().items()}
     out.mkdir(parents=True, exist_ok=True)
     save_file(state, str(out / "lora_weights.safetensors"))
-    if with_config:
-        (out / "lora_config.json").write_text(json.dumps({"lora_config": {"r": rank, "alpha": alpha}}))
+    if adapter.with_config:
+        (out / "lora_config.json").write_text(json.dumps({"lora_config": {"r": adapter.rank, "alpha": adapter.alpha}}))
     return out
 
 
@@ -55,7 +69,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     model = package_model(args.model_dir, args.rank, args.alpha)
     for seed, name in enumerate(args.names):
-        print(write_adapter(args.model_dir, Path(args.out_dir) / name, args.rank, args.alpha, seed, model=model))
+        print(write_adapter(args.model_dir, Path(args.out_dir) / name, RandomAdapter(args.rank, args.alpha, seed),
+                            model=model))
     return 0
 
 

@@ -119,15 +119,21 @@ def make_config(size: str, vocab_size: int, dtype: str, residual_rope: bool = Fa
     }
 
 
+# Checkpoints unlike the released one, each taking the step down another of its paths.
+VARIANTS = ("released", "residual_rope", "mup")
+
+
 def build(out_dir: str | os.PathLike, size: str = "tiny", stop: str = "never", seed: int = 0,
-          dtype: str = "float32", residual_rope: bool = False, mup: bool = False) -> Path:
+          dtype: str = "float32", variant: str = "released") -> Path:
     """Write a random-weight checkpoint to `out_dir` and return its path.
 
     stop: `never` runs every request to its length cap (deterministic lengths for tests),
     `always` stops right after min_len, `random` keeps the random stop head.
-    residual_rope: the residual LM with rotary embeddings (the released model has none).
-    mup: muP scaling on (the released model has it off).
+    variant: `released` (the released model's shape), `residual_rope` (the residual LM with
+    rotary embeddings, which the released model has not), `mup` (muP scaling on, off there).
     """
+    if variant not in VARIANTS:
+        raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
     import torch
     from safetensors.torch import save_file
     from transformers import LlamaTokenizerFast
@@ -141,8 +147,8 @@ def build(out_dir: str | os.PathLike, size: str = "tiny", stop: str = "never", s
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
-    config_dict = make_config(size, _write_tokenizer(out, SIZES[size]["max_len"]), dtype, residual_rope,
-                              mup)
+    config_dict = make_config(size, _write_tokenizer(out, SIZES[size]["max_len"]), dtype,
+                              residual_rope=variant == "residual_rope", mup=variant == "mup")
     (out / "config.json").write_text(json.dumps(config_dict, indent=2))
     config = VoxCPMConfig.model_validate(config_dict)
     vae = AudioVAEV2(config=AudioVAEConfigV2.model_validate(config_dict["audio_vae_config"]))
@@ -179,7 +185,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mup", action="store_true", help="muP scaling on (the released VoxCPM2 has it off)")
     args = ap.parse_args(argv)
     started = time.perf_counter()
-    out = build(args.out_dir, args.size, args.stop, args.seed, args.dtype, args.residual_rope, args.mup)
+    if args.residual_rope and args.mup:
+        ap.error("--residual-rope and --mup are variants of their own: one at a time")
+    variant = "residual_rope" if args.residual_rope else "mup" if args.mup else "released"
+    out = build(args.out_dir, args.size, args.stop, args.seed, args.dtype, variant)
     size = sum(f.stat().st_size for f in out.iterdir())
     print(f"{args.size} VoxCPM2 written to {out}: {size / 1e6:.1f} MB in {time.perf_counter() - started:.1f}s",
           file=sys.stderr)

@@ -34,8 +34,7 @@ from ..lexicon import request_entries
 from ..service import AudioOutput, Stream, StreamRequest
 from ..service.events import Audio, Ended, Failed, Segment, Words
 from ..service.voice_names import with_speaker
-from ..service.validation import (MAX_INSTRUCTIONS_CHARS, MAX_SAMPLE_RATE, MIN_SAMPLE_RATE, check_instructions,
-                                  check_language, check_length, check_options, check_output, check_speed)
+from ..service.validation import MAX_INSTRUCTIONS_CHARS, MAX_SAMPLE_RATE, MIN_SAMPLE_RATE, check_options
 from . import protocol as p
 from .auth import is_authorized, origin_allowed, owner
 from .body import BodyTooLarge, read_body
@@ -122,7 +121,6 @@ async def speech(request: Request) -> Response:
         body = await _read_json(request, _body_limit(state))
         speech_request = parse_speech(body, state)
         who = _who(request, state)
-        await _fetch_voice(state, speech_request.request.voice, who)
         stream = _open(state, request, speech_request.request, who)
     except OpenAIError as err:
         return err.response()
@@ -241,16 +239,20 @@ def parse_speech(body: dict[str, Any], state: ServerState) -> SpeechRequest:
     # client set up for another server (a guide's model name) speaks instead of failing.
     ignored_model = model is not None and model not in (engine.model, engine.name, *state.config.model_aliases) \
         and not _OPENAI_MODEL.fullmatch(model)
+    # Each field's type here; the service's rules (the text's length, the ranges, the voice, ...)
+    # run once as the stream opens, their refusals worded for this door (`service_error`).
     text = body.get("input")
-    if not isinstance(text, str) or not text.strip():
+    if not isinstance(text, str):
         raise OpenAIError(400, "'input' must be a non-empty string", "input", "invalid_value")
-    _checked(check_length, text, state.limits.max_text_chars, "input")
-    voice = _voice(_checked(with_speaker, _named(body.get("voice")), body.get("speaker")), state)
+    try:
+        voice = with_speaker(_voice(body.get("voice")), body.get("speaker"))
+    except Refused as err:
+        raise service_error(err) from None
     response_format = body.get("response_format", "mp3")
     if response_format not in RESPONSE_FORMATS:
         raise OpenAIError(400, f"'response_format' must be one of {list(RESPONSE_FORMATS)}, got {response_format!r}",
                           "response_format", "invalid_value")
-    speed = _checked(check_speed, body.get("speed", 1.0))
+    speed = _number(body, "speed", 1.0)
     stream_format = body.get("stream_format", "audio")
     if stream_format not in ("audio", "sse"):
         raise OpenAIError(400, f"'stream_format' must be 'audio' or 'sse', got {stream_format!r}", "stream_format",
@@ -258,8 +260,6 @@ def parse_speech(body: dict[str, Any], state: ServerState) -> SpeechRequest:
     instructions = body.get("instructions")
     if instructions is not None and not isinstance(instructions, str):
         raise OpenAIError(400, "'instructions' must be a string", "instructions", "invalid_value")
-    if instructions is not None:
-        _checked(check_instructions, instructions)
     rate = body.get("sample_rate", DEFAULT_RATE)
     if isinstance(rate, bool) or not isinstance(rate, int) or not MIN_SAMPLE_RATE <= rate <= MAX_SAMPLE_RATE:
         raise OpenAIError(400, f"'sample_rate' must be an integer from {MIN_SAMPLE_RATE} to {MAX_SAMPLE_RATE}, "
@@ -294,8 +294,7 @@ def parse_speech(body: dict[str, Any], state: ServerState) -> SpeechRequest:
         raise OpenAIError(400, err.message.replace("options.", ""), (err.field or "").removeprefix("options.")
                           or None, "invalid_value") from None
     language = _language(body)
-    volume = body.get("volume", body.get("volume_multiplier", 1.0))
-    _checked(check_output, speed, None, volume)
+    volume = _number(body, "volume" if "volume" in body else "volume_multiplier", 1.0)
     whole = body.get("stream", True)
     if not isinstance(whole, bool):
         raise OpenAIError(400, f"'stream' must be a boolean, got {whole!r}", "stream", "invalid_value")
@@ -310,7 +309,7 @@ def parse_speech(body: dict[str, Any], state: ServerState) -> SpeechRequest:
         raise OpenAIError(400, "'timestamps' come as server-sent events: send 'stream_format': 'sse' too",
                           "timestamps", "invalid_value")
     output = AudioOutput("s16" if response_format == "pcm" else response_format, rate, speed,
-                         None if lookahead is None else float(lookahead), float(volume))
+                         None if lookahead is None else float(lookahead), volume)
     request = StreamRequest(text, voice=voice, options=options, output=output,
                             instructions=instructions.strip() or None if instructions else None, markup=markup,
                             pronunciations=pronunciations, lora=lora, language=language,
@@ -327,7 +326,7 @@ def _language(body: dict[str, Any]) -> str | None:
         return None
     if field == "lang_code" and isinstance(value, str) and value.lower() in KOKORO_LANG_CODES:
         return KOKORO_LANG_CODES[value.lower()]
-    return _checked(check_language, value)
+    return value                                       # its shape is the service's rule
 
 
 def _normalization(value: Any) -> tuple[bool | None, list[str]]:
@@ -347,62 +346,38 @@ def _normalization(value: Any) -> tuple[bool | None, list[str]]:
     return value.get("normalize"), [f"normalization_options.{key}" for key in sorted(value) if key != "normalize"]
 
 
-def _checked(rule: Any, *args: Any) -> Any:
-    """A service rule (`service.validation`), its refusal worded as OpenAI's error naming the field."""
-    try:
-        return rule(*args)
-    except Refused as err:
-        raise OpenAIError(HTTP_STATUS[err.kind], err.message, err.field,
-                          "too_large" if err.kind is ErrorKind.TOO_LARGE else "invalid_value") from None
-
-
-def _named(value: Any) -> Any:
-    """OpenAI's `voice`: a name, or an object with its `id`."""
-    return value.get("id") if isinstance(value, dict) else value
-
-
-def _voice(value: Any, state: ServerState) -> str | None:
-    """The voice as the client named it (a built-in voice, an alias, a registered id or name):
-    the stream service resolves it."""
+def _voice(value: Any) -> str | None:
+    """OpenAI's `voice`: a name, or an object with its `id` (a built-in voice, an alias, a
+    registered id or name: the stream service resolves it, once)."""
     if isinstance(value, dict):
         value = value.get("id")
-    if value is None:
-        return None
-    if not isinstance(value, str) or not value:
+    if value is not None and (not isinstance(value, str) or not value):
         raise OpenAIError(400, "'voice' must be a voice id (a string, or an object with 'id')", "voice",
                           "invalid_value")
-    service = state.service
-    try:
-        resolved = service.voices.resolve(value)
-    except Refused as err:                     # a store not read yet: names wait for it
-        raise OpenAIError.from_refused(err, "voice") from None
-    if resolved.voice is None or resolved.alias is not None or service.engine.voices.has(resolved.voice) \
-            or service.voices.may_be_registered(resolved.voice):
-        return value                           # a registered one is looked up in the store next
-    raise OpenAIError(400, f"unknown voice {value!r} (built-in: {service.voices.listed()}, aliases: "
-                           f"{sorted(service.voices.aliases())}"
-                           f"{'; or register one at /v1/audio/voices' if service.engine.supports_voices else ''})",
-                      "voice", "voice_not_found")
+    return value
 
 
-async def _fetch_voice(state: ServerState, voice: str | None, who: str) -> None:
-    """A registered voice this server has not built yet (registered through another replica,
-    or before a restart) is fetched from the store and built, as for every front door; one `who`
-    may not speak with (another owner's named voice) is refused as unknown. One already built is
-    left to the stream, which asks a shared store once whether it still exists."""
-    service = state.service
-    try:
-        resolved = service.voices.resolve(voice, who)
-        voice = resolved.voice
-        if voice is None or not service.voices.may_be_registered(voice):
-            return
-        service.voices.check_use_now(voice, who, resolved.named)
-        if not service.engine.voices.has(voice):
-            await service.voices.ensure(voice, resolved.named, who)
-    except Refused as err:
-        if err.kind is ErrorKind.INVALID:
-            raise OpenAIError(400, err.message, "voice", "voice_not_found") from None
-        raise OpenAIError.from_refused(err, "voice") from None
+def _number(body: dict[str, Any], name: str, default: float) -> float:
+    value = body.get(name, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise OpenAIError(400, f"'{name}' must be a number, got {value!r}", name, "invalid_value")
+    return float(value)
+
+
+# The stream service names a request's fields as `StreamRequest` does; this door as OpenAI does.
+_OPENAI_FIELDS = {"text": "input"}
+
+
+def service_error(err: Refused) -> OpenAIError:
+    """A refusal of the stream service (its rules, its voices, its queue) in OpenAI's words: the
+    field at fault as `param`, an unknown voice as `voice_not_found`."""
+    param = _OPENAI_FIELDS.get(err.field or "", err.field)
+    if err.field is None or err.kind not in (ErrorKind.INVALID, ErrorKind.TOO_LARGE):
+        return OpenAIError.from_refused(err, param)
+    message = err.message.replace(f"field '{err.field}'", f"field '{param}'", 1)
+    code = "too_large" if err.kind is ErrorKind.TOO_LARGE else \
+        "voice_not_found" if err.field == "voice" else "invalid_value"
+    return OpenAIError(HTTP_STATUS[err.kind], message, param, code)
 
 
 def _who(request: Request, state: ServerState) -> str:
@@ -417,7 +392,7 @@ def _open(state: ServerState, request: Request, speech: StreamRequest, who: str)
         return state.service.open_stream(speech, owners=(who, f"http:{id(request)}"),
                                          log_fields={"http": client})
     except Refused as err:
-        raise OpenAIError.from_refused(err, "lora" if err.field == "lora" else None) from None
+        raise service_error(err) from None
 
 
 class SpeechResponse(Response):
@@ -467,8 +442,8 @@ class SpeechResponse(Response):
         if first is None:
             return                                       # closed: the client is gone
         if isinstance(first, Failed):
-            refusal = Refused(first.kind, first.message, first.retry_after_s)
-            await OpenAIError.from_refused(refusal).response()({"type": "http"}, _no_receive, send)
+            refusal = Refused(first.kind, first.message, first.retry_after_s, first.field)
+            await service_error(refusal).response()({"type": "http"}, _no_receive, send)
             return
         if self.whole is not None:
             await self._respond_whole(send, first, events, self.whole)

@@ -20,8 +20,7 @@ from ..engine import VOICE_MODES, ErrorKind, OptionSpec, Refused, type_name
 from ..lexicon import request_entries
 from ..service import AudioOutput, StreamRequest
 from ..service.events import Audio, Ended, Event, Failed, Flushed, Phonemes, Segment, Words
-from ..service.validation import (MAX_SAMPLE_RATE, MIN_SAMPLE_RATE, check_instructions, check_language,
-                                  check_length, check_options, check_output, check_speed)
+from ..service.validation import MAX_SAMPLE_RATE, MIN_SAMPLE_RATE, check_length, check_options
 from ..service.voice_names import with_speaker
 from ..service.voice_store import check_voice_name
 # The vocabulary both sides share, under this module's names too (`p.BUSY`, `p.encode`).
@@ -198,7 +197,7 @@ def parse_message(obj: dict[str, Any], limits: Limits, options: Mapping[str, Opt
         if kind == "start":
             return _parse_start(obj, limits, options)
         if kind == "chunk":
-            return Chunk(id=_stream_id(obj), text=_text(obj, "text", limits, allow_empty=True))
+            return Chunk(id=_stream_id(obj), text=_chunk_text(obj, limits))
         if kind == "end":
             return End(id=_stream_id(obj))
         if kind == "flush":
@@ -235,8 +234,10 @@ def _parse_start(obj: dict[str, Any], limits: Limits, specs: Mapping[str, Option
     sid = _stream_id(obj) if obj.get("id") is not None else None
     stream_input = _optional(obj, "stream_input", bool, False)
     # With input streaming the text arrives in `chunk` messages; an initial `text` is optional.
-    has_text = obj.get("text") is not None
-    text = _text(obj, "text", limits, allow_empty=stream_input) if has_text or not stream_input else ""
+    # Its type here; whether there is anything to say, and how long it may be, is the service's rule.
+    text = obj.get("text")
+    if not isinstance(text, str) and (text is not None or not stream_input):
+        raise ProtocolError(BAD_REQUEST, f"field 'text' must be a string, got {_kind(text)}", sid)
     voice = _optional(obj, "voice", str, None)
     try:
         voice = with_speaker(voice, obj.get("speaker"))
@@ -250,21 +251,15 @@ def _parse_start(obj: dict[str, Any], limits: Limits, specs: Mapping[str, Option
         raise ProtocolError(
             BAD_REQUEST, f"field 'sample_rate' must be in [{MIN_SAMPLE_RATE}, {MAX_SAMPLE_RATE}], got {rate}", sid
         )
-    speed = obj.get("speed")
-    lookahead = obj.get("lookahead_s")                 # its range is the stream service's rule
-    if lookahead is not None and (isinstance(lookahead, bool) or not isinstance(lookahead, (int, float))):
-        raise ProtocolError(BAD_REQUEST, f"field 'lookahead_s' must be a number of seconds, got {lookahead!r}", sid)
+    # Numbers here; their ranges, the instructions' length and the language tag's shape are the
+    # stream service's rules, checked once as it opens the stream.
+    speed = _number(obj, "speed", 1.0, sid)
+    lookahead = _number(obj, "lookahead_s", None, sid)
+    volume = _number(obj, "volume", 1.0, sid)
     instructions = _optional(obj, "instructions", str, None)
     language = obj.get("language", obj.get("lang_code"))
-    volume = obj.get("volume", 1.0)
-    try:                                               # the service's rules, in one place
-        speed = 1.0 if speed is None else check_speed(speed)
-        if instructions is not None:
-            check_instructions(instructions)
-        options = check_options(obj.get("options"), specs)
-        if language is not None:
-            language = check_language(language)
-        check_output(float(speed), None, volume)
+    try:
+        options = check_options(obj.get("options"), specs)       # typed by the engine's own specs
     except Refused as err:
         raise ProtocolError.from_refused(err, sid) from None
     segment_events = _optional(obj, "segment_events", bool, False)
@@ -280,7 +275,7 @@ def _parse_start(obj: dict[str, Any], limits: Limits, specs: Mapping[str, Option
     lora = _optional(obj, "lora", str, None)
     if lora == "":
         raise ProtocolError(BAD_REQUEST, "field 'lora' must name a loaded LoRA adapter", sid)
-    output = AudioOutput(fmt, rate, float(speed), None if lookahead is None else float(lookahead), float(volume))
+    output = AudioOutput(fmt, rate, speed, lookahead, volume)
     request = StreamRequest(text if (text or not stream_input) else None, voice=voice, options=options, output=output,
                             input_streaming=stream_input, instructions=instructions or None,
                             word_timestamps=word_timestamps, phoneme_timestamps=phoneme_timestamps, markup=markup,
@@ -326,17 +321,26 @@ def _required_str(obj: dict[str, Any], name: str) -> str:
     return value
 
 
-def _text(obj: dict[str, Any], name: str, limits: Limits, allow_empty: bool = False) -> str:
-    value = obj.get(name)
+def _chunk_text(obj: dict[str, Any], limits: Limits) -> str:
+    """A `chunk`'s text: a string (empty is fine), within the text limit."""
+    value = obj.get("text")
     if not isinstance(value, str):
-        raise ProtocolError(BAD_REQUEST, f"field '{name}' must be a string, got {_kind(value)}")
-    if not allow_empty and not value.strip():
-        raise ProtocolError(BAD_REQUEST, f"field '{name}' must not be empty")
+        raise ProtocolError(BAD_REQUEST, f"field 'text' must be a string, got {_kind(value)}")
     try:
-        check_length(value, limits.max_text_chars, name)
+        check_length(value, limits.max_text_chars)
     except Refused as err:
         raise ProtocolError.from_refused(err) from None
     return value
+
+
+def _number(obj: dict[str, Any], name: str, default: float | None, sid: str | None) -> float | None:
+    """An optional number (not a boolean), as a float."""
+    value = obj.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ProtocolError(BAD_REQUEST, f"field '{name}' must be a number, got {_kind(value)}", sid)
+    return float(value)
 
 
 def _optional(obj: dict[str, Any], name: str, kind: type, default: Any) -> Any:

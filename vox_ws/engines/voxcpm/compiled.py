@@ -43,7 +43,7 @@ from torch import nn
 from .cache_trust import trusted_cache_dir
 from .cuda_graphs import CapturedSolves
 from .graphs import GraphsBySize, GraphStore, bucket_of, padded
-from .kv import SlotKV, key_positions, lm_step
+from .kv import RowPlaces, SlotKV, key_positions, lm_step
 from .lora import NO_ADAPTER, RowAdapters
 
 log = logging.getLogger("vox_ws.engines.voxcpm")
@@ -125,9 +125,10 @@ def advance(model: nn.Module, base_k: list[torch.Tensor], base_v: list[torch.Ten
     [b, H], the residual LM's [b, H])."""
     stop = model.stop_head(model.stop_actn(model.stop_proj(lm_hidden))).argmax(dim=-1)
     curr_embed = encode(model, pred_feat)
-    hidden = model.fsq_layer(lm_step(model.base_lm, base_k, base_v, curr_embed, slots, positions, keys_at))
+    at = RowPlaces(slots, positions, keys_at)
+    hidden = model.fsq_layer(lm_step(model.base_lm, base_k, base_v, curr_embed, at))
     residual_in = model.fusion_concat_proj(torch.cat((hidden, curr_embed), dim=-1))
-    return stop, hidden, lm_step(model.residual_lm, residual_k, residual_v, residual_in, slots, positions, keys_at)
+    return stop, hidden, lm_step(model.residual_lm, residual_k, residual_v, residual_in, at)
 
 
 def _use_row_slots(adapters: RowAdapters | None, row_slots: torch.Tensor | None) -> None:
@@ -182,12 +183,11 @@ class EagerStep:
             return cfm_solve(self.model.feat_decoder, mu, cond, noise, timesteps, cfg)
 
     def advance(self, base_kv: SlotKV, residual_kv: SlotKV, pred_feat: torch.Tensor, lm_hidden: torch.Tensor,
-                slots: torch.Tensor, positions: torch.Tensor, keys_at: torch.Tensor, adapter_slots: list[int]
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                at: RowPlaces, adapter_slots: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """`advance` of these rows: stop flags, and both LMs' next hidden states."""
         with adapted(self.adapters, adapter_slots, gathered=False):
             return advance(self.model, base_kv.k, base_kv.v, residual_kv.k, residual_kv.v, pred_feat, lm_hidden,
-                           slots, positions, keys_at)
+                           *at)
 
 
 class CompiledStep:
@@ -243,10 +243,10 @@ class CompiledStep:
         return cfm_solve(self.model.feat_decoder, mu, cond, noise, timesteps, cfg, self._velocity_graph)
 
     def advance(self, base_kv: SlotKV, residual_kv: SlotKV, pred_feat: torch.Tensor, lm_hidden: torch.Tensor,
-                slots: torch.Tensor, positions: torch.Tensor, keys_at: torch.Tensor, adapter_slots: list[int]
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                at: RowPlaces, adapter_slots: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """`advance` through its graph for the rows' bucket (`EagerStep.advance`); a padding row
         repeats the last row's inputs but writes into the KV's padding slot."""
+        slots, positions, keys_at = at
         rows = pred_feat.shape[0]
         size = self._bucket(rows)
         padding_slots = slots.new_full((size - rows,), base_kv.padding_slot)
@@ -314,7 +314,7 @@ class CompiledStep:
             positions = torch.ones(rows, dtype=torch.long, device=device)
             self.advance(base_kv, residual_kv, solved.transpose(1, 2).contiguous(),
                          torch.zeros(rows, m.base_lm.config.hidden_size, device=device, dtype=dtype),
-                         slots, positions, key_positions([1], device), [NO_ADAPTER] * rows)
+                         RowPlaces(slots, positions, key_positions([1], device)), [NO_ADAPTER] * rows)
             self.compile_s[rows] = round(time.perf_counter() - started, 1)
             if mark_ready:
                 self.ready.add(rows)

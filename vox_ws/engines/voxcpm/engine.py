@@ -174,8 +174,8 @@ class VoxCPMEngine(Engine):
             else:
                 self._compile_in_background(path)
         # One short generation warms every code path before the first user arrives.
-        row = self.runner.prefill(build_prompt(model, "Hello.", None), seed=0, cfg_value=2.0, timesteps=2,
-                                  min_len=0, max_len=1)
+        row = self.runner.prefill(PrefillInput(build_prompt(model, "Hello.", None), seed=0, cfg_value=2.0,
+                                               timesteps=2, min_len=0, max_len=1))
         try:
             self.runner.step([row])
         finally:
@@ -302,8 +302,8 @@ class VoxCPMEngine(Engine):
         chosen, timings = 1, {}
         size = 1
         while size <= trial:
-            rows = [runner.prefill(build_prompt(model, "Sizing the slots.", None), seed=n, cfg_value=2.0,
-                                   timesteps=10, min_len=0, max_len=8) for n in range(size)]
+            rows = [runner.prefill(PrefillInput(build_prompt(model, "Sizing the slots.", None), seed=n, cfg_value=2.0,
+                                                timesteps=10, min_len=0, max_len=8)) for n in range(size)]
             try:
                 runner.step(rows)                                  # warm this batch size
                 started = time.perf_counter()
@@ -363,7 +363,7 @@ class VoxCPMEngine(Engine):
             return request.voice_pin
         cache = self.voices.book.get(request.voice)
         if request.voice is not None and cache is None:
-            raise Refused(ErrorKind.INVALID, f"unknown voice {request.voice!r}: it was deleted")
+            raise Refused(ErrorKind.INVALID, f"unknown voice {request.voice!r}: it was deleted", field="voice")
         return cache
 
     def check(self, request: GenerationRequest) -> None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -54,12 +54,21 @@ def key_positions(positions: list[int], device: Any) -> torch.Tensor:
     return torch.arange(max(positions) + 1, device=device)
 
 
+class RowPlaces(NamedTuple):
+    """Where a step's rows sit: each row's KV slot and position, and the key positions the step
+    attends over (`key_positions`)."""
+
+    slots: torch.Tensor
+    positions: torch.Tensor
+    keys_at: torch.Tensor
+
+
 def lm_step(lm: nn.Module, cache_k: list[torch.Tensor], cache_v: list[torch.Tensor], x: torch.Tensor,
-            slots: torch.Tensor, positions: torch.Tensor, keys_at: torch.Tensor) -> torch.Tensor:
+            at: RowPlaces) -> torch.Tensor:
     """MiniCPMModel.forward_step for a batch whose rows sit at different positions in their own
-    KV slots (`SlotKV.k`, `.v`). x: [B, H] -> [B, H]; `keys_at` from `key_positions`. Writes each
-    row's new K and V into its slot in place, then attends over the slot's keys up to its own
-    position."""
+    KV slots (`SlotKV.k`, `.v`). x: [B, H] -> [B, H]. Writes each row's new K and V into its
+    slot in place, then attends over the slot's keys up to its own position."""
+    slots, positions, keys_at = at
     batch = x.shape[0]
     length = keys_at.shape[0]
     if lm.rope_emb is not None:

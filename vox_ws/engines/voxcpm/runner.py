@@ -34,7 +34,7 @@ import torch
 from ...engine import EndReason
 from .decoder_process import DecoderProcess
 from .compiled import CompiledStep, EagerStep, adapted
-from .kv import SlotKV, key_positions
+from .kv import RowPlaces, SlotKV, key_positions
 from .lora import NO_ADAPTER, RowAdapters
 from .prompt import Prompt
 from .transfer import host_to_device, to_device
@@ -202,10 +202,9 @@ class BatchedVoxCPM2:
 
     # ------------------------------------------------------------------ prefill
 
-    def prefill(self, prompt: Prompt, *, seed: int, cfg_value: float, timesteps: int, min_len: int,
-                max_len: int, adapter: int = NO_ADAPTER) -> RowState:
+    def prefill(self, given: PrefillInput) -> RowState:
         """One request's prompt into a free KV slot (`prefill_many` of one)."""
-        (row,) = self.prefill_many([PrefillInput(prompt, seed, cfg_value, timesteps, min_len, max_len, adapter)])
+        (row,) = self.prefill_many([given])
         if isinstance(row, BaseException):
             raise row
         return row
@@ -393,9 +392,10 @@ class BatchedVoxCPM2:
         # Every row advances, also one that ends here (what it writes in its slot is never read):
         # the step stays one call, and its stop flags are read back once, after it is queued.
         positions = [r.position for r in rows]
+        at = RowPlaces(to_device([r.slot for r in rows], self.device), to_device(positions, self.device),
+                       key_positions(positions, self.device))
         stop, lm_next, residual_next = self._step_for(len(rows)).advance(
-            self.base_kv, self.residual_kv, pred_feat, lm_hidden, to_device([r.slot for r in rows], self.device),
-            to_device(positions, self.device), key_positions(positions, self.device), [r.adapter for r in rows])
+            self.base_kv, self.residual_kv, pred_feat, lm_hidden, at, [r.adapter for r in rows])
         latents = pred_feat.transpose(1, 2).to(torch.float32)                  # b d p  (t = 1)
         for i, (row, stops) in enumerate(zip(rows, stop.tolist())):
             if row.step > row.min_len and stops == 1:

@@ -126,7 +126,7 @@ class VoxCPMVoices(Voices):
         cache = self.book.get(voice)        # one look: the book may drop it at any time after
         if voice is not None and cache is None:
             self.check(voice)               # refused as any unknown voice
-            raise Refused(ErrorKind.INVALID, f"unknown voice {voice!r}: it was just dropped")
+            raise Refused(ErrorKind.INVALID, f"unknown voice {voice!r}: it was just dropped", field="voice")
         return cache
 
     def register(self, audio: np.ndarray, sample_rate: int, transcript: str | None, mode: str,

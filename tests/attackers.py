@@ -1,0 +1,64 @@
+"""What a hostile client does at the socket (the attacker connects from 127.0.0.2, the victim from
+127.0.0.1, as in the outside run), and checks shared by the test files of the modules it attacks."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+
+import httpx
+import pytest
+from conftest import WAIT_TIMEOUT
+from test_server_piper import SENTENCE
+from websockets.asyncio.client import connect
+from websockets.exceptions import ConnectionClosed
+
+ATTACKER = "127.0.0.2"
+
+
+def attacker_socket(port: int, rcvbuf: int | None = None, source: str = ATTACKER) -> socket.socket:
+    sock = socket.socket()
+    if rcvbuf is not None:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+    sock.bind((source, 0))
+    sock.connect(("127.0.0.1", port))
+    return sock
+
+
+def read_until_closed(sock: socket.socket) -> bytes:
+    """Everything the server sends until it closes (or resets) the connection."""
+    sock.settimeout(WAIT_TIMEOUT)
+    received = b""
+    try:
+        while piece := sock.recv(65536):
+            received += piece
+    except ConnectionResetError:
+        pass
+    return received
+
+
+def speech_headers(length: int | None, chunked: bool = False) -> bytes:
+    framing = b"Transfer-Encoding: chunked\r\n" if chunked else b"Content-Length: %d\r\n" % length
+    return (b"POST /v1/audio/speech HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n" + framing + b"\r\n")
+
+
+def assert_speaks(server) -> None:
+    """A good speech request from the victim's address is served whole."""
+    response = httpx.post(server.http + "/v1/audio/speech", json={"input": SENTENCE, "response_format": "pcm"},
+                          timeout=WAIT_TIMEOUT)
+    assert response.status_code == 200 and len(response.content) > 4800, response.text[:300]
+
+
+def _rss_mb() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+async def closed_with(server, expect_code, **kwargs):
+    """Connect and expect the server to close at once with `expect_code` (no hello)."""
+    async with connect(server.url if "url" not in kwargs else kwargs.pop("url"), **kwargs) as ws:
+        with pytest.raises(ConnectionClosed):
+            await asyncio.wait_for(ws.recv(), 10)
+        assert ws.close_code == expect_code, (ws.close_code, ws.close_reason)
+        return ws.close_reason
