@@ -5,13 +5,15 @@ requests' sinks. Other threads talk to it through one inbox of typed messages (`
 `Call`, `End`), drained at the top of each turn; `submit` alone answers at once, under the
 lock, since its queue position (or its refusal) is part of the reply to a stream's start.
 
-One turn, as vLLM v1's engine core steps (schedule -> execute -> update), taking the lock twice:
+One turn, as vLLM v1's engine core steps (schedule -> execute -> update), taking the lock twice,
+and once more where a request finished:
 
-    lock:  the last turn's finished requests leave; the inbox is drained; the queue plans
-           (expired, parked, admitted)
+    lock:  the inbox is drained; the queue plans (expired, parked, admitted)
            the ended are told; engine calls run; the admitted are prefilled together
     lock:  the prefilled start (or leave, refused); the queue picks the step's rows
            one engine step; each result to its request's sink
+    lock:  (where one finished) the finished leave their slots, and are then told: a stream's
+           next segment, or another stream, takes the slot at the very next turn
 
 The loop never touches asyncio: results go to each request's `RequestSink` (the stream service's
 thread-safe hand-off), always from this thread.
@@ -27,7 +29,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Callable, Union
 
-from ..engine import EndReason, Engine, EngineFailure, ErrorKind, GenerationRequest, Readiness, Refused, RequestStatus
+from ..engine import Engine, EngineFailure, ErrorKind, GenerationRequest, Readiness, Refused, RequestStatus
 from .queue import Ending, SlotQueue
 
 log = logging.getLogger("vox_ws.scheduling")
@@ -81,15 +83,6 @@ class SinkReaders:
         return request.sink.audio_ahead_s()
 
 
-@dataclass
-class _Stepped:
-    """What a turn's step left for the next turn's lock: who finished, and the step's figures."""
-
-    finished: list[tuple[GenerationRequest, EndReason]]
-    rows: int = 0
-    seconds: float = 0.0
-
-
 class EngineLoop:
     """Thread-safe entry points: submit, cancel, call, wake, stats, stop."""
 
@@ -111,7 +104,7 @@ class EngineLoop:
         self._on_fatal = on_fatal
         self._cond = threading.Condition()
         self._inbox: deque[Message] = deque()
-        self._stepped = _Stepped([])
+        self._step_seconds: float | None = None    # the last step's, for the stats at the next turn's lock
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="vox-ws-engine-loop", daemon=True)
         self.steps_total = 0
@@ -269,11 +262,10 @@ class EngineLoop:
             if self._stopping:
                 return None
             now = time.monotonic()
-            stepped, self._stepped = self._stepped, _Stepped([])
-            if stepped.rows:
-                self._recent_steps.append(stepped.seconds)
-            endings = [Ending(r, queue.left(r, now), reason=reason) for r, reason in stepped.finished]
-            calls = []
+            if self._step_seconds is not None:
+                self._recent_steps.append(self._step_seconds)
+                self._step_seconds = None
+            endings, calls = [], []
             while self._inbox:
                 message = self._inbox.popleft()
                 if isinstance(message, Call):
@@ -307,8 +299,8 @@ class EngineLoop:
         return refused
 
     def _step(self, group: list[GenerationRequest]) -> None:
-        """One engine step for `group`, each result to its request's sink; the finished leave at
-        the next turn's top. A failed step fails its requests; the others go on."""
+        """One engine step for `group`, each result to its request's sink; the finished leave
+        their slots, then are told. A failed step fails its requests; the others go on."""
         started = time.perf_counter()
         try:
             results = self.engine.step(group)
@@ -332,6 +324,7 @@ class EngineLoop:
         self.last_batch_size = len(group)
         if self.on_step is not None:
             self.on_step(len(group), elapsed)
+        self._step_seconds = elapsed
         finished = []
         for request, result in zip(group, results):
             request.steps += 1
@@ -339,7 +332,12 @@ class EngineLoop:
                 request.sink.deliver(result.audio, result.words, result.phonemes)
             if result.finished is not None:
                 finished.append((request, result.finished))
-        self._stepped = _Stepped(finished, len(group), elapsed)
+        if finished:
+            with self._cond:
+                now = time.monotonic()
+                endings = [Ending(request, self.queue.left(request, now), reason=reason) for request, reason in finished]
+            for ending in endings:
+                self._tell(ending)
 
     def _tell(self, ending: Ending) -> None:
         """A request that has left the queue: the engine lets its state go, and its stream is told."""
