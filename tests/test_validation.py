@@ -5,6 +5,7 @@ once per request whatever the door (counted below, on a real server)."""
 from __future__ import annotations
 
 import collections
+import threading
 import sys
 from typing import Any, Callable
 
@@ -136,3 +137,31 @@ async def test_the_services_refusals_are_worded_for_each_door(server):
             error = answer.json()["error"]
             assert answer.status_code in (400, 413) and (error["param"], error["code"]) == (param, code), error
             assert param != "input" or "'input'" in error["message"]
+
+
+class LoadsWhenLetGo(PiperEngine):
+    """Piper, its load held until the test lets it go."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.go = threading.Event()
+
+    def load(self) -> None:
+        assert self.go.wait(120)
+        super().load()
+
+
+async def test_a_bad_request_is_bad_while_the_model_loads_and_a_good_one_waits_for_it(start_server):
+    engine = LoadsWhenLetGo()
+    server = start_server(engine, wait=False)
+    try:
+        async with connect_client(server) as c:
+            fast = await c.speak("Too fast.", "a", speed=9)
+            early = await c.speak("Fine, but early.", "b")
+        assert fast.error["code"] == "bad_request" and "field 'speed'" in fast.error["message"]
+        assert early.error["code"] == "not_ready" and early.error["retryable"] is True
+    finally:
+        engine.go.set()
+    server.wait_ready()
+    async with connect_client(server) as c:
+        assert_good_stream(await c.speak("Now it is ready.", "c"))

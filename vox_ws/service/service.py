@@ -114,13 +114,13 @@ class StreamService:
         `Refused`."""
         if not self.accepting:
             raise Refused(ErrorKind.GOING_AWAY, "server shutting down: no new streams")
-        if self.devices.status != Readiness.READY:
-            raise self.devices.not_ready()
         if self.mailbox is None:
             raise RuntimeError("StreamService.start() was not awaited")
         owner = owners[0] if owners else ANY_OWNER
         resolved = self.voices.resolve(request.voice, owner)
-        checked = self._checked(request, resolved)
+        checked = self._checked(request, resolved)      # a bad request is bad, the model loaded or not
+        if self.devices.status != Readiness.READY:
+            raise self.devices.not_ready()
         self.voices.check_use_now(checked.voice, owner, resolved.named)
         spoken = self._spoken(checked)
         engine_loop = self.devices.place()          # the stream stays on this device to its end
