@@ -8,12 +8,18 @@ import asyncio
 import msgpack
 import pytest
 from attackers import closed_with
-from conftest import assert_good_stream, connect_client
+from conftest import assert_good_stream, connect_client, wait_until
 from test_server_piper import SENTENCE
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 from vox_ws.engines.piper import PiperEngine
+
+
+@pytest.fixture(scope="module")
+def guarded(start_server):
+    return start_server(PiperEngine(), tokens=["alpha", "beta"], admin_tokens=["root"],
+                        allow_origins=["https://app.example"])
 
 
 @pytest.mark.hardening
@@ -28,19 +34,15 @@ async def test_two_authorization_headers_are_refused_quietly(guarded, caplog):
         assert_good_stream(await c.speak(SENTENCE, "ok"))
 
 
-@pytest.fixture(scope="module")
-def guarded(start_server):
-    return start_server(PiperEngine(), tokens=["alpha", "beta"], admin_tokens=["root"],
-                        allow_origins=["https://app.example"])
-
-
 @pytest.mark.hardening
 async def test_connections_without_a_valid_token_are_refused_before_any_work(guarded):
+    await wait_until(lambda: not guarded.server.sessions)       # the module's earlier clients have gone
+    steps = guarded.devices.stats()["steps_total"]
     reason = await closed_with(guarded, 4001)
     assert "unauthorized" in reason
     await closed_with(guarded, 4001, additional_headers={"Authorization": "Bearer wrong"})
     await closed_with(guarded, 4001, url=guarded.url + "?token=alph")
-    assert guarded.devices.stats()["steps_total"] == 0 and not guarded.server.sessions
+    assert guarded.devices.stats()["steps_total"] == steps and not guarded.server.sessions
 
 
 @pytest.mark.hardening
