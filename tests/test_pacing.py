@@ -55,7 +55,6 @@ async def test_a_stock_websockets_client_playing_in_real_time_hears_a_three_minu
     `lookahead_s` the server stays a few seconds ahead of them, so their pongs are never stuck
     behind a minute of audio, and they hear the whole text."""
     import msgpack
-    from test_adversarial import STORY
     from websockets.asyncio.client import connect
 
     server = start_server(PiperEngine(), slots=2)

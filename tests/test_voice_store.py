@@ -716,7 +716,6 @@ async def test_a_redis_that_refuses_writes_is_not_ready_and_every_request_is_ans
     import redis.asyncio
     from conftest import RedisServer
     from test_stream_service import tone_wav
-    from test_voice_store import register, speak, tiny_server
 
     store = RedisServer(str(tmp_path))
     try:
@@ -774,7 +773,6 @@ def test_the_built_voices_are_a_cache_the_least_recently_used_leave(monkeypatch)
 async def test_voice_churn_through_one_replica_never_fills_another(start_server, tiny_model, redis_server,
                                                                   monkeypatch):
     import redis.asyncio
-    from test_voice_store import register, speak, tiny_server
 
     from vox_ws.engines.voxcpm import voices
 
