@@ -366,7 +366,7 @@ class EngineLoop:
                 call.future.set_exception(Refused(ErrorKind.INTERNAL, self.error))
         self.ready_event.set()
         for ending in ended:                      # pushed out before the engine died: told why
-            ending.request.sink.fail(ending.kind, ending.message, ending.retry_after_s)
+            self._tell(ending)
         for request in orphans:
             request.sink.fail(ErrorKind.INTERNAL, self.error)
         if self._on_fatal is not None:
