@@ -125,6 +125,7 @@ async def test_the_services_refusals_are_worded_for_each_door(server):
     async with connect_client(server) as c:
         fast = await c.speak("Too fast.", "a", speed=9)
         empty = await c.speak("   ", "b")
+        assert_good_stream(await c.speak("Then a good one.", "c"))      # the connection goes on
     assert (fast.error["code"], empty.error["code"]) == ("bad_request", "bad_request")
     assert "field 'speed'" in fast.error["message"] and "empty" in empty.error["message"]
     async with httpx.AsyncClient(base_url=server.http, timeout=60) as http:
@@ -137,6 +138,8 @@ async def test_the_services_refusals_are_worded_for_each_door(server):
             error = answer.json()["error"]
             assert answer.status_code in (400, 413) and (error["param"], error["code"]) == (param, code), error
             assert param != "input" or "'input'" in error["message"]
+        good = await http.post("/v1/audio/speech", json={"model": "tts-1", "input": "Hi.", "response_format": "pcm"})
+        assert good.status_code == 200 and good.content
 
 
 class LoadsWhenLetGo(PiperEngine):
