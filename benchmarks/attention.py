@@ -9,6 +9,14 @@ its own length (the mask), with the kernel each runs on:
 
     python -m benchmarks.attention [--device cuda] [--dtype bfloat16] [--batches 1,8,32,64]
                                    [--lengths 100,1000]
+
+`--gather` measures instead what the step pays before the attention: each row's keys and
+values gathered out of its KV slot (`layer_k[slots, :, :length]`, as `kv.lm_step` does, from a
+cache of one slot per row plus the padding slot, `--max-len` positions each), against the
+attention over what was gathered; at 4,000 and 8,000 positions the gather is the copy of every
+row's whole prefix, twice a layer:
+
+    python -m benchmarks.attention --gather --lengths 4000,8000 [--device cuda --dtype bfloat16]
 """
 
 from __future__ import annotations
@@ -86,6 +94,36 @@ def run(device: str, dtype: str, batches: list[int], lengths: list[int], repeats
     return rows
 
 
+def gather_rows(device: str, dtype: str, batches: list[int], lengths: list[int], max_len: int,
+                repeats: int = 20) -> list[dict]:
+    """Per batch and length: the gather of K and V out of the slots, and the attention after it."""
+    import torch
+
+    from vox_ws.engines.voxcpm.kv import attend
+
+    device_, dtype_ = torch.device(device), getattr(torch, dtype)
+    rows = []
+    with torch.inference_mode():
+        for length in lengths:
+            for batch in batches:
+                cache_k = torch.zeros(batch + 1, KV_HEADS, max(max_len, length), HEAD_DIM, device=device_, dtype=dtype_)
+                cache_v = torch.zeros_like(cache_k)
+                slots = torch.randperm(batch, device=device_)
+
+                def gather(k=cache_k, v=cache_v, s=slots, n=length):
+                    return k[s, :, :n], v[s, :, :n]
+
+                q, _, _, mask = inputs(batch, length, device_, dtype_)
+                keys, values = gather()
+                rows.append({"batch": batch, "length": length,
+                             "gather_ms": round(time_ms(gather, (), device_, repeats), 4),
+                             "attend_ms": round(time_ms(attend, (q, keys, values, mask), device_, repeats), 4)})
+                del cache_k, cache_v, keys, values
+                if device_.type == "cuda":
+                    torch.cuda.empty_cache()
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cpu")
@@ -95,10 +133,25 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--json", help="write the results to this file")
+    ap.add_argument("--gather", action="store_true", help="the KV gather against the attention after it")
+    ap.add_argument("--max-len", type=int, default=8192, help="positions a KV slot holds (--gather)")
     args = ap.parse_args(argv)
     import torch
 
     torch.set_num_threads(args.threads)
+    if args.gather:
+        rows = gather_rows(args.device, args.dtype, [int(b) for b in args.batches.split(",")],
+                           [int(n) for n in args.lengths.split(",")], args.max_len, args.repeats)
+        print(f"# the decode's KV gather (K and V) against the attention after it: {args.device}, {args.dtype}, "
+              f"{args.threads} thread(s), median of {args.repeats}")
+        print(f"{'B':>3} {'length':>6} {'gather ms':>10} {'attend ms':>10} {'gather/attend':>14}")
+        for r in rows:
+            print(f"{r['batch']:>3} {r['length']:>6} {r['gather_ms']:>10.3f} {r['attend_ms']:>10.3f} "
+                  f"{r['gather_ms'] / r['attend_ms']:>14.2f}")
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"device": args.device, "dtype": args.dtype, "gather": rows}, f, indent=1)
+        return 0
     rows = run(args.device, args.dtype, [int(b) for b in args.batches.split(",")],
                [int(n) for n in args.lengths.split(",")], args.repeats)
     print(f"# decode attention, {HEADS} query heads over {KV_HEADS} KV heads of {HEAD_DIM}: {args.device}, "

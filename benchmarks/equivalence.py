@@ -16,11 +16,12 @@ in one batch, each against the package with only its own adapter loaded.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 
@@ -59,10 +60,46 @@ def scenario(wavs: dict[str, Path]) -> list[tuple[str, int, int, tuple | None, d
     ]
 
 
-def reference_audio(tts: Any, text: str, seed: int, voice: tuple | None = None, **options: Any) -> np.ndarray:
-    """The package alone: its public streaming API, one request, seeded global RNG."""
-    import torch
+class SeededNoise:
+    """What `torch` is to the package's CFM module while the package speaks one request: the
+    same module, but its noise draws are the runner's for that request's seed, one step a draw
+    (`noise.noise_for`). The runner's noise is counter-based, not a generator's sequence; given
+    the same noise, the package and the runner must make the same audio."""
 
+    def __init__(self, torch: Any, seed: int) -> None:
+        self._torch = torch
+        self._seed = seed
+        self._step = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._torch, name)
+
+    def randn(self, shape: tuple[int, ...], *, device: Any = None, dtype: Any = None, **_: Any) -> Any:
+        from vox_ws.engines.voxcpm.noise import noise_for
+
+        rows, *rest = shape
+        noise = self._torch.cat([noise_for(self._seed, self._step, tuple(rest), dtype, device) for _ in range(rows)])
+        self._step += 1
+        return noise
+
+
+@contextlib.contextmanager
+def package_noise(seed: int) -> Iterator[None]:
+    """While the package speaks one request in the block, its CFM draws the runner's noise for
+    `seed` (`SeededNoise`)."""
+    import torch
+    from voxcpm.modules.locdit import unified_cfm
+
+    unified_cfm.torch = SeededNoise(torch, seed)
+    try:
+        yield
+    finally:
+        unified_cfm.torch = torch
+
+
+def reference_audio(tts: Any, text: str, seed: int, voice: tuple | None = None, **options: Any) -> np.ndarray:
+    """The package alone: its public streaming API, one request, its CFM's noise the runner's
+    for `seed` (`SeededNoise`)."""
     kwargs = {}
     if voice is not None:
         mode, path, transcript = voice
@@ -70,8 +107,8 @@ def reference_audio(tts: Any, text: str, seed: int, voice: tuple | None = None, 
             kwargs["reference_wav_path"] = str(path)
         if mode in ("continuation", "both"):
             kwargs.update(prompt_wav_path=str(path), prompt_text=transcript)
-    torch.manual_seed(seed)
-    chunks = list(tts.generate_streaming(text=text, retry_badcase=False, **kwargs, **options))
+    with package_noise(seed):
+        chunks = list(tts.generate_streaming(text=text, retry_badcase=False, **kwargs, **options))
     return np.concatenate(chunks)
 
 
@@ -128,7 +165,7 @@ def run_batched(model: Any, requests: list, slots: int = 4, decode_process: bool
             batch_sizes.append(len(ids))
             for i, (audio, reason) in zip(ids, runner.step([rows[i] for i in ids])):
                 if audio is not None:    # with the decoder process, a step's audio comes with the next
-                    outputs[i].append(audio.float().cpu().numpy())
+                    outputs[i].append(audio)
                 if reason is not None:
                     runner.release(rows.pop(i))
         step += 1

@@ -236,6 +236,29 @@ def _burst(scheduler: Any, engine: Any, n: int, length: int, steps: _Steps, seed
             "steps": len(ran), "largest_step_rows": max((r for r, _ in ran), default=0)}
 
 
+def loop_of(engine: Any, slots: int) -> tuple[Any, "_Steps"]:
+    """`engine` behind an engine loop of `slots` slots, started, with a recorder of its steps."""
+    from vox_ws.scheduling.loop import EngineLoop
+
+    scheduler = EngineLoop(engine, slots=slots, max_queue=slots)
+    steps = _Steps()
+    scheduler.on_step = steps
+    scheduler.start()
+    return scheduler, steps
+
+
+def loaded(scheduler: Any, engine: Any, started: float, device: str) -> dict[str, Any]:
+    """Once the loop's engine is ready (else its error): the load's seconds since `started`,
+    its slots, attention kernel, dtype and memory."""
+    scheduler.ready_event.wait()
+    if scheduler.status != "ready":
+        raise RuntimeError(scheduler.error)
+    info = engine.describe()
+    return {"seconds": round(time.perf_counter() - started, 1), "slots": info["slots"], "step_rows": info["step_rows"],
+            "slots_reason": scheduler.slots_reason, "attention": info["attention"], "dtype": info["dtype"],
+            **_memory(device)}
+
+
 def run_bursts(model_dir: str, device: str, ns: list[int], threads: int, length: int = 25,
                compile: str = "off", compile_cache: str | None = None, compile_buckets: tuple[int, ...] | None = None,
                compile_wait_s: float = 0.0, report: Any = None) -> dict:
@@ -244,7 +267,6 @@ def run_bursts(model_dir: str, device: str, ns: list[int], threads: int, length:
     not off: as a default start serves), then compiled once the background compile is done
     (waited for `compile_wait_s` at most). `report(partial)` is called after each figure."""
     from vox_ws.engines.voxcpm.engine import VoxCPMEngine
-    from vox_ws.scheduling.loop import EngineLoop
 
     result: dict[str, Any] = {"text": BURST_TEXT, "length_patches": length, "ns": ns}
     tell = report or (lambda _: None)
@@ -252,18 +274,10 @@ def run_bursts(model_dir: str, device: str, ns: list[int], threads: int, length:
     started = time.perf_counter()
     engine = VoxCPMEngine(model=model_dir, device=device, threads=threads, slots=slots, compile=compile,
                           compile_cache=compile_cache, compile_buckets=compile_buckets, compile_wait=False)
-    scheduler = EngineLoop(engine, slots=slots, max_queue=slots)
-    steps = _Steps()
-    scheduler.on_step = steps
-    scheduler.start()
+    scheduler, steps = loop_of(engine, slots)
     try:
-        scheduler.ready_event.wait()
-        if scheduler.status != "ready":
-            raise RuntimeError(scheduler.error)
+        result["load"] = loaded(scheduler, engine, started, device)
         info = engine.describe()
-        result["load"] = {"seconds": round(time.perf_counter() - started, 1), "slots": info["slots"],
-                          "step_rows": info["step_rows"], "slots_reason": scheduler.slots_reason,
-                          "attention": info["attention"], "dtype": info["dtype"], **_memory(device)}
         tell(result)
         result["serial"] = scheduler.call(lambda: _serial_once(engine, length)).result(timeout=600)
         tell(result)
@@ -377,7 +391,7 @@ def profile_step(model_dir: str, device: str, threads: int, batch_sizes: list[in
     engine = VoxCPMEngine(model=model_dir, device=device, threads=threads, slots=max(batch_sizes))
     engine.load()
     runner = engine.runner
-    generate, decoder = runner._generate, runner._decoder
+    generate, decoder = runner._generate, runner.decoding.process
     runner._generate = timed("generate", generate)
     if decoder is not None:
         decoder.wait = timed("waiting_for_decoder", decoder.wait)

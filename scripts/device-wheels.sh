@@ -4,6 +4,7 @@
 # scipy, scikit-learn, numba, and no network), downloaded here into .whl/ (ignored by git) for
 # Python 3.12 on x86-64 Linux, at the versions this project's .venv tests. Then, on the device:
 #   python3 -m benchmarks.device_check --out "$OUT"      (the run carries .whl and installs it)
+# A --device cuda run that finds no wheels in .whl fails in its first seconds, before any model load.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python=.venv/bin/python

@@ -489,3 +489,26 @@ def redis_server(tmp_path_factory):
     server = RedisServer(str(tmp_path_factory.mktemp("redis")))
     yield server
     server.stop()
+
+
+def speak_rows(runner: Any, texts: list[str], timesteps: int = 10, max_len: int = 8) -> list[Any]:
+    """Each text a request (seed: its index) through a `BatchedVoxCPM2` runner, all admitted at
+    once, stepped to their ends: each one's audio."""
+    import numpy as np
+
+    from vox_ws.engines.voxcpm.prompt import build_prompt
+    from vox_ws.engines.voxcpm.runner import PrefillInput
+
+    rows = runner.prefill_many([PrefillInput(build_prompt(runner.model, text, None), seed=i, cfg_value=2.0,
+                                             timesteps=timesteps, min_len=2, max_len=max_len)
+                                for i, text in enumerate(texts)])
+    audio: dict[int, list] = {i: [] for i in range(len(rows))}
+    live = dict(enumerate(rows))
+    while live:
+        ids = list(live)
+        for i, (chunk, reason) in zip(ids, runner.step([live[i] for i in ids])):
+            if chunk is not None:
+                audio[i].append(chunk)
+            if reason is not None:
+                runner.release(live.pop(i))
+    return [np.concatenate(audio[i]) for i in range(len(rows))]

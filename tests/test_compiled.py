@@ -54,8 +54,8 @@ def test_auto_leaves_the_step_eager_on_a_cpu(tiny_model):
     try:
         assert engine.compiled is None and engine.runner.compiled is None
         assert engine.describe()["compile"] == {"mode": "auto", "compiled": False, "precompile": None,
-                                                "cuda_graphs": None, "buckets": [], "compile_s": {},
-                                                "graphs": {"loaded": 0, "compiled": 0}}
+                                                "cuda_graphs": None, "mismatched": {}, "buckets": [],
+                                                "compile_s": {}, "graphs": {"loaded": 0, "compiled": 0}}
     finally:
         engine.close()
 
@@ -472,6 +472,27 @@ def test_auto_on_a_cpu_measures_each_bucket_and_uses_it_only_where_it_is_faster(
     assert engine.background.status == "done"
 
 
+def test_a_background_compile_with_every_graph_in_the_cache_loads_no_model(tiny_model, background_cache):
+    """The first child loads the model and compiles the bucket's graphs (or finds them there),
+    and leaves a record of them; the second finds the record and every graph it names, and says
+    each bucket is there without loading the model. The engine adopts what it says alike."""
+    from vox_ws.engines.voxcpm.background import BackgroundCompile
+
+    settings = {"model": str(tiny_model), "device": "cpu", "threads": 1, "buckets": [1],
+                "cache": str(background_cache), "lora_rank": 0, "lora_alpha": 0, "max_loras": 1}
+    for run in ("first", "second"):
+        background = BackgroundCompile(settings)
+        try:
+            background._reader.join(BACKGROUND_BOUND_S)      # to the child's end
+        finally:
+            background.close()
+        described = background.describe()
+        assert described["status"] == "done" and described["compiled"] == [1], described
+        assert described["cached"] is (run == "second"), described
+    events = [e["event"] for e in background.arrived()]
+    assert events == ["started", "bucket", "decode", "done"]
+
+
 def test_a_graphs_key_names_the_cuda_and_triton_versions_and_the_gpu_it_was_built_for(tmp_path):
     from vox_ws.engines.voxcpm import graphs
 
@@ -556,10 +577,10 @@ def test_vox_ws_compile_refuses_what_has_nothing_to_compile():
 
 
 def test_cuda_graphs_are_refused_where_they_cannot_be_had(tiny_model):
-    """`--cuda-graphs` replays the compiled CFM solve on a CUDA device: refused, with what it
+    """`--cuda-graphs` replays the compiled whole step on a CUDA device: refused, with what it
     needs, without the compiled step, with LoRA slots, or on another device (measured on a GPU by
-    `benchmarks.device_check`, which compares its audio with the solve it replays)."""
-    from vox_ws.engines.voxcpm.cuda_graphs import CapturedSolves
+    `benchmarks.device_check`, which compares its audio with the eager step's)."""
+    from vox_ws.engines.voxcpm.cuda_graphs import CudaCapture
 
     with pytest.raises(ValueError, match="needs --compile on or auto"):
         VoxCPMEngine(model=str(tiny_model), device="cpu", compile="off", cuda_graphs=True)
@@ -572,7 +593,7 @@ def test_cuda_graphs_are_refused_where_they_cannot_be_had(tiny_model):
     finally:
         engine.close()
     with pytest.raises(ValueError, match="needs a CUDA device"):
-        CapturedSolves(lambda *args: None, torch.device("cpu"))
+        CudaCapture(torch.device("cpu"))
 
 
 def test_a_compile_cache_that_may_not_be_used_falls_back_to_one_private_directory_removed_at_exit(tmp_path):

@@ -100,7 +100,7 @@ async def test_one_device_failing_leaves_the_others_serving(start_server):
     async with connect_client(server) as c:
         await c.send({"type": "start", "id": "doomed", "text": "DIE now please."})     # device 0
         error = await c.error("doomed")
-        assert error["code"] == "internal"
+        assert error["code"] == "unavailable" and error["retryable"] is True
         info = server.get("/v1/info")[1]
         assert [d["status"] for d in info["devices"]] == ["failed", "ready"]
         assert info["status"] == "ready" and server.get("/readyz")[0] == 200

@@ -1,7 +1,8 @@
 """The device check (`benchmarks.device_check`) end to end on the CPU with the tiny model (its GPU
-run needs a lent device), with what the device lacks made unimportable: every step in its own
-process group, the JSON written after each, a step that fails or runs out of time costing only
-itself and keeping what it measured, no process of a step left behind; and the wheels it carries
+run needs a lent device), with what the device lacks made unimportable: its steps in their order,
+each in its own process group, the JSON and every step's log written after each, a step that
+fails or runs out of time costing only itself and keeping what it measured, no process of a step
+left behind; a GPU run that did not carry the wheels failing at once; and the wheels it carries
 to the device."""
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+import tarfile
 import threading
 import time
 import zipfile
@@ -21,7 +23,8 @@ import pytest
 from benchmarks.device_check import STEPS, _reporter, _run_step
 from benchmarks.device_stack import missing_modules, write_sitecustomize
 
-# Every step of the check on a CPU: some 2.5 min here, the compile of one bucket most of it.
+# Every step of the check on a CPU: some 3 min here, the compile of one bucket and the overrun's
+# 40 s most of it.
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -57,17 +60,30 @@ def test_the_blocker_hides_what_the_device_lacks_and_the_check_imports_without_i
 
 
 def test_the_device_check_runs_on_a_cpu_with_only_the_devices_packages(tmp_path):
+    """One whole run, in the new order, with the steps step made to overrun: it blocks after its
+    first figure (`--overrun`) and is killed at its time-out, keeping that figure, and the run
+    goes on to the steps after it."""
     out = tmp_path / "out"
+    # One torch thread: the step's threads beside its decoder process on a 2-core host, or beside
+    # another run, spin against each other (the scheduler's bursts took 16 s with one thread and
+    # 366-480 s with two on this host shared with other runs).
     run = subprocess.run([sys.executable, "-m", "benchmarks.device_check", "--device", "cpu", "--size", "tiny",
-                          "--out", str(out)],
+                          "--out", str(out), "--overrun", "steps=40", "--threads", "1"],
                          capture_output=True, text=True, timeout=880, cwd=ROOT, env=_device_stack_env(tmp_path))
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     report = json.loads((out / "device-check.json").read_text())
-    assert list(report["steps"]) == [name for name, _, _ in STEPS]
-    assert all(step["status"] == "ok" and step["expected_s"] > 0 for step in report["steps"].values())
+    assert run.returncode == 1, run.stdout[-3000:] + run.stderr[-3000:]
+    order = ["environment", "checkpoint", "scheduler", "steps", "attention", "compiled", "equivalence"]
+    assert [name for name, _, _ in STEPS] == order and list(report["steps"]) == order
+    assert {name for name, step in report["steps"].items() if step["status"] != "ok"} == {"steps"}, \
+        {name: step.get("error", "")[-1500:] for name, step in report["steps"].items()}
+    assert all(step["expected_s"] > 0 for step in report["steps"].values())
     assert sum(expected for _, _, expected in STEPS) <= 480 and report["budget_s"] == 540
+    # The card labels every figure: this CPU has no GPU, and says so.
+    assert report["card"] == "no GPU" or report["gpu"]["driver"]
+    assert all(step["card"] == "CPU" for step in report["steps"].values())
     result = {name: step["result"] for name, step in report["steps"].items()}
     environment = result["environment"]
+    assert environment["nvidia_smi"] == report["gpu"]
     assert environment["web_stack"] is False and environment["precompile"] is True
     assert environment["attention_kernel"]["after"] in ("flash_attention", "efficient_attention", "math")
     assert {"typing_extensions", "numba", "anyio"} <= set(environment["packages"])
@@ -80,22 +96,56 @@ def test_the_device_check_runs_on_a_cpu_with_only_the_devices_packages(tmp_path)
                for r in eager)
     # N requests sent at once share steps: the largest step of a burst carries all of them.
     assert [r["largest_step_rows"] for r in eager] == [1, 32, 64]
-    steps = result["steps"]["results"]
-    assert [(r["context"], r["batch"]) for r in steps] == [(c, b) for c in ("short", "long") for b in (1, 8, 32, 64)]
-    assert all(r["cfm_ms"] > 0 and r["advance_ms"] > 0 and r["vae_ms"] > 0 for r in steps)
-    assert all(r["positions"] == 1000 for r in steps if r["context"] == "long")
+    # Nothing waits for a compile: no compiled round (a CPU's scheduler starts none).
+    assert "compiled" not in scheduler and scheduler["background"] is None
+    # Killed at its time-out, the steps step keeps the figure it wrote: 4,000 positions asked,
+    # the tiny model's max_length allows fewer.
+    steps = report["steps"]["steps"]
+    assert steps["status"] == "timeout" and steps["timeout_s"] == 40 and steps["error"].startswith("over its 40 s")
+    partial = steps["result"]
+    assert partial["partial"] is True and partial["captured"]["status"] == "no CUDA"
+    assert partial["contexts"] == [{"asked": asked, "positions": partial["max_length"] - 16} for asked in (4000, 8000)]
+    (first,) = partial["results"]
+    assert first["context"] == 4000 and first["positions"] == partial["max_length"] - 16 and first["batch"] == 1
+    assert first["cfm_ms"] > 0 and first["advance_ms"] > 0 and first["vae_ms"] > 0
     assert all(r["max_abs_diff"] < 1e-4 for r in result["attention"]["results"])
-    assert result["equivalence"]["equal"]
     compiled = result["compiled"]
-    # One compile of one bucket in the step's process; a fresh process loads every graph.
-    assert compiled["precompile"] is True and compiled["graphs_first"]
+    # One compile of one bucket in the step's process, given what was left of the run's time; a
+    # fresh process loads every graph; compiled and eager agree.
+    assert compiled["precompile"] is True and compiled["graphs_first"] and compiled["given_s"] > 60
     assert {g[1] for g in compiled["graphs_first"]} == {"compiled"}
     assert len(compiled["graphs_second"]) == len(compiled["graphs_first"])
     assert {g[1] for g in compiled["graphs_second"]} == {"loaded"}
     assert compiled["step_ms"]["eager_ms"] > 0 and compiled["step_ms"]["compiled_ms"] > 0
+    assert len(compiled["comparison"]["max_abs_diff"]) == 3 and compiled["comparison"]["max_abs_diff"][0] < 1e-3
+    assert result["equivalence"]["equal"] and result["equivalence"]["loads"] == 1
     table = (out / "device-check.txt").read_text()
     assert "ttfa p50" in table and "equal within" in table and "precompile on" in table
+    assert f"card: {report['gpu']['line']}" in table and "on CPU" in table and "no CUDA" in table
     assert "OpenBMB/VoxCPM issue #374" in table and "its README" in table and "vLLM-Omni" in table
+    # Every step's log, a passing step's too, and the run's own.
+    with tarfile.open(out / "logs.tar.gz") as tar:
+        logs = {member.name: tar.extractfile(member).read().decode() for member in tar.getmembers()}
+    assert {f"logs/{name}.log" for name in order} | {"logs/run.log", "logs/compiled-reload.log"} <= set(logs)
+    assert "== steps: timeout" in logs["logs/run.log"] and "== equivalence: ok" in logs["logs/run.log"]
+    assert report["gpu"]["line"] in logs["logs/run.log"]
+
+
+def test_a_gpu_run_without_the_wheels_fails_before_any_step_starts(tmp_path):
+    """The device has no network: a run that did not carry `.whl` says so at once, loads no
+    model, and keeps its report and log."""
+    out = tmp_path / "out"
+    run = subprocess.run([sys.executable, "-m", "benchmarks.device_check", "--device", "cuda", "--out", str(out),
+                          "--wheels", str(tmp_path / "not-carried")],
+                         capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert run.returncode == 1, run.stderr[-3000:]
+    report = json.loads((out / "device-check.json").read_text())
+    environment = report["steps"]["environment"]
+    assert environment["status"] == "failed" and "scripts/device-wheels.sh" in environment["error"]
+    assert {step["status"] for name, step in report["steps"].items() if name != "environment"} == {"skipped"}
+    with tarfile.open(out / "logs.tar.gz") as tar:
+        assert tar.getnames() == ["logs/run.log"]
+    assert "no wheels in" in (out / "device-check.txt").read_text()
 
 
 def test_a_step_that_fails_costs_only_itself_and_keeps_what_it_measured(tmp_path):

@@ -18,6 +18,7 @@ import pytest
 import torch
 from conftest import assert_good_stream, connect_client
 
+from benchmarks.equivalence import package_noise
 from vox_ws.engines.voxcpm.engine import VoxCPMEngine
 from vox_ws.testing.lora_adapters import RandomAdapter, package_model, write_adapter
 
@@ -94,8 +95,8 @@ def package_audio(tiny_model, adapters: Path, adapter: str | None, seed: int, ma
         tts = package_model(tiny_model, rank, alpha)
         loaded, skipped = tts.tts_model.load_lora_weights(str(adapters / adapter))
         assert loaded and not skipped
-    torch.manual_seed(seed)
-    return np.concatenate(list(tts.generate_streaming(text=TEXT, retry_badcase=False, max_len=max_len)))
+    with package_noise(seed):       # the server's noise for that seed
+        return np.concatenate(list(tts.generate_streaming(text=TEXT, retry_badcase=False, max_len=max_len)))
 
 
 def assert_is_the_packages(result, tiny_model, adapters, adapter: str | None, seed: int, max_len: int) -> None:

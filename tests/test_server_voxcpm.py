@@ -20,6 +20,7 @@ from conftest import WAIT_TIMEOUT, connect_client, wait_until
 from conftest import assert_good_stream as _assert_good_stream
 from websockets.exceptions import ConnectionClosed
 
+from benchmarks.equivalence import package_noise
 from vox_ws.engines.voxcpm.engine import VoxCPMEngine
 from vox_ws.engines.voxcpm.loading import import_voxcpm
 from vox_ws.engines.voxcpm.prompt import prompt_positions
@@ -55,8 +56,8 @@ def voxcpm_server(start_server, tiny_model, tmp_path_factory):
 
 def reference(tiny_model, text: str, seed: int, **options) -> np.ndarray:
     tts = import_voxcpm().VoxCPM.from_pretrained(str(tiny_model), load_denoiser=False, optimize=False, device="cpu")
-    torch.manual_seed(seed)
-    return np.concatenate(list(tts.generate_streaming(text=text, retry_badcase=False, **options)))
+    with package_noise(seed):       # the server's noise for that seed
+        return np.concatenate(list(tts.generate_streaming(text=text, retry_badcase=False, **options)))
 
 
 def assert_each_is_the_packages(tiny_model, plan, results) -> None:
@@ -421,7 +422,7 @@ def test_the_decoder_process_starts_with_the_engine_and_ends_with_the_scheduler(
     scheduler = EngineLoop(engine, slots=2)
     scheduler.start()
     assert scheduler.ready_event.wait(WAIT_TIMEOUT) and scheduler.status == "ready"
-    process = engine.runner._decoder._proc
+    process = engine.runner.decoding.process._proc
     assert process.poll() is None, "ready means the decoder process is up and warm"
     scheduler.stop()
     assert process.wait(10) == 0
@@ -453,7 +454,7 @@ def speak_through(runner, text: str, *, seed: int, min_len: int, max_len: int) -
         while True:
             [(chunk, reason)] = runner.step([row])
             if chunk is not None:
-                audio.append(chunk.numpy())
+                audio.append(chunk)
             if reason is not None:
                 return np.concatenate(audio)
     finally:
@@ -472,7 +473,7 @@ def test_a_runners_decoder_process_serves_the_next_runner_and_says_the_same(tiny
     try:
         model = engine.tts.tts_model
         first = engine.runner
-        assert first.decodes_in_process and set(_decoder_processes()) - others == {first._decoder.pid}
+        assert first.decodes_in_process and set(_decoder_processes()) - others == {first.decoding.process.pid}
         decoder = first.take_decoder()
         first.close()                                   # leaves the process running
         second = BatchedVoxCPM2(model, 2, decoder=decoder)
@@ -505,16 +506,16 @@ async def test_a_load_that_fails_stops_the_decoder_process_it_started(start_serv
 
 @pytest.mark.slow
 async def test_decoder_process_death_fails_every_stream_and_stops_the_server(start_server, tiny_model, two_cpus):
-    """The engine cannot decode without it: like any death of the engine thread, every stream
-    gets `internal`, connections close with 1011 and the server exits with code 3."""
+    """The engine cannot decode without it (`EngineFailure`): every stream gets `unavailable`,
+    connections close with 1011 and the server exits with code 3."""
     engine = VoxCPMEngine(model=str(tiny_model), device="cpu", slots=2)
     server = start_server(engine, slots=2)
     async with connect_client(server) as c:
         await c.send({"type": "start", "id": "victim", "text": "A long text that takes many steps to say."})
         await c.recv_where(lambda m: m["type"] == "chunk" and m["id"] == "victim")
-        os.kill(engine.runner._decoder.pid, signal.SIGKILL)
+        os.kill(engine.runner.decoding.process.pid, signal.SIGKILL)
         error = await c.recv_where(lambda m: m["type"] == "error")
-        assert error["id"] == "victim" and error["code"] == "internal"
+        assert error["id"] == "victim" and error["code"] == "unavailable"
         assert "decoder process" in error["message"], error
         with pytest.raises(ConnectionClosed):
             while True:

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -119,16 +121,22 @@ def test_prompts_prefilled_together_equal_each_prefilled_alone(tiny_model):
     inputs = [PrefillInput(p, seed=i, cfg_value=2.0, timesteps=4, min_len=0, max_len=20) for i, p in enumerate(prompts)]
     together = runner.prefill_many(inputs)
     alone = [runner.prefill_many([given])[0] for given in inputs]
+    state = runner.state
     for a, b in zip(together, alone):
         assert a.position == b.position
-        torch.testing.assert_close(a.lm_hidden, b.lm_hidden, rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(a.residual_hidden, b.residual_hidden, rtol=1e-5, atol=1e-5)
-        assert torch.equal(a.prefix_cond, b.prefix_cond)
+        torch.testing.assert_close(state.lm_hidden[a.slot], state.lm_hidden[b.slot], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(state.residual_hidden[a.slot], state.residual_hidden[b.slot], rtol=1e-5, atol=1e-5)
+        assert torch.equal(state.prefix_cond[a.slot], state.prefix_cond[b.slot])
+        assert state.cfg[a.slot] == state.cfg[b.slot] == 2.0
+        # The prompt's positions; past them a group's padding, which the row writes over (at its
+        # position) before it attends to it.
         for kv in (runner.base_kv, runner.residual_kv):
             for layer in range(len(kv.k)):
-                torch.testing.assert_close(kv.k[layer][a.slot], kv.k[layer][b.slot], rtol=1e-5, atol=1e-5)
-                torch.testing.assert_close(kv.v[layer][a.slot], kv.v[layer][b.slot], rtol=1e-5, atol=1e-5)
-    assert not torch.allclose(together[0].lm_hidden, together[1].lm_hidden)
+                torch.testing.assert_close(kv.k[layer][a.slot, :, :a.position], kv.k[layer][b.slot, :, :a.position],
+                                           rtol=1e-5, atol=1e-5)
+                torch.testing.assert_close(kv.v[layer][a.slot, :, :a.position], kv.v[layer][b.slot, :, :a.position],
+                                           rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(state.lm_hidden[together[0].slot], state.lm_hidden[together[1].slot])
     assert len({r.slot for r in together + alone}) == 6
     runner.close()
 
@@ -161,3 +169,67 @@ def test_a_segment_is_tokenized_once_from_its_cut_to_its_prefill(tiny_model):
         assert asked == [text, "Another one."]
     finally:
         engine.close()
+
+
+def _speak_alone_and_beside(model, neighbours: int, decode_process: bool) -> tuple:
+    """One request (seed 7) alone, then the same request admitted two steps after `neighbours`
+    others of other texts and seeds: its audio each time."""
+    from vox_ws.engines.voxcpm.prompt import build_prompt
+    from vox_ws.engines.voxcpm.runner import BatchedVoxCPM2, PrefillInput
+
+    runner = BatchedVoxCPM2(model, slots=neighbours + 1, decode_process=decode_process)
+
+    def given(text: str, seed: int) -> PrefillInput:
+        return PrefillInput(build_prompt(model, text, None), seed=seed, cfg_value=2.0, timesteps=6, min_len=2,
+                            max_len=12)
+
+    def run(rows: list, watched) -> np.ndarray:
+        audio = []
+        while rows:
+            for row, (chunk, reason) in list(zip(rows, runner.step(rows))):
+                if row is watched and chunk is not None:
+                    audio.append(chunk)
+                if reason is not None:
+                    runner.release(row)
+                    rows.remove(row)
+        return np.concatenate(audio)
+
+    try:
+        watched = runner.prefill(given("The same words, with the same seed.", 7))
+        alone = run([watched], watched)
+        others = runner.prefill_many([given(f"Another text, number {i}, of its own length.", 100 + i)
+                                      for i in range(neighbours)])
+        runner.step(others)
+        runner.step(others)
+        watched = runner.prefill(given("The same words, with the same seed.", 7))
+        beside = run(others + [watched], watched)
+    finally:
+        runner.close()
+    return alone, beside
+
+
+@pytest.mark.parametrize("decode_process", [False, pytest.param(True, marks=pytest.mark.slow)])
+def test_a_seed_gives_the_same_audio_alone_and_beside_seven_other_streams(tiny_model, decode_process):
+    """A row's noise is a function of its seed and step (`noise.py`), not of a generator shared
+    with its batch: the same request speaks the same alone and in a batch of eight it joined
+    late, decoded here or in the decoder process."""
+    torch.set_num_threads(1)
+    model = import_voxcpm().VoxCPM.from_pretrained(str(tiny_model), load_denoiser=False, optimize=False,
+                                                   device="cpu").tts_model
+    alone, beside = _speak_alone_and_beside(model, 7, decode_process)
+    assert alone.shape == beside.shape and np.sqrt(np.mean(alone ** 2)) > 1e-4
+    assert np.max(np.abs(alone - beside)) < 1e-4
+
+
+def test_a_steps_operations_do_not_grow_with_its_rows(tiny_model):
+    """The host work of a GPU step: the operations `runner.step` dispatches (each a kernel
+    launch there) at 64 rows within 5 % of 1 row (benchmarks/step_ops.py; before the per-slot
+    state, 8,983 against 2,236)."""
+    from benchmarks.step_ops import step_operations
+
+    torch.set_num_threads(1)
+    model = import_voxcpm().VoxCPM.from_pretrained(str(tiny_model), load_denoiser=False, optimize=False,
+                                                   device="cpu").tts_model
+    counted = step_operations(model, [1, 64], warm_up=1)
+    one, many = counted["1"]["operations"], counted["64"]["operations"]
+    assert many <= one * 1.05, counted

@@ -6,7 +6,8 @@ serves).
 It takes `serve`'s options, and must be given the ones the server will run with: the model, the
 device, `--slots` and `--step-rows` (which decide the buckets), `--lora-rank` and `--max-loras`,
 `--compile-buckets` and `--compile-cache`. It compiles every bucket whatever `--compile` says
-but off (`auto` on a CPU later uses only the buckets it measures faster).
+but off (`auto` on a CPU later uses only the buckets it measures faster), with one compiler
+process per CPU the container may use (its cgroup's CPU quota), or TORCHINDUCTOR_COMPILE_THREADS.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import sys
 import time
 
 from . import engines
+from .compile_workers import compile_workers, use_compile_workers
 from .config import ServerConfig
 from .scheduling.devices import parse_devices
 
@@ -33,6 +35,9 @@ def compile_ahead(config: ServerConfig) -> int:
         print("vox-ws compile: --compile off: a server started so compiles nothing, so there is nothing to compile",
               file=sys.stderr)
         return 2
+    # Before anything imports inductor: one compile worker per CPU this container may use (or as
+    # many as TORCHINDUCTOR_COMPILE_THREADS says), not one per CPU of the host.
+    use_compile_workers(compile_workers())
     settings = {**config.engine_options(), "compile": "on", "compile_wait": True}
     for device in parse_devices(config.device):
         engine = engines.create_engine(name, {**settings, "device": device})

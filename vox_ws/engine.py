@@ -35,6 +35,7 @@ class ErrorKind(str, enum.Enum):
     BUSY = "busy"                    # every slot taken and the queue full
     NOT_READY = "not_ready"          # still loading, or failed to load
     INTERNAL = "internal"            # the engine failed
+    UNAVAILABLE = "unavailable"      # the engine can no longer serve anyone (`EngineFailure`)
     # Raised by the stream service, never by an engine:
     TIMEOUT = "timeout"              # an input stream received nothing for too long
     SLOW_CONSUMER = "slow_consumer"  # the consumer stopped taking audio
@@ -46,7 +47,7 @@ class ErrorKind(str, enum.Enum):
 
 
 _RETRYABLE = frozenset({ErrorKind.BUSY, ErrorKind.NOT_READY, ErrorKind.TIMEOUT, ErrorKind.SLOW_CONSUMER,
-                        ErrorKind.GOING_AWAY})
+                        ErrorKind.GOING_AWAY, ErrorKind.UNAVAILABLE})
 
 
 class Refused(Exception):
@@ -106,8 +107,11 @@ class RequestStatus(str, enum.Enum):
 class EngineFailure(Exception):
     """The engine can no longer serve anyone (a helper process died, the device is gone).
 
-    Raised from `step`, it ends the engine loop's thread like any crash of it would, instead of
-    failing one batch and stepping a broken engine again."""
+    Raised from `step` or `prefill_many` (or returned by it for a request), it ends the engine
+    loop's thread, instead of failing one batch and stepping a broken engine again: its streams
+    fail `UNAVAILABLE` (the same request may succeed elsewhere), its device takes no more. The
+    engine loop raises one itself for an error that means the device is lost
+    (`accelerator.device_lost`)."""
 
 
 # Voice-cloning modes, as engines understand them.

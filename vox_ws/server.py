@@ -236,7 +236,7 @@ class VoxServer:
         # Called on a engine loop's thread. A failed load keeps the server up, answering 503 with
         # the reason, so an operator can read it. A dead engine thread cannot be trusted to
         # reload in-process (CUDA context, half-freed state): its streams have been told
-        # (`internal`) and its device takes no more streams. While another device serves, the
+        # (`unavailable`; `internal` where the thread crashed) and its device takes no more streams. While another device serves, the
         # server goes on with it (`/v1/info` shows the failed device); once none is left,
         # readiness is 503 and the process exits with code 3 for its supervisor.
         if during_load or self.devices.status == Readiness.READY:

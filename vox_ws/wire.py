@@ -31,12 +31,14 @@ UNSUPPORTED = "unsupported"
 UNAUTHORIZED = "unauthorized"
 RATE_LIMITED = "rate_limited"
 GOING_AWAY = "going_away"
+UNAVAILABLE = "unavailable"
 ERROR_CODES = (
     BAD_FRAME, BAD_REQUEST, UNKNOWN_STREAM, DUPLICATE_STREAM, TOO_LARGE, TOO_MANY_STREAMS,
     BUSY, NOT_READY, TIMEOUT, INTERNAL, SLOW_CONSUMER, UNSUPPORTED, UNAUTHORIZED, RATE_LIMITED, GOING_AWAY,
+    UNAVAILABLE,
 )
 # The codes an `error` marks `retryable`: the same request may succeed later, or elsewhere.
-RETRYABLE = frozenset({BUSY, NOT_READY, TIMEOUT, SLOW_CONSUMER, GOING_AWAY, RATE_LIMITED})
+RETRYABLE = frozenset({BUSY, NOT_READY, TIMEOUT, SLOW_CONSUMER, GOING_AWAY, RATE_LIMITED, UNAVAILABLE})
 
 # WebSocket close codes used by the server.
 CLOSE_SERVICE_RESTART = 1012     # the server is draining (shutting down): reconnect, elsewhere

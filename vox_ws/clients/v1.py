@@ -73,6 +73,7 @@ Unsupported = ERRORS[wire.UNSUPPORTED]
 Unauthorized = ERRORS[wire.UNAUTHORIZED]
 RateLimited = ERRORS[wire.RATE_LIMITED]
 GoingAway = ERRORS[wire.GOING_AWAY]
+Unavailable = ERRORS[wire.UNAVAILABLE]
 
 
 class ConnectionLost(VoxError):
@@ -438,8 +439,8 @@ async def speak(url: str, text: str, *, token: str | None = None, retries: int =
                 **fields: Any) -> bytes:
     """Say `text` and return all its audio (`fields` as for `Client.start_stream`: voice, format,
     ...), connecting again and starting over when the server goes away mid-stream or refuses
-    for now (`busy`, `not_ready`, `going_away`, a lost connection): behind a balancer the retry
-    lands on another server. It waits as the refusal's `retry_after_s` says, else `retry_wait`
+    for now (`busy`, `not_ready`, `going_away`, `unavailable`, a lost connection): behind a
+    balancer the retry lands on another server. It waits as the refusal's `retry_after_s` says, else `retry_wait`
     seconds doubled each time (`retry_delay`). Other errors are raised at once."""
     wait = retry_wait
     for attempt in range(retries + 1):

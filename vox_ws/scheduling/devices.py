@@ -5,9 +5,11 @@
                    ──voices, LoRA──▶ every engine loop
 
 A stream stays on the device it was placed on (its requests, its continuation, its voice pin
-belong to that engine). Each device's engine loads, steps and may fail on its own thread; a
-device that fails is taken out of placement (its streams got `internal`), and the others go
-on; the server is ready while one device is. `Devices` answers the questions a single
+belong to that engine). Each device's engine loads, steps and may fail on its own thread (each
+thread on its own device: `accelerator.enter_device`, so nothing of one device runs on
+another's stream); a device that fails is taken out of placement (its streams got
+`unavailable`, or `internal` where its thread crashed), and the others go on; the server is
+ready while one device is. `Devices` answers the questions a single
 engine loop answers (status, stats, readiness) for the whole set.
 """
 

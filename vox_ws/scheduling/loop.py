@@ -29,6 +29,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Callable, Union
 
+from .. import accelerator
 from ..engine import Engine, EngineFailure, ErrorKind, GenerationRequest, Readiness, Refused, RequestStatus
 from .queue import Ending, SlotQueue
 
@@ -62,6 +63,20 @@ class End:
 
 
 Message = Union[Cancel, Call, End]
+
+
+def engine_failure(engine: Engine, error: BaseException | None) -> EngineFailure | None:
+    """What in an engine's error ends the engine: the `EngineFailure` it raised, or one for an
+    error that means its device is lost (`accelerator.device_lost`: every later step would fail
+    as well); None for an error that fails only its own requests (running out of memory too)."""
+    if error is None or isinstance(error, EngineFailure):
+        return error
+    why = None if isinstance(error, Refused) else accelerator.device_lost(error)
+    if why is None:
+        return None
+    failure = EngineFailure(f"the device {engine.device} is lost: {why}")
+    failure.__cause__ = error
+    return failure
 
 
 def not_ready(status: Readiness, error: str | None = None) -> Refused:
@@ -107,6 +122,9 @@ class EngineLoop:
         self._step_seconds: float | None = None    # the last step's, for the stats at the next turn's lock
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="vox-ws-engine-loop", daemon=True)
+        # How the loop's thread makes the engine's device its own before anything else (a test
+        # records it instead).
+        self.enter_device: Callable[[str], None] = accelerator.enter_device
         self.steps_total = 0
         self.last_step_s = 0.0
         self.last_batch_size = 0
@@ -194,6 +212,9 @@ class EngineLoop:
         try:
             try:
                 started = time.monotonic()
+                # A thread's CUDA device is device 0 until set: an engine on cuda:1 would take
+                # device 0's current stream, and capture its CUDA graphs there.
+                self.enter_device(self.engine.device)
                 self.engine.load()
                 if self.slots is None:
                     self.slots, self.slots_reason = self.engine.slots()
@@ -212,7 +233,8 @@ class EngineLoop:
                 while self._turn(self.queue):
                     pass
             except BaseException as exc:  # noqa: BLE001 - the loop's thread died: tell everyone
-                self._die(exc, "engine thread died", during_load=False)
+                self._die(exc, "engine failed" if isinstance(exc, EngineFailure) else "engine thread died",
+                          during_load=False)
         finally:
             try:
                 self.engine.close()
@@ -282,13 +304,17 @@ class EngineLoop:
 
     def _prefill(self, new: list[GenerationRequest]) -> list[tuple[GenerationRequest, Refused]]:
         """The new requests prefilled together (`Engine.prefill_many`); those refused or failed,
-        with why. Their engine state stays until they leave."""
+        with why (raises where an error ends the engine: `engine_failure`). Their engine state
+        stays until they leave."""
         if not new:
             return []
         try:
             errors = self.engine.prefill_many(new)
         except Exception as exc:  # noqa: BLE001 - the engine's own fault: these requests fail, not the loop
             errors = [exc] * len(new)
+        for error in errors:
+            if (failure := engine_failure(self.engine, error)) is not None:
+                raise failure
         refused = []
         for request, error in zip(new, errors):
             if isinstance(error, Refused):        # the engine found, late, that it cannot serve this one
@@ -300,15 +326,16 @@ class EngineLoop:
 
     def _step(self, group: list[GenerationRequest]) -> None:
         """One engine step for `group`, each result to its request's sink; the finished leave
-        their slots, then are told. A failed step fails its requests; the others go on."""
+        their slots, then are told. A failed step fails its requests and the others go on,
+        unless its error ends the engine (`engine_failure`)."""
         started = time.perf_counter()
         try:
             results = self.engine.step(group)
             if len(results) != len(group):
                 raise RuntimeError(f"engine returned {len(results)} results for {len(group)} requests")
-        except EngineFailure:
-            raise
         except Exception as exc:  # noqa: BLE001 - fail this step's requests, keep serving the rest
+            if (failure := engine_failure(self.engine, exc)) is not None:
+                raise failure
             log.exception("step failed for requests %s", [r.id for r in group])
             with self._cond:
                 now = time.monotonic()
@@ -354,6 +381,9 @@ class EngineLoop:
 
     def _die(self, exc: BaseException, what: str, during_load: bool) -> None:
         log.error("%s: %s: %s", what, type(exc).__name__, exc, exc_info=exc)
+        # An engine that says it cannot go on (`EngineFailure`: its device or a helper is gone)
+        # fails no request of its own making: the same request may succeed on another engine.
+        kind = ErrorKind.UNAVAILABLE if isinstance(exc, EngineFailure) else ErrorKind.INTERNAL
         with self._cond:
             self.status = Readiness.FAILED
             self.error = f"{what}: {type(exc).__name__}: {exc}"
@@ -363,11 +393,11 @@ class EngineLoop:
             self._inbox.clear()
         for call in calls:
             if call.future.set_running_or_notify_cancel():
-                call.future.set_exception(Refused(ErrorKind.INTERNAL, self.error))
+                call.future.set_exception(Refused(kind, self.error))
         self.ready_event.set()
         for ending in ended:                      # pushed out before the engine died: told why
             self._tell(ending)
         for request in orphans:
-            request.sink.fail(ErrorKind.INTERNAL, self.error)
+            request.sink.fail(kind, self.error)
         if self._on_fatal is not None:
             self._on_fatal(exc, during_load)

@@ -22,6 +22,7 @@ HTTP_STATUS = {
     ErrorKind.TIMEOUT: 408,
     ErrorKind.SLOW_CONSUMER: 408,
     ErrorKind.GOING_AWAY: 503,
+    ErrorKind.UNAVAILABLE: 503,
 }
 
 

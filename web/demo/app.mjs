@@ -42,6 +42,7 @@ const ERROR_WORDS = {
   unauthorized: "Not authorised.",
   rate_limited: "Too many requests; slow down a little.",
   going_away: "The server is restarting.",
+  unavailable: "The server's model stopped working; try again in a moment.",
 };
 
 // Everything a person or a test may want to know about the page, in one place.

@@ -29,10 +29,8 @@ their code, so a cache is read only when no other user can have written it (`cac
 from __future__ import annotations
 
 import contextlib
-import inspect
 import logging
 import os
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -41,7 +39,6 @@ import torch
 from torch import nn
 
 from .cache_trust import trusted_cache_dir
-from .cuda_graphs import CapturedSolves
 from .graphs import GraphsBySize, GraphStore, bucket_of, padded
 from .kv import RowPlaces, SlotKV, key_positions, lm_step
 from .lora import NO_ADAPTER, RowAdapters
@@ -154,12 +151,16 @@ def adapted_advance(adapters: RowAdapters | None, row_slots: torch.Tensor | None
     return advance(model, base_k, base_v, residual_k, residual_v, pred_feat, lm_hidden, slots, positions, keys_at)
 
 
+# This package's modules that compiled graphs trace through.
+TRACED_MODULES = ("compiled", "kv", "lora", "noise", "vae", "whole_step")
+
+
 def traced_sources() -> str:
     """The source of this package's modules that compiled graphs trace through: part of every
     graph's key (`GraphStore(sources=...)`), in this process and the decoder process alike."""
-    from . import kv, lora, vae
-
-    return "".join(inspect.getsource(m) for m in (sys.modules[__name__], kv, lora, vae))
+    # Read from their files, not imported: `whole_step` imports this module.
+    here = Path(__file__).parent
+    return "".join((here / f"{name}.py").read_text() for name in TRACED_MODULES)
 
 
 def adapted(adapters: RowAdapters | None, slots: list[int], gathered: bool = False) -> Any:
@@ -197,8 +198,9 @@ class CompiledStep:
                  adapters: RowAdapters | None = None, load_only: bool = False, cuda_graphs: bool = False) -> None:
         """`adapters`: the model's LoRA slots, where it has them (the runner gives every row's);
         `load_only`: graphs are only loaded from the cache, never compiled here (`GraphMissing`:
-        what a background compile made is adopted); `cuda_graphs`: the CFM solve replayed from
-        CUDA graphs (`cuda_graphs.CapturedSolves`; a CUDA device, no LoRA slots)."""
+        what a background compile made is adopted); `cuda_graphs`: the whole step compiled as one
+        graph per bucket too and replayed from CUDA graphs (`cuda_graphs.py`; a CUDA device, no
+        LoRA slots)."""
         if cuda_graphs and adapters is not None:
             raise ValueError("--cuda-graphs does not take LoRA slots (--lora-rank): their row map is chosen per step")
         self.model = model
@@ -218,8 +220,14 @@ class CompiledStep:
                                                                    "residual_v": 0, "keys_at": 0})
         self.compile_s: dict[int, float] = {}
         self.ready: set[int] = set()     # the buckets whose graphs are loaded: steps of their rows use them
-        self.captured = (CapturedSolves(self._solve_padded, next(model.parameters()).device) if cuda_graphs
-                         else None)
+        # The decode's graphs loaded off the thread that steps, to be switched in there
+        # (`BatchedStreamingVAE.prepare`, `runner.adopt`).
+        self.prepared_decode: Any = None
+        # What differed from the eager step (`graph_check`), by bucket (or "decode"): left eager.
+        self.mismatched: dict[int | str, str] = {}
+        # The whole step as one graph per bucket (`whole_step.py`; `BatchedVoxCPM2.compile_whole`):
+        # what a CUDA device captures. Off until the device check has measured it.
+        self.whole_step = cuda_graphs
 
     def serves(self, rows: int) -> bool:
         """Whether a call of `rows` rows goes through graphs loaded already (else it runs eager)."""
@@ -232,9 +240,8 @@ class CompiledStep:
         count = mu.shape[0]
         rows = self._bucket(count)
         slots = adapter_slots + [NO_ADAPTER] * (rows - count)
-        solve = self.captured or self._solve_padded
         with adapted(self.adapters, slots + slots, gathered=True):           # the CFG's two halves
-            solved = solve(padded(mu, rows), padded(cond, rows), padded(noise, rows), timesteps, padded(cfg, rows))
+            solved = self._solve_padded(padded(mu, rows), padded(cond, rows), padded(noise, rows), timesteps, padded(cfg, rows))
         return solved[:count]
 
     def _solve_padded(self, mu: torch.Tensor, cond: torch.Tensor, noise: torch.Tensor, timesteps: int,

@@ -47,36 +47,30 @@ def serve(conn: Connection) -> None:
     message = pickle.loads(init.pop()) if init else ("gone",)
     if message[0] != "init":
         return      # the parent stopped this process, or went away, before sending the VAE
-    _, vae_class, vae_config, weights, threads, rows_per_call, warm_up = message
+    _, vae_class, vae_config, weights, threads, slots, rows_per_call, warm_up = message
     del message
     torch.set_num_threads(threads)
     vae = vae_class(config=vae_config) if vae_config is not None else vae_class()
     fold_weight_norm(vae)
     vae.load_state_dict({name: torch.from_numpy(array) for name, array in weights.items()}, strict=True)
     vae.eval()
-    decoder = BatchedStreamingVAE(vae, rows_per_call=rows_per_call, fold_depthwise=True)
+    decoder = BatchedStreamingVAE(vae, slots, rows_per_call=rows_per_call, fold_depthwise=True)
     del weights
     decoder.warm_up(*warm_up)
     if compiler is not None:
         compiler.join()
     send(conn, ("ready", None))
-    states: dict[int, dict[int, torch.Tensor]] = {}
     with torch.inference_mode():
         for message in messages(conn):
-            if message[0] == "forget":
-                for row in message[1]:
-                    states.pop(row, None)
-                continue
             if message[0] == "compile":
                 send(conn, compile_decode(decoder, *message[1:]))
                 continue
-            _, latents, rows, new_states = message
+            _, latents, slots, entering = message
             try:
-                for row, state in new_states.items():
-                    states[row] = {k: torch.from_numpy(v) for k, v in state.items()}
-                row_states = [states.setdefault(row, {}) for row in rows]
+                if entering is not None:
+                    decoder.import_states(torch.tensor(entering[0]), entering[1])
                 started = time.perf_counter()
-                audio = decoder.decode(torch.from_numpy(latents), row_states)
+                audio = decoder.decode(torch.from_numpy(latents), torch.tensor(slots))
                 reply = ("audio", (audio.numpy(), time.perf_counter() - started))
             except Exception as exc:  # noqa: BLE001 - the parent fails those rows and goes on
                 reply = ("error", f"{type(exc).__name__}: {exc}")

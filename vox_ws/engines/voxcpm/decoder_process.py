@@ -6,9 +6,10 @@ well: both halves are hundreds of small torch calls, and two threads hand one GI
 forth at every call (tiny model, B=8: generating a step took 10 ms alone and 21 ms beside a
 decoding thread). A process has its own interpreter and its own core.
 
-The parent sends each decode job (latents, row ids, and the carried convolution state of rows
-that are new to the process) over a socket and reads the audio back in order; the process keeps
-every row's carried state until told to forget it. Messages are pickled numpy arrays, never
+The parent sends each decode job (latents, the rows' KV slots, and the carried convolution
+state of rows that are new to the process) over a socket and reads the audio back in order;
+the process keeps every slot's carried state, as the parent's decoder does
+(`vae.BatchedStreamingVAE`), until a row entering that slot brings its own. Messages are pickled numpy arrays, never
 tensors: torch would pickle tensors as shared-memory handles.
 
     parent                                   decoder process
@@ -17,10 +18,9 @@ tensors: torch would pickle tensors as shared-memory handles.
     wait_ready()            ◀── ready ───
     compile(buckets)        ── compile ─▶    compile the decode per bucket
     wait_compiled()         ◀── compiled ─
-    submit(latents k, rows) ── decode ──▶    decode, keep state
+    submit(latents k, slots) ── decode ─▶    decode, keep state
     (generates step k+1)                     ...
     job k.result()          ◀── audio ───    reply
-    forget(row)             ── forget ──▶    drop state
 
 If the process dies the engine cannot go on: every job's result raises `EngineFailure`.
 """
@@ -47,7 +47,7 @@ DECODER_MAIN = "vox_ws.engines.voxcpm.decoder_main"
 
 
 class DecoderProcess:
-    """The parent's handle on the decoder process. `submit`/`forget`/`close` come from one thread
+    """The parent's handle on the decoder process. `submit` and `close` come from one thread
     (the engine's); a reader thread takes the replies as they come, so neither side can block
     the other on a full socket buffer."""
 
@@ -68,29 +68,30 @@ class DecoderProcess:
         self._reader = threading.Thread(target=self._read_replies, name="vox-ws-vae-replies", daemon=True)
         self._reader.start()
 
-    def load_vae(self, vae_class: type, vae_config: Any, state_dict: dict[str, Any], *, rows_per_call: int | None,
-                 warm_up: tuple[int, int]) -> None:
-        """Give the process a copy of the VAE (class, config, weights); it warms up for `warm_up` =
-        (patch size, max rows) while the parent goes on loading (`wait_ready`)."""
+    def load_vae(self, vae_class: type, vae_config: Any, state_dict: dict[str, Any], *, slots: int,
+                 rows_per_call: int | None, warm_up: tuple[int, int]) -> None:
+        """Give the process a copy of the VAE (class, config, weights) and the number of KV slots
+        whose streams it may decode; it warms up for `warm_up` = (patch size, max rows) while the
+        parent goes on loading (`wait_ready`)."""
         weights = {name: tensor.detach().cpu().numpy() for name, tensor in state_dict.items()}
-        self._send(("init", vae_class, vae_config, weights, self._threads, rows_per_call, warm_up))
+        self._send(("init", vae_class, vae_config, weights, self._threads, slots, rows_per_call, warm_up))
         self.has_vae = True
 
     @property
     def pid(self) -> int:
         return self._proc.pid
 
-    def submit(self, latents: Any, rows: list[int], new_states: dict[int, dict[int, Any]]) -> Future:
-        """Decode latents [B, D, P] for `rows` (ids); `new_states` seeds rows the process has not
-        seen yet with the state their earlier audio left (decoded in the parent). The future's
-        result is the audio, [B, samples] float32 numpy; its `decode_s`, the decode's time."""
-        states = {row: {k: v.numpy() for k, v in state.items()} for row, state in new_states.items()}
+    def submit(self, latents: Any, slots: list[int], entering: tuple[list[int], list[Any]] | None = None) -> Future:
+        """Decode latents [B, D, P] of the streams in `slots`; `entering` = (slots, their carried
+        state per convolution, `export_states`) seeds the streams new to the process with the
+        state their earlier audio left (decoded in the parent). The future's result is the
+        audio, [B, samples] float32 numpy; its `decode_s`, the decode's time."""
         job: Future = Future()
         with self._lock:
             if self._failed is not None:
                 raise self._failed
             self._outstanding.append(job)
-        self._send(("decode", latents.numpy(), rows, states))
+        self._send(("decode", latents.numpy(), slots, entering))
         return job
 
     def compile(self, buckets: tuple[int, ...], cache_dir: str, patch_size: int) -> None:
@@ -113,11 +114,6 @@ class DecoderProcess:
             return job.result(timeout)
         except FutureTimeout:
             raise self._fail(f"no reply in {timeout:.0f} s") from None
-
-    def forget(self, rows: list[int]) -> None:
-        """Drop the carried state of rows that have ended."""
-        if rows and not self._closed and self._failed is None:
-            self._send(("forget", rows))
 
     def close(self, timeout: float = 5.0) -> None:
         if self._closed:

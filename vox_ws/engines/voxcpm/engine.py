@@ -16,8 +16,11 @@ from pathlib import Path
 from typing import Any
 
 
+from ...accelerator import DEVICE_LOCK
 from ...engine import Engine, ErrorKind, GenerationRequest, Refused, StepResult
-from .loading import DEFAULT_MODEL, architecture, import_voxcpm, resolve_model_path, verify_weights
+from ...compile_workers import compile_workers, use_compile_workers
+from .loading import (DEFAULT_MODEL, architecture, from_pretrained, import_voxcpm, resolve_model_path,
+                      verify_weights)
 from .adapters import AdapterBook
 from .settings import VoxCPMSettings
 from .background import BackgroundCompile
@@ -112,7 +115,7 @@ class VoxCPMEngine(Engine):
             # or warms the compiler, here and in every child started after, which inherit it.
             self._compile_cache = str(use_cache_dir(trusted_cache_dir(
                 Path(self._compile_cache) if self._compile_cache else default_cache_dir())))
-        voxcpm = import_voxcpm()
+        import_voxcpm()
         lora_config = None
         if self.settings.lora_rank > 0:
             from voxcpm.model.voxcpm2 import LoRAConfig
@@ -124,6 +127,10 @@ class VoxCPMEngine(Engine):
         # Where the step will be compiled here, the compiler warms up while the weights load.
         compiler = None
         will_compile = self._compiles(expected) and self.settings.compile_wait
+        # Inductor's compile workers, here and in the decoder process: one per CPU of this
+        # container where this process compiles; else none (it only loads graphs, and a pool, which
+        # loading a Triton kernel starts, would sit idle).
+        use_compile_workers(compile_workers() if will_compile else 1)
         if will_compile:
             compiler = threading.Thread(target=warm_compiler, args=(expected.split(":")[0],),
                                         name="vox-ws-warm-compiler", daemon=True)
@@ -135,12 +142,14 @@ class VoxCPMEngine(Engine):
         decoder = (DecoderProcess(threads=torch.get_num_threads(), warm_compiler=will_compile)
                    if wants_decode_process(expected.split(":")[0]) else None)
         try:
-            self.tts = voxcpm.VoxCPM.from_pretrained(
-                str(path), load_denoiser=self.settings.load_denoiser, optimize=False,
-                device=None if self.device == "auto" else self.device, lora_config=lora_config,
-            )
-            model = self.tts.tts_model
-            verify_weights(model, path)
+            # Never beside another engine's CUDA graph capture (`cuda_graphs.py`).
+            with DEVICE_LOCK:
+                self.tts = from_pretrained(
+                    path, load_denoiser=self.settings.load_denoiser, optimize=False,
+                    device=None if self.device == "auto" else self.device, lora_config=lora_config,
+                )
+                model = self.tts.tts_model
+                verify_weights(model, path)
             if lora_config is not None:
                 self.loras = self._adapter_slots(model)
             self.device = str(model.device)
@@ -169,7 +178,8 @@ class VoxCPMEngine(Engine):
         if compiler is not None:
             compiler.join()
         if self._compiles(self.device):
-            if self.settings.compile_wait:
+            # CUDA graphs are captured at start, never while steps are served (`cuda_graphs.py`).
+            if self.settings.compile_wait or self.settings.cuda_graphs:
                 self._compile_step(model)
             else:
                 self._compile_in_background(path)
@@ -205,12 +215,19 @@ class VoxCPMEngine(Engine):
             return
         self.compiled = compiled
         prepare = None if self.loras.adapters is not None else (lambda rows: compiled.prepare((rows,)))
+
+        def prepare_decode() -> None:
+            # Off the engine loop's thread; it switches them in between two steps (`runner.adopt`).
+            compiled.prepared_decode = self.runner.vae.prepare(compiled.buckets, self.tts.tts_model.patch_size,
+                                                               compiled.store)
+
         self.background = BackgroundCompile({
             "model": str(path), "device": self.device, "threads": self.settings.threads, "buckets": list(buckets),
             "cache": str(self.compiled.cache_dir), "lora_rank": self.settings.lora_rank, "lora_alpha": self._lora_alpha,
             "max_loras": self.settings.max_loras,
             # Where compiling is not certain to pay (a CPU, `auto`), each bucket is timed both ways.
-            "measure": self.settings.compile == "auto" and not self.device.startswith("cuda")}, prepare)
+            "measure": self.settings.compile == "auto" and not self.device.startswith("cuda")}, prepare,
+            prepare_decode)
 
     def _adopt_compiled(self) -> None:
         """Between two steps (the engine loop's thread): the buckets the background compile has put
@@ -348,8 +365,10 @@ class VoxCPMEngine(Engine):
                 "slots": self._slots, "step_rows": self.max_step_batch,
                 "compile": {"mode": self.settings.compile, "compiled": bool(compiled and compiled.ready),
                             "precompile": self.precompile if compiled is None else compiled.store.precompile,
-                            "cuda_graphs": (dict(compiled.captured.captured_s) if compiled and compiled.captured
-                                            else None),
+                            "cuda_graphs": (self.runner.captured.describe()
+                                            if self.runner is not None and self.runner.captured else None),
+                            "mismatched": ({str(k): v for k, v in compiled.mismatched.items()} if compiled
+                                           else {}),
                             "buckets": sorted(compiled.ready) if compiled else [],
                             "compile_s": dict(compiled.compile_s) if compiled else {},
                             "graphs": ({"loaded": compiled.store.loaded, "compiled": compiled.store.compiled}
@@ -444,8 +463,7 @@ class VoxCPMEngine(Engine):
         if self.background is not None:
             self._adopt_compiled()
         results = self.runner.step([r.state for r in batch])
-        return [StepResult(audio=None if audio is None else audio.numpy(), finished=reason)
-                for audio, reason in results]
+        return [StepResult(audio=audio, finished=reason) for audio, reason in results]
 
     def release(self, request: GenerationRequest) -> None:
         row = request.state
@@ -453,9 +471,10 @@ class VoxCPMEngine(Engine):
             self.runner.release(row)
             self.loras.row_ended(request.lora_pin)
             if row.patches:
+                import numpy as np
                 import torch
 
-                request.continuation = {"text": row.text, "audio_feat": torch.stack(row.patches)}
+                request.continuation = {"text": row.text, "audio_feat": torch.from_numpy(np.stack(row.patches))}
         request.state = None
 
 

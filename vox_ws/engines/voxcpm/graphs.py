@@ -312,12 +312,17 @@ class GraphsBySize:
         self._graphs: dict[int, Callable] = {}
 
     def __call__(self, *args: Any) -> Any:
+        return self.load(*args)(*args)
+
+    def load(self, *args: Any) -> Callable:
+        """The graph for `args`' batch size, loaded or compiled now where it is not yet: a caller
+        that must not wait on the disk later (a thread that decodes) has it loaded ahead."""
         rows = args[self._rows_at].shape[0]
         graph = self._graphs.get(rows)
         if graph is None:
             graph = self._graphs[rows] = self.store.graph(self.name, self.fn, args, context=self.context,
                                                           dynamic=self.dynamic)
-        return graph(*args)
+        return graph
 
 
 def bucket_of(rows: int, buckets: tuple[int, ...]) -> int | None:

@@ -26,19 +26,17 @@ class SlotKV:
         self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.num_hidden_layers)]
         self.max_len = max_len
 
-    def fill(self, slot: int, caches: list[tuple[torch.Tensor, torch.Tensor]], row: int = 0,
-             length: int | None = None) -> None:
-        """Slot `slot` from row `row` of a prefill's per-layer (K, V), its first `length`
-        positions (default: all; the rest of a batched prefill's row is padding)."""
-        if length is None:
-            length = caches[0][0].size(2)
+    def fill(self, slots: torch.Tensor, caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """The slots `slots` (int64 [rows]) from a prefill of as many rows: its per-layer (K, V),
+        [rows, kv heads, length, head dim], each row's prompt and then, up to the longest
+        prompt, padding that the row writes over before it ever attends to it. The slots are
+        zeroed first: a masked position's value still enters the attention's sum (as 0 x value),
+        so a previous request's must be finite. Two indexed writes a layer, whatever the rows."""
+        length = caches[0][0].size(2)
         for layer, (k, v) in enumerate(caches):
-            # Zero the whole slot first: masked-out positions must hold finite values.
-            self.k[layer][slot].zero_()
-            self.v[layer][slot].zero_()
-            self.k[layer][slot, :, :length] = k[row, :, :length]
-            self.v[layer][slot, :, :length] = v[row, :, :length]
-
+            for cache, given in ((self.k[layer], k), (self.v[layer], v)):
+                cache.index_fill_(0, slots, 0)
+                cache[slots, :, :length] = given
 
 def slot_bytes(lm: nn.Module, max_len: int, dtype: torch.dtype) -> int:
     """What one slot of a `SlotKV` for this LM holds: K and V at every layer and position."""

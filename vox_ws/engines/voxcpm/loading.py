@@ -9,8 +9,9 @@ import os
 import re
 import sys
 import types
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from ...files import FileTooLarge, read_regular_file
 
@@ -99,28 +100,55 @@ def architecture(path: Path) -> str:
     return str(config.get("architecture", "voxcpm")).lower()
 
 
+def from_pretrained(path: str | os.PathLike, **kwargs: Any) -> Any:
+    """`voxcpm.VoxCPM.from_pretrained(path, **kwargs)` for a VoxCPM2 checkpoint directory, without
+    the random initialisation that the checkpoint replaces (`skip_init`: seconds, where the
+    package spends most of a minute at the released size); a parameter the checkpoint lacks is
+    refused (`skip_init.NotInCheckpoint`). Anything else loads as the package loads it.
+
+    A safetensors checkpoint's tensors stay memory-mapped on a CPU (the file's pages are the
+    weights, shared with the page cache, not copied): replace its files (a new file renamed
+    over), never rewrite one in place, while a server that loaded it runs."""
+    voxcpm = import_voxcpm()
+    if not Path(path).is_dir() or architecture(Path(path)) != "voxcpm2":    # as the package would
+        return voxcpm.VoxCPM.from_pretrained(str(path), **kwargs)
+    from voxcpm.model.voxcpm2 import VoxCPM2Model
+
+    from .skip_init import NotInCheckpoint, built_for_checkpoint
+
+    try:
+        with built_for_checkpoint(VoxCPM2Model):
+            return voxcpm.VoxCPM.from_pretrained(str(path), **kwargs)
+    except NotInCheckpoint as exc:
+        raise NotInCheckpoint(f"checkpoint {path} did not load cleanly: {exc}") from None
+
+
 def verify_weights(model: Any, path: Path) -> None:
     """The package loads with strict=False, so a misnamed tensor would load silently as random
-    weights. Check that every parameter and buffer the checkpoint should provide came from it."""
+    weights. Check that every parameter and buffer the checkpoint should provide came from it,
+    equal to it: each checkpoint tensor (memory-mapped, where the file allows) compared where the
+    model's is (its device), never the model copied back to the host."""
     import torch
-    from safetensors import safe_open
-
-    def read(safetensors_file: Path, torch_file: Path) -> dict[str, torch.Tensor]:
-        if safetensors_file.exists():
-            with safe_open(str(safetensors_file), framework="pt") as f:
-                return {key: f.get_tensor(key) for key in f.keys()}
-        loaded = torch.load(torch_file, map_location="cpu", weights_only=True)
-        return loaded.get("state_dict", loaded)
 
     live = model.state_dict()
     expected = {k for k in live if "lora_" not in k}
-    saved = read(path / "model.safetensors", path / "pytorch_model.bin")
-    saved.update({f"audio_vae.{k}": v for k, v in read(path / "audiovae.safetensors", path / "audiovae.pth").items()})
+
+    def differs(item: tuple[str, torch.Tensor]) -> bool:
+        tensor = live[item[0]]
+        return tensor.is_meta or not same_tensor(tensor, item[1])
+
+    with torch.no_grad():
+        saved = list(checkpoint_tensors(path))
+        seen = {key for key, _ in saved}
+        unexpected = sorted(key for key, _ in saved if key not in live)
+        known = [(key, tensor) for key, tensor in saved if key in live]
+        # On a CPU the comparisons (memcmp, which lets the GIL go) run on the torch threads: each
+        # mostly waits for pages of the memory-mapped files. To a GPU, one tensor at a time.
+        on_cpu = all(t.device.type == "cpu" for t in live.values())
+        with ThreadPoolExecutor(max(1, torch.get_num_threads()) if on_cpu else 1) as pool:
+            mismatched = sorted(key for (key, _), bad in zip(known, pool.map(differs, known)) if bad)
     # Buffers that the model computes itself (rope tables) are not in checkpoints.
-    missing = sorted(k for k in expected - set(saved) if not k.endswith(("cos_cached", "sin_cached", "inv_freq")))
-    unexpected = sorted(set(saved) - set(live))
-    mismatched = [k for k in saved.keys() & live.keys()
-                  if not torch.equal(live[k].detach().cpu(), saved[k].to(live[k].dtype))]
+    missing = sorted(k for k in expected - seen if not k.endswith(("cos_cached", "sin_cached", "inv_freq")))
     problems = []
     if missing:
         problems.append(f"{len(missing)} model tensors missing from the checkpoint (e.g. {missing[:3]})")
@@ -130,4 +158,58 @@ def verify_weights(model: Any, path: Path) -> None:
         problems.append(f"{len(mismatched)} tensors differ after loading (e.g. {mismatched[:3]})")
     if problems:
         raise ValueError(f"checkpoint {path} did not load cleanly: " + "; ".join(problems))
-    log.info("verified %d checkpoint tensors against the loaded model", len(saved))
+    log.info("verified %d checkpoint tensors against the loaded model", len(seen))
+
+
+def same_tensor(live: Any, saved: Any) -> bool:
+    """Whether `live` holds exactly `saved` (the checkpoint's tensor, cast to `live`'s dtype as the
+    load casts it): compared bit for bit on `live`'s device (a NaN the checkpoint holds is
+    loaded as itself). On a CPU by `memcmp`, several times faster there than `torch.equal`."""
+    import torch
+
+    saved = saved.to(device=live.device, dtype=live.dtype)
+    if saved.shape != live.shape:
+        return False
+    if not (live.is_contiguous() and saved.is_contiguous()):
+        return bool(torch.equal(live, saved))
+    if live.device.type == "cpu":
+        return live.nbytes == 0 or _libc().memcmp(live.data_ptr(), saved.data_ptr(), live.nbytes) == 0
+    return bool(torch.equal(live.reshape(-1).view(torch.uint8), saved.reshape(-1).view(torch.uint8)))
+
+
+_LIBC: Any = None
+
+
+def _libc() -> Any:
+    global _LIBC
+    if _LIBC is None:
+        import ctypes
+
+        libc = ctypes.CDLL(None)
+        libc.memcmp.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
+        libc.memcmp.restype = ctypes.c_int
+        _LIBC = libc
+    return _LIBC
+
+
+def checkpoint_tensors(path: Path) -> Iterator[tuple[str, Any]]:
+    """Every tensor of the checkpoint in `path` by the model's name for it (the VAE's under
+    `audio_vae.`), memory-mapped where the file allows (a legacy torch file is read whole)."""
+    for prefix, safetensors_file, torch_file in (("", "model.safetensors", "pytorch_model.bin"),
+                                                  ("audio_vae.", "audiovae.safetensors", "audiovae.pth")):
+        if (path / safetensors_file).exists():
+            from safetensors import safe_open
+
+            with safe_open(str(path / safetensors_file), framework="pt") as f:
+                for key in f.keys():
+                    yield prefix + key, f.get_tensor(key)
+            continue
+        import torch
+
+        try:
+            loaded = torch.load(path / torch_file, map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError:     # saved in the legacy format, which cannot be mapped
+            loaded = torch.load(path / torch_file, map_location="cpu", weights_only=True)
+        loaded = loaded.get("state_dict", loaded)
+        for key in list(loaded):
+            yield prefix + key, loaded.pop(key)

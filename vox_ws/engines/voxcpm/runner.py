@@ -22,23 +22,29 @@ checks it.
 
 from __future__ import annotations
 
-import itertools
 import os
-import time
+import threading
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from ...engine import EndReason
-from .decoder_process import DecoderProcess
 from .compiled import CompiledStep, EagerStep, adapted
+from .cuda_graphs import Capture, CapturedSteps, CudaCapture, length_buckets
+from .decoder_process import DecoderProcess
+from .decoding import DecodeBalance, RowDecoding  # noqa: F401 - DecodeBalance: the tests' handle on it
+from .graph_check import agreeing_buckets, decode_agrees
+from .graphs import bucket_of
 from .kv import RowPlaces, SlotKV, key_positions
 from .lora import NO_ADAPTER, RowAdapters
+from .noise import NoiseSource, row_key
 from .prompt import Prompt
 from .transfer import host_to_device, to_device
 from .vae import BatchedStreamingVAE, fold_weight_norm
+from .whole_step import StepInputs, WholeSteps
 
 # Same sway-sampling and CFG-zero* settings as UnifiedCFM.forward's defaults.
 # The package caps generation at this many steps per target-text token (+10).
@@ -66,28 +72,57 @@ class PrefillInput:
 
 @dataclass(eq=False)
 class RowState:
-    """One request's generation state between steps."""
+    """One request's generation state between steps, on the host. Its tensors (hidden states,
+    condition, guidance, the VAE's carried state, its KV) live in its slot of the runner's
+    per-slot buffers (`SlotState`), read and written by slot index for every row at once."""
 
     slot: int
     position: int                  # next KV position (same for the base and residual LM)
-    lm_hidden: torch.Tensor        # [H]
-    residual_hidden: torch.Tensor  # [H]
-    prefix_cond: torch.Tensor      # [P, D]: the previous patch, the CFM's condition
-    generator: torch.Generator
-    cfg_value: float
+    seed: int                      # its noise: `noise.row_key(seed, step)`
     timesteps: int
     min_len: int
     max_steps: int
     step: int = 0
-    key: int = 0                     # the row's name in the decoder process
-    vae_state: dict[int, torch.Tensor] | None = field(default_factory=dict)   # None: the decoder process has it
+    in_process: bool = False         # its VAE state is in the decoder process
     decoded_here: bool | None = None  # where patches after the first are decoded; None: not yet decided
     end_reason: EndReason | None = None    # generation has ended; the last audio may still be decoding
-    patches: list[torch.Tensor] | None = None   # generated latents, kept to continue from
+    patches: list[np.ndarray] | None = None     # generated latents [P, D], kept to continue from
     text: str = ""                              # the text these latents say
     pending: tuple[Future, int] | None = None   # (decode job, row in it) still in flight
     adapter: int = NO_ADAPTER                   # its LoRA adapter slot
 
+
+class SlotState:
+    """What a step reads and writes per row, one tensor per kind with a row per KV slot (and
+    the padding slot last): the LMs' hidden states, the CFM's condition (the previous patch)
+    and each row's guidance. Gathered and scattered by slot index: the same few operations
+    whatever the batch, and static buffers a captured step can read and write."""
+
+    def __init__(self, slots: int, hidden: int, patch: tuple[int, int], device: torch.device,
+                 dtype: torch.dtype) -> None:
+        self.lm_hidden = torch.zeros(slots + 1, hidden, device=device, dtype=dtype)
+        self.residual_hidden = torch.zeros(slots + 1, hidden, device=device, dtype=dtype)
+        self.prefix_cond = torch.zeros(slots + 1, *patch, device=device, dtype=dtype)   # [P, D] a slot
+        # float32 whatever the model's dtype, as the package's Python float is (`compiled.velocity`).
+        self.cfg = torch.ones(slots + 1, device=device, dtype=torch.float32)
+
+    def gather(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(lm hidden, residual hidden, condition, cfg) of these slots' rows."""
+        return (self.lm_hidden.index_select(0, slots), self.residual_hidden.index_select(0, slots),
+                self.prefix_cond.index_select(0, slots), self.cfg.index_select(0, slots))
+
+    def advanced(self, slots: torch.Tensor, lm_hidden: torch.Tensor, residual_hidden: torch.Tensor,
+                 patch: torch.Tensor) -> None:
+        """These slots' rows made `patch` and moved their LMs on. A row that ended writes too:
+        what it leaves is never read (the next request in its slot is prefilled)."""
+        self.lm_hidden.index_copy_(0, slots, lm_hidden)
+        self.residual_hidden.index_copy_(0, slots, residual_hidden)
+        self.prefix_cond.index_copy_(0, slots, patch)
+
+    def prefilled(self, slots: torch.Tensor, lm_hidden: torch.Tensor, residual_hidden: torch.Tensor,
+                  cond: torch.Tensor, cfg: torch.Tensor) -> None:
+        self.advanced(slots, lm_hidden, residual_hidden, cond)
+        self.cfg.index_copy_(0, slots, cfg)
 
 
 class BatchedVoxCPM2:
@@ -112,6 +147,9 @@ class BatchedVoxCPM2:
         self.max_len = model.config.max_length
         self.base_kv = SlotKV(model.base_lm, slots, self.max_len, self.device, self.dtype)
         self.residual_kv = SlotKV(model.residual_lm, slots, self.max_len, self.device, self.dtype)
+        self.state = SlotState(slots, model.base_lm.config.hidden_size, (model.patch_size, model.feat_dim),
+                               self.device, self.dtype)
+        self.noise = NoiseSource((model.feat_dim, model.patch_size), self.device)
         fold_weight_norm(model.audio_vae)
         on_cpu = self.device.type == "cpu"
         # On a CPU, decoding more than ~8 rows in one call falls out of cache (B=16 took 54 ms
@@ -122,17 +160,22 @@ class BatchedVoxCPM2:
         # once). Given its VAE first: it warms up while this process does.
         if decoder is None and (wants_decode_process(self.device.type) if decode_process is None else decode_process):
             decoder = DecoderProcess(threads=torch.get_num_threads())
-        self._decoder = decoder
-        self._balance = DecodeBalance()
         if decoder is not None and not decoder.has_vae:
             vae = model.audio_vae
             decoder.load_vae(type(vae), getattr(model.config, "audio_vae_config", None), vae.state_dict(),
-                             rows_per_call=rows_per_call, warm_up=(model.patch_size, warm_rows or slots))
-        self.vae = BatchedStreamingVAE(model.audio_vae, rows_per_call=rows_per_call, fold_depthwise=on_cpu)
+                             slots=slots, rows_per_call=rows_per_call, warm_up=(model.patch_size, warm_rows or slots))
+        self.vae = BatchedStreamingVAE(model.audio_vae, slots, rows_per_call=rows_per_call, fold_depthwise=on_cpu)
         if on_cpu:
             self.vae.warm_up(model.patch_size, warm_rows or slots)
+        self.decoding = RowDecoding(self.vae, decoder)
+        self.whole: WholeSteps | None = None     # the whole step's graphs, where compiled
+        self.captured: CapturedSteps | None = None   # and their CUDA graphs, where captured
+        self._thread = threading.get_ident()     # the engine's: the one thread that may capture
+        # The whole step's static buffers, in its arguments' order (`whole_step.step_function`).
+        self._caches = self.base_kv.k + self.base_kv.v + self.residual_kv.k + self.residual_kv.v
+        self._buffers = [self.state.lm_hidden, self.state.residual_hidden, self.state.prefix_cond, self.state.cfg,
+                         *self.vae.states]
         self._free_slots = list(range(slots))
-        self._row_keys = itertools.count(1)
         cfg = model.config.lm_config
         self.scale_emb = cfg.scale_emb if cfg.use_mup else 1.0
         self.samples_per_step = model.patch_size * model._decode_chunk_size
@@ -140,27 +183,70 @@ class BatchedVoxCPM2:
     @property
     def decodes_in_process(self) -> bool:
         """Whether a decoder process decodes beside this one (`decode_process`)."""
-        return self._decoder is not None
+        return self.decoding.process is not None
 
     def wait_ready(self) -> None:
         """Block until the decoder process, if there is one, can take work."""
-        if self._decoder is not None:
-            self._decoder.wait_ready()
+        if self.decoding.process is not None:
+            self.decoding.process.wait_ready()
 
     def compile(self, compiled: CompiledStep) -> None:
         """Generate through `compiled` from now on, and decode through a compiled VAE here and in
         the decoder process, compiling every bucket of every piece now. The decoder process
         compiles the decode beside this thread's step; the two share the decode's graphs (the
         store compiles each once, and a process that wants one being compiled waits for it)."""
-        if self._decoder is not None:
-            self._decoder.compile(compiled.buckets, str(compiled.cache_dir), self.model.patch_size)
-        compiled.warm_up(self.base_kv, self.residual_kv)
+        if self.decoding.process is not None:
+            self.decoding.process.compile(compiled.buckets, str(compiled.cache_dir), self.model.patch_size)
+        compiled.warm_up(self.base_kv, self.residual_kv, mark_ready=False)
+        compiled.ready.update(agreeing_buckets(compiled, self.eager, compiled.buckets))
         self.vae.compile(compiled.buckets, self.model.patch_size, compiled.store)
-        if self._decoder is not None:
-            loaded, compiled_there = self._decoder.wait_compiled()
+        if not decode_agrees(self.vae, self.model.patch_size, compiled.mismatched):
+            self.vae.uncompile()
+        if compiled.whole_step:
+            self.compile_whole(compiled)
+            if self.device.type == "cuda":
+                self.capture_whole(CudaCapture(self.device))
+        if self.decoding.process is not None:
+            loaded, compiled_there = self.decoding.process.wait_compiled()
             compiled.store.loaded += loaded
             compiled.store.compiled += compiled_there
         self.compiled = compiled
+
+    def compile_whole(self, compiled: CompiledStep, buckets: tuple[int, ...] | None = None) -> None:
+        """The whole step's graphs (`whole_step.py`) for `buckets` (default: every one), from
+        `compiled`'s store, each run once on the padding slot; steps of those buckets whose rows
+        all take the compiled timesteps go through them from now on. Not with LoRA slots (their
+        row map is chosen per step: the step's pieces serve them)."""
+        if self.adapters is not None:
+            return
+        if self.whole is None:
+            self.whole = WholeSteps(compiled.store, self.model, self.vae, compiled.buckets)
+        padding = self.base_kv.padding_slot
+
+        def padding_rows(bucket: int) -> StepInputs:
+            # Position 1 of 0..1: a length of 2, as no real step has less (`CompiledStep.warm_up`).
+            rows = torch.tensor([[padding, 1, 0]] * bucket, dtype=torch.long, device=self.device)
+            return StepInputs(self.vae, self._caches, self._buffers, rows, key_positions([1], self.device))
+
+        self.whole.warm_up(padding_rows, decode=self.decoding.process is None, buckets=buckets)
+
+    def capture_whole(self, capture: Capture, buckets: tuple[int, ...] | None = None) -> None:
+        """The whole step's graphs captured (`cuda_graphs.py`) for `buckets` (default: every
+        compiled one) at every attention length, on this runner's thread only; steps replay
+        them from now on. A capture that fails leaves its bucket to the uncaptured step."""
+        if self.whole is None:
+            raise RuntimeError("the whole step is not compiled: nothing to capture")
+        if self.captured is None:
+            self.captured = CapturedSteps(self.whole, self.device, capture, owner=self._thread)
+        padding = self.base_kv.padding_slot
+
+        def static_inputs(bucket: int, length: int) -> StepInputs:
+            rows = torch.tensor([[padding, 1, 0]] * bucket, dtype=torch.long, device=self.device)
+            return StepInputs(self.vae, self._caches, self._buffers, rows,
+                              torch.arange(length, device=self.device))
+
+        self.captured.capture_all(static_inputs, buckets or self.whole.buckets, length_buckets(self.max_len),
+                                  decode=self.decoding.process is None)
 
     def adopt(self, compiled: CompiledStep, buckets: tuple[int, ...] = (), decode: bool = False) -> None:
         """Take in what a background compile put in `compiled`'s cache (`compiled` only loads),
@@ -171,24 +257,32 @@ class BatchedVoxCPM2:
             # Loaded and run once already off this thread (`CompiledStep.prepare`), or here now.
             unprepared = tuple(rows for rows in buckets if rows not in compiled.compile_s)
             if unprepared:
-                compiled.warm_up(self.base_kv, self.residual_kv, unprepared)
-            compiled.ready.update(buckets)
+                compiled.warm_up(self.base_kv, self.residual_kv, unprepared, mark_ready=False)
+            # Each compared with the eager step first: one that differs never serves.
+            compiled.ready.update(agreeing_buckets(compiled, self.eager, buckets))
             self.compiled = compiled
         if decode:
-            self.vae.compile(compiled.buckets, self.model.patch_size, compiled.store)
-            if self._decoder is not None:
-                self._decoder.compile(compiled.buckets, str(compiled.cache_dir), self.model.patch_size)
+            # Loaded and run once off this thread already (`BatchedStreamingVAE.prepare`), or here now.
+            if compiled.prepared_decode is not None:
+                self.vae.switch_to(compiled.prepared_decode)
+            else:
+                self.vae.compile(compiled.buckets, self.model.patch_size, compiled.store)
+            if not decode_agrees(self.vae, self.model.patch_size, compiled.mismatched):
+                self.vae.uncompile()
+                return
+            if self.decoding.process is not None:
+                self.decoding.process.compile(compiled.buckets, str(compiled.cache_dir), self.model.patch_size)
 
     def take_decoder(self) -> DecoderProcess | None:
         """This runner's decoder process, for another runner (`decoder`); this one no longer
         decodes there, and its `close` leaves it running. Every row must have been released."""
-        decoder, self._decoder = self._decoder, None
+        decoder, self.decoding.process = self.decoding.process, None
         return decoder
 
     def close(self) -> None:
         """Stop the decoder process, if there is one."""
-        if self._decoder is not None:
-            self._decoder.close()
+        if self.decoding.process is not None:
+            self.decoding.process.close()
 
     # ------------------------------------------------------------------ capacity
 
@@ -257,193 +351,166 @@ class BatchedVoxCPM2:
                 enc_outputs = m.fsq_layer(enc_outputs) * feat_mask.unsqueeze(-1) + enc_outputs * text_mask.unsqueeze(-1)
                 residual_in = m.fusion_concat_proj(torch.cat((enc_outputs, feat_mask.unsqueeze(-1) * feat_embed), dim=-1))
                 residual_out, residual_kv = m.residual_lm(inputs_embeds=residual_in, is_causal=True)
-            for row, (slot, length) in enumerate(zip(slots, lengths)):
-                self.base_kv.fill(slot, kv, row, length)
-                self.residual_kv.fill(slot, residual_kv, row, length)
+            # Every row's last prompt position and its slot, in one copy each way.
+            placed = to_device(slots + [length - 1 for length in lengths], self.device)
+            at_slots, last = placed[:len(inputs)], placed[len(inputs):]
+            self.base_kv.fill(at_slots, kv)
+            self.residual_kv.fill(at_slots, residual_kv)
+            by_row = torch.arange(len(inputs), device=self.device)
+            self.state.prefilled(at_slots, enc_outputs[by_row, last], residual_out[by_row, last], feat[by_row, last],
+                                 to_device([i.cfg_value for i in inputs], self.device, torch.float32))
+            self.vae.reset(at_slots)
         except BaseException:
             self._free_slots.extend(slots)
             self._free_slots.sort()
             raise
-        rows = []
-        for row, (given, slot, length) in enumerate(zip(inputs, slots, lengths)):
-            generator = torch.Generator(device=self.device)
-            generator.manual_seed(given.seed)
-            rows.append(RowState(
-                slot=slot,
-                key=next(self._row_keys),
-                position=length,
-                lm_hidden=enc_outputs[row, length - 1, :].clone(),
-                residual_hidden=residual_out[row, length - 1, :].clone(),
-                prefix_cond=feat[row, length - 1].clone(),
-                generator=generator,
-                cfg_value=given.cfg_value,
-                timesteps=given.timesteps,
-                min_len=given.min_len,
-                max_steps=self.max_steps(given.prompt.target_tokens, given.max_len),
-                adapter=given.adapter,
-            ))
-        return rows
+        return [RowState(slot=slot, position=length, seed=given.seed, timesteps=given.timesteps,
+                         min_len=given.min_len, max_steps=self.max_steps(given.prompt.target_tokens, given.max_len),
+                         adapter=given.adapter)
+                for given, slot, length in zip(inputs, slots, lengths)]
 
     def release(self, row: RowState) -> None:
+        # The slot's state stays where it is: the next request in it is prefilled (and its VAE
+        # state reset, here, or brought into the decoder process) before it is read.
         if row.slot not in self._free_slots:
             self._free_slots.append(row.slot)
             self._free_slots.sort()
-        if row.vae_state is None and self._decoder is not None:
-            row.vae_state = {}
-            self._decoder.forget([row.key])
 
     # ------------------------------------------------------------------ one step
 
-    def step(self, rows: list[RowState]) -> list[tuple[torch.Tensor | None, EndReason | None]]:
-        """Advance every row by one patch. Returns, per row, (audio [samples] float32 on CPU or
-        None, end reason or None). A row reports its end reason only with its last audio.
+    def step(self, rows: list[RowState]) -> list[tuple[np.ndarray | None, EndReason | None]]:
+        """Advance every row by one patch. Returns, per row, (audio [samples] float32 or None,
+        end reason or None). A row reports its end reason only with its last audio.
 
         Without a decoder process every row gets this step's audio now. With one, a row's first
         patch is decoded here at once (first audio never waits for the pipeline) and its later
         patches in the decoder process while the next step is generated, their audio coming
-        back with the next step; or here, if the balance keeps the row here."""
+        back with the next step; or here, if the balance keeps the row here.
+
+        The device work is the same few operations whatever the number of rows: their inputs go
+        over in one copy, their state is gathered and scattered by slot, their noise is one
+        draw, and what the host needs back (the audio decoded here, the stop flags, the patches
+        a continuation keeps) comes back in one copy."""
         generating = [r for r in rows if r.end_reason is None]
         earlier = {id(r): r.pending for r in rows if r.pending is not None}
         for row in rows:
             row.pending = None
         now = self._generate_and_decode(generating) if generating else {}
-        return self._gather(rows, earlier, now, stepped=bool(generating))
+        audio = self.decoding.gather(rows, earlier, now, stepped=bool(generating))
+        return [(chunk, row.end_reason if row.pending is None else None) for chunk, row in zip(audio, rows)]
 
-    def _generate_and_decode(self, rows: list[RowState]) -> dict[int, tuple[torch.Tensor, int]]:
-        """Generate a patch for every row and start its decode; returns the audio decoded here,
-        by row: (batch audio, row in it)."""
-        first = [r.step == 0 for r in rows]
-        latents = self._generate(rows)
-        here = [i for i, row in enumerate(rows) if first[i] or self._decodes_here(row)]
-        there = [i for i in range(len(rows)) if i not in here]
-        if there:
-            # Rows new to the process take along the state their first patch left here.
-            new_states = {rows[i].key: rows[i].vae_state for i in there if rows[i].vae_state is not None}
-            job = self._decoder.submit(latents[there], [rows[i].key for i in there], new_states)
-            for j, i in enumerate(there):
-                rows[i].vae_state = None
-                rows[i].pending = (job, j)
-        now: dict[int, tuple[torch.Tensor, int]] = {}
-        if here:
-            with torch.inference_mode():
-                audio = self.vae.decode(latents[here], [rows[i].vae_state for i in here]).cpu()
+    def _generate_and_decode(self, rows: list[RowState]) -> dict[int, np.ndarray]:
+        """Generate a patch for every row and start its decode; the end of each row's generation
+        decided; returns the audio decoded here, by row."""
+        count = len(rows)
+        here = self.decoding.here(rows)
+        audio = None
+        whole = self._whole_step(rows, decode=self.decoding.process is None)
+        if whole is not None:
+            slots, pred_feat, stop, *decoded = whole
+            audio = decoded[0] if decoded else None
+        else:
+            slots, pred_feat, stop = self._generate(rows)
+        if audio is None:
+            audio = self.decoding.decode(rows, here, pred_feat.transpose(1, 2).to(torch.float32), slots)
+        # The one copy back: this step's audio decoded here, the stop flags, and the patches a
+        # continuation keeps (the host reads them apart, with no more device work).
+        keep = any(row.patches is not None for row in rows)
+        parts = [stop.to(torch.float32)]
+        if audio is not None:
+            parts.append(audio.reshape(-1))
+        if keep:
+            parts.append(pred_feat.reshape(-1).to(torch.float32))
+        host = (torch.cat(parts) if len(parts) > 1 else parts[0]).cpu().numpy()
+        stops, at = host[:count], count
+        now: dict[int, np.ndarray] = {}
+        if audio is not None:
+            decoded_here = host[at:at + audio.numel()].reshape(len(here), -1)
+            at += audio.numel()
             for j, i in enumerate(here):
-                now[id(rows[i])] = (audio, j)
-        return now
-
-    def _gather(self, rows: list[RowState], earlier: dict[int, tuple[Future, int]],
-                now: dict[int, tuple[torch.Tensor, int]], stepped: bool) -> list[tuple[torch.Tensor | None, EndReason | None]]:
-        """Each row's audio: what the decoder process made of its previous patch, then what was
-        decoded here in this step."""
-        results: list[tuple[torch.Tensor | None, EndReason | None]] = []
-        waited, jobs = 0.0, {}
-        for row in rows:
-            parts = []
-            if id(row) in earlier:
-                job, j = earlier[id(row)]
-                started = time.perf_counter()
-                decoded = self._decoder.wait(job)
-                waited += time.perf_counter() - started
-                parts.append(torch.from_numpy(decoded[j]))
-                jobs[id(job)] = (len(decoded), job.decode_s)
-            if id(row) in now:
-                audio, j = now[id(row)]
-                parts.append(audio[j])
-            audio = parts[0] if len(parts) == 1 else (torch.cat(parts) if parts else None)
-            results.append((audio, row.end_reason if row.pending is None else None))
-        for job_rows, job_seconds in jobs.values():
-            self._balance.decoded_there(job_rows, job_seconds)
-        if self._decoder is not None and stepped:
-            self._balance.waited(waited)
-        return results
-
-    def _decodes_here(self, row: RowState) -> bool:
-        """Where a row's audio is decoded after its first patch: in the decoder process, unless
-        this thread has been idling on the decoder long enough to take the row on itself. A row
-        stays where it is first put: its carried state lives there."""
-        if self._decoder is None:
-            return True
-        if row.decoded_here is None:
-            row.decoded_here = self._balance.take_one()
-        return row.decoded_here
-
-    @torch.inference_mode()
-    def _generate(self, rows: list[RowState]) -> torch.Tensor:
-        """One patch for every row: CFM, LocEnc, stop head, LM advance. Returns the latents
-        [B, D, P] for the VAE and sets `end_reason` on rows whose generation ends here."""
-        m = self.model
-        lm_hidden = torch.stack([r.lm_hidden for r in rows])
-        residual_hidden = torch.stack([r.residual_hidden for r in rows])
-        cond = torch.stack([r.prefix_cond for r in rows])                     # [B, P, D]
-
-        dit_hidden = torch.cat((m.lm_to_dit_proj(lm_hidden), m.res_to_dit_proj(residual_hidden)), dim=-1)
-        pred_feat = torch.empty_like(cond)
-        for timesteps, index in _groups(rows, lambda r: r.timesteps):
-            idx = to_device(index, self.device)
-            noise = torch.cat([
-                torch.randn((1, m.feat_dim, m.patch_size), generator=rows[i].generator, device=self.device,
-                            dtype=self.dtype) for i in index
-            ])
-            cfg = to_device([rows[i].cfg_value for i in index], self.device, torch.float32)
-            solved = self._step_for(len(index)).solve(dit_hidden[idx], cond[idx].transpose(1, 2).contiguous(), noise,
-                                                      timesteps, cfg, [rows[i].adapter for i in index])
-            pred_feat[idx] = solved.transpose(1, 2)                            # [b, P, D]
-
-        # Every row advances, also one that ends here (what it writes in its slot is never read):
-        # the step stays one call, and its stop flags are read back once, after it is queued.
-        positions = [r.position for r in rows]
-        at = RowPlaces(to_device([r.slot for r in rows], self.device), to_device(positions, self.device),
-                       key_positions(positions, self.device))
-        stop, lm_next, residual_next = self._step_for(len(rows)).advance(
-            self.base_kv, self.residual_kv, pred_feat, lm_hidden, at, [r.adapter for r in rows])
-        latents = pred_feat.transpose(1, 2).to(torch.float32)                  # b d p  (t = 1)
-        for i, (row, stops) in enumerate(zip(rows, stop.tolist())):
-            if row.step > row.min_len and stops == 1:
+                now[id(rows[i])] = decoded_here[j]
+        patches = host[at:].reshape(count, *pred_feat.shape[1:]) if keep else None
+        for i, row in enumerate(rows):
+            if row.step > row.min_len and stops[i] == 1:
                 row.end_reason = EndReason.DONE
             elif row.step + 1 >= row.max_steps:
                 row.end_reason = EndReason.MAX_LEN
             row.step += 1
-            row.prefix_cond = pred_feat[i]
             if row.patches is not None:
-                row.patches.append(pred_feat[i].detach().to("cpu", torch.float32))
+                row.patches.append(patches[i].copy())
             if row.end_reason is None:
-                row.lm_hidden, row.residual_hidden = lm_next[i], residual_next[i]
                 row.position += 1
-        return latents
+        return now
+
+    @torch.inference_mode()
+    def _whole_step(self, rows: list[RowState], decode: bool) -> tuple[torch.Tensor, ...] | None:
+        """The step through its whole-step graph (`whole_step.py`), where one is ready for these
+        rows' bucket and timesteps: (slots, patches, stop flags[, audio]); else None."""
+        whole, count = self.whole, len(rows)
+        timesteps = rows[0].timesteps
+        bucket = bucket_of(count, whole.buckets) if whole is not None else None
+        if bucket is None or not whole.serves(bucket, timesteps, decode) or any(r.timesteps != timesteps for r in rows):
+            return None
+        # Padding rows sit in the padding slot, at position 0, with any noise.
+        placed = [(r.slot, r.position, row_key(r.seed, r.step)) for r in rows]
+        placed += [(self.base_kv.padding_slot, 0, 0)] * (bucket - count)
+        placed_rows = to_device([v for row in placed for v in row], self.device).view(bucket, 3)
+        positions = max(r.position for r in rows) + 1
+        replayed = (self.captured.replay(bucket, positions, timesteps, decode, placed_rows)
+                    if self.captured is not None else None)
+        if replayed is not None:
+            placed_rows, stop, patches, *audio = replayed
+        else:
+            given = StepInputs(self.vae, self._caches, self._buffers, placed_rows,
+                               torch.arange(positions, device=self.device))
+            stop, patches, *audio = whole(timesteps, decode, given)
+        slots = placed_rows[:, 0]
+        if bucket > count:
+            slots, stop, patches, audio = slots[:count], stop[:count], patches[:count], [a[:count] for a in audio]
+        return (slots, patches, stop, *audio)
+
+    @torch.inference_mode()
+    def _generate(self, rows: list[RowState]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One patch for every row: CFM, LocEnc, stop head, LM advance, each row's state written
+        back into its slot. Returns (the rows' slots, the patches [B, P, D], the stop flags [B]:
+        1 where the stop head says stop)."""
+        m = self.model
+        count = len(rows)
+        # The step's small inputs in one copy: each row's slot, position and noise key.
+        placed = to_device([r.slot for r in rows] + [r.position for r in rows]
+                           + [row_key(r.seed, r.step) for r in rows], self.device)
+        slots, positions, keys = placed[:count], placed[count:2 * count], placed[2 * count:]
+        lm_hidden, residual_hidden, cond, cfg = self.state.gather(slots)
+        dit_hidden = torch.cat((m.lm_to_dit_proj(lm_hidden), m.res_to_dit_proj(residual_hidden)), dim=-1)
+        noise = self.noise(keys, self.dtype)                                   # [B, D, P]
+        groups = _groups(rows, lambda r: r.timesteps)
+        if len(groups) == 1:
+            (timesteps, _), = groups
+            # Contiguous, as the compiled advance takes it.
+            pred_feat = self._step_for(count).solve(dit_hidden, cond.transpose(1, 2).contiguous(), noise, timesteps,
+                                                    cfg, [r.adapter for r in rows]).transpose(1, 2).contiguous()
+        else:   # rows asking for different numbers of timesteps: one solve each
+            pred_feat = torch.empty_like(cond)
+            for timesteps, index in groups:
+                idx = to_device(index, self.device)
+                solved = self._step_for(len(index)).solve(dit_hidden[idx], cond[idx].transpose(1, 2).contiguous(),
+                                                          noise[idx], timesteps, cfg[idx],
+                                                          [rows[i].adapter for i in index])
+                pred_feat[idx] = solved.transpose(1, 2)                        # [b, P, D]
+
+        # Every row advances, also one that ends here (what it writes in its slot is never read):
+        # the step stays one call, and its stop flags are read back once, after it is queued.
+        at = RowPlaces(slots, positions, key_positions([r.position for r in rows], self.device))
+        stop, lm_next, residual_next = self._step_for(count).advance(
+            self.base_kv, self.residual_kv, pred_feat, lm_hidden, at, [r.adapter for r in rows])
+        self.state.advanced(slots, lm_next, residual_next, pred_feat)
+        return slots, pred_feat, stop
 
     def _step_for(self, rows: int) -> EagerStep | CompiledStep:
         """The step's pieces for a call of `rows` rows: compiled where the graphs of their bucket
         are loaded, else eager."""
         compiled = self.compiled
         return compiled if compiled is not None and compiled.serves(rows) else self.eager
-
-
-class DecodeBalance:
-    """When the decoder process is the slower side of a step, the engine thread waits on it; a
-    row decoded here instead moves its share of the decode from one side of that wait to the
-    other. Tracks moving averages of the wait per step and of the decoder's time per row."""
-
-    def __init__(self, smoothing: float = 0.2) -> None:
-        self.smoothing = smoothing
-        self.wait_s = 0.0
-        self.row_s: float | None = None
-        self._taken = 0.0
-
-    def waited(self, seconds: float) -> None:
-        self.wait_s += self.smoothing * (seconds - self.wait_s)
-        self._taken = 0.0
-
-    def decoded_there(self, rows: int, seconds: float) -> None:
-        per_row = seconds / rows
-        self.row_s = per_row if self.row_s is None else self.row_s + self.smoothing * (per_row - self.row_s)
-
-    def take_one(self) -> bool:
-        """Whether one more row should be decoded here; counts it against this step's slack."""
-        if self.row_s is None or self.wait_s - self._taken < 2 * self.row_s:
-            return False
-        self._taken += 2 * self.row_s
-        return True
-
 
 
 def wants_decode_process(device_type: str) -> bool:

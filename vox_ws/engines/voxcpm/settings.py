@@ -55,8 +55,9 @@ SETTINGS = (
                                         "loads them (default: ~/.cache/vox-ws/compile)"),
     Setting("compile-buckets", parse_buckets, None, "batch sizes to compile for (default 1,2,4,...,64 up to the "
                                                     "rows a step carries; a batch runs padded up to its bucket)"),
-    Setting("cuda-graphs", parse_bool, False, "replay the compiled step's CFM solve from CUDA graphs, one per bucket "
-                                              "and timesteps (a CUDA device, no LoRA slots; off until measured: "
+    Setting("cuda-graphs", parse_bool, False, "compile the whole step as one graph per bucket and replay it from CUDA "
+                                              "graphs captured at start, per bucket and attention length (a CUDA "
+                                              "device, no LoRA slots; off until measured: "
                                               "python -m benchmarks.device_check)"),
     Setting("warm-normalizer", parse_bool, False,
             "load the text normalizer at start-up (first use costs seconds)"),

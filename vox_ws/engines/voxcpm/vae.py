@@ -27,18 +27,20 @@ WARM_UP_ENOUGH_S = 0.5
 class BatchedStreamingVAE:
     """The package's stateful causal streaming decode, for a batch of independent streams.
 
-    Each request keeps its own carried state (a dict: convolution index -> last input samples;
-    indices, unlike module ids, mean the same in the decoder process; empty for a new stream).
-    For one call the states are stacked along the batch dimension, a new stream's as zeros (what
-    the package's causal left padding is), and split back after: one decode is a pure function
-    `(latents, carried) -> (audio, carried)`, which `compile` compiles per batch bucket.
+    Each KV slot has its own carried state: per causal convolution, one tensor of every slot's
+    last input samples ([slots + 1, channels, context]; the last slot is the padding rows').
+    A call gathers its rows' states by slot index and scatters them back after, one indexed
+    copy per convolution whatever the batch; `reset` zeroes a new stream's (what the package's
+    causal left padding is). One decode is a pure function `(latents, carried) -> (audio,
+    carried)`, which `compile` compiles per batch bucket.
 
     The convolutions' forwards are replaced once by ones that read the carried state from
     `self._carried` while a decode runs (decodes are serialised by a lock); outside a decode
     they behave exactly as before.
     """
 
-    def __init__(self, vae: nn.Module, rows_per_call: int | None = None, fold_depthwise: bool = False) -> None:
+    def __init__(self, vae: nn.Module, slots: int, rows_per_call: int | None = None,
+                 fold_depthwise: bool = False) -> None:
         from voxcpm.modules.audiovae.audio_vae_v2 import CausalConv1d, CausalTransposeConv1d
 
         self.vae = vae
@@ -59,6 +61,10 @@ class BatchedStreamingVAE:
                 if ctx > 0:
                     mod.forward = self._transpose_forward(mod, len(self._convs), ctx, trim)
                     self._convs.append((mod, ctx))
+        params = next(vae.parameters())
+        self.padding_slot = slots
+        self.states = [torch.zeros(slots + 1, mod.in_channels, ctx, device=params.device, dtype=params.dtype)
+                       for mod, ctx in self._convs]
         self._step = self._decode_carried     # or its compiled form, per bucket
         self.buckets: tuple[int, ...] = ()    # compiled for these row counts; () eager
         self.compile_s: dict[int, float] = {}
@@ -70,7 +76,7 @@ class BatchedStreamingVAE:
         the tiny model), which must not land on a live stream."""
         for rows in range(1, min(max_rows, self.rows_per_call or max_rows) + 1):
             started = time.perf_counter()
-            self.decode(self._silence(rows, patch_size), [{} for _ in range(rows)])
+            self.decode(self._silence(rows, patch_size), self._padding_slots(rows))
             if time.perf_counter() - started > WARM_UP_ENOUGH_S:
                 break   # decodes this slow (a real-size VAE on a CPU) dwarf a kernel build
 
@@ -79,6 +85,44 @@ class BatchedStreamingVAE:
         """From now on decode through graphs compiled per bucket (from `store`: loaded where they
         were compiled before), compiling every bucket now: the steps' `buckets`, where one call
         takes at most `rows_per_call` rows of them. A call is padded up to its bucket."""
+        graphs, buckets = self._graphs(buckets, store)
+        self._step = partial(graphs, self, self.vae)
+        self.buckets = buckets
+        for rows in self.buckets:
+            started = time.perf_counter()
+            self.decode(self._silence(rows, patch_size), self._padding_slots(rows))
+            self.compile_s[rows] = round(time.perf_counter() - started, 1)
+
+    def prepare(self, buckets: tuple[int, ...], patch_size: int, store: GraphStore) -> tuple[GraphsBySize, tuple]:
+        """The compiled decode's graphs for `buckets` loaded from `store` and run once each, on
+        state of their own, by a thread other than the one that decodes (a background compile's
+        reader): loading them from the disk would stall every stream there. Only a run holds
+        the decode's lock (the convolutions read this decoder's carried state), never a load.
+        `switch_to` puts them in use."""
+        graphs, buckets = self._graphs(buckets, store)
+        for rows in buckets:
+            latents = self._silence(rows, patch_size)
+            carried = tuple(torch.zeros(rows, *state.shape[1:], device=state.device, dtype=state.dtype)
+                            for state in self.states)
+            graph = graphs.load(self, self.vae, latents, carried)
+            started = time.perf_counter()
+            with torch.inference_mode(), self._lock:
+                try:
+                    graph(self, self.vae, latents, carried)
+                finally:
+                    self._carried = None
+            self.compile_s[rows] = round(time.perf_counter() - started, 1)
+        return graphs, buckets
+
+    def switch_to(self, prepared: tuple[GraphsBySize, tuple]) -> None:
+        """Decode through graphs `prepare` loaded (on the thread that decodes, between two steps)."""
+        graphs, buckets = prepared
+        self._step = partial(graphs, self, self.vae)
+        self.buckets = buckets
+
+    def _graphs(self, buckets: tuple[int, ...], store: GraphStore) -> tuple[GraphsBySize, tuple]:
+        """The decode's graphs from `store`, and the buckets a call takes: the steps' `buckets`,
+        where one call takes at most `rows_per_call` rows of them."""
         if not buckets:
             raise ValueError("no batch sizes to compile the decode for")
         limit = self.rows_per_call
@@ -86,12 +130,12 @@ class BatchedStreamingVAE:
             buckets = tuple(b for b in buckets if b < limit) + (limit,)
         graphs = GraphsBySize(store, f"vae_decode_fold{int(self.fold_depthwise)}", streaming_decode,
                               context=self.graph_context(), rows_of="latents")
-        self._step = partial(graphs, self, self.vae)
-        self.buckets = tuple(sorted(set(buckets)))
-        for rows in self.buckets:
-            started = time.perf_counter()
-            self.decode(self._silence(rows, patch_size), [{} for _ in range(rows)])
-            self.compile_s[rows] = round(time.perf_counter() - started, 1)
+        return graphs, tuple(sorted(set(buckets)))
+
+    def uncompile(self) -> None:
+        """Decode eager again (a compiled decode that disagreed with it: `graph_check`)."""
+        self._step = self._decode_carried
+        self.buckets = ()
 
     def graph_context(self) -> str:
         """What a compiled decode depends on besides the VAE's modules: its class and its plain
@@ -106,32 +150,48 @@ class BatchedStreamingVAE:
         params = next(self.vae.parameters())
         return torch.zeros(rows, self.vae.latent_dim, patch_size, device=params.device, dtype=params.dtype)
 
-    def decode(self, latents: torch.Tensor, states: list[dict[int, torch.Tensor]]) -> torch.Tensor:
-        """latents [B, D, P] -> audio [B, samples]; updates each request's state in place."""
+    def _padding_slots(self, rows: int) -> torch.Tensor:
+        return torch.full((rows,), self.padding_slot, dtype=torch.long, device=self.states[0].device)
+
+    def reset(self, slots: torch.Tensor) -> None:
+        """New streams in these slots: their carried state is silence."""
+        for state in self.states:
+            state.index_fill_(0, slots, 0)
+
+    def export_states(self, slots: torch.Tensor) -> list[np.ndarray]:
+        """These slots' carried state, per convolution [rows, channels, context] (`import_states`
+        takes it, in another process's decoder)."""
+        return [state.index_select(0, slots).cpu().numpy() for state in self.states]
+
+    def import_states(self, slots: torch.Tensor, states: list[np.ndarray]) -> None:
+        """Streams that were decoded elsewhere go on here from the state they left there."""
+        for state, given in zip(self.states, states):
+            state.index_copy_(0, slots, torch.from_numpy(given).to(state.device, state.dtype))
+
+    def decode(self, latents: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """latents [B, D, P] of the streams in `slots` (int64 [B]) -> audio [B, samples]; each
+        slot's carried state goes on from there."""
         step = self.rows_per_call
         if step and latents.shape[0] > step:
-            return torch.cat([self._decode(latents[i:i + step], states[i:i + step])
+            return torch.cat([self._decode(latents[i:i + step], slots[i:i + step])
                               for i in range(0, latents.shape[0], step)])
-        return self._decode(latents, states)
+        return self._decode(latents, slots)
 
-    def _decode(self, latents: torch.Tensor, states: list[dict[int, torch.Tensor]]) -> torch.Tensor:
+    def _decode(self, latents: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         rows = latents.shape[0]
         size = bucket_of(rows, self.buckets) or rows
-        carried = []
-        for key, (mod, ctx) in enumerate(self._convs):
-            zeros = torch.zeros(1, mod.in_channels, ctx, device=latents.device, dtype=latents.dtype)
-            stacked = [s.get(key, zeros) for s in states] + [zeros] * (size - rows)
-            carried.append(torch.cat(stacked, dim=0))
-        latents = padded(latents, size).contiguous()     # as a compiled graph takes it
+        if size > rows:    # a compiled bucket's padding rows carry the padding slot's state
+            slots = torch.cat([slots, self._padding_slots(size - rows)])
+            latents = padded(latents, size)
+        carried = tuple(state.index_select(0, slots) for state in self.states)
         with self._lock:
             try:
-                audio, carried = self._step(latents, tuple(carried))
+                audio, carried = self._step(latents.contiguous(), carried)
             finally:
                 self._carried = None
-        for key, stacked in enumerate(carried):
-            for row, state in enumerate(states):
-                state[key] = stacked[row:row + 1]
-        return audio[:rows]
+        for state, stacked in zip(self.states, carried):
+            state.index_copy_(0, slots, stacked)
+        return audio if size == rows else audio[:rows]
 
     def _decode_carried(self, latents: torch.Tensor, carried: tuple[torch.Tensor, ...]
                         ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:

@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from ...accelerator import exclusive_on
 from ...audio import decode_audio_file
 from ...engine import ErrorKind, Refused, Voices
 from .prompt import clean_text
@@ -132,8 +133,10 @@ class VoxCPMVoices(Voices):
     def register(self, audio: np.ndarray, sample_rate: int, transcript: str | None, mode: str,
                  voice_id: str | None = None, name: str | None = None) -> dict[str, Any]:
         """Build a voice's prompt cache once (`name`: a built-in voice). Runs on a worker thread
-        beside the steps: the VAE encoder is only read (inference mode), the book is locked."""
-        cache = encode_voice(self.engine.tts.tts_model, audio, sample_rate, transcript, mode)
+        beside the steps: the VAE encoder is only read (inference mode), the book is locked.
+        That thread builds each voice on every device in turn: on this engine's as its current."""
+        with exclusive_on(self.engine.device):
+            cache = encode_voice(self.engine.tts.tts_model, audio, sample_rate, transcript, mode)
         voice_id = self.book.add(cache, name, voice_id)
         return {"voice": voice_id, "mode": mode, "audio_s": round(len(audio) / sample_rate, 3)}
 

@@ -1,0 +1,194 @@
+"""The whole step's CUDA graphs (`vox_ws/engines/voxcpm/cuda_graphs.py`), driven on the CPU through
+the capture seam: a fake capture that records where it ran and replays by running the step again
+on the same static inputs, as a graph replays its kernels on them. What the fake cannot show (a
+real capture and replay) the device check runs on a GPU."""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import numpy as np
+import pytest
+import torch
+from conftest import speak_rows
+
+from vox_ws import accelerator
+from vox_ws.engines.voxcpm.cuda_graphs import CapturedSteps, length_buckets
+from vox_ws.engines.voxcpm.loading import import_voxcpm
+from vox_ws.engines.voxcpm.whole_step import StepInputs, step_function
+
+
+class RecordingLock:
+    """A lock that knows whether it is held, and by which thread."""
+
+    def __init__(self) -> None:
+        self._lock = threading.RLock()
+        self.holder: int | None = None
+
+    def __enter__(self) -> None:
+        self._lock.__enter__()
+        self.holder = threading.get_ident()
+
+    def __exit__(self, *exc: object) -> None:
+        self.holder = None
+        self._lock.__exit__(*exc)
+
+
+class FakeCapture:
+    """Records, for each capture, the thread, whether the lock was held and the device context
+    it ran in; replays by running again. `fail_for`: the buckets whose capture raises."""
+
+    def __init__(self, lock: RecordingLock, fail_for: tuple[int, ...] = ()) -> None:
+        self.lock = lock
+        self.fail_for = fail_for
+        self.device: str | None = None
+        self.captures: list[dict] = []
+
+    def device_context(self, device: str):
+        fake = self
+
+        class Entered:
+            def __enter__(self) -> None:
+                fake.device = device
+
+            def __exit__(self, *exc: object) -> None:
+                fake.device = None
+        return Entered()
+
+    def __call__(self, run):
+        outputs = run()
+        rows = outputs[0].shape[0]
+        self.captures.append({"thread": threading.get_ident(), "locked": self.lock.holder == threading.get_ident(),
+                              "device": self.device, "rows": rows})
+        if rows in self.fail_for:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        return run
+
+
+class EagerWhole:
+    """The whole step uncompiled (`step_function` as it is), standing in for `WholeSteps`: the
+    same code the graphs are compiled from, ready for `buckets`."""
+
+    def __init__(self, model, buckets: tuple[int, ...]) -> None:
+        self.model = model
+        self.buckets = buckets
+        self.calls = 0
+
+    def serves(self, bucket: int, timesteps: int, decode: bool) -> bool:
+        return bucket in self.buckets and timesteps == 10
+
+    def __call__(self, timesteps: int, decode: bool, given: StepInputs):
+        self.calls += 1
+        return step_function(timesteps, decode)(self.model, *given)
+
+
+def _step_inputs(bucket: int, length: int) -> StepInputs:
+    return StepInputs(None, [], [], torch.zeros(bucket, 3, dtype=torch.long), torch.arange(length))
+
+
+def test_captures_run_on_the_engine_thread_under_the_lock_and_the_device_context_largest_first():
+    lock = RecordingLock()
+    fake = FakeCapture(lock)
+    steps = CapturedSteps(lambda timesteps, decode, given: (given.rows, given.keys_at), torch.device("cpu"),
+                          fake, owner=threading.get_ident(), lock=lock, device_context=fake.device_context)
+    steps.capture_all(_step_inputs, buckets=(1, 4, 2), lengths=(256, 512), decode=True)
+    assert [c["rows"] for c in fake.captures] == [4, 4, 2, 2, 1, 1]
+    assert all(c["locked"] and c["device"] == "cpu" and c["thread"] == threading.get_ident() for c in fake.captures)
+    assert set(steps.captured_s) == {f"{b}x{n}x10" for b in (1, 2, 4) for n in (256, 512)}
+
+    # Replayed from the smallest length that holds the step, its static rows refilled.
+    rows = torch.tensor([[3, 300, 7], [2, 100, 9]])
+    static, out_rows, keys_at = steps.replay(2, 301, 10, True, rows)
+    assert torch.equal(static, rows) and keys_at.shape[0] == 512
+    assert steps.replay(2, 513, 10, True, rows) is None          # past every length: not captured
+    assert steps.replay(8, 10, 10, True, rows) is None           # a bucket not captured
+    assert steps.replay(2, 10, 6, True, rows) is None            # timesteps not captured
+    assert steps.replay(2, 10, 10, False, rows) is None          # nor the step without its decode
+
+
+def test_another_thread_may_not_capture():
+    lock = RecordingLock()
+    fake = FakeCapture(lock)
+    steps = CapturedSteps(lambda *args: (torch.zeros(1),), torch.device("cpu"), fake, owner=threading.get_ident(),
+                          lock=lock, device_context=fake.device_context)
+    failures = []
+
+    def capture() -> None:
+        try:
+            steps.capture_all(_step_inputs, buckets=(1,), lengths=(256,), decode=True)
+        except RuntimeError as exc:
+            failures.append(str(exc))
+
+    other = threading.Thread(target=capture)
+    other.start()
+    other.join()
+    assert failures and "engine's own thread" in failures[0]
+    assert fake.captures == []
+
+
+def test_a_failed_capture_leaves_its_bucket_uncaptured_with_a_log_line(caplog):
+    lock = RecordingLock()
+    fake = FakeCapture(lock, fail_for=(2,))
+    steps = CapturedSteps(lambda timesteps, decode, given: (given.rows,), torch.device("cpu"), fake,
+                          owner=threading.get_ident(), lock=lock, device_context=fake.device_context)
+    with caplog.at_level(logging.WARNING, logger="vox_ws.engines.voxcpm"):
+        steps.capture_all(_step_inputs, buckets=(1, 2, 4), lengths=(256,), decode=True)
+    assert set(steps.failed) == {"2x256x10"} and "not permitted" in steps.failed["2x256x10"]
+    assert any("not captured" in r.getMessage() and "uncaptured" in r.getMessage() for r in caplog.records)
+    rows = torch.zeros(2, 3, dtype=torch.long)
+    assert steps.replay(2, 10, 10, True, rows) is None
+    assert steps.replay(4, 10, 10, True, torch.zeros(4, 3, dtype=torch.long)) is not None
+
+
+def test_the_process_wide_lock_is_the_one_voices_take():
+    assert CapturedSteps.__init__.__defaults__[0] is accelerator.DEVICE_LOCK
+    entered = []
+    with accelerator.exclusive_on("cpu"):
+        entered.append(accelerator.DEVICE_LOCK._is_owned())
+    assert entered == [True]
+
+
+def test_attention_lengths_double_up_to_the_models_positions():
+    assert length_buckets(4096) == (256, 512, 1024, 2048, 4096)
+    assert length_buckets(3000) == (256, 512, 1024, 2048, 3000)
+    assert length_buckets(100) == (100,)
+
+
+@pytest.mark.parametrize("decode_process", [False, pytest.param(True, marks=pytest.mark.slow)])
+def test_a_runner_replaying_captured_whole_steps_speaks_as_the_eager_runner(tiny_model, decode_process):
+    """Three rows in a bucket of four (one padding row in the padding slot), attending over a
+    length bucket longer than their positions (masked), their inputs copied into the static
+    rows at each replay: the audio of the eager step."""
+    from vox_ws.engines.voxcpm.runner import BatchedVoxCPM2
+
+    torch.set_num_threads(1)
+    voxcpm = import_voxcpm()
+    texts = ["One sentence here.", "Another, a bit longer sentence.", "Third."]
+
+    def model():
+        return voxcpm.VoxCPM.from_pretrained(str(tiny_model), load_denoiser=False, optimize=False,
+                                             device="cpu").tts_model
+
+    eager = BatchedVoxCPM2(model(), slots=4, decode_process=decode_process)
+    try:
+        want = speak_rows(eager, texts)
+    finally:
+        eager.close()
+    runner = BatchedVoxCPM2(model(), slots=4, decode_process=decode_process)
+    try:
+        runner.whole = EagerWhole(runner.model, (4,))
+        lock = RecordingLock()
+        fake = FakeCapture(lock)
+        runner.captured = CapturedSteps(runner.whole, runner.device, fake, owner=threading.get_ident(), lock=lock,
+                                        device_context=fake.device_context)
+        runner.capture_whole(fake, buckets=(4,))
+        captured = len(fake.captures)
+        assert captured == len(length_buckets(runner.max_len)) and all(c["locked"] for c in fake.captures)
+        calls = runner.whole.calls
+        got = speak_rows(runner, texts)
+        assert runner.whole.calls > calls, "the steps must have been replayed"
+    finally:
+        runner.close()
+    for a, b in zip(want, got):
+        assert a.shape == b.shape and np.max(np.abs(a - b)) < 1e-5
