@@ -7,7 +7,10 @@ eager; compiled with an empty compile cache (first start); compiled again with t
 (second start).
 
     python -m benchmarks.compiled [--model DIR] [--batches 1,8,16] [--steps 20] [--repeats 5] [--json FILE]
-        [--no-starts] [--buckets 1,8,16]
+        [--no-starts] [--buckets 1,8,16] [--whole]
+
+`--whole` times a third engine beside them: the whole step compiled as one graph per bucket
+(`whole_step.py`, what `--cuda-graphs` captures on a GPU), compiled first.
 """
 
 from __future__ import annotations
@@ -62,7 +65,7 @@ def start(model_dir: str, slots: int, compile: str, cache: str | None, device: s
 
 
 def run(model_dir: str, batches: list[int], steps: int, repeats: int, device: str,
-        starts: bool = True, buckets: tuple[int, ...] | None = None) -> dict[str, Any]:
+        starts: bool = True, buckets: tuple[int, ...] | None = None, whole: bool = False) -> dict[str, Any]:
     import torch
 
     from vox_ws.engines.voxcpm.lora import NO_ADAPTER
@@ -77,9 +80,13 @@ def run(model_dir: str, batches: list[int], steps: int, repeats: int, device: st
                    "compiled_second_s": start_seconds(model_dir, slots, "on", cache, device, buckets)}
     engines = {"eager": _engine(model_dir, slots, "off", None, device),
                "compiled": _engine(model_dir, slots, "on", cache, device, buckets)}
-    for engine in engines.values():
+    if whole:     # the compiled step's pieces and, beside them, the whole step as one graph
+        engines["whole"] = _engine(model_dir, slots, "on", cache, device, buckets)
+    for name, engine in engines.items():
         engine.load()
         decode_inline(engine, slots)
+        if name == "whole":
+            engine.runner.compile_whole(engine.runner.compiled)
     samples: dict[tuple[str, int], list[tuple[float, float]]] = {}
     try:
         for _ in range(repeats):
@@ -98,6 +105,9 @@ def run(model_dir: str, batches: list[int], steps: int, repeats: int, device: st
                       "compiled_vs_eager": round(compiled[0] / eager[0], 3),
                       "eager_generate_ms": round(eager[1], 2), "compiled_generate_ms": round(compiled[1], 2),
                       "generate_compiled_vs_eager": round(compiled[1] / eager[1], 3)})
+        if whole:
+            whole_ms = statistics.median(s[0] for s in samples[("whole", batch)])
+            table[-1].update(whole_ms=round(whole_ms, 2), whole_vs_eager=round(whole_ms / eager[0], 3))
     result = {"device": device, "steps": steps, "repeats": repeats, "steps_ms": table, "starts": {}}
     if started:
         result["starts"] = {**{k: round(v, 1) for k, v in started.items()},
@@ -115,6 +125,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", help="write the result here")
     ap.add_argument("--no-starts", action="store_true", help="time the steps only")
     ap.add_argument("--buckets", help="batch sizes to compile for (default: 1, 2, 4, ... up to the largest batch)")
+    ap.add_argument("--whole", action="store_true",
+                    help="also the whole step compiled as one graph per bucket (`whole_step.py`)")
     args = ap.parse_args(argv)
     model_dir = args.model
     if model_dir is None:
@@ -122,14 +134,16 @@ def main(argv: list[str] | None = None) -> int:
 
         model_dir = str(build(tempfile.mkdtemp(prefix="vox-ws-tiny-"), stop="never"))
     result = run(model_dir, [int(b) for b in args.batches.split(",")], args.steps, args.repeats, args.device,
-                 starts=not args.no_starts, buckets=parse_buckets(args.buckets) if args.buckets else None)
+                 starts=not args.no_starts, buckets=parse_buckets(args.buckets) if args.buckets else None,
+                 whole=args.whole)
     print(f"one step, median of {result['repeats']} interleaved runs of {result['steps']} steps (VAE inline):")
     print(f"{'B':>4}{'eager ms':>10}{'compiled ms':>13}{'compiled/eager':>16}{'generation: eager':>19}"
           f"{'compiled':>10}{'ratio':>7}")
     for row in result["steps_ms"]:
         print(f"{row['batch']:>4}{row['eager_ms']:>10.2f}{row['compiled_ms']:>13.2f}{row['compiled_vs_eager']:>16.3f}"
               f"{row['eager_generate_ms']:>19.2f}{row['compiled_generate_ms']:>10.2f}"
-              f"{row['generate_compiled_vs_eager']:>7.3f}")
+              f"{row['generate_compiled_vs_eager']:>7.3f}"
+              + (f"   whole step {row['whole_ms']:.2f} ms ({row['whole_vs_eager']:.3f}x)" if "whole_ms" in row else ""))
     s = result["starts"]
     if s:
         print(f"start: eager {s['eager_s']} s; compiled, first (empty cache) {s['compiled_first_s']} s, second "
