@@ -231,15 +231,15 @@ def test_a_decode_compile_that_fails_is_refused_with_its_reason_and_the_process_
     engine.load()
     vae = engine.tts.tts_model.audio_vae
     decoder = DecoderProcess(threads=1)
-    decoder.load_vae(type(vae), engine.tts.tts_model.config.audio_vae_config, vae.state_dict(), rows_per_call=8,
-                     warm_up=(4, 1))
+    decoder.load_vae(type(vae), engine.tts.tts_model.config.audio_vae_config, vae.state_dict(), slots=1,
+                     rows_per_call=8, warm_up=(4, 1))
     try:
         decoder.wait_ready()
         decoder.compile((), str(tmp_path), 4)               # no bucket to compile for
         with pytest.raises(RuntimeError, match="compiling the VAE decode failed: ValueError"):
             decoder.wait_compiled()
         latents = torch.zeros(1, vae.latent_dim, 4)
-        audio = decoder.wait(decoder.submit(latents, [1], {}))
+        audio = decoder.wait(decoder.submit(latents, [0]))
         assert audio.shape[0] == 1 and audio.shape[1] > 0 and np.isfinite(audio).all()
     finally:
         decoder.close()
