@@ -218,7 +218,7 @@ def step_scheduler(ctx: dict) -> dict:
     not waited for (it takes minutes; the compiled step measures it): what it has done by the
     end, with its seconds per bucket, is kept."""
     _torch(ctx)
-    from benchmarks.scheduler import BURST_TEXT, _burst, _serial_once, loaded, loop_of
+    from benchmarks.scheduler import BURST_TEXT, _burst, _memory, _serial_once, loaded, loop_of
     from vox_ws.engines.voxcpm.engine import VoxCPMEngine
 
     report = _reporter(ctx)

@@ -277,7 +277,6 @@ def run_bursts(model_dir: str, device: str, ns: list[int], threads: int, length:
     scheduler, steps = loop_of(engine, slots)
     try:
         result["load"] = loaded(scheduler, engine, started, device)
-        info = engine.describe()
         tell(result)
         result["serial"] = scheduler.call(lambda: _serial_once(engine, length)).result(timeout=600)
         tell(result)

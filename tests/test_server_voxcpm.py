@@ -15,7 +15,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import soundfile
-import torch
 from conftest import WAIT_TIMEOUT, connect_client, wait_until
 from conftest import assert_good_stream as _assert_good_stream
 from websockets.exceptions import ConnectionClosed
