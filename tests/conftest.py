@@ -512,3 +512,23 @@ def speak_rows(runner: Any, texts: list[str], timesteps: int = 10, max_len: int 
             if reason is not None:
                 runner.release(live.pop(i))
     return [np.concatenate(audio[i]) for i in range(len(rows))]
+
+
+def tiny_runner(tiny_model: Any, slots: int, decode_process: bool = False) -> Any:
+    """A `BatchedVoxCPM2` over a fresh load of the tiny model (each its own modules: a runner
+    patches its VAE's convolutions)."""
+    from vox_ws.engines.voxcpm.loading import import_voxcpm
+    from vox_ws.engines.voxcpm.runner import BatchedVoxCPM2
+
+    model = import_voxcpm().VoxCPM.from_pretrained(str(tiny_model), load_denoiser=False, optimize=False,
+                                                   device="cpu").tts_model
+    return BatchedVoxCPM2(model, slots=slots, decode_process=decode_process)
+
+
+def eager_speech(tiny_model: Any, texts: list[str], slots: int, decode_process: bool = False) -> list[Any]:
+    """`texts` spoken by an eager runner (`speak_rows`): what a compiled or captured step must equal."""
+    runner = tiny_runner(tiny_model, slots, decode_process)
+    try:
+        return speak_rows(runner, texts)
+    finally:
+        runner.close()

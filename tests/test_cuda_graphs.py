@@ -11,11 +11,10 @@ import threading
 import numpy as np
 import pytest
 import torch
-from conftest import speak_rows
+from conftest import eager_speech, speak_rows, tiny_runner
 
 from vox_ws import accelerator
 from vox_ws.engines.voxcpm.cuda_graphs import CapturedSteps, length_buckets
-from vox_ws.engines.voxcpm.loading import import_voxcpm
 from vox_ws.engines.voxcpm.whole_step import StepInputs, step_function
 
 
@@ -160,22 +159,10 @@ def test_a_runner_replaying_captured_whole_steps_speaks_as_the_eager_runner(tiny
     """Three rows in a bucket of four (one padding row in the padding slot), attending over a
     length bucket longer than their positions (masked), their inputs copied into the static
     rows at each replay: the audio of the eager step."""
-    from vox_ws.engines.voxcpm.runner import BatchedVoxCPM2
-
     torch.set_num_threads(1)
-    voxcpm = import_voxcpm()
     texts = ["One sentence here.", "Another, a bit longer sentence.", "Third."]
-
-    def model():
-        return voxcpm.VoxCPM.from_pretrained(str(tiny_model), load_denoiser=False, optimize=False,
-                                             device="cpu").tts_model
-
-    eager = BatchedVoxCPM2(model(), slots=4, decode_process=decode_process)
-    try:
-        want = speak_rows(eager, texts)
-    finally:
-        eager.close()
-    runner = BatchedVoxCPM2(model(), slots=4, decode_process=decode_process)
+    want = eager_speech(tiny_model, texts, 4, decode_process)
+    runner = tiny_runner(tiny_model, 4, decode_process)
     try:
         runner.whole = EagerWhole(runner.model, (4,))
         lock = RecordingLock()

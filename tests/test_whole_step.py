@@ -7,9 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from conftest import speak_rows
-
-from vox_ws.engines.voxcpm.loading import import_voxcpm
+from conftest import eager_speech, speak_rows, tiny_runner
 
 TEXTS = ["One sentence here.", "Another, a bit longer sentence.", "Third."]
 
@@ -20,22 +18,11 @@ def test_the_whole_step_compiles_as_one_graph_and_speaks_as_the_eager_step(tiny_
     `fullgraph=True`: a graph break is an error), every step of theirs through it, their audio
     the eager runner's."""
     from vox_ws.engines.voxcpm.compiled import CompiledStep
-    from vox_ws.engines.voxcpm.runner import BatchedVoxCPM2
     from vox_ws.engines.voxcpm.whole_step import WholeSteps
 
     torch.set_num_threads(1)
-    voxcpm = import_voxcpm()
-
-    def model():
-        return voxcpm.VoxCPM.from_pretrained(str(tiny_model), load_denoiser=False, optimize=False,
-                                             device="cpu").tts_model
-
-    eager = BatchedVoxCPM2(model(), slots=4, decode_process=False)
-    try:
-        want = speak_rows(eager, TEXTS)
-    finally:
-        eager.close()
-    runner = BatchedVoxCPM2(model(), slots=4, decode_process=False)
+    want = eager_speech(tiny_model, TEXTS, 4)
+    runner = tiny_runner(tiny_model, 4)
     try:
         compiled = CompiledStep(runner.model, (4,), cache_dir=tmp_path / "cache")
         runner.compile_whole(compiled)
