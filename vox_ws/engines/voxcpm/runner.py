@@ -221,14 +221,9 @@ class BatchedVoxCPM2:
             return
         if self.whole is None:
             self.whole = WholeSteps(compiled.store, self.model, self.vae, compiled.buckets)
-        padding = self.base_kv.padding_slot
-
-        def padding_rows(bucket: int) -> StepInputs:
-            # Position 1 of 0..1: a length of 2, as no real step has less (`CompiledStep.warm_up`).
-            rows = torch.tensor([[padding, 1, 0]] * bucket, dtype=torch.long, device=self.device)
-            return StepInputs(self.vae, self._caches, self._buffers, rows, key_positions([1], self.device))
-
-        self.whole.warm_up(padding_rows, decode=self.decoding.process is None, buckets=buckets)
+        # A length of 2, as no real step has less (`CompiledStep.warm_up`).
+        self.whole.warm_up(lambda bucket: _padding_step(self, bucket, 2), decode=self.decoding.process is None,
+                           buckets=buckets)
 
     def capture_whole(self, capture: Capture, buckets: tuple[int, ...] | None = None) -> None:
         """The whole step's graphs captured (`cuda_graphs.py`) for `buckets` (default: every
@@ -238,14 +233,8 @@ class BatchedVoxCPM2:
             raise RuntimeError("the whole step is not compiled: nothing to capture")
         if self.captured is None:
             self.captured = CapturedSteps(self.whole, self.device, capture, owner=self._thread)
-        padding = self.base_kv.padding_slot
-
-        def static_inputs(bucket: int, length: int) -> StepInputs:
-            rows = torch.tensor([[padding, 1, 0]] * bucket, dtype=torch.long, device=self.device)
-            return StepInputs(self.vae, self._caches, self._buffers, rows,
-                              torch.arange(length, device=self.device))
-
-        self.captured.capture_all(static_inputs, buckets or self.whole.buckets, length_buckets(self.max_len),
+        self.captured.capture_all(lambda bucket, length: _padding_step(self, bucket, length),
+                                  buckets or self.whole.buckets, length_buckets(self.max_len),
                                   decode=self.decoding.process is None)
 
     def adopt(self, compiled: CompiledStep, buckets: tuple[int, ...] = (), decode: bool = False) -> None:
@@ -511,6 +500,14 @@ class BatchedVoxCPM2:
         are loaded, else eager."""
         compiled = self.compiled
         return compiled if compiled is not None and compiled.serves(rows) else self.eager
+
+
+def _padding_step(runner: BatchedVoxCPM2, bucket: int, length: int) -> StepInputs:
+    """A whole step's inputs of `bucket` padding rows (the padding slot, position 1, noise key 0)
+    attending over `length` positions: what a warm-up or a capture runs on, writing only the
+    padding slot."""
+    rows = torch.tensor([[runner.base_kv.padding_slot, 1, 0]] * bucket, dtype=torch.long, device=runner.device)
+    return StepInputs(runner.vae, runner._caches, runner._buffers, rows, torch.arange(length, device=runner.device))
 
 
 def wants_decode_process(device_type: str) -> bool:
