@@ -161,9 +161,9 @@ def main() -> None:
     errors = np.abs(np.array(starts + ends)) * 1000
 
     cores = len(os.sched_getaffinity(0))
-    pool = WordAligner(workers=cores)
+    pool = WordAligner(workers=cores, queue=4 * len(clips))      # every clip queued at once
     try:
-        pool.start()
+        pool.start(cores)
         for future in [pool.align(audio, text, text) for audio, text, _ in clips[:cores]]:
             future.result()
         started = time.perf_counter()

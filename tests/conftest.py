@@ -148,13 +148,14 @@ def start_server() -> Callable[..., RunningServer]:
 class SharedServerFactory(ServerFactory):
     """A ServerFactory whose servers' processes (engine workers, decoders, the aligner's) are
     the session's: the per-module check below does not count them against the module that
-    first asked. The aligner's start with the server, not at the first stream that asks."""
+    first asked. The aligner's start with the server, all of them, not as streams need them."""
 
     def __call__(self, engine: Engine, wait: bool = True, **overrides: Any) -> RunningServer:
         before = set(child_processes())
         running = super().__call__(engine, wait, **overrides)
-        if running.server.service.word_timings.aligner is not None:
-            running.server.service.word_timings.aligner.start()
+        aligner = running.server.service.word_timings.aligner
+        if aligner is not None:
+            aligner.start(aligner.workers)
         SESSION_PROCESSES.update(set(child_processes()) - before)
         return running
 

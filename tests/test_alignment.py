@@ -7,13 +7,16 @@ never loaded in this one."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
+import signal
 import sys
 from concurrent.futures import Future
 
 import numpy as np
 import pytest
-from conftest import WAIT_TIMEOUT, assert_good_stream, connect_client, wait_until
+from attackers import ATTACKER
+from conftest import WAIT_TIMEOUT, assert_good_stream, child_processes, connect_client, wait_until
 
 from vox_ws.alignment.pool import WordAligner
 from vox_ws.alignment.spelling import AlignmentText, spoken_words, written_times
@@ -27,21 +30,27 @@ TEXT = "Doctor Smith paid $3.50 for the tickets on Tuesday. The show started at 
 STILL = {"noise_scale": 0.0, "noise_w_scale": 0.0}
 
 
-async def stream_words(server, text: str, **fields) -> tuple[list[dict], list[dict], dict, dict]:
-    """(words, chunks, start, end) of one stream over v1, in the order they came."""
-    async with connect_client(server) as c:
+async def stream_words(server, text: str, source: str | None = None,
+                       **fields) -> tuple[list[dict], list[dict], dict, dict]:
+    """(words, chunks, start, end) of one stream over v1, in the order they came; from the
+    address `source` where given."""
+    async with connect_client(server, **({"local_addr": (source, 0)} if source else {})) as c:
         await c.send({"type": "start", "id": "w", "text": text, "format": "s16", "word_timestamps": True, **fields})
-        words, chunks, start = [], [], None
-        while True:
-            message = await c.recv_where(lambda m: m.get("id") == "w")
-            if message["type"] == "start":
-                start = message
-            elif message["type"] == "words":
-                words += message["words"]
-            elif message["type"] == "chunk":
-                chunks.append(message)
-            elif message["type"] in ("end", "error"):
-                return words, chunks, start, message
+        return await read_words(c)
+
+
+async def read_words(c, sid: str = "w") -> tuple[list[dict], list[dict], dict, dict]:
+    words, chunks, start = [], [], None
+    while True:
+        message = await c.recv_where(lambda m: m.get("id") == sid)
+        if message["type"] == "start":
+            start = message
+        elif message["type"] == "words":
+            words += message["words"]
+        elif message["type"] == "chunk":
+            chunks.append(message)
+        elif message["type"] in ("end", "error"):
+            return words, chunks, start, message
 
 
 def ordered(words: list[dict], audio_s: float) -> bool:
@@ -112,14 +121,40 @@ def test_audio_too_short_for_its_words_gets_estimated_times(aligner):
 
 def test_a_process_that_dies_costs_its_segment_and_the_next_is_aligned(aligner):
     aligner.start()
-    aligner._started().submit(os._exit, 3)
-    for _ in range(3):      # the pool is found broken at a submit (then replaced) or when it runs
+    aligner.align(np.zeros(16000, np.int16), "hello", "hello").result(WAIT_TIMEOUT)   # started
+    os.kill(aligner.pids()[0], signal.SIGKILL)
+    for _ in range(3):      # the process is found dead at a submit (then replaced) or when it runs
         try:
             timed = aligner.align(np.zeros(16000, np.int16), "hello", "hello").result(WAIT_TIMEOUT)
             break
         except Exception:
             continue
     assert [w[0] for w in timed] == ["hello"]
+
+
+@pytest.mark.hardening
+def test_closing_the_aligner_kills_a_process_that_will_not_finish_within_its_grace():
+    """Hardening VI, 17: the shutdown keeps its bound (`--drain-timeout` + 4 s) only if every
+    helper process ends within what is left: an aligner process stopped (SIGSTOP) in the middle
+    of a segment finished nothing, and the close waited for it for ever. With no grace left it
+    is killed at once; a new aligner then aligns."""
+    stuck = WordAligner(workers=1)
+    stuck.start()
+    stuck.align(np.zeros(16000, np.int16), "hello", "hello").result(WAIT_TIMEOUT)      # started
+    pid = stuck.pids()[0]
+    os.kill(pid, signal.SIGSTOP)
+    held = stuck.align(np.zeros(16000, np.int16), "hello", "hello")                    # being aligned
+    stuck.close(grace_s=0.0)
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)                                         # killed and reaped
+    with pytest.raises(Exception):
+        held.result(WAIT_TIMEOUT)
+    fresh = WordAligner(workers=1)
+    try:
+        assert [w[0] for w in fresh.align(np.zeros(16000, np.int16), "hello", "hello").result(WAIT_TIMEOUT)] \
+            == ["hello"]
+    finally:
+        fresh.close()
 
 
 # ------------------------------------------------------------------------------ VoxCPM2 over every door
@@ -239,7 +274,7 @@ async def test_a_failing_aligner_costs_the_stream_its_words_never_its_audio(star
 
     server = start_server(VoxCPMEngine(model=str(tiny_model), device="cpu", slots=2), slots=2,
                           word_timings="engine")
-    server.server.service.word_timings = WordTimings(FailingAligner())
+    server.server.service.word_timings = WordTimings(FailingAligner(1))
     text = "The audio still comes. Every second of it."
     words, chunks, start, end = await stream_words(server, text, options={"max_len": 10})
     assert end["type"] == "end" and words == [] and len(end["segments"]) >= 1
@@ -251,7 +286,7 @@ async def test_a_failing_aligner_costs_the_stream_its_words_never_its_audio(star
     assert_good_stream(result, min_seconds=0.5, reason=result.end["reason"])
     # An aligner that never answers (a hung process): the end waits for its words no longer
     # than the aligner's time (none here), then comes without them.
-    server.server.service.word_timings = WordTimings(HangingAligner(answer_within_s=0.0))
+    server.server.service.word_timings = WordTimings(HangingAligner(1, answer_within_s=0.0))
     words, chunks, start, end = await stream_words(server, text, options={"max_len": 10})
     assert end["type"] == "end" and words == []
     assert sum(len(c["audio"]) for c in chunks) / 2 / start["sample_rate"] == pytest.approx(end["audio_s"], abs=1e-3)
@@ -284,8 +319,8 @@ async def test_word_timings_aligned_times_piper_by_the_aligner_close_to_its_own(
     # Aligned by pocketsphinx (no word estimated), which was never loaded in this process: not on
     # the event loop, not on the engine's thread, but in the aligner's own processes.
     assert "pocketsphinx" not in sys.modules
-    pool = aligned_piper.server.service.word_timings.aligner._pool
-    assert pool is not None and pool._processes and os.getpid() not in pool._processes
+    pids = aligned_piper.server.service.word_timings.aligner.pids()
+    assert pids and os.getpid() not in pids
 
 
 def test_word_timings_takes_three_modes():
@@ -316,3 +351,131 @@ def test_hostile_texts_cost_the_aligner_little():
     assert "trillion" in spoken_words("1" * 15) and len(spoken_words("1" * 16)) == 16
     aligner = SphinxAligner.__new__(SphinxAligner)       # no decoder needed: it is never searched
     assert aligner.align(np.zeros(16000, np.int16), ("seven",) * 100) == [None] * 100
+
+
+# ------------------------------------------------------------------------------ the aligner's processes
+
+ONE = "Hello there, my good friend."
+# Three segments: streamed in, each sentence is one (a text sent whole is one segment).
+THREE = ("The first sentence is here.", "The second one follows it.", "And the third ends the text.")
+
+
+async def stream_in(c, sid: str, sentences: tuple[str, ...]) -> None:
+    """A stream whose text comes in sentence by sentence, with word times."""
+    await c.send({"type": "start", "id": sid, "stream_input": True, "format": "s16", "word_timestamps": True})
+    for sentence in sentences:
+        await c.send({"type": "chunk", "id": sid, "text": sentence + " "})
+    await c.send({"type": "end", "id": sid})
+
+
+def started_since(before: set[int]) -> set[int]:
+    """This test process's descendants started since `before`, other than Python's own (its
+    resource tracker, started with the first spawned process)."""
+    return {pid for pid, command in child_processes().items()
+            if pid not in before and "multiprocessing.resource_tracker" not in command}
+
+
+@pytest.fixture(scope="module")
+def piper_for_aligners(start_server):
+    """Piper timed by the aligner (`--word-timings aligned`); each test below gives it an
+    aligner of its own (`own_aligner`)."""
+    return start_server(PiperEngine(), slots=2, word_timings="aligned")
+
+
+@contextlib.contextmanager
+def own_aligner(server, aligner: WordAligner):
+    """`aligner` times the server's words for the block, and is closed after it."""
+    service = server.server.service
+    before = service.word_timings
+    service.word_timings = WordTimings(aligner, always_aligned=True)
+    try:
+        yield aligner
+    finally:
+        service.word_timings = before
+        aligner.close()
+
+
+@pytest.mark.hardening
+def test_the_aligners_are_their_setting_never_more_than_the_cgroup_quota(tmp_path, monkeypatch):
+    """A host of 8 CPUs, which had 8 aligner processes (one per CPU it may run on), has
+    `--aligners` (2 by default) at most, and a container's CPU quota, which its affinity does
+    not show, bounds them too; made, an aligner starts no process."""
+    from vox_ws.cli import build_parser, config_from_args
+    from vox_ws.cpus import cpu_limit
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))
+    root, membership = tmp_path / "cgroup", tmp_path / "membership"
+    root.mkdir()
+    membership.write_text("0::/\n")
+    assert config_from_args(build_parser().parse_args(["serve"])).aligners == 2
+    assert WordAligner(2, cpus=cpu_limit(root, membership)).workers == 2
+    assert WordAligner(16, cpus=cpu_limit(root, membership)).workers == 8        # the CPUs it may run on
+    (root / "cpu.max").write_text("150000 100000\n")                            # 1.5 CPUs
+    assert WordAligner(8, cpus=cpu_limit(root, membership)).workers == 2
+    monkeypatch.setenv("VOX_WS_ALIGNERS", "3")
+    assert config_from_args(build_parser().parse_args(["serve"])).aligners == 3
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--aligners", "0"])
+    aligner = WordTimings.for_mode("aligned", 2).aligner
+    assert aligner.workers == 2 and aligner.processes == 0
+    aligner.close()
+
+
+@pytest.mark.hardening
+async def test_a_word_time_stream_starts_the_one_aligner_it_needs_not_one_per_cpu(piper_for_aligners):
+    """The issue's attack: a client without a token asks for word times where the aligner may
+    have 8 processes (before: all 8 started at once, 1,045 MB). One starts, the stream's one
+    segment needs no other; the next stream is served by the same; close stops it."""
+    before = set(child_processes())
+    with own_aligner(piper_for_aligners, WordAligner(8, cpus=8)) as aligner:
+        words, _, _, end = await stream_words(piper_for_aligners, ONE, source=ATTACKER)
+        assert end["type"] == "end" and [w["word"] for w in words] == ONE.split()
+        started = started_since(before)
+        assert aligner.processes == 1 and started == set(aligner.pids()), (started, aligner.pids())
+        words, _, _, end = await stream_words(piper_for_aligners, ONE)
+        assert end["type"] == "end" and [w["word"] for w in words] == ONE.split()
+        assert aligner.aligned == 2 and started_since(before) == started
+    assert not set(child_processes()) & started                 # closed: stopped
+
+
+@pytest.mark.hardening
+async def test_a_client_that_leaves_has_its_queued_segments_dropped_unaligned(piper_for_aligners):
+    """Segments of a client that asked for word times and left wait for no one: they leave the
+    aligner's queue unaligned, ahead of nobody's. Held in the queue by `hold` (no process takes
+    them) until the client has gone."""
+    aligner = WordAligner(1, answer_within_s=WAIT_TIMEOUT)
+    aligner.hold()
+    with own_aligner(piper_for_aligners, aligner):
+        async with connect_client(piper_for_aligners, local_addr=(ATTACKER, 0)) as c:
+            await stream_in(c, "a", THREE)
+            await wait_until(lambda: aligner.queued == 3)
+        await wait_until(lambda: aligner.queued == 0)
+        assert aligner.dropped == 3 and aligner.aligned == 0
+        aligner.release()
+        words, _, _, end = await stream_words(piper_for_aligners, ONE)
+        assert end["type"] == "end" and [w["word"] for w in words] == ONE.split()
+        assert not any(w.get("estimated") for w in words) and aligner.aligned == 1
+
+
+@pytest.mark.hardening
+async def test_a_segment_past_the_aligner_queue_gets_estimated_words_the_next_aligned(piper_for_aligners):
+    """A queue full (here 2 segments, held) refuses the next segment: its words come at once,
+    every one `estimated`, in their place after the aligned ones; the next stream is aligned."""
+    aligner = WordAligner(1, answer_within_s=WAIT_TIMEOUT, queue=2)
+    aligner.hold()
+    with own_aligner(piper_for_aligners, aligner):
+        async with connect_client(piper_for_aligners, local_addr=(ATTACKER, 0)) as c:
+            await stream_in(c, "w", THREE)
+            await wait_until(lambda: aligner.refused == 1)
+            assert aligner.queued == 2
+            aligner.release()
+            words, _, _, end = await read_words(c)
+        assert end["type"] == "end" and [w["word"] for w in words] == " ".join(THREE).split()
+        assert ordered(words, end["audio_s"])
+        third = len(THREE[-1].split())
+        assert not any(w.get("estimated") for w in words[:-third])
+        assert all(w["estimated"] for w in words[-third:])
+        assert aligner.aligned == 2
+        words, _, _, end = await stream_words(piper_for_aligners, ONE)
+        assert end["type"] == "end" and [w["word"] for w in words] == ONE.split()
+        assert not any(w.get("estimated") for w in words) and aligner.aligned == 3 and aligner.refused == 1

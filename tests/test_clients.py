@@ -11,7 +11,10 @@ import http.server
 import io
 import json
 import logging
+import os
 import random
+import subprocess
+import sys
 import threading
 import wave
 from pathlib import Path
@@ -29,8 +32,8 @@ from vox_ws.cli import build_parser, config_from_args
 from vox_ws.clients.v1 import MAX_RETRY_WAIT_S, retry_delay
 from vox_ws.engines.piper import PiperEngine
 from vox_ws.engines.piper_voices import bundled, voice_set
-from vox_ws.logs import JsonFormatter
-from vox_ws.service.voice_aliases import OPENAI_VOICES, load_aliases
+from vox_ws.logs import TEXT_FORMAT, JsonFormatter, TextFormatter, voice_tag
+from vox_ws.service.voice_aliases import OPENAI_VOICES, Alias, load_aliases
 
 SENTENCE = "Hello there, this is one of the voices speaking a sentence."
 # The second voice: the bundled model with a config of its own (British English, spoken slower).
@@ -189,6 +192,25 @@ def test_aliases_from_a_file_name_voices_and_a_bad_one_is_left_out(start_server,
     bad.write_text('{"x": {"voice": "joe", "pitch": 2}}')
     with pytest.raises(ValueError, match="unknown field 'pitch'"):
         load_aliases(str(bad))
+
+
+@pytest.mark.hardening
+def test_an_aliases_file_nested_too_deeply_is_refused_in_one_line(tmp_path):
+    """`--voice-aliases` holding 200,000 nested arrays (JSON, or TOML's inline arrays): the
+    start exited 1 with a RecursionError traceback. It is refused as any bad aliases file is:
+    exit 2 and one line naming the file; a good file is read after it."""
+    nested = "[" * 200_000 + "]" * 200_000
+    for deep in (tmp_path / "deep.json", tmp_path / "deep.toml"):
+        deep.write_text(nested if deep.suffix == ".json" else f"a = {nested}\n")
+        run = subprocess.run([sys.executable, "-m", "vox_ws", "serve", "--engine", "piper", "--port", "0",
+                              "--voice-aliases", str(deep)], capture_output=True, text=True, timeout=120,
+                             env={**os.environ, "HOME": str(tmp_path)})
+        assert run.returncode == 2, run.stderr
+        assert run.stderr.endswith(f"vox-ws serve: {deep}: nested too deeply\n"), run.stderr
+        assert "Traceback" not in run.stderr and run.stderr.count("vox-ws serve:") == 1
+    good = tmp_path / "good.json"
+    good.write_text('{"narrator": "joe", "echo": false}')
+    assert load_aliases(str(good)) == {"narrator": Alias("narrator", "joe"), "echo": None}
 
 
 def test_openai_dated_model_names_are_the_served_model(piper_server):
@@ -407,6 +429,53 @@ def test_a_json_log_line_is_one_line_to_any_reader_and_keeps_a_failures_message(
     line = json.loads(text)
     assert line["text"] == fields["text"] and line["error_message"] == "bad \u2029 input"
     assert line["message"] == "stream"
+
+
+@pytest.mark.hardening
+def test_no_log_line_names_a_registered_voice_by_its_id(tiny_voxcpm, caplog):
+    """Hardening VI, 13: each stream's log line named its voice by its id: for a voice registered
+    without a name, the capability that speaks with it from anywhere. The line names a registered
+    voice by its tag now, in either format, and whatever else a line echoes (an error message, a
+    file name in a traceback) says the tag for an id too; the voices speak as before."""
+    from test_stream_service import tone_wav
+
+    async def register_and_speak() -> tuple[list[str], list]:
+        async with connect_client(tiny_voxcpm) as c:
+            ids = []
+            for n, name in enumerate((None, "logged")):
+                await c.send({"type": "voice", "id": f"r{n}", "audio": tone_wav(1.0, pitch=205 + 10 * n),
+                              **({"name": name} if name else {})})
+                ids.append((await c.recv_where(lambda m, n=n: m.get("id") == f"r{n}"))["voice"])
+            try:
+                spoken = [await c.speak("Spoken in a stored voice.", f"s{n}", voice=voice,
+                                        options={"seed": 3, "max_len": 3})
+                          for n, voice in enumerate([*ids, "logged"])]
+            finally:
+                for n, voice in enumerate(ids):
+                    await c.send({"type": "voice_delete", "id": f"d{n}", "voice": voice})
+                    assert (await c.recv_where(lambda m, n=n: m.get("id") == f"d{n}"))["deleted"] is True
+        return ids, spoken
+
+    with caplog.at_level(logging.INFO, "vox_ws"):
+        ids, spoken = asyncio.run(register_and_speak())
+    assert [s.end["reason"] for s in spoken] == ["max_len"] * 3          # the voices speak
+    streams = [r for r in caplog.records if r.name == "vox_ws.stream" and r.fields.get("engine") == "voxcpm"]
+    tags = [voice_tag(ids[0]), voice_tag(ids[1]), voice_tag(ids[1])]      # the named one by id, then by name
+    assert [r.fields["voice"] for r in streams[-3:]] == tags
+    formatters = (JsonFormatter(), TextFormatter(TEXT_FORMAT))
+    for record in caplog.records:
+        assert not any(voice in record.getMessage() for voice in ids)
+        assert not any(voice in f.format(record) for voice in ids for f in formatters)
+    # A line that echoes an id (a failure's message, a traceback's file name): the tag in its place.
+    try:
+        raise FileNotFoundError(2, "No such file", f"/voices/{ids[0]}.audio")
+    except OSError:
+        record = logging.LogRecord("vox_ws.service", logging.ERROR, __file__, 1, "voice %s failed", (ids[0],),
+                                   sys.exc_info())
+    record.fields = {"event": "stream", "error": "invalid", "error_message": f"unknown voice {ids[0]!r}"}
+    for formatter in formatters:
+        line = formatter.format(record)
+        assert ids[0] not in line and voice_tag(ids[0]) in line
 
 
 def test_retries_wait_as_the_server_says_with_jitter_and_a_cap():

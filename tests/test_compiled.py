@@ -677,3 +677,100 @@ def test_closing_the_background_compile_kills_a_child_that_will_not_stop(tiny_mo
     assert background._process.returncode in (-signal.SIGTERM, -signal.SIGKILL)
     assert background.status == "stopped"
     assert not psutil.pid_exists(child.pid) or child.status() == psutil.STATUS_ZOMBIE
+
+
+def _stop(pid: int):
+    """SIGSTOP a process, and wait until the kernel says it is stopped."""
+    import signal
+
+    import psutil
+
+    child = psutil.Process(pid)
+    child.send_signal(signal.SIGSTOP)
+    deadline = time.monotonic() + WAIT_TIMEOUT
+    while child.status() != psutil.STATUS_STOPPED:
+        assert time.monotonic() < deadline, f"process {pid} not stopped in {WAIT_TIMEOUT:g}s"
+        time.sleep(0.01)
+    return child
+
+
+def _gone(child) -> bool:
+    import psutil
+
+    return not psutil.pid_exists(child.pid) or child.status() == psutil.STATUS_ZOMBIE
+
+
+@pytest.mark.hardening
+def test_a_stopped_compile_child_ends_within_what_the_shutdown_has_left(tiny_model, tmp_path, monkeypatch):
+    """Hardening VI, 17: a compile child stopped with SIGSTOP acts on no SIGTERM, and its own 5 s
+    grace took a `--drain-timeout 1` shutdown to 6.1-7.4 s, past the documented drain + 4 s.
+    `close` takes the grace from what the shutdown has left (`deadline`): with nothing left the
+    child is killed at once (SIGKILL: no grace waited out); with time left it is continued
+    (SIGCONT) and ends on its SIGTERM (the grace made longer than any wait here, so the SIGTERM,
+    not the grace running out, ended it). It is gone when `close` returns, and a new start works."""
+    import signal
+
+    from vox_ws.engines.voxcpm import background as background_module
+    from vox_ws.engines.voxcpm.background import BackgroundCompile
+
+    monkeypatch.setattr(background_module, "STOP_GRACE_S", WAIT_TIMEOUT)
+    settings = {"model": str(tiny_model), "device": "cpu", "threads": 1, "buckets": [1],
+                "cache": str(tmp_path / "cache"), "lora_rank": 0, "lora_alpha": 0, "max_loras": 1}
+    for left_s, ended_by in ((0.0, signal.SIGKILL), (WAIT_TIMEOUT, signal.SIGTERM)):
+        background = BackgroundCompile(settings)
+        try:
+            assert background.started_event.wait(WAIT_TIMEOUT) and background.priority == "SCHED_IDLE"
+            child = _stop(background._process.pid)
+        finally:
+            background.close(deadline=time.monotonic() + left_s)
+        assert background._process.returncode == -ended_by, (left_s, background._process.returncode)
+        assert background.status == "stopped" and _gone(child)
+
+
+@pytest.mark.hardening
+def test_the_servers_shutdown_gives_a_stopped_compile_child_what_its_budget_has_left(tiny_model, tmp_path,
+                                                                                      start_server, monkeypatch):
+    """Hardening VI, 17, through the server: `shutdown` hands what is left of its budget
+    (drain + `bound_s`) down to the engine's close. With none left the stopped compile child is
+    killed at once, without a grace; a new server then serves, and its own stopped child, given
+    time, is continued and ends on its SIGTERM before `shutdown` returns. The documents promise
+    the same bound the code keeps."""
+    import asyncio
+    import signal
+
+    from conftest import connect_client
+
+    from vox_ws.engines.voxcpm import background as background_module
+    from vox_ws.server import SHUTDOWN_BOUND_S
+
+    monkeypatch.setattr(background_module, "STOP_GRACE_S", WAIT_TIMEOUT)
+
+    def serve(cache: str):
+        # A cache each: the first child's compile, cut short, is not the second's to finish.
+        engine = VoxCPMEngine(model=str(tiny_model), device="cpu", slots=1, compile="on", compile_buckets=(1,),
+                              compile_cache=str(tmp_path / cache), compile_wait=False)
+        running = start_server(engine)
+        assert engine.background.started_event.wait(WAIT_TIMEOUT)
+        return running, engine, _stop(engine.background._process.pid)
+
+    def shutdown(running, bound_s: float) -> None:
+        asyncio.run_coroutine_threadsafe(running.server.shutdown(0.0, bound_s=bound_s),
+                                         running.loop).result(WAIT_TIMEOUT)
+
+    running, engine, child = serve("first")
+    shutdown(running, 0.0)
+    running.devices.loops[0]._thread.join(WAIT_TIMEOUT)        # the engine's close, after the budget
+    assert engine.background._process.returncode == -signal.SIGKILL and _gone(child)
+
+    running, engine, child = serve("second")
+
+    async def speak() -> None:
+        async with connect_client(running) as client:
+            result = await client.speak("A new start serves.", "after", options={"max_len": 4})
+        assert result.error is None and result.end["reason"] == "max_len", result.error
+
+    asyncio.run(speak())
+    shutdown(running, WAIT_TIMEOUT)
+    assert engine.background._process.returncode == -signal.SIGTERM and _gone(child)
+    protocol = (Path(__file__).parent.parent / "docs" / "PROTOCOL.md").read_text()
+    assert f"at most `--drain-timeout` + {SHUTDOWN_BOUND_S:g} s" in protocol

@@ -132,6 +132,85 @@ def test_the_budget_of_refusals_refills_at_its_rate():
     assert off.heard(ATTACKER)
 
 
+def _attacker_http(server) -> http.client.HTTPConnection:
+    return http.client.HTTPConnection("127.0.0.1", server.port, timeout=WAIT_TIMEOUT,
+                                      source_address=(ATTACKER, 0))
+
+
+def _answer_to(server, request: bytes) -> bytes:
+    """The whole answer to `request`, sent on a connection of its own from the attacker's address."""
+    sock = attacker_socket(server.port)
+    try:
+        sock.sendall(request)
+    except (BrokenPipeError, ConnectionResetError):
+        pass
+    try:
+        return read_until_closed(sock)
+    finally:
+        sock.close()
+
+
+@pytest.mark.hardening
+async def test_every_kind_of_refusal_counts_against_the_addresss_budget(start_server, monkeypatch):
+    """Hardening VI, 8: only 429s counted against an address's budget of refused requests; a
+    client sending requests refused otherwise (401s without a token, each after a 64 KB query's
+    parse) was heard for ever. Now every refusal counts, HTTP and WebSocket, the app's and those
+    written below it: past the budget (11 here, on a clock that stands still) the keep-alive
+    connection that spent it is closed with its answer and the next one at accept, while
+    another address is served."""
+    server = start_server(PiperEngine(), tokens=["alpha"], allow_origins=["https://app.example"],
+                          refused_requests_per_s=2.2)                         # bursts of 11
+    guard = server.server.guard
+    monkeypatch.setattr(guard, "_clock", lambda: 1000.0)                   # no refill during the test
+
+    def spent() -> float:
+        bucket = guard._refusals.get(ATTACKER)
+        return 0.0 if bucket is None else bucket.burst - bucket.tokens
+
+    junk = "a=1&" * 16000                                                   # 64,000 bytes of query
+    refusals = [
+        (b"POST /v1/audio/speech?%s HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+         b"Content-Length: 2\r\nConnection: close\r\n\r\n{}" % junk.encode(), 401),       # no token
+        (b"GET /nowhere HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer alpha\r\n"
+         b"Connection: close\r\n\r\n", 404),
+        (b"GET /healthz HTTP/1.1\r\nX-Long: " + b"a" * 9000 + b"\r\n\r\n", 431),           # a header line
+        (b"NOT HTTP AT ALL\r\n\r\n", 400),                                          # httptools' refusal
+        (_handshake(headers=[("Authorization", "Bearer alpha")]).replace(b"Version: 13", b"Version: 12"),
+         400),                                                                       # websockets' accept
+        (_handshake(path="/v1/stream?" + "a" * 9000), 400),                         # websockets' parser
+        (_handshake(path="/nowhere", headers=[("Authorization", "Bearer alpha")]), 403),    # no such route
+        (_handshake(path="/v1/stream", headers=[("Authorization", "Bearer alpha"),
+                                                ("Origin", "https://evil.example")]), 403),  # an origin
+    ]
+    for n, (request, status) in enumerate(refusals, 1):
+        answer = await asyncio.to_thread(_answer_to, server, request)
+        assert answer.startswith(b"HTTP/1.1 %d " % status), (n, answer[:300])
+        assert spent() == pytest.approx(n), (n, status)
+    # Accepted, then refused for its missing token (4001): the ninth.
+    assert "unauthorized" in await closed_with(server, 4001, sock=attacker_socket(server.port))
+    assert spent() == pytest.approx(9) and guard.heard(ATTACKER)
+
+    def keep_alive_refusals() -> list[tuple[int, bool]]:
+        conn = _attacker_http(server)
+        answers = []
+        for path in ("/nowhere", "/still-nowhere"):                         # the 11th spends the budget
+            conn.request("GET", path, headers={"Authorization": "Bearer alpha"})
+            response = conn.getresponse()
+            response.read()
+            answers.append((response.status, response.will_close))
+        conn.close()
+        return answers
+    assert await asyncio.to_thread(keep_alive_refusals) == [(404, False), (404, True)]
+    assert not guard.heard(ATTACKER)
+    # Not heard: its next connection is closed before a byte of its request is read.
+    unheard = await asyncio.to_thread(_answer_to, server, b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+    assert unheard == b"" and guard.unheard == 1
+    # Another address is heard and served, over HTTP and WebSocket.
+    assert server.get("/healthz")[0] == 200
+    async with connect_client(server, additional_headers={"Authorization": "Bearer alpha"}) as c:
+        assert_good_stream(await c.speak(SENTENCE, "victim"))
+
+
 @pytest.mark.hardening
 async def test_a_body_that_never_finishes_is_answered_408_when_its_time_runs_out(start_server):
     server = start_server(PiperEngine(), body_timeout_s=1.0)

@@ -4,6 +4,7 @@ HAProxy itself reads it."""
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -97,6 +98,26 @@ def test_only_the_ingress_controller_may_name_a_client():
     assert sources == {"ingress-nginx", "monitoring"}
 
 
+def test_every_name_that_reaches_the_server_is_one_it_answers_to():
+    """Hardening VI, 2: a request whose Host the server does not answer to is refused (DNS
+    rebinding). The ingress reaches the pod under a public name, which the manifest names in
+    VOX_WS_ALLOWED_HOSTS; the probes (the pod's IP) and Open WebUI in compose (`vox-ws`) are
+    answered to without it."""
+    from urllib.parse import urlsplit
+
+    from vox_ws.transports.hosts import AllowedHosts
+
+    (deployment,) = [d for d in documents() if d["kind"] == "Deployment"]
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    named = {e["name"]: e.get("value") for e in container["env"]}["VOX_WS_ALLOWED_HOSTS"].split(",")
+    assert named and not AllowedHosts([], own_names=()).allows(named[0])       # a public name: needed
+    assert AllowedHosts(named).allows(named[0]) and "*" not in named
+    default = AllowedHosts([])
+    assert default.allows("10.244.3.7:8765") and default.allows("vox-ws.default.svc.cluster.local")
+    webui = yaml.safe_load((DEPLOY / "compose.yaml").read_text())["services"]["open-webui"]["environment"]
+    assert default.allows(urlsplit(webui["AUDIO_TTS_OPENAI_API_BASE_URL"]).netloc)
+
+
 def test_haproxy_reads_the_configuration():
     if shutil.which("haproxy") is None:
         pytest.fail("haproxy is not installed (scripts/test.sh installs Debian's)")
@@ -137,7 +158,8 @@ def test_compose_pairs_vox_ws_with_open_webui_and_home_assistant():
     assert vox["build"]["dockerfile"] == "deploy/Dockerfile.cpu" and "command" not in vox   # the image's own
     cmd = (DEPLOY / "Dockerfile.cpu").read_text()
     assert '"--host", "0.0.0.0"' in cmd and '"tcp://0.0.0.0:10200"' in cmd and '"dir:/data/voices"' in cmd
-    assert {"8765:8765", "10200:10200"} <= set(vox["ports"]) and "voices:/data/voices" in vox["volumes"]
+    assert {"127.0.0.1:8765:8765", "127.0.0.1:10200:10200"} <= {_interpolate(p, {}) for p in vox["ports"]}
+    assert "voices:/data/voices" in vox["volumes"]
     assert any(volume.endswith(":/data/piper-voices:ro") for volume in vox["volumes"])
     assert '"--piper-voices-dir", "/data/piper-voices"' in cmd
     env = webui["environment"]
@@ -148,3 +170,83 @@ def test_compose_pairs_vox_ws_with_open_webui_and_home_assistant():
     assert gpu["build"]["dockerfile"] == "deploy/Dockerfile.cuda" and "models:/models" in gpu["volumes"]
     assert gpu["deploy"]["resources"]["reservations"]["devices"][0]["capabilities"] == ["gpu"]
     assert '"dir:/data/voices"' in (DEPLOY / "Dockerfile.cuda").read_text()
+
+
+_VARIABLE = re.compile(r"\$\{(?P<name>[A-Za-z_][A-Za-z0-9_]*)(?::-(?P<default>[^}]*))?\}")
+
+
+def _interpolate(value: str, env: dict[str, str]) -> str:
+    """Compose's `${NAME}` and `${NAME:-default}` (the only forms these files may use), as
+    `docker compose` reads them with ENV as the shell's environment."""
+    result = _VARIABLE.sub(lambda m: env.get(m["name"]) or (m["default"] or ""), value)
+    assert "$" not in result, f"a substitution these tests do not read: {value}"
+    return result
+
+
+def _published(doc: dict, env: dict[str, str]) -> dict[str, list[tuple[str, int]]]:
+    """Each service's published ports as (host address, host port), after interpolation."""
+    published = {}
+    for name, service in doc["services"].items():
+        ports = []
+        for port in service.get("ports", []):
+            assert isinstance(port, str), f"{name}: {port!r}: the short form with an address only"
+            host, _, rest = _interpolate(port, env).rpartition(":")[0].rpartition(":")
+            assert host, f"{name}: {port}: no host address, so Docker publishes it on every interface"
+            ports.append((host, int(rest)))
+        published[name] = ports
+    return published
+
+
+@pytest.mark.hardening
+def test_compose_publishes_on_loopback_unless_widened_with_a_token(monkeypatch):
+    """Hardening VI, 7: compose.yaml published 8765, 10200 and 3000 on every interface (Docker's
+    published ports pass ufw) with no token, so the LAN or the Internet used the OpenAI door, the
+    demo, Wyoming and (compose.gpu.yaml) VoxCPM2's voice cloning. Now every port is published on
+    127.0.0.1 unless its variable widens it, and the token widening 8765 asks for reaches both
+    vox-ws (which then requires it) and Open WebUI (which sends it)."""
+    from vox_ws.cli import build_parser, config_from_args
+
+    for name in ("compose.yaml", "compose.gpu.yaml"):
+        doc = yaml.safe_load((DEPLOY / name).read_text())
+        for service, ports in _published(doc, {}).items():
+            assert all(host == "127.0.0.1" for host, _ in ports), (name, service, ports)
+    doc = yaml.safe_load((DEPLOY / "compose.yaml").read_text())
+    assert _published(doc, {})["vox-ws"] == [("127.0.0.1", 8765), ("127.0.0.1", 10200)]
+    vox_env = doc["services"]["vox-ws"]["environment"]
+    webui_env = doc["services"]["open-webui"]["environment"]
+    # By default: no token, and vox-ws reads the empty variable as none.
+    assert _interpolate(vox_env["VOX_WS_TOKEN"], {}) == ""
+    monkeypatch.setenv("VOX_WS_TOKEN", _interpolate(vox_env["VOX_WS_TOKEN"], {}))
+    assert config_from_args(build_parser().parse_args(["serve"])).tokens == []
+    # Widened: 8765 on every interface, and the one token both sides hold.
+    widened = {"VOX_WS_PUBLISH": "0.0.0.0", "VOX_WS_TOKEN": "s3cret-token"}
+    assert _published(doc, widened)["vox-ws"] == [("0.0.0.0", 8765), ("127.0.0.1", 10200)]
+    assert _published(doc, widened)["open-webui"] == [("127.0.0.1", 3000)]
+    monkeypatch.setenv("VOX_WS_TOKEN", _interpolate(vox_env["VOX_WS_TOKEN"], widened))
+    assert config_from_args(build_parser().parse_args(["serve"])).tokens == ["s3cret-token"]
+    assert _interpolate(webui_env["AUDIO_TTS_OPENAI_API_KEY"], widened) == "s3cret-token"
+    assert _interpolate(webui_env["AUDIO_TTS_OPENAI_API_BASE_URL"], widened) == "http://vox-ws:8765/v1"
+
+
+_PINNED_TAG = re.compile(r":v?\d+\.\d+\.\d+(?:[-.][\w.]+)?(?:@sha256:[0-9a-f]{64})?$")
+
+
+@pytest.mark.hardening
+def test_third_party_images_are_pinned_releases():
+    """Hardening VI, 7: Open WebUI came by `:main`, a tag its project moves with every commit
+    (and Kubernetes' redis by `:7`). Every image pulled from a registry names a release (a full
+    version, or a digest); the images built here from deploy/Dockerfile.* are exempt."""
+    pulled = []
+    for path in sorted(DEPLOY.glob("compose*.yaml")):
+        for name, service in yaml.safe_load(path.read_text())["services"].items():
+            if "image" in service and "build" not in service:
+                pulled.append((path.name, name, service["image"]))
+    for doc in documents():
+        pod = doc.get("spec", {}).get("template", {}).get("spec", {})
+        for container in pod.get("initContainers", []) + pod.get("containers", []):
+            if "/vox-ws:" not in container["image"]:                 # ours, from Dockerfile.cuda
+                pulled.append((doc["metadata"]["name"], container["name"], container["image"]))
+    assert ("compose.yaml", "open-webui", "ghcr.io/open-webui/open-webui:v0.12.4") in pulled
+    assert [p for p in pulled if not _PINNED_TAG.search(p[2])] == []
+    for moving in ("ghcr.io/open-webui/open-webui:main", "redis:7", "redis:latest", "redis"):
+        assert not _PINNED_TAG.search(moving), moving                  # the check does refuse them

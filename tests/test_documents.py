@@ -4,6 +4,7 @@ back with PyAV and webvtt-py."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -16,6 +17,7 @@ import wave
 from pathlib import Path
 
 import httpx
+import msgpack
 import pytest
 import webvtt
 from conftest import WAIT_TIMEOUT
@@ -324,22 +326,14 @@ def test_cue_text_never_holds_a_timing_arrow_or_a_blank_line(tmp_path):
                                     if not line[:1].isdigit())
 
 
-def test_say_refuses_a_start_that_names_no_usable_sample_rate(tmp_path):
-    """Hardening V, 14: a server answering `start` with `sample_rate: 0` caused a wave.Error
-    traceback. A server that does so here (a real WebSocket server on loopback, speaking v1's
-    hello and start) gets a one-line refusal and exit 1."""
+@contextlib.contextmanager
+def hostile_server(answer):
+    """A real WebSocket server on loopback (its own thread and loop) whose every connection
+    `answer(ws)` serves, as a hostile server would; yields its v1 URL. Stopped on leaving."""
     import asyncio
     import threading
 
-    import msgpack
     from websockets.asyncio.server import serve
-
-    async def answer(ws) -> None:
-        await ws.send(msgpack.packb({"type": "hello", "protocol": 1, "sample_rate": 0, "features": [],
-                                     "limits": {"max_text_chars": 1000}}))
-        start = msgpack.unpackb(await ws.recv())
-        await ws.send(msgpack.packb({"type": "start", "id": start["id"], "sample_rate": 0, "format": "s16"}))
-        await ws.wait_closed()
 
     ready = threading.Event()
     running: dict = {}
@@ -350,14 +344,125 @@ def test_say_refuses_a_start_that_names_no_usable_sample_rate(tmp_path):
             running["port"] = server.sockets[0].getsockname()[1]
             ready.set()
             await running["stop"].wait()
+            server.close(close_connections=False)
+            for connection in list(server.connections):
+                connection.transport.abort()
 
     thread = threading.Thread(target=asyncio.run, args=(main(),))
     thread.start()
     try:
         assert ready.wait(WAIT_TIMEOUT)
-        said = run_say("Hello.", "-o", str(tmp_path / "x.wav"), "--url", f"ws://127.0.0.1:{running['port']}/v1/stream")
+        yield f"ws://127.0.0.1:{running['port']}/v1/stream"
     finally:
         ready.wait(WAIT_TIMEOUT)
         running["loop"].call_soon_threadsafe(running["stop"].set)
         thread.join(WAIT_TIMEOUT)
+
+
+HELLO = {"type": "hello", "protocol": 1, "sample_rate": 22050, "features": ["word_timestamps"],
+         "limits": {"max_text_chars": 1000}}
+
+
+def test_say_refuses_a_start_that_names_no_usable_sample_rate(tmp_path):
+    """Hardening V, 14: a server answering `start` with `sample_rate: 0` caused a wave.Error
+    traceback. A server that does so here (a real WebSocket server on loopback, speaking v1's
+    hello and start) gets a one-line refusal and exit 1."""
+    async def answer(ws) -> None:
+        await ws.send(msgpack.packb({"type": "hello", "protocol": 1, "sample_rate": 0, "features": [],
+                                     "limits": {"max_text_chars": 1000}}))
+        start = msgpack.unpackb(await ws.recv())
+        await ws.send(msgpack.packb({"type": "start", "id": start["id"], "sample_rate": 0, "format": "s16"}))
+        await ws.wait_closed()
+
+    with hostile_server(answer) as url:
+        said = run_say("Hello.", "-o", str(tmp_path / "x.wav"), "--url", url)
     assert said.returncode == 1 and "sample rate of 0 Hz" in said.stderr and "Traceback" not in said.stderr
+
+
+# What a hostile server says after a good segment and its words (field: value), and what `say`
+# names of it.
+BAD_TIMES = {
+    "a segment ending at NaN": ({"type": "segment", "start_s": 1.0, "end_s": float("nan")}, "end_s nan"),
+    "a segment ending at infinity": ({"type": "segment", "start_s": 1.0, "end_s": float("inf")}, "end_s inf"),
+    "a segment starting before 0": ({"type": "segment", "start_s": -1.0, "end_s": 2.0}, "start_s -1.0"),
+    "a segment ending before its start": ({"type": "segment", "start_s": 2.0, "end_s": 1.5},
+                                          "start_s 2.0 after its end_s 1.5"),
+    "a segment starting before the previous one": ({"type": "segment", "start_s": 0.2, "end_s": 2.0},
+                                                   "start_s 0.2 before the previous one's 0.5"),
+    "a segment's time as text": ({"type": "segment", "start_s": "1", "end_s": 2.0}, "start_s '1'"),
+    "a word ending at NaN": ({"type": "words", "words": [{"word": "there", "start_s": 1.0,
+                                                          "end_s": float("nan")}]}, "end_s nan"),
+    "a word before the previous one": ({"type": "words", "words": [{"word": "there", "start_s": 0.1,
+                                                                    "end_s": 0.2}]},
+                                       "start_s 0.1 before the previous one's 0.5"),
+    "an end with NaN seconds of audio": ({"type": "end", "reason": "done", "audio_s": float("nan")},
+                                         "audio_s nan"),
+}
+
+
+@pytest.mark.hardening
+def test_say_refuses_a_server_whose_times_are_not_times(tmp_path, piper_server):
+    """Hardening VI, 16: a segment with `end_s: NaN` crashed `say --captions` with a traceback
+    (the cue's clock). Every time the server sends is checked by the client (v1.py): finite, at
+    least 0, a start not after its end nor before the one before it. A server that sends one
+    that is not (a real WebSocket server on loopback, after a good segment and its words) gets
+    one line naming what it sent, exit 1, no captions written or claimed; a real server then
+    speaks with captions."""
+    def answer_with(bad: dict):
+        async def answer(ws) -> None:
+            await ws.send(msgpack.packb(HELLO))
+            start = msgpack.unpackb(await ws.recv())
+            sid = start["id"]
+            for message in ({"type": "start", "id": sid, "sample_rate": 22050, "format": "s16"},
+                            {"type": "chunk", "id": sid, "seq": 0, "audio": bytes(22050)},
+                            {"type": "words", "id": sid,
+                             "words": [{"word": "Hello", "start_s": 0.5, "end_s": 0.9}]},
+                            {"type": "segment", "id": sid, "text": "Hello.", "start_s": 0.5, "end_s": 1.0},
+                            {**bad, "id": sid, **({"text": "there."} if bad["type"] == "segment" else {})}):
+                await ws.send(msgpack.packb(message))
+            await ws.wait_closed()
+        return answer
+
+    for attack, (bad, named) in BAD_TIMES.items():
+        captions = tmp_path / "bad.vtt"
+        with hostile_server(answer_with(bad)) as url:
+            said = run_say("Hello there.", "-o", str(tmp_path / "bad.wav"), "--captions", str(captions),
+                           "--url", url)
+        assert said.returncode == 1, (attack, said.stderr)
+        assert "Traceback" not in said.stderr, (attack, said.stderr)
+        assert f"protocol_violation: the server's {bad['type']}" in said.stderr and named in said.stderr, \
+            (attack, said.stderr)
+        assert not captions.exists() and "captions in" not in said.stderr, (attack, said.stderr)
+    good = run_say("Hello there.", "-o", str(tmp_path / "good.wav"), "--captions", str(tmp_path / "good.vtt"),
+                   "--url", piper_server.url)
+    assert good.returncode == 0, good.stderr
+    assert [c.text for c in webvtt.read(str(tmp_path / "good.vtt"))] == ["Hello there."]
+
+
+@pytest.mark.hardening
+def test_say_gives_up_on_a_server_that_says_nothing(tmp_path, piper_server):
+    """Hardening VI, 16: a server that accepted and then said nothing held `say` for good. The
+    client gives up once the server has said nothing for `--timeout` seconds while it waits on
+    it (here 0.5 s; these servers never answer, so the machine's speed does not matter): no
+    hello, or a hello and a `start` and then no audio. One line, exit 1; a real server then
+    speaks with the same time-out."""
+    async def silent(ws) -> None:
+        await ws.wait_closed()
+
+    async def silent_after_start(ws) -> None:
+        await ws.send(msgpack.packb(HELLO))
+        start = msgpack.unpackb(await ws.recv())
+        await ws.send(msgpack.packb({"type": "start", "id": start["id"], "sample_rate": 22050,
+                                     "format": "s16"}))
+        await ws.wait_closed()
+
+    for answer in (silent, silent_after_start):
+        with hostile_server(answer) as url:
+            said = run_say("Hello.", "-o", str(tmp_path / "x.wav"), "--timeout", "0.5", "--url", url)
+        assert said.returncode == 1 and "Traceback" not in said.stderr, said.stderr
+        assert "vox-ws say: server_silent: the server" in said.stderr and "said nothing for 0.5 s" in said.stderr, \
+            said.stderr
+    refused = run_say("Hi.", "-o", str(tmp_path / "x.wav"), "--timeout", "0", "--url", piper_server.url)
+    assert refused.returncode == 2 and "--timeout is seconds" in refused.stderr
+    good = run_say("Hello.", "-o", str(tmp_path / "good.wav"), "--timeout", "30", "--url", piper_server.url)
+    assert good.returncode == 0 and wav_seconds(tmp_path / "good.wav") > 0.3, good.stderr

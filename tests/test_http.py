@@ -4,12 +4,16 @@ and voices over REST usable from protocol v1."""
 from __future__ import annotations
 
 import io
+import logging
 
 import httpx
+import msgpack
 import numpy as np
 import pytest
 import soundfile
 from conftest import connect_client
+from websockets.asyncio.client import connect
+from websockets.exceptions import InvalidStatus
 
 from vox_ws.engines.piper import PiperEngine
 
@@ -210,8 +214,9 @@ async def test_cors_for_any_page_never_deletes_nor_lists_a_visitors_voices_witho
                                                                                           tiny_model):
     """Hardening V, 9: with `--cors-origins '*'` and no tokens, any page listed the visitor's
     voices and, after a preflight that allowed DELETE, deleted them. Now a page of another
-    origin may still speak and register (what '*' is for), but lists only the server's own
-    voices and aliases, and may delete nothing, without a token."""
+    origin may still speak and register (what '*' is for), but without a token it is its own
+    owner (Hardening VI, 1): it lists only the server's voices and its own, and deletes only
+    its own (the visitor's: 404, as no voice)."""
     from vox_ws.engines.voxcpm.engine import VoxCPMEngine
 
     server = start_server(VoxCPMEngine(model=str(tiny_model), device="cpu", slots=1), slots=1,
@@ -227,8 +232,116 @@ async def test_cors_for_any_page_never_deletes_nor_lists_a_visitors_voices_witho
         assert seen.status_code == 200 and seen.headers["access-control-allow-origin"] == "*"
         assert seen.json()["uploaded_voices"] == [] and all(v["kind"] != "uploaded" for v in seen.json()["voices"])
         gone = await http.delete("/v1/audio/voices/mine", headers=evil)
-        assert gone.status_code == 403
+        assert gone.status_code == 404
         spoken = await http.post("/v1/audio/speech", json={"input": "Any page.", "voice": "alloy",
                                                            "response_format": "pcm"}, headers=evil)
         assert spoken.status_code == 200, spoken.text
         assert [v["name"] for v in (await http.get("/v1/audio/voices")).json()["uploaded_voices"]] == ["mine"]
+
+
+REBOUND = "rebind.example"
+
+
+@pytest.mark.hardening
+async def test_a_rebound_host_name_reaches_nothing_of_the_visitors(voxcpm_http, caplog):
+    """Hardening VI, 2: DNS rebinding. A page whose name was re-pointed at the server (Host and
+    Origin both `rebind.example:PORT`) is its own origin to the cross-origin rule: it listed the
+    visitor's uploaded voices with their ids, spoke one, deleted it and registered another. A
+    request (HTTP or WebSocket handshake) for a host name the server does not answer to is now
+    refused 421 (`bad_request`) before anything of it is read; at `localhost:PORT` and
+    `127.0.0.1:PORT` the same requests are served."""
+    port = voxcpm_http.port
+    made = await _named_voice(voxcpm_http.http, "rebound-me")
+    rebound = f"{REBOUND}:{port}"
+    page = {"host": rebound, "origin": f"http://{rebound}"}
+    attacks = [("GET", "/v1/audio/voices", {}),
+               ("POST", "/v1/audio/speech",
+                {"json": {"input": "Hi.", "voice": "rebound-me", "response_format": "pcm"}}),
+               ("DELETE", "/v1/audio/voices/rebound-me", {}),
+               ("POST", "/v1/voices", {"content": wav(1.0), "headers": {"content-type": "audio/wav"}})]
+    async with httpx.AsyncClient(base_url=voxcpm_http.http, timeout=60) as http:
+        for method, path, kwargs in attacks:
+            headers = {**kwargs.pop("headers", {}), **page}
+            refused = await http.request(method, path, headers=headers, **kwargs)
+            assert refused.status_code == 421, (method, path, refused.text)
+            error = refused.json()["error"]
+            assert error["code"] == "bad_request" and REBOUND in error["message"], error
+        with pytest.raises(InvalidStatus) as info:
+            async with connect(f"ws://{rebound}/v1/stream", host="127.0.0.1", port=port, origin=f"http://{rebound}"):
+                pass
+        assert info.value.response.status_code == 421
+        assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+        assert len([r for r in caplog.records if "refused (421)" in r.getMessage()]) == 1    # once per name
+        metrics = (await http.get("/metrics")).text
+        assert 'voxws_connections_rejected_total{reason="host"} 5.0' in metrics
+        for host in (f"localhost:{port}", f"127.0.0.1:{port}"):
+            served = {"host": host, "origin": f"http://{host}"}
+            listed = await http.get("/v1/audio/voices", headers=served)
+            assert "rebound-me" in [v["id"] for v in listed.json()["uploaded_voices"]], listed.text
+            spoken = await http.post("/v1/audio/speech", headers=served, json={
+                "input": "Hi.", "voice": "rebound-me", "response_format": "pcm", "max_len": 3})
+            assert spoken.status_code == 200 and spoken.content, spoken.text
+        async with connect_client(voxcpm_http, origin=voxcpm_http.http) as c:
+            spoken = await c.speak("Hi.", "own", voice=made, options={"max_len": 3})
+            assert spoken.end["reason"] == "max_len"
+        deleted = await http.delete("/v1/audio/voices/rebound-me", headers={"host": f"localhost:{port}"})
+        assert deleted.status_code == 200
+
+
+async def _named_voice(base: str, name: str) -> str:
+    async with httpx.AsyncClient(base_url=base, timeout=60) as http:
+        made = await http.post("/v1/voices", params={"name": name}, content=wav(1.0),
+                               headers={"content-type": "audio/wav"})
+        assert made.status_code == 201, made.text
+        return made.json()["voice"]
+
+
+@pytest.mark.hardening
+async def test_allowed_hosts_admits_the_names_it_lists(start_server):
+    """`--allowed-hosts rebind.example` (a name of the server's own) admits it, for HTTP and the
+    WebSocket; another name is still refused, and a request without a Host (HTTP/1.0: no
+    browser sends one) is served."""
+    import socket
+
+    from attackers import read_until_closed
+
+    server = start_server(PiperEngine(), allowed_hosts=[REBOUND])
+    port = server.port
+    rebound = f"{REBOUND}:{port}"
+    async with httpx.AsyncClient(base_url=server.http, timeout=60) as http:
+        listed = await http.get("/v1/audio/voices", headers={"host": rebound, "origin": f"http://{rebound}"})
+        assert listed.status_code == 200, listed.text
+        other = await http.get("/v1/audio/voices", headers={"host": f"other.example:{port}"})
+        assert other.status_code == 421
+    async with connect(f"ws://{rebound}/v1/stream", host="127.0.0.1", port=port,
+                       origin=f"http://{rebound}") as ws:
+        assert msgpack.unpackb(await ws.recv())["type"] == "hello"
+    with socket.create_connection(("127.0.0.1", port)) as sock:
+        sock.sendall(b"GET /healthz HTTP/1.0\r\n\r\n")
+        assert read_until_closed(sock).startswith(b"HTTP/1.1 200")
+
+
+@pytest.mark.hardening
+def test_the_names_a_server_answers_to():
+    """The host matcher: what no outside attacker can re-point (IP literals, localhost, single
+    labels such as `vox-ws` or Starlette's `testserver`, .local/.internal names, the machine's
+    own name) always; `--allowed-hosts` names, `.domain` with its subdomains, `*` anything."""
+    from vox_ws.transports.hosts import AllowedHosts, host_name
+
+    default = AllowedHosts([], own_names=["box.corp.example"])
+    for host in ("localhost:8765", "app.localhost", "127.0.0.1:8765", "[::1]:8765", "10.0.0.5", "vox-ws:8765",
+                 "testserver", "tv.local", "vox-ws.default.svc.cluster.local", "nas.home.arpa",
+                 "api.internal", "box.corp.example:8765", "LOCALHOST.", None):
+        assert default.allows(host), host
+    for host in ("rebind.example:8765", "rebind.example", "evil.example.", "localhost.evil.example",
+                 "box.corp.example.evil", "", "[not-an-address]"):
+        assert not default.allows(host), host
+    listed = AllowedHosts(["tts.example.com", ".corp.example"], own_names=[])
+    assert listed.allows("TTS.example.com:443") and listed.allows("corp.example")
+    assert listed.allows("a.b.corp.example")
+    assert not listed.allows("xcorp.example") and not listed.allows("tts.example.com.evil")
+    assert AllowedHosts(["*"]).allows("anything.example")
+    assert host_name("Example.COM.:443") == "example.com" and host_name("[::1]:80") == "[::1]"
+    for bad in ("*.example.com", ".", "a/b"):
+        with pytest.raises(ValueError):
+            AllowedHosts([bad])

@@ -33,7 +33,8 @@ def _git(cwd: Path, *args: str) -> None:
 def hub(tmp_path_factory):
     """The hub's address; it serves openbmb/VoxCPM2 (main, and a tag `v2` with a changed
     config), and rhasspy/piper-voices holding one voice, en_GB-test-medium, laid out as that
-    repository lays out its voices (the bundled joe's model, a config naming en_GB)."""
+    repository lays out its voices (the bundled joe's model, a config naming en_GB), and two
+    hostile ones (en_US-evil-medium, en_US-huge-medium: their configs)."""
     from vox_ws.testing.tiny_voxcpm import build
 
     if not OLAH.exists():
@@ -59,6 +60,13 @@ def hub(tmp_path_factory):
     config = json.loads(Path(joe.config_path).read_text())
     config["language"] = {**config["language"], "code": "en_GB"}
     (folder / "en_GB-test-medium.onnx.json").write_text(json.dumps(config))
+    # A hostile hub's voices: a config of 200,000 nested arrays (130 KB), one over its 1 MiB bound.
+    for dataset, hostile in (("evil", b"[" * 200_000 + b"]" * 200_000),
+                             ("huge", json.dumps({**config, "pad": "x" * (2 << 20)}).encode())):
+        folder = voices / "en" / "en_US" / dataset / "medium"
+        folder.mkdir(parents=True)
+        shutil.copyfile(joe.model_path, folder / f"en_US-{dataset}-medium.onnx")
+        (folder / f"en_US-{dataset}-medium.onnx.json").write_bytes(hostile)
     _git(voices, "init", "-q", "-b", "main")
     _git(voices, "add", "-A")
     _git(voices, "commit", "-qm", "one voice")
@@ -228,3 +236,26 @@ def test_a_piper_voice_is_pulled_by_name_and_served_by_it(hub, tmp_path, start_s
                         json={"input": "Hello from the pulled voice.", "voice": "en_GB-test-medium",
                               "response_format": "pcm"})
     assert spoken.status_code == 200 and len(spoken.content) > 10_000
+
+
+@pytest.mark.hardening
+def test_a_piper_voice_whose_config_cannot_be_read_is_refused_and_nothing_placed(hub, tmp_path):
+    """A hostile hub's voice (a config of 200,000 nested arrays, or one over 1 MiB) was placed
+    (exit 0) in the folder the server serves by default, and every start then exited 1. The
+    pull reads the config as the server would, refuses it in one line (exit 1) before placing
+    anything, and fetches no model for it; a good voice is pulled after it."""
+    home, folder = tmp_path / "hf", tmp_path / "piper-voices"
+    folder.mkdir()
+    hostile = {"en_US-evil-medium": "nested too deeply", "en_US-huge-medium": "over 1048576 bytes"}
+    for name, why in hostile.items():
+        refused = _vox_ws(hub, home, "pull", f"piper:{name}", "--dir", str(folder))
+        said = [line for line in refused.stderr.splitlines() if line.startswith("vox-ws models pull:")]
+        assert refused.returncode == 1 and len(said) == 1, refused.stderr       # (and the hub client's log)
+        assert f"piper:{name}: refused" in said[0] and why in said[0] and "nothing was placed" in said[0]
+        assert "Traceback" not in refused.stderr
+        assert list(folder.iterdir()) == []
+        assert not list(home.rglob(f"{name}.onnx"))              # its model never fetched
+    pulled = _vox_ws(hub, home, "pull", "piper:en_GB-test-medium", "--dir", str(folder))
+    assert pulled.returncode == 0, pulled.stderr
+    assert sorted(p.name for p in folder.iterdir()) == ["en_GB-test-medium.onnx",
+                                                         "en_GB-test-medium.onnx.json"]

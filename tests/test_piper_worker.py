@@ -7,18 +7,26 @@ SIGSEGV while it is speaking."""
 
 from __future__ import annotations
 
+import json
+import logging
 import os
+import random
+import shutil
 import signal
+import sys
 import threading
+from dataclasses import replace
+from pathlib import Path
 
+import httpx
 import numpy as np
 import pytest
-from conftest import assert_good_stream, connect_client
+from conftest import assert_good_stream, connect_client, start_serve
 from test_server_piper import LONG, SENTENCE
 
 from vox_ws.engines import piper_worker
 from vox_ws.engines.piper import PiperEngine, defuse_letter_runs
-from vox_ws.engines.piper_voices import bundled
+from vox_ws.engines.piper_voices import MAX_CONFIG_BYTES, bundled, voice_set
 from vox_ws.engines.piper_worker import MAX_PHONEMES, PiperWorker, WorkerCrashed
 
 TRIGGERS = ["a." * 100, "b." * 100, "A.B." * 50]
@@ -55,7 +63,7 @@ def test_letter_runs_are_spaced_out_and_other_text_is_left_alone():
 
 @pytest.mark.hardening                   # a fault: the full lane's
 def test_a_crash_in_the_worker_raises_and_the_next_text_gets_a_new_worker():
-    worker = PiperWorker(threads=1, voices=[(bundled().model_path, bundled().config_path)])
+    worker = PiperWorker(threads=1, voices=[bundled()])
     worker.start()
     try:
         first, speed = worker.pid, worker.speed
@@ -100,7 +108,7 @@ def test_dense_text_is_spoken_in_short_pieces():
     """A segment's work is bounded by the audio it makes: 240 CJK characters (read letter by
     letter, 85 s of speech as one segment) or a 200-digit number come in pieces of at most
     MAX_PHONEMES phonemes, cut between words, and nothing is lost."""
-    voice, rate, aligned = piper_worker._load(1, bundled().model_path, bundled().config_path)
+    voice, rate, aligned = piper_worker._load(1, bundled().model_path, bundled().config)
     for text in ("我们今天去公园散步天气非常好" * 17, "7" * 200, LONG):
         pieces = [phonemes for phonemes, _ in piper_worker.phonemize(voice, text)[1]]
         spoken = [ph for piece in pieces for ph in piece if ph != " "]
@@ -115,3 +123,148 @@ def test_dense_text_is_spoken_in_short_pieces():
     # A sentence that fits in one piece stays whole; short sentences share one.
     assert len(piper_worker.phonemize(voice, SENTENCE)[1]) == 1
     assert len(piper_worker.phonemize(voice, "a. " * 30)[1]) < 5
+
+
+# ------------------------------------------------------------------- a voices folder's bad files
+
+
+def _voice(folder: Path, stem: str, config: bytes | None = None, model: bytes | None = None,
+           length_scale: float = 1.0) -> None:
+    """`stem`.onnx and its config in `folder`: the bundled model and config, or the bytes given."""
+    joe = bundled()
+    if config is None:
+        settings = json.loads(Path(joe.config_path).read_text())
+        settings["inference"]["length_scale"] = length_scale
+        config = json.dumps(settings).encode()
+    (folder / f"{stem}.onnx.json").write_bytes(config)
+    if model is None:
+        (folder / f"{stem}.onnx").symlink_to(joe.model_path)
+    else:
+        (folder / f"{stem}.onnx").write_bytes(model)
+
+
+LFS_POINTER = (b"version https://git-lfs.github.com/spec/v1\n"
+               b"oid sha256:" + b"5e" * 32 + b"\nsize 63201294\n")
+
+
+def _speech(port: int, voice: str) -> httpx.Response:
+    return httpx.post(f"http://127.0.0.1:{port}/v1/audio/speech", timeout=60,
+                      json={"input": SENTENCE, "voice": voice, "response_format": "pcm"})
+
+
+@pytest.mark.hardening
+def test_a_voices_folder_with_bad_files_serves_the_good_voices_and_names_the_bad(tmp_path):
+    """`vox-ws serve` with the pulled-voices folder (served by default) holding a config of
+    200,000 nested arrays, a 4 KB random model, an empty model, a Git LFS pointer for a model,
+    and a FIFO for a config, beside a good voice: it exited 1 (RecursionError), or the worker
+    could not start (503 for good). Each bad file is left out with a log line naming it; the
+    server is ready, and joe and the good voice speak."""
+    folder = tmp_path / "home" / ".local" / "share" / "vox-ws" / "piper-voices"
+    folder.mkdir(parents=True)
+    # Sorted by name: a voice left out by the worker comes before the good one, whose number moves.
+    _voice(folder, "en_US-broken-medium", model=random.Random(4).randbytes(4096))
+    _voice(folder, "en_US-empty-medium", model=b"")
+    _voice(folder, "en_US-evil-medium", config=b"[" * 200_000 + b"]" * 200_000)
+    _voice(folder, "en_US-fifo-medium", config=b"")
+    (folder / "en_US-fifo-medium.onnx.json").unlink()
+    os.mkfifo(folder / "en_US-fifo-medium.onnx.json")
+    _voice(folder, "en_US-good-medium", length_scale=1.6)
+    _voice(folder, "en_US-lfs-medium", model=LFS_POINTER)
+    log = tmp_path / "server.log"
+    home = {**os.environ, "HOME": str(tmp_path / "home"), "PYTHONUNBUFFERED": "1"}
+    serve = [sys.executable, "-m", "vox_ws", "serve", "--engine", "piper", "--port", "0"]
+    proc, port = start_serve(serve, log, env=home)
+    try:
+        listed = httpx.get(f"http://127.0.0.1:{port}/v1/voices").json()["voices"]
+        assert [v["id"] for v in listed if v["kind"] == "builtin"] == ["joe", "en_US-good-medium"]
+        joe, good = _speech(port, "joe"), _speech(port, "en_US-good-medium")
+        assert joe.status_code == good.status_code == 200
+        assert len(good.content) > 1.3 * len(joe.content)            # the good voice's own (slower) config
+        for bad in ("broken", "empty", "evil", "fifo", "lfs"):
+            refused = _speech(port, f"en_US-{bad}-medium")
+            assert refused.status_code == 400, refused.text
+            assert refused.json()["error"]["code"] == "voice_not_found"
+        assert "cannot be loaded" in _speech(port, "en_US-broken-medium").json()["error"]["message"]
+        text = log.read_text()
+        for bad, why in (("broken", "DecodeError"), ("empty", "an empty file"), ("evil", "nested too deeply"),
+                         ("fifo", "not a regular file"), ("lfs", "a Git LFS pointer")):
+            line = next(line for line in text.splitlines() if f"en_US-{bad}-medium.onnx" in line)
+            assert "left out" in line and why in line, line
+        assert "Traceback" not in text
+        assert _speech(port, "joe").status_code == 200
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+@pytest.mark.hardening
+def test_a_worker_started_again_serves_the_voices_left_in_numbered_as_before(tmp_path):
+    """A folder's voice left out at the first start (its 4 KB random model) is not loaded again by
+    a worker started after a crash, and the voices after it keep their numbers."""
+    folder = tmp_path / "voices"
+    folder.mkdir()
+    _voice(folder, "en_US-broken-medium", model=random.Random(4).randbytes(4096))
+    _voice(folder, "en_US-good-medium", length_scale=1.6)
+    voices = voice_set([], str(folder))
+    worker = PiperWorker(threads=1, voices=voices)
+    try:
+        worker.start()
+        assert list(worker.left_out) == [1] and "en_US-broken-medium.onnx" in worker.left_out[1]
+        phonemes = worker.phonemize(SENTENCE)[1][0][0]
+        joe, good = len(worker.speak(phonemes, 0)[0]), len(worker.speak(phonemes, 1)[0])
+        assert good > 1.3 * joe                       # number 1 is now the good voice
+        first = worker.pid
+        os.kill(first, signal.SIGKILL)
+        worker._proc.wait()
+        assert len(worker.speak(phonemes, 1)[0]) == pytest.approx(good, rel=0.1)
+        assert worker.pid != first and worker.restarts == 1 and list(worker.left_out) == [1]
+    finally:
+        worker.close()
+
+
+@pytest.mark.hardening
+def test_a_bad_model_the_operator_named_fails_the_start_naming_it(tmp_path):
+    """The default voice (or a --piper-voice) whose model cannot be loaded is no voice to leave
+    out: the start fails, naming the file; a good worker starts after it."""
+    bad = tmp_path / "joe.onnx"
+    bad.write_bytes(random.Random(4).randbytes(4096))
+    worker = PiperWorker(threads=1, voices=[replace(bundled(), model_path=str(bad))])
+    with pytest.raises(RuntimeError, match=f"voice 'joe': its model '{bad}' cannot be loaded"):
+        worker.start()
+    worker.close()
+    empty = tmp_path / "en_US-empty-medium.onnx"
+    empty.write_bytes(b"")
+    shutil.copyfile(bundled().config_path, tmp_path / "en_US-empty-medium.onnx.json")
+    with pytest.raises(ValueError, match=f"its model '{empty}': an empty file"):
+        voice_set([str(empty)])
+    worker = PiperWorker(threads=1, voices=voice_set([]))
+    try:
+        worker.start()
+        assert worker.left_out == {} and len(worker.speak(worker.phonemize(SENTENCE)[1][0][0])[0]) > 0
+    finally:
+        worker.close()
+
+
+@pytest.mark.hardening
+async def test_a_voice_config_is_read_once_within_a_bound(tmp_path, start_server, caplog):
+    """A 2 MiB config (a 210 MB one added 400 MB to the start's peak: read whole three times)
+    is refused by its size, unread; a good voice's config is read once, when the voices are
+    chosen: the engine and its worker take the parsed config, so the file is not needed after."""
+    folder = tmp_path / "voices"
+    folder.mkdir()
+    settings = json.loads(Path(bundled().config_path).read_text())
+    _voice(folder, "en_US-huge-medium", config=json.dumps({**settings, "pad": "x" * (2 << 20)}).encode())
+    _voice(folder, "en_US-good-medium", length_scale=1.6)
+    with caplog.at_level(logging.ERROR, "vox_ws.engine"):
+        voices = voice_set([], str(folder))
+    assert [v.name for v in voices] == ["joe", "en_US-good-medium"]
+    assert "en_US-huge-medium.onnx.json" in caplog.text and f"over {MAX_CONFIG_BYTES} bytes" in caplog.text
+    for config in folder.glob("*.json"):
+        config.unlink()                 # read once: neither the engine nor the worker reads it again
+    server = start_server(PiperEngine(voices=voices))
+    async with connect_client(server) as c:
+        joe = await c.speak(SENTENCE, "joe", format="s16")
+        good = await c.speak(SENTENCE, "good", voice="en_US-good-medium", format="s16")
+    assert_good_stream(joe)
+    assert_good_stream(good)
+    assert good.seconds > 1.3 * joe.seconds

@@ -328,3 +328,73 @@ async def test_voice_and_lora_are_refused_clearly_by_piper(piper_server):
         err = await c.error("adapted")
         assert err["code"] == "unsupported" and "no LoRA support" in err["message"]
         assert_good_stream(await c.speak("Still fine.", "after"))
+
+
+def added_silence_s(pcm, rate: int) -> float:
+    """Seconds of the audio in runs of exact zeros of 1 s or more: silence added to the speech
+    (the voice's own pauses are never that long, nor digital zeros)."""
+    import numpy as np
+
+    zero = np.concatenate([[0], (np.asarray(pcm) == 0).astype(np.int8), [0]])
+    edges = np.flatnonzero(np.diff(zero))
+    runs = edges[1::2] - edges[::2]
+    return float(runs[runs >= rate].sum()) / rate
+
+
+@pytest.mark.hardening
+async def test_added_silence_is_one_bound_however_it_is_asked_for(piper_server):
+    """Hardening VI, 10: `sentence_silence` escaped the 30 s bound SSML breaks had (990
+    characters of short sentences at 5 s: 501 s of silence), the bound on breaks was counted
+    before the speed stretched them (30 s heard as 120 s at 0.25), and speed 0.25 with
+    `length_scale` 4 made speech 16 times slower (330 characters: 1,156 s of audio). Now every
+    kind of added silence counts, as heard, against one 30 s bound: a one-shot text over it is
+    refused `too_large` before any audio, streamed input ends `too_large` at the segment that
+    would pass it (having had 30 s); and speed and `length_scale` together slow speech at most
+    4 times (`bad_request`)."""
+    import io
+    import wave
+
+    import numpy as np
+
+    short = "Yes, now. " * 99                                      # 990 characters, 99 sentences
+    rate = 22050
+    async with connect_client(piper_server) as c:
+        # One-shot: over the bound as asked, refused before any audio.
+        refused = await c.speak(short, "silent", options={"sentence_silence": 5.0})
+        assert refused.error["code"] == "too_large" and not refused.chunks, refused.error
+        assert "sentence silence" in refused.error["message"]
+        breaks = "<speak>" + '<break time="10s"/>Yes. ' * 3 + "</speak>"       # 30 s, heard 120 s
+        slowed_breaks = await c.speak(breaks, "breaks", speed=0.25)
+        assert slowed_breaks.error["code"] == "too_large" and not slowed_breaks.chunks
+        stretched = await c.speak(short[:330], "slow", speed=0.25, options={"length_scale": 4.0})
+        assert stretched.error["code"] == "bad_request" and "16 times slower" in stretched.error["message"]
+        # Streamed input: 7 sentences at 5 s each; 6 are spoken with their 30 s, the 7th ends it.
+        await c.send({"type": "start", "id": "fed", "stream_input": True, "format": "f32",
+                      "options": {"sentence_silence": 5.0}})
+        await c.send({"type": "chunk", "id": "fed", "text": "Yes, now. " * 7})
+        await c.send({"type": "end", "id": "fed"})
+        fed = await c.collect("fed")
+        assert fed.error is not None and fed.error["code"] == "too_large", fed.error
+        assert added_silence_s(fed.pcm(), rate) == pytest.approx(30.0, abs=0.05)
+        # Good requests: silence within the bound, exactly as asked (3 sentences, 2 s each).
+        good = await c.speak("Yes, now. " * 3, "good", options={"sentence_silence": 2.0})
+        assert_good_stream(good)
+        assert added_silence_s(good.pcm(), rate) == pytest.approx(6.0, abs=0.05)
+        assert_good_stream(await c.speak(short[:330], "paced", speed=0.5, options={"length_scale": 2.0}))
+
+    def post(**fields) -> httpx.Response:
+        return httpx.post(piper_server.http + "/v1/audio/speech", timeout=120, json={
+            "voice": "alloy", "response_format": "wav", "stream": False, **fields})
+
+    # The OpenAI door: the same request refused, the same bound on the slowing, a good one served.
+    over = await asyncio.to_thread(post, input=short, sentence_silence=5.0)
+    assert over.status_code == 413 and over.json()["error"]["code"] == "too_large", over.text
+    slow = await asyncio.to_thread(post, input=short[:330], speed=0.25, length_scale=4.0)
+    assert slow.status_code == 400 and slow.json()["error"]["param"] == "speed", slow.text
+    just_over = await asyncio.to_thread(post, input=short[:310], sentence_silence=1.0)
+    assert just_over.status_code == 413, just_over.text                    # 31 sentences, 31 s
+    served = await asyncio.to_thread(post, input=short[:300], sentence_silence=1.0, sample_rate=rate)
+    assert served.status_code == 200, served.text                          # 30 sentences: 30 s, the bound
+    with wave.open(io.BytesIO(served.content)) as w:
+        pcm = np.frombuffer(w.readframes(w.getnframes()), "<i2")
+    assert added_silence_s(pcm, rate) == pytest.approx(30.0, abs=0.05)

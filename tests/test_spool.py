@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import json
+import threading
 
 import httpx
 import pytest
-from attackers import ATTACKER
+from attackers import ATTACKER, attacker_socket, speech_headers
 from conftest import WAIT_TIMEOUT, wait_until
 from test_server_piper import LONG, SENTENCE
 
@@ -67,3 +69,85 @@ async def test_a_spool_budget_refuses_past_an_owner_and_past_everyone():
     for spool in (first, second, other):
         await spool.close()
     assert budget.held == 0
+
+
+# A whole file of about 1 MB (1.0-1.1: Piper's noise varies its length): far more than a stopped reader's buffers (the server's 64 KB,
+# its own 4 KB, the kernel's send buffer between them).
+SLOWED = {"input": SENTENCE, "voice": "alloy", "response_format": "wav", "stream": False, "speed": 0.25,
+          "sample_rate": 48000}
+
+
+def trickle(port: int, source: str, answered: list[str], resume: threading.Event) -> tuple[int, int]:
+    """A `stream: false` request whose reader takes 2 KB (the answer's head: the whole file is
+    spooled, and held, by then; noted in `answered`) and then nothing until `resume` (a rate of
+    zero, under any floor however fast the machine); then the rest until the server closes:
+    (Content-Length, bytes of the body received)."""
+    body = json.dumps(SLOWED).encode()
+    with attacker_socket(port, rcvbuf=4096, source=source) as sock:
+        sock.sendall(speech_headers(len(body)) + body)
+        sock.settimeout(WAIT_TIMEOUT)
+        received = sock.recv(2048)
+        answered.append(source)
+        resume.wait(WAIT_TIMEOUT)
+        try:
+            while piece := sock.recv(65536):
+                received += piece
+        except ConnectionResetError:
+            pass
+    head, _, content = received.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200"), head[:200]
+    length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                  if line.lower().startswith(b"content-length"))
+    return length, len(content)
+
+
+@pytest.mark.hardening
+async def test_whole_responses_read_slower_than_the_floor_are_closed_and_give_their_budget_back(start_server):
+    """Hardening VI, 11: two owners reading their whole files 2 KB every 4 s held the budget of
+    every whole response for as long as they liked (the write stall time-out sees progress): a
+    third owner got 429. Now a whole response must be taken at `whole_min_rate` bytes a second
+    on average (after `write_stall_timeout_s`, the most it may bank): the stopped readers are
+    closed before they have their files, their bytes are given back, and the third owner is
+    served. The floor (64 KB/s, 5 s banked at most) is far under what a reader that reads at
+    once takes on any machine, and the tricklers take nothing at all once started."""
+    server = start_server(PiperEngine(), write_stall_timeout_s=5.0, whole_min_rate=float(64 << 10))
+    budget = server.server.state.spools
+
+    def whole(source: str) -> httpx.Response:
+        transport = httpx.HTTPTransport(local_address=source)
+        with httpx.Client(transport=transport, timeout=WAIT_TIMEOUT) as client:
+            return client.post(server.http + "/v1/audio/speech", json=SLOWED)
+
+    size = len((await asyncio.to_thread(whole, "127.0.0.4")).content)
+    assert size > 1 << 19
+    await wait_until(lambda: budget.held == 0)
+    budget.total = size * 5 // 2                 # two such files fit in all (lengths vary a bit), not three
+    # The attack: two owners that stop reading their files.
+    answered: list[str] = []
+    resume = threading.Event()
+    tricklers = asyncio.gather(*(asyncio.to_thread(trickle, server.port, source, answered, resume)
+                                 for source in (ATTACKER, "127.0.0.3")))
+    try:
+        await wait_until(lambda: len(answered) == 2)                    # both files spooled and held
+        await wait_until(lambda: budget.held == 0)                      # both cut, both given back
+    finally:
+        resume.set()
+    for length, received in await tricklers:
+        assert received < length, (length, received)                    # closed before the end
+    # A third owner: served whole.
+    served = await asyncio.to_thread(whole, "127.0.0.1")
+    assert served.status_code == 200
+    assert len(served.content) == int(served.headers["content-length"]) > 1 << 19
+    await wait_until(lambda: budget.held == 0)
+
+
+def test_a_send_clock_earns_time_by_the_bytes_taken_and_banks_at_most_its_grace():
+    from vox_ws.transports.spool import SendClock
+
+    clock = SendClock(min_rate=1000.0, grace_s=20.0, now=0.0)
+    assert clock.left_s(0.0) == 20.0
+    clock.taken(5000, now=1.0)                  # 5 s earned, but never over 20 s beyond now
+    assert clock.deadline == 21.0
+    clock.taken(100, now=15.0)                  # a trickle earns a trickle: 0.1 s
+    assert clock.deadline == pytest.approx(21.1) and clock.left_s(30.0) == 0.0
+    assert SendClock(min_rate=0.0, grace_s=20.0, now=0.0).left_s(1e9) is None      # no floor

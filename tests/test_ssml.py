@@ -11,7 +11,8 @@ import pytest
 from conftest import assert_good_stream, bytes_to_pcm, connect_client
 
 from vox_ws.engine import ErrorKind, Refused
-from vox_ws.service.markup import MAX_BREAK_S, MAX_SILENCE_S, Pause, parse_ssml, wants_markup
+from vox_ws.service.markup import MAX_BREAK_S, Pause, parse_ssml, wants_markup
+from vox_ws.service.silence import MAX_SILENCE_S, SilenceBudget
 
 FRAME_S = 0.01          # how exactly a break's silence is placed and measured
 
@@ -60,8 +61,9 @@ def test_silence_is_bounded_per_break_and_per_request():
     with pytest.raises(Refused) as one:
         parse_ssml(f'<speak>A<break time="{MAX_BREAK_S + 1:g}s"/>B</speak>')
     breaks = "".join(f'<break time="{MAX_BREAK_S:g}s"/>x' for _ in range(int(MAX_SILENCE_S / MAX_BREAK_S) + 1))
-    with pytest.raises(Refused) as total:
-        parse_ssml(f"<speak>{breaks}</speak>")
+    parts = parse_ssml(f"<speak>{breaks}</speak>")
+    with pytest.raises(Refused) as total:       # the request's silence in all: the stream's budget
+        SilenceBudget(speed=1.0).spend(breaks_s=sum(p.seconds for p in parts if isinstance(p, Pause)))
     assert one.value.kind == total.value.kind == ErrorKind.TOO_LARGE
 
 

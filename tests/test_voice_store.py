@@ -6,9 +6,15 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import logging
 import os
+import shutil
 import stat
+import subprocess
+import sys
+import tempfile
 import time
+from pathlib import Path
 
 import httpx
 import numpy as np
@@ -798,3 +804,197 @@ async def test_voice_churn_through_one_replica_never_fills_another(start_server,
     # One still in the store that B dropped is built again from it.
     kept = await speak(b, registered[-2])
     assert kept.error is None and kept.end["reason"] == "max_len"
+
+
+# ------------------------------------------------------------------ a directory store, private (Hardening VI)
+
+# A store opened in a process of its own (a umask, a file size limit of its own), then one voice
+# put: prints the voice's id, or the store's refusal (exit 3).
+_STORE_CHILD = """
+import asyncio, resource, signal, sys
+from vox_ws.service.voice_store import DirectoryStore, StoreLimits, StoreUnavailable, new_voice
+path, audio, limit = sys.argv[1:4]
+async def main():
+    store = DirectoryStore(path, StoreLimits(per_owner=2, max_voices=4, max_bytes=200_000))
+    if limit != "none":                # writes past it fail (EFBIG), as they do on a full disk (ENOSPC)
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (int(limit), resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+    try:
+        await store.open()
+    except StoreUnavailable as err:
+        print(err.message)
+        sys.exit(3)
+    voice = new_voice("address:127.0.0.3", open(audio, "rb").read(), "A transcript.", "both")
+    await store.put(voice)
+    print(voice.id)
+asyncio.run(main())
+"""
+
+
+def _store_child(store, audio, umask: int = 0o022, file_limit: int | None = None):
+    limit = "none" if file_limit is None else str(file_limit)
+    return subprocess.run([sys.executable, "-c", _STORE_CHILD, str(store), str(audio), limit],
+                          capture_output=True, text=True, timeout=120, umask=umask, cwd=REPO,
+                          env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"})
+
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+AS_ROOT = hasattr(os, "geteuid") and os.geteuid() == 0
+NOBODY = 65534
+
+
+def nobody_reads(path) -> bool:
+    """Whether another local user (uid 65534: `cat`, `ls` as it) reads a file or lists a directory."""
+    command = ["ls", str(path)] if os.path.isdir(path) else ["cat", str(path)]
+    return subprocess.run(command, user=NOBODY, group=NOBODY, capture_output=True, timeout=30).returncode == 0
+
+
+@pytest.fixture
+def reachable(tmp_path):
+    """A directory every local user may enter (tmp_path is 0700): where another user's reads
+    fail for the store's modes alone."""
+    made = Path(tempfile.mkdtemp(prefix="vox-ws-store-"))
+    os.chmod(made, 0o755)
+    yield made
+    shutil.rmtree(made, ignore_errors=True)
+
+
+def modes(store) -> dict[str, int]:
+    return {p.name: stat.S_IMODE(p.stat().st_mode) for p in [store, *store.iterdir()]}
+
+
+@pytest.mark.hardening
+async def test_a_directory_store_is_private_to_its_user_whatever_the_umask(reachable, tmp_path):
+    """Hardening VI, 6: the store's directory and voices were made with the umask's modes (0755
+    and 0644; 0777 and 0666 under umask 0): every local user read the recordings, transcripts
+    and ids. They are 0700 and 0600 from their creation now, whatever the umask."""
+    store = reachable / "data" / "voices"
+    audio = tmp_path / "reference.wav"
+    audio.write_bytes(tone_wav(0.5, pitch=235))
+    made = _store_child(store, audio, umask=0o000)
+    assert made.returncode == 0, made.stderr[-3000:]
+    kept = made.stdout.strip()
+    assert is_registered_id(kept)
+    assert modes(store) == {"voices": 0o700, "secret": 0o600, f"{kept}.audio": 0o600, f"{kept}.json": 0o600}
+    assert stat.S_IMODE(store.parent.stat().st_mode) == 0o700          # the parents it made too
+    if AS_ROOT:                                                         # the attack itself
+        (reachable / "open").write_text("anyone reads this")
+        assert nobody_reads(reachable / "open")
+        files = (store.parent, store, store / f"{kept}.json", store / f"{kept}.audio")
+        assert not any(nobody_reads(p) for p in files)
+    # The good request: the store read again (a restart) has the voice, and a new one is private too.
+    again = DirectoryStore(store, LIMITS)
+    await again.open()
+    assert (await again.get(kept)).audio == audio.read_bytes()
+    other = voice("token:b", 245)
+    await again.put(other)
+    assert {mode for name, mode in modes(store).items() if name.startswith(other.id)} == {0o600}
+
+
+@pytest.mark.hardening
+async def test_a_store_others_may_read_is_made_private_at_start_and_its_voices_still_speak(
+        start_server, tiny_model, reachable, caplog):
+    """Hardening VI, 6: a store an earlier version made (0755, voices 0644) stayed readable by
+    every local user. A start tightens it (a warning says what was), and its voices speak on."""
+    store = reachable / "voices"
+    first = tiny_server(start_server, tiny_model, f"dir:{store}")
+    kept = await register(first)
+    before = await speak(first, kept)
+    first.stop()
+    os.chmod(store, 0o755)                                # as an earlier version left it
+    for path in store.glob("v_*"):
+        os.chmod(path, 0o644)
+    if AS_ROOT:
+        assert nobody_reads(store / f"{kept}.json")       # the attack, as it stood
+    with caplog.at_level(logging.WARNING, "vox_ws.service"):
+        second = tiny_server(start_server, tiny_model, f"dir:{store}")
+    warned = [r.getMessage() for r in caplog.records if "made private" in r.getMessage()]
+    assert len(warned) == 1 and "0755 -> 0700" in warned[0] and "2 voice files -> 0600" in warned[0], warned
+    assert kept not in warned[0]                  # files named by count: a voice's files are named by its id
+    assert modes(store) == {"voices": 0o700, "secret": 0o600, f"{kept}.audio": 0o600, f"{kept}.json": 0o600}
+    if AS_ROOT:
+        assert not nobody_reads(store) and not nobody_reads(store / f"{kept}.json")
+    after = await speak(second, kept)
+    assert after.end["reason"] == "max_len"
+    np.testing.assert_allclose(after.pcm(), before.pcm(), atol=1e-4)
+
+
+@pytest.mark.hardening
+@pytest.mark.skipif(not AS_ROOT, reason="another user's store needs root to make (CI runs as root)")
+async def test_a_store_another_user_owns_is_refused_in_one_line(tmp_path):
+    """Hardening VI, 6: a store this server cannot make private (another user's: its owner
+    reads it whatever its mode, and the server may not chmod it) is refused, in one line, before
+    a model loads: `vox-ws serve` exits 1. Given back to the server's user, it opens."""
+    theirs = tmp_path / "theirs"
+    theirs.mkdir(mode=0o700)
+    os.chown(theirs, NOBODY, NOBODY)
+    refused = subprocess.run([sys.executable, "-m", "vox_ws", "serve", "--engine", "piper", "--port", "0",
+                              "--voice-store", f"dir:{theirs}"], capture_output=True, text=True, timeout=120,
+                             cwd=REPO)
+    assert refused.returncode == 1, refused.stderr[-3000:]
+    assert refused.stderr.splitlines() == [refused.stderr.strip()]
+    assert refused.stderr.startswith("vox-ws serve: ")
+    assert f"uid {NOBODY}'s" in refused.stderr and "chown it" in refused.stderr
+    # Ours, holding a voice file of another user's (planted while it was open to them): refused too.
+    ours = tmp_path / "ours"
+    first = DirectoryStore(ours, LIMITS)
+    await first.open()
+    kept = voice("token:a", 225)
+    await first.put(kept)
+    os.chown(ours / f"{kept.id}.json", NOBODY, NOBODY)
+    planted = r"1 of the voice files .* are not regular files of this user's"
+    with pytest.raises(StoreUnavailable, match=planted) as caught:
+        await DirectoryStore(ours, LIMITS).open()
+    assert kept.id not in caught.value.message
+    # The good request: both given back to this user, each opens and serves its voices.
+    os.chown(ours / f"{kept.id}.json", os.geteuid(), os.getegid())
+    os.chown(theirs, os.geteuid(), os.getegid())
+    for path in (ours, theirs):
+        again = DirectoryStore(path, LIMITS)
+        await again.open()
+        assert await again.get(kept.id) is not None or path == theirs
+        await again.put(voice("token:b", 235))
+
+
+@pytest.mark.hardening
+async def test_a_secret_is_written_whole_or_not_at_all_and_one_cut_short_is_made_again(tmp_path, caplog):
+    """Hardening VI, 12: the secret was written in place: a first start whose write failed (a
+    full disk) left a 0-byte `secret`, and every later start exited 1 until someone deleted it.
+    Now it is written beside and moved into place: a failed write leaves nothing, and the next
+    start makes it. One an earlier version left cut short is made again (no voice was ever made
+    under it: see `DirectoryStore._remade_secret`)."""
+    store = tmp_path / "voices"
+    audio = tmp_path / "reference.wav"
+    audio.write_bytes(tone_wav(0.5, pitch=240))
+    failed = _store_child(store, audio, file_limit=0)     # no byte may be written: the write fails
+    assert failed.returncode == 3, failed.stderr[-3000:]
+    assert "File too large" in failed.stdout and "secret" in failed.stdout
+    assert list(store.iterdir()) == []                     # no `secret`, no temporary file
+    # The good request: the next start makes the secret and keeps named voices under it.
+    first = DirectoryStore(store, LIMITS)
+    await first.open()
+    secret = (store / "secret").read_bytes()
+    assert len(secret) == 32 and modes(store)["secret"] == 0o600
+    owner = "token:a"
+    await first.put(named(first, owner, "me"))
+    again = DirectoryStore(store, LIMITS)
+    await again.open()
+    assert await again.get(again.named_id(owner_key(owner), "me")) is not None
+    # What an earlier version's failed write left, 0 bytes or some: a new secret, with a warning.
+    for left in (b"", secret[:16]):
+        (store / "secret").write_bytes(left)
+        with caplog.at_level(logging.WARNING, "vox_ws.service"):
+            remade = DirectoryStore(store, LIMITS)
+            await remade.open()
+        assert f"held {len(left)} of the secret's 32 bytes" in caplog.text
+        made = (store / "secret").read_bytes()
+        assert len(made) == 32 and made != secret and modes(store)["secret"] == 0o600
+        caplog.clear()
+    # A named voice kept under the secret it replaced moves to its id under the new one.
+    assert await rekey_named(remade) == [first.named_id(owner_key(owner), "me")]
+    assert await remade.get(remade.named_id(owner_key(owner), "me")) is not None
+    # One longer than a secret is not one this server made, and one others may read is no secret.
+    (store / "secret").write_bytes(made + b"x")
+    with pytest.raises(StoreUnavailable, match="not a secret this server made"):
+        await DirectoryStore(store, LIMITS).open()
+    assert not [p for p in store.iterdir() if p.name.endswith(".partial")]

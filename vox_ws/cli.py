@@ -24,6 +24,13 @@ def _ipv6_prefix(text: str) -> int:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value}: at least 1")
+    return value
+
+
 def _proxy_header(text: str) -> str:
     if text.lower() not in FORWARDING_HEADERS:
         raise argparse.ArgumentTypeError(f"{text!r}: one of {', '.join(FORWARDING_HEADERS)}")
@@ -42,6 +49,10 @@ _SERVE_OPTIONS: list[tuple[str, Callable[[str], Any], Any, str]] = [
     ("allow-origin", str, None, "browser origins allowed to connect (comma-separated); default any"),
     ("cors-origins", str, None, "origins whose pages may call the HTTP API (CORS; comma-separated, or *); "
                                 "default none"),
+    ("allowed-hosts", str, None, "host names the server answers to (comma-separated; .example.com: it and "
+                                 "its subdomains; *: any), besides IP literals, localhost, single-label and "
+                                 ".local/.internal names and the machine's own name; a request for another "
+                                 "is refused 421 (DNS rebinding)"),
     ("voice-aliases", str, None, "a JSON or TOML file of voice aliases (e.g. alloy = \"joe\"; echo = false takes "
                                  "a default away), added to the defaults: OpenAI's names on distinct voices where "
                                  "the engine has them (docs/PROTOCOL.md)"),
@@ -88,6 +99,9 @@ _SERVE_OPTIONS: list[tuple[str, Callable[[str], Any], Any, str]] = [
     ("max-whole-mb-per-owner", float, Limits.max_whole_bytes_per_owner / 2**20,
      "MB whole responses (`stream: false`) of one client may hold until sent (then 413, or `busy` beside others)"),
     ("max-whole-mb", float, Limits.max_whole_bytes / 2**20, "MB all whole responses may hold until sent (then `busy`)"),
+    ("whole-min-rate", float, Limits.whole_min_rate,
+     "bytes a second a whole response's client must take it at, on average (after --write-stall-timeout, "
+     "which is also the most it may bank); a slower one is closed and its bytes given back (0: no floor)"),
     ("idle-timeout", float, Limits.idle_timeout_s, "seconds before a connection with no stream and no message is closed"),
     ("max-buffered-audio", float, Limits.max_buffered_audio_s, "audio seconds a stream may have unsent before generation pauses"),
     ("write-stall-timeout", float, Limits.write_stall_timeout_s, "seconds a paused stream may wait on its reader before `slow_consumer`"),
@@ -97,8 +111,9 @@ _SERVE_OPTIONS: list[tuple[str, Callable[[str], Any], Any, str]] = [
     ("body-max", float, Limits.body_max_s, "seconds an HTTP request body may take at the most"),
     ("discard-rate", float, Limits.discard_bytes_per_s, ("bytes a second per address of refused HTTP bodies "
                                                           "read to keep their connections (then closed)")),
-    ("refused-rate", float, Limits.refused_requests_per_s, ("HTTP requests a second per address answered 429 "
-                                                             "before its new connections are closed at accept")),
+    ("refused-rate", float, Limits.refused_requests_per_s, ("refused requests a second per address (any HTTP 4xx, "
+                                                             "any refused WebSocket handshake) before its new "
+                                                             "connections are closed at accept")),
     ("lora-unload-timeout", float, Limits.lora_unload_timeout_s, "seconds the streams of an unloading LoRA adapter "
                                                                  "have to finish before they end"),
     ("input-pause", float, Limits.input_pause_s, "input streaming: seconds of quiet after which buffered words "
@@ -111,6 +126,9 @@ _SERVE_OPTIONS: list[tuple[str, Callable[[str], Any], Any, str]] = [
     ("word-timings", str, "auto", "where word times come from: auto (the engine's own, else the aligner's: "
                                   "PocketSphinx, English), aligned (the aligner's for every engine, to measure it) "
                                   "or engine (never the aligner)"),
+    ("aligners", _positive, ServerConfig.aligners, "aligner processes (word times for engines without "
+                                                  "their own) at most, each ~125 MB, started as segments need "
+                                                  "them; never more than the CPUs of the container's quota"),
     ("demo-dir", str, None, "directory of the browser demo served at / (default: web/demo of the source tree)"),
     ("zeroconf", str, None, "advertise the Wyoming door on the local network (zeroconf, _wyoming._tcp) under this "
                             "name, e.g. --zeroconf vox-ws, so Home Assistant finds it by itself (needs --wyoming tcp://...)"),
@@ -200,6 +218,10 @@ def build_parser() -> argparse.ArgumentParser:
     say.add_argument("--token", default=os.environ.get("VOX_WS_TOKEN"))
     say.add_argument("--voice")
     say.add_argument("--sample-rate", type=int)
+    say.add_argument("--timeout", type=float, default=60.0,
+                     help="seconds the server may say nothing while say waits on it (its hello, its answer, "
+                          "the next audio) before say gives up, exit 1 (default 60: twice the server's own "
+                          "30 s bounds on a queued or an idle stream)")
 
     owner = commands.add_parser("owner", help="the label /metrics counts a token's or an address's usage under")
     who = owner.add_mutually_exclusive_group(required=True)
@@ -246,15 +268,17 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         lora_unload_timeout_s=args.lora_unload_timeout,
         max_whole_bytes_per_owner=int(args.max_whole_mb_per_owner * 2**20),
         max_whole_bytes=int(args.max_whole_mb * 2**20),
+        whole_min_rate=args.whole_min_rate,
     )
     fields = {f.name for f in dataclasses.fields(ServerConfig)}
     values = {k: v for k, v in vars(args).items()
-              if k in fields and k not in ("cors_origins", "trusted_proxies", "model_aliases")}
+              if k in fields and k not in ("cors_origins", "allowed_hosts", "trusted_proxies", "model_aliases")}
     engine_keys = {s.key for _, group in _engine_options()[1:] for s in group}
     engine_settings = {k: v for k, v in vars(args).items() if k in engine_keys}
     return ServerConfig(**values, ping_timeout=max(args.ping_interval * 2, 5.0), limits=limits,
                         tokens=_list(args.token), admin_tokens=_list(args.admin_token),
                         allow_origins=_list(args.allow_origin), cors_origins=_list(args.cors_origins),
+                        allowed_hosts=_list(args.allowed_hosts),
                         trusted_proxies=_list(args.trusted_proxies), model_aliases=_list(args.model_aliases),
                         engine_settings=engine_settings)
 
@@ -276,7 +300,14 @@ async def _serve(config: ServerConfig) -> int:
     except ValueError as exc:                  # a setting that cannot be served (a voice file, aliases)
         print(f"vox-ws serve: {exc}", file=sys.stderr)
         return 2
-    await server.start()
+    from .service.voice_store import StoreUnavailable
+
+    try:
+        await server.start()
+    except StoreUnavailable as exc:            # a voice store this server may not use: said in one line
+        print(f"vox-ws serve: {exc.message}", file=sys.stderr)
+        await asyncio.to_thread(server.devices.stop)
+        return 1
     server.install_signal_handlers()
     await server.wait_stopped()
     return server.exit_code

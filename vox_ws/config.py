@@ -52,6 +52,11 @@ class Limits:
     # each, in a temporary file).
     max_whole_bytes_per_owner: int = 128 << 20
     max_whole_bytes: int = 1 << 30
+    # Bytes a second a whole response must be taken at, on average, once sending starts: it has
+    # `write_stall_timeout_s`, one second more for every `whole_min_rate` bytes its client takes,
+    # never more than `write_stall_timeout_s` ahead (a reader slower than that holds its bytes
+    # and everyone's budget: it is closed). 16 KiB/s: a 128 kbit/s link. 0: no floor.
+    whole_min_rate: float = float(16 << 10)
     # An unloading LoRA adapter's streams have this long to finish; then they end (`bad_request`)
     # and its slot frees, so a stream that keeps sending a word now and then cannot hold it.
     lora_unload_timeout_s: float = 30.0
@@ -88,6 +93,11 @@ class ServerConfig:
     # are ever allowed: tokens go in the Authorization header). Empty: none. Within
     # `allow_origins` where that is set.
     cors_origins: list[str] = field(default_factory=list)
+    # Host names the server answers to besides those no outside attacker can re-point at it (IP
+    # literals, localhost, single-label and special-use names, the machine's own name): a request
+    # for another is refused 421 (DNS rebinding, transports/hosts.py). ".example.com": it and its
+    # subdomains; "*": any (no check).
+    allowed_hosts: list[str] = field(default_factory=list)
     # A JSON or TOML file of voice aliases (service/voice_aliases.py); None: the defaults.
     voice_aliases: str | None = None
     # With client tokens set: whether /v1/info and /metrics need one too (they say how busy the
@@ -124,6 +134,12 @@ class ServerConfig:
     # Where word times come from: auto (the engine's own, else the aligner's), aligned (the
     # aligner's for every engine) or engine (never the aligner). See service/word_timings.py.
     word_timings: str = "auto"
+    # The aligner's processes at most (alignment/pool.py), never more than the CPUs of the cgroup's
+    # quota; each starts when a segment finds the others busy, and holds some 125 MB. One aligns a
+    # sentence of 2.8 s of speech in 0.06 s (RTF 0.022, docs/PERFORMANCE.md): 16 segments a second,
+    # three times what Piper speaks on a whole 2-core host (14.6 s of audio, 5 sentences, a
+    # second); two held 122 real-time streams. One per CPU, as before, was 12 GB on a 96-CPU node.
+    aligners: int = 2
     limits: Limits = field(default_factory=Limits)
 
     def engine_options(self) -> dict[str, Any]:

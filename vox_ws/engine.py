@@ -341,6 +341,19 @@ class TextRules:
         ends in its language. The default: one piece (the engine bounds its own work)."""
         return [text]
 
+    def added_silence_s(self, text: str, options: dict[str, Any], voice: str | None = None,
+                        language: str | None = None) -> float:
+        """Seconds of silence the engine adds of its own speaking `text` with these options
+        (Piper's `sentence_silence` after each sentence), before any change of speed: the
+        stream service counts them with a request's breaks against one bound. Cheap: the
+        event loop calls it. The default: none."""
+        return 0.0
+
+    def slowing(self, options: dict[str, Any]) -> float:
+        """How many times slower than the voice's own pace these options make speech (Piper's
+        `length_scale`): the stream service bounds it with the output's speed. The default: 1."""
+        return 1.0
+
     def follows_instructions(self, voice_pin: Any = None) -> bool:
         """Whether `GenerationRequest.instructions` change the speech with this voice."""
         return False
@@ -498,9 +511,11 @@ class Engine(ABC):
         """Free what `prefill` allocated. Called once for every prefilled request."""
         request.state = None
 
-    def close(self) -> None:
+    def close(self, deadline: float | None = None) -> None:
         """Free what `load` started (helper processes, threads). Called once, on the engine loop's
-        thread, when it stops or dies."""
+        thread, when it stops or dies; `deadline` (a `time.monotonic()` instant, the end of the
+        server's shutdown) is when it must be done: a helper process that has not ended by then
+        is killed (None: each its own grace, `child.STOP_GRACE_S`)."""
         return None
 
     def describe(self) -> dict[str, Any]:

@@ -17,7 +17,8 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .engines.piper_hub import DEFAULT_VOICES_DIR, default_voices_dir, files_of, pull_voice
+from .engines.piper_hub import DEFAULT_VOICES_DIR, VoiceRefused, default_voices_dir, files_of, pull_voice
+from .engines.piper_voices import voice_from_spec
 from .engines.voxcpm.loading import DEFAULT_MODEL, read_config
 
 PIPER_PREFIX = "piper:"
@@ -162,9 +163,18 @@ def piper_voices_on_disk() -> list[Checkpoint]:
     folder = default_voices_dir()
     if folder is None:
         return []
-    return [Checkpoint(model, PIPER_PREFIX + model.stem, "",
-                       [] if model.with_name(model.name + ".json").is_file() else ["no config beside it"])
+    return [Checkpoint(model, PIPER_PREFIX + model.stem, "", _piper_voice_problems(model))
             for model in sorted(folder.glob("*.onnx"))]
+
+
+def _piper_voice_problems(model: Path) -> list[str]:
+    """What keeps the server from serving a voice file, as it reads the file (a model that
+    is plainly none, a config missing, unreadable or over its bound)."""
+    try:
+        voice_from_spec(f"{model.stem}={model}")
+    except ValueError as exc:
+        return [str(exc)]
+    return []
 
 
 def _pull_piper(args: argparse.Namespace) -> int:
@@ -176,6 +186,9 @@ def _pull_piper(args: argparse.Namespace) -> int:
         return 2
     try:
         model = pull_voice(name, args.dir, args.revision)
+    except VoiceRefused as exc:
+        print(f"vox-ws models pull: {args.repo}: refused: {exc}", file=sys.stderr)
+        return 1
     except Exception as exc:  # noqa: BLE001 - the hub's errors (not found, network) say what went wrong
         print(f"vox-ws models pull: {args.repo}: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1

@@ -29,6 +29,7 @@ from .service.voice_store import open_store
 from .service.word_timings import WordTimings
 from .transports import protocol as p
 from .transports.app import STREAM_PATH, build_app, cors_origins
+from .transports.hosts import AllowedHosts
 from .transports.http_routes import default_demo_dir
 from .transports.state import OpenSession, ServerState
 from .transports.connections import ConnectionGuard, HttpProtocol, WebSocketProtocol
@@ -39,6 +40,12 @@ log = logging.getLogger("vox_ws.server")
 # After the drain, how long closing every connection may take before the server stops anyway
 # (connections still holding unsent data are then aborted: connections.SHUTDOWN_ABORT_S).
 CLOSE_GRACE_S = 3.0
+# After the drain, the most the rest of the shutdown takes (docs/PROTOCOL.md: "at most
+# `--drain-timeout` + 4 s"): closing the connections (CLOSE_GRACE_S of it at most), the HTTP
+# server, then the engines and their helper processes, each stage with what the ones before left.
+# A helper process that has not ended by then (stopped, stuck) is killed: its own grace
+# (`child.STOP_GRACE_S`, 5 s) alone took the shutdown to 6.1-7.4 s with `--drain-timeout 1`.
+SHUTDOWN_BOUND_S = 4.0
 
 
 class _Uvicorn(uvicorn.Server):
@@ -79,9 +86,11 @@ class VoxServer:
         self.metrics = Metrics(config.metrics_secret.encode() if config.metrics_secret else None)
         store = open_store(config.voice_store, store_limits(config.limits, int(config.voice_store_max_mb * 2**20)))
         cors_origins(config.cors_origins, config.allow_origins)      # refused before anything starts
+        AllowedHosts(config.allowed_hosts)                           # likewise
         aliases = load_aliases(config.voice_aliases) if config.voice_aliases else None
+        word_timings = WordTimings.for_mode(config.word_timings, config.aligners)
         self.service = StreamService(self.devices, config.limits, self.metrics, voice_store=store,
-                                     voice_aliases=aliases, word_timings=WordTimings.for_mode(config.word_timings))
+                                     voice_aliases=aliases, word_timings=word_timings)
         self.state = ServerState(config, self.service, self.metrics)
         self.proxies = TrustedProxies(config.trusted_proxies, config.proxy_header)
         self.guard = ConnectionGuard(config.limits, proxies=self.proxies, ipv6_prefix=config.ipv6_prefix)
@@ -131,8 +140,9 @@ class VoxServer:
             if problems:
                 raise RuntimeError("the lexicon has errors:\n  " + "\n  ".join(problems))
             log.info("lexicon %s: %d pronunciations", self.config.lexicon, len(self.service.lexicon))
-        self.devices.start()
+        # The voice store first: one this server may not use stops the start before a model loads.
         await self.service.start()
+        self.devices.start()
         demo = Path(self.config.demo_dir) if self.config.demo_dir else default_demo_dir()
         limits = self.config.limits
         uv_config = uvicorn.Config(
@@ -142,7 +152,7 @@ class VoxServer:
             # trusted peers only (transports/proxies.py); uvicorn's own trusts loopback.
             proxy_headers=False,
             http=functools.partial(HttpProtocol, guard=self.guard, limits=limits),
-            ws=functools.partial(WebSocketProtocol, limits=limits),
+            ws=functools.partial(WebSocketProtocol, limits=limits, guard=self.guard),
             # Frames up to 4x the published limit are read and answered with `too_large`; beyond
             # that the transport closes with 1009 without buffering them.
             ws_max_size=limits.max_frame_bytes * 4,
@@ -190,39 +200,49 @@ class VoxServer:
             self._shutdown = asyncio.ensure_future(
                 self.shutdown(self.config.drain_timeout if drain else 0.0, close_code))
 
-    async def shutdown(self, drain_timeout: float = 0.0, close_code: int = p.CLOSE_SERVICE_RESTART) -> None:
+    async def shutdown(self, drain_timeout: float = 0.0, close_code: int = p.CLOSE_SERVICE_RESTART,
+                       bound_s: float = SHUTDOWN_BOUND_S) -> None:
         """Drain, then stop: readiness turns 503 and new streams are refused at once; streams in
         flight may finish for `drain_timeout` seconds; the rest are told (`going_away`) and
-        every connection is closed with 1012 (Service Restart: reconnect, to another server)."""
+        every connection is closed with 1012 (Service Restart: reconnect, to another server).
+        All of it within `drain_timeout` + `bound_s` seconds: each stage after the drain takes
+        its time from what is left of that."""
         if not self.state.listening:
             return
         self.state.draining = True
         self.service.accepting = False
         log.info("shutting down: %d sessions, %d streams open, draining up to %.1fs", len(self.sessions),
                  self.service.open_streams, drain_timeout)
-        deadline = time.monotonic() + drain_timeout
-        while time.monotonic() < deadline and self.service.open_streams:
+        started = time.monotonic()
+        drained_by, deadline = started + drain_timeout, started + drain_timeout + bound_s
+
+        def left(most: float = bound_s) -> float:
+            return max(0.0, min(most, deadline - time.monotonic()))
+
+        while time.monotonic() < drained_by and self.service.open_streams:
             await asyncio.sleep(0.05)
         self.service.abort_all(ErrorKind.GOING_AWAY, "server shutting down")
         reason = "server shutting down" if close_code == p.CLOSE_SERVICE_RESTART else "engine failed"
         closing = asyncio.gather(*(s.close(close_code, reason) for s in list(self.sessions)), return_exceptions=True)
-        try:
-            # A client that reads nothing cannot be sent a close frame: it is not waited for.
-            await asyncio.wait_for(closing, CLOSE_GRACE_S)
-        except asyncio.TimeoutError:
-            log.warning("some connections did not take their close frame in %.0fs: dropping them", CLOSE_GRACE_S)
+        # A client that reads nothing cannot be sent a close frame: it is not waited for.
+        await _within(closing, left(CLOSE_GRACE_S),
+                      "some connections did not take their close frame in time: dropping them")
         self.state.listening = False
         if self._advert is not None:
-            await self._advert.close()
+            await _within(self._advert.close(), left(), "the zeroconf advert did not close in time")
         if self.wyoming is not None:
-            await self.wyoming.stop()
+            await _within(self.wyoming.stop(), left(), "the Wyoming door did not stop in time")
         if self._uvicorn is not None:
+            # Its connections have been closed above; what it still waits for has what is left.
+            self._uvicorn.config.timeout_graceful_shutdown = left(CLOSE_GRACE_S)
             self._uvicorn.stop()
-            await asyncio.gather(self._serving, return_exceptions=True)
-        await self.service.close()
+            await _within(asyncio.gather(self._serving, return_exceptions=True), left(),
+                          "the HTTP server did not stop in time: stopped")
+        await self.service.close(left())
         self.state.multipart.close()
-        await asyncio.to_thread(self.devices.stop)
-        log.info("stopped (exit code %d)", self.exit_code)
+        await asyncio.to_thread(self.devices.stop, left())
+        log.info("stopped (exit code %d) %.1f s after the shutdown began", self.exit_code,
+                 time.monotonic() - started)
         if self._stopped is not None:
             self._stopped.set()
 
@@ -250,6 +270,14 @@ class VoxServer:
 
     def info(self) -> dict[str, Any]:
         return self.state.info()
+
+
+async def _within(awaitable: Any, seconds: float, failing: str) -> None:
+    """`awaitable`, given up (cancelled) after `seconds`, saying `failing` then."""
+    try:
+        await asyncio.wait_for(awaitable, seconds)
+    except asyncio.TimeoutError:
+        log.warning("shutdown: %s (%.1f s)", failing, seconds)
 
 
 def _listen(host: str, port: int) -> socket.socket:

@@ -1,8 +1,19 @@
 """The aligner processes: where a segment's audio and texts go once the segment is complete.
 
-A pool of spawned processes, one per core, started at the first segment that asks: each makes
-its decoder once (`sphinx.SphinxAligner`) and aligns one segment at a time. Nothing of it runs
-on the event loop or the engine's thread: they only hand over the audio and take a future.
+A few spawned processes (`--aligners`, 2 by default: config.py says why; never more than the
+CPUs of the cgroup's quota: `cpus.cpu_limit`), started one at a time as segments need them: the first when
+the first stream that asks for word times opens, another only when a segment finds every one
+started busy. Each makes its decoder once (`sphinx.SphinxAligner`) and aligns one segment at a
+time. Segments wait for a free process in the pool's own queue, bounded (QUEUE_PER_PROCESS a
+process): past it a segment is refused (`AlignerBusy`; its words are then estimated, not
+aligned), and a segment whose stream no longer waits for it (ended, cancelled, its client gone:
+the stream cancels its future) leaves the queue unaligned.
+
+Threads: `align` is called on the engine's thread, `start` on the event loop, a segment's future
+is cancelled on the loop, and a process's answer comes on its executor's own thread. They share
+the pool's state under one lock, held to pick a process and hand it a segment, never while a
+future's callbacks run. Nothing of the aligning runs on the event loop or the engine's thread:
+they only hand over the audio and take a future.
 """
 
 from __future__ import annotations
@@ -11,13 +22,16 @@ import importlib.util
 import multiprocessing
 import os
 import threading
+import time
+from collections import deque
 from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 
 import numpy as np
 
 from ..audio import StreamEncoder
-from ..text import base_language
+from ..cpus import cpu_limit
+from ..text import base_language, text_words
 from .spelling import AlignmentText, written_times
 from .sphinx import SAMPLE_RATE
 
@@ -27,6 +41,10 @@ ALIGNER_NICE = 10
 # How long a stream's end waits for its last words before it goes without them (an aligner
 # process hung, or starved of CPU): its audio is all sent by then.
 ANSWER_WITHIN_S = 10.0
+# Segments that may wait for a process, per process: at 0.06 s a sentence they wait about a
+# second at most; even of 20-s segments (0.45 s each) 7 s, within the 10 s a stream's end waits
+# for its words. Beyond it a flood of segments only grows the queue's memory and the wait.
+QUEUE_PER_PROCESS = 16
 
 _aligner = None
 
@@ -40,8 +58,9 @@ def _start_worker() -> None:
     _aligner = SphinxAligner()
 
 
-def _ready() -> None:
-    """Nothing: a process that ran it has started."""
+def _ready() -> int:
+    """Its process id: a process that ran it has started."""
+    return os.getpid()
 
 
 def align_segment(audio: np.ndarray, written: str, spoken: str) -> list[TimedWord]:
@@ -50,6 +69,17 @@ def align_segment(audio: np.ndarray, written: str, spoken: str) -> list[TimedWor
     text = AlignmentText.of(written, spoken)
     times = _aligner.align(audio, text.words) if _aligner is not None else [None] * len(text.words)
     return written_times(text, times, len(audio) / SAMPLE_RATE)
+
+
+def estimated_segment(audio: np.ndarray, written: str) -> list[TimedWord]:
+    """A segment's written words each given a share of its audio by length, all estimated: for
+    a segment the aligner had no room for. Cheap (no spelling, no decoder): the engine's thread
+    computes it."""
+    return written_times(AlignmentText(tuple(text_words(written)), (), ()), [], len(audio) / SAMPLE_RATE)
+
+
+class AlignerBusy(Exception):
+    """Every aligner process is busy and the queue full: the segment is not aligned."""
 
 
 class SegmentRecording:
@@ -70,17 +100,43 @@ class SegmentRecording:
         return audio
 
 
+class _Process:
+    """One aligner process: an executor of its own with one spawned process, so that each starts
+    only when asked for, and one that dies breaks only itself. Its state is the pool's, under the
+    pool's lock."""
+
+    def __init__(self) -> None:
+        self.executor = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"),
+                                            initializer=_start_worker)
+        self.busy = False                 # it holds a segment
+        self.pid: int | None = None       # once started
+        # Started now, not at its first segment: its decoder is made by the time one comes.
+        self.executor.submit(_ready).add_done_callback(self._started)
+
+    def _started(self, ready: Future) -> None:
+        if not ready.cancelled() and ready.exception() is None:
+            self.pid = ready.result()
+
+
 class WordAligner:
-    """Thread-safe: sinks on the engine's thread hand it segments."""
+    """Thread-safe: sinks on the engine's thread hand it segments (see the module docstring)."""
 
     languages = ("en",)
 
-    def __init__(self, workers: int | None = None, answer_within_s: float = ANSWER_WITHIN_S) -> None:
-        self.workers = workers or len(os.sched_getaffinity(0))
+    def __init__(self, workers: int, answer_within_s: float = ANSWER_WITHIN_S,
+                 cpus: int | None = None, queue: int | None = None) -> None:
+        """At most `workers` processes, and no more than `cpus` (default: the cgroup's quota, the
+        CPUs the server may run on); `queue` segments may wait (default QUEUE_PER_PROCESS each)."""
+        self.workers = max(1, min(workers, cpu_limit() if cpus is None else cpus))
+        self.queue_limit = QUEUE_PER_PROCESS * self.workers if queue is None else queue
         self.answer_within_s = answer_within_s
-        self._pool: ProcessPoolExecutor | None = None
+        self._processes: list[_Process] = []
+        self._waiting: deque[tuple[Future, tuple[np.ndarray, str, str]]] = deque()
         self._lock = threading.Lock()
         self._closed = False
+        self._held = False
+        # Segments aligned, refused (the queue full) and dropped (cancelled while they waited).
+        self.aligned = self.refused = self.dropped = 0
 
     @staticmethod
     def available() -> bool:
@@ -92,35 +148,155 @@ class WordAligner:
         a text in another script is given estimated times)."""
         return language is None or base_language(language) in self.languages
 
+    @property
+    def processes(self) -> int:
+        """Processes started and not retired."""
+        return len(self._processes)
+
+    @property
+    def queued(self) -> int:
+        """Segments waiting for a process."""
+        return len(self._waiting)
+
+    def pids(self) -> list[int]:
+        """The ids of its processes that have started."""
+        with self._lock:
+            return [p.pid for p in self._processes if p.pid is not None]
+
     def align(self, audio: np.ndarray, written: str, spoken: str) -> Future:
         """A future of `align_segment`'s words: `audio` a `SegmentRecording`'s, `written` the
-        segment's text as the client sent it, `spoken` as the engine was given it."""
+        segment's text as the client sent it, `spoken` as the engine was given it. Cancel it
+        when its words are no longer wanted: a segment still waiting is then never aligned.
+        Raises AlignerBusy where the queue is full."""
+        future: Future = Future()
         with self._lock:
             if self._closed:
                 raise RuntimeError("the aligner is closed")
-            try:
-                return self._started().submit(align_segment, audio, written, spoken)
-            except BrokenProcessPool:       # a process died (its segment lost its words): anew
-                broken, self._pool = self._pool, None
-                broken.shutdown(wait=False)
-                return self._started().submit(align_segment, audio, written, spoken)
+            if len(self._waiting) >= self.queue_limit:
+                self.refused += 1
+                raise AlignerBusy(f"{len(self._waiting)} segments wait for the aligner's "
+                                  f"{self.workers} processes")
+            self._waiting.append((future, (audio, written, spoken)))
+            handed = self._hand_over()
+        future.add_done_callback(self._forget)
+        self._watch(handed)
+        return future
 
-    def start(self) -> None:
-        """Start every process now (each makes its decoder: some 0.5 s), not at the first words."""
+    def start(self, processes: int = 1) -> None:
+        """Start `processes` processes now, if fewer are (each makes its decoder: some 0.5 s),
+        rather than at the first segments that find none free."""
         with self._lock:
-            if self._pool is None and not self._closed:
-                for _ in range(self.workers):
-                    self._started().submit(_ready)
+            while not self._closed and len(self._processes) < min(processes, self.workers):
+                self._processes.append(_Process())
 
-    def _started(self) -> ProcessPoolExecutor:
-        if self._pool is None:
-            self._pool = ProcessPoolExecutor(self.workers, mp_context=multiprocessing.get_context("spawn"),
-                                             initializer=_start_worker)
-        return self._pool
+    def hold(self) -> None:
+        """Hand no segment to a process until `release`: they wait in the queue (for tests that
+        look at the queue)."""
+        with self._lock:
+            self._held = True
 
-    def close(self) -> None:
+    def release(self) -> None:
+        with self._lock:
+            self._held = False
+            handed = self._hand_over()
+        self._watch(handed)
+
+    def close(self, grace_s: float | None = None) -> None:
+        """Stop every process; a segment waiting fails. A segment being aligned is finished
+        first, for `grace_s` seconds at most (None: however long it takes): a process still
+        at it then (stuck, stopped) is killed, so a shutdown keeps its bound."""
         with self._lock:
             self._closed = True
-            pool, self._pool = self._pool, None
-        if pool is not None:
-            pool.shutdown(wait=True, cancel_futures=True)
+            waiting, self._waiting = list(self._waiting), deque()
+            processes, self._processes = self._processes, []
+        for future, _ in waiting:
+            if future.set_running_or_notify_cancel():
+                future.set_exception(RuntimeError("the aligner is closed"))
+        # The executor knows its workers only by a private table, and (before Python 3.14's
+        # `kill_workers`) has no way to end one that does not finish: taken before it forgets them.
+        workers = [w for process in processes for w in (process.executor._processes or {}).values()]
+        for process in processes:
+            process.executor.shutdown(wait=False, cancel_futures=True)
+        deadline = None if grace_s is None else time.monotonic() + grace_s
+        for worker in workers:
+            worker.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+            if worker.exitcode is None:
+                worker.kill()                          # SIGKILL: a stopped process takes it too
+                worker.join()
+        for process in processes:
+            process.executor.shutdown(wait=True)       # its own thread, now that its workers are gone
+
+    # ------------------------------------------------------------------ under the lock
+
+    def _hand_over(self) -> list[tuple[_Process, Future, Future]]:
+        """Each waiting segment that a free process (or one that may still start) takes:
+        (process, the segment's future, the process's)."""
+        handed = []
+        while self._waiting and not self._held and not self._closed:
+            process = self._free_process()
+            if process is None:
+                break
+            future, segment = self._waiting.popleft()
+            if not future.set_running_or_notify_cancel():       # cancelled: its stream is gone
+                self.dropped += 1
+                continue
+            process, answer = self._submit(process, segment)
+            handed.append((process, future, answer))
+        return handed
+
+    def _free_process(self) -> _Process | None:
+        free = next((p for p in self._processes if not p.busy), None)
+        if free is None and len(self._processes) < self.workers:
+            free = _Process()
+            self._processes.append(free)
+        return free
+
+    def _submit(self, process: _Process, segment: tuple[np.ndarray, str, str]) -> tuple[_Process, Future]:
+        try:
+            answer = process.executor.submit(align_segment, *segment)
+        except BrokenProcessPool:         # it died since its last segment: a new one takes this one
+            self._retire(process)
+            process = _Process()
+            self._processes.append(process)
+            answer = process.executor.submit(align_segment, *segment)
+        process.busy = True
+        return process, answer
+
+    def _retire(self, process: _Process) -> None:
+        if process in self._processes:
+            self._processes.remove(process)
+            process.executor.shutdown(wait=False, cancel_futures=True)
+
+    # ------------------------------------------------------------------ callbacks, outside the lock
+
+    def _watch(self, handed: list[tuple[_Process, Future, Future]]) -> None:
+        for process, future, answer in handed:
+            answer.add_done_callback(lambda answer, p=process, f=future: self._answered(p, f, answer))
+
+    def _answered(self, process: _Process, future: Future, answer: Future) -> None:
+        """On the process's executor thread: its segment is done; the next waiting one goes to it
+        (or to another free one), and the answer to the segment's future."""
+        failure = RuntimeError("the aligner is closed") if answer.cancelled() else answer.exception()
+        with self._lock:
+            process.busy = False
+            if isinstance(failure, BrokenProcessPool):        # it died: its segment lost its words
+                self._retire(process)
+            elif failure is None:
+                self.aligned += 1
+            handed = self._hand_over()
+        self._watch(handed)
+        if failure is None:
+            future.set_result(answer.result())
+        else:
+            future.set_exception(failure)
+
+    def _forget(self, future: Future) -> None:
+        """A segment's future is done: one cancelled while it waited leaves the queue now."""
+        if not future.cancelled():
+            return
+        with self._lock:
+            for index, (waiting, _) in enumerate(self._waiting):
+                if waiting is future:
+                    del self._waiting[index]
+                    self.dropped += 1
+                    break

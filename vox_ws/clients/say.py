@@ -25,10 +25,7 @@ from typing import Any
 
 from ..audio import bytes_to_pcm, pcm_to_bytes
 from ..captions import CAPTION_FORMATS, cues_from_segments, cues_from_words, write_captions
-from .v1 import Stream, VoxError, connect
-
-# The sample rates protocol v1's `start` may name (docs/PROTOCOL.md).
-SAMPLE_RATES = (8000, 48000)
+from .v1 import ProtocolViolation, Stream, VoxError, connect
 
 # `say --play`: seconds of audio the server may send ahead of what the speakers have played.
 PLAY_LOOKAHEAD_S = 3.0
@@ -179,19 +176,27 @@ async def say(args: Any) -> int:
     segments: list[tuple[str, float, float]] = []
     bar = _bar(progress, args.quiet)
     outcome = 0
+    believed = True                # False once the server sent what protocol v1 forbids
     try:
-        async with connect(args.url, token=args.token) as client:
+        # Every number the server sends is checked by the client (v1.py: a time that is no
+        # finite number of seconds at or after 0, or out of order, a sample rate outside the
+        # protocol's), and a server that says nothing for `--timeout` seconds is given up.
+        async with connect(args.url, token=args.token, silence_timeout_s=args.timeout) as client:
             features = client.hello.get("features", [])
+            limits = client.hello.get("limits")
+            limit = limits.get("max_text_chars") if isinstance(limits, dict) else None
+            if not isinstance(limit, int) or isinstance(limit, bool) or limit < 1:
+                raise ProtocolViolation(f"the server's hello has limits.max_text_chars {limit!r:.40}, "
+                                        "not a count of characters")
+            if not isinstance(features, list):
+                raise ProtocolViolation(f"the server's hello has features {features!r:.40}, not a list")
             timed_words = args.captions is not None and "word_timestamps" in features
             wire = "f32" if player is not None else ("s16" if args.format == "wav" else args.format)
             stream = await client.open_stream(
                 voice=args.voice, format=wire, sample_rate=args.sample_rate, segment_events=True, speed=args.speed,
                 instructions=args.instructions, word_timestamps=timed_words, language=args.language,
                 lookahead_s=PLAY_LOOKAHEAD_S if player is not None else None)
-            rate = stream.sample_rate
-            if not isinstance(rate, int) or not SAMPLE_RATES[0] <= rate <= SAMPLE_RATES[1]:
-                raise ValueError(f"the server's start names a sample rate of {rate!r} Hz, outside the protocol's "
-                                 f"{SAMPLE_RATES[0]}-{SAMPLE_RATES[1]}")
+            rate = stream.sample_rate          # 8,000-48,000 Hz (v1.py checks it)
             if args.output:
                 out = AudioFile(args.output, args.format, rate)
             if player is not None:
@@ -199,7 +204,7 @@ async def say(args: Any) -> int:
             # Progress counts no whitespace, the server does, and `pieces` leaves at most one
             # whitespace per character: a third of the bound unspoken (two thirds as the server
             # counts) and a piece of a third never make more than the server holds.
-            window = max(1, min(MAX_PIECE_CHARS, client.hello["limits"]["max_text_chars"] // 3))
+            window = max(1, min(MAX_PIECE_CHARS, limit // 3))
             feeder = asyncio.create_task(_feed(stream, pieces(read_blocks(args.file, text), window), progress,
                                                window))
             try:
@@ -227,6 +232,7 @@ async def say(args: Any) -> int:
                 feeder.cancel()
     except VoxError as err:
         print(f"vox-ws say: {err.code}: {err.message}", file=sys.stderr)
+        believed = not isinstance(err, ProtocolViolation)
         outcome = 1
     except ValueError as err:                 # what the server said cannot be written
         print(f"vox-ws say: {err}", file=sys.stderr)
@@ -250,6 +256,10 @@ async def say(args: Any) -> int:
             except PlayerFailed as err:
                 print(f"vox-ws say --play: {err}", file=sys.stderr)
                 outcome = outcome or 1
+        # Times from a server that broke the protocol are not written as captions, not even
+        # those before its bad one.
+        if not believed:
+            args.captions = None
         if args.captions and (words or segments):
             write_captions(cues_from_words(words) if words else cues_from_segments(segments), args.captions)
         _report(args, progress, out, outcome)
@@ -319,6 +329,9 @@ def check_args(args: Any) -> str | None:
         return "give -o FILE and/or --play"
     if args.captions and not args.captions.lower().endswith(CAPTION_FORMATS):
         return "--captions writes a .srt or .vtt file"
+    timeout = getattr(args, "timeout", None)
+    if timeout is not None and not 0 < timeout < float("inf"):
+        return "--timeout is seconds, more than 0"
     return None
 
 

@@ -23,10 +23,11 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import math
 import random
 from collections.abc import AsyncIterator
 from types import TracebackType
-from typing import Any
+from typing import Any, Awaitable, TypeVar
 
 from websockets.asyncio.client import ClientConnection
 from websockets.asyncio.client import connect as ws_connect
@@ -88,6 +89,31 @@ class ConnectionLost(VoxError):
         self.close_code = close_code
 
 
+class ProtocolViolation(VoxError):
+    """The server sent what protocol v1 does not allow (a time that is no finite number of seconds
+    at or after 0, times out of order, a sample rate outside 8,000-48,000 Hz, a frame that is no
+    message): nothing more from it is believed, and the connection is closed (1002)."""
+
+    code = "protocol_violation"
+
+
+class ServerSilent(VoxError):
+    """The server said nothing for the client's `silence_timeout_s` while the client waited on it
+    (its `hello`, a reply, a stream's next message)."""
+
+    code = "server_silent"
+
+
+# Seconds the server may say nothing while a client waits on it. An honest server is never that
+# quiet: a queued stream waits at most `max_queue_wait_s` (30 s), an input stream that gets no
+# text ends after `stream_timeout_s` (30 s), and audio comes a chunk at a time.
+SILENCE_TIMEOUT_S = 60.0
+# The sample rates protocol v1's `start` may name (docs/PROTOCOL.md).
+SAMPLE_RATES = (8000, 48000)
+
+_T = TypeVar("_T")
+
+
 def error_from(message: dict[str, Any]) -> VoxError:
     if message.get("code") == "connection_lost":
         return ConnectionLost(message.get("message", ""), message.get("id"), bool(message.get("retryable")),
@@ -137,7 +163,7 @@ class Stream:
         done = asyncio.get_running_loop().create_future()
         self._flushed.append(done)
         await self.client._send(wire.flush_frame(self.id))
-        return await done
+        return await self.client._heard(done)
 
     async def end(self) -> None:
         """No more text: the stream ends once everything sent has been spoken."""
@@ -155,7 +181,7 @@ class Stream:
 
     async def _audio(self) -> AsyncIterator[bytes]:
         while True:
-            message = await self._queue.get()
+            message = await self.client._heard(self._queue.get())
             kind = message["type"]
             if kind == "chunk":
                 if "packets" in message:
@@ -175,7 +201,7 @@ class Stream:
         `flushed`, then `end`), as the server sent it; an `error` is raised. Use either this or
         iteration for the audio, not both."""
         while True:
-            message = await self._queue.get()
+            message = await self.client._heard(self._queue.get())
             if message["type"] == "error":
                 raise error_from(message)
             yield message
@@ -215,9 +241,14 @@ class Stream:
 class Client:
     """One connection. Use `connect()` to make one."""
 
-    def __init__(self, ws: ClientConnection, hello: dict[str, Any]) -> None:
+    def __init__(self, ws: ClientConnection, hello: dict[str, Any],
+                 silence_timeout_s: float | None = SILENCE_TIMEOUT_S) -> None:
         self.ws = ws
         self.hello = hello
+        self.silence_timeout_s = silence_timeout_s
+        self._heard_at = asyncio.get_running_loop().time()     # the server's last message
+        self._violation: str | None = None                      # what the server sent that v1 forbids
+        self._closing: asyncio.Future | None = None              # the close after a violation
         self._streams: dict[str, Stream] = {}
         self._requests: dict[str, asyncio.Future] = {}
         self._ids = itertools.count(1)
@@ -294,7 +325,7 @@ class Client:
         stream = Stream(self, sid)
         self._streams[sid] = stream
         await self._send(wire.start_frame(sid, **start, **speech.start_fields()))
-        await stream._start_reply
+        await self._heard(stream._start_reply)
         return stream
 
     async def _request(self, message: dict[str, Any]) -> dict[str, Any]:
@@ -302,7 +333,27 @@ class Client:
         future = asyncio.get_running_loop().create_future()
         self._requests[rid] = future
         await self._send({**message, "id": rid})
-        return await future
+        return await self._heard(future)
+
+    async def _heard(self, waited: Awaitable[_T]) -> _T:
+        """`waited`, unless the server says nothing at all (on any stream) for `silence_timeout_s`
+        while it is awaited: then ServerSilent."""
+        if self.silence_timeout_s is None:
+            return await waited
+        loop = asyncio.get_running_loop()
+        future = asyncio.ensure_future(waited)
+        began = loop.time()
+        try:
+            while True:
+                quiet_until = max(self._heard_at, began) + self.silence_timeout_s
+                if loop.time() >= quiet_until:
+                    raise ServerSilent(f"the server said nothing for {self.silence_timeout_s:g} s")
+                await asyncio.wait({future}, timeout=quiet_until - loop.time())
+                if future.done():
+                    return future.result()
+        finally:
+            if future is not waited and not future.done():      # ours (a coroutine's task): not the caller's
+                future.cancel()
 
     async def _send(self, message: dict[str, Any]) -> None:
         try:
@@ -313,7 +364,13 @@ class Client:
     async def _read(self) -> None:
         try:
             async for data in self.ws:
-                message = wire.decode(data)
+                self._heard_at = asyncio.get_running_loop().time()
+                message, self._violation = _checked(data, self._streams)
+                if self._violation is not None:
+                    # Nothing more it says is believed: every waiter is told what it sent now,
+                    # not after a close handshake such a server may never finish.
+                    self._closing = asyncio.ensure_future(self.ws.close(1002, "protocol error"))
+                    break
                 target = message.get("id")
                 if target in self._requests:
                     future = self._requests.pop(target)
@@ -331,14 +388,89 @@ class Client:
             lost = {"type": "error", "code": "connection_lost", "retryable": code in RECONNECT_CLOSE_CODES,
                     "message": f"connection closed ({code} {self.ws.close_reason or ''})".rstrip(),
                     "close_code": code}
+            if self._violation is not None:
+                lost = {"type": "error", "code": ProtocolViolation.code, "retryable": False,
+                        "message": self._violation}
             for stream in self._streams.values():
                 stream._deliver({**lost, "id": stream.id})
             for future in self._requests.values():
                 if not future.done():
-                    future.set_exception(ConnectionLost(lost["message"], retryable=lost["retryable"], close_code=code))
+                    future.set_exception(error_from(lost))
 
 
 ERRORS["connection_lost"] = ConnectionLost
+ERRORS[ProtocolViolation.code] = ProtocolViolation
+ERRORS[ServerSilent.code] = ServerSilent
+
+
+def _checked(data: Any, streams: dict[str, Stream]) -> tuple[Any, str | None]:
+    """A frame's message, and what in it protocol v1 forbids, if anything (the numbers a client
+    computes with: times, sample rates, audio), said as what the server sent."""
+    try:
+        message = wire.decode(data) if isinstance(data, bytes) else None
+    except Exception:  # noqa: BLE001 - whatever msgpack makes of garbage
+        message = None
+    if not isinstance(message, dict) or not isinstance(message.get("type"), str):
+        return None, f"the server sent a frame that is no protocol v1 message: {data!r:.60}"
+    stream = streams.get(message.get("id")) if isinstance(message.get("id"), str) else None
+    if stream is None:
+        return message, None
+    kind = message["type"]
+    problem = None
+    if kind == "start":
+        rate = message.get("sample_rate")
+        if not _int(rate) or not SAMPLE_RATES[0] <= rate <= SAMPLE_RATES[1]:
+            problem = "a sample rate of %r Hz, outside the protocol's %d-%d" % (rate, *SAMPLE_RATES)
+    elif kind == "chunk":
+        if not isinstance(message.get("audio", b""), bytes) or not all(
+                isinstance(p, bytes) for p in message.get("packets", ()) or ()):
+            problem = "audio that is not bytes"
+    elif kind == "segment":
+        before = stream.segments[-1]["start_s"] if stream.segments else 0.0
+        text = message.get("text")
+        problem = _times_problem(message, before) if isinstance(text, str) else f"a text of {text!r:.40}"
+    elif kind == "words":
+        words = message.get("words")
+        if not isinstance(words, list):
+            problem = f"words of {words!r:.40}"
+        else:
+            before = stream.words[-1]["start_s"] if stream.words else 0.0
+            for word in words:
+                problem = (None if isinstance(word, dict) and isinstance(word.get("word"), str)
+                           else f"a word of {word!r:.40}") or _times_problem(word, before)
+                if problem:
+                    break
+                before = word["start_s"]
+    elif kind == "end" and "audio_s" in message:
+        audio_s = message["audio_s"]
+        if not _seconds(audio_s):
+            problem = f"audio_s {audio_s!r}, not a time in seconds (finite, at least 0)"
+    if problem is None:
+        return message, None
+    return message, f"the server's {kind} for stream {stream.id} has {problem}"
+
+
+def _int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _seconds(value: Any) -> bool:
+    """A time in seconds: a finite number, at least 0."""
+    return (_int(value) or isinstance(value, float)) and math.isfinite(value) and value >= 0
+
+
+def _times_problem(item: dict[str, Any], not_before: float) -> str | None:
+    """What is wrong with an item's `start_s` and `end_s` (a segment's, a word's), if anything:
+    each a time in seconds, the start not after the end nor before the previous item's start."""
+    start, end = item.get("start_s"), item.get("end_s")
+    for name, value in (("start_s", start), ("end_s", end)):
+        if not _seconds(value):
+            return f"{name} {value!r}, not a time in seconds (finite, at least 0)"
+    if start > end:
+        return f"start_s {start!r} after its end_s {end!r}"
+    if start < not_before:
+        return f"start_s {start!r} before the previous one's {not_before!r}"
+    return None
 
 
 # Close codes (and handshake statuses) that mean "this server cannot serve you now: connect
@@ -376,14 +508,17 @@ class connect:
     Behind a balancer each try may land elsewhere."""
 
     def __init__(self, url: str = "ws://127.0.0.1:8765/v1/stream", *, token: str | None = None,
-                 retries: int = 0, retry_wait: float = 0.2, **kwargs: Any) -> None:
+                 retries: int = 0, retry_wait: float = 0.2,
+                 silence_timeout_s: float | None = SILENCE_TIMEOUT_S, **kwargs: Any) -> None:
         self._url, self._token, self._kwargs = url, token, kwargs
         self._retries, self._retry_wait = retries, retry_wait
+        self._silence_timeout_s = silence_timeout_s
         self.client: Client | None = None
 
     async def __aenter__(self) -> Client:
         self.client = await open_client(self._url, token=self._token, retries=self._retries,
-                                        retry_wait=self._retry_wait, **self._kwargs)
+                                        retry_wait=self._retry_wait,
+                                        silence_timeout_s=self._silence_timeout_s, **self._kwargs)
         return self.client
 
     async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
@@ -393,9 +528,14 @@ class connect:
 
 
 async def open_client(url: str = "ws://127.0.0.1:8765/v1/stream", *, token: str | None = None,
-                      retries: int = 0, retry_wait: float = 0.2, **kwargs: Any) -> Client:
+                      retries: int = 0, retry_wait: float = 0.2,
+                      silence_timeout_s: float | None = SILENCE_TIMEOUT_S, **kwargs: Any) -> Client:
     """A connected client to keep (a connection pool's); `await client.close()` when done.
-    `retries` and `retry_wait` as for `connect`."""
+    `retries` and `retry_wait` as for `connect`; `silence_timeout_s`: how long the server may say
+    nothing while the client waits on it (the handshake, its `hello`, a reply, a stream's next
+    message) before ServerSilent (None: for ever)."""
+    if silence_timeout_s is not None:
+        kwargs.setdefault("open_timeout", silence_timeout_s)
     headers = dict(kwargs.pop("additional_headers", {}) or {})
     if token:
         headers["Authorization"] = f"Bearer {token}"
@@ -413,7 +553,7 @@ async def open_client(url: str = "ws://127.0.0.1:8765/v1/stream", *, token: str 
                 raise
         else:
             try:
-                return await _greeted(ws)
+                return await _greeted(ws, silence_timeout_s)
             except ConnectionClosed as exc:
                 code = exc.rcvd.code if exc.rcvd else 1006
                 if code not in RECONNECT_CLOSE_CODES or attempt == retries:
@@ -427,12 +567,20 @@ async def open_client(url: str = "ws://127.0.0.1:8765/v1/stream", *, token: str 
     raise AssertionError("unreachable")
 
 
-async def _greeted(ws: ClientConnection) -> Client:
+async def _greeted(ws: ClientConnection, silence_timeout_s: float | None = SILENCE_TIMEOUT_S) -> Client:
     """The server speaks first: its `hello`."""
-    hello = wire.decode(await ws.recv())
+    try:
+        data = await asyncio.wait_for(ws.recv(), silence_timeout_s)
+    except asyncio.TimeoutError:
+        raise ServerSilent(f"the server accepted the connection and said nothing for {silence_timeout_s:g} s "
+                           "(no hello)") from None
+    try:
+        hello = wire.decode(data) if isinstance(data, bytes) else data
+    except Exception:  # noqa: BLE001 - whatever msgpack makes of garbage
+        hello = data
     if not isinstance(hello, dict) or hello.get("type") != "hello":
-        raise VoxError(f"expected the server's hello, got {hello!r:.80}")
-    return Client(ws, hello)
+        raise ProtocolViolation(f"expected the server's hello, got {hello!r:.80}")
+    return Client(ws, hello, silence_timeout_s)
 
 
 async def speak(url: str, text: str, *, token: str | None = None, retries: int = 3, retry_wait: float = 0.2,

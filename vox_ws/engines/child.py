@@ -10,10 +10,12 @@ from __future__ import annotations
 import logging
 import os
 import pickle
+import select
 import signal
 import socket
 import subprocess
 import sys
+import time
 from multiprocessing.connection import Connection
 from typing import Any, Callable, Iterator
 
@@ -50,17 +52,54 @@ def messages(conn: Connection) -> Iterator[tuple]:
         yield message
 
 
-def stop_child(proc: subprocess.Popen, conn: Connection, timeout: float = 5.0) -> None:
-    """Ask the child to stop, kill it if it does not, and close the connection."""
-    try:
-        send(conn, ("stop",))
-    except OSError:
-        pass
-    try:
-        proc.wait(timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
+# How long a helper process has to end when it is stopped (asked, or sent SIGTERM) before it is
+# killed, unless the server's shutdown has less left (`grace_until`).
+STOP_GRACE_S = 5.0
+
+
+def grace_until(deadline: float | None, most: float = STOP_GRACE_S) -> float:
+    """Seconds a helper process may take to end: `most`, or what is left until `deadline` (a
+    `time.monotonic()` instant: the end of the server's shutdown) where that is sooner; never
+    below 0."""
+    if deadline is None:
+        return most
+    return max(0.0, min(most, deadline - time.monotonic()))
+
+
+def end_process(proc: subprocess.Popen, grace_s: float, ask: Callable[[], None] | None = None) -> None:
+    """End a helper process within `grace_s` seconds: asked (`ask`, else SIGTERM) and continued
+    (SIGCONT: a stopped process acts on nothing, a SIGTERM included, until it is continued), then
+    killed once the grace runs out, at once where there is none. It is gone (reaped) on return."""
+    if proc.poll() is not None:
+        return
+    if grace_s > 0:
+        if ask is not None:
+            ask()
+        else:
+            proc.terminate()
+        proc.send_signal(signal.SIGCONT)
+        try:
+            proc.wait(grace_s)
+            return
+        except subprocess.TimeoutExpired:
+            log.warning("process %d did not end within %.1f s: killed", proc.pid, grace_s)
+    proc.kill()
+    proc.wait()
+
+
+def stop_child(proc: subprocess.Popen, conn: Connection, grace_s: float = STOP_GRACE_S) -> None:
+    """Ask the child to stop, kill it if it has not within `grace_s`, and close the connection."""
+
+    def ask() -> None:
+        # Only where the message fits: a child that reads nothing (stopped, stuck) with its
+        # socket's buffer full would hold this thread on the send, past any grace.
+        if select.select([], [conn.fileno()], [], 0)[1]:
+            try:
+                send(conn, ("stop",))
+            except OSError:
+                pass
+
+    end_process(proc, grace_s, ask)
     conn.close()
 
 
@@ -140,9 +179,10 @@ class Worker:
         """Start again after a crash (subclasses: with their own `init`)."""
         raise NotImplementedError
 
-    def close(self) -> None:
+    def close(self, deadline: float | None = None) -> None:
+        """Stop the process: within STOP_GRACE_S, or by `deadline` (`time.monotonic()`) if sooner."""
         if self._proc is not None:
-            stop_child(self._proc, self._conn)
+            stop_child(self._proc, self._conn, grace_until(deadline))
             self._proc = self._conn = None
 
     def _receive(self, timeout: float, doing: str) -> tuple[str, Any]:

@@ -87,19 +87,31 @@ class PiperEngine(Engine):
         self.voice_files = voices or voice_set([])
         # Each voice's language, in the order served (the default's first), once each.
         self.languages = tuple(dict.fromkeys(v.language for v in self.voice_files if v.language))
+        self.left_out: dict[str, str] = {}      # voices whose model could not be loaded: name -> why
         self._worker: PiperWorker | None = None
         self.voices = _PiperVoices(self)
         self.text = _PiperText(self)
 
     def load(self) -> None:
-        self._worker = PiperWorker(self._threads, [(v.model_path, v.config_path) for v in self.voice_files])
+        self._worker = PiperWorker(self._threads, self.voice_files)
         self._worker.start()
         self.sample_rate = self._worker.sample_rate
         self.word_timings = self.phoneme_timings = self._worker.word_timings
+        # A folder's voice whose model could not be loaded (a truncated copy, a Git LFS pointer)
+        # is left out, as wyoming-piper skips it: the others are served, numbered as the worker
+        # numbers them, and a request for it is refused saying why.
+        for number, why in self._worker.left_out.items():
+            name = self.voice_files[number].name
+            log.error("--piper-voices-dir: piper voice %r: %s: left out", name, why)
+            self.left_out[name] = why
+        if self._worker.left_out:
+            self.voice_files = [v for n, v in enumerate(self.voice_files) if n not in self._worker.left_out]
+            self.languages = tuple(dict.fromkeys(v.language for v in self.voice_files if v.language))
+            self.text.phonemes = self.text.phonemes_of(self.voice_files)
 
-    def close(self) -> None:
+    def close(self, deadline: float | None = None) -> None:
         if self._worker is not None:
-            self._worker.close()
+            self._worker.close(deadline)
 
     @property
     def worker_pid(self) -> int | None:
@@ -181,9 +193,9 @@ class PiperEngine(Engine):
 class _PiperVoices(Voices):
     """The voices served (`--piper-voice`), by name; none is cloned."""
 
-    def __init__(self, engine: PiperEngine) -> None:
-        super().__init__(engine)
-        self.files = engine.voice_files
+    @property
+    def files(self) -> list[PiperVoiceFile]:
+        return self.engine.voice_files          # those the load left out are gone from it
 
     def names(self) -> list[str]:
         """Each voice, and each speaker of a voice with several as `voice:speaker`."""
@@ -213,14 +225,24 @@ class _PiperVoices(Voices):
     def speakers(self, voice: str) -> tuple[str, ...]:
         return next((v.speakers for v in self.files if v.name == voice), ())
 
+    def check(self, voice: str | None) -> None:
+        left_out = self.engine.left_out.get((voice or "").partition(":")[0])
+        if left_out is not None:
+            raise Refused(ErrorKind.INVALID, f"voice {voice!r} is not served: {left_out}", field="voice")
+        super().check(voice)
+
 
 class _PiperText(TextRules):
     """Texts as written; IPA pronunciations only in phonemes every voice served can say."""
 
     def __init__(self, engine: PiperEngine) -> None:
         super().__init__(engine)
-        # The IPA every voice can say (a pronunciation applies to whichever voice a stream uses).
-        self.phonemes = frozenset.intersection(*(_voice_phonemes(v.config_path) for v in engine.voice_files))
+        self.phonemes = self.phonemes_of(engine.voice_files)
+
+    @staticmethod
+    def phonemes_of(voices: list[PiperVoiceFile]) -> frozenset[str]:
+        """The IPA every voice can say (a pronunciation applies to whichever voice a stream uses)."""
+        return frozenset.intersection(*(voice.phonemes for voice in voices))
 
     def check_pronunciation(self, item: Any) -> None:
         if item.ipa is None:
@@ -230,13 +252,20 @@ class _PiperText(TextRules):
             raise Refused(ErrorKind.INVALID, f"pronunciation {item.match!r}: /{item.ipa}/ has phonemes this voice "
                                              f"does not speak: {' '.join(unknown)}")
 
+    def added_silence_s(self, text: str, options: dict[str, Any], voice: str | None = None,
+                        language: str | None = None) -> float:
+        """`sentence_silence` after each segment `prefill` cuts the text into (at most `max_len`
+        of them): 1.4 ms for 500 sentences here, cheap enough for the event loop."""
+        silence = options.get("sentence_silence") or 0.0
+        if not silence:
+            return 0.0
+        languages = self.engine.voices.languages(voice)
+        segments = len(segment(text, language=language or (languages[0] if languages else None)))
+        cap = options.get("max_len")
+        return silence * (segments if cap is None else min(segments, cap))
 
-def _voice_phonemes(config_path: str) -> frozenset[str]:
-    """The phonemes (IPA) a voice speaks, from its configuration."""
-    import json
-
-    with open(config_path, encoding="utf-8") as f:
-        return frozenset(json.load(f)["phoneme_id_map"])
+    def slowing(self, options: dict[str, Any]) -> float:
+        return options.get("length_scale") or 1.0
 
 
 def _said(text: str, lexicon: Any) -> list[Said]:

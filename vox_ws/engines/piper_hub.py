@@ -4,8 +4,10 @@
 A voice's name says where it is: `LANG_REGION-DATASET-QUALITY` lies at
 `LANG/LANG_REGION/DATASET/QUALITY/NAME.onnx`, its config beside it (`NAME.onnx.json`). Both are
 fetched by huggingface_hub (resumable, a progress bar, `HF_ENDPOINT` for a mirror, `HF_TOKEN`)
-into its cache, then placed in the voices folder (`DEFAULT_VOICES_DIR`, or `--dir`) under the
-voice's name, where the server serves every voice by its file's name.
+into its cache, checked (its config read as the server reads it, within its bound; its model not
+plainly something else: `piper_voices`), and only then placed in the voices folder
+(`DEFAULT_VOICES_DIR`, or `--dir`) under the voice's name, where the server serves every voice
+by its file's name: a voice refused leaves nothing there.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ import os
 import re
 import shutil
 from pathlib import Path
+
+from .piper_voices import UnreadableVoiceConfig, UnusableVoiceModel, check_model, read_voice
 
 PIPER_VOICES_REPO = "rhasspy/piper-voices"
 # Where pulled voices go, and what the server serves by default when it exists.
@@ -39,18 +43,30 @@ def default_voices_dir() -> Path | None:
     return folder if folder.is_dir() else None
 
 
+class VoiceRefused(ValueError):
+    """A voice fetched that is no voice the server could serve (its config unreadable or over
+    its bound, its model plainly none); nothing of it was placed."""
+
+
 def pull_voice(name: str, directory: str | None = None, revision: str | None = None) -> Path:
-    """Fetch a voice into the voices folder; returns its model's path there."""
+    """Fetch a voice into the voices folder; returns its model's path there. VoiceRefused for
+    one the server could not serve: the folder is left as it was."""
     from huggingface_hub import hf_hub_download
 
     model_file, config_file = files_of(name)
+    try:
+        # The config first: one refused costs no model's download.
+        config = Path(hf_hub_download(PIPER_VOICES_REPO, config_file, revision=revision))
+        read_voice(name, model_file, str(config))
+        model = Path(hf_hub_download(PIPER_VOICES_REPO, model_file, revision=revision))
+        check_model(name, str(model))
+    except (UnreadableVoiceConfig, UnusableVoiceModel) as exc:
+        raise VoiceRefused(f"{exc}; nothing was placed") from None
     target = Path(directory or DEFAULT_VOICES_DIR).expanduser()
     target.mkdir(parents=True, exist_ok=True)
-    placed = []
-    for remote, local in ((config_file, f"{name}.onnx.json"), (model_file, f"{name}.onnx")):
-        cached = Path(hf_hub_download(PIPER_VOICES_REPO, remote, revision=revision))
-        placed.append(_place(cached, target / local))
-    return placed[-1]
+    # The config first: the model's name is what makes the folder serve a voice.
+    _place(config, target / f"{name}.onnx.json")
+    return _place(model, target / f"{name}.onnx")
 
 
 def _place(cached: Path, path: Path) -> Path:

@@ -8,22 +8,50 @@ format is fixed at its start), so a voice at another rate than the default's is 
 
 `--piper-voices-dir DIR` serves every voice in a folder (wyoming-piper's `--data-dir`): each
 `*.onnx` with its config beside it, named after its file. One that cannot be served (another
-rate, no config, a name taken) is left out with a log line, and the others are served; a
-`--piper-voice NAME` then names one of them by its name alone.
+rate, no config, a name taken, a config that cannot be read) is left out with a log line
+naming its file, and the others are served; a `--piper-voice NAME` then names one of them by its
+name alone. A folder voice whose model cannot be loaded is left out by the engine at load
+(`PiperEngine.load`), for the same reason: one bad file costs only itself.
+
+A config is read once, here, within `MAX_CONFIG_BYTES` (regular files only: a FIFO is refused,
+not waited on), parsed and checked; the parsed config travels with the voice (`config`) to
+everything that needs it (the engine's phoneme set, the worker's load).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 import re
-from dataclasses import dataclass
+import stat
+from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
+
+from ..files import FileTooLarge, read_regular_file
 
 log = logging.getLogger("vox_ws.engine")
 
 DEFAULT_VOICE = "joe"
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+# A voice's config is read whole and parsed: real ones are 5 KB (the bundled joe's: 4.8 KB) to
+# some tens of KB (a multi-speaker voice's speaker_id_map); over this is no voice's config. A
+# 210 MB one was read whole three times (400 MB more at the start's peak).
+MAX_CONFIG_BYTES = 1 << 20
+# A voice's model is read whole by the worker: Piper's are 20 MB (x_low) to about 120 MB (high;
+# the bundled medium joe is 63 MB). Past this no Piper voice, and no file to hold in memory.
+MAX_MODEL_BYTES = 512 << 20
+# What a clone of the voices repository without git-lfs holds in each model's place.
+_LFS_POINTER = b"version https://git-lfs"
+
+
+class UnreadableVoiceConfig(ValueError):
+    """A voice's config that cannot be read, parsed or used; the message names the file."""
+
+
+class UnusableVoiceModel(ValueError):
+    """A voice's model that is plainly none (`check_model`); the message names the file."""
 
 
 @dataclass(frozen=True)
@@ -34,6 +62,16 @@ class PiperVoiceFile:
     language: str            # the config's `language.code` (e.g. en_US); "" where it has none
     sample_rate: int
     speakers: tuple[str, ...] = ()     # a multi-speaker voice's, in id order (`speaker_id_map`)
+    # The parsed config, read once (`read_config`): the worker loads the voice from it.
+    config: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+    # Named by the operator (the default, a --piper-voice): one whose model cannot be loaded
+    # fails the load, naming it. A folder's (False) is left out instead.
+    required: bool = True
+
+    @property
+    def phonemes(self) -> frozenset[str]:
+        """The phonemes (IPA) the voice speaks."""
+        return frozenset(self.config["phoneme_id_map"])
 
     def speaker_id(self, speaker: str) -> int | None:
         return self.speakers.index(speaker) if speaker in self.speakers else None
@@ -58,30 +96,87 @@ def voice_from_spec(spec: str) -> PiperVoiceFile:
     name, path = parse_voice_spec(spec.strip())
     model = Path(path).expanduser()
     if not model.is_file():
-        raise ValueError(f"piper voice {spec!r}: no such file {str(model)!r}")
-    config = next((c for c in (model.with_name(model.name + ".json"), model.with_suffix(".json")) if c.is_file()),
-                  None)
+        what = "not a regular file" if model.exists() else "no such file"
+        raise ValueError(f"piper voice {spec!r}: {what} {str(model)!r}")
+    # The first that exists, a FIFO or a folder included: read_config says what it is.
+    beside = (model.with_name(model.name + ".json"), model.with_suffix(".json"))
+    config = next((c for c in beside if c.exists()), None)
     if config is None:
         raise ValueError(f"piper voice {spec!r}: its config ({model.name}.json) is not beside it")
     name = name or model.stem
     if not _NAME.fullmatch(name):
         raise ValueError(f"piper voice {spec!r}: name {name!r} must be 1-64 letters, digits, '_', '.' or '-'")
+    check_model(name, str(model))
     return read_voice(name, str(model), str(config))
+
+
+def model_problem(size: int, head: bytes) -> str | None:
+    """What makes a model file (its size and first bytes) no model, at a glance; None: it may
+    be one (only loading it tells: `piper_worker`)."""
+    if size == 0:
+        return "an empty file"
+    if size > MAX_MODEL_BYTES:
+        return f"over {MAX_MODEL_BYTES} bytes"
+    if head.startswith(_LFS_POINTER):
+        return "a Git LFS pointer, not the model (fetch it: git lfs pull)"
+    return None
+
+
+def check_model(name: str, path: str) -> None:
+    """Refuse (UnusableVoiceModel, naming the file) a model that is plainly none: empty, too large, a Git
+    LFS pointer, not a regular file. A truncated or foreign one is found by the worker's load."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)          # a FIFO is not waited on
+        with os.fdopen(fd, "rb") as f:
+            info = os.fstat(f.fileno())
+            problem = ("not a regular file" if not stat.S_ISREG(info.st_mode)
+                       else model_problem(info.st_size, f.read(len(_LFS_POINTER))))
+    except OSError as exc:
+        problem = exc.strerror or str(exc)
+    if problem is not None:
+        raise UnusableVoiceModel(f"piper voice {name!r}: its model {path!r}: {problem}")
+
+
+def read_config(path: str) -> dict[str, Any]:
+    """A voice's config, parsed: read once, within MAX_CONFIG_BYTES, a regular file only;
+    UnreadableVoiceConfig naming the file and why otherwise."""
+    try:
+        data = read_regular_file(path, MAX_CONFIG_BYTES)
+        if len(data) > MAX_CONFIG_BYTES:                       # it grew after its size was read
+            raise FileTooLarge(0, f"over {MAX_CONFIG_BYTES} bytes")
+        config = json.loads(data.decode("utf-8"))
+    except RecursionError:
+        # json refuses nesting past the interpreter's recursion limit (about 1,000) with this:
+        # 200,000 nested arrays (130 KB) stopped every start. No real config nests past 3.
+        raise UnreadableVoiceConfig(f"unreadable config {path!r}: nested too deeply") from None
+    except OSError as exc:
+        raise UnreadableVoiceConfig(f"unreadable config {path!r}: {exc.strerror or exc}") from None
+    except ValueError as exc:                                  # not UTF-8, not JSON
+        raise UnreadableVoiceConfig(f"unreadable config {path!r}: {exc}") from None
+    if not isinstance(config, dict):
+        raise UnreadableVoiceConfig(f"unreadable config {path!r}: not a JSON object")
+    return config
 
 
 def read_voice(name: str, model_path: str, config_path: str) -> PiperVoiceFile:
     try:
-        with open(config_path, encoding="utf-8") as f:
-            config = json.load(f)
+        config = read_config(config_path)
+    except UnreadableVoiceConfig as exc:
+        raise UnreadableVoiceConfig(f"piper voice {name!r}: {exc}") from None
+    try:
+        config["num_symbols"], config["num_speakers"], config["espeak"]["voice"]   # as Piper's loader needs
         rate = int(config["audio"]["sample_rate"])
         language = str((config.get("language") or {}).get("code") or "")
+        if not isinstance(config["phoneme_id_map"], dict):
+            raise ValueError("its phoneme_id_map is not a table")
         ids = config.get("speaker_id_map") or {} if int(config.get("num_speakers") or 1) > 1 else {}
         speakers = tuple(str(speaker) for speaker, _ in sorted(ids.items(), key=lambda item: int(item[1])))
         if speakers and [int(number) for number in sorted(ids.values())] != list(range(len(speakers))):
             raise ValueError("its speaker_id_map does not number its speakers 0, 1, 2, ...")
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise ValueError(f"piper voice {name!r}: unreadable config {config_path!r}: {exc}") from None
-    return PiperVoiceFile(name, model_path, config_path, language, rate, speakers)
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise UnreadableVoiceConfig(f"piper voice {name!r}: unusable config {config_path!r}: "
+                                    f"{type(exc).__name__}: {exc}") from None
+    return PiperVoiceFile(name, model_path, config_path, language, rate, speakers, config)
 
 
 def voice_set(specs: list[str], directory: str | None = None) -> list[PiperVoiceFile]:
@@ -99,7 +194,7 @@ def voice_set(specs: list[str], directory: str | None = None) -> list[PiperVoice
         _add(voices, voice_from_spec(f"{spec}={named}" if named is not None else spec), spec)
     for name, model in folder.items():
         try:
-            _add(voices, voice_from_spec(f"{name}={model}"), str(model))
+            _add(voices, replace(voice_from_spec(f"{name}={model}"), required=False), str(model))
         except ValueError as exc:
             log.error("--piper-voices-dir: %s: left out", exc)
     return voices

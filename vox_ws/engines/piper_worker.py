@@ -7,8 +7,10 @@ spoken (`WorkerCrashed`, a plain exception: the engine loop answers that stream 
 and starts a new worker for the next one.
 
     engine thread                          worker (python -m vox_ws.engines.piper_worker FD)
-    start()            ── init(threads) ──────▶   load the voice, speak "Ready." once
-                       ◀── ready(rate) ───────
+    start()            ── init(threads, ──────▶   load each voice, speak "Ready." once in it
+                          voices)
+                       ◀── ready(rate, ───────    a voice whose model fails is left out (one
+                          left out)               the operator named fails the start, naming it)
     phonemize(text)    ── phonemize(text) ────▶   espeak-ng: text to phonemes, cut in pieces,
                        ◀── words, pieces ─────    each phoneme marked with its text word
     speak(phonemes)    ── speak(phonemes) ────▶   run the VITS model on one piece
@@ -26,8 +28,10 @@ from typing import Any, Callable
 
 import numpy as np
 
-from .child import Worker, WorkerCrashed, serve_worker
+from ..files import read_regular_file
 from ..text import text_words
+from .child import Worker, WorkerCrashed, serve_worker
+from .piper_voices import MAX_MODEL_BYTES, PiperVoiceFile, model_problem
 from .piper_words import NO_WORD, phoneme_samples, word_owners
 
 __all__ = ["MAX_PHONEMES", "Piece", "PiperWorker", "WorkerCrashed"]
@@ -54,22 +58,30 @@ LOAD_TIMEOUT_S = 120.0
 class PiperWorker(Worker):
     """The engine thread's handle on the worker. Not thread-safe: the engine thread alone uses it."""
 
-    def __init__(self, threads: int, voices: list[tuple[str, str]]) -> None:
+    def __init__(self, threads: int, voices: list[PiperVoiceFile]) -> None:
         super().__init__(WORKER_MODULE, "Piper worker", threads)
-        self.voices = voices               # (model path, config path) of each voice, by index
+        # What the worker loads each voice from: its name, model path and parsed config (read
+        # once, by piper_voices), and whether a model that cannot be loaded fails the start.
+        self.voices = [(v.name, v.model_path, v.config, v.required) for v in voices]
         self.sample_rate = 0
         self.word_timings = False          # the model's durations are available (the onnx package)
         self.speed = 0.0                   # seconds of speech per second of work, measured at start
+        self.left_out: dict[int, str] = {}  # the first start's: voice number -> why its model failed
 
     def start(self) -> None:  # type: ignore[override]
         # The speed is measured by the first worker only: a restart after a crash is not slowed
         # by it, and the slot count it set stays as it is.
         measure = self.speed == 0.0
-        rate, self.word_timings, speed = super().start(("init", self.threads, measure, self.voices),
-                                                      LOAD_TIMEOUT_S)
+        rate, self.word_timings, speed, left_out = super().start(("init", self.threads, measure, self.voices),
+                                                                LOAD_TIMEOUT_S)
         self.sample_rate = int(rate)
         if measure:
             self.speed = speed
+            self.left_out = left_out
+            # The engine serves the others, numbered as the worker numbers them: a restart loads
+            # those alone, each required (a voice lost then must not renumber the others).
+            self.voices = [(name, model, config, True) for number, (name, model, config, _)
+                           in enumerate(self.voices) if number not in left_out]
 
     def restart(self) -> None:
         self.start()
@@ -92,9 +104,7 @@ class PiperWorker(Worker):
 # ---------------------------------------------------------------------------- the worker
 
 
-def _load(threads: int, model_path: str, config_path: str):
-    import json
-
+def _load(threads: int, model_path: str, config: dict):
     import onnxruntime
     from piper import PiperVoice
     from piper.config import PiperConfig
@@ -103,22 +113,33 @@ def _load(threads: int, model_path: str, config_path: str):
     # One intra-op thread was as fast as two for this voice and leaves a core for the server.
     options.intra_op_num_threads = threads
     options.inter_op_num_threads = 1
-    with open(config_path, encoding="utf-8") as f:
-        config = PiperConfig.from_dict(json.load(f))
+    config = PiperConfig.from_dict(config)
     model, aligned = _model_with_durations(model_path)
     session = onnxruntime.InferenceSession(model, sess_options=options, providers=["CPUExecutionProvider"])
     return PiperVoice(session=session, config=config), int(config.sample_rate), aligned
 
 
-def _model_with_durations(path: str) -> tuple[str | bytes, bool]:
+def _read_model(path: str) -> bytes:
+    """A model's bytes: a regular file (a FIFO is refused, not waited on), within MAX_MODEL_BYTES,
+    not plainly something else (`model_problem`)."""
+    data = read_regular_file(path, MAX_MODEL_BYTES)
+    problem = model_problem(len(data), data[:64])
+    if problem is not None:
+        raise ValueError(problem)
+    return data
+
+
+def _model_with_durations(path: str) -> tuple[bytes, bool]:
     """The voice's ONNX model with its phoneme durations as a second output (patched in memory
     by piper-tts's own tool), or the model as it is where the onnx package is missing."""
     try:
         import onnx
         from piper.patch_voice_with_alignment import add_alignment_output
     except ImportError:
-        return path, False
-    model = onnx.load(path)
+        return _read_model(path), False
+    data = _read_model(path)
+    model = onnx.load_model_from_string(data)
+    del data                     # the file's bytes are not held while the model is written out again
     try:
         add_alignment_output(model)
     except ValueError:           # already patched
@@ -215,23 +236,49 @@ def speak(voice, phonemes: list[str], aligned: bool, scales: tuple = (None, None
 SPEED_SAMPLE = "The quick brown fox jumps over the lazy dog, and then it runs back home again."
 
 
-def _start(init: tuple) -> tuple[tuple[int, bool, float], Callable[[str, Any], tuple]]:
+def _start(init: tuple) -> tuple[tuple[int, bool, float, dict[int, str]], Callable[[str, Any], tuple]]:
+    """Load every voice: one whose model cannot be loaded (and spoken: a model that parses but
+    takes no phonemes) is left out, and said why in `left_out`, unless it is required; then the
+    start fails naming its file. Each is loaded now, not at first use: a load takes a second
+    or more, and a stream's first audio (and every other stream's) would wait on it."""
     _, threads, measure, files = init
-    loaded = [_load(threads, model, config) for model, config in files]
-    for voice, _, aligned in loaded:
-        for phonemes, _ in phonemize(voice, "Ready.")[1]:     # warm the phonemizer and the ONNX graph
-            speak(voice, phonemes, aligned)
-    voice, rate, aligned = loaded[0]
+    loaded, left_out = {}, {}
+
+    def failed(number: int, exc: Exception) -> None:
+        name, model, _, required = files[number]
+        why = f"its model {model!r} cannot be loaded ({type(exc).__name__}: {exc})"
+        if required:
+            raise RuntimeError(f"voice {name!r}: {why}") from None
+        left_out[number] = why
+
+    # Every voice loaded, then each warmed: loading one beside another's warmed buffers put
+    # 16 MB more on the worker's peak (476 MB against 460 with two voices).
+    for number, (_, model, config, _) in enumerate(files):
+        try:
+            loaded[number] = _load(threads, model, config)
+        except Exception as exc:  # noqa: BLE001 - a foreign or broken file fails in any of its ways
+            failed(number, exc)
+    for number, (voice, _, aligned) in list(loaded.items()):
+        try:
+            for phonemes, _ in phonemize(voice, "Ready.")[1]:     # warm the phonemizer and the ONNX graph
+                speak(voice, phonemes, aligned)
+        except Exception as exc:  # noqa: BLE001 - a model that loads but takes no phonemes
+            del loaded[number]
+            failed(number, exc)
+    served = list(loaded.values())               # numbered as the engine numbers the voices it serves
+    if not served:
+        raise RuntimeError("no voice could be loaded: " + "; ".join(left_out.values()))
+    voice, rate, aligned = served[0]
     speed = _measure_speed(voice, rate, aligned) if measure else 0.0
 
     def handle(kind: str, payload: Any) -> tuple:
         number, *rest = payload
-        voice, _, aligned = loaded[number]
+        voice, _, aligned = served[number]
         if kind == "phonemize":
             return ("pieces", phonemize(voice, *rest))
         audio, alignment = speak(voice, rest[0], aligned, *rest[1:])
         return ("audio", (audio.tobytes(), alignment))
-    return (rate, aligned, speed), handle
+    return (rate, aligned, speed, left_out), handle
 
 
 def _measure_speed(voice: Any, rate: int, aligned: bool) -> float:

@@ -16,6 +16,7 @@ engine loop answers (status, stats, readiness) for the whole set.
 from __future__ import annotations
 
 import threading
+import time
 from collections import Counter
 from concurrent.futures import Future
 from typing import Any, Callable
@@ -102,8 +103,13 @@ class Devices:
         self._waiter.start()
 
     def stop(self, timeout: float = 5.0) -> None:
+        """Stop every loop and close its engine within `timeout` seconds, all at once: each
+        engine's helper processes have the same time to end, not what the one before left."""
+        deadline = time.monotonic() + timeout
         for loop in self.loops:
-            loop.stop(timeout)
+            loop.stop(deadline=deadline, wait=False)
+        for loop in self.loops:
+            loop.stop(deadline=deadline)
 
     def _wait_loaded(self) -> None:
         for loop in self.loops:

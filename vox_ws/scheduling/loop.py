@@ -121,6 +121,7 @@ class EngineLoop:
         self._inbox: deque[Message] = deque()
         self._step_seconds: float | None = None    # the last step's, for the stats at the next turn's lock
         self._stopping = False
+        self._close_by: float | None = None      # by when the engine closes (`stop`)
         self._thread = threading.Thread(target=self._run, name="vox-ws-engine-loop", daemon=True)
         # How the loop's thread makes the engine's device its own before anything else (a test
         # records it instead).
@@ -199,12 +200,18 @@ class EngineLoop:
                 "slot_hold_s": queue.get("slot_hold_s"),
             }
 
-    def stop(self, timeout: float = 5.0) -> None:
+    def stop(self, timeout: float = 5.0, *, deadline: float | None = None, wait: bool = True) -> None:
+        """Have the loop end after its turn and close its engine by `deadline` (`time.monotonic()`;
+        else `timeout` seconds from now): its helper processes still running then are killed
+        (`Engine.close`). With `wait`, until the loop's thread has ended or the deadline passed;
+        without, the caller stops several loops at once and waits for them after."""
+        deadline = time.monotonic() + timeout if deadline is None else deadline
         with self._cond:
+            self._close_by = deadline
             self._stopping = True
             self._cond.notify()
-        if self._thread.is_alive():
-            self._thread.join(timeout)
+        if wait and self._thread.is_alive():
+            self._thread.join(max(0.0, deadline - time.monotonic()))
 
     # ------------------------------------------------------------------ the loop's thread
 
@@ -237,7 +244,7 @@ class EngineLoop:
                           during_load=False)
         finally:
             try:
-                self.engine.close()
+                self.engine.close(self._close_by)
             except Exception:  # noqa: BLE001 - nothing is left to tell
                 log.exception("closing engine %s failed", self.engine.name)
 

@@ -10,6 +10,7 @@
     text_plan.py   TextPlan: what is still to be said, in which pieces, and what was (pure)
     stream_input.py  StreamInput: a stream's text input, its pause and its time-out
     segments.py  SegmentStarter: a segment's text cut, respelled, prepared; its engine request
+    silence.py   SilenceBudget: a stream's added silence (breaks, the engine's), one bound as heard
     record.py    StreamRecord: a stream's metrics, usage and log line
     sink.py      SegmentSink: a request's results on the engine thread, posted to the loop
     pacing.py    Pacing: events waiting for the consumer, back-pressure, the playback clock

@@ -144,6 +144,8 @@ class Generation:
         engine, the pieces continuing one another; off the loop when long. Returns the queue
         position (0 also while anything is still done off the loop)."""
         parts = None if text is None else [text] if isinstance(text, str) else text
+        if parts is not None:
+            self.segments.spend_silence(parts)      # refused before anything is queued
         if fetch is None and (parts is None or not self.segments.cuts_off_loop(parts)):
             # Said at once: a refusal of its first segment (a full queue, say) is the caller's.
             if parts is not None:
@@ -340,7 +342,11 @@ class Generation:
         self.ended_by = ended_by
         if ended_by is not None:
             self.record.ended(ended_by)
+        # No word is waited for any more: segments still in the aligner's queue leave it unaligned,
+        # the one in flight's too (it may have ended on the engine's thread already).
         self._aligning.clear()
+        if self._request is not None and isinstance(self._request.sink, SegmentSink):
+            self._request.sink.drop_alignment()
         self.input.stop()
         self.plan.stop()
         if self._work is not None and self._work is not asyncio.current_task():

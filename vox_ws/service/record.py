@@ -11,6 +11,7 @@ import time
 from typing import Any, Iterable
 
 from ..engine import EndReason, ErrorKind
+from ..logs import logged_voice, without_voice_ids
 from ..metrics import Metrics
 from .events import Ended, Failed, Produced
 from .request import StreamRequest, StreamSetup
@@ -23,9 +24,10 @@ class StreamRecord:
                  sample_rate: int) -> None:
         self._metrics = metrics
         self._owner = setup.owners[0] if setup.owners else "none"     # the broadest: its token or address
+        # A registered voice by its tag: its id is a capability (`logs.voice_tag`).
         self._line = {"event": "stream", "id": setup.number, **setup.log_fields, "engine": engine_name,
-                      "voice": request.voice, "format": request.output.format, "input": request.input_streaming,
-                      "sample_rate": sample_rate}
+                      "voice": logged_voice(request.voice), "format": request.output.format,
+                      "input": request.input_streaming, "sample_rate": sample_rate}
         self._language = request.language
         self.started_at = time.monotonic()
         self._first_at: float | None = None
@@ -63,8 +65,9 @@ class StreamRecord:
         stats = last.stats
         usage = stats.get("usage", {})
         self._metrics.count_usage(self._owner, characters, max(usage.get("audio_s", 0.0), 0.0))
-        outcome: dict[str, Any] = ({"reason": last.reason.value} if isinstance(last, Ended)
-                                   else {"error": last.kind.value, "error_message": last.message})
+        # A failure's message may name the voice it failed for: the client is told it, not the log.
+        outcome: dict[str, Any] = {"reason": last.reason.value} if isinstance(last, Ended) else \
+            {"error": last.kind.value, "error_message": without_voice_ids(last.message)}
         figures = {name: stats[name] for name in ("chunks", "audio_s", "ttfa_ms", "rtf") if name in stats}
         record = {**self._line, "segments": segments, "language": self._language, "text_chars": characters,
                   **outcome, **figures, **({"heard": stats["heard"]} if stats.get("heard") else {})}

@@ -12,6 +12,7 @@ from ..engine import Engine, ErrorKind, GenerationRequest, Refused
 from ..lexicon import respell
 from .markup import Part
 from .request import StreamRequest, StreamSetup
+from .silence import SilenceBudget
 from .sink import SegmentSink
 from .text_plan import Pause, TextPlan
 
@@ -46,6 +47,19 @@ class SegmentStarter:
         self._limits = limits
         self._written_chars = 0               # of the segments so far, as sent
         self._pronounced_chars = 0            # ... and with their pronunciations put in
+        self._silence = SilenceBudget(request.output.speed)
+
+    # ------------------------------------------------------------------ added silence
+
+    def spend_silence(self, parts: list[Part]) -> None:
+        """A one-shot text's breaks and the silence the engine adds to its texts, all counted
+        before anything is queued: Refused (TOO_LARGE) over the bound, as a whole."""
+        self._silence.spend(sum(p.seconds for p in parts if isinstance(p, Pause)),
+                            sum(self._engine_silence(p) for p in parts if isinstance(p, str)))
+
+    def _engine_silence(self, text: str) -> float:
+        request = self._request
+        return self._engine.text.added_silence_s(text, self._options, request.voice, request.language)
 
     # ------------------------------------------------------------------ cutting
 
@@ -133,6 +147,8 @@ class SegmentStarter:
         """The next segment's request, checked by the engine: the stream's instructions go with
         its first segment only (the others continue it, from `context`)."""
         request = self._request
+        if request.input_streaming:           # a one-shot text spent its silence before it began
+            self._silence.spend(engine_s=self._engine_silence(engine_text))
         first, continues = not plan.segments, plan.continues
         built = GenerationRequest(text=engine_text, sink=sink, voice=request.voice, voice_pin=self.voice_pin,
                                   lora_pin=lora_pin, options=dict(self._options), owners=self._owners,

@@ -32,7 +32,7 @@ from .markup import parse_ssml, wants_markup
 from .request import StreamRequest, StreamSetup
 from .stream import Stream
 from .validation import (MAX_SPEED, MIN_SPEED, check_instructions, check_language, check_length, check_output,
-                         check_text)
+                         check_slowing, check_text)
 from .voice_aliases import Alias
 from .voice_names import ResolvedVoice
 from .voice_store import ANY_OWNER, MemoryStore, StoreLimits, VoiceStore
@@ -88,14 +88,15 @@ class StreamService:
         self.mailbox = LoopMailbox(asyncio.get_running_loop())
         self._watchdog = asyncio.create_task(self._watch(), name="vox-ws-stream-watchdog")
 
-    async def close(self) -> None:
+    async def close(self, grace_s: float | None = None) -> None:
+        """Stop its helpers; the aligner's processes within `grace_s` seconds (None: no bound)."""
         if self._watchdog is not None:
             self._watchdog.cancel()
             await asyncio.gather(self._watchdog, return_exceptions=True)
         self._preparer.shutdown(wait=False, cancel_futures=True)
         self._splitter.shutdown(wait=False, cancel_futures=True)
         self.encoding.shutdown(wait=False, cancel_futures=True)
-        await asyncio.to_thread(self.word_timings.close)
+        await asyncio.to_thread(self.word_timings.close, grace_s)
         await self.voices.close()
 
     # ------------------------------------------------------------------ streams
@@ -176,6 +177,7 @@ class StreamService:
         if resolved.alias is not None:
             instructions = instructions or resolved.alias.instructions
             options = {**resolved.alias.options, **options}
+        check_slowing(output.speed, self.engine.text.slowing(options))
         if instructions is not None:
             check_text(instructions, "instructions")
             check_instructions(instructions)

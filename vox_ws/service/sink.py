@@ -19,6 +19,11 @@ segment's audio, and at its end hands it to the aligner's processes; their words
     finish(DONE) -> post RequestEnded ───────────────────────────────────────────────────▶
                  -> aligner.align(audio)
     an aligner process's answer -> post Aligned(words, or None where it failed) ─────────▶
+                                          drop_alignment() ◀── the stream no longer waits (its end,
+                                          a cancel, its client gone): a segment still queued is not aligned
+
+A segment the aligner has no room for (`AlignerBusy`: its queue is full) gets its words
+estimated at once, every one `estimated`, as the aligner gives a word it could not place.
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ from typing import Callable, Union
 
 import numpy as np
 
-from ..alignment.pool import SegmentRecording, WordAligner
+from ..alignment.pool import AlignerBusy, SegmentRecording, WordAligner, estimated_segment
 from ..engine import EndReason, ErrorKind
 from .events import Phoneme, Phonemes, Produced, Word, Words
 from .output import OutputStage
@@ -88,6 +93,9 @@ class SegmentSink:
         self._recording = SegmentRecording(output.engine_rate) if alignment is not None else None
         self._first_sample: int | None = None    # where the segment starts in the stream's audio
         self.aligning = False                    # its words are with the aligner (set before RequestEnded)
+        # Set on the loop, read on the engine's thread: the stream no longer waits for the words.
+        self._dropped = False
+        self._aligned_future: Future | None = None
 
     def deliver(self, pcm: np.ndarray, words: list[tuple[str, int, int]] | None = None,
                 phonemes: list[tuple[str, int, int]] | None = None) -> None:
@@ -134,18 +142,40 @@ class SegmentSink:
 
     # ------------------------------------------------------------------ the aligner's words
 
+    def drop_alignment(self) -> None:
+        """On the loop: the stream no longer waits for this segment's words. Still queued, the
+        segment leaves the aligner's queue unaligned; being aligned, its answer is let be."""
+        self._dropped = True
+        future = self._aligned_future
+        if future is not None:
+            future.cancel()
+
     def _align(self) -> None:
         alignment, recording = self._alignment, self._recording
         assert alignment is not None and recording is not None
+        if self._dropped:
+            return
+        audio = recording.take()
+        future: Future
         try:
-            future = alignment.aligner.align(recording.take(), alignment.written, alignment.spoken)
+            future = alignment.aligner.align(audio, alignment.written, alignment.spoken)
+        except AlignerBusy:
+            future = Future()
+            future.set_result(estimated_segment(audio, alignment.written))
         except Exception as exc:
             future = Future()
             future.set_exception(exc)
+        # Set before `_dropped` is read again, as the loop sets that before it reads this: one of
+        # the two sees the other, and the future is cancelled whichever came first.
+        self._aligned_future = future
+        if self._dropped:
+            future.cancel()
         future.add_done_callback(self._aligned)
 
     def _aligned(self, future: Future) -> None:
         """On the pool's thread: the words, or their loss, to the stream."""
+        if future.cancelled():                # dropped: no one waits for them
+            return
         try:
             timed = future.result()
         except BaseException as exc:          # the aligner failed, or was closed: words lost, never audio

@@ -58,6 +58,17 @@ def check_output(speed: float, lookahead_s: float | None, volume: float = 1.0) -
                                          f"{MAX_LOOKAHEAD_S:g}], got {lookahead_s:g}", field="lookahead_s")
 
 
+def check_slowing(speed: float, slowing: float) -> None:
+    """The output's `speed` and the engine's own slowing (`TextRules.slowing`: Piper's
+    `length_scale`) compound: 0.25 and 4 made speech 16 times slower, 330 characters 497 s of
+    audio. Together they may slow it as much as either alone at its bound, else INVALID."""
+    most = 1 / MIN_SPEED
+    if slowing / speed > most + 1e-9:
+        raise Refused(ErrorKind.INVALID, f"speed {speed:g} with options that slow the voice {slowing:g} "
+                                         f"times would make speech {slowing / speed:g} times slower: "
+                                         f"together at most {most:g}", field="speed")
+
+
 def check_length(text: str, max_chars: int, field: str = "text") -> None:
     """A text of at most `max_chars` characters (`Limits.max_text_chars`), else TOO_LARGE."""
     if len(text) > max_chars:

@@ -33,6 +33,7 @@ from typing import Any, Mapping
 
 from ..codecs import MAX_SPEED, MIN_SPEED
 from ..engine import Engine
+from ..files import FileTooLarge, read_regular_file
 
 try:
     import tomllib
@@ -98,16 +99,18 @@ def load_aliases(path: str) -> dict[str, Alias | None]:
     the engine once it has loaded (`check_aliases`)."""
     file = Path(path).expanduser()
     try:
-        if not file.is_file():
-            raise ValueError(f"{path}: not a regular file")
-        if file.stat().st_size > MAX_FILE_BYTES:
-            raise ValueError(f"{path}: over {MAX_FILE_BYTES} bytes")
-        data = file.read_bytes()
+        data = read_regular_file(file, MAX_FILE_BYTES)     # a FIFO is refused, not waited on
+        if len(data) > MAX_FILE_BYTES:                      # it grew after its size was read
+            raise FileTooLarge(0, f"over {MAX_FILE_BYTES} bytes")
     except OSError as exc:
         raise ValueError(f"{path}: {exc.strerror or exc}") from None
     try:
         table = tomllib.loads(data.decode()) if file.suffix.lower() == ".toml" else json.loads(data)
-    except (ValueError, UnicodeDecodeError) as exc:
+    except RecursionError:
+        # json and tomllib refuse nesting past the recursion limit with this, which stopped the
+        # start with a traceback; no alias nests past 3.
+        raise ValueError(f"{path}: nested too deeply") from None
+    except ValueError as exc:                               # UnicodeDecodeError is one
         raise ValueError(f"{path}: {exc}") from None
     if not isinstance(table, dict):
         raise ValueError(f"{path}: must map names to voices")

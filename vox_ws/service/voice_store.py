@@ -53,12 +53,17 @@ from typing import Any, Callable
 
 from ..addresses import network_of
 from ..engine import ErrorKind, Refused
+from ..files import PRIVATE_DIR_MODE, PRIVATE_FILE_MODE, is_partial, make_private_dir, write_private_file
+from ..logs import VOICE_ID, voice_tag
 
 log = logging.getLogger("vox_ws.service")
 
 ANY_OWNER = "admin"
 # The owner a client without a token is: this and its address (its voices are the anonymous ones).
 ADDRESS_OWNER_PREFIX = "address:"
+# A page of another origin without a token is its visitor's address, this, and its origin's digest
+# (`transports.auth.page_owner`): an owner without a token, of its address's network.
+PAGE_OWNER_MARK = " page:"
 
 
 def is_anonymous(owner: str) -> bool:
@@ -148,15 +153,14 @@ def network_key(owner: str) -> str | None:
     an owner with a token."""
     if not is_anonymous(owner):
         return None
-    return owner_key("network:" + network_of(owner[len(ADDRESS_OWNER_PREFIX):]))
-
-
-_REGISTERED_ID = re.compile(r"v_[a-z2-7]{32}")
+    address = owner[len(ADDRESS_OWNER_PREFIX):].partition(PAGE_OWNER_MARK)[0]
+    return owner_key("network:" + network_of(address))
 
 
 def is_registered_id(voice: str) -> bool:
-    """Whether a name has the shape of a registered voice's id (built-in names never do)."""
-    return _REGISTERED_ID.fullmatch(voice) is not None
+    """Whether a name has the shape of a registered voice's id (built-in names never do; no log
+    line holds one: `logs.VOICE_ID`)."""
+    return VOICE_ID.fullmatch(voice) is not None
 
 
 # A voice's name: what a client speaks it by, unique per owner. Letters of any script, digits
@@ -436,8 +440,17 @@ class MemoryStore(VoiceStore):
 
 
 class DirectoryStore(MemoryStore):
-    """A local directory, read at start: `ID.audio` and `ID.json` per voice, written through a
-    temporary file and a rename (a crash leaves no half voice). One server per directory."""
+    """A local directory, read at start: `ID.audio` and `ID.json` per voice, each written through
+    a temporary file, synced, and a rename (a crash leaves no half voice). One server per
+    directory.
+
+    It is this user's alone: recordings and transcripts are personal, and an unnamed voice's id
+    (its files' names) is a capability. It is made 0700 and its files 0600 whatever the umask.
+    At start every part of it must be this user's (another user reads what it owns whatever its
+    mode: refused, saying what to do), and one that group or others may reach (a store made by
+    an earlier version: 0755, voices 0644) is tightened, with a warning saying what was. The
+    secret is the one exception (`_secret_file`): one that others may have read is no secret,
+    and is refused, as it always was."""
 
     name = "dir"
 
@@ -462,33 +475,52 @@ class DirectoryStore(MemoryStore):
             raise StoreUnavailable(str(self.path / self.SECRET_FILE), exc) from None
 
     def _secret_file(self) -> bytes:
-        """The secret, made (0600, never through a link) by the first start; refused where
-        another user could have read or written it."""
+        """The secret, made by the first start: written whole or not at all (a failed write
+        leaves no file, and the next start makes it), 0600 from its creation, never through a
+        link; refused where another user could have read or written it."""
         path = self.path / self.SECRET_FILE
         try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-        except FileExistsError:
-            pass
-        else:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        except FileNotFoundError:
             made = secrets.token_bytes(SECRET_BYTES)
-            with os.fdopen(fd, "wb") as file:
-                file.write(made)
-                file.flush()
-                os.fsync(file.fileno())
-            return made
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+            if write_private_file(path, made, replace=False):
+                return made
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)    # made meanwhile: read as found
+        refused = PermissionError(f"{path} must be a file of this user's that no one else may read or write "
+                                  "(delete it: named voices then get new ids)")
         with os.fdopen(fd, "rb") as file:
             info = os.fstat(file.fileno())
-            if not stat.S_ISREG(info.st_mode) or info.st_uid != os.geteuid() or info.st_mode & 0o077:
-                raise PermissionError(f"{path} must be a file of this user's that no one else may read or write "
-                                      "(delete it: named voices then get new ids)")
+            if not stat.S_ISREG(info.st_mode) or info.st_uid != os.geteuid():
+                raise refused
             kept = file.read(SECRET_BYTES + 1)
+        if len(kept) < SECRET_BYTES:
+            return self._remade_secret(path, len(kept))
+        if info.st_mode & 0o077:
+            raise refused
         if len(kept) != SECRET_BYTES:
             raise OSError(f"{path} is not a secret this server made (delete it: named voices then get new ids)")
         return kept
 
+    def _remade_secret(self, path: Path, length: int) -> bytes:
+        """A new secret in place of one cut short (`length` bytes).
+
+        Versions before this one wrote the secret in place: a first start whose write failed (a
+        full disk) left 0 bytes, or some, and every later start refused them. No server ever
+        opened the store with such a secret (that write's error stopped its start, and later
+        ones refused it), so no named voice's id was made under it, and a new one is made in
+        its place. Were some named voices kept under a secret that was whole once and cut short
+        since (a file system's crash), `rekey_named` moves them to their ids under the new one
+        at start, as it moved those kept before the store had a secret: their owners speak
+        with them by name as before; their old ids name nothing."""
+        log.warning("%s held %d of the secret's %d bytes (an earlier version's write that failed): "
+                    "a new secret is made", path, length, SECRET_BYTES)
+        made = secrets.token_bytes(SECRET_BYTES)
+        write_private_file(path, made)
+        return made
+
     def _read_all(self) -> dict[str, StoredVoice]:
-        self.path.mkdir(parents=True, exist_ok=True)
+        make_private_dir(self.path)
+        self._make_private()
         voices = {}
         for meta in self.path.glob("v_*.json"):
             audio = meta.with_suffix(".audio")
@@ -498,6 +530,49 @@ class DirectoryStore(MemoryStore):
             except (OSError, ValueError, KeyError, TypeError):
                 continue             # a voice half written by a crash, or not ours: skipped
         return voices
+
+    def _make_private(self) -> None:
+        """Refuses (PermissionError) a store that is not this user's alone; tightens one of this
+        user's that others may reach, and removes the temporary files of writes a crash cut
+        short. The secret's own rule is `_secret_file`'s."""
+        uid = os.geteuid()
+        found = os.stat(self.path)          # followed: the store may be a link to a volume's directory
+        if not stat.S_ISDIR(found.st_mode) or found.st_uid != uid:
+            raise PermissionError(f"{self.path} must be a directory of this user's (uid {uid}; it is uid "
+                                  f"{found.st_uid}'s, mode {stat.S_IMODE(found.st_mode):04o}): its owner "
+                                  f"reads every voice kept there (chown it to uid {uid}, or name in "
+                                  "--voice-store a directory not made yet, which the server makes private)")
+        loose, partial, strangers = [], [], 0
+        for entry in os.scandir(self.path):
+            if not (entry.name.startswith("v_") or is_partial(entry.name)):
+                continue      # not a voice (the secret has its own rule); under 0700, out of others' reach
+            info = entry.stat(follow_symlinks=False)
+            if not stat.S_ISREG(info.st_mode) or info.st_uid != uid:
+                strangers += 1
+            elif is_partial(entry.name) or entry.name.endswith(".partial"):     # and an earlier version's
+                partial.append(entry.path)
+            elif info.st_mode & 0o077:
+                loose.append(entry.path)
+        if strangers:
+            # Not named one by one: a voice's file is named by its id.
+            raise PermissionError(f"{strangers} of the voice files in {self.path} are not regular files "
+                                  f"of this user's (uid {uid}): their owners may read or change the voices "
+                                  f"(find them with `find {self.path} ! -user {uid} -o ! -type f`, then "
+                                  "delete or chown them)")
+        for path in partial:
+            os.unlink(path)
+        tightened = []
+        if found.st_mode & 0o077:
+            os.chmod(self.path, PRIVATE_DIR_MODE)
+            tightened.append(f"the directory, {stat.S_IMODE(found.st_mode):04o} -> {PRIVATE_DIR_MODE:04o}")
+        for path in loose:
+            os.chmod(path, PRIVATE_FILE_MODE, follow_symlinks=False)
+        if loose:
+            tightened.append(f"{len(loose)} voice files -> {PRIVATE_FILE_MODE:04o}")
+        if tightened:
+            log.warning("the voice store %s could be read by other local users (recordings, transcripts, the "
+                        "ids that speak with them): made private to this user (%s)", self.path,
+                        "; ".join(tightened))
 
     def describe(self) -> str:
         return f"dir:{self.path}"
@@ -517,10 +592,7 @@ class DirectoryStore(MemoryStore):
             self._unlink(old)
         fields = {k: v for k, v in asdict(voice).items() if k != "audio"}
         for suffix, data in ((".audio", voice.audio), (".json", json.dumps(fields).encode())):
-            target = self.path / f"{voice.id}{suffix}"
-            partial = target.with_name(target.name + ".partial")
-            partial.write_bytes(data)
-            os.replace(partial, target)
+            write_private_file(self.path / f"{voice.id}{suffix}", data)
 
     def _unlink(self, voice: str) -> None:
         for suffix in (".json", ".audio"):
@@ -796,7 +868,8 @@ async def rekey_named(store: VoiceStore) -> list[str]:
         try:
             await store.put(dataclasses.replace(stored, id=store.named_id(stored.owner, summary.name)))
         except Refused as err:
-            log.error("the named voice %s could not be moved to its new id: %s", summary.id, err.message)
+            log.error("the named voice %s could not be moved to its new id: %s", voice_tag(summary.id),
+                      err.message)
     return moved
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Any, Hashable
 
 from ..alignment.pool import WordAligner
+from ..config import ServerConfig
 from ..engine import Engine
 from .events import Word
 
@@ -20,8 +21,9 @@ class WordTimings:
         self.always_aligned = always_aligned
 
     @classmethod
-    def for_mode(cls, mode: str) -> "WordTimings":
-        """The server's choice (`--word-timings`). Raises ValueError where it cannot be had."""
+    def for_mode(cls, mode: str, aligners: int = ServerConfig.aligners) -> "WordTimings":
+        """The server's choice (`--word-timings`), with at most `aligners` aligner processes
+        (`--aligners`). Raises ValueError where it cannot be had."""
         if mode not in MODES:
             raise ValueError(f"--word-timings takes {', '.join(MODES)}, not {mode!r}")
         if mode == "engine" or (mode == "auto" and not WordAligner.available()):
@@ -29,7 +31,7 @@ class WordTimings:
         if not WordAligner.available():
             raise ValueError("--word-timings aligned needs the aligner: pip install pocketsphinx "
                              "(it comes with the voxcpm extra)")
-        return cls(WordAligner(), always_aligned=mode == "aligned")
+        return cls(WordAligner(aligners), always_aligned=mode == "aligned")
 
     def _engine_words(self, engine: Engine) -> bool:
         return engine.word_timings and not self.always_aligned
@@ -56,14 +58,16 @@ class WordTimings:
             return {"source": "aligner", "languages": list(self.aligner.languages)}
         return None
 
-    def close(self) -> None:
+    def close(self, grace_s: float | None = None) -> None:
+        """Stop the aligner's processes, a segment being aligned given `grace_s` (None: no bound)."""
         if self.aligner is not None:
-            self.aligner.close()
+            self.aligner.close(grace_s)
 
 
 class AlignedInOrder:
     """One stream's segments whose words are with the aligner, in the order spoken: its
-    processes may answer out of it, the words go out in it."""
+    processes may answer out of it, the words go out in it. A segment is its sink (any hashable
+    with `drop_alignment`)."""
 
     def __init__(self) -> None:
         self._answers: dict[Hashable, tuple[tuple[Word, ...] | None] | None] = {}
@@ -88,4 +92,9 @@ class AlignedInOrder:
         return due
 
     def clear(self) -> None:
+        """Forget every segment waited for: its words are no longer wanted, and one still in the
+        aligner's queue leaves it unaligned (`SegmentSink.drop_alignment`)."""
+        segments = list(self._answers)
         self._answers.clear()
+        for segment in segments:
+            segment.drop_alignment()

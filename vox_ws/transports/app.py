@@ -24,6 +24,9 @@ from ..session import Session
 from . import http_routes, loras_api, openai_api, openapi, voices_api
 from . import protocol as p
 from .auth import SUBPROTOCOL, is_admin, is_authorized, offered_subprotocols, origin_allowed, owner
+from .connections import REFUSAL_EXTENSION
+from .errors import ORIGIN_REFUSED, error_response
+from .hosts import AllowedHosts, HostCheck
 from .state import ServerState, server_state
 
 log = logging.getLogger("vox_ws.server")
@@ -34,9 +37,13 @@ STREAM_PATH = "/v1/stream"
 async def stream_endpoint(ws: WebSocket) -> None:
     """Protocol v1: one session per connection, admitted before any engine work."""
     state = server_state(ws)
-    if not origin_allowed(ws, state.config.allow_origins):
+    if not origin_allowed(ws, state.config.allow_origins, state.config.cors_origins):
+        # A page of another origin opens a WebSocket without a preflight, as the visitor (by
+        # address): refused as a state-changing HTTP request from it is, before the handshake.
         state.metrics.rejected.labels("origin").inc()
-        await ws.close()               # before the handshake: HTTP 403
+        log.info("connection from %s refused: origin %r not allowed", _address(ws, state),
+                 (ws.headers.get("origin") or "")[:200])
+        await ws.send_denial_response(error_response(403, p.UNAUTHORIZED, ORIGIN_REFUSED))
         return
     # A browser that offered the subprotocol (to carry its token) needs it answered.
     await ws.accept(subprotocol=SUBPROTOCOL if SUBPROTOCOL in offered_subprotocols(ws) else None)
@@ -45,6 +52,8 @@ async def stream_endpoint(ws: WebSocket) -> None:
         code, reason, label = refusal
         state.metrics.rejected.labels(label).inc()
         log.info("connection from %s refused: %s", _address(ws, state), reason)
+        if label != "draining":
+            _refused(ws)                  # the client's doing or its too-much, as an HTTP 4xx
         await ws.close(code, reason)
         return
     address = _address(ws, state)
@@ -87,7 +96,10 @@ def build_app(state: ServerState, demo_dir: Path | None = None) -> Starlette:
     """Every route, module-level endpoints all: each finds the server's state on its app."""
     routes = [WebSocketRoute(STREAM_PATH, stream_endpoint), *voices_api.ROUTES, *loras_api.ROUTES,
               *openai_api.ROUTES, *openapi.ROUTES, *http_routes.routes(demo_dir)]
-    middleware = []
+    # Outermost: a request for a host name the server does not answer to (DNS rebinding) is
+    # refused before any other rule reads it.
+    middleware = [Middleware(HostCheck, hosts=AllowedHosts(state.config.allowed_hosts),
+                             on_refused=lambda: state.metrics.rejected.labels("host").inc())]
     origins = cors_origins(state.config.cors_origins, state.config.allow_origins)
     if origins:
         # Tokens travel in the Authorization header, never in cookies: no credentials mode.
@@ -115,6 +127,15 @@ def _admission(state: ServerState, ws: WebSocket) -> tuple[int, str, str] | None
     if state.per_address[_address(ws, state)] >= limits.max_connections_per_address:
         return p.CLOSE_TOO_MANY_FROM_ADDRESS, "too many connections from your address", "per_address"
     return None
+
+
+def _refused(ws: WebSocket) -> None:
+    """Tells the connection's guard that this accepted connection was refused: it counts
+    against its client's budget of refusals as a refused handshake does
+    (`connections.REFUSAL_EXTENSION`; absent under another server)."""
+    tell = ws.scope.get("extensions", {}).get(REFUSAL_EXTENSION)
+    if tell is not None:
+        tell()
 
 
 def _address(ws: WebSocket, state: ServerState) -> str:

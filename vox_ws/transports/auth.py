@@ -7,13 +7,13 @@ import binascii
 import hashlib
 import hmac
 from collections.abc import Sequence
-from urllib.parse import urlsplit
+from urllib.parse import unquote_plus, urlsplit
 
 from starlette.requests import HTTPConnection
 
 from ..service import ANY_OWNER
 from ..addresses import client_key
-from ..service.voice_store import ADDRESS_OWNER_PREFIX
+from ..service.voice_store import ADDRESS_OWNER_PREFIX, PAGE_OWNER_MARK
 
 # A browser cannot set headers on a WebSocket: it offers the subprotocols SUBPROTOCOL and
 # BEARER_PREFIX + the token in unpadded base64url (any token, in characters a subprotocol may
@@ -25,6 +25,14 @@ BEARER_PREFIX = "vox-ws.bearer."
 # taken (a token among them is not presented), and the offer costs one pass over its bytes.
 MAX_SUBPROTOCOLS = 8
 MAX_SUBPROTOCOL_BYTES = 4096
+# `?token=T` is found by a scan of the raw query string, never by parsing the query whole:
+# parsing 64 KB of parameters cost the event loop 25-31 ms a request, before a 401 could be
+# answered (Hardening VI, 8; the scan, one pass in C: 0.1 ms). The key is taken as spelled (not
+# percent-encoded); past MAX_QUERY_TOKENS of them none is taken, and a value longer than
+# MAX_QUERY_TOKEN_BYTES is no token.
+MAX_QUERY_TOKENS = 8
+MAX_QUERY_TOKEN_BYTES = 4096
+_QUERY_TOKEN = b"&token="
 # What a request presented, worked out once per request (each rule below asks for it).
 _TOKENS = "vox_ws.presented_tokens"
 _OFFERED = "vox_ws.offered_subprotocols"
@@ -48,8 +56,25 @@ def _read_tokens(conn: HTTPConnection) -> list[str]:
     if header.lower().startswith("bearer "):
         tokens.append(header[7:].strip())
     tokens += [_unbase64(p[len(BEARER_PREFIX):]) for p in offered_subprotocols(conn) if p.startswith(BEARER_PREFIX)]
-    tokens += conn.query_params.getlist("token")
+    tokens += query_tokens(conn.scope.get("query_string", b""))
     return [t for t in tokens if t]
+
+
+def query_tokens(query: bytes) -> list[str]:
+    """The values of `token=` in a raw query string, decoded as a parsed query's would be,
+    found without splitting the rest (see MAX_QUERY_TOKENS)."""
+    marked = b"&" + query                  # every key follows an `&`: no `xtoken=` is taken for one
+    values = []
+    start = marked.find(_QUERY_TOKEN)
+    while start >= 0:
+        if len(values) == MAX_QUERY_TOKENS:
+            return []
+        start += len(_QUERY_TOKEN)
+        end = marked.find(b"&", start)
+        end = len(marked) if end < 0 else end
+        values.append(marked[start:end])
+        start = marked.find(_QUERY_TOKEN, end)
+    return [unquote_plus(value.decode("latin-1")) for value in values if len(value) <= MAX_QUERY_TOKEN_BYTES]
 
 
 def offered_subprotocols(conn: HTTPConnection) -> list[str]:
@@ -58,13 +83,18 @@ def offered_subprotocols(conn: HTTPConnection) -> list[str]:
     offered = conn.scope.get(_OFFERED)
     if offered is None:
         values = conn.headers.getlist("sec-websocket-protocol")
-        offered = []
-        if sum(len(value) for value in values) <= MAX_SUBPROTOCOL_BYTES:
-            offered = [p.strip() for value in values for p in value.split(",") if p.strip()]
-            if len(offered) > MAX_SUBPROTOCOLS:
-                offered = []
-        conn.scope[_OFFERED] = offered
+        offered = conn.scope[_OFFERED] = bounded_subprotocols(values) or []
     return offered
+
+
+def bounded_subprotocols(values: Sequence[str]) -> list[str] | None:
+    """The subprotocols a request's `Sec-WebSocket-Protocol` values offer, or None past
+    MAX_SUBPROTOCOLS or MAX_SUBPROTOCOL_BYTES (then only their lengths were looked at). The
+    WebSocket protocol drops such an offer before websockets parses it (`connections.py`)."""
+    if sum(len(value) for value in values) > MAX_SUBPROTOCOL_BYTES:
+        return None
+    offered = [p.strip() for value in values for p in value.split(",") if p.strip()]
+    return offered if len(offered) <= MAX_SUBPROTOCOLS else None
 
 
 def _unbase64(text: str) -> str:
@@ -97,6 +127,13 @@ def is_admin(conn: HTTPConnection, admin_tokens: list[str]) -> bool:
 STATE_CHANGING = frozenset({"POST", "PUT", "PATCH", "DELETE"})
 
 
+def changes_state(conn: HTTPConnection) -> bool:
+    """Whether a page may send this to another origin unasked and have it act: a state-changing
+    HTTP method, or a WebSocket handshake (a browser opens any origin's WebSocket without a
+    preflight, and its session speaks, registers and deletes voices)."""
+    return conn.scope.get("type") == "websocket" or conn.scope.get("method") in STATE_CHANGING
+
+
 def cross_origin(conn: HTTPConnection) -> bool:
     """Whether a browser sent this from a page of another origin than the server's own (its
     Origin names another host and port than the request's Host; scheme aside, which a TLS
@@ -109,41 +146,34 @@ def cross_origin(conn: HTTPConnection) -> bool:
 
 
 def origin_allowed(conn: HTTPConnection, allow_origins: list[str], cors_origins: Sequence[str] = ()) -> bool:
-    """Browsers always send Origin; requests without one (servers) are not affected. With
-    `allow_origins`, only those; and a state-changing HTTP request from a page of another
-    origin only where `cors_origins` names it (`*`: any, but DELETE only with a token)."""
+    """One rule for every door. Browsers always send Origin; requests without one (servers) are
+    not affected. With `allow_origins`, only those; and what `changes_state` (a state-changing
+    HTTP request, a WebSocket handshake) from a page of another origin only where
+    `allow_origins` or `cors_origins` names it (`*`: any). Such a page without a token acts as
+    its own owner, never as its visitor (`owner`)."""
     origin = conn.headers.get("origin")
     if origin is None:
         return True
     if allow_origins and origin not in allow_origins:
         return False
-    if conn.scope.get("type") != "http" or conn.scope.get("method") not in STATE_CHANGING or not cross_origin(conn):
+    if not changes_state(conn) or not cross_origin(conn):
         return True
-    if origin in cors_origins or origin in allow_origins:
-        return True
-    if "*" in cors_origins:
-        return conn.scope["method"] != "DELETE" or bool(presented_tokens(conn))
-    return False
-
-
-def shows_uploaded_voices(conn: HTTPConnection) -> bool:
-    """Whether a listing may name the caller's uploaded voices: not to a page of another origin
-    that presents no token (with `--cors-origins '*'` any page could read the visitor's, who is
-    the caller by address); the server's own voices and aliases are listed to anyone."""
-    return not cross_origin(conn) or bool(presented_tokens(conn))
+    return origin in cors_origins or origin in allow_origins or "*" in cors_origins
 
 
 def owner(conn: HTTPConnection, tokens: list[str], admin_tokens: list[str], ipv6_prefix: int) -> str:
     """Whom a request acts for, in the stream service's words: "admin" (may delete any voice),
     one client token (by a digest, never the token itself), or the client's address (an IPv6
-    one's network, `addresses.client_key`) where no token was presented."""
+    one's network, `addresses.client_key`) where no token was presented; for a page of another
+    origin presenting none, that address and the page's origin (`page_owner`)."""
     presented = presented_tokens(conn)
     if is_admin(conn, admin_tokens):
         return ANY_OWNER
     for token in tokens:
         if token_matches(presented, [token]):
             return token_owner(token)
-    return address_owner(conn.client.host if conn.client is not None else "unknown", ipv6_prefix)
+    address = address_owner(conn.client.host if conn.client is not None else "unknown", ipv6_prefix)
+    return page_owner(address, conn.headers.get("origin")) if cross_origin(conn) else address
 
 
 def token_owner(token: str) -> str:
@@ -155,3 +185,13 @@ def address_owner(host: str, ipv6_prefix: int) -> str:
     """The owner a client without a token is, by its address (an IPv6 one's network), at every
     door (so one client speaking over several doors is one client to the fair shares)."""
     return ADDRESS_OWNER_PREFIX + client_key(host, ipv6_prefix)
+
+
+def page_owner(address: str, origin: str | None) -> str:
+    """The owner a page of another origin is where it presents no token: its visitor's address
+    (`address_owner`) and the page's origin (a digest: bounded, whatever the header holds). Any
+    site's page reaches the server from its visitor's address; as this owner it speaks, lists
+    and deletes only the voices it registered itself, never the visitor's own. Its voices are
+    still its address's network's (`voice_store.network_key`): the shares stay by network."""
+    digest = hashlib.sha256((origin or "null").lower().encode()).hexdigest()[:16]
+    return address + PAGE_OWNER_MARK + digest

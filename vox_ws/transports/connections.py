@@ -13,12 +13,19 @@ HTTP (httptools):
   coming: it has `limits.body_timeout_s`, one more second for every `limits.body_min_rate`
   bytes received, and never more than `limits.body_max_s` in all; one that falls behind is
   answered 408 and its connection closed.
-- An address that goes on sending requests the server refuses (429: too many in flight, busy)
-  is not heard for a while: past `limits.refused_requests_per_s` such answers (in bursts of
-  REFUSAL_BURST_S seconds' worth), its new connections are closed as they are accepted, before
-  any HTTP is read, until its budget has refilled. A refused request costs the server its
-  headers, its routing and its answer; a connection closed at accept costs almost nothing, so
-  a client that ignores `Retry-After` cannot keep the event loop busy with refusals.
+- An address that goes on sending requests the server refuses is not heard for a while: past
+  `limits.refused_requests_per_s` refusals (in bursts of REFUSAL_BURST_S seconds' worth), its
+  new connections are closed as they are accepted, before any HTTP is read, and a keep-alive
+  connection of its is closed with the refusal that spends the budget, until the budget has
+  refilled. A refusal is every answer that turns a request down for what its client sent or
+  how much it asks: every HTTP 4xx, the app's (401, 403, 404, 413, 429...) and those written
+  here (400 for a request httptools cannot read, 408, 431), and every WebSocket handshake
+  refused (by websockets, here, or by the app before or just after accepting it: an origin,
+  a missing token, too many connections, a full server). Not a 5xx, nor a server draining:
+  those are the server's state, not the client's doing. A refused request costs the server its
+  headers, its routing and its answer (a 401 used to cost a 64 KB query string's parse, 25-31
+  ms); a connection closed at accept costs almost nothing, so a client that ignores
+  `Retry-After` or keeps sending what is refused cannot keep the event loop busy with refusals.
 - A request's headers are bounded as websockets' own parser bounds a handshake's
   (`MAX_HEADER_LINE_BYTES` a line, `MAX_HEADERS` lines, `MAX_REQUEST_HEADER_BYTES` in all,
   counted as they arrive): beyond, it is answered 431 and its connection closed, before the
@@ -46,6 +53,10 @@ WebSocket (websockets' sans-I/O core):
   buffers, which it reads in bursts); the connection is closed (1011) otherwise.
 - On a protocol error the server half-closes, so a client still sending reads the close code
   (1009 for a frame too big) instead of a reset, as websockets' own servers do.
+- An offer of subprotocols past `auth.MAX_SUBPROTOCOLS` or `auth.MAX_SUBPROTOCOL_BYTES` is
+  dropped from the handshake before websockets reads it: websockets' `accept` parses every
+  offered subprotocol (a 960 KB offer of one-letter ones: over 500 ms of the event loop), and
+  the app takes none past those bounds anyway. The handshake goes on as if none was offered.
 """
 
 from __future__ import annotations
@@ -70,6 +81,7 @@ from websockets.http11 import MAX_LINE_LENGTH, MAX_NUM_HEADERS
 
 from ..addresses import DEFAULT_IPV6_PREFIX, client_key
 from ..config import Limits
+from .auth import bounded_subprotocols
 from .proxies import ProxyHeaderError, TrustedProxies, parse_proxy_header
 from .rate import BUDGET_EXTENSION, MessageBudget, TokenBucket
 
@@ -101,6 +113,9 @@ REFUSAL_BURST_S = 5.0
 # Addresses whose refusal budget is kept (beyond, those with a full budget are forgotten).
 REFUSAL_BUDGETS_KEPT = 1024
 REFUSAL_LOG_EVERY_S = 60.0
+# The ASGI scope extension through which the app tells a WebSocket's guard that it refused the
+# connection after accepting it (to send a close code the client can read): a callable.
+REFUSAL_EXTENSION = "vox_ws.refused"
 
 _PONG = 0x0A
 # struct tcp_info (linux/tcp.h): tcpi_bytes_acked is the u64 at offset 120 (Linux >= 4.1).
@@ -171,8 +186,9 @@ class ConnectionGuard:
         return bucket.take(size)
 
     def refused_request(self, address: str) -> None:
-        """`address` was answered 429; past its budget, its next connections are not heard
-        (with `refused_requests_per_s` 0, every address is always heard)."""
+        """A request of `address` was refused (any refusal: the module's docstring says which);
+        past its budget, its next connections are not heard (with `refused_requests_per_s` 0,
+        every address is always heard)."""
         if self._refusal_rate <= 0 or self.proxies.trusts(address):
             return
         address = self._key(address)
@@ -387,6 +403,7 @@ class BodyWatch:
         cycle = protocol.cycle
         if cycle is not None and not cycle.response_started and not protocol.transport.is_closing():
             protocol.transport.write(_REQUEST_TIMEOUT)
+            protocol.guard.refused_request(protocol._address)
         if cycle is not None:
             cycle.disconnected = True             # the app reads http.disconnect; its writes go nowhere
             cycle.message_event.set()
@@ -490,12 +507,20 @@ class HttpProtocol(_WatchedWrites, HttpToolsProtocol):
         if self.cycle is None or not self.cycle.response_started:
             self.transport.write(_response(431, "Request Header Fields Too Large", "too_large",
                                            f"the request's headers are too large: {why}"))
+        self.guard.refused_request(self._unread_client)
         self.transport.close()
         self.stall.arm()                          # the answer goes out, or the connection is aborted
 
     def send_400_response(self, msg: str) -> None:
         if not self._headers_refused:             # else answered 431 already
             super().send_400_response(msg)
+            self.guard.refused_request(self._unread_client)
+
+    @property
+    def _unread_client(self) -> str:
+        """Whom a request refused before its headers were read counts under: the client a
+        PROXY header named, else the peer (a trusted proxy's own address counts nowhere)."""
+        return self._proxied or self._peer
 
     def _after_proxy_header(self, data: bytes) -> bytes:
         """What follows a trusted peer's PROXY header (all of it where it sent none); b"" while
@@ -653,8 +678,12 @@ _REQUEST_TIMEOUT = _response(408, "Request Timeout", "timeout", "the request bod
 
 
 class _RefusalWatch:
-    """The connection's app, telling the guard of every request it answers 429 (by the
-    request's client, which behind a trusted proxy changes from request to request)."""
+    """The connection's app, telling the guard of every request it refuses (4xx; by the
+    request's client, which behind a trusted proxy changes from request to request). An answer
+    to a client already gone (one that gave up on its request: the app read its disconnect)
+    refuses nobody and is not counted. The refusal that spends the client's budget closes the
+    connection: a keep-alive connection would otherwise go on carrying refused requests the
+    budget is there to stop."""
 
     def __init__(self, app: Any, guard: ConnectionGuard) -> None:
         self.app, self.guard = app, guard
@@ -662,12 +691,21 @@ class _RefusalWatch:
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         client = scope.get("client")
         address = client[0] if client else "unknown"
+        gone = False
+
+        async def watched_receive() -> Any:
+            nonlocal gone
+            message = await receive()
+            gone = gone or message["type"] == "http.disconnect"
+            return message
 
         async def watched(message: Any) -> None:
-            if message["type"] == "http.response.start" and message["status"] == 429:
+            if message["type"] == "http.response.start" and 400 <= message["status"] < 500 and not gone:
                 self.guard.refused_request(address)
+                if not self.guard.heard(address):
+                    message = {**message, "headers": [*message.get("headers", ()), (b"connection", b"close")]}
             await send(message)
-        await self.app(scope, receive, watched)
+        await self.app(scope, watched_receive, watched)
 
 
 def _refusal(message: bytes) -> Callable[..., Any]:
@@ -687,10 +725,14 @@ _not_heard = _refusal(b"your address goes on sending requests after being refuse
 
 
 class WebSocketProtocol(_WatchedWrites, WebSocketsSansIOProtocol):
-    def __init__(self, *args: Any, limits: Limits, client: tuple[str, int] | None = None, **kwargs: Any) -> None:
-        """`client`: who the connection is for, where a trusted proxy said so (else its peer)."""
+    def __init__(self, *args: Any, limits: Limits, client: tuple[str, int] | None = None,
+                 guard: ConnectionGuard | None = None, **kwargs: Any) -> None:
+        """`client`: who the connection is for, where a trusted proxy said so (else its peer);
+        `guard`: told of a refused handshake (`ConnectionGuard.refused_request`)."""
         super().__init__(*args, **kwargs)
         self._forwarded_client = client
+        self.guard = guard
+        self._refusal_told = False
         self.budget = MessageBudget(limits.max_messages_per_s)
         self.stall_timeout_s = limits.write_stall_timeout_s + (self.ping_timeout or 0.0)
         self.stall = StallWatch(self, self.stall_timeout_s)
@@ -720,14 +762,43 @@ class WebSocketProtocol(_WatchedWrites, WebSocketsSansIOProtocol):
         else:
             answer = _response(400, "Bad Request", "bad_request", f"not a WebSocket handshake this server reads: {cause}")
         self.transport.write(answer)
+        self.refused()
         self.transport.close()
         self._abort_if_unsent(self.close_timeout)
 
     def handle_connect(self, event: Any) -> None:
+        offer = event.headers.get_all("Sec-WebSocket-Protocol")
+        if offer and bounded_subprotocols(offer) is None:
+            # Past the bounds nothing offered is taken: dropped before websockets' `accept`
+            # parses it item by item (and uvicorn splits it for the scope), as if not offered.
+            del event.headers["Sec-WebSocket-Protocol"]
+            log.debug("%s: an offer of subprotocols past the bounds (%d bytes): dropped", self.client,
+                      sum(len(value) for value in offer))
         super().handle_connect(event)
+        if self.response.status_code != 101:
+            self.refused()                        # websockets refused it (and uvicorn answered)
         scope = getattr(self, "scope", None)
         if scope is not None:
             scope["extensions"][BUDGET_EXTENSION] = self.budget
+            scope["extensions"][REFUSAL_EXTENSION] = self.refused
+
+    def refused(self) -> None:
+        """The handshake was refused (here, by websockets, or by the app): the client's
+        refusal budget pays, once a connection."""
+        if self.guard is not None and not self._refusal_told:
+            self._refusal_told = True
+            self.guard.refused_request(self.client[0] if self.client else "unknown")
+
+    async def send(self, message: Any) -> None:
+        if not self.handshake_complete and (message["type"] == "websocket.close" or (
+                message["type"] == "websocket.http.response.start" and 400 <= message["status"] < 500)):
+            self.refused()                        # the app refused the handshake (403, or its own answer)
+        await super().send(message)
+        if message["type"] == "websocket.http.response.body" and not message.get("more_body", False):
+            # uvicorn has sent the app's own answer to the handshake (a typed 403 or 421) and
+            # closed, but leaves the handshake unfinished: it would log an error ("returned
+            # without completing handshake") for every refusal an attacker's page makes.
+            self.handshake_complete = True
 
     # ---------------------------------------------------------------- writing
 

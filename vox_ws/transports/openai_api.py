@@ -39,7 +39,7 @@ from . import protocol as p
 from .auth import is_authorized, origin_allowed, owner
 from .body import BodyTooLarge, read_body
 from .errors import HTTP_STATUS, ORIGIN_REFUSED, listing_refusal, retry_headers
-from .spool import Spool
+from .spool import SendClock, Spool
 from .state import ServerState, server_state
 
 log = logging.getLogger("vox_ws.openai")
@@ -139,7 +139,9 @@ async def speech(request: Request) -> Response:
         headers["X-Ignored-Parameters"] = ",".join(ignored)
     media_type = "text/event-stream" if speech_request.sse else CONTENT_TYPES[speech_request.response_format]
     return SpeechResponse(stream, speech_request.sse, media_type, headers,
-                          whole=Spool(state.spools, who) if speech_request.whole else None, timestamps=timestamps)
+                          whole=Spool(state.spools, who, (state.limits.whole_min_rate,
+                                                          state.limits.write_stall_timeout_s))
+                          if speech_request.whole else None, timestamps=timestamps)
 
 
 async def audio_models(request: Request) -> Response:
@@ -495,12 +497,22 @@ class SpeechResponse(Response):
             return                                       # closed: the client is gone
         headers = [*self.raw_headers, (b"content-length", str(spool.size).encode())]
         await send({"type": "http.response.start", "status": 200, "headers": headers})
-        first = True
+        loop = asyncio.get_running_loop()
+        clock = SendClock(*spool.floor, loop.time())
+        first, sent = True, 0
         async for piece in spool.pieces():
             if first and self.media_type == CONTENT_TYPES["wav"]:
                 piece = wav_with_sizes(piece, spool.size)      # the whole file's length is known now
             first = False
-            await self._body(send, piece)
+            try:
+                # The transport's flow control holds this send until the client has taken the one before.
+                await asyncio.wait_for(self._body(send, piece), clock.left_s(loop.time()))
+            except asyncio.TimeoutError:
+                log.warning("whole response taken slower than %.0f bytes a second: closed after %d of %d "
+                            "bytes", spool.floor[0], sent, spool.size)
+                raise _StreamBroke("the client took the whole file too slowly") from None
+            sent += len(piece)
+            clock.taken(len(piece), loop.time())
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     def _frame(self, audio: Audio) -> bytes:

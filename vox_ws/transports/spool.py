@@ -7,7 +7,9 @@ fast as it is made and what it makes has to be held somewhere: here, in memory u
 on the event loop). What an owner's whole responses hold together is bounded, and so is what
 all of them hold (`SpoolBudget`): a request past its owner's bound is refused `too_large` (it
 may ask for the audio streamed), one that would take its owner, or everyone, past the bound
-with others is refused `busy` (retryable).
+with others is refused `busy` (retryable). Once sending, a response must be taken at a minimum
+rate (`SendClock`): a client that trickles (2 KB every 4 s held the budget for as long as it
+liked: the write stall time-out sees progress) is closed and its bytes given back.
 """
 
 from __future__ import annotations
@@ -57,13 +59,35 @@ class SpoolBudget:
             del self._held[owner]
 
 
+class SendClock:
+    """When a whole response's client must have taken more of it: `grace_s` from the start, one
+    second more for every `min_rate` bytes taken (Apache mod_reqtimeout's rule for bodies, as
+    `BodyClock`), but never more than `grace_s` beyond the last bytes taken, so a client that
+    read fast at first cannot bank the time to hold the rest. A client slower than `min_rate`
+    on average falls behind it for good. Times on the event loop's clock (`loop.time()`)."""
+
+    def __init__(self, min_rate: float, grace_s: float, now: float) -> None:
+        self._min_rate = min_rate
+        self._grace_s = grace_s
+        self.deadline = now + grace_s if min_rate > 0 else float("inf")
+
+    def taken(self, size: int, now: float) -> None:
+        if self._min_rate > 0:
+            self.deadline = min(self.deadline + size / self._min_rate, now + self._grace_s)
+
+    def left_s(self, now: float) -> float | None:
+        """Seconds the client has for its next bytes (None: no floor)."""
+        return None if self.deadline == float("inf") else max(0.0, self.deadline - now)
+
+
 class Spool:
     """One whole response's bytes: `await write(...)` as they come, `size`, then `pieces()`;
     `await close()` always (it gives the bytes back to the budget and drops the file)."""
 
-    def __init__(self, budget: SpoolBudget, owner: str) -> None:
+    def __init__(self, budget: SpoolBudget, owner: str, floor: tuple[float, float] = (0.0, 0.0)) -> None:
         self._budget = budget
         self._owner = owner
+        self.floor = floor                 # (bytes a second, grace seconds) it must be taken at (`SendClock`)
         self.size = 0
         self._memory = bytearray()
         self._file: IO[bytes] | None = None

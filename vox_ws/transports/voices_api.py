@@ -35,7 +35,7 @@ from ..service.registrations import Registration
 from ..service.voice_store import VoiceSummary
 from . import protocol as p
 from ..service.voice_store import owner_key
-from .auth import address_owner, owner, shows_uploaded_voices
+from .auth import address_owner, owner
 from .body import BodyTooLarge, read_body
 from .errors import access_refusal, admin_refusal, error_response, listing_refusal, refused_response
 from .multipart import MultiPartException
@@ -160,7 +160,9 @@ async def list_openai_style(request: Request) -> Response:
     state = server_state(request)
     if (refusal := listing_refusal(request, state.config)) is not None:
         return refusal
-    mine = access_refusal(request, state.config) is None and shows_uploaded_voices(request)
+    # A page of another origin without a token is its own owner (`auth.page_owner`): it is
+    # listed the voices it registered, never its visitor's.
+    mine = access_refusal(request, state.config) is None
     try:
         owned = await state.service.voices.owned_by(_owner(request, state)) if mine else []
     except Refused as err:

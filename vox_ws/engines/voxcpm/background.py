@@ -27,12 +27,16 @@ from typing import Any, Callable
 
 from ...accelerator import DEVICE_LOCK, enter_device
 from ...compile_workers import ENV as COMPILE_WORKERS_ENV, compile_workers
+from ..child import end_process, grace_until
 
 log = logging.getLogger("vox_ws.engines.voxcpm")
 
-# How long the child has to end on SIGTERM at close before it is killed (a stopped or stuck one
-# never does).
+# How long the child has to end on SIGTERM at close before it is killed (a stuck one never does;
+# a stopped one is continued to: `end_process`), unless the server's shutdown has less left.
 STOP_GRACE_S = 5.0
+# How long `close` waits for the reader thread once the child has gone (it may be loading a
+# bucket's graphs), likewise within what the shutdown has left.
+READER_GRACE_S = 10.0
 
 
 class BackgroundCompile:
@@ -190,19 +194,17 @@ class BackgroundCompile:
                 **({"priority": self.priority} if self.priority else {}),
                 **({"error": self.error} if self.error else {})}
 
-    def close(self) -> None:
+    def close(self, deadline: float | None = None) -> None:
+        """Stop the child: asked (SIGTERM, and SIGCONT should it be stopped), killed if it has not
+        ended within STOP_GRACE_S or by `deadline` (`time.monotonic()`: the end of the server's
+        shutdown), whichever is sooner. It is gone on return."""
         with self._starting:
             self._closing = True
             process = self._process
         if process.stdin is not None:
             process.stdin.close()
         if process.poll() is None:
-            process.terminate()
-            try:
-                process.wait(STOP_GRACE_S)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+            end_process(process, grace_until(deadline, STOP_GRACE_S))
             if self.status == "compiling":
                 self.status = "stopped"
-        self._reader.join(10)
+        self._reader.join(grace_until(deadline, READER_GRACE_S))

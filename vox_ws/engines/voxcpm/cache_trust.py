@@ -21,6 +21,8 @@ import stat
 import tempfile
 from pathlib import Path
 
+from ...files import make_private_dir
+
 log = logging.getLogger("vox_ws.engines.voxcpm")
 
 
@@ -29,7 +31,7 @@ def trusted_cache_dir(requested: Path) -> Path:
     private directory (compiled into from scratch: a next start will not find it)."""
     requested = Path(os.path.abspath(requested))
     try:
-        _make_private(requested)
+        make_private_dir(requested)     # an existing one is left as found: checked, never made private now
         problem = why_untrusted(requested)
     except OSError as exc:
         problem = f"it cannot be made or read ({exc.strerror or exc})"
@@ -85,19 +87,3 @@ def why_untrusted(path: Path) -> str | None:
             if reachable and found.st_mode & 0o022 and not stat.S_ISLNK(found.st_mode):
                 return f"{entry} may be written by others (mode {stat.S_IMODE(found.st_mode):04o})"
     return None
-
-
-def _make_private(path: Path) -> None:
-    """Create `path` and its missing parents 0700, whatever the umask; an existing directory is
-    left as it is (a cache that was open must not be trusted by making it private now)."""
-    missing = []
-    for candidate in (path, *path.parents):
-        if os.path.lexists(candidate):
-            break
-        missing.append(candidate)
-    for directory in reversed(missing):
-        try:
-            os.mkdir(directory, 0o700)
-        except FileExistsError:       # made meanwhile by another process: checked as found
-            continue
-        os.chmod(directory, 0o700)

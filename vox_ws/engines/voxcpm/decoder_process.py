@@ -34,7 +34,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 from ...engine import EngineFailure
-from ..child import receive, send, start_child, stop_child
+from ..child import grace_until, receive, send, start_child, stop_child
 
 # How long one decode may take before the process is presumed hung (a real-size decode of 16
 # rows on a slow CPU takes seconds, not minutes).
@@ -115,12 +115,14 @@ class DecoderProcess:
         except FutureTimeout:
             raise self._fail(f"no reply in {timeout:.0f} s") from None
 
-    def close(self, timeout: float = 5.0) -> None:
+    def close(self, deadline: float | None = None) -> None:
+        """Stop the process: within STOP_GRACE_S, or by `deadline` (`time.monotonic()`: the end
+        of the server's shutdown) where that is sooner."""
         if self._closed:
             return
         self._closed = True
-        stop_child(self._proc, self._conn, timeout)
-        self._reader.join(timeout)
+        stop_child(self._proc, self._conn, grace_until(deadline))
+        self._reader.join(grace_until(deadline))
 
     def _send(self, message: tuple) -> None:
         try:

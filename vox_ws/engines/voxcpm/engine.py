@@ -352,12 +352,13 @@ class VoxCPMEngine(Engine):
     def _runner(self, model: Any, slots: int, warm_rows: int, decoder: DecoderProcess | None) -> Any:
         return BatchedVoxCPM2(model, slots, warm_rows=warm_rows, adapters=self.loras.adapters, decoder=decoder)
 
-    def close(self) -> None:
+    def close(self, deadline: float | None = None) -> None:
+        # Each helper process takes its time from what is left until `deadline`.
         if self.background is not None:
-            self.background.close()
-        self._normalizer.close()
+            self.background.close(deadline)
+        self._normalizer.close(deadline)
         if self.runner is not None:
-            self.runner.close()
+            self.runner.close(deadline)
 
     def describe(self) -> dict[str, Any]:
         compiled = self.compiled

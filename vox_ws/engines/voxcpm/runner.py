@@ -268,10 +268,10 @@ class BatchedVoxCPM2:
         decoder, self.decoding.process = self.decoding.process, None
         return decoder
 
-    def close(self) -> None:
-        """Stop the decoder process, if there is one."""
+    def close(self, deadline: float | None = None) -> None:
+        """Stop the decoder process, if there is one (by `deadline`, `time.monotonic()`, if given)."""
         if self.decoding.process is not None:
-            self.decoding.process.close()
+            self.decoding.process.close(deadline)
 
     # ------------------------------------------------------------------ capacity
 

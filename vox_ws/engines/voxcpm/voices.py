@@ -24,6 +24,7 @@ import numpy as np
 from ...accelerator import exclusive_on
 from ...audio import decode_audio_file
 from ...engine import ErrorKind, Refused, Voices
+from ...logs import voice_tag
 from .prompt import clean_text
 
 log = logging.getLogger("vox_ws.engines.voxcpm")
@@ -65,7 +66,7 @@ class VoiceBook:
             while len(self._registered) > MAX_VOICES:
                 dropped, _ = self._registered.popitem(last=False)
                 log.info("voice %s dropped from the built voices (least recently used; the store keeps it)",
-                         dropped)
+                         voice_tag(dropped))                # its id is a capability: never logged
         return voice_id
 
     def __len__(self) -> int:
