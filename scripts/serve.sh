@@ -9,9 +9,18 @@ extras="${VOX_WS_EXTRAS:-piper}"
 if [ -z "${VOX_WS_EXTRAS:-}" ] && command -v nvidia-smi >/dev/null 2>&1; then
   extras="piper,voxcpm"
 fi
-check="import vox_ws, piper"
-[[ ",$extras," == *",voxcpm,"* ]] && check="$check, voxcpm"
-if ! .venv/bin/python -c "$check" 2>/dev/null; then
+# Set up when .venv lacks anything the extras named need (a package, its version, vox-ws itself):
+# scripts/missing_extras.py reads them from pyproject.toml and says which (adding one, such as
+# VOX_WS_EXTRAS=piper,wyoming for Home Assistant, installs it), or refuses an extra there is not.
+missing=1
+if [ -x .venv/bin/python ]; then
+  missing=0
+  .venv/bin/python scripts/missing_extras.py "$extras" >&2 || missing=$?
+fi
+if [ "$missing" = 2 ]; then
+  exit 2
+fi
+if [ "$missing" != 0 ]; then
   VOX_WS_EXTRAS="$extras" scripts/setup.sh
 fi
 exec .venv/bin/vox-ws serve "$@"

@@ -20,7 +20,14 @@ metadata="$(.venv/bin/python -c 'import json, tomllib
 d = tomllib.load(open("pyproject.toml", "rb"))
 print(json.dumps({k: d.get(k) for k in ("project", "build-system")}, sort_keys=True))')"
 want="$( { echo "$metadata"; cat "$0"; } | sha256sum | cut -d' ' -f1) ${extras}"
-if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && .venv/bin/python -c "import vox_ws" 2>/dev/null; then
+# What the extras need that .venv lacks (scripts/missing_extras.py): a package removed since the
+# stamp was written is installed again; an extra pyproject.toml has not is refused, exit 2.
+missing=0
+.venv/bin/python scripts/missing_extras.py "$extras" >/dev/null || missing=$?
+if [ "$missing" = 2 ]; then
+  exit 2
+fi
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && [ "$missing" = 0 ]; then
   echo "vox-ws already set up in .venv with extras: ${extras}" >&2
   exit 0
 fi

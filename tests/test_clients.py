@@ -33,7 +33,15 @@ from vox_ws.clients.v1 import MAX_RETRY_WAIT_S, retry_delay
 from vox_ws.engines.piper import PiperEngine
 from vox_ws.engines.piper_voices import bundled, voice_set
 from vox_ws.logs import TEXT_FORMAT, JsonFormatter, TextFormatter, voice_tag
-from vox_ws.service.voice_aliases import OPENAI_VOICES, Alias, load_aliases
+from vox_ws.service.voice_aliases import (
+    OPENAI_VOICES,
+    Alias,
+    check_aliases,
+    default_aliases,
+    default_voice_for,
+    for_engine,
+    load_aliases,
+)
 
 SENTENCE = "Hello there, this is one of the voices speaking a sentence."
 # The second voice: the bundled model with a config of its own (British English, spoken slower).
@@ -168,6 +176,29 @@ def test_piper_voice_files_are_checked_at_start(tmp_path, slow_voice):
         voice_set([str(other_rate)])
 
 
+def test_openai_names_keep_their_voices_when_voices_come_and_go(tmp_path):
+    """OpenAI's names were dealt over the built-in voices in turn: one more voice in the folder
+    changed what almost every name sounded like (`ash` among them), and a German voice got some
+    of them. Now a voice added takes only the names it ranks first for, a voice taken away gives
+    up only its own, and the names fall on the voices of the default voice's language."""
+    def dealt(voices: list[str]) -> dict[str, str]:
+        return {name: default_voice_for(name, voices) for name in OPENAI_VOICES}
+
+    voices = ["joe", "en_GB-alan-medium", "en_US-lessac-medium", "en_US-ryan-high"]
+    before = dealt(voices)
+    assert len(set(before.values())) > 1
+    added = dealt([*voices[:2], "en_US-amy-medium", *voices[2:]])
+    assert all(added[name] in (before[name], "en_US-amy-medium") for name in OPENAI_VOICES)
+    assert "en_US-amy-medium" in added.values()
+    gone = dealt([voice for voice in voices if voice != "en_GB-alan-medium"])
+    assert all(gone[name] == before[name] for name in OPENAI_VOICES if before[name] != "en_GB-alan-medium")
+
+    make_voice(tmp_path, "en_GB-slow-medium")
+    make_voice(tmp_path, "de_DE-slow-medium", language="de_DE")
+    aliases = default_aliases(PiperEngine(voices=voice_set([], str(tmp_path))))
+    assert {alias.voice for alias in aliases.values()} == {"joe", "en_GB-slow-medium"}
+
+
 @pytest.mark.slow
 def test_aliases_from_a_file_name_voices_and_a_bad_one_is_left_out(start_server, slow_voice, tmp_path, caplog):
     aliases = tmp_path / "aliases.toml"
@@ -192,6 +223,33 @@ def test_aliases_from_a_file_name_voices_and_a_bad_one_is_left_out(start_server,
     bad.write_text('{"x": {"voice": "joe", "pitch": 2}}')
     with pytest.raises(ValueError, match="unknown field 'pitch'"):
         load_aliases(str(bad))
+
+
+def test_the_documented_aliases_file_serves_piper_and_voxcpm_without_an_error(start_server, slow_voice,
+                                                                              tiny_voxcpm, tmp_path, caplog):
+    """docs/PROTOCOL.md's aliases file, as written: its `[nova]`, a voice designed from words, is
+    VoxCPM2's, and on Piper it was logged as an ERROR at every start. Marked `engine = "voxcpm"`,
+    Piper leaves it out with an info line and keeps its default `nova`; VoxCPM2 serves it."""
+    protocol = (Path(__file__).resolve().parents[1] / "docs" / "PROTOCOL.md").read_text()
+    example = protocol.split("## Voice names", 1)[1].split("```toml\n", 1)[1].split("```", 1)[0]
+    aliases = tmp_path / "aliases.toml"
+    aliases.write_text(example)
+    assert load_aliases(str(aliases))["nova"].engine == "voxcpm"
+    server = start_server(PiperEngine(voices=voice_set([f"alan={slow_voice}"])), voice_aliases=str(aliases))
+    with caplog.at_level(logging.INFO, "vox_ws.service"):
+        listed = {v["id"]: v for v in httpx.get(server.http + "/v1/audio/voices").json()["voices"]}
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []
+    assert "nova for another engine than piper: left out" in caplog.text
+    info = httpx.get(server.http + "/v1/info").json()["aliases"]
+    assert info["nova"]["voice"] in ("joe", "alan") and "instructions" not in info["nova"]     # the default
+    assert info["narrator"]["voice"] == "alan"
+    assert {"narrator", "slow-joe", "nova"} <= set(listed) and "echo" not in listed
+    assert len(sdk(server).audio.speech.create(model="tts-1", voice="nova", input=SENTENCE,
+                                               response_format="pcm").content)
+    voxcpm = tiny_voxcpm.server.engine
+    configured, elsewhere = for_engine(load_aliases(str(aliases)), voxcpm)
+    assert elsewhere == [] and configured["nova"].instructions
+    assert check_aliases({"nova": configured["nova"]}, voxcpm) == []
 
 
 @pytest.mark.hardening
@@ -578,12 +636,31 @@ async def test_wyoming_describes_voxcpm_by_its_languages(start_server, tiny_mode
     async with AsyncTcpClient("127.0.0.1", server.server.wyoming.port) as c:
         await c.write_event(Describe().event())
         info = Info.from_event(await asyncio.wait_for(c.read_event(), 60))
-        voice, *aliases = info.tts[0].voices                     # then OpenAI's names, designed voices
+        # OpenAI's names (designed voices) are for OpenAI's clients: no aliases file names them here.
+        (voice,) = info.tts[0].voices
         assert voice.name == "default" and voice.languages == list(LANGUAGES) and len(LANGUAGES) == 30
-        assert [a.name for a in aliases] == list(OPENAI_VOICES) and aliases[0].description.startswith("alias of A ")
         await c.write_event(Synthesize(text="Hallo.", voice=SynthesizeVoice(name="default", language="de")).event())
         first = await asyncio.wait_for(c.read_event(), 60)
         assert first.type == "audio-start", first
+
+
+def test_a_voice_file_named_with_a_space_is_left_out_saying_how_to_name_it(tmp_path, caplog):
+    """A voice copied in as `my voice.onnx` was left out of the folder with "no such file
+    'my voice=/.../my voice.onnx'": its name and path read as one path. The line now names the
+    file, says why its name is none, and gives one that is; --piper-voice refuses it alike."""
+    folder = tmp_path / "voices"
+    make_voice(folder, "my voice")
+    make_voice(folder, "en_GB-slow-medium")
+    with caplog.at_level(logging.ERROR, "vox_ws.engine"):
+        voices = voice_set([], str(folder))
+    assert [v.name for v in voices] == ["joe", "en_GB-slow-medium"]
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert line == ("--piper-voices-dir: piper voice 'my voice.onnx': its name 'my voice' is not one: 1-64 letters, "
+                    "digits, '_', '.' or '-' (rename it 'my_voice': my_voice.onnx and my_voice.onnx.json, or "
+                    "--piper-voice my_voice=PATH): left out"), line
+    with pytest.raises(ValueError, match=r"its name 'my voice' is not one: .* \(rename it 'my_voice'"):
+        voice_set([str(folder / "my voice.onnx")])
+    assert [v.name for v in voice_set([f"my_voice={folder / 'my voice.onnx'}"])] == ["joe", "my_voice"]
 
 
 def test_a_voices_folder_serves_each_voice_by_its_file_name(start_server, tmp_path, caplog):

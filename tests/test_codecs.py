@@ -3,12 +3,14 @@ PyAV) to the duration the server reports; the tempo filter keeps the voice's pit
 
 from __future__ import annotations
 
+import hashlib
 import io
 
 import av
 import httpx
 import numpy as np
 import pytest
+import soundfile
 import soxr
 from conftest import WAIT_TIMEOUT, connect_client, wait_until
 from test_server_piper import LONG, SENTENCE
@@ -27,6 +29,23 @@ def decode_file(data: bytes) -> tuple[np.ndarray, int]:
     rate = container.streams.audio[0].codec_context.sample_rate
     pcm = np.concatenate(frames)
     return (pcm / 32767.0 if np.abs(pcm).max() > 2.0 else pcm), rate
+
+
+def flac_streaminfo(data: bytes) -> tuple[int, bytes]:
+    """A FLAC file's total samples and MD5 of its samples, from its STREAMINFO (the block after
+    `fLaC` and the block's 4-byte header: the total in the low 36 bits of its bytes 10-17, the
+    MD5 in bytes 18-33; 0 and zeros: unknown)."""
+    assert data[:4] == b"fLaC" and data[4] & 0x7F == 0
+    info = data[8:42]
+    return int.from_bytes(info[10:18], "big") & ((1 << 36) - 1), info[18:34]
+
+
+def with_rewrites(data: bytes, rewrites: list) -> bytes:
+    """A stream's file with its `end.rewrites` written over it, as a client saving it does."""
+    patched = bytearray(data)
+    for offset, piece in rewrites:
+        patched[offset:offset + len(piece)] = piece
+    return bytes(patched)
 
 
 def decode_packets(packets: list[bytes], description: bytes, rate: int) -> np.ndarray:
@@ -82,6 +101,28 @@ async def test_v1_chunks_concatenate_to_one_file_of_the_reported_duration(piper_
     first, _ = decode_file(result.chunks[0]["audio"]) if fmt != "opus" else decode_file(b"".join(
         c["audio"] for c in result.chunks[:2]))
     assert first.size > 0
+
+
+@pytest.mark.parametrize("fmt", ["flac", "wav"])
+async def test_v1_end_rewrites_give_a_file_soundfile_reads_with_its_length(piper_server, fmt):
+    """A streamed FLAC's STREAMINFO goes before its length is known: total samples 0, and
+    soundfile.read failed (`ValueError: array is too big`). The muxer now writes the true
+    STREAMINFO (and WAV its sizes) at the end, and `end.rewrites` carry it: written over the
+    saved stream, soundfile reads every sample, and the FLAC's MD5 is its samples'."""
+    async with connect_client(piper_server) as c:
+        result = await c.speak(TEXT, format=fmt)
+    assert result.error is None, result.error
+    streamed = b"".join(chunk["audio"] for chunk in result.chunks)
+    whole = with_rewrites(streamed, result.end["rewrites"])
+    assert len(whole) == len(streamed)
+    pcm, rate = soundfile.read(io.BytesIO(whole), dtype="int16")
+    decoded, _ = decode_file(whole)
+    assert len(pcm) == decoded.size and len(pcm) / rate == pytest.approx(result.end["audio_s"], abs=0.0011)
+    if fmt == "flac":
+        assert flac_streaminfo(streamed) == (0, bytes(16))         # as streamed: open-ended
+        assert flac_streaminfo(whole) == (len(pcm), hashlib.md5(pcm.astype("<i2").tobytes()).digest())
+        with pytest.raises(ValueError, match="too big"):           # what soundfile makes of it (libsndfile)
+            soundfile.read(io.BytesIO(streamed))
 
 
 @pytest.mark.parametrize("rate", [48_000, 24_000])

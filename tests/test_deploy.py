@@ -160,8 +160,8 @@ def test_compose_pairs_vox_ws_with_open_webui_and_home_assistant():
     assert '"--host", "0.0.0.0"' in cmd and '"tcp://0.0.0.0:10200"' in cmd and '"dir:/data/voices"' in cmd
     assert {"127.0.0.1:8765:8765", "127.0.0.1:10200:10200"} <= {_interpolate(p, {}) for p in vox["ports"]}
     assert "voices:/data/voices" in vox["volumes"]
-    assert any(volume.endswith(":/data/piper-voices:ro") for volume in vox["volumes"])
-    assert '"--piper-voices-dir", "/data/piper-voices"' in cmd
+    assert "piper-voices:/data/piper-voices" in vox["volumes"] and "piper-voices" in doc["volumes"]
+    assert "ENV VOX_WS_PIPER_VOICES_DIR=/data/piper-voices" in cmd
     env = webui["environment"]
     assert env["AUDIO_TTS_ENGINE"] == "openai" and env["AUDIO_TTS_OPENAI_API_BASE_URL"] == "http://vox-ws:8765/v1"
     assert env["AUDIO_TTS_MODEL"] and env["AUDIO_TTS_VOICE"] == "alloy"
@@ -170,6 +170,27 @@ def test_compose_pairs_vox_ws_with_open_webui_and_home_assistant():
     assert gpu["build"]["dockerfile"] == "deploy/Dockerfile.cuda" and "models:/models" in gpu["volumes"]
     assert gpu["deploy"]["resources"]["reservations"]["devices"][0]["capabilities"] == ["gpu"]
     assert '"dir:/data/voices"' in (DEPLOY / "Dockerfile.cuda").read_text()
+
+
+def test_a_piper_voice_pulled_in_the_container_lands_in_the_folder_it_serves(tmp_path, monkeypatch):
+    """`docker compose run vox-ws models pull piper:NAME` wrote into the home folder of a
+    container that is thrown away, and the served folder was mounted read-only. The image names
+    its voices folder once (VOX_WS_PIPER_VOICES_DIR), which `serve` serves and `models pull`
+    fills without `--dir`; compose mounts it writable, as a volume of its own."""
+    doc = yaml.safe_load((DEPLOY / "compose.yaml").read_text())
+    (mount,) = [volume for volume in doc["services"]["vox-ws"]["volumes"] if "/data/piper-voices" in volume]
+    assert mount == "piper-voices:/data/piper-voices" and "piper-voices" in doc["volumes"]     # no ":ro"
+    image = (DEPLOY / "Dockerfile.cpu").read_text()
+    served = re.search(r"^ENV VOX_WS_PIPER_VOICES_DIR=(\S+)$", image, re.M)[1]
+    assert served == "/data/piper-voices" and '"--piper-voices-dir"' not in image    # one name for both
+    assert re.search(r"mkdir -p [^\n]*/data/piper-voices", image) and "chown -R vox:vox /data" in image
+    from vox_ws.cli import build_parser, config_from_args
+    from vox_ws.engines.piper_hub import pulled_voices_dir
+
+    monkeypatch.setenv("VOX_WS_PIPER_VOICES_DIR", str(tmp_path / "piper-voices"))
+    assert pulled_voices_dir() == tmp_path / "piper-voices"
+    settings = config_from_args(build_parser().parse_args(["serve"])).engine_settings
+    assert settings["piper_voices_dir"] == str(tmp_path / "piper-voices")
 
 
 _VARIABLE = re.compile(r"\$\{(?P<name>[A-Za-z_][A-Za-z0-9_]*)(?::-(?P<default>[^}]*))?\}")

@@ -197,13 +197,54 @@ def test_say_play_without_a_sound_card_fails_saying_so(piper_server):
 @pytest.mark.parametrize("name, magic", [("out.mp3", (b"\xff\xf3", b"\xff\xfb", b"\xff\xf2", b"ID3")),
                                          ("out.ogg", (b"OggS",)), ("out.opus", (b"OggS",)), ("out.flac", (b"fLaC",)),
                                          ("out.aac", (b"\xff\xf1", b"\xff\xf9")), ("out.wav", (b"RIFF",)),
-                                         ("out.pcm16", (b"RIFF",))])
+                                         ("out", (b"RIFF",))])
 def test_say_writes_the_format_its_output_is_named_for(tmp_path, piper_server, name, magic):
     """`say -o out.mp3` wrote WAV bytes into the file and exited 0; the extension names the
-    format now (WAV for one it does not know), unless --format says otherwise."""
+    format now (WAV for a name without one), unless --format says otherwise."""
     done = run_say("Hello there.", "-o", str(tmp_path / name), "--url", piper_server.url)
     assert done.returncode == 0, done.stderr
     assert (tmp_path / name).read_bytes().startswith(magic)
+
+
+@pytest.mark.parametrize("name", ["out.flac", "out.wav"])
+def test_say_files_are_read_by_soundfile_with_the_length_the_server_sent(tmp_path, piper_server, name):
+    """`say -o x.flac` wrote the stream as it came: its STREAMINFO, sent first, said 0 samples, and
+    soundfile.read failed (`ValueError: array is too big`). The server's `end` now carries the
+    header the muxer wrote once the length was known, and say writes it over the file's start:
+    soundfile reads every sample the server sent (FLAC: its MD5 theirs)."""
+    import hashlib
+
+    import soundfile
+    from test_codecs import decode_file, flac_streaminfo
+
+    path = tmp_path / name
+    done = run_say(PARAGRAPH, "-o", str(path), "--url", piper_server.url)
+    assert done.returncode == 0, done.stderr
+    pcm, rate = soundfile.read(path, dtype="int16")
+    decoded, decoded_rate = decode_file(path.read_bytes())
+    assert decoded_rate == rate and len(pcm) == decoded.size > 5 * rate
+    held = float(re.search(r"holds ([\d.]+) s", done.stderr).group(1))       # as the server's `end` says
+    assert len(pcm) / rate == pytest.approx(held, abs=0.05)
+    if name.endswith(".flac"):
+        md5 = hashlib.md5(pcm.astype("<i2").tobytes()).digest()
+        assert flac_streaminfo(path.read_bytes()) == (len(pcm), md5)
+
+
+def test_say_refuses_an_extension_it_cannot_write_and_writes_raw_pcm_by_name(tmp_path, piper_server):
+    """`say -o x.m4a` (.webm, .pcm, .raw, .ulaw) wrote WAV under the name and exited 0. A name
+    say cannot write is refused in one line, before anything is spoken; .pcm and .raw are 16-bit
+    PCM, .ulaw G.711 µ-law, raw at the stream's rate, as the server sends them."""
+    for name in ("x.m4a", "x.webm"):
+        refused = run_say("Hi.", "-o", str(tmp_path / name), "--url", piper_server.url)
+        assert refused.returncode == 2 and refused.stderr.count("\n") == 1, refused.stderr
+        assert f"cannot write a {name[1:]} file" in refused.stderr and not (tmp_path / name).exists()
+    for name, fmt, width in (("x.pcm", "s16", 2), ("x.raw", "s16", 2), ("x.ulaw", "mulaw", 1)):
+        done = run_say("Hello there.", "-o", str(tmp_path / name), "--url", piper_server.url)
+        assert done.returncode == 0, done.stderr
+        data = (tmp_path / name).read_bytes()
+        rate = piper_server.engine.sample_rate
+        assert f"({len(data)} bytes of {fmt} at {rate} Hz)" in done.stderr and not data.startswith(b"RIFF")
+        assert len(data) % width == 0 and len(data) / width > 0.5 * rate
 
 
 # ------------------------------------------------------------------------------ captions

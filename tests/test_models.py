@@ -10,6 +10,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -257,5 +258,87 @@ def test_a_piper_voice_whose_config_cannot_be_read_is_refused_and_nothing_placed
         assert not list(home.rglob(f"{name}.onnx"))              # its model never fetched
     pulled = _vox_ws(hub, home, "pull", "piper:en_GB-test-medium", "--dir", str(folder))
     assert pulled.returncode == 0, pulled.stderr
+    assert sorted(p.name for p in folder.iterdir()) == ["en_GB-test-medium.onnx",
+                                                         "en_GB-test-medium.onnx.json"]
+
+
+def _home_env(home: Path, hub: str) -> dict[str, str]:
+    """A user's environment with its own home (where the default voices folder would be made)."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "VOX_WS_PIPER_VOICES_DIR")}
+    return {**env, "HOME": str(home), "HF_HOME": str(home / "hf"), "HF_ENDPOINT": hub}
+
+
+def _pull_as(env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "vox_ws", "models", "pull", *args], env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_a_piper_voice_named_without_piper_is_pointed_to_it(tmp_path):
+    """`models pull en_US-lessac-medium` went to the hub as a checkpoint's id: an opaque 401.
+    A Piper voice's name is answered at once, asking nothing of the hub: did you mean piper:...?"""
+    pulled = _pull_as(_home_env(tmp_path, "http://127.0.0.1:9"), "en_US-lessac-medium")
+    assert pulled.returncode == 2 and pulled.stderr.count("\n") == 1, pulled.stderr
+    assert "did you mean piper:en_US-lessac-medium?" in pulled.stderr
+    assert not (tmp_path / ".local").exists() and not (tmp_path / "hf").exists()
+
+
+def test_a_hub_that_does_not_answer_is_asked_once_and_the_files_are_named(tmp_path):
+    """A hub that did not answer got five retries over 23.5 s of warnings and then an error that
+    named no way around it. The voice is asked for once (the hub here keeps the first line of
+    each request and hangs up unanswered), and one line says which two files to put where; no
+    voices folder is made."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    asked = []
+
+    def hang_up() -> None:
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return                                    # the listener closed: the test is over
+            with conn:
+                request = b""
+                while b"\r\n" not in request and (more := conn.recv(4096)):
+                    request += more
+                asked.append(request.split(b"\r\n")[0].decode())
+
+    thread = threading.Thread(target=hang_up, daemon=True)
+    thread.start()
+    try:
+        env = _home_env(tmp_path, f"http://127.0.0.1:{listener.getsockname()[1]}")
+        pulled = _pull_as(env, "piper:en_US-lessac-medium")
+    finally:
+        listener.shutdown(socket.SHUT_RDWR)              # wakes its accept(); close alone does not
+        listener.close()
+        thread.join()
+    assert pulled.returncode == 1 and "Traceback" not in pulled.stderr, pulled.stderr
+    assert pulled.stderr.count("\n") == 1 and "Retrying" not in pulled.stderr, pulled.stderr
+    voice = "/rhasspy/piper-voices/resolve/main/en/en_US/lessac/medium/en_US-lessac-medium.onnx.json"
+    assert [line for line in asked if "piper-voices" in line] == [f"HEAD {voice} HTTP/1.1"], asked
+    folder = tmp_path / ".local" / "share" / "vox-ws" / "piper-voices"
+    assert "did not answer" in pulled.stderr and f"in {folder}" in pulled.stderr
+    assert "put en_US-lessac-medium.onnx and en_US-lessac-medium.onnx.json" in pulled.stderr
+    assert "rhasspy/piper-voices/tree/main/en/en_US/lessac/medium" in pulled.stderr
+    assert not (tmp_path / ".local").exists()
+
+
+def test_a_failed_pull_leaves_no_folder_and_no_half_voice(hub, tmp_path):
+    """A failed pull left an empty voices folder where the server serves one by default. A voice
+    the hub lacks makes no folder; one whose model cannot be placed (here its temporary name is
+    taken by a folder) takes its config back out, and a good voice is pulled after it."""
+    env = _home_env(tmp_path, hub)
+    missing = _pull_as(env, "piper:en_US-nobody-medium")
+    assert missing.returncode == 1 and "en_US-nobody-medium" in missing.stderr
+    assert not (tmp_path / ".local").exists()
+
+    folder = tmp_path / "piper-voices"
+    (folder / "en_GB-test-medium.onnx.partial").mkdir(parents=True)
+    unplaced = _pull_as(env, "piper:en_GB-test-medium", "--dir", str(folder))
+    said = [line for line in unplaced.stderr.splitlines() if line.startswith("vox-ws models pull:")]
+    assert unplaced.returncode == 1 and len(said) == 1 and "Traceback" not in unplaced.stderr, unplaced.stderr
+    assert [p.name for p in folder.iterdir()] == ["en_GB-test-medium.onnx.partial"]        # no config alone
+    (folder / "en_GB-test-medium.onnx.partial").rmdir()
+    assert _pull_as(env, "piper:en_GB-test-medium", "--dir", str(folder)).returncode == 0
     assert sorted(p.name for p in folder.iterdir()) == ["en_GB-test-medium.onnx",
                                                          "en_GB-test-medium.onnx.json"]

@@ -6,15 +6,18 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import hashlib
 import io
 import json
 import threading
+import wave
 
 import av
 import httpx
 import numpy as np
 import openai
 import pytest
+import soundfile
 from attackers import assert_speaks
 from conftest import WAIT_TIMEOUT, wait_idle, wait_until
 
@@ -87,8 +90,11 @@ def test_every_format_streams_and_decodes(client, piper_server, fmt):
         second_step.set()
 
     scheduler.on_step = hold_the_second_step
+    # A FLAC comes whole unless `stream` says otherwise (test_the_sdks_plain_create_saves_...).
+    streamed = {"extra_body": {"stream": True}} if fmt == "flac" else {}
     try:
-        data, headers = stream_speech(client, LONG_TEXT, on_first=first_bytes, response_format=fmt)
+        data, headers = stream_speech(client, LONG_TEXT, on_first=first_bytes, response_format=fmt,
+                                      **streamed)
     finally:
         second_step.set()
         scheduler.on_step = observe
@@ -99,6 +105,35 @@ def test_every_format_streams_and_decodes(client, piper_server, fmt):
     assert pcm.size / decoded_rate > 5 and rms(pcm) > 0.01
     ((open_then, steps_then),) = generating_at_first_bytes
     assert open_then == 1 and steps_then <= 2 < len(steps), "the first bytes came only once generation had ended"
+
+
+def test_the_sdks_plain_create_saves_flac_and_wav_that_soundfile_reads_with_their_length(client, tmp_path):
+    """OpenAI's SDK sends no `stream`, even from `create()`, which reads the body whole: a FLAC
+    saved so said 0 samples (its STREAMINFO goes first, streamed) and soundfile.read failed,
+    `ValueError: array is too big`. Without `stream` a FLAC now comes whole, its STREAMINFO
+    written by the muxer at the end (length and MD5); `stream: false` gives a WAV its true sizes.
+    A plain WAV and a FLAC asked for with `stream: true` stream open-ended, as documented."""
+    from test_codecs import flac_streaminfo
+
+    for fmt, extra, whole in (("flac", None, True), ("wav", {"stream": False}, True), ("wav", None, False),
+                              ("flac", {"stream": True}, False)):
+        reply = client.audio.speech.with_raw_response.create(model="tts-1", voice="alloy", input=TEXT,
+                                                             response_format=fmt, extra_body=extra)
+        path = tmp_path / f"saved.{fmt}"
+        reply.parse().write_to_file(path)
+        data = path.read_bytes()
+        assert ("content-length" in reply.headers) == whole, (fmt, extra)
+        if fmt == "flac" and not whole:
+            assert flac_streaminfo(data) == (0, bytes(16))
+            continue
+        pcm, rate = soundfile.read(path, dtype="int16")
+        decoded, decoded_rate = decode(data, fmt)
+        assert rate == decoded_rate == 24_000 and len(pcm) == decoded.size and len(pcm) > rate, (fmt, extra)
+        if fmt == "flac":
+            assert flac_streaminfo(data) == (len(pcm), hashlib.md5(pcm.astype("<i2").tobytes()).digest())
+        elif whole:
+            with wave.open(str(path)) as saved:                   # the header's sizes, as `wave` trusts them
+                assert saved.getnframes() == len(pcm)
 
 
 @pytest.mark.parametrize("fmt", ["mp3", "opus", "aac", "flac", "wav", "pcm"])
@@ -401,3 +436,31 @@ async def test_the_openai_door_speaks_a_stored_voice_this_process_never_built(st
     with pytest.raises(openai.BadRequestError) as caught:
         await asyncio.to_thread(say, "v_" + "a" * 32)
     assert caught.value.body["param"] == "voice" and caught.value.body["code"] == "voice_not_found"
+
+
+def test_kokoro_fastapis_download_fields_are_taken_and_said_ignored(client):
+    """Kokoro-FastAPI's clients send `download_format` and `return_download_link` (a copy kept on
+    its server to fetch later); vox-ws answered 400 "Unrecognized request argument". They are
+    taken: the speech comes, and X-Ignored-Parameters names them (no copy is kept here)."""
+    data, headers = stream_speech(client, response_format="pcm",
+                                  extra_body={"download_format": "mp3", "return_download_link": True})
+    assert len(data) > 24_000
+    assert headers["x-ignored-parameters"].split(",") == ["download_format", "return_download_link"]
+    # Kokoro's defaults (no link asked for) change nothing, so nothing is said ignored.
+    data, headers = stream_speech(client, response_format="pcm", extra_body={"return_download_link": False})
+    assert len(data) > 24_000 and "x-ignored-parameters" not in headers
+
+
+def test_a_model_served_from_a_directory_is_named_by_it_not_by_its_path(tiny_voxcpm, tiny_model):
+    """`/v1/audio/models` named a VoxCPM2 checkpoint served from a directory by its absolute path
+    (where the server's files lie, and not the same on the next machine). It is named by the
+    directory's name, in every list, and a client that sends that name is served it, not told
+    the model was ignored."""
+    sdk = openai.OpenAI(base_url=tiny_voxcpm.http + "/v1", api_key="unused", max_retries=0)
+    audio_models = httpx.get(tiny_voxcpm.http + "/v1/audio/models", timeout=30).json()["models"]
+    assert [(m["id"], m["name"]) for m in audio_models] == [(tiny_model.name, tiny_model.name)]
+    assert [m.id for m in sdk.models.list().data] == [tiny_model.name]
+    assert sdk.models.retrieve(tiny_model.name).id == tiny_model.name
+    with sdk.audio.speech.with_streaming_response.create(model=tiny_model.name, voice="alloy", input="Hi.",
+                                                         response_format="pcm") as response:
+        assert response.read() and "x-ignored-parameters" not in response.headers

@@ -7,6 +7,7 @@ SIGSEGV while it is speaking."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
@@ -15,18 +16,23 @@ import shutil
 import signal
 import sys
 import threading
+import time
 from dataclasses import replace
 from pathlib import Path
 
 import httpx
 import numpy as np
+import openai
+import psutil
 import pytest
-from conftest import assert_good_stream, connect_client, start_serve
+from conftest import WAIT_TIMEOUT, assert_good_stream, connect_client, start_serve
 from test_server_piper import LONG, SENTENCE
+from wyoming.client import AsyncTcpClient
+from wyoming.info import Describe, Info
 
 from vox_ws.engines import piper_worker
 from vox_ws.engines.piper import PiperEngine, defuse_letter_runs
-from vox_ws.engines.piper_voices import MAX_CONFIG_BYTES, bundled, voice_set
+from vox_ws.engines.piper_voices import MAX_CONFIG_BYTES, VoiceSource, bundled, voice_set
 from vox_ws.engines.piper_worker import MAX_PHONEMES, PiperWorker, WorkerCrashed
 
 TRIGGERS = ["a." * 100, "b." * 100, "A.B." * 50]
@@ -268,3 +274,128 @@ async def test_a_voice_config_is_read_once_within_a_bound(tmp_path, start_server
     assert_good_stream(joe)
     assert_good_stream(good)
     assert good.seconds > 1.3 * joe.seconds
+
+
+def _listed(server) -> list[str]:
+    """The built-in voices as Open WebUI lists them (`GET /v1/audio/voices`)."""
+    voices = httpx.get(f"{server.http}/v1/audio/voices", timeout=30).json()["voices"]
+    return [v["id"] for v in voices if v["kind"] == "builtin"]
+
+
+def _on_server(server, coroutine):
+    """A coroutine run on the server's own event loop, awaited from the test's."""
+    return asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coroutine, server.loop))
+
+
+async def test_a_voice_added_to_the_folder_is_served_after_sighup_and_one_removed_is_refused(
+        tmp_path, start_server, caplog):
+    """The voices folder read again on SIGHUP (`VoxServer.reload`, what the signal runs): a voice
+    copied in is listed (`/v1/audio/voices`, Wyoming's `describe`) and speaks in its own config;
+    one removed is no longer listed and refused as `voice_not_found`, while a stream that
+    started in it before goes on to its end; a bad model copied in is left out with a log line
+    naming its file, and the rest is served. The worker that spoke the voices before stops with
+    its last stream."""
+    folder = tmp_path / "voices"
+    folder.mkdir()
+    _voice(folder, "en_US-first-medium")
+    engine = PiperEngine(source=VoiceSource(directory=str(folder)))
+    # The client below reads one chunk and then nothing for a while: its stream waits for it.
+    server = start_server(engine, wyoming="tcp://127.0.0.1:0", max_buffered_audio_s=1.0,
+                          write_stall_timeout_s=WAIT_TIMEOUT)
+    assert _listed(server) == ["joe", "en_US-first-medium"]
+    first_worker = engine.worker_pid
+    async with connect_client(server) as c:
+        await c.send({"type": "start", "id": "long", "text": LONG * 3, "voice": "en_US-first-medium",
+                      "format": "s16"})
+        first_chunk = await c.recv_where(lambda m: m.get("id") == "long" and m["type"] == "chunk")
+        _voice(folder, "en_US-second-medium", length_scale=1.6)
+        _voice(folder, "en_US-broken-medium", model=random.Random(4).randbytes(4096))
+        for path in folder.glob("en_US-first-medium.*"):
+            path.unlink()
+        with caplog.at_level(logging.ERROR, "vox_ws.engines.piper"):
+            changes = await _on_server(server, server.server.reload())
+        assert changes == [{"added": ["en_US-second-medium"], "removed": ["en_US-first-medium"],
+                            "left_out": ["en_US-broken-medium"]}]
+        line = next(r.getMessage() for r in caplog.records if "en_US-broken-medium.onnx" in r.getMessage())
+        assert "left out" in line and "DecodeError" in line, line
+        assert _listed(server) == ["joe", "en_US-second-medium"]
+        async with AsyncTcpClient("127.0.0.1", server.server.wyoming.port) as wyoming:
+            await wyoming.write_event(Describe().event())
+            (program,) = Info.from_event(await asyncio.wait_for(wyoming.read_event(), WAIT_TIMEOUT)).tts
+        described = {voice.name for voice in program.voices}
+        assert "en_US-second-medium" in described and "en_US-first-medium" not in described
+        # The new voice speaks in its own (slower) config; the removed and the bad are refused.
+        joe, second = _speech(server.port, "joe"), _speech(server.port, "en_US-second-medium")
+        assert joe.status_code == second.status_code == 200
+        assert len(second.content) > 1.3 * len(joe.content)
+        for gone in ("en_US-first-medium", "en_US-broken-medium"):
+            refused = _speech(server.port, gone)
+            assert refused.status_code == 400, refused.text
+            assert refused.json()["error"]["code"] == "voice_not_found"
+        assert "cannot be loaded" in _speech(server.port, "en_US-broken-medium").json()["error"]["message"]
+        assert psutil.pid_exists(first_worker) and engine.worker_pid != first_worker
+        long = await c.collect("long")                           # its voice removed, its worker kept
+        long.chunks.insert(0, first_chunk)
+        assert_good_stream(long, min_seconds=60)
+    assert not psutil.pid_exists(first_worker)                # with its last stream (released before `end`)
+
+
+async def test_a_voice_copied_into_the_folder_is_served_without_a_signal(tmp_path, start_server):
+    """`--piper-voices-poll`: the folder looked at every so often; a voice copied in is served
+    once the folder has settled, and one deleted is no longer, to the OpenAI SDK. The test waits
+    on the rescans themselves (`until_done`), never on time."""
+    folder = tmp_path / "voices"
+    folder.mkdir()
+    engine = PiperEngine(source=VoiceSource(directory=str(folder)), rescan_every_s=0.05)
+    server = start_server(engine)
+    rescans = server.server.service.voice_rescans
+    openai_client = openai.AsyncOpenAI(base_url=server.http + "/v1", api_key="unused", max_retries=0)
+
+    async def until(listed: bool) -> None:
+        done = rescans.done
+        while ("en_US-copied-medium" in _listed(server)) != listed:
+            done += 1
+            await asyncio.wait_for(_on_server(server, rescans.until_done(done)), WAIT_TIMEOUT)
+
+    assert _listed(server) == ["joe"]
+    _voice(folder, "en_US-copied-medium", length_scale=1.6)
+    await until(listed=True)
+    speech = await openai_client.audio.speech.create(model="tts-1", voice="en_US-copied-medium",
+                                                     input=SENTENCE, response_format="pcm")
+    assert len(speech.content) > 22050
+    for path in folder.glob("en_US-copied-medium.*"):
+        path.unlink()
+    await until(listed=False)
+    with pytest.raises(openai.BadRequestError) as refused:
+        await openai_client.audio.speech.create(model="tts-1", voice="en_US-copied-medium", input=SENTENCE)
+    assert refused.value.code == "voice_not_found"
+
+
+def test_vox_ws_serve_serves_a_first_pulled_voice_on_sighup(tmp_path):
+    """`vox-ws serve` without a voices folder, then a first voice placed where `models pull
+    piper:NAME` puts it (the folder made then) and SIGHUP: the voice is served without a
+    restart (the pulled voices' folder is watched before it exists)."""
+    home = tmp_path / "home"
+    home.mkdir()
+    log = tmp_path / "server.log"
+    env = {**os.environ, "HOME": str(home), "PYTHONUNBUFFERED": "1"}
+    env.pop("VOX_WS_PIPER_VOICES_DIR", None)
+    serve = [sys.executable, "-m", "vox_ws", "serve", "--engine", "piper", "--port", "0",
+             "--piper-voices-poll", "0"]
+    proc, port = start_serve(serve, log, env=env)
+    try:
+        voices = httpx.get(f"http://127.0.0.1:{port}/v1/voices").json()["voices"]
+        assert [v["id"] for v in voices if v["kind"] == "builtin"] == ["joe"]
+        folder = home / ".local" / "share" / "vox-ws" / "piper-voices"
+        folder.mkdir(parents=True)
+        _voice(folder, "en_US-pulled-medium", length_scale=1.6)
+        proc.send_signal(signal.SIGHUP)
+        deadline = time.monotonic() + WAIT_TIMEOUT                 # a hang detector, not a measure
+        while "en_US-pulled-medium" not in httpx.get(f"http://127.0.0.1:{port}/v1/voices").text:
+            assert time.monotonic() < deadline and proc.poll() is None, log.read_text()[-3000:]
+            time.sleep(0.05)
+        assert _speech(port, "en_US-pulled-medium").status_code == 200
+        assert "piper voices read again: ['en_US-pulled-medium'] added" in log.read_text()
+    finally:
+        proc.terminate()
+        proc.wait(30)

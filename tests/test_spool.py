@@ -151,3 +151,32 @@ def test_a_send_clock_earns_time_by_the_bytes_taken_and_banks_at_most_its_grace(
     clock.taken(100, now=15.0)                  # a trickle earns a trickle: 0.1 s
     assert clock.deadline == pytest.approx(21.1) and clock.left_s(30.0) == 0.0
     assert SendClock(min_rate=0.0, grace_s=20.0, now=0.0).left_s(1e9) is None      # no floor
+
+
+@pytest.mark.parametrize("memory_bytes", [1 << 20, 100])
+async def test_a_spools_rewrites_stand_over_what_was_written_in_memory_or_in_its_file(monkeypatch, memory_bytes):
+    """A header that learns the file's length at the end (FLAC's STREAMINFO, WAV's sizes: the
+    stream's `Ended.rewrites`) is written over what the spool holds, across its pieces, whether
+    it is still in memory or in its temporary file; one outside what was written is refused."""
+    from vox_ws.transports import spool as spool_module
+    from vox_ws.transports.spool import Spool, SpoolBudget
+
+    monkeypatch.setattr(spool_module, "MEMORY_BYTES", memory_bytes)
+    monkeypatch.setattr(spool_module, "WRITE_BYTES", 64)
+    monkeypatch.setattr(spool_module, "SEND_BYTES", 10)
+    budget = SpoolBudget(per_owner=1 << 20, total=1 << 20)
+    whole = Spool(budget, "a")
+    written = bytes(range(256)) * 2
+    for start in range(0, len(written), 50):
+        await whole.write(written[start:start + 50])
+    whole.rewrite(8, b"STREAMINFO")                    # across the first two pieces
+    whole.rewrite(4, b"SIZE")
+    whole.rewrite(len(written) - 3, b"end")            # the very end
+    with pytest.raises(ValueError):
+        whole.rewrite(len(written) - 2, b"past")
+    sent = b"".join([piece async for piece in whole.pieces()])
+    expected = bytearray(written)
+    expected[8:18], expected[4:8], expected[-3:] = b"STREAMINFO", b"SIZE", b"end"
+    assert sent == bytes(expected) and whole.size == len(written)
+    assert budget.spilled == (memory_bytes < len(written))
+    await whole.close()

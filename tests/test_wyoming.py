@@ -5,13 +5,19 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
+import os
+import socket
+import subprocess
+import sys
 import time
 
 import numpy as np
 import pytest
 from attackers import ATTACKER
 from conftest import WAIT_TIMEOUT, connect_client, wait_idle, wait_until
-from test_server_piper import LONG, SENTENCE
+from test_clients import make_voice
+from test_server_piper import LONG, SENTENCE, GatedPiper
 from wyoming.audio import AudioChunk, AudioStart, AudioStop
 from wyoming.client import AsyncTcpClient
 from wyoming.error import Error
@@ -28,6 +34,8 @@ from wyoming.tts import (
 )
 
 from vox_ws.engines.piper import PiperEngine
+from vox_ws.engines.piper_voices import voice_set
+from vox_ws.scheduling.loop import LOADING_RETRY_AFTER_S
 from vox_ws.service.voice_aliases import OPENAI_VOICES
 
 READ_TIMEOUT = 60.0
@@ -73,10 +81,10 @@ async def test_describe_lists_the_voices_and_streaming(server):
         info = Info.from_event(await read(c))
     (program,) = info.tts
     assert program.name == "vox-ws" and program.supports_synthesize_streaming
-    # Every voice a client may name: the built-in one, then the aliases (it listed joe alone).
-    assert [v.name for v in program.voices] == ["joe", *OPENAI_VOICES]
-    assert all(v.languages == ["en_US"] for v in program.voices)
-    assert program.voices[1].description == "alias of joe"
+    # The built-in voice, described as wyoming-piper describes it; OpenAI's names, which Home
+    # Assistant's picker listed as "alias of joe" 13 times over, are not (no aliases file names them).
+    listed = [(v.name, v.description, v.languages) for v in program.voices]
+    assert listed == [("joe", "joe (medium)", ["en_US"])]
     # Credited to the engine that speaks (it named OpenBMB/VoxCPM while Piper spoke).
     assert "Piper" in program.voices[0].attribution.name and "piper" in program.voices[0].attribution.url
 
@@ -368,7 +376,7 @@ async def test_an_alias_carries_a_speed_to_home_assistant(start_server, tmp_path
     async with client(slowed) as c:
         await c.write_event(Describe().event())
         listed = {v.name: v for v in Info.from_event(await read(c)).tts[0].voices}
-    assert listed["slow-joe"].description == "alias of joe, at 0.5x" and "alloy" in listed
+    assert listed["slow-joe"].description == "slow-joe (alias of joe, at 0.5x)" and "alloy" not in listed
 
     text = "Hello there, how are you today?"
     normal, slow = await spoken_seconds(slowed, text, "joe"), await spoken_seconds(slowed, text, "slow-joe")
@@ -405,8 +413,7 @@ async def test_describe_lists_the_voices_this_address_registered_by_name(start_s
         return [v.name for v in info.tts[0].voices]
 
     mine, theirs = await names_seen_from("127.0.0.1"), await names_seen_from("127.0.0.2")
-    assert mine[0] == "default" and "grandma" in mine and "alloy" in mine
-    assert "grandma" not in theirs and "alloy" in theirs
+    assert mine == ["default", "grandma"] and theirs == ["default"]
 
 
 async def test_an_alias_carries_pipers_own_settings(start_server, tmp_path):
@@ -422,6 +429,102 @@ async def test_an_alias_carries_pipers_own_settings(start_server, tmp_path):
     normal, drawl, pausing = [await spoken_seconds(served, text, voice) for voice in ("joe", "drawl", "pausing")]
     assert 1.6 < drawl / normal < 2.4
     assert 1.8 < pausing - normal < 2.2                  # a second after each of the two sentences
+
+
+# ------------------------------------------------------------------ Home Assistant after a reboot
+
+
+async def test_a_client_that_connects_during_the_load_is_described_every_voice_once_loaded(start_server,
+                                                                                           tmp_path):
+    """Home Assistant after a reboot: `describe` sent while the engine loaded was answered at once
+    with a placeholder (`default`, one language), which Home Assistant keeps for the life of its
+    config entry (its picker showed `default`, and `en_GB` was "not supported"); the HTTP lists
+    answered 200 with no voice. Now `describe` waits for the load and answers every voice and
+    language, and the lists say 503 `not_ready` until then."""
+    import httpx
+
+    make_voice(tmp_path / "voices", "en_GB-slow-medium")
+    held = GatedPiper(voices=voice_set([], str(tmp_path / "voices")))
+    served = start_server(held, wait=False, wyoming="tcp://127.0.0.1:0")
+    try:
+        for path in ("/v1/audio/voices", "/v1/voices"):
+            listed = httpx.get(served.http + path, timeout=WAIT_TIMEOUT)
+            assert listed.status_code == 503 and listed.json()["error"]["code"] == "not_ready", listed.text
+            assert listed.headers["retry-after"] == str(math.ceil(LOADING_RETRY_AFTER_S))
+        async with client(served) as c:                      # as soon as the port accepts
+            await c.write_event(Describe().event())
+            # The question has arrived and waits on the load (the service's watch of it is up).
+            await wait_until(lambda: served.server.service._load_settled is not None)
+            held.gate.set()
+            info = Info.from_event(await read(c))
+    finally:
+        held.gate.set()
+    described = [(v.name, v.languages) for v in info.tts[0].voices]
+    assert described == [("joe", ["en_US"]), ("en_GB-slow-medium", ["en_GB"])]
+    listed = httpx.get(served.http + "/v1/audio/voices", timeout=WAIT_TIMEOUT)
+    assert listed.status_code == 200
+    assert {"joe", "en_GB-slow-medium"} <= {v["id"] for v in listed.json()["voices"]}
+
+
+async def test_describe_is_not_ready_when_the_load_outlasts_its_wait_or_failed(start_server):
+    """Never a placeholder: a load still going after the wait (`idle_timeout_s`; none here), or a
+    load that failed, is `error {code: not_ready}` saying so, and the connection closes, so that
+    the client asks again."""
+    held = GatedPiper()
+    served = start_server(held, wait=False, wyoming="tcp://127.0.0.1:0")
+    served.server.wyoming.describe_wait_s = 0.0
+    try:
+        async with client(served) as c:
+            await c.write_event(Describe().event())
+            error = Error.from_event(await read(c))
+            assert error.code == "not_ready" and "loading" in error.text
+            assert await asyncio.wait_for(c.read_event(), READ_TIMEOUT) is None
+    finally:
+        held.gate.set()
+    broken = GatedPiper(fail=True)
+    broken.gate.set()
+    failed = start_server(broken, wait=False, wyoming="tcp://127.0.0.1:0")
+    await wait_until(lambda: failed.devices.status == "failed")
+    async with client(failed) as c:
+        await c.write_event(Describe().event())
+        error = Error.from_event(await read(c))
+        assert error.code == "not_ready" and "weights are corrupt" in error.text
+
+
+async def test_home_assistants_picker_offers_each_voice_once_by_its_own_name(start_server, tmp_path):
+    """Home Assistant's picker shows each voice's `description`, not its name: with three Piper
+    voices its en_US picker had 16 entries, "alias of joe" three times, OpenAI's 13 names dealt
+    over the voices. Now: the real voices, described as wyoming-piper describes them (`dataset
+    (quality)`, led by the voice's own name where that is not the dataset's), then the aliases
+    the aliases file names, each led by its own name. OpenAI's other names are left out of it,
+    and still spoken when named; the OpenAI door lists all of them."""
+    import httpx
+
+    folder = tmp_path / "voices"
+    make_voice(folder, "en_GB-slow-medium")                         # joe's config under another name
+    quick = make_voice(folder, "en_US-quick-medium", language="en_US", length_scale=1.0)
+    config = quick.with_name("en_US-quick-medium.onnx.json")
+    config.write_text(json.dumps({**json.loads(config.read_text()), "dataset": "quick"}))
+    aliases = tmp_path / "aliases.toml"
+    aliases.write_text('alloy = "en_US-quick-medium"\nslow-joe = { voice = "joe", speed = 0.5 }\n')
+    served = start_server(PiperEngine(voices=voice_set([], str(folder))), wyoming="tcp://127.0.0.1:0",
+                          voice_aliases=str(aliases))
+    async with client(served) as c:
+        await c.write_event(Describe().event())
+        voices = Info.from_event(await read(c)).tts[0].voices
+    # As Home Assistant's WyomingTtsProvider builds its picker: per language, each voice's
+    # description (or its name) for the voice id, sorted.
+    picker: dict[str, list[tuple[str, str]]] = {}
+    for voice in voices:
+        for language in voice.languages:
+            picker.setdefault(language, []).append((voice.description or voice.name, voice.name))
+    assert {language: sorted(entries) for language, entries in picker.items()} == {
+        "en_US": [("alloy (alias of en_US-quick-medium)", "alloy"), ("joe (medium)", "joe"),
+                  ("quick (medium)", "en_US-quick-medium"), ("slow-joe (alias of joe, at 0.5x)", "slow-joe")],
+        "en_GB": [("en_GB-slow-medium (joe, medium)", "en_GB-slow-medium")]}
+    assert await spoken_seconds(served, "Not listed, still spoken.", "ash") > 0
+    openai_listed = httpx.get(served.http + "/v1/audio/voices", timeout=WAIT_TIMEOUT).json()["voices"]
+    assert set(OPENAI_VOICES) <= {v["id"] for v in openai_listed if v["kind"] == "alias"}
 
 
 async def test_zeroconf_advertises_the_wyoming_door_to_a_browser(start_server):
@@ -455,6 +558,59 @@ async def test_zeroconf_advertises_the_wyoming_door_to_a_browser(start_server):
 def test_zeroconf_without_a_tcp_wyoming_door_is_refused_at_start(start_server):
     with pytest.raises(Exception, match="--zeroconf advertises the Wyoming door"):
         start_server(PiperEngine(), zeroconf="vox-ws-test")
+
+
+def serve_refused(tmp_path, *options: str, hidden: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+    """`vox-ws serve OPTIONS` in a process of its own, the packages `hidden` not importable there
+    (as on an install without the extra): its exit and what it said."""
+    hide = "".join(f"sys.modules[{name!r}] = None; " for name in hidden)
+    code = f"import sys; {hide}from vox_ws.cli import main; sys.exit(main(sys.argv[1:]))"
+    return subprocess.run([sys.executable, "-c", code, "serve", "--engine", "piper", "--port", "0",
+                           "--voice-store", "memory", *options], capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "HOME": str(tmp_path)})
+
+
+def said_in_one_line(run: subprocess.CompletedProcess) -> str:
+    assert "Traceback" not in run.stderr, run.stderr
+    refusals = [line for line in run.stderr.splitlines() if line.startswith("vox-ws serve:")]
+    assert len(refusals) == 1, run.stderr
+    return refusals[0]
+
+
+def test_the_wyoming_door_without_its_package_is_refused_in_one_line(tmp_path):
+    """`--wyoming` (and `--zeroconf`) on an install without the `wyoming` extra stopped the start
+    with a 20-line traceback, after the engine had been chosen. Now: one `vox-ws serve:` line
+    saying which package and how to install it, exit 1, before any engine starts."""
+    door = ["--wyoming", "tcp://127.0.0.1:0"]
+    for options, hidden, package in ((door, ("wyoming",), "wyoming"),
+                                     ([*door, "--zeroconf", "vox-ws"], ("zeroconf",), "zeroconf")):
+        run = serve_refused(tmp_path, *options, hidden=hidden)
+        assert run.returncode == 1, run.stderr
+        line = said_in_one_line(run)
+        assert f"needs the {package} package" in line and "vox-ws[wyoming]" in line, line
+        assert "engine auto" not in run.stderr and "listening" not in run.stderr
+
+
+def test_zeroconf_without_a_tcp_wyoming_door_is_refused_in_one_line(tmp_path):
+    """Contradicting options are a usage error: exit 2, one line, for no --wyoming as for a Unix one."""
+    for options in (["--zeroconf", "vox-ws"], ["--zeroconf", "vox-ws", "--wyoming", f"unix://{tmp_path}/w.sock"]):
+        run = serve_refused(tmp_path, *options)
+        assert run.returncode == 2, run.stderr
+        assert said_in_one_line(run) == ("vox-ws serve: --zeroconf advertises the Wyoming door: serve it "
+                                         "with --wyoming tcp://HOST:PORT")
+
+
+def test_a_wyoming_port_taken_is_refused_in_one_line_and_nothing_is_left_running(tmp_path):
+    """A Wyoming port another program holds: the HTTP port and the Piper worker had started, and
+    the start ended in two tracebacks (the server's, then its worker's broken pipe). Now one line
+    naming the door, exit 1, and the worker stopped with it (no traceback of its own)."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        uri = f"tcp://127.0.0.1:{taken.getsockname()[1]}"
+        run = serve_refused(tmp_path, "--wyoming", uri)
+    assert run.returncode == 1, run.stderr
+    assert said_in_one_line(run).startswith(f"vox-ws serve: --wyoming {uri}: cannot listen: ")
 
 
 @pytest.fixture(scope="module")

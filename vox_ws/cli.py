@@ -205,11 +205,12 @@ def build_parser() -> argparse.ArgumentParser:
     say.add_argument("text", nargs="?", help="what to say (or --file)")
     say.add_argument("-f", "--file", help="a text file of any length to speak, or - for standard input")
     say.add_argument("-o", "--output", help="file to write, in the format its extension names (.wav, .mp3, .opus or "
-                                            ".ogg, .aac, .flac; WAV for any other)")
+                                            ".ogg, .aac, .flac, .pcm or .raw: s16, .ulaw: mulaw; WAV without "
+                                            "one); any other extension is refused unless --format names one")
     say.add_argument("--captions", help="also write captions, .srt or .vtt (word timings where the engine has them)")
     say.add_argument("--language", help="the text's language (en, de, zh, ...): where its sentences end")
     say.add_argument("-q", "--quiet", action="store_true", help="no progress bar (none when not on a terminal)")
-    say.add_argument("--format", choices=("wav", "opus", "mp3", "aac", "flac"),
+    say.add_argument("--format", choices=("wav", "opus", "mp3", "aac", "flac", "s16", "mulaw"),
                      help="the file's format (encoded by the server as it speaks); default: the output's extension's")
     say.add_argument("--speed", type=float, default=1.0, help="0.25-4.0, pitch kept")
     say.add_argument("--instructions", help="how to speak, in words (VoxCPM2)")
@@ -232,8 +233,15 @@ def build_parser() -> argparse.ArgumentParser:
     owner.add_argument("--ipv6-prefix", type=_ipv6_prefix, default=os.environ.get("VOX_WS_IPV6_PREFIX", "64"),
                        help="the server's --ipv6-prefix (an IPv6 address counts by its network) [env VOX_WS_IPV6_PREFIX]")
 
-    models.add_arguments(commands.add_parser("models", help="VoxCPM2 weights: pull a checkpoint, list those on disk",
-                                             description=models.__doc__,
+    # The module's docstring past its first paragraph, which names source files for developers.
+    about = "\n\n".join([
+        "VoxCPM2 checkpoints and Piper voices on disk: `vox-ws models pull REPO` fetches a\n"
+        "VoxCPM2 checkpoint, `vox-ws models pull piper:NAME` a Piper voice into the folder\n"
+        "the server serves; `vox-ws models list` shows what is here and whether the engine\n"
+        "can load each.", *(models.__doc__ or "").split("\n\n")[1:]])
+    models.add_arguments(commands.add_parser("models", help="VoxCPM2 checkpoints and Piper voices: pull one, "
+                                                            "list those on disk",
+                                             description=about,
                                              formatter_class=argparse.RawDescriptionHelpFormatter))
     bench = commands.add_parser("bench", help="load a running server and report first audio, RTF, underruns",
                                 description=loadtest.__doc__)
@@ -288,26 +296,38 @@ def _list(text: str | None) -> list[str]:
 
 
 async def _serve(config: ServerConfig) -> int:
-    from .server import VoxServer
+    """Every start that cannot go on ends in one `vox-ws serve:` line, never a traceback: exit 2
+    for options or files that cannot be served, 1 for what the machine lacks (a package, a port)."""
+    from .server import StartFailed, VoxServer, wyoming_door
 
     from .scheduling.devices import parse_devices
 
     # One engine (one copy of the model) per device, each with its own engine loop.
     try:
+        wyoming_door(config)                   # before an engine is chosen: a missing package, at once
         built = [engines.create_engine(config.engine, {**config.engine_options(), "device": device})
                  for device in parse_devices(config.device)]
         server = VoxServer(config, built)
     except ValueError as exc:                  # a setting that cannot be served (a voice file, aliases)
         print(f"vox-ws serve: {exc}", file=sys.stderr)
         return 2
+    except StartFailed as exc:
+        print(f"vox-ws serve: {exc}", file=sys.stderr)
+        return 1
     from .service.voice_store import StoreUnavailable
 
     try:
-        await server.start()
+        await server.start()                   # stops what it had started before it raises
     except StoreUnavailable as exc:            # a voice store this server may not use: said in one line
         print(f"vox-ws serve: {exc.message}", file=sys.stderr)
         await asyncio.to_thread(server.devices.stop)
         return 1
+    except StartFailed as exc:
+        print(f"vox-ws serve: {exc}", file=sys.stderr)
+        return 1
+    except ValueError as exc:                  # a file read at start (the lexicon)
+        print(f"vox-ws serve: {exc}", file=sys.stderr)
+        return 2
     server.install_signal_handlers()
     await server.wait_stopped()
     return server.exit_code

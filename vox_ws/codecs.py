@@ -7,15 +7,18 @@ no seams, and every call is synchronous: callers run it off the event loop.
 
 Containers are muxed by FFmpeg into a sink that the pipeline empties after every call, so the
 concatenation of what the calls return is one valid file, and a player can start on the first
-piece. `opus_packets` skips the container: each call returns raw Opus packets for WebCodecs.
+piece. The sink is seekable, so a muxer that learns the file's length only at its end goes back
+and writes it (FLAC's STREAMINFO: total samples and MD5; WAV's RIFF and data sizes): bytes sent
+already cannot change, so those writes come back as `rewrites` with the last piece, for whoever
+holds the whole file (a whole response, a file on disk). `opus_packets` skips the container:
+each call returns raw Opus packets for WebCodecs.
 """
 
 from __future__ import annotations
 
-import struct
 import threading
-from fractions import Fraction
 from dataclasses import dataclass, field
+from fractions import Fraction
 from typing import Any
 
 import numpy as np
@@ -86,24 +89,6 @@ CODECS: dict[str, Codec] = {c.name: c for c in (
 OUTPUT_FORMATS = PCM_FORMATS + tuple(CODECS)
 
 
-def wav_with_sizes(head: bytes, total: int) -> bytes:
-    """The first bytes of a streamed WAV (whose RIFF and data sizes say "unknown": written before
-    the length was) with the sizes of the whole file, once it is known to be `total` bytes long.
-    `head` must hold the header up to the data chunk's size; anything else is returned as is."""
-    if head[:4] != b"RIFF" or head[8:12] != b"WAVE":
-        return head
-    patched = bytearray(head)
-    struct.pack_into("<I", patched, 4, min(total - 8, 0xFFFFFFFF))
-    position = 12
-    while position + 8 <= len(patched):
-        chunk, size = patched[position:position + 4], struct.unpack_from("<I", patched, position + 4)[0]
-        if chunk == b"data":
-            struct.pack_into("<I", patched, position + 4, min(total - position - 8, 0xFFFFFFFF))
-            break
-        position += 8 + size + (size & 1)
-    return bytes(patched)
-
-
 def needs_pipeline(fmt: str, speed: float) -> bool:
     """Whether a stream's output goes through an `OutputPipeline` (off the engine loop's thread)."""
     return fmt in CODECS or speed != 1.0
@@ -117,26 +102,61 @@ class Encoded:
     samples: int = 0                  # what a decoder yields for these bytes, at the output rate
     packets: tuple[bytes, ...] = ()   # opus_packets: the packets (data is then their concatenation)
     durations_us: tuple[int, ...] = ()
+    # The last call: (offset, bytes) to write over what earlier calls returned, now that the
+    # file's length is known (`_Sink`); a streamed file cannot take them, a whole one does.
+    rewrites: tuple[tuple[int, bytes], ...] = ()
 
     def __bool__(self) -> bool:
         return bool(self.data)
 
 
 class _Sink:
-    """Where a muxer writes; emptied after every call. No `seek`: FFmpeg then writes a
-    streamable file (a WAV with unknown lengths, no MP3 Xing frame, a FLAC header left as is)."""
+    """Where a muxer writes; what it appended is taken after every call. Seekable (FFmpeg sees
+    `seek` and `tell`), so that a muxer goes back at the end to write what it learns only then:
+    the FLAC muxer its STREAMINFO (without a seek it leaves total samples 0, which libsndfile
+    cannot read: soundfile's `ValueError: array is too big`), the WAV muxer its sizes (else
+    0xFFFFFFFF). Writes over bytes already taken are kept as rewrites. Until then the muxers
+    write what they wrote into a pipe, piece for piece (measured for FLAC, WAV, MP3 and ADTS;
+    Ogg up to its random stream serial), and as promptly: the same bytes after every call."""
 
     def __init__(self) -> None:
         self._buffer = bytearray()
+        self._taken = 0                   # bytes taken before the buffer's first
+        self._position = 0
+        self._rewrites: list[tuple[int, bytes]] = []
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._position
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        base = (0, self._position, self._taken + len(self._buffer))[whence]
+        self._position = base + offset
+        return self._position
 
     def write(self, data: bytes) -> int:
-        self._buffer += data
-        return len(data)
+        data = bytes(data)
+        size, start = len(data), self._position
+        if start < self._taken:                              # over what was taken: a rewrite
+            over = data[:self._taken - start]
+            self._rewrites.append((start, over))
+            data, start = data[len(over):], start + len(over)
+        at = start - self._taken
+        self._buffer[at:at + len(data)] = data
+        self._position = start + len(data)
+        return size
 
     def take(self) -> bytes:
         data = bytes(self._buffer)
+        self._taken += len(data)
         self._buffer.clear()
         return data
+
+    def take_rewrites(self) -> tuple[tuple[int, bytes], ...]:
+        rewrites, self._rewrites = tuple(self._rewrites), []
+        return rewrites
 
 
 class CodecEncoder:
@@ -227,7 +247,7 @@ class CodecEncoder:
                 self._container.close()
             samples = sum(durations) if self.codec.whole_frames else fed
             self.samples += samples
-            return Encoded(self._sink.take(), samples)
+            return Encoded(self._sink.take(), samples, rewrites=self._sink.take_rewrites())
         raw = tuple(bytes(p) for p in packets)
         self.samples += sum(durations)
         return Encoded(b"".join(raw), sum(durations), raw, tuple(round(d * 1_000_000 / self.rate) for d in durations))
@@ -355,7 +375,7 @@ class OutputPipeline:
             last = self._encoder.finish()
             self.samples += last.samples
             return Encoded(tail.data + last.data, tail.samples + last.samples, tail.packets + last.packets,
-                           tail.durations_us + last.durations_us)
+                           tail.durations_us + last.durations_us, tail.rewrites + last.rewrites)
 
     def close(self) -> None:
         """The stream is over: free the encoder and the tempo filter at once (idempotent)."""

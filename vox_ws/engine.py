@@ -289,6 +289,11 @@ class Voices:
         """The speakers of a voice that has several (each also a voice, `voice:speaker`)."""
         return ()
 
+    def description(self, voice: str) -> str:
+        """A built-in voice in a few words, for a picker that shows these rather than names
+        (Home Assistant's): unique among the voices of a language. Here its name."""
+        return voice
+
     def check(self, voice: str | None) -> None:
         """Refuse an unknown voice."""
         if voice is not None and not self.has(voice):
@@ -312,6 +317,30 @@ class Voices:
 
     def delete(self, voice_id: str) -> bool:
         return False
+
+    # Built-in voices read from disk may change while the server runs (Piper's voices folder):
+    # the stream service reads them again on SIGHUP, and where this is set polls `disk_stamp`
+    # every so many seconds (`service.voice_rescans`). None: never polled.
+    rescan_every_s: float | None = None
+
+    def disk_stamp(self) -> Any:
+        """What changes when the voices on disk do (a folder's listing); cheap, any thread but the
+        event loop's. None: nothing on disk to watch."""
+        return None
+
+    def prepare_rescan(self) -> Any:
+        """Read the voices on disk again and load those added or changed, on a thread of its
+        own (slow: never the engine loop's or the event loop's); what `apply_rescan` serves,
+        or None where nothing changed."""
+        return None
+
+    def apply_rescan(self, prepared: Any) -> dict[str, Any]:
+        """Serve what `prepare_rescan` read, on the engine loop's thread between two steps;
+        what changed: {"added", "removed", "left_out"} (voice names)."""
+        return {}
+
+    def discard_rescan(self, prepared: Any) -> None:
+        """Free what `prepare_rescan` loaded where it will not be served (its device stopped)."""
 
 
 class TextRules:

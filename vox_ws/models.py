@@ -17,7 +17,8 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .engines.piper_hub import DEFAULT_VOICES_DIR, VoiceRefused, default_voices_dir, files_of, pull_voice
+from .engines.piper_hub import (DEFAULT_VOICES_DIR, HubUnreachable, VoiceRefused, default_voices_dir,
+                                files_of, looks_like_voice, pull_voice)
 from .engines.piper_voices import voice_from_spec
 from .engines.voxcpm.loading import DEFAULT_MODEL, read_config
 
@@ -143,6 +144,11 @@ def main(args: argparse.Namespace) -> int:
         if os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on"):
             print("vox-ws models pull: HF_HUB_OFFLINE is set, so nothing can be downloaded; unset it", file=sys.stderr)
             return 2
+        if looks_like_voice(args.repo):
+            # A Piper voice's name is no hub checkpoint's: the hub would answer an opaque 401.
+            print(f"vox-ws models pull: {args.repo!r} is a Piper voice's name: did you mean "
+                  f"{PIPER_PREFIX}{args.repo}?", file=sys.stderr)
+            return 2
         return _pull_piper(args) if args.repo.startswith(PIPER_PREFIX) else _pull(args)
     checkpoints = on_disk(args.dir)
     voices = piper_voices_on_disk()
@@ -188,6 +194,9 @@ def _pull_piper(args: argparse.Namespace) -> int:
         model = pull_voice(name, args.dir, args.revision)
     except VoiceRefused as exc:
         print(f"vox-ws models pull: {args.repo}: refused: {exc}", file=sys.stderr)
+        return 1
+    except HubUnreachable as exc:
+        print(f"vox-ws models pull: {args.repo}: {exc}", file=sys.stderr)
         return 1
     except Exception as exc:  # noqa: BLE001 - the hub's errors (not found, network) say what went wrong
         print(f"vox-ws models pull: {args.repo}: {type(exc).__name__}: {exc}", file=sys.stderr)

@@ -48,6 +48,35 @@ CLOSE_GRACE_S = 3.0
 SHUTDOWN_BOUND_S = 4.0
 
 
+class StartFailed(RuntimeError):
+    """The server cannot start here, whatever its options: a package an option needs is not
+    installed, an address cannot be listened on. The message says what, in one line (`vox-ws
+    serve` prints it, exit 1); what the start had started is stopped."""
+
+
+def wyoming_door(config: ServerConfig) -> Any:
+    """The Wyoming door's class (`transports.wyoming.WyomingServer`) for --wyoming, None without:
+    its options checked and its packages found before anything starts (a refusal once the model
+    has loaded, or a traceback, is what Home Assistant's users met). ValueError for options that
+    contradict each other, StartFailed for a package that is not installed."""
+    uri, name = config.wyoming, config.zeroconf
+    if name and not (uri or "").startswith("tcp://"):
+        raise ValueError("--zeroconf advertises the Wyoming door: serve it with --wyoming tcp://HOST:PORT")
+    if not uri:
+        return None
+    try:
+        # Imported here: the wyoming and zeroconf packages are an optional extra.
+        from .transports.wyoming import WyomingServer
+        if name:
+            import zeroconf  # noqa: F401
+    except ImportError as exc:
+        missing = (exc.name or "wyoming").partition(".")[0]
+        raise StartFailed(f"--wyoming{' with --zeroconf' if name else ''} needs the {missing} package, not "
+                          f"installed: pip install 'vox-ws[wyoming]' (a checkout: VOX_WS_EXTRAS=piper,wyoming "
+                          f"scripts/serve.sh)") from None
+    return WyomingServer
+
+
 class _Uvicorn(uvicorn.Server):
     """uvicorn without its own signal handling (this server drains first, see `shutdown`) and
     without its 100 ms polling for the exit flag (an idle server then costs no CPU)."""
@@ -112,6 +141,12 @@ class VoxServer:
         self._shutdown: asyncio.Task | None = None
         self.wyoming: Any = None                      # transports.wyoming.WyomingServer, with --wyoming
         self._advert: Any = None                      # transports.discovery.WyomingAdvert, with --zeroconf
+        door = wyoming_door(config)
+        if door is not None:
+            try:
+                self.wyoming = door(config.wyoming, self.service, self.proxies, config.ipv6_prefix)
+            except ValueError as exc:                 # the wyoming library's word on the URI
+                raise ValueError(f"--wyoming {config.wyoming!r}: {exc}") from None
 
     @property
     def sessions(self) -> set[OpenSession]:
@@ -126,23 +161,27 @@ class VoxServer:
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._stopped = asyncio.Event()
-        if self.config.zeroconf and not (self.config.wyoming or "").startswith("tcp://"):
-            raise RuntimeError("--zeroconf advertises the Wyoming door: serve it with --wyoming tcp://HOST:PORT")
-        if self.config.wyoming:
-            # Imported here: the wyoming package is an optional extra.
-            try:
-                from .transports.wyoming import WyomingServer
-            except ImportError as exc:
-                raise RuntimeError(f"--wyoming needs the wyoming package: pip install wyoming==1.10.2 (in a checkout: pip install '.[wyoming]') ({exc})") from None
-            self.wyoming = WyomingServer(self.config.wyoming, self.service, self.proxies, self.config.ipv6_prefix)
         if self.config.lexicon:
             problems = await self.service.load_lexicon(self.config.lexicon)
-            if problems:
-                raise RuntimeError("the lexicon has errors:\n  " + "\n  ".join(problems))
+            if problems:                              # a bad file: said in one line, as a bad option is
+                raise ValueError(f"--lexicon: {len(problems)} error(s): " + "; ".join(problems))
             log.info("lexicon %s: %d pronunciations", self.config.lexicon, len(self.service.lexicon))
         # The voice store first: one this server may not use stops the start before a model loads.
         await self.service.start()
         self.devices.start()
+        try:
+            await self._open_doors()
+        except BaseException:
+            # What had started is stopped (the engine's worker, a door already listening): the
+            # process then exits with one line saying why, not a worker's broken pipe.
+            self.exit_code = 1
+            self.state.listening = True               # shutdown() stops a server that listens
+            await self.shutdown(0.0)
+            raise
+
+    async def _open_doors(self) -> None:
+        """The HTTP/WebSocket port, then the Wyoming door and its advert; StartFailed for an
+        address that cannot be listened on or advertised."""
         demo = Path(self.config.demo_dir) if self.config.demo_dir else default_demo_dir()
         limits = self.config.limits
         uv_config = uvicorn.Config(
@@ -162,7 +201,11 @@ class VoxServer:
             server_header=False, headers=[("server", self.state.server_name)],
             timeout_graceful_shutdown=CLOSE_GRACE_S,
         )
-        self._socket = _listen(self.config.host, self.config.port)
+        try:
+            self._socket = _listen(self.config.host, self.config.port)
+        except OSError as exc:                        # taken, or an address this machine has not
+            raise StartFailed(f"cannot listen on {self.config.host}:{self.config.port}: "
+                              f"{exc.strerror or exc}") from None
         self._uvicorn = _Uvicorn(uv_config)
         self._serving = asyncio.create_task(self._uvicorn.serve(sockets=[self._socket]), name="vox-ws-uvicorn")
         while not self._uvicorn.started:
@@ -171,13 +214,22 @@ class VoxServer:
                 raise RuntimeError("the HTTP server stopped while starting")
             await asyncio.sleep(0.01)
         if self.wyoming is not None:
-            await self.wyoming.start()
+            try:
+                await self.wyoming.start()
+            except OSError as exc:
+                raise StartFailed(f"--wyoming {self.config.wyoming}: cannot listen: "
+                                  f"{exc.strerror or exc}") from None
             if self.config.zeroconf:
                 from .transports.discovery import WyomingAdvert
 
                 self._advert = WyomingAdvert(self.config.zeroconf, urlsplit(self.config.wyoming).hostname or "",
                                              self.wyoming.port)
-                await self._advert.start()
+                try:
+                    await self._advert.start()
+                except Exception as exc:  # noqa: BLE001 - OSError or zeroconf's own: the start stops, saying why
+                    self._advert = None
+                    raise StartFailed(f"--zeroconf {self.config.zeroconf!r}: cannot advertise the Wyoming "
+                                      f"door: {type(exc).__name__}: {exc}") from None
         self.state.listening = True
         log.info("listening on ws://%s:%d%s (engine %s, loading)", self.config.host, self.port, STREAM_PATH,
                  self.engine.name)
@@ -250,7 +302,15 @@ class VoxServer:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.request_shutdown)
-        loop.add_signal_handler(signal.SIGHUP, lambda: asyncio.ensure_future(self.state.reload_lexicon()))
+        loop.add_signal_handler(signal.SIGHUP, lambda: asyncio.ensure_future(self.reload()))
+
+    async def reload(self) -> list[dict[str, Any]]:
+        """SIGHUP: the lexicon read again (where there is one), and the engine's voices on disk
+        (a voice added to the voices folder served, one removed no longer listed); what changed
+        in the voices (`VoiceRescans.rescan`)."""
+        if self.config.lexicon:
+            await self.state.reload_lexicon()
+        return await self.service.voice_rescans.rescan()
 
     def _engine_died(self, exc: BaseException, during_load: bool) -> None:
         # Called on a engine loop's thread. A failed load keeps the server up, answering 503 with

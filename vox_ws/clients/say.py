@@ -5,7 +5,8 @@ the server holds for a stream (`limits.max_text_chars`): what it has spoken, whi
 events tell, makes room for more. So a document of any length is one stream, one voice and its
 prosody carried from sentence to sentence, and the server's bounds apply to each piece, not to
 the whole. The audio is written as it arrives (WAV patched at the end, a codec's file appended
-to), so memory stays flat over a book. Captions (`--captions`) come from the stream's word
+to, and a FLAC's header rewritten at the end as the server's `end` says, its length known
+then), so memory stays flat over a book. Captions (`--captions`) come from the stream's word
 timings where the engine has them, else its segments.
 """
 
@@ -114,7 +115,8 @@ async def pieces(blocks: AsyncIterator[str], limit: int) -> AsyncIterator[str]:
 
 class AudioFile:
     """The output file, written as the audio arrives: WAV (16-bit; its header patched when it is
-    closed, also after an interruption), or a codec's bytes as the server encodes them."""
+    closed, also after an interruption), raw PCM (`s16`, `mulaw`), or a codec's bytes as the
+    server encodes them (a FLAC's header rewritten once the server sends it with its length)."""
 
     def __init__(self, path: str, fmt: str, rate: int) -> None:
         self.path = path
@@ -136,13 +138,31 @@ class AudioFile:
         else:
             self._file.write(data)
 
+    def rewrite(self, rewrites: Any) -> None:
+        """What the server's `end` says to write over the file's start now that its length is
+        known (FLAC's STREAMINFO): `[[offset, bytes], ...]` within what was written. Raises
+        ValueError for anything else (the file is left as it was)."""
+        if self.format == "wav" or not rewrites:
+            return
+        if not isinstance(rewrites, list) or not all(
+                isinstance(item, list) and len(item) == 2 and type(item[0]) is int
+                and isinstance(item[1], bytes) and 0 <= item[0] <= item[0] + len(item[1]) <= self.bytes
+                for item in rewrites):
+            raise ValueError(f"the server's end has rewrites {rewrites!r:.60} that are not within the file's "
+                             f"{self.bytes} bytes")
+        for offset, data in rewrites:
+            self._file.seek(offset)
+            self._file.write(data)
+        self._file.seek(0, os.SEEK_END)
+
     def close(self) -> None:
         (self._wav if self.format == "wav" else self._file).close()
 
     @property
     def seconds(self) -> float | None:
-        """The audio the file holds, where its bytes tell (WAV); None for an encoded file."""
-        return self.bytes / 2 / self.rate if self.format == "wav" else None
+        """The audio the file holds, where its bytes tell (WAV, raw PCM); None for an encoded file."""
+        width = {"wav": 2, "s16": 2, "mulaw": 1}.get(self.format)
+        return self.bytes / width / self.rate if width else None
 
 
 def _bar(progress: Progress, quiet: bool) -> Any:
@@ -227,6 +247,8 @@ async def say(args: Any) -> int:
                             progress.audio_s = max(progress.audio_s, words[-1][2])
                     elif kind == "end":
                         progress.audio_s = message.get("audio_s", progress.audio_s)
+                        if out is not None:
+                            out.rewrite(message.get("rewrites"))
                 await feeder
             finally:
                 feeder.cancel()
@@ -291,7 +313,8 @@ def _advance(bar: Any, progress: Progress) -> None:
 def _report(args: Any, progress: Progress, out: AudioFile | None, outcome: int) -> None:
     # What the file holds: a WAV's own length; else as far as the words and sentences reached.
     held = out.seconds if out is not None and out.seconds is not None else progress.audio_s
-    where = f"; {out.path} holds {held:.1f} s ({out.bytes} bytes of {out.format})" if out else ""
+    # The rate too: a raw PCM file (s16, mulaw) says it nowhere else.
+    where = f"; {out.path} holds {held:.1f} s ({out.bytes} bytes of {out.format} at {out.rate} Hz)" if out else ""
     captions = f"; captions in {args.captions}" if args.captions and progress.spoken else ""
     if outcome == 0:
         print(f"vox-ws say: {progress.line()}{where}{captions}", file=sys.stderr)
@@ -309,9 +332,11 @@ def _file_chars(path: str | None) -> int | None:
         return sum(spoken_chars(block) for block in iter(lambda: f.read(1 << 16), ""))
 
 
-# The file formats `say` writes, by the output's extension.
+# The file formats `say` writes, by the output's extension (`s16`: 16-bit little-endian mono, and
+# `mulaw`: G.711 µ-law, raw, at the stream's rate).
 FORMAT_OF_EXTENSION = {".wav": "wav", ".mp3": "mp3", ".opus": "opus", ".ogg": "opus", ".oga": "opus", ".aac": "aac",
-                       ".flac": "flac"}
+                       ".flac": "flac", ".pcm": "s16", ".raw": "s16", ".ulaw": "mulaw", ".ul": "mulaw",
+                       ".mulaw": "mulaw"}
 
 
 def check_args(args: Any) -> str | None:
@@ -319,11 +344,16 @@ def check_args(args: Any) -> str | None:
     extension's, where --format does not say it)."""
     if (args.text is None) == (args.file is None):
         return "give a text, or --file PATH (- for standard input), not both"
-    named = FORMAT_OF_EXTENSION.get(os.path.splitext(args.output or "")[1].lower())
+    extension = os.path.splitext(args.output or "")[1].lower()
+    named = FORMAT_OF_EXTENSION.get(extension)
     if args.format is not None and named is not None and named != args.format:
         return f"--format {args.format} contradicts {args.output}, a {named} file's name: drop one"
+    if extension and named is None and args.format is None:
+        # Written as WAV, a .m4a or .webm file's name lied about what it held.
+        return (f"cannot write a {extension} file: name it {', '.join(sorted(FORMAT_OF_EXTENSION))}, "
+                "or give --format")
     args.format = args.format or named or "wav"
-    if args.play and args.format != "wav":
+    if args.play and args.format not in ("wav", "s16"):
         return "--play plays PCM; write other formats with -o FILE"
     if not args.output and not args.play:
         return "give -o FILE and/or --play"

@@ -45,7 +45,7 @@ def messages(conn: Connection) -> Iterator[tuple]:
     while True:
         try:
             message = receive(conn)
-        except EOFError:
+        except (EOFError, ConnectionError):          # gone: closed, or reset while it stopped
             return
         if message[0] == "stop":
             return
@@ -213,10 +213,15 @@ def serve_worker(start: Callable[[tuple], tuple[Any, Callable[[str, Any], tuple]
     except Exception as exc:  # noqa: BLE001 - the parent reports it
         send(conn, ("failed", f"{type(exc).__name__}: {exc}"))
         return
-    send(conn, ("ready", ready))
-    for kind, payload in messages(conn):
-        try:
-            reply = handle(kind, payload)
-        except Exception as exc:  # noqa: BLE001 - the parent fails that request and goes on
-            reply = ("error", f"{type(exc).__name__}: {exc}")
-        send(conn, reply)
+    try:
+        send(conn, ("ready", ready))
+        for kind, payload in messages(conn):
+            try:
+                reply = handle(kind, payload)
+            except Exception as exc:  # noqa: BLE001 - the parent fails that request and goes on
+                reply = ("error", f"{type(exc).__name__}: {exc}")
+            send(conn, reply)
+    except ConnectionError:
+        # The parent went away (a start that failed stops its workers while they load): nobody
+        # is left to tell, and a traceback after the parent's one line only hid it.
+        return

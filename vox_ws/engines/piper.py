@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import re
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,8 +23,8 @@ from ..engine import (EndReason, Engine, ErrorKind, GenerationRequest, OptionSpe
                       Voices)
 from ..text import segment, text_words
 from . import EnginePlugin, Setting
-from .piper_hub import DEFAULT_VOICES_DIR, default_voices_dir
-from .piper_voices import DEFAULT_VOICE, PiperVoiceFile, voice_set
+from .piper_hub import DEFAULT_VOICES_DIR, pulled_voices_dir
+from .piper_voices import DEFAULT_VOICE, PiperVoiceFile, VoiceSource, voice_set
 from .piper_words import NO_WORD, phoneme_spans, word_spans
 from .piper_worker import Piece, PiperWorker, Said
 
@@ -47,10 +49,34 @@ def available() -> bool:
     return True
 
 
+@dataclass(eq=False)
+class _Loaded:
+    """A worker process and the voices it speaks, by number. A stream keeps the one it started
+    on (`_PiperState.loaded`) to its end, whatever a rescan serves meanwhile; one a rescan
+    replaced is stopped when its last stream ends."""
+
+    worker: PiperWorker
+    numbers: dict[str, int]          # voice name -> its number in the worker (replaced, never changed)
+    streams: int = 0                 # prefilled and not yet released (the engine thread's count)
+
+
+@dataclass(eq=False)
+class VoicesRescanned:
+    """A rescan's new voices (`PiperEngine.prepare_rescan`), for `apply_rescan` to serve."""
+
+    voices: list[PiperVoiceFile]     # to serve, the default first, numbered as `worker` numbers them
+    left_out: dict[str, str]         # name -> why, as `PiperEngine.left_out`
+    stamp: dict[str, Any]            # the folder as it was read (`VoiceSource.stamp`)
+    worker: PiperWorker | None       # every voice loaded again, new ones included; None: only some removed
+    added: list[str]
+    removed: list[str]
+
+
 @dataclass
 class _PiperState:
     segments: list[str]
-    voice: int = 0                        # which of the engine's voices speaks it
+    voice: int = 0                        # its voice's number in `loaded`'s worker
+    loaded: _Loaded | None = None         # the worker that speaks it
     next_index: int = 0                   # the next segment to phonemize
     steps_cap: int | None = None          # segments spoken at most
     words: list[str] = field(default_factory=list)          # the current segment's words
@@ -78,40 +104,153 @@ class PiperEngine(Engine):
                "noise_w_scale": OptionSpec(float, 0.0, 2.0, None, "variation in phoneme lengths (its config's by default)"),
                "sentence_silence": OptionSpec(float, 0.0, 5.0, 0.0, "seconds of silence after each sentence")}
 
-    def __init__(self, threads: int = 1, voices: list[PiperVoiceFile] | None = None) -> None:
-        """`voices`: the voices served, the default first (`piper_voices.voice_set`); None: the
-        bundled `joe` alone."""
+    def __init__(self, threads: int = 1, voices: list[PiperVoiceFile] | None = None,
+                 source: VoiceSource | None = None, rescan_every_s: float | None = None) -> None:
+        """`voices`: the voices served, the default first (`piper_voices.voice_set`); None: those
+        `source` names, or the bundled `joe` alone. `source`: where to read them again while
+        serving (`prepare_rescan`: on SIGHUP, and when its folder changes, looked at every
+        `rescan_every_s` seconds; None: never looked at)."""
         self.model = "piper:en_US-joe-medium"
         self.device = "cpu"
         self._threads = threads
-        self.voice_files = voices or voice_set([])
+        self._source = source
+        # The folder as the voices served were read from it: taken first, so that a change
+        # made while they are read is seen by the next look. The rescans' own (`prepare_rescan`).
+        self._stamp = source.stamp() if source is not None else {}
+        self.voice_files = voices or (source.read() if source is not None else voice_set([]))
+        self.rescan_every_s = rescan_every_s if source is not None and source.directory is not None else None
         # Each voice's language, in the order served (the default's first), once each.
         self.languages = tuple(dict.fromkeys(v.language for v in self.voice_files if v.language))
-        self.left_out: dict[str, str] = {}      # voices whose model could not be loaded: name -> why
-        self._worker: PiperWorker | None = None
+        # Voices whose model could not be loaded: name -> why. Like `voice_files` and
+        # `languages`, replaced whole by a rescan (the event loop reads them), never changed in place.
+        self.left_out: dict[str, str] = {}
+        self._loaded: _Loaded | None = None
+        self._retired: list[_Loaded] = []       # replaced by a rescan; their streams still speak
+        self._lock = threading.Lock()           # `_pending` and `_closed`: a rescan's thread and the engine's
+        self._pending: set[PiperWorker] = set()  # started by a rescan, not yet served
+        self._closed = False
         self.voices = _PiperVoices(self)
         self.text = _PiperText(self)
 
+    @property
+    def _worker(self) -> PiperWorker | None:
+        """The worker that speaks new streams."""
+        return self._loaded.worker if self._loaded is not None else None
+
     def load(self) -> None:
-        self._worker = PiperWorker(self._threads, self.voice_files)
-        self._worker.start()
-        self.sample_rate = self._worker.sample_rate
-        self.word_timings = self.phoneme_timings = self._worker.word_timings
+        worker = PiperWorker(self._threads, self.voice_files)
+        worker.start()
+        self.sample_rate = worker.sample_rate
+        self.word_timings = self.phoneme_timings = worker.word_timings
         # A folder's voice whose model could not be loaded (a truncated copy, a Git LFS pointer)
         # is left out, as wyoming-piper skips it: the others are served, numbered as the worker
         # numbers them, and a request for it is refused saying why.
-        for number, why in self._worker.left_out.items():
-            name = self.voice_files[number].name
-            log.error("--piper-voices-dir: piper voice %r: %s: left out", name, why)
-            self.left_out[name] = why
-        if self._worker.left_out:
-            self.voice_files = [v for n, v in enumerate(self.voice_files) if n not in self._worker.left_out]
-            self.languages = tuple(dict.fromkeys(v.language for v in self.voice_files if v.language))
-            self.text.phonemes = self.text.phonemes_of(self.voice_files)
+        served, self.left_out = _served(worker, self.voice_files)
+        self._serve(served)
+        self._loaded = _Loaded(worker, {v.name: n for n, v in enumerate(served)})
+
+    def _serve(self, voices: list[PiperVoiceFile]) -> None:
+        """Each replaced whole: the event loop may be reading the ones before."""
+        self.voice_files = voices
+        self.languages = tuple(dict.fromkeys(v.language for v in voices if v.language))
+        self.text.phonemes = self.text.phonemes_of(voices)
+
+    # ------------------------------------------------------------------ rescans
+
+    def prepare_rescan(self) -> VoicesRescanned | None:
+        """Read the voices again (the folder's, `--piper-voice`'s) and, where one was added or
+        its files changed, load every voice served in a new worker, beside the one serving (a
+        load takes a second or more a voice: no stream waits on it); None where nothing
+        changed. Runs on a thread of its own, one rescan at a time (`VoiceRescans`), never the
+        engine loop's nor the event loop's. Raises (ValueError, RuntimeError) where the voices
+        cannot be served as they are now (a --piper-voice gone, the default's model broken):
+        those served are kept. A voice whose files did not change since it was left out is not
+        tried again."""
+        source = self._source
+        if source is None:
+            return None
+        stamp = source.stamp()
+        if stamp == self._stamp:
+            return None
+        served = {v.name: v for v in self.voice_files}
+        voices, left_out, added = [], {}, []
+        for voice in source.read():
+            now = source.files_state(voice, stamp)
+            before = source.files_state(served.get(voice.name, voice), self._stamp)
+            if voice.name in served and (now is None or now == before):
+                voices.append(served[voice.name])        # as loaded, its config as read then
+            elif voice.name in self.left_out and now == source.files_state(voice, self._stamp):
+                left_out[voice.name] = self.left_out[voice.name]
+            else:
+                voices.append(voice)
+                added.append(voice.name)
+        names = {v.name for v in voices}
+        removed = [name for name in served if name not in names]
+        if not added:
+            if not removed and left_out == self.left_out:
+                self._stamp = stamp
+                return None
+            return VoicesRescanned(voices, left_out, stamp, None, [], removed)
+        worker = PiperWorker(self._threads, voices, measure=False)
+        try:
+            worker.start()
+        except BaseException:
+            worker.close()
+            raise
+        with self._lock:
+            closed = self._closed
+            if not closed:
+                self._pending.add(worker)
+        if closed:                                        # the server stopped while it loaded
+            worker.close()
+            return None
+        loaded, failed = _served(worker, voices)
+        return VoicesRescanned(loaded, {**left_out, **failed}, stamp, worker,
+                               [name for name in added if name not in failed], removed)
+
+    def apply_rescan(self, rescan: VoicesRescanned) -> dict[str, Any]:
+        """Serve what `prepare_rescan` read, on the engine loop's thread between two steps: new
+        streams get the new voices; a stream already speaking goes on with its worker to its
+        end (a voice removed included), and a worker replaced stops with its last stream."""
+        with self._lock:
+            self._pending.discard(rescan.worker)
+        current = self._loaded
+        if rescan.worker is not None:
+            rescan.worker.speed = current.worker.speed      # the slots were sized by the first worker's
+            self._loaded = _Loaded(rescan.worker, {v.name: n for n, v in enumerate(rescan.voices)})
+            self._retire(current)
+        else:
+            current.numbers = {name: n for name, n in current.numbers.items()
+                               if name not in rescan.removed}
+        self._serve(rescan.voices)
+        self.left_out = rescan.left_out
+        self._stamp = rescan.stamp
+        changed = {"added": rescan.added, "removed": rescan.removed, "left_out": sorted(rescan.left_out)}
+        log.info("piper voices read again: %s added, %s removed; %d served", rescan.added or "none",
+                 rescan.removed or "none", len(rescan.voices))
+        return changed
+
+    def discard_rescan(self, rescan: VoicesRescanned) -> None:
+        """A rescan prepared and not applied (its device stopped serving): its worker stopped."""
+        with self._lock:
+            pending = rescan.worker in self._pending
+            self._pending.discard(rescan.worker)
+        if pending:
+            rescan.worker.close()
+
+    def _retire(self, loaded: _Loaded) -> None:
+        if loaded.streams == 0:
+            loaded.worker.close()
+        else:
+            self._retired.append(loaded)
 
     def close(self, deadline: float | None = None) -> None:
-        if self._worker is not None:
-            self._worker.close(deadline)
+        with self._lock:
+            self._closed = True
+            pending, self._pending = self._pending, set()
+        workers = [loaded.worker for loaded in [self._loaded, *self._retired] if loaded is not None]
+        for worker in [*workers, *pending]:
+            worker.close(deadline)
 
     @property
     def worker_pid(self) -> int | None:
@@ -126,13 +265,30 @@ class PiperEngine(Engine):
                        f"turns, so half of that, {slots}, stay ahead of their listeners with room to spare")
 
     def prefill(self, request: GenerationRequest) -> None:
-        number, speaker = self.voices.find(request.voice) or (0, None)
+        found = self.voices.find(request.voice)
+        if found is None:
+            # Checked when its stream opened, and gone from the voices folder since (a rescan).
+            raise Refused(ErrorKind.INVALID, f"voice {request.voice!r} is no longer served (removed from the "
+                                             "voices folder)", field="voice")
+        number, speaker = found
+        loaded = self._loaded
         request.state = _PiperState(segments=segment(request.text, language=request.language or self._language(request)),
-                                    voice=number,
+                                    voice=loaded.numbers[self.voice_files[number].name], loaded=loaded,
                                     steps_cap=request.options.get("max_len"),
                                     scales=(request.options.get("length_scale"), request.options.get("noise_scale"),
                                             request.options.get("noise_w_scale"), speaker),
                                     silence_s=request.options.get("sentence_silence") or 0.0)
+        loaded.streams += 1
+
+    def release(self, request: GenerationRequest) -> None:
+        state = request.state
+        if isinstance(state, _PiperState) and state.loaded is not None:
+            loaded, state.loaded = state.loaded, None
+            loaded.streams -= 1
+            if loaded.streams == 0 and loaded in self._retired:      # a rescan replaced it: its last stream
+                self._retired.remove(loaded)
+                loaded.worker.close()
+        super().release(request)
 
     def step(self, batch: list[GenerationRequest]) -> list[StepResult]:
         (request,) = batch
@@ -141,7 +297,8 @@ class PiperEngine(Engine):
             if state.steps_cap is not None and state.next_index >= state.steps_cap:
                 return [StepResult(finished=EndReason.MAX_LEN)]
             text = defuse_letter_runs(state.segments[state.next_index])
-            state.words, state.pieces = self._worker.phonemize(text, _said(text, request.pronunciations), state.voice)
+            said = _said(text, request.pronunciations)
+            state.words, state.pieces = state.loaded.worker.phonemize(text, said, state.voice)
             state.last_word = -1
             state.next_index += 1
         if not state.pieces:
@@ -158,7 +315,7 @@ class PiperEngine(Engine):
         return languages[0] if languages else None
 
     def _speak(self, state: _PiperState, phonemes: list[str], owners: list[int]) -> StepResult:
-        audio, alignment = self._worker.speak(phonemes, state.voice, state.scales)
+        audio, alignment = state.loaded.worker.speak(phonemes, state.voice, state.scales)
         if state.silence_s and not state.pieces:                # a segment's last piece
             audio = np.concatenate([audio, np.zeros(int(state.silence_s * self.sample_rate), np.float32)])
         if alignment is None:
@@ -197,6 +354,23 @@ class _PiperVoices(Voices):
     def files(self) -> list[PiperVoiceFile]:
         return self.engine.voice_files          # those the load left out are gone from it
 
+    @property
+    def rescan_every_s(self) -> float | None:
+        return self.engine.rescan_every_s
+
+    def disk_stamp(self) -> Any:
+        source = self.engine._source
+        return None if source is None else source.stamp()
+
+    def prepare_rescan(self) -> VoicesRescanned | None:
+        return self.engine.prepare_rescan()
+
+    def apply_rescan(self, prepared: VoicesRescanned) -> dict[str, Any]:
+        return self.engine.apply_rescan(prepared)
+
+    def discard_rescan(self, prepared: VoicesRescanned) -> None:
+        self.engine.discard_rescan(prepared)
+
     def names(self) -> list[str]:
         """Each voice, and each speaker of a voice with several as `voice:speaker`."""
         return [name for voice in self.files for name in (voice.name, *(f"{voice.name}:{s}" for s in voice.speakers))]
@@ -225,10 +399,23 @@ class _PiperVoices(Voices):
     def speakers(self, voice: str) -> tuple[str, ...]:
         return next((v.speakers for v in self.files if v.name == voice), ())
 
+    def description(self, voice: str) -> str:
+        return next((v.description for v in self.files if v.name == voice), voice)
+
     def check(self, voice: str | None) -> None:
         left_out = self.engine.left_out.get((voice or "").partition(":")[0])
         if left_out is not None:
             raise Refused(ErrorKind.INVALID, f"voice {voice!r} is not served: {left_out}", field="voice")
+        name, colon, speaker = (voice or "").partition(":")
+        file = next((f for f in self.files if f.name == (name or DEFAULT_VOICE)), None)
+        if colon and file is not None and file.speaker_id(speaker) is None:
+            # A voice served, a speaker it lacks: its speakers named, as each can be asked for
+            # (the first few: libritts has 904).
+            numbered = ", ".join(f"{number} {who}" for number, who in enumerate(file.speakers[:8]))
+            more = f", ... {len(file.speakers)} in all" if len(file.speakers) > 8 else ""
+            having = f"its speakers, by number or name: {numbered}{more}" if file.speakers else "one speaker"
+            raise Refused(ErrorKind.INVALID, f"voice {file.name!r} has no speaker {speaker!r} ({having})",
+                          field="voice")
         super().check(voice)
 
 
@@ -268,6 +455,17 @@ class _PiperText(TextRules):
         return options.get("length_scale") or 1.0
 
 
+def _served(worker: PiperWorker, voices: list[PiperVoiceFile]) -> tuple[list[PiperVoiceFile], dict[str, str]]:
+    """The voices `worker` loaded, numbered as it numbers them, and those it left out (name ->
+    why), each logged naming its file."""
+    left_out = {}
+    for number, why in worker.left_out.items():
+        name = voices[number].name
+        log.error("--piper-voices-dir: piper voice %r: %s: left out", name, why)
+        left_out[name] = why
+    return [v for n, v in enumerate(voices) if n not in worker.left_out], left_out
+
+
 def _said(text: str, lexicon: Any) -> list[Said]:
     """Where the pronunciations fall in a text's words, and what they say there."""
     if lexicon is None:
@@ -280,10 +478,22 @@ def _first_word(owners: list[int]) -> int:
     return next((owner for owner in owners if owner != NO_WORD), NO_WORD)
 
 
-def _pulled_voices() -> str | None:
-    """The folder `vox-ws models pull piper:NAME` fills, where it exists: served by default."""
-    folder = default_voices_dir()
-    return None if folder is None else str(folder)
+def _seconds(text: str) -> float:
+    """`--piper-voices-poll`: 0 or more seconds (a look every 0 s would never rest)."""
+    value = float(text)
+    if not math.isfinite(value) or value < 0:
+        raise ValueError("0 or more seconds")
+    return value
+
+
+def _voice_source(settings: dict) -> VoiceSource:
+    """The voices named, and the folder given or else the one `vox-ws models pull piper:NAME`
+    fills: served while it exists, and watched before it does (a first pull is served without
+    a restart)."""
+    specs = tuple(settings.get("piper_voice") or [])
+    if settings.get("piper_voices_dir"):
+        return VoiceSource(specs, settings["piper_voices_dir"])
+    return VoiceSource(specs, str(pulled_voices_dir()), optional=True)
 
 
 def _probe(settings: dict) -> tuple[bool, str]:
@@ -293,10 +503,8 @@ def _probe(settings: dict) -> tuple[bool, str]:
 PLUGIN = EnginePlugin(
     name="piper",
     summary="Piper (VITS, ONNX Runtime): a real English voice on any CPU, nothing to download",
-    create=lambda settings: PiperEngine(threads=settings.get("threads") or 1,
-                                        voices=voice_set(list(settings.get("piper_voice") or []),
-                                                         settings.get("piper_voices_dir")
-                                                         or _pulled_voices())),
+    create=lambda settings: PiperEngine(threads=settings.get("threads") or 1, source=_voice_source(settings),
+                                        rescan_every_s=settings.get("piper_voices_poll") or None),
     options=PiperEngine.options,
     settings=(Setting("piper-voice", str, None, "another Piper voice to serve, [NAME=]PATH.onnx with its .json "
                       "beside it (repeatable; env: comma-separated); the bundled joe stays the default",
@@ -304,7 +512,10 @@ PLUGIN = EnginePlugin(
               Setting("piper-voices-dir", str, None, "serve every Piper voice in this folder (NAME.onnx with "
                       "NAME.onnx.json), each by its file's name; one that cannot be served is left out with a log "
                       f"line; --piper-voice NAME then names one of them. Default: {DEFAULT_VOICES_DIR}, where "
-                      "`vox-ws models pull piper:NAME` puts voices, if it exists")),
+                      "`vox-ws models pull piper:NAME` puts voices, if it exists"),
+              Setting("piper-voices-poll", _seconds, 5.0, "seconds between looks at the Piper voices folder: a "
+                      "voice added, replaced or removed there is served, or no longer, without a restart "
+                      "(SIGHUP looks at once); 0: only on SIGHUP")),
     auto_priority=0,
     probe=_probe,
 )

@@ -37,9 +37,22 @@ def files_of(name: str) -> tuple[str, str]:
     return f"{folder}/{name}.onnx", f"{folder}/{name}.onnx.json"
 
 
+def looks_like_voice(name: str) -> bool:
+    """Whether `name` is a Piper voice's (`en_US-lessac-medium`): what `models pull` given it
+    without `piper:` meant, as no hub checkpoint is named so."""
+    return _VOICE_NAME.fullmatch(name) is not None
+
+
+def pulled_voices_dir() -> Path:
+    """Where `models pull piper:NAME` puts a voice without `--dir`: the folder the server serves,
+    VOX_WS_PIPER_VOICES_DIR (`serve --piper-voices-dir`'s variable, which the images set), else
+    DEFAULT_VOICES_DIR. In a container, a pull then lands in its mounted voices folder."""
+    return Path(os.environ.get("VOX_WS_PIPER_VOICES_DIR") or DEFAULT_VOICES_DIR).expanduser()
+
+
 def default_voices_dir() -> Path | None:
     """The voices folder the server reads when none is given: the one pulls fill, if it exists."""
-    folder = Path(DEFAULT_VOICES_DIR).expanduser()
+    folder = pulled_voices_dir()
     return folder if folder.is_dir() else None
 
 
@@ -48,12 +61,18 @@ class VoiceRefused(ValueError):
     its bound, its model plainly none); nothing of it was placed."""
 
 
+class HubUnreachable(ConnectionError):
+    """The hub did not answer at all; the message says how to place the voice by hand."""
+
+
 def pull_voice(name: str, directory: str | None = None, revision: str | None = None) -> Path:
     """Fetch a voice into the voices folder; returns its model's path there. VoiceRefused for
     one the server could not serve: the folder is left as it was."""
     from huggingface_hub import hf_hub_download
 
     model_file, config_file = files_of(name)
+    target = Path(directory).expanduser() if directory else pulled_voices_dir()
+    _reach(name, config_file, revision, target)
     try:
         # The config first: one refused costs no model's download.
         config = Path(hf_hub_download(PIPER_VOICES_REPO, config_file, revision=revision))
@@ -62,11 +81,43 @@ def pull_voice(name: str, directory: str | None = None, revision: str | None = N
         check_model(name, str(model))
     except (UnreadableVoiceConfig, UnusableVoiceModel) as exc:
         raise VoiceRefused(f"{exc}; nothing was placed") from None
-    target = Path(directory or DEFAULT_VOICES_DIR).expanduser()
+    made = [folder for folder in (target, *target.parents) if not folder.exists()]    # innermost first
     target.mkdir(parents=True, exist_ok=True)
-    # The config first: the model's name is what makes the folder serve a voice.
-    _place(config, target / f"{name}.onnx.json")
-    return _place(model, target / f"{name}.onnx")
+    placed: list[Path] = []
+    try:
+        # The config first: the model's name is what makes the folder serve a voice.
+        placed.append(_place(config, target / f"{name}.onnx.json"))
+        return _place(model, target / f"{name}.onnx")
+    except OSError:
+        # A full disk or a folder not writable: no half voice, nor a folder left empty that the
+        # server would then serve by default.
+        for path in placed:
+            path.unlink(missing_ok=True)
+        for folder in made:
+            try:
+                folder.rmdir()                              # only while empty
+            except OSError:
+                break
+        raise
+
+
+def _reach(name: str, config_file: str, revision: str | None, target: Path) -> None:
+    """One request to the hub, unretried: huggingface_hub retries a hub that does not answer
+    five times over some 23 s (its warnings each time) and then names no way around it. A hub
+    that answers, whatever it answers, is left to hf_hub_download."""
+    from huggingface_hub import constants, get_session, hf_hub_url
+    from huggingface_hub.utils import build_hf_headers
+
+    url = hf_hub_url(PIPER_VOICES_REPO, config_file, revision=revision)
+    try:
+        get_session().head(url, headers=build_hf_headers(), follow_redirects=False,
+                           timeout=constants.HF_HUB_ETAG_TIMEOUT)
+    except Exception as exc:  # noqa: BLE001 - the HTTP client's transport errors: no answer at all
+        hub = constants.ENDPOINT
+        folder = f"{hub}/{PIPER_VOICES_REPO}/tree/{revision or 'main'}/{config_file.rsplit('/', 1)[0]}"
+        raise HubUnreachable(f"the hub ({hub}) did not answer ({type(exc).__name__}: {exc}); to add "
+                             f"the voice by hand, put {name}.onnx and {name}.onnx.json (from {folder}) in "
+                             f"{target}") from None
 
 
 def _place(cached: Path, path: Path) -> Path:

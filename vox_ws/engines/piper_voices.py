@@ -13,6 +13,9 @@ naming its file, and the others are served; a `--piper-voice NAME` then names on
 name alone. A folder voice whose model cannot be loaded is left out by the engine at load
 (`PiperEngine.load`), for the same reason: one bad file costs only itself.
 
+Where the voices come from (`VoiceSource`) is kept, so that the engine can read them again while
+it serves (`PiperEngine.prepare_rescan`): on SIGHUP, and when the folder's listing (`stamp`) changes.
+
 A config is read once, here, within `MAX_CONFIG_BYTES` (regular files only: a FIFO is refused,
 not waited on), parsed and checked; the parsed config travels with the voice (`config`) to
 everything that needs it (the engine's phoneme set, the worker's load).
@@ -69,12 +72,35 @@ class PiperVoiceFile:
     required: bool = True
 
     @property
+    def description(self) -> str:
+        """The voice as wyoming-piper describes it, `dataset (quality)` from its config ("lessac
+        (medium)"), where its name is the one Piper's releases give it (`en_US-lessac-medium`) or
+        the dataset's (the bundled `joe`); a voice named otherwise leads with its name ("narrator
+        (alan, medium)"): no two voices of one language read alike in a picker."""
+        audio = self.config.get("audio")
+        quality = str(audio.get("quality") or "") if isinstance(audio, dict) else ""
+        dataset = str(self.config.get("dataset") or "")
+        if not dataset:
+            return self.name
+        said = " ".join(dataset.split("_"))
+        if self.name in (dataset, f"{self.language}-{dataset}-{quality}"):
+            return f"{said} ({quality})" if quality else said
+        return f"{self.name} ({', '.join(filter(None, (said, quality)))})"
+
+    @property
     def phonemes(self) -> frozenset[str]:
         """The phonemes (IPA) the voice speaks."""
         return frozenset(self.config["phoneme_id_map"])
 
     def speaker_id(self, speaker: str) -> int | None:
-        return self.speakers.index(speaker) if speaker in self.speakers else None
+        """A speaker's id by its name or, as Piper (`--speaker 1`) and wyoming-piper take it, by
+        its number (`"1"`); a name first, for a voice whose speakers are named by digits. None
+        for neither."""
+        if speaker in self.speakers:
+            return self.speakers.index(speaker)
+        if speaker.isascii() and speaker.isdigit() and int(speaker) < len(self.speakers):
+            return int(speaker)
+        return None
 
 
 def bundled() -> PiperVoiceFile:
@@ -96,6 +122,11 @@ def voice_from_spec(spec: str) -> PiperVoiceFile:
     name, path = parse_voice_spec(spec.strip())
     model = Path(path).expanduser()
     if not model.is_file():
+        given, named, beside = spec.strip().partition("=")
+        if named and Path(beside).expanduser().is_file():
+            # NAME=PATH with a NAME that is none (a folder's file named with a space): it was
+            # read as one path, "no such file 'my voice=/voices/my voice.onnx'".
+            raise ValueError(_bad_name(Path(beside).name, given))
         what = "not a regular file" if model.exists() else "no such file"
         raise ValueError(f"piper voice {spec!r}: {what} {str(model)!r}")
     # The first that exists, a FIFO or a folder included: read_config says what it is.
@@ -105,9 +136,16 @@ def voice_from_spec(spec: str) -> PiperVoiceFile:
         raise ValueError(f"piper voice {spec!r}: its config ({model.name}.json) is not beside it")
     name = name or model.stem
     if not _NAME.fullmatch(name):
-        raise ValueError(f"piper voice {spec!r}: name {name!r} must be 1-64 letters, digits, '_', '.' or '-'")
+        raise ValueError(_bad_name(spec, name))
     check_model(name, str(model))
     return read_voice(name, str(model), str(config))
+
+
+def _bad_name(what: str, name: str) -> str:
+    """Why `name` names no voice, with one that would (a name goes in URLs, JSON and Wyoming)."""
+    fitting = re.sub(r"[^A-Za-z0-9_.-]+", "_", name).strip("_.-")[:64] or "voice"
+    return (f"piper voice {what!r}: its name {name!r} is not one: 1-64 letters, digits, '_', '.' or '-' "
+            f"(rename it {fitting!r}: {fitting}.onnx and {fitting}.onnx.json, or --piper-voice {fitting}=PATH)")
 
 
 def model_problem(size: int, head: bytes) -> str | None:
@@ -208,3 +246,48 @@ def _add(voices: list[PiperVoiceFile], voice: PiperVoiceFile, spec: str) -> None
                          f"speaks at the default voice's {voices[0].sample_rate} Hz")
     voices.append(voice)
 
+
+@dataclass(frozen=True)
+class VoiceSource:
+    """Where a server's voices come from, to read them again while it runs (a rescan): the
+    voices named (`--piper-voice`) and a folder (`--piper-voices-dir`; `optional`: the pulled
+    voices' folder, served while it exists, watched before it does)."""
+
+    specs: tuple[str, ...] = ()
+    directory: str | None = None
+    optional: bool = False
+
+    def stamp(self) -> dict[str, Any]:
+        """The folder's voice files as they are now, by file name: (size, modification time in
+        ns, inode), None where one cannot be read. It changes when a voice is added, removed or
+        replaced. A listing and a stat a file (symbolic links followed): cheap enough to poll
+        every few seconds. Empty without a folder."""
+        if self.directory is None:
+            return {}
+        files: dict[str, Any] = {}
+        try:
+            with os.scandir(Path(self.directory).expanduser()) as entries:
+                for entry in entries:
+                    if entry.name.endswith((".onnx", ".json")):
+                        try:
+                            info = entry.stat()
+                            files[entry.name] = (info.st_size, info.st_mtime_ns, info.st_ino)
+                        except OSError:                     # gone since the listing, or a dangling link
+                            files[entry.name] = None
+        except OSError:                                     # no folder (yet), or not one
+            return {}
+        return files
+
+    def read(self) -> list[PiperVoiceFile]:
+        """The voices as `voice_set` reads them now (ValueError: a voice named cannot be served)."""
+        folder = self.directory
+        if folder is not None and self.optional and not Path(folder).expanduser().is_dir():
+            folder = None
+        return voice_set(list(self.specs), folder)
+
+    def files_state(self, voice: PiperVoiceFile, stamp: dict[str, Any]) -> tuple[Any, Any] | None:
+        """A voice of the folder: its model's and config's states in `stamp`; None for a voice
+        from elsewhere (the bundled one, a --piper-voice outside the folder)."""
+        if self.directory is None or Path(voice.model_path).parent != Path(self.directory).expanduser():
+            return None
+        return stamp.get(Path(voice.model_path).name), stamp.get(Path(voice.config_path).name)

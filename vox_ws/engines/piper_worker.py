@@ -58,7 +58,9 @@ LOAD_TIMEOUT_S = 120.0
 class PiperWorker(Worker):
     """The engine thread's handle on the worker. Not thread-safe: the engine thread alone uses it."""
 
-    def __init__(self, threads: int, voices: list[PiperVoiceFile]) -> None:
+    def __init__(self, threads: int, voices: list[PiperVoiceFile], measure: bool = True) -> None:
+        """`measure`: time the first voice at the first start (the engine's slots are sized by
+        it); a worker started by a rescan of the voices (`PiperEngine`) does not."""
         super().__init__(WORKER_MODULE, "Piper worker", threads)
         # What the worker loads each voice from: its name, model path and parsed config (read
         # once, by piper_voices), and whether a model that cannot be loaded fails the start.
@@ -67,15 +69,17 @@ class PiperWorker(Worker):
         self.word_timings = False          # the model's durations are available (the onnx package)
         self.speed = 0.0                   # seconds of speech per second of work, measured at start
         self.left_out: dict[int, str] = {}  # the first start's: voice number -> why its model failed
+        self._measure = measure
+        self._started = False
 
     def start(self) -> None:  # type: ignore[override]
         # The speed is measured by the first worker only: a restart after a crash is not slowed
         # by it, and the slot count it set stays as it is.
-        measure = self.speed == 0.0
-        rate, self.word_timings, speed, left_out = super().start(("init", self.threads, measure, self.voices),
-                                                                LOAD_TIMEOUT_S)
+        first, self._started = not self._started, True
+        rate, self.word_timings, speed, left_out = super().start(
+            ("init", self.threads, first and self._measure, self.voices), LOAD_TIMEOUT_S)
         self.sample_rate = int(rate)
-        if measure:
+        if first:
             self.speed = speed
             self.left_out = left_out
             # The engine serves the others, numbered as the worker numbers them: a restart loads

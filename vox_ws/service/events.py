@@ -97,6 +97,10 @@ class Ended:
 
     reason: EndReason
     stats: dict[str, Any] = field(default_factory=dict)
+    # A file format whose header holds its length (FLAC's STREAMINFO, WAV's sizes), not
+    # cancelled: (offset, bytes) to write over the audio sent, now that the length is known
+    # (`codecs.Encoded.rewrites`). A consumer holding the whole file writes them; a player ignores them.
+    rewrites: tuple[tuple[int, bytes], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

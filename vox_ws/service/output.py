@@ -136,11 +136,12 @@ class OutputStage:
             pcm = np.frombuffer(event.data, dtype="<f4")
             return self._audio(await self._off_loop(pipeline.encode, pcm))
         if isinstance(event, Ended):
-            tail: list[Event] = []
+            last = Encoded()
             if event.reason != EndReason.CANCELLED:
-                tail = self._audio(await self._off_loop(pipeline.finish))
+                last = await self._off_loop(pipeline.finish)
             await self._off_loop(pipeline.close)
-            return tail + [replace(event, stats=self._figures(event.stats, started_at))]
+            return self._audio(last) + [replace(event, stats=self._figures(event.stats, started_at),
+                                                rewrites=last.rewrites)]
         if isinstance(event, Failed):
             await self._off_loop(pipeline.close)
             return [replace(event, stats=self._figures(event.stats, started_at))]

@@ -14,6 +14,7 @@ import asyncio
 import dataclasses
 import itertools
 import logging
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Mapping
@@ -35,12 +36,16 @@ from .validation import (MAX_SPEED, MIN_SPEED, check_instructions, check_languag
                          check_slowing, check_text)
 from .voice_aliases import Alias
 from .voice_names import ResolvedVoice
+from .voice_rescans import VoiceRescans
 from .voice_store import ANY_OWNER, MemoryStore, StoreLimits, VoiceStore
 from .voices import VoiceService
 from .word_timings import WordTimings
 from .work import engine_work
 
 log = logging.getLogger("vox_ws.service")
+
+# The model's load is over: a device serves, or every one failed (`until_loaded`).
+LOAD_SETTLED = (Readiness.READY, Readiness.FAILED)
 
 # Threads that run output pipelines (codecs, tempo) for every stream. One encodes some 50
 # streams in real time here (docs/PERFORMANCE.md); FFmpeg releases the GIL while it encodes.
@@ -61,6 +66,8 @@ class StreamService:
         self.voices = VoiceService(self.devices, self.limits, voice_store or MemoryStore(store_limits(self.limits)),
                                    voice_aliases)
         self.loras = LoraService(self.devices, self.limits, self._end_unloading)
+        # The built-in voices read again from disk (SIGHUP, a voices folder that changes).
+        self.voice_rescans = VoiceRescans(self.devices)
         self.lexicon = Lexicon()                # the server's pronunciations (`load_lexicon`)
         self.metrics = metrics or Metrics()
         self.accepting = True                   # False while draining: no new streams
@@ -68,6 +75,7 @@ class StreamService:
         self._live: set[Generation] = set()     # the streams still producing
         self._numbers = itertools.count(1)
         self._watchdog: asyncio.Task | None = None
+        self._load_settled: asyncio.Event | None = None    # made when a caller first waits (`until_loaded`)
         # Text preparation (normalisation) runs here, one text at a time: beside the engine,
         # never on its thread or the loop.
         self._preparer = ThreadPoolExecutor(1, thread_name_prefix="vox-ws-prepare")
@@ -85,6 +93,7 @@ class StreamService:
 
     async def start(self) -> None:
         await self.voices.start()
+        await self.voice_rescans.start()
         self.mailbox = LoopMailbox(asyncio.get_running_loop())
         self._watchdog = asyncio.create_task(self._watch(), name="vox-ws-stream-watchdog")
 
@@ -93,11 +102,45 @@ class StreamService:
         if self._watchdog is not None:
             self._watchdog.cancel()
             await asyncio.gather(self._watchdog, return_exceptions=True)
+        await self.voice_rescans.close()
         self._preparer.shutdown(wait=False, cancel_futures=True)
         self._splitter.shutdown(wait=False, cancel_futures=True)
         self.encoding.shutdown(wait=False, cancel_futures=True)
         await asyncio.to_thread(self.word_timings.close, grace_s)
         await self.voices.close()
+
+    async def until_loaded(self, timeout_s: float) -> Readiness:
+        """The model's readiness once its load is over (a device serves, or every one failed),
+        or after `timeout_s` seconds, whichever is first. For a client that asks once what the
+        server serves and keeps the answer: Home Assistant keeps Wyoming's `describe` for the
+        life of its config entry, so an answer given during the load would stand until someone
+        reloads the integration."""
+        if self.devices.status in LOAD_SETTLED:
+            return self.devices.status
+        if self._load_settled is None:
+            # One watcher thread per device, started by the first caller and ended with its
+            # device's load: a waiting caller holds no thread of its own.
+            settled = self._load_settled = asyncio.Event()
+            loop = asyncio.get_running_loop()
+
+            def settle() -> None:
+                if self.devices.status in LOAD_SETTLED:
+                    settled.set()
+
+            def watch(engine_loop: EngineLoop) -> None:
+                engine_loop.ready_event.wait()          # set once the device's load has succeeded or failed
+                try:
+                    loop.call_soon_threadsafe(settle)
+                except RuntimeError:                    # the event loop has closed (stopped while loading)
+                    pass
+
+            for engine_loop in self.devices.loops:
+                threading.Thread(target=watch, args=(engine_loop,), name="vox-ws-load-watch", daemon=True).start()
+        try:
+            await asyncio.wait_for(self._load_settled.wait(), timeout_s)
+        except asyncio.TimeoutError:
+            pass
+        return self.devices.status
 
     # ------------------------------------------------------------------ streams
 

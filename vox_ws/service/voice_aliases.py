@@ -13,17 +13,26 @@ name is both; `false` takes a default name away:
     alloy = "joe"                             {"alloy": "joe",
     echo = false                               "echo": false,
     slow-joe = { voice = "joe", speed = 0.8 }  "slow-joe": {"voice": "joe", "speed": 0.8},
-    [nova]                                     "nova": {"instructions": "A young woman, bright.",
+    [nova]                                     "nova": {"engine": "voxcpm",
+    engine = "voxcpm"                                   "instructions": "A young woman, bright.",
     instructions = "A young woman, bright."             "options": {"seed": 7}}}
     options = { seed = 7 }
 
+`engine = "voxcpm"`: that engine's alone (a voice designed from words is VoxCPM2's); another
+engine leaves it out quietly and keeps its default `nova`.
+
 The defaults give OpenAI's names distinct voices where the engine has them: its built-in voices
-in turn (Piper with several `--piper-voice`s), else designed voices (VoxCPM2), else its default
-voice.
+of the default voice's language (Piper with several voices), else designed voices (VoxCPM2),
+else its default voice. Each name keeps its built-in voice when voices come and go
+(`default_voice_for`): a voice added takes only the names it ranks first for, a voice taken away
+gives up only its own. (They were dealt in turn over every voice, and one more voice in a folder
+changed what almost every name sounded like.) They are OpenAI's clients' names: Wyoming's
+`describe` lists an alias only where the aliases file names it.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import zlib
@@ -70,6 +79,9 @@ class Alias:
     instructions: str | None = None          # a voice designed from words, where the engine can
     options: Mapping[str, Any] = field(default_factory=dict)
     speed: float = 1.0                       # times the request's own speed
+    # Served by this engine only: one file for several engines (a voice designed from words is
+    # VoxCPM2's); another engine leaves it out without an error, its default name kept.
+    engine: str | None = None
 
     def describe(self) -> dict[str, Any]:
         described: dict[str, Any] = {"voice": self.voice}
@@ -85,12 +97,27 @@ class Alias:
 def default_aliases(engine: Engine) -> dict[str, Alias]:
     builtin = engine.voices.names()
     if builtin:
-        return {name: Alias(name, builtin[i % len(builtin)]) for i, name in enumerate(OPENAI_VOICES)}
+        # The voices of the default voice's language (any region): what OpenAI's clients send
+        # is in the server's language, and a German voice reads English badly.
+        home = _language_family(engine.voices.languages(None))
+        speaking = [voice for voice in builtin if _language_family(engine.voices.languages(voice)) == home]
+        return {name: Alias(name, default_voice_for(name, speaking or builtin)) for name in OPENAI_VOICES}
     if engine.text.follows_instructions(None):
         seeded = "seed" in engine.options
         return {name: Alias(name, None, DESIGNED[name], {"seed": zlib.crc32(name.encode())} if seeded else {})
                 for name in OPENAI_VOICES}
     return {name: Alias(name) for name in OPENAI_VOICES}
+
+
+def default_voice_for(name: str, voices: list[str]) -> str:
+    """The built-in voice a default name stands for: the one that ranks first for it, each
+    (name, voice) pair ranked by its own hash (rendezvous hashing), whatever the other voices."""
+    return max(voices, key=lambda voice: hashlib.blake2b(f"{name}\n{voice}".encode(), digest_size=8).digest())
+
+
+def _language_family(languages: tuple[str, ...]) -> str:
+    """`en` of `en_US` (Piper), `en-GB` or `en` (VoxCPM2): the first language's."""
+    return languages[0].replace("-", "_").partition("_")[0].lower() if languages else ""
 
 
 def load_aliases(path: str) -> dict[str, Alias | None]:
@@ -128,7 +155,7 @@ def _alias(path: str, name: Any, value: Any) -> Alias | None:
         return Alias(name, value or None)
     if not isinstance(value, dict):
         raise ValueError(f"{path}: alias {name!r}: a voice name, false, or a table of voice, instructions, options")
-    unknown = sorted(set(value) - {"voice", "instructions", "options", "speed"})
+    unknown = sorted(set(value) - {"voice", "instructions", "options", "speed", "engine"})
     if unknown:
         raise ValueError(f"{path}: alias {name!r}: unknown field {unknown[0]!r}")
     voice, instructions, options = value.get("voice"), value.get("instructions"), value.get("options", {})
@@ -141,7 +168,19 @@ def _alias(path: str, name: Any, value: Any) -> Alias | None:
     speed = value.get("speed", 1.0)
     if isinstance(speed, bool) or not isinstance(speed, (int, float)) or not MIN_SPEED <= speed <= MAX_SPEED:
         raise ValueError(f"{path}: alias {name!r}: 'speed' must be a number in [{MIN_SPEED:g}, {MAX_SPEED:g}]")
-    return Alias(name, voice or None, instructions or None, dict(options), float(speed))
+    engine = value.get("engine")
+    if engine is not None and not (isinstance(engine, str) and _ALIAS_NAME.fullmatch(engine)):
+        raise ValueError(f"{path}: alias {name!r}: 'engine' must name an engine (piper, voxcpm)")
+    return Alias(name, voice or None, instructions or None, dict(options), float(speed), engine)
+
+
+def for_engine(configured: Mapping[str, Alias | None],
+               engine: Engine) -> tuple[dict[str, Alias | None], list[str]]:
+    """The file's aliases this engine serves (those without `engine`, and its own), and the
+    names of those for another engine, which it leaves out as if the file did not name them."""
+    kept = {name: alias for name, alias in configured.items()
+            if alias is None or alias.engine in (None, engine.name)}
+    return kept, sorted(set(configured) - set(kept))
 
 
 def with_defaults(configured: Mapping[str, Alias | None], engine: Engine) -> dict[str, Alias]:

@@ -13,7 +13,7 @@ import logging
 from dataclasses import dataclass
 
 from ..engine import Engine, ErrorKind, Readiness, Refused
-from .voice_aliases import Alias, check_aliases, default_aliases, with_defaults
+from .voice_aliases import Alias, check_aliases, default_aliases, for_engine, with_defaults
 from .voice_store import VoiceStore, is_registered_id, is_voice_name, owner_key
 
 log = logging.getLogger("vox_ws.service")
@@ -21,10 +21,12 @@ log = logging.getLogger("vox_ws.service")
 
 def with_speaker(voice: str | None, speaker: str | None) -> str | None:
     """The voice a request names with a `speaker` of a multi-speaker voice: `voice:speaker`
-    (`:speaker`: of the default voice). Refused (INVALID, field "speaker") for a speaker that is
-    not a name."""
+    (`:speaker`: of the default voice), the speaker by name or by number (`"1"` or `1`). Refused
+    (INVALID, field "speaker") for a speaker that is neither."""
     if speaker is None:
         return voice
+    if isinstance(speaker, int) and not isinstance(speaker, bool) and speaker >= 0:
+        speaker = str(speaker)                   # a speaker's number, as Piper's own server takes it
     if not isinstance(speaker, str) or not speaker or ":" in speaker or len(speaker) > 128:
         raise Refused(ErrorKind.INVALID, f"field 'speaker' must name a speaker of the voice, got {speaker!r}",
                       field="speaker")
@@ -54,15 +56,26 @@ class VoiceNames:
             self._aliases = self._checked(engine)
         return self._aliases
 
+    def named_in_file(self, engine: Engine, status: Readiness) -> dict[str, Alias]:
+        """The aliases in force that the aliases file names (none of the defaults it leaves as
+        they are): those a client should be shown beside the engine's own voices where OpenAI's
+        names mean nothing (Home Assistant's picker)."""
+        named = for_engine(self._configured or {}, engine)[0]
+        return {name: alias for name, alias in self.aliases(engine, status).items() if name in named}
+
     def _checked(self, engine: Engine) -> dict[str, Alias]:
         if self._configured is None:
             return default_aliases(engine)
-        given = {name: alias for name, alias in self._configured.items() if alias is not None}
+        configured, elsewhere = for_engine(self._configured, engine)
+        if elsewhere:                            # one file for several engines: not a mistake
+            log.info("--voice-aliases: %s for another engine than %s: left out", ", ".join(elsewhere),
+                     engine.name)
+        given = {name: alias for name, alias in configured.items() if alias is not None}
         problems = check_aliases(given, engine)
         for name, why in problems:
             log.error("--voice-aliases: alias %r is not served: %s", name, why)
         bad = {name for name, _ in problems}
-        return with_defaults({name: alias for name, alias in self._configured.items() if name not in bad}, engine)
+        return with_defaults({name: alias for name, alias in configured.items() if name not in bad}, engine)
 
     def resolve(self, engine: Engine, status: Readiness, voice: str | None, owner: str) -> ResolvedVoice:
         if voice is None or engine.voices.has(voice) or is_registered_id(voice):

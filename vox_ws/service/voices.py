@@ -82,8 +82,11 @@ class VoiceService:
         """The built-in voices, once the engine serves."""
         return self.devices.engine.voices.names() if self.devices.status == Readiness.READY else []
 
-    def aliases(self) -> dict[str, Alias]:
-        return self.names.aliases(self.devices.engine, self.devices.status)
+    def aliases(self, in_file_only: bool = False) -> dict[str, Alias]:
+        """The voice aliases; `in_file_only`: those the aliases file names, not OpenAI's defaults
+        (`VoiceNames.named_in_file`)."""
+        listed = self.names.named_in_file if in_file_only else self.names.aliases
+        return listed(self.devices.engine, self.devices.status)
 
     def resolve(self, voice: str | None, owner: str = ANY_OWNER) -> ResolvedVoice:
         """What the voice a client named is, for `owner` (whose voice names count)."""

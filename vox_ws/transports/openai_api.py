@@ -16,11 +16,13 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import functools
 import json
 import logging
 import re
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from starlette.requests import ClientDisconnect, Request
@@ -28,7 +30,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 from starlette.types import Receive, Scope, Send
 
-from ..codecs import CODECS, wav_with_sizes
+from ..codecs import CODECS
 from ..engine import ErrorKind, Refused
 from ..lexicon import request_entries
 from ..service import AudioOutput, Stream, StreamRequest
@@ -61,9 +63,13 @@ KOKORO_NORMALIZATIONS = ("normalize", "unit_normalization", "url_normalization",
                          "optional_pluralization_normalization", "phone_normalization", "replace_remaining_symbols")
 CONTENT_TYPES = {"pcm": "audio/pcm", **{name: CODECS[name].content_type for name in RESPONSE_FORMATS
                                          if name in CODECS}}
+# Kokoro-FastAPI's fields for a file kept on its server to fetch later (`return_download_link`, in
+# `download_format`): this server keeps nothing, so they are taken and said ignored, not refused.
+KOKORO_DOWNLOAD_FIELDS = ("download_format", "return_download_link")
 KNOWN_FIELDS = {"model", "input", "voice", "response_format", "speed", "instructions", "stream_format",
                 "sample_rate", "lookahead_s", "markup", "pronunciations", "lora", "language", "lang_code", "volume",
-                "volume_multiplier", "stream", "normalization_options", "timestamps", "speaker"}
+                "volume_multiplier", "stream", "normalization_options", "timestamps", "speaker",
+                *KOKORO_DOWNLOAD_FIELDS}
 TIMESTAMPS = ("word", "segment")
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                404: "not_found_error", 408: "timeout_error", 413: "invalid_request_error",
@@ -99,7 +105,7 @@ class SpeechRequest:
     request: StreamRequest
     response_format: str
     sse: bool
-    whole: bool = False                  # `stream: false`: the whole file in one response
+    whole: bool = False                  # `stream: false` (a FLAC's default): the whole file in one response
     timestamps: str | None = None        # SSE: "word" or "segment" events beside the audio
     ignored: tuple[str, ...] = ()        # fields taken but without effect here
 
@@ -189,8 +195,25 @@ def _guarded_card(request: Request) -> dict[str, Any] | Response:
 
 def _model_card(state: ServerState) -> dict[str, Any]:
     engine = state.service.engine
-    return {"id": engine.model or engine.name, "object": "model", "created": int(state.started_wall),
-            "owned_by": "vox-ws"}
+    return {"id": model_id(engine.model) or engine.name, "object": "model",
+            "created": int(state.started_wall), "owned_by": "vox-ws"}
+
+
+_HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")
+
+
+@functools.lru_cache(maxsize=16)                 # asked on each request; one stat, once
+def model_id(model: str | None) -> str | None:
+    """The served model as clients name it: a hub id as it is (`openbmb/VoxCPM2`), a checkpoint
+    served from a directory by the directory's name (`--model /srv/models/VoxCPM2`: `VoxCPM2`; a
+    hub cache's snapshot by its repository's id), never the path, which says where the server's
+    files lie and changes with the machine."""
+    if not model or _HUB_ID.fullmatch(model) or not Path(model).expanduser().is_dir():
+        return model
+    path = Path(model).expanduser().resolve()
+    if path.parent.name == "snapshots" and path.parent.parent.name.startswith("models--"):
+        return path.parent.parent.name.removeprefix("models--").replace("--", "/")
+    return path.name or model
 
 
 # The most bytes one character of a JSON string may take: a character beyond the BMP written as
@@ -239,7 +262,8 @@ def parse_speech(body: dict[str, Any], state: ServerState) -> SpeechRequest:
         raise OpenAIError(400, f"'model' must be a string, got {model!r}", "model", "invalid_value")
     # A model this server does not know by name is served all the same, and said ignored: a
     # client set up for another server (a guide's model name) speaks instead of failing.
-    ignored_model = model is not None and model not in (engine.model, engine.name, *state.config.model_aliases) \
+    ignored_model = model is not None and model not in (engine.model, engine.name, model_id(engine.model),
+                                                        *state.config.model_aliases) \
         and not _OPENAI_MODEL.fullmatch(model)
     # Each field's type here; the service's rules (the text's length, the ranges, the voice, ...)
     # run once as the stream opens, their refusals worded for this door (`service_error`).
@@ -288,6 +312,7 @@ def parse_speech(body: dict[str, Any], state: ServerState) -> SpeechRequest:
     normalization, ignored = _normalization(body.get("normalization_options"))
     if ignored_model:
         ignored = ["model", *ignored]
+    ignored += [name for name in KOKORO_DOWNLOAD_FIELDS if body.get(name) not in (None, False)]
     if normalization is not None and "normalize" in specs:
         raw_options.setdefault("normalize", normalization)
     try:
@@ -297,10 +322,13 @@ def parse_speech(body: dict[str, Any], state: ServerState) -> SpeechRequest:
                           or None, "invalid_value") from None
     language = _language(body)
     volume = _number(body, "volume" if "volume" in body else "volume_multiplier", 1.0)
-    whole = body.get("stream", True)
-    if not isinstance(whole, bool):
-        raise OpenAIError(400, f"'stream' must be a boolean, got {whole!r}", "stream", "invalid_value")
-    if not whole and stream_format == "sse":
+    # A streamed FLAC cannot hold its length (its STREAMINFO goes first: total samples 0, which
+    # libsndfile, soundfile's, cannot read), and OpenAI's SDK sends no `stream`, even to save a
+    # file: without one, a FLAC comes whole with its length; `stream: true` streams it open-ended.
+    streamed = body.get("stream", response_format != "flac" or stream_format == "sse")
+    if not isinstance(streamed, bool):
+        raise OpenAIError(400, f"'stream' must be a boolean, got {streamed!r}", "stream", "invalid_value")
+    if not streamed and stream_format == "sse":
         raise OpenAIError(400, "'stream': false asks for one whole file; server-sent events stream", "stream",
                           "invalid_value")
     timestamps = body.get("timestamps")
@@ -316,8 +344,8 @@ def parse_speech(body: dict[str, Any], state: ServerState) -> SpeechRequest:
                             instructions=instructions.strip() or None if instructions else None, markup=markup,
                             pronunciations=pronunciations, lora=lora, language=language,
                             word_timestamps=timestamps == "word")
-    return SpeechRequest(request, response_format, stream_format == "sse", whole=not whole, ignored=tuple(ignored),
-                         timestamps=timestamps)
+    return SpeechRequest(request, response_format, stream_format == "sse", whole=not streamed,
+                         ignored=tuple(ignored), timestamps=timestamps)
 
 
 def _language(body: dict[str, Any]) -> str | None:
@@ -495,15 +523,14 @@ class SpeechResponse(Response):
             event = await anext(events, None)
         if event is None:
             return                                       # closed: the client is gone
+        for offset, data in event.rewrites:              # the header's lengths, known now (FLAC, WAV)
+            spool.rewrite(offset, data)
         headers = [*self.raw_headers, (b"content-length", str(spool.size).encode())]
         await send({"type": "http.response.start", "status": 200, "headers": headers})
         loop = asyncio.get_running_loop()
         clock = SendClock(*spool.floor, loop.time())
-        first, sent = True, 0
+        sent = 0
         async for piece in spool.pieces():
-            if first and self.media_type == CONTENT_TYPES["wav"]:
-                piece = wav_with_sizes(piece, spool.size)      # the whole file's length is known now
-            first = False
             try:
                 # The transport's flow control holds this send until the client has taken the one before.
                 await asyncio.wait_for(self._body(send, piece), clock.left_s(loop.time()))

@@ -68,7 +68,8 @@ SCHEMAS: dict[str, Any] = {
          "response_format": {"enum": ["mp3", "opus", "aac", "flac", "wav", "pcm"], "default": "mp3"},
          "speed": {"type": "number", "minimum": 0.25, "maximum": 4.0, "default": 1.0},
          "instructions": _STRING, "stream_format": {"enum": ["audio", "sse"], "default": "audio"},
-         "stream": {**_BOOL, "default": True, "description": "false: one whole file with its Content-Length"},
+         "stream": {**_BOOL, "description": "false: one whole file with its Content-Length; absent: true, but "
+                                            "false for flac (a streamed FLAC cannot hold its length)"},
          "sample_rate": {"type": "integer", "minimum": 8000, "maximum": 48000},
          "language": _STRING, "lang_code": _STRING, "timestamps": {"enum": ["word", "segment"]},
          "volume": _NUMBER, "volume_multiplier": _NUMBER, "lookahead_s": _NUMBER, "markup": {"enum": ["ssml", "none"]},
@@ -131,7 +132,7 @@ PATHS: dict[str, Any] = {
     "/v1/voices": {
         "get": _op("The server's voices and aliases", "voices", {
             "200": _json(_object({"voices": {"type": "array", "items": _ref("ServerVoice")}, "cloning": _BOOL}),
-                         "the voices"), **_errors(401, 403)}),
+                         "the voices"), **_errors(401, 403, 503)}),
         "post": _op("Register a voice from reference audio (VoxCPM2)", "voices", {
             "201": _json(_ref("RegisteredVoice"), "registered"), **_errors(400, 401, 403, 413, 415, 429, 501, 503)},
             parameters=[{"name": "transcript", "in": "query", "schema": _STRING},
@@ -171,7 +172,8 @@ PATHS: dict[str, Any] = {
             "200": _json(_ANY, "unloading"), **_errors(400, 401, 403, 404, 501)},
             parameters=[{"name": "name", "in": "path", "required": True, "schema": _STRING}])},
     "/v1/audio/speech": {"post": _op("Speech, as OpenAI's API (streamed as it is generated)", "openai", {
-        "200": {"description": "the audio (chunked; with stream: false one body with its length), or SSE",
+        "200": {"description": "the audio (chunked; with stream: false, a flac's default, one body with its "
+                               "length), or SSE",
                 "headers": {"X-Sample-Rate": {"schema": _STRING}, "X-Request-Id": {"schema": _STRING},
                             "X-Ignored-Parameters": {"schema": _STRING}},
                 "content": {**{kind: {"schema": {"type": "string", "format": "binary"}} for kind in _AUDIO_TYPES},

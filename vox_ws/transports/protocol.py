@@ -423,7 +423,10 @@ def event_message(sid: str, event: Event) -> dict[str, Any]:
     if isinstance(event, Flushed):
         return {"type": "flushed", "id": sid, "audio_s": event.audio_s}
     if isinstance(event, Ended):
-        return {"type": "end", "id": sid, "reason": event.reason.value, **event.stats}
+        end = {"type": "end", "id": sid, "reason": event.reason.value, **event.stats}
+        if event.rewrites:                    # `flac`, `wav`: the header, now the length is known
+            end["rewrites"] = [[offset, data] for offset, data in event.rewrites]
+        return end
     assert isinstance(event, Failed), event
     return error_message(ProtocolError(code_for(event.kind), event.message, sid, event.retry_after_s))
 

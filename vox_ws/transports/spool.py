@@ -81,7 +81,8 @@ class SendClock:
 
 
 class Spool:
-    """One whole response's bytes: `await write(...)` as they come, `size`, then `pieces()`;
+    """One whole response's bytes: `await write(...)` as they come, `rewrite(...)` what a header
+    learns only at the end (the file's length), `size`, then `pieces()`;
     `await close()` always (it gives the bytes back to the budget and drops the file)."""
 
     def __init__(self, budget: SpoolBudget, owner: str, floor: tuple[float, float] = (0.0, 0.0)) -> None:
@@ -91,6 +92,7 @@ class Spool:
         self.size = 0
         self._memory = bytearray()
         self._file: IO[bytes] | None = None
+        self._rewrites: list[tuple[int, bytes]] = []
 
     async def write(self, data: bytes) -> None:
         self._budget.take(self._owner, len(data), self.size)
@@ -107,8 +109,21 @@ class Spool:
         pending, self._memory = bytes(self._memory), bytearray()
         await asyncio.to_thread(self._file.write, pending)
 
+    def rewrite(self, offset: int, data: bytes) -> None:
+        """`data` to stand at `offset` of what was written, once all is (a header that holds the
+        file's length: `codecs.Encoded.rewrites`); applied to the pieces as they are sent."""
+        if not 0 <= offset <= offset + len(data) <= self.size:
+            raise ValueError(f"a rewrite of {len(data)} bytes at {offset} is outside the {self.size} written")
+        self._rewrites.append((offset, data))
+
     async def pieces(self) -> AsyncIterator[bytes]:
-        """The bytes written, in order, a piece at a time."""
+        """The bytes written, rewrites applied, in order, a piece at a time."""
+        start = 0
+        async for piece in self._written():
+            yield _rewritten(piece, start, self._rewrites)
+            start += len(piece)
+
+    async def _written(self) -> AsyncIterator[bytes]:
         if self._file is None:
             for start in range(0, len(self._memory), SEND_BYTES):
                 yield bytes(self._memory[start:start + SEND_BYTES])
@@ -124,6 +139,20 @@ class Spool:
         self._budget.give_back(self._owner, self.size)
         self.size = 0
         self._memory = bytearray()
+        self._rewrites = []
         if self._file is not None:
             file, self._file = self._file, None
             await asyncio.to_thread(file.close)
+
+
+def _rewritten(piece: bytes, start: int, rewrites: list[tuple[int, bytes]]) -> bytes:
+    """`piece` (the bytes at `start` of a file) with the parts of `rewrites` that fall in it."""
+    end = start + len(piece)
+    touching = [(offset, data) for offset, data in rewrites if offset < end and offset + len(data) > start]
+    if not touching:
+        return piece
+    patched = bytearray(piece)
+    for offset, data in touching:
+        lo, hi = max(offset, start), min(offset + len(data), end)
+        patched[lo - start:hi - start] = data[lo - offset:hi - offset]
+    return bytes(patched)

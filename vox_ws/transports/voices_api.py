@@ -30,7 +30,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
-from ..engine import Refused
+from ..engine import Readiness, Refused
 from ..service.registrations import Registration
 from ..service.voice_store import VoiceSummary
 from . import protocol as p
@@ -56,10 +56,20 @@ async def list_voices(request: Request) -> Response:
     state = server_state(request)
     if (refusal := access_refusal(request, state.config)) is not None:
         return refusal
+    if (loading := _loading(state)) is not None:
+        return loading
     # Registered voice ids are capabilities (unguessable, handed to whoever registered
     # them): they are never listed here.
     voices = [{key: value for key, value in v.items() if key != "name"} for v in _server_voices(state)]
     return JSONResponse({"voices": voices, "cloning": state.service.engine.supports_voices})
+
+
+def _loading(state: ServerState) -> Response | None:
+    """503 `not_ready` (with `Retry-After`) while the engine loads, or after it failed: which
+    voices it serves is known once it has loaded. (The lists answered 200 with no voice, which
+    a client keeps as the server's answer.)"""
+    devices = state.service.devices
+    return None if devices.status == Readiness.READY else refused_response(devices.not_ready())
 
 
 def _server_voices(state: ServerState) -> list[dict]:
@@ -160,6 +170,8 @@ async def list_openai_style(request: Request) -> Response:
     state = server_state(request)
     if (refusal := listing_refusal(request, state.config)) is not None:
         return refusal
+    if (loading := _loading(state)) is not None:
+        return loading
     # A page of another origin without a token is its own owner (`auth.page_owner`): it is
     # listed the voices it registered, never its visitor's.
     mine = access_refusal(request, state.config) is None

@@ -1,7 +1,7 @@
 """The Wyoming front door (Home Assistant's protocol for voice services), on the same stream
 service as every other door.
 
-    describe                                   -> info (voices, supports_synthesize_streaming)
+    describe                                   -> info (voices, supports_synthesize_streaming), once loaded
     synthesize {text, voice}                   -> audio-start, audio-chunk..., audio-stop
     synthesize-start {voice}
       synthesize-chunk {text} ...              -> per sentence: audio-start, audio-chunk..., audio-stop
@@ -42,10 +42,11 @@ from wyoming.tts import Synthesize, SynthesizeChunk, SynthesizeStart, Synthesize
 
 from .. import __version__
 from ..addresses import DEFAULT_IPV6_PREFIX, client_key
-from ..engine import ErrorKind, Refused
+from ..engine import ErrorKind, Readiness, Refused
 from ..service import AudioOutput, StreamRequest, StreamService
 from ..service.events import Audio, Ended, Failed, Segment
 from ..service.stream import Stream
+from ..service.voice_aliases import Alias
 from ..service.voice_names import with_speaker
 from .auth import address_owner
 from .protocol import code_for
@@ -59,6 +60,8 @@ SAMPLE_WIDTH = 2
 CHANNELS = 1
 # What `describe` lists for an engine without built-in voices: its default voice.
 DEFAULT_VOICE = "default"
+# An alias's instructions shown in `describe` (its description, in Home Assistant's picker), at most.
+MAX_INSTRUCTIONS_SHOWN = 60
 # The JSON header line, the JSON data and the payload of one client event, at most. Clients
 # send text only; the package's own reader would trust any declared length.
 MAX_HEADER_BYTES = 64 << 10
@@ -79,6 +82,8 @@ class WyomingServer:
         self.service = service
         self.proxies = proxies or TrustedProxies()
         self.ipv6_prefix = ipv6_prefix          # an IPv6 client counts by its network (`addresses`)
+        # How long `describe` waits for the engine's load: as long as a connection may say nothing.
+        self.describe_wait_s = service.limits.idle_timeout_s
         self._server = AsyncServer.from_uri(uri)
         self._numbers = itertools.count(1)
         self.connections = 0
@@ -244,7 +249,7 @@ class WyomingHandler(AsyncEventHandler):
     async def _handle(self, event: Event) -> None:
         kind = event.type
         if Describe.is_type(kind):
-            await self.write_event((await self._info()).event())
+            await self._describe()
         elif Ping.is_type(kind):
             await self.write_event(Pong(text=Ping.from_event(event).text).event())
         elif Synthesize.is_type(kind):
@@ -355,10 +360,26 @@ class WyomingHandler(AsyncEventHandler):
         finally:
             self._request_ended_at = asyncio.get_running_loop().time()
 
+    async def _describe(self) -> None:
+        """`info`, once the engine has loaded: what it lists is what the server serves. Home
+        Assistant keeps the first answer for the life of its config entry: the placeholder this
+        gave during the load (`default`, one language) stood after every reboot until the
+        integration was reloaded by hand. A load still going after `describe_wait_s` (the
+        longest a connection may wait with nothing said, `idle_timeout_s`), or one that failed, is
+        `error {code: not_ready}` and the connection closes: a client asks again (Home Assistant
+        waits 1 s for an answer, tries 4 times 2 s apart, then retries the entry's setup later)."""
+        status = await self.service.until_loaded(self.server.describe_wait_s)
+        if status != Readiness.READY:
+            raise self.service.devices.not_ready()
+        await self.write_event((await self._info()).event())
+
     async def _info(self) -> Info:
-        """Every voice this client may name (Home Assistant's picker shows what is here): the
-        built-in ones, the aliases (with their speed), and the voices this address registered
-        by name."""
+        """Every voice Home Assistant's picker should offer, read afresh at each `describe`: the
+        built-in ones, the aliases the aliases file names (OpenAI's default names are for
+        OpenAI's clients: listed, they crowded the picker with names for voices it listed
+        already; they are still spoken when named), and the voices this address registered by
+        name. The picker shows a voice's description, not its name: each description leads
+        with what a user would call the voice, and no two read alike."""
         engine = self.service.engine
         voices_service = self.service.voices
         attribution = Attribution(*ENGINE_ATTRIBUTIONS.get(engine.name, (f"vox-ws ({engine.name})", PROJECT_URL)))
@@ -370,17 +391,16 @@ class WyomingHandler(AsyncEventHandler):
                             speakers=[TtsVoiceSpeaker(name=s) for s in speakers] if speakers else None)
 
         # A voice of several speakers is listed once, its speakers with it (`voice.speaker`).
-        voices = [voice(name, f"{engine.name} voice {name}", None if name == DEFAULT_VOICE else name)
-                  for name in voices_service.listed() or [DEFAULT_VOICE] if ":" not in name]
-        for name, alias in voices_service.aliases().items():
-            what = alias.voice or alias.instructions or "the default voice"
-            speed = f", at {alias.speed:g}x" if alias.speed != 1.0 else ""
-            voices.append(voice(name, f"alias of {what}{speed}", alias.voice))
+        voices = [voice(name, engine.voices.description(name), name)
+                  for name in voices_service.listed() if ":" not in name] or \
+            [voice(DEFAULT_VOICE, DEFAULT_VOICE, None)]
+        for name, alias in voices_service.aliases(in_file_only=True).items():
+            voices.append(voice(name, f"{name} ({_alias_described(alias)})", alias.voice))
         try:
             owned = await voices_service.owned_by(address_owner(self.peer, self.server.ipv6_prefix))
         except Refused:                                 # the store cannot be reached: the others stand
             owned = []
-        voices += [voice(v.name, "a voice registered here", None) for v in owned if v.name]
+        voices += [voice(v.name, f"{v.name} (registered)", None) for v in owned if v.name]
         program = TtsProgram(name="vox-ws", description=f"vox-ws streaming text-to-speech ({engine.model})",
                              attribution=attribution, installed=True, version=__version__, voices=voices,
                              supports_synthesize_streaming=True)
@@ -449,6 +469,20 @@ class WyomingHandler(AsyncEventHandler):
         raw_data = await self.reader.readexactly(data_length) if data_length else None
         payload = await self.reader.readexactly(payload_length) if payload_length else None
         return raw_data, payload
+
+
+def _alias_described(alias: Alias) -> str:
+    """What an alias stands for, in a few words: its voice (or its instructions, cut short),
+    and its speed."""
+    if alias.voice:
+        what = f"alias of {alias.voice}"
+    elif alias.instructions:
+        shown = alias.instructions if len(alias.instructions) <= MAX_INSTRUCTIONS_SHOWN else \
+            alias.instructions[:MAX_INSTRUCTIONS_SHOWN - 1].rstrip() + "…"
+        what = f"designed: {shown}"
+    else:
+        what = "alias of the default voice"
+    return what + (f", at {alias.speed:g}x" if alias.speed != 1.0 else "")
 
 
 def _text(text: Any) -> str:
