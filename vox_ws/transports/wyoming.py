@@ -82,8 +82,9 @@ class WyomingServer:
         self.service = service
         self.proxies = proxies or TrustedProxies()
         self.ipv6_prefix = ipv6_prefix          # an IPv6 client counts by its network (`addresses`)
-        # How long `describe` waits for the engine's load: as long as a connection may say nothing.
-        self.describe_wait_s = service.limits.idle_timeout_s
+        # How long `describe` waits for the engine's load (None: as long as a connection may say
+        # nothing, the service's idle time-out).
+        self.describe_wait_s: float | None = None
         self._server = AsyncServer.from_uri(uri)
         self._numbers = itertools.count(1)
         self.connections = 0
@@ -368,7 +369,8 @@ class WyomingHandler(AsyncEventHandler):
         longest a connection may wait with nothing said, `idle_timeout_s`), or one that failed, is
         `error {code: not_ready}` and the connection closes: a client asks again (Home Assistant
         waits 1 s for an answer, tries 4 times 2 s apart, then retries the entry's setup later)."""
-        status = await self.service.until_loaded(self.server.describe_wait_s)
+        wait_s = self.server.describe_wait_s
+        status = await self.service.until_loaded(self.service.limits.idle_timeout_s if wait_s is None else wait_s)
         if status != Readiness.READY:
             raise self.service.devices.not_ready()
         await self.write_event((await self._info()).event())
