@@ -303,6 +303,11 @@ async def test_a_voice_added_to_the_folder_is_served_after_sighup_and_one_remove
     server = start_server(engine, wyoming="tcp://127.0.0.1:0", max_buffered_audio_s=1.0,
                           write_stall_timeout_s=WAIT_TIMEOUT)
     assert _listed(server) == ["joe", "en_US-first-medium"]
+
+    async def aliased() -> set[str | None]:
+        return {alias.voice for alias in server.server.service.voices.aliases().values()}
+
+    assert "en_US-first-medium" in await _on_server(server, aliased())     # some of OpenAI's names
     first_worker = engine.worker_pid
     async with connect_client(server) as c:
         await c.send({"type": "start", "id": "long", "text": LONG * 3, "voice": "en_US-first-medium",
@@ -319,6 +324,7 @@ async def test_a_voice_added_to_the_folder_is_served_after_sighup_and_one_remove
         line = next(r.getMessage() for r in caplog.records if "en_US-broken-medium.onnx" in r.getMessage())
         assert "left out" in line and "DecodeError" in line, line
         assert _listed(server) == ["joe", "en_US-second-medium"]
+        assert "en_US-first-medium" not in await _on_server(server, aliased())   # no name stands for it now
         async with AsyncTcpClient("127.0.0.1", server.server.wyoming.port) as wyoming:
             await wyoming.write_event(Describe().event())
             (program,) = Info.from_event(await asyncio.wait_for(wyoming.read_event(), WAIT_TIMEOUT)).tts

@@ -48,12 +48,16 @@ class VoiceNames:
         self._store = store
         self._configured = configured
         self._aliases: dict[str, Alias] | None = None
+        self._for_voices: tuple[str, ...] = ()   # the engine's voices they were worked out for
 
     def aliases(self, engine: Engine, status: Readiness) -> dict[str, Alias]:
-        if self._aliases is None:
-            if status is not Readiness.READY:
-                return {}                        # the defaults depend on the loaded engine's voices
-            self._aliases = self._checked(engine)
+        if status is not Readiness.READY:
+            return self._aliases or {}           # the defaults depend on the loaded engine's voices
+        voices = tuple(engine.voices.names())
+        if self._aliases is None or voices != self._for_voices:
+            # Worked out again when the voices change (a rescan of the voices folder): no alias
+            # stands for a voice no longer served, and a default name moves only if its voice did.
+            self._aliases, self._for_voices = self._checked(engine), voices
         return self._aliases
 
     def named_in_file(self, engine: Engine, status: Readiness) -> dict[str, Alias]:
