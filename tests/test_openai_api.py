@@ -14,10 +14,12 @@ import wave
 
 import av
 import httpx
+import msgpack
 import numpy as np
 import openai
 import pytest
 import soundfile
+from websockets.sync.client import connect as connect_sync
 from attackers import assert_speaks
 from conftest import WAIT_TIMEOUT, wait_idle, wait_until
 
@@ -454,13 +456,15 @@ def test_kokoro_fastapis_download_fields_are_taken_and_said_ignored(client):
 def test_a_model_served_from_a_directory_is_named_by_it_not_by_its_path(tiny_voxcpm, tiny_model):
     """`/v1/audio/models` named a VoxCPM2 checkpoint served from a directory by its absolute path
     (where the server's files lie, and not the same on the next machine). It is named by the
-    directory's name, in every list, and a client that sends that name is served it, not told
+    directory's name, in every list and v1's hello, and a client that sends that name is served it, not told
     the model was ignored."""
     sdk = openai.OpenAI(base_url=tiny_voxcpm.http + "/v1", api_key="unused", max_retries=0)
     audio_models = httpx.get(tiny_voxcpm.http + "/v1/audio/models", timeout=30).json()["models"]
     assert [(m["id"], m["name"]) for m in audio_models] == [(tiny_model.name, tiny_model.name)]
     assert [m.id for m in sdk.models.list().data] == [tiny_model.name]
     assert sdk.models.retrieve(tiny_model.name).id == tiny_model.name
+    with connect_sync(tiny_voxcpm.url) as ws:                              # v1's hello names it so too
+        assert msgpack.unpackb(ws.recv(timeout=30), raw=False)["model"] == tiny_model.name
     with sdk.audio.speech.with_streaming_response.create(model=tiny_model.name, voice="alloy", input="Hi.",
                                                          response_format="pcm") as response:
         assert response.read() and "x-ignored-parameters" not in response.headers

@@ -16,13 +16,11 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import functools
 import json
 import logging
 import re
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from starlette.requests import ClientDisconnect, Request
@@ -195,25 +193,8 @@ def _guarded_card(request: Request) -> dict[str, Any] | Response:
 
 def _model_card(state: ServerState) -> dict[str, Any]:
     engine = state.service.engine
-    return {"id": model_id(engine.model) or engine.name, "object": "model",
+    return {"id": p.model_id(engine.model) or engine.name, "object": "model",
             "created": int(state.started_wall), "owned_by": "vox-ws"}
-
-
-_HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")
-
-
-@functools.lru_cache(maxsize=16)                 # asked on each request; one stat, once
-def model_id(model: str | None) -> str | None:
-    """The served model as clients name it: a hub id as it is (`openbmb/VoxCPM2`), a checkpoint
-    served from a directory by the directory's name (`--model /srv/models/VoxCPM2`: `VoxCPM2`; a
-    hub cache's snapshot by its repository's id), never the path, which says where the server's
-    files lie and changes with the machine."""
-    if not model or _HUB_ID.fullmatch(model) or not Path(model).expanduser().is_dir():
-        return model
-    path = Path(model).expanduser().resolve()
-    if path.parent.name == "snapshots" and path.parent.parent.name.startswith("models--"):
-        return path.parent.parent.name.removeprefix("models--").replace("--", "/")
-    return path.name or model
 
 
 # The most bytes one character of a JSON string may take: a character beyond the BMP written as
@@ -262,7 +243,7 @@ def parse_speech(body: dict[str, Any], state: ServerState) -> SpeechRequest:
         raise OpenAIError(400, f"'model' must be a string, got {model!r}", "model", "invalid_value")
     # A model this server does not know by name is served all the same, and said ignored: a
     # client set up for another server (a guide's model name) speaks instead of failing.
-    ignored_model = model is not None and model not in (engine.model, engine.name, model_id(engine.model),
+    ignored_model = model is not None and model not in (engine.model, engine.name, p.model_id(engine.model),
                                                         *state.config.model_aliases) \
         and not _OPENAI_MODEL.fullmatch(model)
     # Each field's type here; the service's rules (the text's length, the ranges, the voice, ...)

@@ -9,7 +9,10 @@ declares, by the rule every front door shares (`vox_ws.service.validation`), not
 
 from __future__ import annotations
 
+import functools
+import re
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Mapping
 
 import msgpack
@@ -431,6 +434,23 @@ def event_message(sid: str, event: Event) -> dict[str, Any]:
     return error_message(ProtocolError(code_for(event.kind), event.message, sid, event.retry_after_s))
 
 
+_HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")
+
+
+@functools.lru_cache(maxsize=16)                 # asked on each request; one stat, once
+def model_id(model: str | None) -> str | None:
+    """The served model as clients name it: a hub id as it is (`openbmb/VoxCPM2`), a checkpoint
+    served from a directory by the directory's name (`--model /srv/models/VoxCPM2`: `VoxCPM2`; a
+    hub cache's snapshot by its repository's id), never the path, which says where the server's
+    files lie and changes with the machine."""
+    if not model or _HUB_ID.fullmatch(model) or not Path(model).expanduser().is_dir():
+        return model
+    path = Path(model).expanduser().resolve()
+    if path.parent.name == "snapshots" and path.parent.parent.name.startswith("models--"):
+        return path.parent.parent.name.removeprefix("models--").replace("--", "/")
+    return path.name or model
+
+
 def hello_message(state: ServerState) -> dict[str, Any]:
     """The `hello` a connection is greeted with: what this server and its engine offer."""
     service = state.service
@@ -441,7 +461,7 @@ def hello_message(state: ServerState) -> dict[str, Any]:
         "server": state.server_name,
         "status": service.devices.status,
         "engine": engine.name,
-        "model": engine.model,
+        "model": model_id(engine.model),
         "sample_rate": engine.sample_rate,
         "formats": list(OUTPUT_FORMATS),
         "voices": service.voices.listed(),

@@ -49,7 +49,7 @@ from ..service.stream import Stream
 from ..service.voice_aliases import Alias
 from ..service.voice_names import with_speaker
 from .auth import address_owner
-from .protocol import code_for
+from .protocol import code_for, model_id
 from .proxies import ProxyHeaderError, TrustedProxies, parse_proxy_header, v2_header_length
 from .rate import MessageBudget
 
@@ -403,7 +403,8 @@ class WyomingHandler(AsyncEventHandler):
         except Refused:                                 # the store cannot be reached: the others stand
             owned = []
         voices += [voice(v.name, f"{v.name} (registered)", None) for v in owned if v.name]
-        program = TtsProgram(name="vox-ws", description=f"vox-ws streaming text-to-speech ({engine.model})",
+        described = f"vox-ws streaming text-to-speech ({model_id(engine.model)})"
+        program = TtsProgram(name="vox-ws", description=described,
                              attribution=attribution, installed=True, version=__version__, voices=voices,
                              supports_synthesize_streaming=True)
         return Info(tts=[program])
