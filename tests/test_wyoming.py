@@ -440,7 +440,8 @@ async def test_a_client_that_connects_during_the_load_is_described_every_voice_o
     with a placeholder (`default`, one language), which Home Assistant keeps for the life of its
     config entry (its picker showed `default`, and `en_GB` was "not supported"); the HTTP lists
     answered 200 with no voice. Now `describe` waits for the load and answers every voice and
-    language, and the lists say 503 `not_ready` until then."""
+    language (and a synthesis sent meanwhile is spoken once loaded), and the lists say 503
+    `not_ready` until then."""
     import httpx
 
     make_voice(tmp_path / "voices", "en_GB-slow-medium")
@@ -451,12 +452,17 @@ async def test_a_client_that_connects_during_the_load_is_described_every_voice_o
             listed = httpx.get(served.http + path, timeout=WAIT_TIMEOUT)
             assert listed.status_code == 503 and listed.json()["error"]["code"] == "not_ready", listed.text
             assert listed.headers["retry-after"] == str(math.ceil(LOADING_RETRY_AFTER_S))
-        async with client(served) as c:                      # as soon as the port accepts
+        async with client(served) as c, client(served) as speaker:      # as soon as the port accepts
             await c.write_event(Describe().event())
-            # The question has arrived and waits on the load (the service's watch of it is up).
-            await wait_until(lambda: served.server.service._load_settled is not None)
+            await speaker.write_event(Synthesize(text="Hello there.").event())
+            # Both have arrived and wait on the load (two waiters on the service's watch of it).
+            await wait_until(lambda: served.server.service._load_settled is not None
+                             and len(served.server.service._load_settled._waiters) == 2)
             held.gate.set()
             info = Info.from_event(await read(c))
+            assert AudioStart.is_type((await read(speaker)).type)        # spoken, not refused
+            while not AudioStop.is_type((await read(speaker)).type):
+                pass
     finally:
         held.gate.set()
     described = [(v.name, v.languages) for v in info.tts[0].voices]

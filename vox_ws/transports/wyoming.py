@@ -250,13 +250,19 @@ class WyomingHandler(AsyncEventHandler):
     async def _handle(self, event: Event) -> None:
         kind = event.type
         if Describe.is_type(kind):
-            await self._describe()
+            # Once the engine has loaded: what `info` lists is what the server serves. Home
+            # Assistant keeps the first answer for the life of its config entry: the placeholder
+            # this gave during the load (`default`, one language) stood after every reboot until
+            # the integration was reloaded by hand.
+            await self._until_loaded()
+            await self.write_event((await self._info()).event())
         elif Ping.is_type(kind):
             await self.write_event(Pong(text=Ping.from_event(event).text).event())
         elif Synthesize.is_type(kind):
             if self._streaming:
                 return          # the whole text again, for servers that cannot stream: already heard
             request = Synthesize.from_event(event)
+            await self._until_loaded()
             await self._wait_for_previous()
             stream = self._open(_text(request.text), request.voice, streaming=False, text_format=request.text_format)
             self._speak(stream, streaming=False)
@@ -264,6 +270,7 @@ class WyomingHandler(AsyncEventHandler):
             if self._streaming:
                 raise Refused(ErrorKind.INVALID, "a streaming synthesis is already open (send synthesize-stop)")
             request = SynthesizeStart.from_event(event)
+            await self._until_loaded()
             await self._wait_for_previous()
             stream = self._open(None, request.voice, streaming=True, text_format=request.text_format)
             self._streaming = True
@@ -361,19 +368,16 @@ class WyomingHandler(AsyncEventHandler):
         finally:
             self._request_ended_at = asyncio.get_running_loop().time()
 
-    async def _describe(self) -> None:
-        """`info`, once the engine has loaded: what it lists is what the server serves. Home
-        Assistant keeps the first answer for the life of its config entry: the placeholder this
-        gave during the load (`default`, one language) stood after every reboot until the
-        integration was reloaded by hand. A load still going after `describe_wait_s` (the
-        longest a connection may wait with nothing said, `idle_timeout_s`), or one that failed, is
-        `error {code: not_ready}` and the connection closes: a client asks again (Home Assistant
-        waits 1 s for an answer, tries 4 times 2 s apart, then retries the entry's setup later)."""
+    async def _until_loaded(self) -> None:
+        """Until the engine has loaded, for `describe` and a synthesis sent during the load. A
+        load still going after `describe_wait_s` (the longest a connection may wait with nothing
+        said, `idle_timeout_s`), or one that failed, is `error {code: not_ready}` and the
+        connection closes: a client asks again (Home Assistant waits 1 s for an answer, tries 4
+        times 2 s apart, then retries the entry's setup later)."""
         wait_s = self.server.describe_wait_s
         status = await self.service.until_loaded(self.service.limits.idle_timeout_s if wait_s is None else wait_s)
         if status != Readiness.READY:
             raise self.service.devices.not_ready()
-        await self.write_event((await self._info()).event())
 
     async def _info(self) -> Info:
         """Every voice Home Assistant's picker should offer, read afresh at each `describe`: the
