@@ -8,6 +8,7 @@ import inspect
 import json
 import os
 import re
+import shutil
 import subprocess
 import threading
 import time
@@ -27,6 +28,8 @@ from vox_ws.audio import bytes_to_pcm
 from vox_ws.config import Limits, ServerConfig
 from vox_ws.engine import Engine
 from vox_ws.server import VoxServer
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -533,3 +536,16 @@ def eager_speech(tiny_model: Any, texts: list[str], slots: int, decode_process: 
         return speak_rows(runner, texts)
     finally:
         runner.close()
+
+
+def checkout_copy(into: Path) -> Path:
+    """This tree as actions/checkout gives it: the files git knows (tracked, and new ones not
+    ignored), without the venvs, builds and caches beside them here."""
+    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=REPO_ROOT,
+                            capture_output=True, check=True).stdout.decode().split("\0")
+    for name in filter(None, listed):
+        source = REPO_ROOT / name
+        if source.is_file() and not source.is_symlink():
+            (into / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, into / name)
+    return into

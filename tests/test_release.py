@@ -24,6 +24,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from conftest import checkout_copy
 
 pytestmark = pytest.mark.packaging
 
@@ -159,19 +160,6 @@ def test_every_action_is_a_release_commit_and_publishing_jobs_run_in_an_environm
 GITHUB_BASH = ["bash", "--noprofile", "--norc", "-eo", "pipefail", "-c"]
 
 
-def _checkout(into: Path) -> Path:
-    """The tree as actions/checkout gives it: the files git knows (tracked, and new ones not
-    ignored), without the venvs, builds and caches beside them here."""
-    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
-                            capture_output=True, check=True).stdout.decode().split("\0")
-    for name in filter(None, listed):
-        source = ROOT / name
-        if source.is_file() and not source.is_symlink():
-            (into / name).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(source, into / name)
-    return into
-
-
 def _run_step(step: dict, checkout: Path, python: Path, tag: str) -> subprocess.CompletedProcess:
     """One `run:` step as the runner runs it: its own bash, in the checkout, the job's Python
     (setup-python's, here a fresh venv's) first on PATH, the tag pushed as GITHUB_REF_NAME."""
@@ -193,7 +181,7 @@ def release_job(tmp_path_factory) -> tuple[list[dict], Path, Path]:
     assert [step["name"] for step in steps] == ["Build the wheel and the sdist", "Check them",
                                                 "The tag is the version"]
     root = tmp_path_factory.mktemp("release")
-    checkout = _checkout(root / "checkout")
+    checkout = checkout_copy(root / "checkout")
     subprocess.run([sys.executable, "-m", "venv", str(root / "python")], check=True)
     python = root / "python" / "bin" / "python"
     for step in steps:

@@ -25,9 +25,10 @@ def site_with(tmp_path: Path, distributions: list[str]) -> Path:
     site = tmp_path / "site"
     site.mkdir()
     for name in [*distributions, "packaging"]:
-        record = next(f for f in metadata.files(name)
-                      if f.name == "METADATA" and f.parent.name.endswith(".dist-info"))
-        info = Path(metadata.distribution(name).locate_file(record)).parent
+        # Every installed copy found, not the first on sys.path: a checkout's vox_ws.egg-info
+        # (left by a build in the tree) comes before the venv's own .dist-info.
+        info = next(Path(dist.locate_file(f)).parent for dist in metadata.distributions(name=name)
+                    for f in dist.files or [] if f.name == "METADATA" and f.parent.name.endswith(".dist-info"))
         (site / info.name).symlink_to(info)
     import packaging
 

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import soundfile
 import tomllib
-from conftest import start_serve
+from conftest import checkout_copy, start_serve
 
 import vox_ws
 
@@ -52,8 +52,11 @@ def test_the_version_has_one_source():
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory) -> Path:
+    """Built from a copy of the tree: a build in the tree leaves vox_ws.egg-info there, which
+    then shadows the installed vox-ws's metadata for every Python started in it."""
     dist = tmp_path_factory.mktemp("dist")
-    subprocess.run([sys.executable, "-m", "build", "--outdir", str(dist), str(ROOT)], check=True,
+    source = checkout_copy(tmp_path_factory.mktemp("source"))
+    subprocess.run([sys.executable, "-m", "build", "--outdir", str(dist), str(source)], check=True,
                    stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     return dist
 
