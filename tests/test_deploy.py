@@ -191,6 +191,16 @@ def test_a_piper_voice_pulled_in_the_container_lands_in_the_folder_it_serves(tmp
     assert pulled_voices_dir() == tmp_path / "piper-voices"
     settings = config_from_args(build_parser().parse_args(["serve"])).engine_settings
     assert settings["piper_voices_dir"] == str(tmp_path / "piper-voices")
+    # The admin route fetches voices into the folder the engine serves: the same one, the volume.
+    from vox_ws.engines import create_engine
+
+    (tmp_path / "piper-voices").mkdir()
+    assert create_engine("piper", settings).voices.folder().path == str(tmp_path / "piper-voices")
+    # ... given the admin token, which compose passes on (empty: none, and nothing is fetched).
+    admin = doc["services"]["vox-ws"]["environment"]["VOX_WS_ADMIN_TOKEN"]
+    for given, tokens in (({}, []), ({"VOX_WS_ADMIN_TOKEN": "s3cret-admin"}, ["s3cret-admin"])):
+        monkeypatch.setenv("VOX_WS_ADMIN_TOKEN", _interpolate(admin, given))
+        assert config_from_args(build_parser().parse_args(["serve"])).admin_tokens == tokens
 
 
 _VARIABLE = re.compile(r"\$\{(?P<name>[A-Za-z_][A-Za-z0-9_]*)(?::-(?P<default>[^}]*))?\}")

@@ -34,8 +34,11 @@ def _git(cwd: Path, *args: str) -> None:
 def hub(tmp_path_factory):
     """The hub's address; it serves openbmb/VoxCPM2 (main, and a tag `v2` with a changed
     config), and rhasspy/piper-voices holding one voice, en_GB-test-medium, laid out as that
-    repository lays out its voices (the bundled joe's model, a config naming en_GB), and two
-    hostile ones (en_US-evil-medium, en_US-huge-medium: their configs)."""
+    repository lays out its voices (the bundled joe's model, a config naming en_GB), two
+    hostile ones (en_US-evil-medium, en_US-huge-medium: their configs), and its catalogue,
+    voices.json, in that repository's format (`catalogue_entry`): the test voice; en_GB-liar-medium,
+    a good voice whose model the catalogue says is 1,000 bytes; de_DE-absent-low, listed and not
+    there; and one entry that is no voice's."""
     from vox_ws.testing.tiny_voxcpm import build
 
     if not OLAH.exists():
@@ -68,6 +71,16 @@ def hub(tmp_path_factory):
         folder.mkdir(parents=True)
         shutil.copyfile(joe.model_path, folder / f"en_US-{dataset}-medium.onnx")
         (folder / f"en_US-{dataset}-medium.onnx.json").write_bytes(hostile)
+    folder = voices / "en" / "en_GB" / "liar" / "medium"
+    folder.mkdir(parents=True)
+    shutil.copyfile(joe.model_path, folder / "en_GB-liar-medium.onnx")
+    (folder / "en_GB-liar-medium.onnx.json").write_text(json.dumps(config))
+    catalogue = {name: catalogue_entry(voices, name)
+                 for name in ("en_GB-test-medium", "en_GB-liar-medium", "de_DE-absent-low")}
+    liar = catalogue["en_GB-liar-medium"]["files"]
+    liar["en/en_GB/liar/medium/en_GB-liar-medium.onnx"]["size_bytes"] = 1000
+    catalogue["_README"] = {"note": "no voice"}
+    (voices / "voices.json").write_text(json.dumps(catalogue, indent=4))
     _git(voices, "init", "-q", "-b", "main")
     _git(voices, "add", "-A")
     _git(voices, "commit", "-qm", "one voice")
@@ -105,6 +118,25 @@ offline = true
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
+
+
+def catalogue_entry(voices: Path, name: str) -> dict:
+    """A voice's entry in piper-voices' voices.json, as that repository writes it: its files'
+    sizes and MD5s (those in the mirror; a voice absent there gets made-up ones)."""
+    import hashlib
+
+    language, dataset, quality = name.split("-")
+    folder = f"{language.split('_')[0]}/{language}/{dataset}/{quality}"
+    files = {}
+    for path in (f"{folder}/{name}.onnx", f"{folder}/{name}.onnx.json", f"{folder}/MODEL_CARD"):
+        data = (voices / path).read_bytes() if (voices / path).exists() else b"x" * 1000
+        files[path] = {"size_bytes": len(data), "md5_digest": hashlib.md5(data).hexdigest()}
+    family, region = language.split("_")
+    return {"key": name, "name": dataset, "quality": quality, "num_speakers": 1, "speaker_id_map": {},
+            "language": {"code": language, "family": family, "region": region, "name_native": family,
+                         "name_english": {"en": "English", "de": "German"}[family],
+                         "country_english": region},
+            "files": files, "aliases": []}
 
 
 def _vox_ws(hub: str, home: Path, *args: str) -> subprocess.CompletedProcess:
@@ -342,3 +374,90 @@ def test_a_failed_pull_leaves_no_folder_and_no_half_voice(hub, tmp_path):
     assert _pull_as(env, "piper:en_GB-test-medium", "--dir", str(folder)).returncode == 0
     assert sorted(p.name for p in folder.iterdir()) == ["en_GB-test-medium.onnx",
                                                          "en_GB-test-medium.onnx.json"]
+
+
+def _catalogue_env(hub: str, home: Path, folder: Path, **more: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
+    return {**env, "HF_ENDPOINT": hub, "HF_HOME": str(home), "VOX_WS_PIPER_VOICES_DIR": str(folder), **more}
+
+
+def _models(env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "vox_ws", "models", *args], env=env, capture_output=True,
+                          text=True, timeout=300)
+
+
+def test_the_voices_that_can_be_pulled_are_listed_with_those_in_the_folder(hub, tmp_path):
+    """wyoming-piper and piper-tts list the voices they can download (voices.json); `models pull
+    piper:NAME` needed a name found elsewhere. `models list --available` reads the voices
+    repository's catalogue through the hub (here its mirror), one voice a line, and marks those
+    in the folder the server serves; `--language` picks one language's; offline, the cached
+    catalogue is listed."""
+    home, folder = tmp_path / "hf", tmp_path / "piper-voices"
+    env = _catalogue_env(hub, home, folder)
+    listed = _models(env, "list", "--available")
+    assert listed.returncode == 0, listed.stderr
+    lines = {line.split()[0]: line for line in listed.stdout.splitlines() if line.strip()[:1].islower()}
+    assert set(lines) == {"en_GB-test-medium", "en_GB-liar-medium", "de_DE-absent-low"}, listed.stdout
+    assert lines["en_GB-test-medium"].split()[1:5] == ["en_GB", "English", "medium", "1"]
+    assert "63.2 MB" in lines["en_GB-test-medium"] and "in the folder" not in lines["en_GB-test-medium"]
+    assert f"puts one in {folder}" in listed.stdout
+
+    assert _models(env, "pull", "piper:en_GB-test-medium").returncode == 0
+    described = json.loads(_models(env, "list", "--available", "--json", "--language", "en_GB").stdout)
+    assert {(v["name"], v["in_folder"]) for v in described} == {("en_GB-test-medium", True),
+                                                                ("en_GB-liar-medium", False)}
+    test_voice = next(v for v in described if v["name"] == "en_GB-test-medium")
+    assert test_voice["size_bytes"] == sum(p.stat().st_size for p in folder.iterdir())
+    german = json.loads(_models(env, "list", "--available", "--json", "--language", "de").stdout)
+    assert [(v["name"], v["language_name"], v["quality"]) for v in german] == [
+        ("de_DE-absent-low", "German", "low")]
+
+    offline = _models({**env, "HF_HUB_OFFLINE": "1"}, "list", "--available", "--json")     # its cached copy
+    assert offline.returncode == 0 and len(json.loads(offline.stdout)) == 3, offline.stderr
+
+
+def test_the_catalogue_of_a_hub_not_reached_is_one_line_with_a_hint(tmp_path):
+    """An unreachable hub, or an offline one without the catalogue cached: one line, no
+    traceback, saying where the voices are listed (as `models pull` says where to put them)."""
+    with socket.socket() as s:                    # a port nothing listens on: the connection refused
+        s.bind(("127.0.0.1", 0))
+        closed = f"http://127.0.0.1:{s.getsockname()[1]}"
+    env = _catalogue_env(closed, tmp_path / "hf", tmp_path / "voices")
+    unreached = _models(env, "list", "--available")
+    assert unreached.returncode == 1 and unreached.stderr.count("\n") == 1, unreached.stderr
+    assert "did not answer" in unreached.stderr and "rhasspy/piper-voices/tree/main" in unreached.stderr
+    assert "NAME.onnx and NAME.onnx.json" in unreached.stderr
+    offline = _models({**env, "HF_HUB_OFFLINE": "1"}, "list", "--available")
+    assert offline.returncode == 1 and offline.stderr.count("\n") == 1, offline.stderr
+    assert "HF_HUB_OFFLINE is set" in offline.stderr
+    assert _models(env, "list", "--language", "en").returncode == 2          # --language without --available
+
+
+@pytest.mark.hardening
+def test_a_catalogue_too_large_or_malformed_is_refused_naming_why(tmp_path):
+    """The catalogue is read whole: one over its bound is refused by its size before a byte is
+    read, one nested past the parser's depth or that is no map of voices is refused naming why;
+    an entry that is no voice's (no voice name, no sizes) is skipped and counted."""
+    from vox_ws.engines.piper_catalogue import MAX_CATALOGUE_BYTES, CatalogueUnreadable, read_catalogue
+
+    cases = {"huge": (None, "over"), "nested": (b"[" * 200_000 + b"]" * 200_000, "nested too deeply"),
+             "list": (b"[]", "not a map of voices"), "text": (b"\xff\xfe", "unreadable"),
+             "none": (json.dumps({"readme": {}, "en_US-x-medium": {"files": {}}}).encode(), "lists no voice")}
+    for name, (data, why) in cases.items():
+        path = tmp_path / f"{name}.json"
+        if data is None:
+            with open(path, "wb") as f:
+                f.truncate(MAX_CATALOGUE_BYTES + 1)           # sparse
+        else:
+            path.write_bytes(data)
+        with pytest.raises(CatalogueUnreadable, match=why):
+            read_catalogue(path)
+    voices = tmp_path / "repo"
+    good = catalogue_entry(voices, "en_US-good-medium")
+    path = tmp_path / "voices.json"
+    path.write_text(json.dumps({"en_US-good-medium": good, "readme": {},
+                                "en_US-bad-medium": {**good, "files": []},
+                                "en_US-unsized-medium": {**good, "files": {}}}))
+    catalogue = read_catalogue(path)
+    assert list(catalogue.voices) == ["en_US-good-medium"] and catalogue.skipped == 3
+    assert catalogue.voices["en_US-good-medium"].size_bytes == 2000

@@ -79,6 +79,9 @@ def test_real_answers_validate_against_the_description(served, tmp_path):
                                                                             "params": {"address": "192.0.2.1"}}),
             ("get", "/v1/loras", {}), ("post", "/v1/loras/bright", {"headers": admin}),
             ("delete", "/v1/loras/bright", {"headers": admin}),
+            ("get", "/v1/admin/voices/available", {"headers": admin}),
+            ("post", "/v1/admin/voices/en_GB-test-medium", {"headers": admin}),
+            ("delete", "/v1/admin/voices/en_GB-test-medium", {"headers": admin}),
             ("post", "/v1/audio/speech", {"json": {"input": "Hello.", "voice": "alloy", "response_format": "mp3"}}),
             ("post", "/v1/audio/speech", {"json": {"input": "Hello.", "response_format": "wav", "stream": False}}),
             ("post", "/v1/audio/speech", {"json": {"input": "Hello.", "stream_format": "sse"}}),
@@ -91,7 +94,8 @@ def test_real_answers_validate_against_the_description(served, tmp_path):
         ]
         for method, path, kwargs in requests:
             response = http.request(method.upper(), path, **kwargs)
-            described = re.sub(r"^/v1/(voices|audio/voices|loras|models)/[^/]+$", r"/v1/\1/{name}", path)
+            described = re.sub(r"^/v1/(voices|audio/voices|loras|models|admin/voices)/(?!available$)[^/]+$",
+                               r"/v1/\1/{name}", path)
             described = {"/v1/voices/{name}": "/v1/voices/{voice_id}",
                          "/v1/audio/voices/{name}": "/v1/audio/voices/{voice_id}",
                          "/v1/models/{name}": "/v1/models/{model}"}.get(described, described)

@@ -45,7 +45,8 @@ _SERVE_OPTIONS: list[tuple[str, Callable[[str], Any], Any, str]] = [
     ("engine", str, "auto", "engine to serve (see the list below); auto picks VoxCPM2 with a GPU and weights, "
                             "else Piper"),
     ("token", str, None, "client tokens (comma-separated); when set, connections must present one"),
-    ("admin-token", str, None, "token for admin operations (LoRA); comma-separated for several"),
+    ("admin-token", str, None, "token for admin operations (LoRA, the lexicon's reload, every owner's "
+                               "voices, Piper voices fetched by name); comma-separated for several"),
     ("allow-origin", str, None, "browser origins allowed to connect (comma-separated); default any"),
     ("cors-origins", str, None, "origins whose pages may call the HTTP API (CORS; comma-separated, or *); "
                                 "default none"),
@@ -238,7 +239,8 @@ def build_parser() -> argparse.ArgumentParser:
         "VoxCPM2 checkpoints and Piper voices on disk: `vox-ws models pull REPO` fetches a\n"
         "VoxCPM2 checkpoint, `vox-ws models pull piper:NAME` a Piper voice into the folder\n"
         "the server serves; `vox-ws models list` shows what is here and whether the engine\n"
-        "can load each.", *(models.__doc__ or "").split("\n\n")[1:]])
+        "can load each, `vox-ws models list --available` the Piper voices that can be pulled.",
+        *(models.__doc__ or "").split("\n\n")[1:]])
     models.add_arguments(commands.add_parser("models", help="VoxCPM2 checkpoints and Piper voices: pull one, "
                                                             "list those on disk",
                                              description=about,

@@ -265,6 +265,16 @@ class Role:
         return role
 
 
+@dataclass(frozen=True)
+class VoiceFolder:
+    """The folder an engine reads its built-in voices from, to which an operator may add voices
+    and from which remove them while it serves (Piper's voices folder): where it is, and the
+    voices named at start (`--piper-voice NAME`), which must stay."""
+
+    path: str
+    named_at_start: frozenset[str] = frozenset()
+
+
 class Voices:
     """An engine's voices: the built-in ones by name and, where the engine clones voices
     (`Engine.supports_voices`), those built from reference audio. The event loop calls every
@@ -341,6 +351,11 @@ class Voices:
 
     def discard_rescan(self, prepared: Any) -> None:
         """Free what `prepare_rescan` loaded where it will not be served (its device stopped)."""
+
+    def folder(self) -> VoiceFolder | None:
+        """The folder of built-in voices voices may be fetched into (`service.voice_fetches`);
+        None: no such folder (voices are not files, or not the server's to change)."""
+        return None
 
 
 class TextRules:

@@ -1,11 +1,14 @@
 """VoxCPM2 weights and Piper voices on disk: `vox-ws models pull` fetches a checkpoint (or,
 `piper:NAME`, a Piper voice: `engines/piper_hub.py`), `vox-ws models list` shows what is here and
-whether the engine can load each.
+whether the engine can load each, `models list --available` the Piper voices that can be pulled
+(`engines/piper_catalogue.py`).
 
-The server itself never downloads (it loads from a directory or the local Hugging Face cache,
-offline), so a start never waits on a network or fails halfway through a download. The pull
-is huggingface_hub's snapshot download: resumable, with a progress bar, honouring `HF_ENDPOINT`
-(a mirror), `HF_TOKEN` and the hub cache (`HF_HOME`, `HF_HUB_CACHE`).
+The server never downloads to start (it loads from a directory or the local Hugging Face cache,
+offline), so a start never waits on a network or fails halfway through a download; with its
+admin token, a running server fetches a Piper voice into the folder it serves
+(`POST /v1/admin/voices/NAME`). The pull is huggingface_hub's download: resumable, with a
+progress bar, honouring `HF_ENDPOINT` (a mirror), `HF_TOKEN` and the hub cache (`HF_HOME`,
+`HF_HUB_CACHE`).
 """
 
 from __future__ import annotations
@@ -17,8 +20,10 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .engines.piper_catalogue import fetch_catalogue
+from .engines.piper_catalogue import on_disk as catalogue_on_disk
 from .engines.piper_hub import (DEFAULT_VOICES_DIR, HubUnreachable, VoiceRefused, default_voices_dir,
-                                files_of, looks_like_voice, pull_voice)
+                                files_of, looks_like_voice, pull_voice, pulled_voices_dir)
 from .engines.piper_voices import voice_from_spec
 from .engines.voxcpm.loading import DEFAULT_MODEL, read_config
 
@@ -127,9 +132,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     get.add_argument("--revision", help="a branch, tag or commit (default: main)")
     get.add_argument("--dir", help="download into this directory instead of the hub cache (then serve "
                                    "with --model DIR)")
-    show = commands.add_parser("list", help="the checkpoints on disk and whether the engine can load each")
+    show = commands.add_parser("list", help="the checkpoints and Piper voices on disk and whether the engine "
+                                            "can load each; --available: the Piper voices that can be pulled "
+                                            "by name")
     show.add_argument("--dir", action="append", default=[], help="also look here (a checkpoint, or a folder of them)")
     show.add_argument("--json", action="store_true", help="one JSON document")
+    show.add_argument("--available", action="store_true",
+                      help="the Piper voices catalogue (rhasspy/piper-voices' voices.json, through the hub: "
+                           "HF_ENDPOINT for a mirror, its cache when HF_HUB_OFFLINE is set): each voice's "
+                           "name, language, quality, speakers, size, and whether it is in the voices folder "
+                           "the server serves (VOX_WS_PIPER_VOICES_DIR, else " + DEFAULT_VOICES_DIR + ")")
+    show.add_argument("--language", help="with --available: one language's voices (en, or en_GB for one "
+                                         "region)")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -150,6 +164,11 @@ def main(args: argparse.Namespace) -> int:
                   f"{PIPER_PREFIX}{args.repo}?", file=sys.stderr)
             return 2
         return _pull_piper(args) if args.repo.startswith(PIPER_PREFIX) else _pull(args)
+    if args.available:
+        return _list_available(args)
+    if args.language:
+        print("vox-ws models list: --language goes with --available", file=sys.stderr)
+        return 2
     checkpoints = on_disk(args.dir)
     voices = piper_voices_on_disk()
     if args.json:
@@ -203,6 +222,41 @@ def _pull_piper(args: argparse.Namespace) -> int:
         return 1
     serve = f"vox-ws serve --piper-voices-dir {model.parent}" if args.dir else "vox-ws serve"
     print(f"{args.repo} is in {model}\nserve it (as voice {name!r}) with: {serve}")
+    return 0
+
+
+def _list_available(args: argparse.Namespace) -> int:
+    """`models list --available`: the catalogue, one voice a line (or one JSON document)."""
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    folder = pulled_voices_dir()
+    try:
+        catalogue = fetch_catalogue(folder)
+    except HubUnreachable as exc:
+        print(f"vox-ws models list --available: {exc}", file=sys.stderr)
+        return 1
+    except LocalEntryNotFoundError:
+        print("vox-ws models list --available: HF_HUB_OFFLINE is set and the catalogue (voices.json) is not "
+              "in the hub cache: unset HF_HUB_OFFLINE to fetch it", file=sys.stderr)
+        return 1
+    except Exception as exc:  # noqa: BLE001 - a catalogue refused, or the hub's own errors: one line
+        print(f"vox-ws models list --available: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    here = catalogue_on_disk(folder)
+    voices = catalogue.in_language(args.language)
+    if args.json:
+        print(json.dumps([{**v.as_dict(), "in_folder": v.name in here} for v in voices], indent=2))
+        return 0
+    if not voices:
+        print(f"no voice in {args.language!r} among the {len(catalogue.voices)} of the catalogue")
+        return 0
+    width = max(len(v.name) for v in voices)
+    for v in voices:
+        mark = "  (in the folder)" if v.name in here else ""
+        print(f"{v.name:<{width}}  {v.language:<6} {v.language_name:<12} {v.quality:<6} "
+              f"{v.speakers:>4} speaker{'s' if v.speakers > 1 else ' '} {v.size_bytes / 1e6:6.1f} MB{mark}")
+    print(f"\n{len(voices)} voices; `vox-ws models pull piper:NAME` puts one in {folder}, which the server "
+          "serves")
     return 0
 
 

@@ -15,16 +15,17 @@ import math
 import re
 import threading
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from ..engine import (EndReason, Engine, ErrorKind, GenerationRequest, OptionSpec, Refused, StepResult, TextRules,
-                      Voices)
+                      VoiceFolder, Voices)
 from ..text import segment, text_words
 from . import EnginePlugin, Setting
 from .piper_hub import DEFAULT_VOICES_DIR, pulled_voices_dir
-from .piper_voices import DEFAULT_VOICE, PiperVoiceFile, VoiceSource, voice_set
+from .piper_voices import DEFAULT_VOICE, PiperVoiceFile, VoiceSource, parse_voice_spec, voice_set
 from .piper_words import NO_WORD, phoneme_spans, word_spans
 from .piper_worker import Piece, PiperWorker, Said
 
@@ -370,6 +371,15 @@ class _PiperVoices(Voices):
 
     def discard_rescan(self, prepared: VoicesRescanned) -> None:
         self.engine.discard_rescan(prepared)
+
+    def folder(self) -> VoiceFolder | None:
+        """The voices folder read at each rescan (`--piper-voices-dir`, else the one pulls fill,
+        made by the first fetch); the voices `--piper-voice` names, by name, stay."""
+        source = self.engine._source
+        if source is None or source.directory is None:
+            return None
+        named = frozenset(name or Path(path).stem for name, path in map(parse_voice_spec, source.specs))
+        return VoiceFolder(str(Path(source.directory).expanduser()), named)
 
     def names(self) -> list[str]:
         """Each voice, and each speaker of a voice with several as `voice:speaker`."""

@@ -12,9 +12,11 @@ by its file's name: a voice refused leaves nothing there.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
+from collections.abc import Mapping
 from pathlib import Path
 
 from .piper_voices import UnreadableVoiceConfig, UnusableVoiceModel, check_model, read_voice
@@ -22,6 +24,9 @@ from .piper_voices import UnreadableVoiceConfig, UnusableVoiceModel, check_model
 PIPER_VOICES_REPO = "rhasspy/piper-voices"
 # Where pulled voices go, and what the server serves by default when it exists.
 DEFAULT_VOICES_DIR = "~/.local/share/vox-ws/piper-voices"
+# A file the hub says is bigger than its catalogue does by more than this is refused unfetched: a
+# voice re-exported in place changes by a few bytes, not by a factor.
+SIZE_SLACK = 1.25
 _VOICE_NAME = re.compile(r"(?P<lang>[a-z]{2,3})_(?P<region>[A-Z]{2})-(?P<dataset>[A-Za-z0-9_]+)-"
                          r"(?P<quality>x_low|low|medium|high)")
 
@@ -65,18 +70,22 @@ class HubUnreachable(ConnectionError):
     """The hub did not answer at all; the message says how to place the voice by hand."""
 
 
-def pull_voice(name: str, directory: str | None = None, revision: str | None = None) -> Path:
+def pull_voice(name: str, directory: str | None = None, revision: str | None = None,
+               sizes: Mapping[str, int] | None = None) -> Path:
     """Fetch a voice into the voices folder; returns its model's path there. VoiceRefused for
-    one the server could not serve: the folder is left as it was."""
+    one the server could not serve, or (`sizes`: the catalogue's, by repository path) one the
+    hub says is bigger than the catalogue does: the folder is left as it was."""
     from huggingface_hub import hf_hub_download
 
     model_file, config_file = files_of(name)
     target = Path(directory).expanduser() if directory else pulled_voices_dir()
-    _reach(name, config_file, revision, target)
+    reach(config_file, revision, by_hand_hint(name, config_file, revision, target))
     try:
         # The config first: one refused costs no model's download.
+        _within_catalogue(config_file, revision, sizes)
         config = Path(hf_hub_download(PIPER_VOICES_REPO, config_file, revision=revision))
         read_voice(name, model_file, str(config))
+        _within_catalogue(model_file, revision, sizes)
         model = Path(hf_hub_download(PIPER_VOICES_REPO, model_file, revision=revision))
         check_model(name, str(model))
     except (UnreadableVoiceConfig, UnusableVoiceModel) as exc:
@@ -101,33 +110,62 @@ def pull_voice(name: str, directory: str | None = None, revision: str | None = N
         raise
 
 
-def _reach(name: str, config_file: str, revision: str | None, target: Path) -> None:
-    """One request to the hub, unretried: huggingface_hub retries a hub that does not answer
-    five times over some 23 s (its warnings each time) and then names no way around it. A hub
-    that answers, whatever it answers, is left to hf_hub_download."""
+def reach(path: str, revision: str | None, hint: str) -> None:
+    """One request to the hub for a file of the voices repository, unretried: huggingface_hub
+    retries a hub that does not answer five times over some 23 s (its warnings each time) and
+    then names no way around it; HubUnreachable says `hint` instead. A hub that answers,
+    whatever it answers, is left to hf_hub_download."""
     from huggingface_hub import constants, get_session, hf_hub_url
     from huggingface_hub.utils import build_hf_headers
 
-    url = hf_hub_url(PIPER_VOICES_REPO, config_file, revision=revision)
+    url = hf_hub_url(PIPER_VOICES_REPO, path, revision=revision)
     try:
         get_session().head(url, headers=build_hf_headers(), follow_redirects=False,
                            timeout=constants.HF_HUB_ETAG_TIMEOUT)
     except Exception as exc:  # noqa: BLE001 - the HTTP client's transport errors: no answer at all
-        hub = constants.ENDPOINT
-        folder = f"{hub}/{PIPER_VOICES_REPO}/tree/{revision or 'main'}/{config_file.rsplit('/', 1)[0]}"
-        raise HubUnreachable(f"the hub ({hub}) did not answer ({type(exc).__name__}: {exc}); to add "
-                             f"the voice by hand, put {name}.onnx and {name}.onnx.json (from {folder}) in "
-                             f"{target}") from None
+        raise HubUnreachable(f"the hub ({constants.ENDPOINT}) did not answer ({type(exc).__name__}: {exc}); "
+                             f"{hint}") from None
+
+
+def by_hand_hint(name: str, config_file: str, revision: str | None, target: Path) -> str:
+    """How to add a voice without the hub's client: the two files to put in the voices folder."""
+    from huggingface_hub import constants
+
+    tree = f"{constants.ENDPOINT}/{PIPER_VOICES_REPO}/tree/{revision or 'main'}"
+    folder = f"{tree}/{config_file.rsplit('/', 1)[0]}"
+    return f"to add the voice by hand, put {name}.onnx and {name}.onnx.json (from {folder}) in {target}"
+
+
+def _within_catalogue(path: str, revision: str | None, sizes: Mapping[str, int] | None) -> None:
+    """Refuse a file the hub says is bigger than the catalogue does (past SIZE_SLACK), before a
+    byte of it is fetched; huggingface_hub then checks that what it fetched is the size the hub
+    said. A voice the catalogue does not size is bounded only by the server's reads (a config's
+    1 MiB, a model's 512 MiB: `piper_voices`)."""
+    if sizes is None or path not in sizes:
+        return
+    from huggingface_hub import get_hf_file_metadata, hf_hub_url
+
+    size = get_hf_file_metadata(hf_hub_url(PIPER_VOICES_REPO, path, revision=revision)).size or 0
+    if size > sizes[path] * SIZE_SLACK + 4096:
+        raise VoiceRefused(f"the hub's {path} is {size} bytes, its catalogue says {sizes[path]}; "
+                           "nothing was placed")
 
 
 def _place(cached: Path, path: Path) -> Path:
     """The cached file at `path`: a hard link where the two share a file system, else a copy,
-    written through a temporary name (an interrupted pull leaves no half voice)."""
+    written through a temporary name (an interrupted pull leaves no half voice; the folder's
+    rescans read `*.onnx` and its configs only), taken back out where it cannot be finished (a
+    full disk)."""
     partial = path.with_name(path.name + ".partial")
     partial.unlink(missing_ok=True)
     try:
-        os.link(cached.resolve(), partial)
+        try:
+            os.link(cached.resolve(), partial)
+        except OSError:
+            shutil.copyfile(cached, partial)
+        os.replace(partial, path)
     except OSError:
-        shutil.copyfile(cached, partial)
-    os.replace(partial, path)
+        with contextlib.suppress(OSError):
+            partial.unlink(missing_ok=True)
+        raise
     return path

@@ -35,6 +35,7 @@ from .stream import Stream
 from .validation import (MAX_SPEED, MIN_SPEED, check_instructions, check_language, check_length, check_output,
                          check_slowing, check_text)
 from .voice_aliases import Alias
+from .voice_fetches import VoiceFetches
 from .voice_names import ResolvedVoice
 from .voice_rescans import VoiceRescans
 from .voice_store import ANY_OWNER, MemoryStore, StoreLimits, VoiceStore
@@ -68,6 +69,8 @@ class StreamService:
         self.loras = LoraService(self.devices, self.limits, self._end_unloading)
         # The built-in voices read again from disk (SIGHUP, a voices folder that changes).
         self.voice_rescans = VoiceRescans(self.devices)
+        # Voices fetched by name into the engine's voices folder, and removed (admin).
+        self.voice_fetches = VoiceFetches(self.devices, self.voice_rescans)
         self.lexicon = Lexicon()                # the server's pronunciations (`load_lexicon`)
         self.metrics = metrics or Metrics()
         self.accepting = True                   # False while draining: no new streams

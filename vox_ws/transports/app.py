@@ -2,6 +2,7 @@
 
     /v1/stream          protocol v1 (WebSocket; `vox_ws/session.py`)
     /v1/voices...       voices over REST (`voices_api.py`)
+    /v1/admin/voices/{name}  Piper voices fetched by name, and removed (`voice_fetches_api.py`)
     /v1/loras...        LoRA adapters over REST (`loras_api.py`)
     /v1/audio/speech, /v1/models   OpenAI's speech API (`openai_api.py`)
     /healthz /readyz /v1/info /metrics   operations (`http_routes.py`)
@@ -21,7 +22,7 @@ from starlette.websockets import WebSocket
 
 from ..addresses import client_key
 from ..session import Session
-from . import http_routes, loras_api, openai_api, openapi, voices_api
+from . import http_routes, loras_api, openai_api, openapi, voice_fetches_api, voices_api
 from . import protocol as p
 from .auth import SUBPROTOCOL, is_admin, is_authorized, offered_subprotocols, origin_allowed, owner
 from .connections import REFUSAL_EXTENSION
@@ -94,8 +95,8 @@ def cors_origins(cors: list[str], allowed: list[str]) -> list[str]:
 
 def build_app(state: ServerState, demo_dir: Path | None = None) -> Starlette:
     """Every route, module-level endpoints all: each finds the server's state on its app."""
-    routes = [WebSocketRoute(STREAM_PATH, stream_endpoint), *voices_api.ROUTES, *loras_api.ROUTES,
-              *openai_api.ROUTES, *openapi.ROUTES, *http_routes.routes(demo_dir)]
+    routes = [WebSocketRoute(STREAM_PATH, stream_endpoint), *voices_api.ROUTES, *voice_fetches_api.ROUTES,
+              *loras_api.ROUTES, *openai_api.ROUTES, *openapi.ROUTES, *http_routes.routes(demo_dir)]
     # Outermost: a request for a host name the server does not answer to (DNS rebinding) is
     # refused before any other rule reads it.
     middleware = [Middleware(HostCheck, hosts=AllowedHosts(state.config.allowed_hosts),

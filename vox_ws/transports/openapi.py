@@ -37,7 +37,11 @@ def _ref(name: str) -> dict[str, str]:
 
 SCHEMAS: dict[str, Any] = {
     # vox-ws's own routes: {"error": {"code", "message", ...}} with protocol v1's codes.
-    "Error": _object({"error": _object({"code": _STRING, "message": _STRING}, {"problems": _STRINGS})}),
+    "Error": _object({"error": _object({"code": _STRING, "message": _STRING},
+                                       {"problems": _STRINGS, "reason": _STRING})}),
+    "CatalogueVoice": _object({"name": _STRING, "language": _STRING, "language_name": _STRING,
+                               "quality": _STRING, "speakers": _INT, "size_bytes": _INT},
+                              {"in_folder": _BOOL, "served": _BOOL}),
     # The OpenAI door's, as OpenAI answers.
     "OpenAIError": _object({"error": _object({"message": _STRING, "type": _STRING,
                                               "param": {"type": ["string", "null"]},
@@ -89,7 +93,10 @@ def _text(description: str) -> dict[str, Any]:
 def _errors(*statuses: int, openai: bool = False) -> dict[str, Any]:
     words = {400: "bad request", 401: "no valid token", 403: "not allowed (origin, or the admin token needed)",
              404: "not found", 409: "in the way", 413: "too large", 415: "not a body it reads", 429: "busy: Retry-After",
-             500: "failed", 501: "not supported by this engine", 503: "not ready, or shutting down: Retry-After"}
+             500: "failed", 501: "not supported by this engine",
+             502: "the hub answered an error, or a voice it gave was refused",
+             503: "not ready, or shutting down (or the hub unreachable): Retry-After",
+             507: "the voices folder cannot be written"}
     schema = _ref("OpenAIError" if openai else "Error")
     return {str(status): _json(schema, words[status]) for status in statuses}
 
@@ -100,6 +107,8 @@ def _op(summary: str, tag: str, responses: dict[str, Any], **more: Any) -> dict[
 
 _VOICE_ID = [{"name": "voice_id", "in": "path", "required": True, "schema": _STRING,
               "description": "a registered voice's id, or the caller's name for it"}]
+_VOICE_NAME = [{"name": "name", "in": "path", "required": True, "schema": _STRING,
+                "description": "a Piper voice's name, as the catalogue lists it (en_US-lessac-medium)"}]
 _ADMIN_QUERY = [{"name": "owner", "in": "query", "schema": _STRING, "description": "an owner's key, as listed"},
                 {"name": "address", "in": "query", "schema": _STRING, "description": "a client address"}]
 _AUDIO_UPLOAD = {"required": True, "content": {
@@ -162,6 +171,22 @@ PATHS: dict[str, Any] = {
         "delete": _op("Delete every voice of one owner (admin)", "admin", {
             "200": _json(_object({"owner": _STRING, "deleted": _STRINGS}), "deleted"),
             **_errors(400, 401, 403, 503)}, parameters=_ADMIN_QUERY)},
+    "/v1/admin/voices/available": {"get": _op(
+        "The Piper voices that can be fetched by name: the voices repository's catalogue (admin)", "admin", {
+            "200": _json(_object({"folder": _STRING, "skipped": _INT,
+                                  "voices": {"type": "array", "items": _ref("CatalogueVoice")}}),
+                         "the catalogue"),
+            **_errors(401, 403, 501, 502, 503)},
+        parameters=[{"name": "language", "in": "query", "schema": _STRING,
+                     "description": "one language's voices: en, or en_GB for one region"}])},
+    "/v1/admin/voices/{name}": {
+        "post": _op("Fetch a Piper voice by name into the voices folder and serve it (admin)", "admin", {
+            "201": _json(_object({"voice": _STRING, "served": _BOOL, "folder": _STRING}),
+                         "fetched and served"),
+            **_errors(400, 401, 403, 404, 409, 501, 502, 503, 507)}, parameters=_VOICE_NAME),
+        "delete": _op("Remove a Piper voice from the voices folder (admin)", "admin", {
+            "200": _json(_object({"voice": _STRING, "removed": _BOOL, "served": _BOOL, "folder": _STRING}),
+                         "removed"), **_errors(401, 403, 404, 409, 501, 503, 507)}, parameters=_VOICE_NAME)},
     "/v1/loras": {"get": _op("LoRA slots and the adapters loaded (VoxCPM2)", "admin", {
         "200": _json(_object({"configured": _BOOL}), "the LoRA state"), **_errors(401)})},
     "/v1/loras/{name}": {
