@@ -208,6 +208,60 @@ async def test_words_are_those_sent_when_the_engine_was_given_others(voxcpm_norm
     assert "sequel" in given and "$" not in given            # what the engine spoke
 
 
+# A sentence in each language, sent without `language`.
+NOT_ENGLISH = {"fr": "Le petit chat dort sur la chaise de la cuisine.",
+               "de": "Der kleine Hund schläft heute in der Küche.",
+               "zh": "今天的天气很好，我们去公园散步吧。"}
+
+
+@pytest.fixture(scope="module")
+def english_speech(piper_server) -> tuple[str, np.ndarray]:
+    """A sentence and Piper's speech of it, as the aligner takes audio (16-bit, 16 kHz)."""
+    import httpx
+
+    text = "The quick brown fox jumps over the lazy dog."
+    spoken = httpx.post(piper_server.http + "/v1/audio/speech", timeout=60,
+                        json={"input": text, "response_format": "pcm", "sample_rate": 16000, **STILL})
+    assert spoken.status_code == 200, spoken.text
+    return text, np.frombuffer(spoken.content, "<i2").copy()
+
+
+@pytest.mark.parametrize("language", sorted(NOT_ENGLISH))
+def test_text_without_a_language_is_aligned_only_if_it_is_english(aligner, english_speech, language):
+    """VoxCPM2 reads the language from the text, and its streams come without `language`: the
+    aligner forced French or German words onto its English model, with times that looked
+    aligned. A segment that is not English gets a share of its audio for each word, every one
+    `estimated`; English is aligned; a stream's `language` is taken as given."""
+    english, audio = english_speech
+    aligned = aligner.align(audio, english, english).result(WAIT_TIMEOUT)
+    assert [w[0] for w in aligned] == english.split() and not any(w[3] for w in aligned), aligned
+    foreign = NOT_ENGLISH[language]
+    estimated = aligner.align(audio, foreign, foreign).result(WAIT_TIMEOUT)
+    assert [w[0] for w in estimated] == foreign.split() and all(w[3] for w in estimated), estimated
+    assert estimated[-1][2] == pytest.approx(len(audio) / 16000, abs=1e-3)   # shares of the whole
+    # The stream's language, where it has one, is taken as given.
+    assert not any(w[3] for w in aligner.align(audio, english, english, "en-US").result(WAIT_TIMEOUT))
+    assert all(w[3] for w in aligner.align(audio, english, english, language).result(WAIT_TIMEOUT))
+    assert "py3langid" not in sys.modules          # told apart in the aligner's processes
+
+
+@pytest.mark.parametrize(("text", "english"), [
+    ("The quick brown fox jumps over the lazy dog.", True),
+    ("Hi.", True), ("Yes.", True), ("Okay.", True), ("Hello world.", True), ("I paid $3.50 in 1999.", True),
+    ("42", True), ("", True),
+    ("Le chat est sur la table.", False), ("Bonjour, comment allez-vous ?", False),
+    ("Das ist ein Test.", False), ("Guten Morgen.", False), ("Buenos días.", False), ("Dank je wel.", False),
+    ("你好", False), ("Привет, как дела?", False), ("こんにちは", False),
+])
+def test_which_texts_read_as_english(text, english):
+    """Short English is English though langid's best guess for it is another language ("Hi."
+    -> Serbian); another language's sentence or greeting is not; a word or two that English
+    shares (`Hallo.`, `Merci.`) would be aligned as English, where a wrong time costs least."""
+    from vox_ws.alignment.english import reads_as_english
+
+    assert reads_as_english(text) is english
+
+
 async def test_another_language_names_word_timestamps_ignored(tiny_voxcpm):
     words, _, start, end = await stream_words(tiny_voxcpm, "你好，世界。", language="zh", options={"max_len": 4})
     assert end["type"] == "end" and words == []
@@ -263,7 +317,7 @@ class FailingAligner(WordAligner):
     def start(self) -> None:
         pass
 
-    def align(self, audio, written, spoken) -> Future:
+    def align(self, audio, written, spoken, language=None) -> Future:
         failed: Future = Future()
         failed.set_exception(RuntimeError("the aligner crashed"))
         return failed
@@ -293,7 +347,7 @@ async def test_a_failing_aligner_costs_the_stream_its_words_never_its_audio(star
 
 
 class HangingAligner(FailingAligner):
-    def align(self, audio, written, spoken) -> Future:
+    def align(self, audio, written, spoken, language=None) -> Future:
         return Future()                 # never answered
 
 

@@ -277,6 +277,77 @@ def test_clone_my_voice_from_a_file_then_speak_with_it(browser, start_server, ti
     context.close()
 
 
+def test_the_picker_lists_aliases_and_my_voices_and_a_voice_of_mine_is_deleted(browser, start_server,
+                                                                                tiny_model, tmp_path):
+    """The picker listed built-in voices only: none of VoxCPM2's 13 designed voices (OpenAI's
+    names), none of the aliases file's, and the page could neither list nor delete the voices
+    its visitor registered. Each alias is named as itself and says what it stands for; the
+    visitor's voices are listed with a Delete button, which deletes the voice on the server."""
+    import httpx
+    import numpy as np
+    import soundfile
+
+    from vox_ws.engines.voxcpm.engine import VoxCPMEngine
+
+    aliases = tmp_path / "aliases.toml"
+    aliases.write_text("quick = { speed = 1.25 }\n")
+    server = start_server(VoxCPMEngine(model=str(tiny_model), device="cpu", slots=2), slots=2,
+                          voice_aliases=str(aliases))
+    wav = tmp_path / "me.wav"
+    t = np.arange(int(1.5 * 22050)) / 22050
+    soundfile.write(wav, (0.3 * np.sin(2 * np.pi * 180 * t)).astype(np.float32), 22050)
+    context = browser.new_context()
+    page = context.new_page()
+    errors = []
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+    page.goto(server.http + "/")
+    page.wait_for_function("window.voxDemo.state.ready", timeout=30_000)
+    page.wait_for_function("window.voxDemo.state.voices.some(v => v.kind === 'alias')", timeout=10_000)
+    aliases_listed = page.eval_on_selector_all('#voice optgroup[label="aliases"] option',
+                                               "os => Object.fromEntries(os.map(o => [o.value, o.text]))")
+    assert aliases_listed["nova"] == "nova · designed voice"
+    assert aliases_listed["quick"] == "quick · alias of the default voice, 1.25× speed"
+    assert len(aliases_listed) == 14                                # OpenAI's 13 names and the file's
+    assert page.is_hidden("#my-voices-box")
+    # An alias is a voice to speak with, by its name (stopped at its first audio: the tiny model
+    # speaks to its length cap, a minute of audio to play).
+    page.select_option("#voice", "nova")
+    page.fill("#text", "Hi.")
+    page.click("#speak")
+    page.wait_for_function("window.voxDemo.state.stream.chunks > 0", timeout=60_000)
+    page.click("#stop")
+    page.wait_for_function("window.voxDemo.state.lastEnd !== null", timeout=30_000)
+    assert state(page)["stream"]["request"]["voice"] == "nova" and state(page)["lastError"] is None
+
+    page.click("#clone summary")
+    page.set_input_files("#clone-file", str(wav))
+    page.fill("#clone-name", "Kitchen voice")
+    page.wait_for_selector("#clone-upload:not([disabled])")
+    page.click("#clone-upload")
+    page.wait_for_function("document.getElementById('voice').value === 'Kitchen voice'", timeout=30_000)
+    mine = '#voice optgroup[label="my voices"] option'
+    assert page.eval_on_selector_all(mine, "os => os.map(o => o.value)") == ["Kitchen voice"]
+    names = page.eval_on_selector_all("#my-voices li .name", "els => els.map(e => e.textContent)")
+    assert names == ["Kitchen voice"]
+    ARTIFACTS.mkdir(exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / "demo-my-voices.png"), full_page=True)
+    listed = httpx.get(server.http + "/v1/audio/voices", timeout=10).json()["uploaded_voices"]
+    assert [v["name"] for v in listed] == ["Kitchen voice"]
+    # Deleted from the page: gone from its lists and from the server's.
+    page.click(f'#my-voices button[data-voice="{listed[0]["voice_id"]}"]')
+    page.wait_for_function("window.voxDemo.state.deleted.length === 1 "
+                           "&& !window.voxDemo.state.voices.some(v => v.kind === 'uploaded')", timeout=30_000)
+    deleted = page.evaluate("window.voxDemo.state.deleted")
+    assert deleted == [{"voice": listed[0]["voice_id"], "deleted": True}]
+    assert page.eval_on_selector_all(mine, "os => os.length") == 0 and page.is_hidden("#my-voices-box")
+    assert page.input_value("#voice") == ""                        # the default voice, chosen again
+    assert "Deleted Kitchen voice." in page.inner_text("#clone-status")
+    assert httpx.get(server.http + "/v1/audio/voices", timeout=10).json()["uploaded_voices"] == []
+    context.close()
+    assert not errors, errors
+
+
 # ------------------------------------------------------------------------------ what the model can do
 
 
@@ -416,7 +487,8 @@ def test_a_token_is_typed_once_kept_in_the_tab_and_never_in_the_address(browser,
     # The page's HTTP requests carry it too: the voices came from /v1/audio/voices (only it lists
     # aliases and languages; without the token it answers 401 and the page keeps `hello`'s names).
     page.wait_for_function("window.voxDemo.state.voices.some(v => v.kind === 'alias')", timeout=10_000)
-    assert page.eval_on_selector_all("#voice optgroup", "groups => groups.map(g => g.label)") == ["voices"]
+    groups = page.eval_on_selector_all("#voice optgroup", "groups => groups.map(g => g.label)")
+    assert groups == ["voices", "aliases"]
     page.reload()                                        # the same tab: no typing again
     page.wait_for_function("window.voxDemo.state.ready", timeout=30_000)
     assert page.is_hidden("#token-form")

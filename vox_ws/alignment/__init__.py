@@ -5,5 +5,7 @@ aligned to the text its engine spoke, in worker processes beside the engine.
                   and which word the client wrote each spoken word belongs to
     sphinx.py     PocketSphinx forced alignment (US English, the model inside its wheel), in a
                   worker process: one decoder per process, made once
+    english.py    whether a segment sent without `language` is English (the script, then
+                  py3langid): what is not gets estimated times
     pool.py       `WordAligner`: the process pool the service hands segments to
 """

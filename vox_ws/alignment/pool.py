@@ -32,11 +32,14 @@ import numpy as np
 from ..audio import StreamEncoder
 from ..cpus import cpu_limit
 from ..text import base_language, text_words
+from .english import reads_as_english
 from .spelling import AlignmentText, written_times
 from .sphinx import SAMPLE_RATE
 
 # A timed word: (the word as written, start s, end s, estimated: placed between its neighbours).
 TimedWord = tuple[str, float, float, bool]
+# What `align_segment` is given: audio, the text as written and as spoken, its language.
+Segment = tuple[np.ndarray, str, str, str | None]
 ALIGNER_NICE = 10
 # How long a stream's end waits for its last words before it goes without them (an aligner
 # process hung, or starved of CPU): its audio is all sent by then.
@@ -63,9 +66,13 @@ def _ready() -> int:
     return os.getpid()
 
 
-def align_segment(audio: np.ndarray, written: str, spoken: str) -> list[TimedWord]:
+def align_segment(audio: np.ndarray, written: str, spoken: str,
+                  language: str | None = None) -> list[TimedWord]:
     """In an aligner process: the written words of a segment with their times in its audio
-    (a `SegmentRecording`'s)."""
+    (a `SegmentRecording`'s). A text that is not English (its `language`, or without one, as
+    `english.reads_as_english` reads it) is not aligned: its words are estimated."""
+    if not (reads_as_english(written) if language is None else base_language(language) == "en"):
+        return estimated_segment(audio, written)
     text = AlignmentText.of(written, spoken)
     times = _aligner.align(audio, text.words) if _aligner is not None else [None] * len(text.words)
     return written_times(text, times, len(audio) / SAMPLE_RATE)
@@ -131,7 +138,7 @@ class WordAligner:
         self.queue_limit = QUEUE_PER_PROCESS * self.workers if queue is None else queue
         self.answer_within_s = answer_within_s
         self._processes: list[_Process] = []
-        self._waiting: deque[tuple[Future, tuple[np.ndarray, str, str]]] = deque()
+        self._waiting: deque[tuple[Future, Segment]] = deque()
         self._lock = threading.Lock()
         self._closed = False
         self._held = False
@@ -144,8 +151,8 @@ class WordAligner:
         return importlib.util.find_spec("pocketsphinx") is not None
 
     def serves(self, language: str | None) -> bool:
-        """Whether it aligns speech in `language` (None: read from the text, as VoxCPM2 does;
-        a text in another script is given estimated times)."""
+        """Whether it aligns speech in `language` (None: read from the text, as VoxCPM2 does:
+        each segment that is not English is given estimated times, `align_segment`)."""
         return language is None or base_language(language) in self.languages
 
     @property
@@ -163,9 +170,10 @@ class WordAligner:
         with self._lock:
             return [p.pid for p in self._processes if p.pid is not None]
 
-    def align(self, audio: np.ndarray, written: str, spoken: str) -> Future:
+    def align(self, audio: np.ndarray, written: str, spoken: str, language: str | None = None) -> Future:
         """A future of `align_segment`'s words: `audio` a `SegmentRecording`'s, `written` the
-        segment's text as the client sent it, `spoken` as the engine was given it. Cancel it
+        segment's text as the client sent it, `spoken` as the engine was given it, `language`
+        the stream's (None: told from the text, segment by segment). Cancel it
         when its words are no longer wanted: a segment still waiting is then never aligned.
         Raises AlignerBusy where the queue is full."""
         future: Future = Future()
@@ -176,7 +184,7 @@ class WordAligner:
                 self.refused += 1
                 raise AlignerBusy(f"{len(self._waiting)} segments wait for the aligner's "
                                   f"{self.workers} processes")
-            self._waiting.append((future, (audio, written, spoken)))
+            self._waiting.append((future, (audio, written, spoken, language)))
             handed = self._hand_over()
         future.add_done_callback(self._forget)
         self._watch(handed)
@@ -251,7 +259,7 @@ class WordAligner:
             self._processes.append(free)
         return free
 
-    def _submit(self, process: _Process, segment: tuple[np.ndarray, str, str]) -> tuple[_Process, Future]:
+    def _submit(self, process: _Process, segment: Segment) -> tuple[_Process, Future]:
         try:
             answer = process.executor.submit(align_segment, *segment)
         except BrokenProcessPool:         # it died since its last segment: a new one takes this one

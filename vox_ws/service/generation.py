@@ -103,8 +103,10 @@ class Generation:
         self.started_at = record.started_at
         self.word_timestamps = request.word_timestamps
         self.phoneme_timestamps = request.phoneme_timestamps
-        self.plan = TextPlan(request.input_streaming, service.limits.max_text_chars,
-                             request.language or _only(self._engine.voices.languages(request.voice)))
+        # The text's language: the request's, else its voice's where that speaks one (Piper's);
+        # None: read from the text (VoxCPM2).
+        self.language = request.language or _only(self._engine.voices.languages(request.voice))
+        self.plan = TextPlan(request.input_streaming, service.limits.max_text_chars, self.language)
         # Its usage's characters: a one-shot text's, and what is sent since.
         self.input = StreamInput(self.plan, request.input_streaming, self._limits.input_pause_s, self._advance,
                                  self.fail, characters=len(request.one_shot_text or ""))
@@ -256,7 +258,8 @@ class Generation:
             self.fail(err)
 
     def _queue(self, text: str, engine_text: str, prepared: bool) -> int:
-        alignment = None if self._aligner is None else SegmentAlignment(self._aligner, text, engine_text)
+        alignment = None if self._aligner is None else SegmentAlignment(self._aligner, text, engine_text,
+                                                                         self.language)
         sink = SegmentSink(functools.partial(self._service.mailbox.post, self._on_request_event), self.output,
                            self.pacing, self.word_timestamps, self.phoneme_timestamps, alignment)
         request = self.segments.engine_request(engine_text, prepared, sink, self._lora_pin, self._context, self.plan)

@@ -73,11 +73,13 @@ Post = Callable[["SegmentSink", RequestEvent], None]
 @dataclass(frozen=True)
 class SegmentAlignment:
     """A segment whose words the aligner times: its text as the client wrote it, and as the
-    engine was given it (respelled, normalised)."""
+    engine was given it (respelled, normalised), and the stream's language (None: the aligner
+    tells from the text whether it is English, which alone it aligns)."""
 
     aligner: WordAligner
     written: str
     spoken: str
+    language: str | None = None
 
 
 class SegmentSink:
@@ -158,7 +160,7 @@ class SegmentSink:
         audio = recording.take()
         future: Future
         try:
-            future = alignment.aligner.align(audio, alignment.written, alignment.spoken)
+            future = alignment.aligner.align(audio, alignment.written, alignment.spoken, alignment.language)
         except AlignerBusy:
             future = Future()
             future.set_result(estimated_segment(audio, alignment.written))

@@ -15,6 +15,7 @@ import { CaptionTrack } from "./captions.mjs";
 import { closeReason } from "./close-codes.mjs";
 import { oggOpus } from "./ogg-opus.mjs";
 import { Resampler } from "./resampler.mjs";
+import { ownVoiceNote, voiceGroups, voiceLabel } from "./voices.mjs";
 import { encodeWav } from "./wav.mjs";
 
 const $ = (id) => document.getElementById(id);
@@ -58,6 +59,7 @@ const state = {
   player: { played: 0, underruns: 0, sourceLate: 0, buffered: 0, sumSquares: 0, peak: 0, playing: false },
   drained: true,
   voices: [],            // as /v1/audio/voices lists them: {id, name, kind: builtin | alias | uploaded}
+  deleted: [],           // the answers to this page's voice deletions: {voice, deleted}
   needsToken: false,     // the server refused this page's token (or its lack of one)
   captions: null,        // the CaptionTrack of the stream being played, when captions are on
   captionIndex: -1,      // the caption item being heard
@@ -188,6 +190,7 @@ function handle(msg) {
     case "end": return onEnd(msg);
     case "error": return onError(msg);
     case "voice": return onVoice(msg);
+    case "voice_delete": return onVoiceDeleted(msg);
     case "words": return onWords(msg);
     case "segment": return onSegment(msg);
     default: return undefined;
@@ -234,23 +237,49 @@ async function loadVoices(choose = null) {
   }
 }
 
-// The menu: the default, the page owner's own voices, then the server's. Aliases (OpenAI's
-// names for those same voices, for OpenAI's clients) are left out: here they would only repeat.
+// The menu: the default, the page owner's own voices, the server's, then its aliases (OpenAI's
+// names, the aliases file's), each named as itself and saying what it stands for (voices.mjs).
+// The owner's own voices are also listed under "Clone my voice", each with a Delete button.
 function showVoices(voices, choose = null) {
   state.voices = voices;
   const select = $("voice");
   const current = choose ?? select.value;
   select.replaceChildren(new Option("default voice", ""));
-  for (const [kind, label] of [["uploaded", "my voices"], ["builtin", "voices"]]) {
-    const voices = state.voices.filter((v) => v.kind === kind);
-    if (!voices.length) continue;
+  for (const [label, members] of voiceGroups(state.voices)) {
     const group = document.createElement("optgroup");
     group.label = label;
-    for (const v of voices) group.append(new Option(kind === "uploaded" && v.mode ? `${v.name} (${v.mode})` : v.name, v.id));
+    for (const v of members) {
+      const option = new Option(voiceLabel(v), v.id);
+      if (v.instructions) option.title = v.instructions;      // a designed voice: its words
+      group.append(option);
+    }
     select.append(group);
   }
   if (choose && ![...select.options].some((o) => o.value === choose)) select.add(new Option(choose, choose));
   if ([...select.options].some((o) => o.value === current)) select.value = current;
+  showOwnVoices(state.voices.filter((v) => v.kind === "uploaded"));
+}
+
+function showOwnVoices(own) {
+  const list = $("my-voices");
+  const now = Date.now() / 1000;
+  list.replaceChildren(...own.map((v) => {
+    const item = document.createElement("li");
+    const name = document.createElement("span");
+    name.className = "name";
+    name.textContent = v.name;
+    const note = document.createElement("span");
+    note.className = "note";
+    note.textContent = ownVoiceNote(v, now);
+    const remove = document.createElement("button");
+    remove.textContent = "Delete";
+    remove.dataset.voice = v.voice_id;
+    remove.title = `Delete ${v.name} from the server`;
+    remove.addEventListener("click", () => deleteVoice(v));
+    item.append(name, note, remove);
+    return item;
+  }));
+  $("my-voices-box").hidden = own.length === 0;
 }
 
 // ------------------------------------------------------------------ audio
@@ -588,6 +617,21 @@ function uploadVoice() {
   if (name) message.name = name;
   send(message);
   $("clone-status").textContent = "Building the voice…";
+}
+
+// Deleted from the server (protocol v1's `voice_delete`), for every door: the answer relists.
+function deleteVoice(v) {
+  if (!state.connected) { $("clone-status").textContent = "Not connected: try again in a moment."; return; }
+  send({ type: "voice_delete", id: `voice-delete-${++requestCounter}`, voice: v.voice_id });
+  $("clone-status").textContent = `Deleting ${v.name}…`;
+}
+
+async function onVoiceDeleted(msg) {
+  state.deleted.push({ voice: msg.voice, deleted: msg.deleted });
+  const v = state.voices.find((voice) => voice.voice_id === msg.voice);
+  await loadVoices();
+  const name = v ? v.name : msg.voice;
+  $("clone-status").textContent = msg.deleted ? `Deleted ${name}.` : `${name} was no longer on the server.`;
 }
 
 async function onVoice(msg) {
