@@ -123,6 +123,7 @@ async def test_slots_auto_sizes_the_slots_to_the_device(start_server, tiny_model
     info = server.get("/v1/info")[1]
     assert 1 <= info["step_rows"] <= info["slots"] <= min(32, 4 * info["step_rows"])
     assert "a step of B rows took" in info["slots_reason"] and "ms of audio each" in info["slots_reason"]
+    assert info["slots_measure"] is None                 # sized once: not measured again
     async with connect_client(server) as c:
         assert (c.hello["slots"], c.hello["step_rows"]) == (info["slots"], info["step_rows"])
         result = await c.speak("Sized to the device.", "a", options={"seed": 1, "max_len": 4})
@@ -135,6 +136,10 @@ async def test_slots_auto_for_piper_follows_its_measured_speed(start_server):
     server = start_server(PiperEngine(), slots=None)
     info = server.get("/v1/info")[1]
     assert info["slots"] >= 1 and "faster than real time" in info["slots_reason"]
+    measure = info["slots_measure"]
+    # A start on a busy machine (under 75% of the CPU it asked for) is measured again later.
+    assert measure["contended"] == (measure["next_at"] is not None) and 0 < measure["cpu_share"] <= 1
+    assert measure["remeasures"] == 0 and measure["speed"] > 0
 
 
 def test_the_command_line_takes_auto_or_a_number_of_slots_by_either_spelling(monkeypatch):

@@ -18,6 +18,7 @@ from test_stream_service import drain, service_on
 
 from vox_ws.engine import EndReason, ErrorKind, GenerationRequest, Refused, RequestStatus, StepResult
 from vox_ws.engines.piper import PiperEngine
+from vox_ws.engines.speed_slots import RemeasurePolicy, SpeedMeasure, SpeedSlots
 from vox_ws.scheduling.loop import EngineLoop
 from vox_ws.service import Audio, Ended, Failed, StreamRequest
 from vox_ws.testing.tone import ToneEngine
@@ -184,6 +185,77 @@ def test_the_requests_admitted_in_one_turn_are_prefilled_together_and_a_refused_
     finally:
         for _ in range(50):
             engine.go.release()
+        scheduler.stop()
+
+
+class Clock:
+    now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class MeasuredTone(ToneEngine):
+    """The tone engine, its slots sized as Piper's are (`SpeedSlots`: half its speed), from
+    measures whose times the test says: how fast a machine is, and how busy, is not the
+    test's to know. The first piece of the first measure taken again submits `arrives`,
+    from the loop's own thread, in the middle of the measure."""
+
+    def __init__(self, policy: RemeasurePolicy) -> None:
+        super().__init__(slots=64)
+        self.policy = policy
+        self.arrives: GenerationRequest | None = None
+        self.loop: EngineLoop | None = None
+        self.spoken: list[int] = []              # pieces spoken, each measure's
+
+    def load(self) -> None:
+        super().load()
+        busy = SpeedMeasure.of((4.0, 1.0, 0.25), threads=1)    # 4x, a quarter of the CPU: 2 slots
+        self.slot_sizing = SpeedSlots(busy, lambda speed: (max(1, int(speed / 2)), "half"), self._pieces,
+                                      self.policy, engine="tone")
+
+    def slots(self) -> tuple[int, str]:
+        return self.slot_sizing.slots()
+
+    def _pieces(self):
+        self.spoken.append(0)
+        return [self._piece, self._piece]
+
+    def _piece(self) -> tuple[float, float, float]:
+        self.spoken[-1] += 1
+        if self.arrives is not None:
+            arrives, self.arrives = self.arrives, None
+            self.loop.submit(arrives)
+        return 8.0, 0.5, 0.5                    # quiet now: 16x, the whole CPU: 8 slots
+
+
+async def test_a_busy_start_is_measured_again_when_idle_giving_way_to_a_request_and_the_slots_follow():
+    clock = Clock()
+    engine = MeasuredTone(RemeasurePolicy(backoff_s=(30.0,), clock=clock))
+    scheduler = EngineLoop(engine, slots=None, max_queue=4)
+    engine.loop = scheduler
+    scheduler.start()
+    try:
+        assert scheduler.ready_event.wait(WAIT_S) and scheduler.status == "ready"
+        stats = scheduler.stats()
+        assert stats["slots"] == 2 and stats["slots_measure"]["contended"] and engine.spoken == []
+        arrived = engine.arrives = request("aaa", "one")
+        clock.now = 30.0                         # the back-off is over: measured at the next idle moment
+        scheduler.wake()
+        assert await asyncio.to_thread(arrived.sink.last) == ("finish", EndReason.DONE)
+        await wait_until(lambda: scheduler.stats()["slots_measure"]["remeasures"] == 1)
+        # The measure the request interrupted was dropped after its first piece, and taken again whole.
+        assert engine.spoken == [1, 2]
+        stats = scheduler.stats()
+        assert stats["slots"] == 8 == scheduler.queue.slots and scheduler.queue.fair.max_share == 4
+        assert stats["slots_measure"]["contended"] is False and "measured again" in stats["slots_reason"]
+        assert stats["slots_measure"]["next_at"] is None
+        many = [request("a", f"c{i}") for i in range(9)]
+        with scheduler._cond:                   # the loop's lock (reentrant): no turn until all are in
+            assert [scheduler.submit(each) for each in many] == [0] * 8 + [1]      # 8 slots at the next turn
+        for each in many:
+            assert await asyncio.to_thread(each.sink.last) == ("finish", EndReason.DONE)
+    finally:
         scheduler.stop()
 
 

@@ -131,7 +131,7 @@ def test_the_package_is_made_of_small_classes():
     assert not big, big
     assert _methods(_class("engine.py", "Engine")) <= 10
     assert _methods(_class("scheduling/loop.py", "EngineLoop")) <= 18
-    assert _methods(_class("scheduling/queue.py", "SlotQueue")) <= 15
+    assert _methods(_class("scheduling/queue.py", "SlotQueue")) <= 16
 
 
 # A compiled graph's inputs are its function's parameters, each named (the test below): these

@@ -67,6 +67,21 @@ def test_letter_runs_are_spaced_out_and_other_text_is_left_alone():
     assert defuse_letter_runs("x" * 10 + "." * 10) == "x" * 10 + "." * 10
 
 
+def test_the_worker_times_its_speech_in_wall_and_cpu_time():
+    """What `--slots auto` sizes Piper by (`speed_slots`): the start's measure, and a piece
+    measured again while serving, each timed in the worker (its wall and its CPU time)."""
+    worker = PiperWorker(threads=1, voices=[bundled()])
+    worker.start()
+    try:
+        speech, wall, cpu = worker.measured
+        assert speech > 0 and wall > 0 and cpu > 0 and worker.speed == speech / wall
+        piece = worker.phonemize(SENTENCE)[1][0][0]
+        speech, wall, cpu = worker.measure_piece(piece)
+        assert speech > 0 and wall > 0 and cpu > 0
+    finally:
+        worker.close()
+
+
 @pytest.mark.hardening                   # a fault: the full lane's
 def test_a_crash_in_the_worker_raises_and_the_next_text_gets_a_new_worker():
     worker = PiperWorker(threads=1, voices=[bundled()])

@@ -10,7 +10,8 @@ from conftest import assert_good_stream, connect_client, wait_until
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 
-from vox_ws.engines.piper import PiperEngine
+from vox_ws.engines.piper import PiperEngine, slots_for_speed
+from vox_ws.engines.speed_slots import RemeasurePolicy
 from vox_ws.scheduling.loop import LOADING_RETRY_AFTER_S
 
 SENTENCE = "The quick brown fox jumps over the lazy dog."
@@ -197,6 +198,7 @@ async def test_http_endpoints(piper_server):
     assert info["engine"] == "piper" and info["device"] == "cpu" and info["sample_rate"] == 22050
     assert info["slots"] == 4 == info["max_batch"] and {"sessions", "active", "queued", "streams_open"} <= set(info)
     assert [d["slots"] for d in info["devices"]] == [d["max_batch"] for d in info["devices"]] == [4]   # old name, one release
+    assert info["slots_measure"] is None               # --slots 4: nothing measured sizes them
     assert piper_server.get("/nope")[0] == 404
 
 
@@ -272,6 +274,56 @@ async def test_engine_exception_in_one_stream_leaves_others_intact(start_server)
         assert_good_stream(ok2, 2.0)
         assert_good_stream(await c.speak("And the next one works.", "next"))
     assert server.devices.status == "ready"
+
+
+class Clock:
+    now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+async def test_slots_measured_on_a_busy_machine_are_measured_again_and_follow_the_new_measure(start_server):
+    """`--slots auto` on the real Piper worker: a start's measure taken on a busy machine (here:
+    under a threshold no measure can reach, as the test cannot make the machine busy at will)
+    is kept, measured again once its back-off is over (the test's clock) and the engine is
+    idle; one still busy keeps the best; one on a quiet machine is final and sizes the slots,
+    which /v1/info, /v1/load and the queue then all say."""
+    clock = Clock()
+    policy = RemeasurePolicy(contended_below=2.0, backoff_s=(30.0, 60.0, 120.0), clock=clock)
+    engine = PiperEngine(remeasure=policy)
+    server = start_server(engine, slots=None)
+    loop = server.devices.loops[0]
+    info = server.get("/v1/info")[1]
+    first = info["slots_measure"]
+    assert first["contended"] and first["remeasures"] == 0 and first["next_at"] is not None
+    assert first == info["devices"][0]["slots_measure"]
+    assert info["slots"] == slots_for_speed(engine.slot_sizing.chosen.speed)[0]
+    assert "on a busy machine" in info["slots_reason"] and "measured again when idle" in info["slots_reason"]
+
+    clock.now = 30.0                        # still busy, by the threshold
+    loop.wake()
+    await wait_until(lambda: server.get("/v1/info")[1]["slots_measure"]["remeasures"] == 1)
+    info = server.get("/v1/info")[1]
+    assert info["slots_measure"]["contended"]
+    assert info["slots_measure"]["speed"] >= first["speed"]         # the best kept
+    assert "the best of 2 measures" in info["slots_reason"]
+
+    policy.contended_below = 0.0            # quiet now
+    clock.now = 30.0 + 60.0
+    loop.wake()
+    await wait_until(lambda: server.get("/v1/info")[1]["slots_measure"]["remeasures"] == 2)
+    info = server.get("/v1/info")[1]
+    measure = info["slots_measure"]
+    assert measure["contended"] is False and measure["next_at"] is None
+    assert measure["measured_at"] > first["measured_at"]
+    slots = slots_for_speed(engine.slot_sizing.chosen.speed)[0]
+    assert info["slots"] == slots == info["devices"][0]["slots"] == loop.queue.slots
+    assert server.get("/v1/load")[1]["slots"] == slots
+    assert "measured again at" in info["slots_reason"] and "set aside" in info["slots_reason"]
+    async with connect_client(server) as c:
+        assert c.hello["slots"] == slots
+        assert_good_stream(await c.speak(SENTENCE, "after"))
 
 
 async def test_queue_position_and_busy(start_server):

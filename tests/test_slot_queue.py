@@ -300,3 +300,36 @@ def test_closing_finishes_every_request_still_in_the_queue():
     run(q, 0.0)
     assert sorted(r.id for r in q.close()) == sorted(r.id for r in everyone)
     assert all(r.status is S.FINISHED for r in everyone) and q.stats()["empty"]
+
+
+# ------------------------------------------------------------------ resizing (`--slots auto` measured again)
+
+
+def test_more_slots_admit_the_waiting_at_the_next_plan():
+    q, _ = queue(slots=1, max_queue=8)
+    requests = [request(owner) for owner in "abc"]
+    for each in requests:
+        q.add(each, 0.0)
+    assert run(q, 0.0) == requests[:1]
+    q.resize(3, max_share=1)
+    assert run(q, 0.0) == requests[1:]
+    assert [r.status for r in requests] == [S.RUNNING] * 3 and q.fair.max_share == 1
+
+
+def test_fewer_slots_take_none_back_and_admit_none_until_fewer_hold_one():
+    q, readers = queue(slots=3, max_queue=8, can_park=True)
+    running = [request(owner) for owner in "abc"]
+    for each in running:
+        q.add(each, 0.0)
+    run(q, 0.0)
+    waiting = request("d")
+    q.add(waiting, 0.0)
+    readers.lags.add(running[0].id)                  # a lagging reader would be parked for it at 3 slots
+    q.resize(1, max_share=1)
+    assert run(q, 1.0) == [] and [r.status for r in running] == [S.RUNNING] * 3
+    assert waiting.status is S.WAITING
+    q.left(running[0], 2.0)
+    q.left(running[1], 2.0)
+    assert run(q, 2.0) == [] and waiting.status is S.WAITING      # one holds its slot: the count
+    q.left(running[2], 3.0)
+    assert run(q, 3.0) == [waiting]

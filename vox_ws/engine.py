@@ -21,7 +21,7 @@ import math
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Protocol
+from typing import Any, Callable, Iterator, Mapping, Protocol
 
 import numpy as np
 
@@ -460,6 +460,28 @@ class Loras:
         return {"configured": False}
 
 
+class SlotSizing(Protocol):
+    """`--slots auto` sized again while serving (`Engine.slot_sizing`; Piper's:
+    `engines/speed_slots.py`), used by the engine loop's thread alone."""
+
+    def wait_s(self) -> float | None:
+        """Seconds until it wants to measure again (0: now); None: never again."""
+        ...
+
+    def measure(self) -> Iterator[None]:
+        """A measure, one short piece of engine work at each `next`, run by the loop between
+        turns while no request is queued or running; closed unfinished when one comes."""
+        ...
+
+    def slots(self) -> tuple[int, str]:
+        """The slots, and why, as the latest completed measure sizes them."""
+        ...
+
+    def describe(self) -> dict[str, Any]:
+        """How they were measured (/v1/info's `slots_measure`)."""
+        ...
+
+
 # --------------------------------------------------------------------------- the interface
 
 
@@ -504,6 +526,9 @@ class Engine(ABC):
     languages: tuple[str, ...] = ()
     # Set by `load` while it is in a phase worth reporting ("compiling"), for readiness.
     loading_phase: str | None = None
+    # Set by `load` where `slots()` may change while serving (measured again): the engine loop
+    # sizes its slots again with it under `--slots auto`. None: `slots()` is final.
+    slot_sizing: SlotSizing | None = None
     # Its roles; a subclass names its own class of each (`voices = Role(MyVoices)`) or sets one.
     voices: Voices = Role(Voices)          # type: ignore[assignment]
     text: TextRules = Role(TextRules)      # type: ignore[assignment]

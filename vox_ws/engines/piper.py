@@ -27,7 +27,8 @@ from . import EnginePlugin, Setting
 from .piper_hub import DEFAULT_VOICES_DIR, pulled_voices_dir
 from .piper_voices import DEFAULT_VOICE, PiperVoiceFile, VoiceSource, parse_voice_spec, voice_set
 from .piper_words import NO_WORD, phoneme_spans, word_spans
-from .piper_worker import Piece, PiperWorker, Said
+from .piper_worker import SPEED_SAMPLE, Piece, PiperWorker, Said
+from .speed_slots import RemeasurePolicy, SpeedMeasure, SpeedSlots, Timed
 
 log = logging.getLogger("vox_ws.engines.piper")
 
@@ -106,14 +107,17 @@ class PiperEngine(Engine):
                "sentence_silence": OptionSpec(float, 0.0, 5.0, 0.0, "seconds of silence after each sentence")}
 
     def __init__(self, threads: int = 1, voices: list[PiperVoiceFile] | None = None,
-                 source: VoiceSource | None = None, rescan_every_s: float | None = None) -> None:
+                 source: VoiceSource | None = None, rescan_every_s: float | None = None,
+                 remeasure: RemeasurePolicy | None = None) -> None:
         """`voices`: the voices served, the default first (`piper_voices.voice_set`); None: those
         `source` names, or the bundled `joe` alone. `source`: where to read them again while
         serving (`prepare_rescan`: on SIGHUP, and when its folder changes, looked at every
-        `rescan_every_s` seconds; None: never looked at)."""
+        `rescan_every_s` seconds; None: never looked at). `remeasure`: when the speed measured
+        at start counts as a busy machine's, and when it is measured again (`speed_slots`)."""
         self.model = "piper:en_US-joe-medium"
         self.device = "cpu"
         self._threads = threads
+        self._remeasure = remeasure
         self._source = source
         # The folder as the voices served were read from it: taken first, so that a change
         # made while they are read is seen by the next look. The rescans' own (`prepare_rescan`).
@@ -149,6 +153,14 @@ class PiperEngine(Engine):
         served, self.left_out = _served(worker, self.voice_files)
         self._serve(served)
         self._loaded = _Loaded(worker, {v.name: n for n, v in enumerate(served)})
+        self.slot_sizing = SpeedSlots(SpeedMeasure.of(worker.measured, worker.threads), slots_for_speed,
+                                      self._speed_pieces, self._remeasure, engine="Piper")
+
+    def _speed_pieces(self) -> list[functools.partial[Timed]]:
+        """The start's measure again, piece by piece, on the worker that speaks new streams."""
+        worker = self._worker
+        pieces = [phonemes for phonemes, _ in worker.phonemize(SPEED_SAMPLE)[1]]
+        return [functools.partial(worker.measure_piece, phonemes) for phonemes in pieces * 2]
 
     def _serve(self, voices: list[PiperVoiceFile]) -> None:
         """Each replaced whole: the event loop may be reading the ones before."""
@@ -217,7 +229,6 @@ class PiperEngine(Engine):
             self._pending.discard(rescan.worker)
         current = self._loaded
         if rescan.worker is not None:
-            rescan.worker.speed = current.worker.speed      # the slots were sized by the first worker's
             self._loaded = _Loaded(rescan.worker, {v.name: n for n, v in enumerate(rescan.voices)})
             self._retire(current)
         else:
@@ -258,12 +269,7 @@ class PiperEngine(Engine):
         return self._worker.pid if self._worker is not None else None
 
     def slots(self) -> tuple[int, str]:
-        # Streams take turns on one worker: N streams stay ahead of real time while N is below
-        # the speed; half of it leaves room for longer pieces and a busy machine.
-        speed = self._worker.speed
-        slots = max(1, min(AUTO_MAX_SLOTS, int(speed / 2)))
-        return slots, (f"Piper speaks {speed:.1f}x faster than real time here (measured at start); streams take "
-                       f"turns, so half of that, {slots}, stay ahead of their listeners with room to spare")
+        return self.slot_sizing.slots()
 
     def prefill(self, request: GenerationRequest) -> None:
         found = self.voices.find(request.voice)
@@ -529,6 +535,14 @@ PLUGIN = EnginePlugin(
     auto_priority=0,
     probe=_probe,
 )
+
+
+def slots_for_speed(speed: float) -> tuple[int, str]:
+    """Streams take turns on one worker: N streams stay ahead of real time while N is below the
+    speed; half of it leaves room for longer pieces and a busy machine."""
+    slots = max(1, min(AUTO_MAX_SLOTS, int(speed / 2)))
+    return slots, (f"streams take turns, so half of that, {slots}, stay ahead of their listeners with room "
+                   "to spare")
 
 
 def defuse_letter_runs(text: str) -> str:

@@ -15,6 +15,8 @@ and starts a new worker for the next one.
                        ◀── words, pieces ─────    each phoneme marked with its text word
     speak(phonemes)    ── speak(phonemes) ────▶   run the VITS model on one piece
                        ◀── audio(f32), samples    and each phoneme's length in samples
+    measure_piece(ph)  ── measure(phonemes) ──▶   speak a piece of SPEED_SAMPLE, timed: its
+                       ◀── speech, wall, CPU s    seconds of speech, of wall time, of CPU time
 
 Work is cut by the audio it makes, not by characters: a piece has at most `MAX_PHONEMES`
 phonemes (about 3 s of speech, under half a second of work here), so no text, however dense
@@ -33,8 +35,9 @@ from ..text import text_words
 from .child import Worker, WorkerCrashed, serve_worker
 from .piper_voices import MAX_MODEL_BYTES, PiperVoiceFile, model_problem
 from .piper_words import NO_WORD, phoneme_samples, word_owners
+from .speed_slots import Timed
 
-__all__ = ["MAX_PHONEMES", "Piece", "PiperWorker", "WorkerCrashed"]
+__all__ = ["MAX_PHONEMES", "SPEED_SAMPLE", "Piece", "PiperWorker", "Timed", "WorkerCrashed"]
 
 # A piece of phonemes spoken by one `speak`, and for each phoneme the index of the text word it
 # belongs to (piper_words.NO_WORD for spaces, stress and punctuation).
@@ -68,6 +71,7 @@ class PiperWorker(Worker):
         self.sample_rate = 0
         self.word_timings = False          # the model's durations are available (the onnx package)
         self.speed = 0.0                   # seconds of speech per second of work, measured at start
+        self.measured: Timed | None = None  # the first start's measure (`measure`), timed as `measure_piece`
         self.left_out: dict[int, str] = {}  # the first start's: voice number -> why its model failed
         self._measure = measure
         self._started = False
@@ -76,11 +80,12 @@ class PiperWorker(Worker):
         # The speed is measured by the first worker only: a restart after a crash is not slowed
         # by it, and the slot count it set stays as it is.
         first, self._started = not self._started, True
-        rate, self.word_timings, speed, left_out = super().start(
+        rate, self.word_timings, measured, left_out = super().start(
             ("init", self.threads, first and self._measure, self.voices), LOAD_TIMEOUT_S)
         self.sample_rate = int(rate)
         if first:
-            self.speed = speed
+            self.measured = measured
+            self.speed = measured[0] / measured[1] if measured else 0.0
             self.left_out = left_out
             # The engine serves the others, numbered as the worker numbers them: a restart loads
             # those alone, each required (a voice lost then must not renumber the others).
@@ -103,6 +108,11 @@ class PiperWorker(Worker):
         (samples before the first, samples of each), or None without the model's durations."""
         audio, alignment = self.ask(("speak", (voice, phonemes, scales)), SPEAK_TIMEOUT_S, "speaking")
         return np.frombuffer(audio, dtype=np.float32), alignment
+
+    def measure_piece(self, phonemes: list[str]) -> Timed:
+        """A piece spoken in the first voice and timed in the worker, its audio dropped: the
+        engine's speed measured again while it serves (`speed_slots`), a piece between two turns."""
+        return self.ask(("measure", (0, phonemes)), SPEAK_TIMEOUT_S, "measuring")
 
 
 # ---------------------------------------------------------------------------- the worker
@@ -240,7 +250,7 @@ def speak(voice, phonemes: list[str], aligned: bool, scales: tuple = (None, None
 SPEED_SAMPLE = "The quick brown fox jumps over the lazy dog, and then it runs back home again."
 
 
-def _start(init: tuple) -> tuple[tuple[int, bool, float, dict[int, str]], Callable[[str, Any], tuple]]:
+def _start(init: tuple) -> tuple[tuple[int, bool, Timed | None, dict[int, str]], Callable[[str, Any], tuple]]:
     """Load every voice: one whose model cannot be loaded (and spoken: a model that parses but
     takes no phonemes) is left out, and said why in `left_out`, unless it is required; then the
     start fails naming its file. Each is loaded now, not at first use: a load takes a second
@@ -273,24 +283,35 @@ def _start(init: tuple) -> tuple[tuple[int, bool, float, dict[int, str]], Callab
     if not served:
         raise RuntimeError("no voice could be loaded: " + "; ".join(left_out.values()))
     voice, rate, aligned = served[0]
-    speed = _measure_speed(voice, rate, aligned) if measure else 0.0
+    measured = _measure(voice, rate, aligned) if measure else None
 
     def handle(kind: str, payload: Any) -> tuple:
         number, *rest = payload
-        voice, _, aligned = served[number]
+        voice, rate, aligned = served[number]
         if kind == "phonemize":
             return ("pieces", phonemize(voice, *rest))
+        if kind == "measure":
+            return ("measured", _timed_speak(voice, rate, aligned, rest[0]))
         audio, alignment = speak(voice, rest[0], aligned, *rest[1:])
         return ("audio", (audio.tobytes(), alignment))
-    return (rate, aligned, speed, left_out), handle
+    return (rate, aligned, measured, left_out), handle
 
 
-def _measure_speed(voice: Any, rate: int, aligned: bool) -> float:
-    """Seconds of speech per second of work on this machine."""
+def _measure(voice: Any, rate: int, aligned: bool) -> Timed:
+    """SPEED_SAMPLE spoken twice, timed: how much faster than real time this machine speaks
+    (speech / wall), and how much of the CPU it asked for the worker had meanwhile (CPU / wall)."""
     pieces = [phonemes for phonemes, _ in phonemize(voice, SPEED_SAMPLE)[1]]
-    started = time.perf_counter()
-    spoken = sum(len(speak(voice, piece, aligned)[0]) for piece in pieces for _ in range(2))
-    return spoken / rate / (time.perf_counter() - started)
+    times = [_timed_speak(voice, rate, aligned, piece) for piece in pieces for _ in range(2)]
+    speech, wall, cpu = (sum(column) for column in zip(*times))
+    return speech, wall, cpu
+
+
+def _timed_speak(voice: Any, rate: int, aligned: bool, phonemes: list[str]) -> Timed:
+    """A piece spoken: its seconds of speech, and the wall and CPU seconds it took (the
+    process's CPU time counts every thread of ONNX Runtime's)."""
+    cpu, wall = time.process_time(), time.perf_counter()
+    samples = len(speak(voice, phonemes, aligned)[0])
+    return samples / rate, time.perf_counter() - wall, time.process_time() - cpu
 
 
 def main() -> None:

@@ -133,6 +133,9 @@ class Devices:
             "mean_step_ms": round(sum(d["mean_step_ms"] for d in ready) / len(ready), 3) if ready else 0.0,
             "last_batch_size": max(d["last_batch_size"] for d in each),
             "slots_reason": "; ".join(sorted({d["slots_reason"] for d in each})),
+            # How `--slots auto` measured the engine's speed (Piper: one device), the first
+            # device's that measures; each device's under `devices`.
+            "slots_measure": next((d["slots_measure"] for d in each if d["slots_measure"]), None),
             "devices": [{**d, "streams_open": self._placed[i]} for i, d in enumerate(each)],
         }
 

@@ -17,6 +17,12 @@ and once more where a request finished:
 
 The loop never touches asyncio: results go to each request's `RequestSink` (the stream service's
 thread-safe hand-off), always from this thread.
+
+Under `--slots auto`, an engine whose slots may be measured again (`Engine.slot_sizing`: Piper
+after a start on a busy machine) has its measure run here, a piece per turn, only while no
+request is queued or running: a request that comes drops it (a stream waits at most one piece
+of it, as it would behind another stream's step), and it is taken again at the next idle moment.
+The queue is resized to the slots a completed measure sizes.
 """
 
 from __future__ import annotations
@@ -27,10 +33,19 @@ import time
 from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any, Callable, Union
+from typing import Any, Callable, Iterator, Literal, Union
 
 from .. import accelerator
-from ..engine import Engine, EngineFailure, ErrorKind, GenerationRequest, Readiness, Refused, RequestStatus
+from ..engine import (
+    Engine,
+    EngineFailure,
+    ErrorKind,
+    GenerationRequest,
+    Readiness,
+    Refused,
+    RequestStatus,
+    SlotSizing,
+)
 from .queue import Ending, SlotQueue
 
 log = logging.getLogger("vox_ws.scheduling")
@@ -63,6 +78,10 @@ class End:
 
 
 Message = Union[Cancel, Call, End]
+# A turn's work: the ended to tell, the calls to run, the admitted to prefill or resume.
+TurnPlan = tuple[list[Ending], list[Call], list[GenerationRequest]]
+# `_plan`'s answer when the engine is idle and a measure of its speed is due (`SlotSizing`).
+MEASURE: Literal["measure"] = "measure"
 
 
 def engine_failure(engine: Engine, error: BaseException | None) -> EngineFailure | None:
@@ -115,6 +134,11 @@ class EngineLoop:
         # Optional observer of each step (rows, seconds); used by metrics.
         self.on_step: Callable[[int, float], None] | None = None
         self.queue: SlotQueue | None = None       # made once the engine has loaded (its slots known)
+        # `--slots auto` measured again while serving (the engine's, once loaded), the measure
+        # under way, and how the slots were measured (/v1/info's `slots_measure`), as of the last.
+        self._sizing: SlotSizing | None = None
+        self._measuring: Iterator[None] | None = None
+        self._slots_measure: dict[str, Any] | None = None
         self._queue_settings = (max_share, max_wait_s)
         self._on_fatal = on_fatal
         self._cond = threading.Condition()
@@ -198,6 +222,7 @@ class EngineLoop:
                                 if self._recent_steps else 0.0,
                 "last_batch_size": self.last_batch_size,
                 "slot_hold_s": queue.get("slot_hold_s"),
+                "slots_measure": self._slots_measure,
             }
 
     def stop(self, timeout: float = 5.0, *, deadline: float | None = None, wait: bool = True) -> None:
@@ -225,6 +250,7 @@ class EngineLoop:
                 self.engine.load()
                 if self.slots is None:
                     self.slots, self.slots_reason = self.engine.slots()
+                    self._sizing = self.engine.slot_sizing
                 max_share, max_wait_s = self._queue_settings
                 queue = SlotQueue(self.slots, self.max_queue, SinkReaders(), max_share=max_share or max(1, self.slots // 2),
                                   can_park=self.engine.can_park, max_wait_s=max_wait_s)
@@ -232,6 +258,7 @@ class EngineLoop:
                          self.engine.describe(), self.slots, self.slots_reason)
                 with self._cond:
                     self.queue, self.status = queue, Readiness.READY
+                    self._slots_measure = self._sizing.describe() if self._sizing is not None else None
                 self.ready_event.set()
             except BaseException as exc:  # noqa: BLE001 - a failed load must be reported, not raised into nothing
                 self._die(exc, "load failed", during_load=True)
@@ -253,6 +280,9 @@ class EngineLoop:
         taken = self._plan(queue)
         if taken is None:
             return False
+        if taken == MEASURE:
+            self._measure_piece(queue)
+            return True
         endings, calls, admitted = taken
         for ending in endings:
             self._tell(ending)
@@ -282,14 +312,21 @@ class EngineLoop:
                     self._cond.wait(IDLE_WAIT_S)
         return True
 
-    def _plan(self, queue: SlotQueue) -> tuple[list[Ending], list[Call], list[GenerationRequest]] | None:
+    def _plan(self, queue: SlotQueue) -> TurnPlan | None | Literal["measure"]:
         """Under the lock: wait for work; the last step's finished requests leave their slots, the
-        inbox is drained, and the queue plans the turn. None when the loop is stopping."""
+        inbox is drained, and the queue plans the turn. None when the loop is stopping; MEASURE
+        when, idle, a measure of the engine's speed is due (or under way)."""
         with self._cond:
             while not self._stopping and not self._inbox and queue.stats()["empty"]:
-                self._cond.wait()
+                wait = 0.0 if self._measuring is not None else self._sizing.wait_s() if self._sizing else None
+                if wait == 0.0:
+                    return MEASURE
+                self._cond.wait(wait)
             if self._stopping:
                 return None
+            if self._measuring is not None:     # work came: the measure gives way, taken again when idle
+                self._measuring.close()
+                self._measuring = None
             now = time.monotonic()
             if self._step_seconds is not None:
                 self._recent_steps.append(self._step_seconds)
@@ -308,6 +345,31 @@ class EngineLoop:
             log.debug("request %s parked: its reader lags, or its client holds more slots, while another waits",
                       request.id)
         return endings + plan.expired, calls, plan.admitted
+
+    def _measure_piece(self, queue: SlotQueue) -> None:
+        """One piece of a measure of the engine's speed, the engine idle; once complete, the
+        slots it sizes, the queue resized to them. A measure that fails costs only itself."""
+        if self._measuring is None:
+            self._measuring = self._sizing.measure()
+        try:
+            next(self._measuring)
+            return
+        except StopIteration:
+            failed = False
+        except Exception:  # noqa: BLE001 - a failed measure (its worker crashed) keeps the slots as they are
+            log.warning("measuring engine %s's speed again failed; the slots stay as they are",
+                        self.engine.name, exc_info=True)
+            failed = True
+        self._measuring = None
+        slots, reason = self._sizing.slots()
+        max_share = self._queue_settings[0]
+        with self._cond:
+            before, self.slots, self.slots_reason = self.slots, slots, reason
+            queue.resize(slots, max_share or max(1, slots // 2))
+            self._slots_measure = self._sizing.describe()
+        if not failed:
+            log.info("engine %s measured again: %d slots, %s %d (%s)", self.engine.name, slots,
+                     "were" if slots != before else "as before:", before, reason)
 
     def _prefill(self, new: list[GenerationRequest]) -> list[tuple[GenerationRequest, Refused]]:
         """The new requests prefilled together (`Engine.prefill_many`); those refused or failed,

@@ -16,6 +16,9 @@ place goes through `_move`, whose table (`MOVES`) refuses any other:
 - PREFILLING: admitted this turn, its prompt going into the engine; it holds a slot;
 - RUNNING: holds a slot, stepped every turn its reader keeps up.
 
+The slots may change while serving (`resize`: `--slots auto` measured again); more admit the
+waiting at once, fewer take no slot back.
+
 Who gets a slot, who gives one back and whose step comes first is the fair-share policy
 (`fair_share.py`); how far each listener is ahead, and whether its reader lags, the loop reads
 from the streams (`Readers`) each time the queue asks.
@@ -176,6 +179,14 @@ class SlotQueue:
                    for r in expired_requests]
         return Plan(admitted, parked, expired)
 
+    def resize(self, slots: int, max_share: int) -> None:
+        """The slots sized again while serving (`--slots auto` measured again), and the share
+        one client may hold with them. More: the waiting are admitted at the next plan. Fewer:
+        no request loses its slot; those holding one keep it to their end, and none is admitted
+        (nor parked for another) until fewer hold one than the new count."""
+        self.slots = max(1, slots)
+        self.fair.max_share = max(1, max_share)
+
     def started(self, request: GenerationRequest) -> None:
         """Its prefill is done: it runs."""
         self._move(request, _S.RUNNING)
@@ -260,7 +271,9 @@ class SlotQueue:
         """With every slot taken and a request waiting, slots are given back (engines that can
         park only): first by streams whose readers lag (a slot that generates nothing), then by
         clients over their share, to waiting clients that hold fewer."""
-        if not self.can_park or len(self._holding()) < self.slots:
+        if not self.can_park or len(self._holding()) != self.slots:
+            # Fewer held: a slot is free. More (fewer slots since `resize`): parking one would
+            # free none, the holders finish first.
             return []
         claimants = len(self._lists[_S.WAITING])
         parked = [r for r in self._lists[_S.RUNNING] if self._readers.lagging(r)][:claimants]
