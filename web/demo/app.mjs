@@ -57,7 +57,7 @@ const state = {
   lastError: null,
   player: { played: 0, underruns: 0, sourceLate: 0, buffered: 0, sumSquares: 0, peak: 0, playing: false },
   drained: true,
-  voices: [],            // as /v1/audio/voices lists them: {id, name, kind: builtin | alias | uploaded}
+  voices: [],            // as /v1/audio/voices lists them: {id, name, kind: builtin | alias | uploaded | public}
   needsToken: false,     // the server refused this page's token (or its lack of one)
   captions: null,        // the CaptionTrack of the stream being played, when captions are on
   captionIndex: -1,      // the caption item being heard
@@ -241,7 +241,7 @@ function showVoices(voices, choose = null) {
   const select = $("voice");
   const current = choose ?? select.value;
   select.replaceChildren(new Option("default voice", ""));
-  for (const [kind, label] of [["uploaded", "my voices"], ["builtin", "voices"]]) {
+  for (const [kind, label] of [["uploaded", "my voices"], ["public", "shared voices"], ["builtin", "voices"]]) {
     const voices = state.voices.filter((v) => v.kind === kind);
     if (!voices.length) continue;
     const group = document.createElement("optgroup");
