@@ -264,6 +264,17 @@ def test_clone_my_voice_from_a_file_then_speak_with_it(browser, start_server, ti
     page.wait_for_function("window.voxDemo.state.ready", timeout=30_000)
     page.wait_for_function("[...document.querySelectorAll('#voice optgroup[label=\"my voices\"] option')]"
                            ".some(o => o.value === 'Kitchen voice')", timeout=10_000)
+    # A voice another client (another address) registered public is offered too, by its name.
+    import httpx
+
+    with httpx.Client(transport=httpx.HTTPTransport(local_address="127.0.0.2"), timeout=60) as other:
+        shared = other.post(server.http + "/v1/voices", params={"name": "Shared voice", "public": "true"},
+                            content=wav.read_bytes(), headers={"content-type": "audio/wav"})
+    assert shared.status_code == 201, shared.text
+    page.reload()
+    page.wait_for_function("window.voxDemo.state.ready", timeout=30_000)
+    page.wait_for_function("[...document.querySelectorAll('#voice optgroup[label=\"shared voices\"] option')]"
+                           ".some(o => o.value === 'Shared voice')", timeout=10_000)
     # VoxCPM2 follows instructions: with no voice chosen, they design one.
     assert page.is_enabled("#instructions") and "voice design" in page.inner_text("#instructions-note")
     page.select_option("#voice", "")

@@ -75,6 +75,8 @@ def test_real_answers_validate_against_the_description(served, tmp_path):
             ("delete", "/v1/voices/v_aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa", {}), ("get", "/v1/audio/voices", {}),
             ("post", "/v1/audio/voices", {"files": {"audio_sample": ("a.wav", tone, "audio/wav")}}),
             ("delete", "/v1/audio/voices/nobody", {}), ("get", "/v1/admin/voices", {"headers": admin}),
+            ("patch", "/v1/voices/nobody", {"json": {"public": True}}),
+            ("patch", "/v1/audio/voices/nobody", {"json": {"public": "yes"}}),
             ("get", "/v1/admin/voices", {}), ("delete", "/v1/admin/voices", {"headers": admin,
                                                                             "params": {"address": "192.0.2.1"}}),
             ("get", "/v1/loras", {}), ("post", "/v1/loras/bright", {"headers": admin}),

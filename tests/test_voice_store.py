@@ -5,7 +5,9 @@ is usable through another replica, and an unreachable store fails voice operatio
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
+import json
 import logging
 import os
 import shutil
@@ -138,6 +140,123 @@ async def test_a_named_voices_id_is_made_under_the_stores_secret_and_speaks_for_
     await store.put(unnamed)
     assert await store.usable(unnamed.id, other) and store.usable_now(unnamed.id, other) in (True, None)
     assert not await store.usable("v_" + "a" * 32, owner)
+
+
+def public(store, owner: str, name: str, pitch: float = 240.0) -> StoredVoice:
+    return dataclasses.replace(named(store, owner, name, pitch), public=True)
+
+
+async def resolved(store, owner: str, name: str) -> str:
+    """The id `owner` speaks with by `name`: as the store tells without waiting where it can,
+    and as it answers when asked (the two agree)."""
+    own = store.named_id(owner_key(owner), name)
+    asked = await store.public.resolve(own, name, owner)
+    assert store.public.resolve_now(own, name, owner) in (asked, None)
+    return asked
+
+
+async def test_a_public_voice_is_anyones_by_its_name_and_only_its_owners_to_change_in_every_store(store):
+    """Issue 60, 7: a voice registered with a token was its owner's only, and so invisible to
+    Open WebUI (another token) and Wyoming (no token). Its owner may now make it public: kept
+    with the flag, listed, and spoken by its name by anyone; only its owner unpublishes or
+    deletes it, and the default (private) is unchanged."""
+    alice, bob, wyoming = "token:alice", "token:bob", "address:127.0.0.2"
+    shared = public(store, alice, "narrator")
+    private = named(store, alice, "diary", pitch=260.0)
+    await store.put(shared)
+    await store.put(private)
+    assert (await store.get(shared.id)).public and not (await store.get(private.id)).public
+    assert [(v.id, v.public) for v in await store.owned_by(alice)] == [(shared.id, True), (private.id, False)]
+    assert [v.name for v in await store.public.listed()] == ["narrator"]
+    # Anyone speaks it by its name, and by its id; the private one stays its owner's.
+    for caller in (bob, wyoming):
+        assert await resolved(store, caller, "narrator") == shared.id
+        assert await store.usable(shared.id, caller)
+        assert not await store.usable(private.id, caller)
+        assert await resolved(store, caller, "diary") == store.named_id(owner_key(caller), "diary")
+    assert await store.public.id("narrator") == shared.id and await store.public.id("diary") is None
+    # A caller's own voice of that name comes first, for it.
+    bobs = named(store, bob, "narrator", pitch=300.0)
+    await store.put(bobs)
+    assert await resolved(store, bob, "narrator") == bobs.id
+    assert await resolved(store, wyoming, "narrator") == shared.id
+    # A public name is one voice's: another owner's public voice of that name is refused.
+    with pytest.raises(Refused) as taken:
+        await store.put(public(store, "token:carol", "narrator", pitch=310.0))
+    assert taken.value.kind == ErrorKind.INVALID and taken.value.field == "name"
+    with pytest.raises(Refused, match="another public voice"):
+        await store.public.set(bobs.id, bob, True)
+    assert not (await store.get(bobs.id)).public
+    # A public voice needs a name; an unnamed one cannot be made public either.
+    with pytest.raises(Refused) as nameless:
+        await store.put(dataclasses.replace(voice(bob, 320.0), public=True))
+    assert nameless.value.field == "name"
+    unnamed = voice(bob, 330.0)
+    await store.put(unnamed)
+    with pytest.raises(Refused, match="needs a name"):
+        await store.public.set(unnamed.id, bob, True)
+    # Only its owner (or an admin) unpublishes it: another owner's voice looks like no voice.
+    assert await store.public.set(shared.id, bob, False) is None
+    assert await store.delete(shared.id, bob) is False
+    hidden = await store.public.set(shared.id, alice, False)
+    assert hidden is not None and hidden.public is False and hidden.name == "narrator"
+    assert await store.public.listed() == [] and await store.public.id("narrator") is None
+    assert not await store.usable(shared.id, wyoming)
+    assert await resolved(store, wyoming, "narrator") == store.named_id(owner_key(wyoming), "narrator")
+    # Published again, then deleted by its owner: gone from the list and from its name.
+    assert (await store.public.set(shared.id, ANY_OWNER, True)).public
+    assert await store.delete(shared.id, alice) is True
+    assert await store.public.listed() == [] and await store.public.id("narrator") is None
+    # Its name is free again for another owner's public voice.
+    assert (await store.public.set(bobs.id, bob, True)).public
+    assert await resolved(store, wyoming, "narrator") == bobs.id
+
+
+async def test_a_public_voice_keeps_its_owners_cap_and_expiry_in_every_store(quota_store):
+    """A public voice has no place in the store that its owner's others lack: one beyond the
+    owner's cap retires its oldest, public or not, and an anonymous owner's expires with its
+    others (else publishing would let a handful of addresses keep the store's places for good)."""
+    store, now = quota_store
+    await store.open()
+    owner = "address:10.1.0.1"
+
+    def made(name: str, pitch: float, shared: bool = True) -> StoredVoice:
+        now[0] += 1.0
+        made = new_voice(owner, tone_wav(0.2, pitch=pitch), None, "reference",
+                         Lifetime(QUOTA_LIMITS.ttl_s, store.clock), named=(name, store.named_id(owner_key(owner), name)))
+        return dataclasses.replace(made, public=shared)
+
+    first = made("first", 200.0)
+    assert first.expires == now[0] + QUOTA_LIMITS.ttl_s
+    await store.put(first)
+    await store.put(made("second", 210.0, shared=False))
+    third = made("third", 220.0)
+    assert await store.put(third) == [first.id]                    # the per-address cap: 2
+    assert [v.name for v in await store.public.listed()] == ["third"]
+    assert await store.public.id("first") is None
+    now[0] += QUOTA_LIMITS.ttl_s
+    assert await store.public.listed() == [] and await store.public.id("third") is None
+    assert third.id in await store.expire()
+
+
+async def test_a_directory_store_of_the_previous_version_opens_with_its_voices_private(tmp_path):
+    """A voice's JSON file holds `public` only where it is true: a private voice's file is the
+    one the previous version wrote and read, and a file without the field is a private voice."""
+    path = tmp_path / "voices"
+    store = DirectoryStore(path, LIMITS)
+    await store.open()
+    private, shared = named(store, "token:a", "mine"), public(store, "token:a", "ours", pitch=250.0)
+    await store.put(private)
+    await store.put(shared)
+    previous = {"id", "transcript", "mode", "owner", "created", "name", "anonymous", "expires", "network"}
+    assert set(json.loads((path / f"{private.id}.json").read_text())) == previous
+    assert json.loads((path / f"{shared.id}.json").read_text())["public"] is True
+    await store.public.set(shared.id, "token:a", False)          # written through
+    await store.public.set(private.id, "token:a", True)
+    again = DirectoryStore(path, LIMITS)
+    await again.open()
+    assert (await again.get(shared.id)).public is False and (await again.get(private.id)).public is True
+    assert await again.public.id("mine") == private.id and await again.public.id("ours") is None
 
 
 async def test_the_secret_is_kept_with_the_voices_and_shared_by_replicas(tmp_path, redis_server):
@@ -552,6 +671,123 @@ async def test_openai_shaped_voice_routes_register_list_speak_and_delete_per_own
     assert (await asyncio.to_thread(alice.get, "/audio/voices", cast_to=object))["uploaded_voices"] == []
     with pytest.raises(openai.BadRequestError):
         await asyncio.to_thread(say, alice, "teller")
+
+
+def from_address(address: str, token: str | None = None) -> httpx.AsyncClient:
+    """An HTTP client of its own address (another machine's, as Open WebUI is)."""
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    return httpx.AsyncClient(transport=httpx.AsyncHTTPTransport(local_address=address), headers=headers,
+                             timeout=WAIT_TIMEOUT)
+
+
+OPEN_WEBUI_SPEECH = {"model": "tts-1", "input": "In the public voice.", "max_len": 4}
+
+
+@pytest.mark.slow
+async def test_a_public_voice_is_listed_and_spoken_by_open_webui_from_another_address(start_server,
+                                                                                       tiny_model):
+    """Issue 60, 7: with --token, a voice cloned with one token was invisible to Open WebUI (its
+    own token, from its own address), though the README said it listed uploaded voices. Now its
+    owner registers it `public` (over v1), and Open WebUI's requests list it and speak it by
+    name; a private voice stays invisible; unpublished, it is hidden again; only its owner
+    changes or deletes it."""
+    from vox_ws.clients.v1 import VoxError, connect
+
+    server = tiny_server(start_server, tiny_model, "memory", tokens=["alice-token", "webui-token"])
+    async with connect(server.url, token="alice-token") as alice:
+        await alice.register_voice(tone_wav(1.0, pitch=210.0), name="narrator", public=True)
+        await alice.register_voice(tone_wav(1.0, pitch=250.0), name="diary")
+        with pytest.raises(VoxError) as nameless:                # a public voice is spoken by its name
+            await alice.register_voice(tone_wav(1.0, pitch=260.0), public=True)
+        assert nameless.value.code == "bad_request" and "needs a name" in nameless.value.message
+
+    async with from_address("127.0.0.2", "webui-token") as webui, from_address("127.0.0.2") as keyless, \
+            from_address("127.0.0.1", "alice-token") as owner:
+        async def listed(client: httpx.AsyncClient) -> dict[str, str]:
+            answer = await client.get(server.http + "/v1/audio/voices")
+            assert answer.status_code == 200, answer.text
+            return {v["id"]: v["kind"] for v in answer.json()["voices"]
+                    if v["kind"] not in ("builtin", "alias")}
+
+        async def spoken(name: str) -> httpx.Response:
+            return await webui.post(server.http + "/v1/audio/speech",
+                                    json={**OPEN_WEBUI_SPEECH, "voice": name, "response_format": "pcm"})
+
+        # Open WebUI's list (with its key, or none) shows the public voice by name, not the private one.
+        assert await listed(webui) == {"narrator": "public"} == await listed(keyless)
+        assert await listed(owner) == {"narrator": "uploaded", "diary": "uploaded"}
+        mine = (await owner.get(server.http + "/v1/audio/voices")).json()["uploaded_voices"]
+        assert [(v["name"], v["public"]) for v in mine] == [("narrator", True), ("diary", False)]
+        plain = (await webui.get(server.http + "/v1/voices")).json()["voices"]
+        assert [v["id"] for v in plain if v["kind"] == "public"] == ["narrator"]
+        said = await spoken("narrator")
+        assert said.status_code == 200 and len(said.content) > 0, said.text
+        refused = await spoken("diary")
+        assert refused.status_code == 400 and refused.json()["error"]["code"] == "voice_not_found"
+
+        # Its name is taken for public voices; Open WebUI's owner cannot change or delete it.
+        taken = await webui.post(server.http + "/v1/audio/voices",
+                                 data={"name": "narrator", "public": "true"},
+                                 files={"audio_sample": ("a.wav", tone_wav(1.0, pitch=300.0), "audio/wav")})
+        assert taken.status_code == 400, taken.text
+        assert "another public voice" in taken.json()["error"]["message"]
+        for path in ("/v1/voices/narrator", "/v1/audio/voices/narrator"):
+            assert (await webui.patch(server.http + path, json={"public": False})).status_code == 404
+            assert (await webui.delete(server.http + path)).status_code == 404
+        assert (await webui.patch(server.http + "/v1/voices/diary", json={"public": True})).status_code == 404
+        bad = await owner.patch(server.http + "/v1/voices/narrator", json={"public": "no"})
+        assert bad.status_code == 400 and bad.json()["error"]["code"] == "bad_request"
+
+        # Unpublished by its owner: hidden and unspoken again; published again over v1.
+        hidden = await owner.patch(server.http + "/v1/voices/narrator", json={"public": False})
+        assert hidden.status_code == 200 and hidden.json()["public"] is False, hidden.text
+        assert await listed(webui) == {} and (await spoken("narrator")).status_code == 400
+        async with connect(server.url, token="alice-token") as alice:
+            assert await alice.set_voice_public("narrator", True) is True
+            assert await alice.set_voice_public("nobody", True) is False
+        assert await listed(webui) == {"narrator": "public"}
+        assert (await spoken("narrator")).status_code == 200
+        # Deleted by its owner: gone for everyone.
+        assert (await owner.delete(server.http + "/v1/audio/voices/narrator")).status_code == 200
+        assert await listed(webui) == {} and (await spoken("narrator")).status_code == 400
+
+
+@pytest.mark.slow
+async def test_a_public_voice_registered_through_one_replica_is_spoken_by_name_through_another(
+        start_server, tiny_model, redis_server):
+    """A shared store tells which voice a name is only when asked: the stream asks it before it
+    speaks, and speaks the public voice another owner registered through another replica."""
+    import redis.asyncio
+
+    client = redis.asyncio.from_url(redis_server.url)
+    await client.flushdb()
+    await client.aclose()
+    a = tiny_server(start_server, tiny_model, redis_server.url, tokens=["alice-token", "bob-token"])
+    b = tiny_server(start_server, tiny_model, redis_server.url, tokens=["alice-token", "bob-token"])
+    alice, bob = ({"additional_headers": {"Authorization": f"Bearer {token}"}}
+                  for token in ("alice-token", "bob-token"))
+    async with connect_client(a, **alice) as c:
+        await c.send({"type": "voice", "id": "r", "audio": tone_wav(1.0, pitch=190.0), "name": "narrator",
+                      "public": True})
+        assert (await c.recv_where(lambda m: m.get("id") == "r"))["public"] is True
+        await c.send({"type": "voice", "id": "p", "audio": tone_wav(1.0, pitch=230.0), "name": "diary"})
+        assert (await c.recv_where(lambda m: m.get("id") == "p"))["public"] is False
+    options = {"seed": 9, "max_len": 4}
+    async with connect_client(a, **alice) as c:
+        owners = await c.speak("Speak in the stored voice.", "s", voice="narrator", options=options)
+    async with connect_client(b, **bob) as c:
+        bobs = await c.speak("Speak in the stored voice.", "s", voice="narrator", options=options)
+        private = await c.speak("Speak in the stored voice.", "t", voice="diary", options=options)
+    assert bobs.error is None and bobs.end["reason"] == "max_len"
+    np.testing.assert_allclose(bobs.pcm(), owners.pcm(), atol=1e-4)
+    assert private.error is not None and private.error["code"] == "bad_request"
+    assert "'diary'" in private.error["message"]
+    async with connect_client(b, **alice) as c:                 # the owner, through the other replica
+        await c.send({"type": "voice_update", "id": "u", "voice": "narrator", "public": False})
+        assert (await c.recv_where(lambda m: m.get("id") == "u"))["updated"] is True
+    async with connect_client(a, **bob) as c:
+        gone = await c.speak("Speak in the stored voice.", "s", voice="narrator", options=options)
+    assert gone.error is not None and gone.error["code"] == "bad_request"
 
 
 ADMIN = "admin-secret"

@@ -416,6 +416,63 @@ async def test_describe_lists_the_voices_this_address_registered_by_name(start_s
     assert mine == ["default", "grandma"] and theirs == ["default"]
 
 
+@pytest.mark.slow
+async def test_a_public_voice_is_described_and_spoken_to_a_client_without_a_token(start_server, tiny_model):
+    """Issue 60, 7: with --token, a voice cloned with the token could not be named over
+    Wyoming (no token there), and the refusal said "or register one", which a Wyoming client
+    cannot do. Now a voice its owner made public is listed by `describe` and spoken by
+    `synthesize` (the real `wyoming` client, from another address); a private one is neither,
+    and the refusal says what a Wyoming client may name."""
+    import httpx
+    from test_stream_service import tone_wav
+    from wyoming.event import async_read_event, async_write_event
+
+    from vox_ws.engines.voxcpm.engine import VoxCPMEngine
+
+    served = start_server(VoxCPMEngine(model=str(tiny_model), device="cpu", slots=2), slots=2,
+                          voice_store="memory", wyoming="tcp://127.0.0.1:0", tokens=["alice-token"])
+    owner = {"content-type": "audio/wav", "Authorization": "Bearer alice-token"}
+    for name, public, pitch in (("narrator", "true", 200), ("diary", "false", 240)):
+        made = httpx.post(served.http + "/v1/voices", params={"name": name, "public": public},
+                          content=tone_wav(1.0, pitch=pitch), headers=owner, timeout=60)
+        assert made.status_code == 201 and made.json()["public"] is (public == "true"), made.text
+
+    async def asked(event: Event) -> list[Event]:
+        """What the server answers `event` with, from another address than the owner's: up to
+        its audio-stop, or its error."""
+        reader, writer = await asyncio.open_connection("127.0.0.1", served.server.wyoming.port,
+                                                       local_addr=(ATTACKER, 0))
+        answered = []
+        try:
+            await async_write_event(event, writer)
+            while not answered or not (Info.is_type(answered[-1].type) or Error.is_type(answered[-1].type)
+                                       or AudioStop.is_type(answered[-1].type)):
+                answered.append(await asyncio.wait_for(async_read_event(reader), READ_TIMEOUT))
+        finally:
+            writer.close()
+        return answered
+
+    async def described() -> dict[str, str]:
+        info = Info.from_event((await asked(Describe().event()))[-1])
+        return {v.name: v.description for v in info.tts[0].voices if v.name != "default"}
+
+    async def synthesized(name: str) -> list[Event]:
+        return await asked(Synthesize(text="In the public voice.", voice=SynthesizeVoice(name=name)).event())
+
+    assert await described() == {"narrator": "narrator (public)"}
+    spoken = await synthesized("narrator")
+    assert AudioStart.is_type(spoken[0].type) and AudioChunk.is_type(spoken[1].type), spoken[:2]
+    refused = Error.from_event((await synthesized("diary"))[-1])
+    assert refused.code == "bad_request" and "'diary'" in refused.text and "describe" in refused.text
+    assert "register" not in refused.text, refused.text
+    # Unpublished by its owner (its token, over HTTP): neither listed nor spoken.
+    hidden = httpx.patch(served.http + "/v1/voices/narrator", json={"public": False}, headers=owner,
+                         timeout=60)
+    assert hidden.status_code == 200 and hidden.json()["public"] is False
+    assert await described() == {}
+    assert Error.is_type((await synthesized("narrator"))[-1].type)
+
+
 async def test_an_alias_carries_pipers_own_settings(start_server, tmp_path):
     """Piper's synthesis settings (wyoming-piper's --length-scale, --noise-scale,
     --noise-w-scale, --sentence-silence) per request, and so per alias, for clients with no

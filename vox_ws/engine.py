@@ -307,7 +307,8 @@ class Voices:
     def check(self, voice: str | None) -> None:
         """Refuse an unknown voice."""
         if voice is not None and not self.has(voice):
-            hint = "; or register one" if self.engine.supports_voices else ""
+            # Door-neutral: each door knows what its clients may do (Wyoming's cannot register).
+            hint = "; or a registered voice's id, or its name" if self.engine.supports_voices else ""
             raise Refused(ErrorKind.INVALID, f"unknown voice {voice!r} (built-in: {self.names()}{hint})",
                           field="voice")
 

@@ -163,7 +163,7 @@ class Session:
                 self._on_start(message)
             elif isinstance(message, p.Cancel):
                 self._open(message.id).stream.cancel()
-            elif isinstance(message, (p.Voice, p.VoiceDelete, p.VoiceAdmin, p.Lora)):
+            elif isinstance(message, (p.Voice, p.VoiceDelete, p.VoiceUpdate, p.VoiceAdmin, p.Lora)):
                 self._on_request(message)
             else:
                 self._on_input(message, obj["type"])
@@ -221,7 +221,7 @@ class Session:
         except Refused as err:
             raise p.ProtocolError.from_refused(err, message.id) from None
 
-    def _on_request(self, message: p.Voice | p.VoiceDelete | p.VoiceAdmin | p.Lora) -> None:
+    def _on_request(self, message: p.Voice | p.VoiceDelete | p.VoiceUpdate | p.VoiceAdmin | p.Lora) -> None:
         """Requests answered later, while the connection's streams go on: voice registration
         and deletion (the stream service's work, beside the engine's steps) and LoRA operations
         (on each engine thread, between two steps)."""
@@ -230,11 +230,14 @@ class Session:
                 raise p.ProtocolError(p.BUSY, "one voice registration at a time per connection", message.id,
                                       self.service.voices.registrations.retry_after_s())
             work = self.service.voices.register(message.audio, message.transcript, message.mode, owner=self.owner,
-                                               name=message.name)
+                                               name=message.name, public=message.public)
             kind = "voice"
         elif isinstance(message, p.VoiceDelete):
             work = self._deleted(message.voice)
             kind = "voice_delete"
+        elif isinstance(message, p.VoiceUpdate):
+            work = _voice_updated(self.service, message, self.owner)
+            kind = "voice_update"
         elif isinstance(message, p.VoiceAdmin):
             if not self.is_admin:
                 raise p.ProtocolError(p.UNAUTHORIZED, "voice_admin needs a connection opened with the admin token",
@@ -360,6 +363,14 @@ class Session:
                 self.metrics.reaped.inc()
                 await self.close(p.CLOSE_IDLE, "idle timeout")
                 return
+
+
+async def _voice_updated(service: StreamService, message: p.VoiceUpdate, owner: str) -> dict[str, Any]:
+    """`voice_update`: a voice of `owner`'s made public, or private again."""
+    changed = await service.voices.sharing.set_public(message.voice, owner, message.public)
+    if changed is None:
+        return {"voice": message.voice, "updated": False}
+    return {"voice": changed.id, "name": changed.name, "public": changed.public, "updated": True}
 
 
 def _lora_operation(service: StreamService, message: p.Lora) -> Awaitable[dict[str, Any]]:

@@ -290,12 +290,14 @@ class Client:
         return wav_bytes(pcm, s.sample_rate)
 
     async def register_voice(self, audio: bytes, transcript: str | None = None, mode: str | None = None,
-                             name: str | None = None) -> str:
+                             name: str | None = None, public: bool = False) -> str:
         """Clone a voice from WAV/FLAC bytes; returns its id for `voice=` (with a `name`, the
-        voice may also be named by it)."""
+        voice may also be named by it; `public`, by anyone the server serves, who is shown it)."""
         message: dict[str, Any] = {"type": "voice", "audio": audio}
         if name:
             message["name"] = name
+        if public:
+            message["public"] = True
         if transcript:
             message["transcript"] = transcript
         if mode:
@@ -304,6 +306,11 @@ class Client:
 
     async def delete_voice(self, voice: str) -> bool:
         return (await self._request({"type": "voice_delete", "voice": voice}))["deleted"]
+
+    async def set_voice_public(self, voice: str, public: bool) -> bool:
+        """Make a voice of yours (its id or name) public, or private again; False where you have
+        none by that id or name."""
+        return (await self._request({"type": "voice_update", "voice": voice, "public": public}))["updated"]
 
     async def lora(self, op: str, name: str | None = None) -> dict[str, Any]:
         """Admin (needs the admin token): `load` an adapter from the server's LoRA directory into a

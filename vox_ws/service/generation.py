@@ -139,7 +139,7 @@ class Generation:
 
     # ------------------------------------------------------------------ the service's side
 
-    def start(self, text: str | list[Part] | None, fetch: Awaitable[None] | None = None) -> int:
+    def start(self, text: str | list[Part] | None, fetch: Awaitable[str | None] | None = None) -> int:
         """Begin: say `text` (one-shot, or the parts of a marked-up one: texts and pauses), or,
         with None, take input (`input`); with `fetch`, the voice comes from the store first
         (a voice it lacks fails the stream). A text too long for one generation is cut by the
@@ -157,10 +157,14 @@ class Generation:
         self._work = asyncio.ensure_future(self._open(parts, fetch))
         return 0
 
-    async def _open(self, parts: list[Part] | None, fetch: Awaitable[None] | None) -> None:
+    async def _open(self, parts: list[Part] | None, fetch: Awaitable[str | None] | None) -> None:
         try:
             if fetch is not None:
-                await fetch
+                fetched = await fetch
+                if isinstance(fetched, str) and fetched != self._voice:
+                    # The name was another owner's public voice (`VoiceService.ensure`): that one speaks.
+                    self._voice = fetched
+                    self.segments.use_voice(fetched)
                 self.segments.voice_pin = self._engine.voices.pin(self._voice)
             if parts is not None:
                 parts = await self.segments.cut(parts)

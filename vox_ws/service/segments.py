@@ -5,6 +5,7 @@ segment's engine request built. A stream's `Generation` decides when; this says 
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable, Protocol
 
 from ..config import Limits
@@ -48,6 +49,11 @@ class SegmentStarter:
         self._written_chars = 0               # of the segments so far, as sent
         self._pronounced_chars = 0            # ... and with their pronunciations put in
         self._silence = SilenceBudget(request.output.speed)
+
+    def use_voice(self, voice: str) -> None:
+        """Speak with `voice` rather than the one the request named (resolved by the store after
+        the stream opened, before any segment was made)."""
+        self._request = dataclasses.replace(self._request, voice=voice)
 
     # ------------------------------------------------------------------ added silence
 

@@ -18,6 +18,10 @@ Rules, enforced by every store (atomically in Redis, across replicas):
 - the store holds at most `max_voices` voices and `max_bytes` bytes of audio: beyond either a
   registration is refused (`busy`) until voices are deleted: nothing is evicted for it;
 - only the owner (or an admin) deletes a voice; another owner's voice looks like no voice.
+- a public voice (`public`, its owner's choice: at registration or later, `public.set`) has a
+  name no other public voice has (a second is refused, `public_name_taken`); caps, shares and
+  expiry are its owner's as for its other voices (an anonymous owner's public voice expires
+  with its others: publishing a voice gives it no place in the store that it did not have).
 
 Owners are stored as a hash of their name (a name may be a client token).
 
@@ -25,7 +29,10 @@ A voice's id is a capability or a name. One registered without a name has an id 
 audio and owner: whoever holds it may speak with it, and nobody computes it without the audio.
 A named voice's id is an HMAC of its owner and name under the store's own secret (made once,
 kept with the voices, shared by the replicas of a shared store): no client computes it, and
-only its owner (or an admin) speaks with it, by name or by id.
+only its owner (or an admin) speaks with it, by name or by id, unless its owner made it public:
+then anyone the server serves speaks with it by its name (`PublicVoices.resolve`: a caller's own voice
+of that name first), and it is listed to them; its id stays its owner's named id, so publishing
+or not never moves it.
 
     memory        this process only (tests, or a server that wants no state)
     dir:PATH      a local directory: one audio file and one JSON file per voice (the default)
@@ -82,13 +89,14 @@ class StoredVoice:
     anonymous: bool = False    # its owner presented no token
     expires: float | None = None   # when it is gone (time.time()); None: never
     network: str | None = None     # an anonymous owner's network, hashed (`network_key`)
+    public: bool = False           # anyone served speaks with it by its name (a named voice only)
 
     def expired(self, now: float) -> bool:
         return self.expires is not None and self.expires <= now
 
     def summary(self) -> VoiceSummary:
         return VoiceSummary(self.id, self.mode, self.transcript, len(self.audio), self.created, self.name,
-                            self.owner, self.expires)
+                            self.owner, self.expires, self.public)
 
 
 @dataclass(frozen=True)
@@ -103,6 +111,7 @@ class VoiceSummary:
     name: str | None = None
     owner: str = ""
     expires: float | None = None
+    public: bool = False
 
 
 @dataclass(frozen=True)
@@ -211,10 +220,22 @@ def _digest_id(digest: Any, *parts: bytes) -> str:
     return "v_" + base64.b32encode(digest.digest()[:20]).decode().lower().rstrip("=")
 
 
-def may_speak_with(stored_owner: str, name: str | None, owner: str) -> bool:
+def may_speak_with(stored_owner: str, name: str | None, owner: str, public: bool = False) -> bool:
     """Whether `owner` may speak with a voice kept for `stored_owner` (a key) under `name`: any
-    holder of an unnamed voice's id may; a named voice is its owner's (and an admin's)."""
-    return name is None or owner == ANY_OWNER or stored_owner == owner_key(owner)
+    holder of an unnamed voice's id may; a named voice is its owner's (and an admin's), or, made
+    public, anyone's."""
+    return name is None or public or owner == ANY_OWNER or stored_owner == owner_key(owner)
+
+
+def public_name_taken(name: str) -> Refused:
+    """The refusal of a public voice whose name another public voice has."""
+    return Refused(ErrorKind.INVALID, f"another public voice is named {name!r}: choose another name",
+                   field="name")
+
+
+def nameless_public() -> Refused:
+    return Refused(ErrorKind.INVALID, "a public voice needs a name (what others speak it by): give it one",
+                   field="name")
 
 
 # How long an unavailable store is given before a client tries again: nothing measures when it
@@ -243,6 +264,7 @@ class VoiceStore(ABC):
         self.clock = clock
         self._secret: bytes | None = None
         self.opened = False                  # its secret read: named voices are known from then
+        self.public: PublicVoices            # its public voices (each store's kind of `PublicVoices`)
 
     async def open(self) -> None:
         """Read what the store keeps (its secret, and for some its voices); StoreUnavailable
@@ -273,7 +295,7 @@ class VoiceStore(ABC):
 
     async def usable(self, voice: str, owner: str) -> bool:
         stored = await self.get(voice)
-        return stored is not None and may_speak_with(stored.owner, stored.name, owner)
+        return stored is not None and may_speak_with(stored.owner, stored.name, owner, stored.public)
 
     @abstractmethod
     async def get(self, voice: str) -> StoredVoice | None:
@@ -346,6 +368,7 @@ class MemoryStore(VoiceStore):
         super().__init__(limits, clock)
         self._voices: dict[str, StoredVoice] = {}
         self._lock = asyncio.Lock()
+        self.public: MemoryPublic = MemoryPublic(self)
         if type(self) is MemoryStore:
             self._secret = secrets.token_bytes(SECRET_BYTES)      # its voices go with the process
             self.opened = True
@@ -360,7 +383,7 @@ class MemoryStore(VoiceStore):
     def usable_now(self, voice: str, owner: str) -> bool | None:
         stored = self._voices.get(voice)
         return stored is not None and not stored.expired(self.clock()) and \
-            may_speak_with(stored.owner, stored.name, owner)
+            may_speak_with(stored.owner, stored.name, owner, stored.public)
 
     async def put(self, voice: StoredVoice) -> list[str]:
         async with self._lock:
@@ -371,6 +394,8 @@ class MemoryStore(VoiceStore):
         expired = self._expired()
         if voice.id in self._voices:
             return expired
+        if voice.public:
+            self.public.check_name(voice)
         owned = self._voices_of(voice.owner)
         retired = [v.id for v in owned[:max(0, len(owned) - self.limits.cap_of(voice.anonymous) + 1)]]
         remaining = [v for v in self._voices.values() if v.id not in retired]
@@ -420,9 +445,15 @@ class MemoryStore(VoiceStore):
 
     def _keep(self, voice: StoredVoice) -> None:
         self._voices[voice.id] = voice
+        self.public.kept(voice)
 
     def _drop(self, voice: str) -> None:
-        self._voices.pop(voice, None)
+        stored = self._voices.pop(voice, None)
+        if stored is not None:
+            self.public.dropped(stored)
+
+    async def _rewrite(self, voice: StoredVoice) -> None:
+        """Keep what changed of a voice kept already (`public`), where it is kept."""
 
     async def delete(self, voice: str, owner: str) -> bool:
         async with self._lock:
@@ -466,6 +497,7 @@ class DirectoryStore(MemoryStore):
             self._voices = await asyncio.to_thread(self._read_all)
         except OSError as exc:
             raise StoreUnavailable(str(self.path), exc) from None
+        self.public.names = {v.name: v.id for v in self._voices.values() if v.public and v.name is not None}
         await super().open()
 
     async def _read_secret(self) -> bytes:
@@ -590,9 +622,25 @@ class DirectoryStore(MemoryStore):
     def _write(self, voice: StoredVoice, retired: list[str]) -> None:
         for old in retired:
             self._unlink(old)
-        fields = {k: v for k, v in asdict(voice).items() if k != "audio"}
-        for suffix, data in ((".audio", voice.audio), (".json", json.dumps(fields).encode())):
-            write_private_file(self.path / f"{voice.id}{suffix}", data)
+        write_private_file(self.path / f"{voice.id}.audio", voice.audio)
+        self._write_fields(voice)
+
+    @staticmethod
+    def _fields(voice: StoredVoice) -> bytes:
+        """A voice's JSON file: every field but its audio. `public` only where true: a private
+        voice's file is as the versions before it wrote it (they read it; one that reads a
+        field it does not know skips the voice), and one without it is private."""
+        fields = {k: v for k, v in asdict(voice).items() if k != "audio" and (k != "public" or v)}
+        return json.dumps(fields).encode()
+
+    def _write_fields(self, voice: StoredVoice) -> None:
+        write_private_file(self.path / f"{voice.id}.json", self._fields(voice))
+
+    async def _rewrite(self, voice: StoredVoice) -> None:
+        try:
+            await asyncio.to_thread(self._write_fields, voice)
+        except OSError as exc:
+            raise StoreUnavailable(str(self.path), exc) from None
 
     def _unlink(self, voice: str) -> None:
         for suffix in (".json", ".audio"):
@@ -616,8 +664,11 @@ class DirectoryStore(MemoryStore):
 _DROP = """
 local function drop(prefix, id)
   local key = prefix .. 'voice:' .. id
-  local fields = redis.call('HMGET', key, 'owner', 'size', 'network')
+  local fields = redis.call('HMGET', key, 'owner', 'size', 'network', 'name')
   redis.call('DECRBY', prefix .. 'bytes', tonumber(fields[2] or '0'))
+  if fields[4] and fields[4] ~= '' and redis.call('HGET', prefix .. 'public', fields[4]) == id then
+    redis.call('HDEL', prefix .. 'public', fields[4])
+  end
   redis.call('DEL', key)
   redis.call('ZREM', prefix .. 'voices', id)
   redis.call('ZREM', prefix .. 'expiry', id)
@@ -642,10 +693,17 @@ _EXPIRE = _DROP + "local prefix, now = ARGV[1], ARGV[2]\n" + _PURGE + "return ex
 # write. KEYS: voices (zset id -> created), owner's (zset), bytes (counter), the voice (hash).
 # ARGV: id, owner, created, size, the owner's cap, max_voices, max_bytes, audio, transcript,
 # mode, the key prefix, the name ('' for none), anonymous ('1' or '0'), expires ('' for never),
-# now, network ('' for an owner with a token), the anonymous share, the network's share.
-# Returns {status, ids let go...}.
+# now, network ('' for an owner with a token), the anonymous share, the network's share, public
+# ('1' or '0': then the `public` hash, name -> id, names it). Returns {status, ids let go...}.
 _PUT = _DROP + "local prefix, now = ARGV[11], ARGV[15]\n" + _PURGE + """
 if redis.call('EXISTS', KEYS[4]) == 1 then table.insert(expired, 1, 'exists') return expired end
+if ARGV[19] == '1' then
+  if ARGV[12] == '' then table.insert(expired, 1, 'nameless') return expired end
+  local holder = redis.call('HGET', prefix .. 'public', ARGV[12])
+  if holder and holder ~= ARGV[1] and redis.call('EXISTS', prefix .. 'voice:' .. holder) == 1 then
+    table.insert(expired, 1, 'name_taken') return expired
+  end
+end
 local cap, max_voices, max_bytes = tonumber(ARGV[5]), tonumber(ARGV[6]), tonumber(ARGV[7])
 local size = tonumber(ARGV[4])
 local owned = redis.call('ZRANGE', KEYS[2], 0, -1)
@@ -678,7 +736,8 @@ end
 redis.call('INCRBY', KEYS[3], size)
 redis.call('HSET', KEYS[4], 'audio', ARGV[8], 'transcript', ARGV[9], 'mode', ARGV[10], 'owner', ARGV[2],
            'created', ARGV[3], 'size', ARGV[4], 'name', ARGV[12], 'anonymous', ARGV[13], 'expires', ARGV[14],
-           'network', network)
+           'network', network, 'public', ARGV[19])
+if ARGV[19] == '1' then redis.call('HSET', prefix .. 'public', ARGV[12], ARGV[1]) end
 redis.call('ZADD', KEYS[1], ARGV[3], ARGV[1])
 redis.call('ZADD', KEYS[2], ARGV[3], ARGV[1])
 if ARGV[14] ~= '' then redis.call('ZADD', prefix .. 'expiry', ARGV[14], ARGV[1]) end
@@ -702,6 +761,30 @@ drop(ARGV[3], ARGV[1])
 return 1
 """
 
+# Make one voice public ('1') or private ('0') if `owner` owns it (ARGV[2] empty: any owner) and
+# it has not expired; a public one needs a name no other public voice has. KEYS: the voice.
+# ARGV: id, owner, the key prefix, now, public. Returns 'none', 'nameless', 'name_taken' or 'ok'.
+_SET_PUBLIC = """
+local fields = redis.call('HMGET', KEYS[1], 'owner', 'expires', 'name')
+local owner, expires, name = fields[1], fields[2], fields[3]
+if not owner then return 'none' end
+if ARGV[2] ~= '' and owner ~= ARGV[2] then return 'none' end
+if expires and expires ~= '' and tonumber(expires) <= tonumber(ARGV[4]) then return 'none' end
+local index = ARGV[3] .. 'public'
+if ARGV[5] == '1' then
+  if not name or name == '' then return 'nameless' end
+  local holder = redis.call('HGET', index, name)
+  if holder and holder ~= ARGV[1] and redis.call('EXISTS', ARGV[3] .. 'voice:' .. holder) == 1 then
+    return 'name_taken'
+  end
+  redis.call('HSET', index, name, ARGV[1])
+elseif name and name ~= '' and redis.call('HGET', index, name) == ARGV[1] then
+  redis.call('HDEL', index, name)
+end
+redis.call('HSET', KEYS[1], 'public', ARGV[5])
+return 'ok'
+"""
+
 
 class RedisStore(VoiceStore):
     """A Redis server (`redis://HOST:PORT/DB`) shared by every replica. Keys under `voxws:`."""
@@ -720,6 +803,8 @@ class RedisStore(VoiceStore):
         self._put_script = self._redis.register_script(_PUT)
         self._delete_script = self._redis.register_script(_DELETE)
         self._expire_script = self._redis.register_script(_EXPIRE)
+        self._set_public_script = self._redis.register_script(_SET_PUBLIC)
+        self.public: RedisPublic = RedisPublic(self)
 
     def describe(self) -> str:
         return "redis:" + self.url.split("@")[-1]          # no password in what is shown
@@ -749,7 +834,7 @@ class RedisStore(VoiceStore):
         stored = StoredVoice(id=voice, audio=text["audio"], transcript=transcript or None, mode=text["mode"].decode(),
                              owner=text["owner"].decode(), created=float(text["created"]), name=name or None,
                              anonymous=text.get("anonymous") == b"1", expires=float(expires) if expires else None,
-                             network=network or None)
+                             network=network or None, public=text.get("public") == b"1")
         return None if stored.expired(self.clock()) else stored
 
     async def _read_secret(self) -> bytes:
@@ -762,10 +847,10 @@ class RedisStore(VoiceStore):
         return kept
 
     async def usable(self, voice: str, owner: str) -> bool:
-        stored, name, expires = await self._call("get", self._redis.hmget(self._key("voice", voice), "owner", "name",
-                                                                          "expires"))
+        stored, name, expires, public = await self._call("get", self._redis.hmget(
+            self._key("voice", voice), "owner", "name", "expires", "public"))
         return stored is not None and not (expires and float(expires) <= self.clock()) and \
-            may_speak_with(stored.decode(), (name or b"").decode() or None, owner)
+            may_speak_with(stored.decode(), (name or b"").decode() or None, owner, public == b"1")
 
     async def has(self, voice: str) -> bool:
         expires = await self._call("has", self._redis.hmget(self._key("voice", voice), "owner", "expires"))
@@ -791,15 +876,20 @@ class RedisStore(VoiceStore):
     async def _summaries(self, index: str) -> list[VoiceSummary]:
         """The voices a zset of ids lists, oldest first, not expired."""
         ids = await self._call("list", self._redis.zrange(index, 0, -1))
+        return await self._described([voice.decode() for voice in ids])
+
+    async def _described(self, ids: list[str]) -> list[VoiceSummary]:
+        """The voices of these ids, in their order, that are there and not expired."""
         pipe = self._redis.pipeline(transaction=False)
         for voice in ids:
-            pipe.hmget(self._key("voice", voice.decode()), "mode", "transcript", "size", "created", "name", "owner",
-                       "expires")
+            pipe.hmget(self._key("voice", voice), "mode", "transcript", "size", "created", "name", "owner",
+                       "expires", "public")
         rows = await self._call("list", pipe.execute()) if ids else []
         now = self.clock()
-        return [VoiceSummary(voice.decode(), mode.decode(), transcript.decode() or None, int(size), float(created),
-                             (name or b"").decode() or None, owner.decode(), float(expires) if expires else None)
-                for voice, (mode, transcript, size, created, name, owner, expires) in zip(ids, rows)
+        return [VoiceSummary(voice, mode.decode(), transcript.decode() or None, int(size), float(created),
+                             (name or b"").decode() or None, owner.decode(),
+                             float(expires) if expires else None, public == b"1")
+                for voice, (mode, transcript, size, created, name, owner, expires, public) in zip(ids, rows)
                 if mode is not None                  # deleted between the two reads
                 and not (expires and float(expires) <= now)]
 
@@ -814,11 +904,15 @@ class RedisStore(VoiceStore):
                 limits.max_voices, limits.max_bytes, voice.audio, voice.transcript or "", voice.mode, self.PREFIX,
                 voice.name or "", "1" if voice.anonymous else "0",
                 repr(voice.expires) if voice.expires is not None else "", repr(self.clock()), voice.network or "",
-                limits.anonymous, limits.per_network]
+                limits.anonymous, limits.per_network, "1" if voice.public else "0"]
         answer = await self._call("put", self._put_script(keys=keys, args=args))
         status = answer[0].decode() if isinstance(answer[0], bytes) else answer[0]
         if status in ("exists", "ok"):
             return [old.decode() for old in answer[1:]]
+        if status == "nameless":
+            raise nameless_public()
+        if status == "name_taken":
+            raise public_name_taken(voice.name or "")
         if status == "full_voices":
             raise Refused(ErrorKind.BUSY, f"the voice store holds {limits.max_voices} voices: delete some first")
         if status == "full_bytes":
@@ -841,6 +935,134 @@ class RedisStore(VoiceStore):
 
     async def close(self) -> None:
         await self._redis.aclose()
+
+
+class PublicVoices(ABC):
+    """A store's public voices (`VoiceStore.public`): the voice each public name is, the list,
+    and their owners' choice to make a voice public or private again."""
+
+    def __init__(self, store: VoiceStore) -> None:
+        self._store = store
+
+    def resolve_now(self, own: str, name: str, owner: str) -> str | None:
+        """The id `owner` speaks with by `name`, its own voice of that name being `own`: that one
+        where it has it, else the public voice of that name, else `own` (which the use then
+        refuses as unknown); None where that is not known without waiting (`resolve`)."""
+        return None
+
+    async def resolve(self, own: str, name: str, owner: str) -> str:
+        """`resolve_now`, asking the store."""
+        if await self._store.usable(own, owner):
+            return own
+        public = await self.id(name)
+        return public if public is not None and await self._store.usable(public, owner) else own
+
+    @abstractmethod
+    async def id(self, name: str) -> str | None:
+        """The id of the public voice called `name`, if there is one."""
+
+    async def listed(self) -> list[VoiceSummary]:
+        """Every public voice, oldest first."""
+        return [voice for voice in await self._store.every_voice() if voice.public]
+
+    @abstractmethod
+    async def set(self, voice: str, owner: str, public: bool) -> VoiceSummary | None:
+        """Make a voice of `owner` (ANY_OWNER: any voice) public, or private again; its summary
+        then, or None where there is none it may change. Refused (INVALID, field "name") for a
+        voice without a name, or one whose name another public voice has."""
+
+
+class MemoryPublic(PublicVoices):
+    """The public voices of a store in this process (`MemoryStore`, `DirectoryStore`): an index
+    of their names kept with the voices, under the store's lock."""
+
+    def __init__(self, store: MemoryStore) -> None:
+        super().__init__(store)
+        self._memory = store
+        self.names: dict[str, str] = {}           # a public voice's name -> its id
+
+    def kept(self, voice: StoredVoice) -> None:
+        if voice.public and voice.name is not None:
+            self.names[voice.name] = voice.id
+
+    def dropped(self, voice: StoredVoice) -> None:
+        if voice.name is not None and self.names.get(voice.name) == voice.id:
+            del self.names[voice.name]
+
+    def check_name(self, voice: StoredVoice) -> None:
+        """Refuses a public voice without a name, or whose name another public voice has."""
+        if voice.name is None:
+            raise nameless_public()
+        holder = self.names.get(voice.name)
+        if holder is not None and holder != voice.id and self._memory.usable_now(holder, ANY_OWNER):
+            raise public_name_taken(voice.name)
+
+    def resolve_now(self, own: str, name: str, owner: str) -> str | None:
+        if self._memory.usable_now(own, owner):
+            return own
+        public = self.names.get(name)
+        return public if public is not None and self._memory.usable_now(public, owner) else own
+
+    async def id(self, name: str) -> str | None:
+        public = self.names.get(name)
+        return public if public is not None and self._memory.usable_now(public, ANY_OWNER) else None
+
+    async def set(self, voice: str, owner: str, public: bool) -> VoiceSummary | None:
+        store = self._memory
+        async with store._lock:
+            stored = store._voices.get(voice)
+            if stored is None or stored.expired(store.clock()) or (
+                    owner != ANY_OWNER and stored.owner != owner_key(owner)):
+                return None
+            changed = dataclasses.replace(stored, public=public)
+            if public:
+                self.check_name(changed)
+            store._drop(stored.id)
+            store._keep(changed)
+            try:
+                await store._rewrite(changed)
+            except BaseException:
+                store._drop(changed.id)
+                store._keep(stored)
+                raise
+            return changed.summary()
+
+
+class RedisPublic(PublicVoices):
+    """The public voices of a Redis store: its `public` hash (name -> id), kept with the voices
+    by its scripts, atomically."""
+
+    def __init__(self, store: RedisStore) -> None:
+        super().__init__(store)
+        self._kept = store
+
+    async def id(self, name: str) -> str | None:
+        store = self._kept
+        public = await store._call("get", store._redis.hget(store._key("public"), name))
+        return public.decode() if public is not None and await store.has(public.decode()) else None
+
+    async def listed(self) -> list[VoiceSummary]:
+        store = self._kept
+        ids = await store._call("list", store._redis.hvals(store._key("public")))
+        return sorted(await store._described([voice.decode() for voice in ids]), key=lambda v: v.created)
+
+    async def set(self, voice: str, owner: str, public: bool) -> VoiceSummary | None:
+        store = self._kept
+        who = "" if owner == ANY_OWNER else owner_key(owner)
+        args = [voice, who, store.PREFIX, repr(store.clock()), "1" if public else "0"]
+        answer = await store._call("set_public", store._set_public_script(keys=[store._key("voice", voice)],
+                                                                           args=args))
+        status = answer.decode() if isinstance(answer, bytes) else answer
+        if status == "none":
+            return None
+        if status == "nameless":
+            raise nameless_public()
+        stored = await store.get(voice)
+        if stored is None:
+            raise StoreUnavailable("set_public: the voice went meanwhile")
+        if status == "name_taken":
+            raise public_name_taken(stored.name or "")
+        return stored.summary()
 
 
 def open_store(spec: str, limits: StoreLimits) -> VoiceStore:

@@ -10,6 +10,7 @@ steps, one registration at a time, owners taking turns (`registrations.py`).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
@@ -24,8 +25,10 @@ from .registrations import Registration, RegistrationQueue
 from .validation import check_text
 from .voice_aliases import Alias
 from .voice_names import ResolvedVoice, VoiceNames
+from .voice_sharing import VoiceSharing
 from .voice_store import (ANY_OWNER, STORE_RETRY_AFTER_S, Lifetime, StoreUnavailable, VoiceStore, VoiceSummary,
-                          check_voice_name, is_registered_id, is_voice_name, new_voice, owner_key, rekey_named)
+                          check_voice_name, is_registered_id, is_voice_name, nameless_public, new_voice,
+                          owner_key, public_name_taken, rekey_named)
 from .work import engine_work
 
 log = logging.getLogger("vox_ws.service")
@@ -50,6 +53,8 @@ class VoiceService:
         self.registrations = RegistrationQueue(limits.max_pending_voices_per_owner, limits.max_pending_voices)
         # Aliases and names (`voice_names.py`); None: the defaults (`voice_aliases.py`).
         self.names = VoiceNames(store, aliases)
+        # Public voices (`voice_sharing.py`), beside the server's own voices' and aliases' names.
+        self.sharing = VoiceSharing(store, devices, lambda: set(self.listed()) | set(self.aliases()))
         self._fetching: dict[str, asyncio.Future] = {}      # voices being rebuilt from the store
         self._jobs: asyncio.Semaphore | None = None
         self._sweeper: asyncio.Task | None = None
@@ -89,8 +94,15 @@ class VoiceService:
         return listed(self.devices.engine, self.devices.status)
 
     def resolve(self, voice: str | None, owner: str = ANY_OWNER) -> ResolvedVoice:
-        """What the voice a client named is, for `owner` (whose voice names count)."""
-        return self.names.resolve(self.devices.engine, self.devices.status, voice, owner)
+        """What the voice a client named is, for `owner` (whose voice names count): a name is
+        `owner`'s own voice of that name, else the public voice of that name
+        (`voice_sharing.py`); where the store cannot tell without waiting (a shared one),
+        `owner`'s own, and `ensure` settles it."""
+        resolved = self.names.resolve(self.devices.engine, self.devices.status, voice, owner)
+        if resolved.named is None or resolved.voice is None:
+            return resolved
+        chosen = self.store.public.resolve_now(resolved.voice, resolved.named, owner)
+        return resolved if chosen in (None, resolved.voice) else dataclasses.replace(resolved, voice=chosen)
 
     async def owned_by(self, owner: str) -> list[VoiceSummary]:
         """The voices `owner` registered, oldest first (none where the engine cannot clone)."""
@@ -121,21 +133,27 @@ class VoiceService:
         return self.registrations.admit(owner)
 
     async def register(self, audio: bytes, transcript: str | None = None, mode: str | None = None,
-                       owner: str = ANY_OWNER, registration: Registration | None = None,
-                       name: str | None = None) -> dict:
+                       owner: str | Registration = ANY_OWNER, name: str | None = None,
+                       public: bool = False) -> dict:
         """Clone a voice from reference audio (WAV, FLAC or OGG bytes) for `owner`; returns
-        {voice, mode, audio_s} (and `name`, where given). The same audio, transcript and mode
-        from the same owner give the same id; a `name` (unique per owner: another voice of
-        that name is refused) gives an id made from it, and streams may name the voice by it. The voice is kept in the store (the rules of `voice_store.py`: an owner at its
-        cap loses its own oldest voice; a full store refuses) and built on every device. It
-        waits its turn among the owners' registrations (`admit_registration`, here unless the
-        caller did it first)."""
-        registration = registration or self.admit_registration(owner)
+        {voice, mode, audio_s, public} (and `name`, where given). The same audio, transcript and
+        mode from the same owner give the same id; a `name` (unique per owner: another voice of
+        that name is refused) gives an id made from it, and streams may name the voice by it.
+        A `public` voice (it needs a name no other public voice has: `voice_sharing.py`) is
+        spoken by its name by anyone served, and listed to them; registering a voice kept
+        already with `public` makes it public. The voice is kept in the store (the rules of
+        `voice_store.py`: an owner at its cap loses its own oldest voice; a full store refuses)
+        and built on every device. It waits its turn among the owners' registrations
+        (`admit_registration`, here unless the caller did it first and passes the Registration
+        as `owner`)."""
+        registration = owner if isinstance(owner, Registration) else self.admit_registration(owner)
+        owner = registration.owner
         try:
             if name is not None and (self.devices.engine.voices.has(name) or name in self.aliases()):
                 raise Refused(ErrorKind.INVALID, f"{name!r} is a voice of the server's: name yours otherwise",
                               field="name")
-            mode, transcript = checked_registration(transcript, mode, name, self.limits.max_text_chars)
+            mode, transcript = checked_registration(transcript, mode, name, self.limits.max_text_chars,
+                                                    public)
             if self.devices.status != Readiness.READY:
                 raise self.devices.not_ready()
             assert self._jobs is not None, "VoiceService.start() was not awaited"
@@ -143,12 +161,17 @@ class VoiceService:
             stored = await asyncio.to_thread(new_voice, owner, audio, transcript, mode,
                                              Lifetime(self.limits.voice_ttl_s, self.store.clock),
                                              None if name is None else (name, self.store.named_id(owner_key(owner), name)))
+            stored = dataclasses.replace(stored, public=public)
+            existing = None
             if name is not None:
                 existing = await self.store.get(stored.id)
                 if existing is not None and (existing.audio, existing.transcript, existing.mode) != \
                         (stored.audio, stored.transcript, stored.mode):
                     raise Refused(ErrorKind.INVALID, f"you have a voice named {name!r} already: delete it first, or "
                                                      "choose another name", field="name")
+                holder = await self.store.public.id(name) if public else None
+                if holder is not None and holder != stored.id:
+                    raise public_name_taken(name)       # refused before the build; `put` decides
             await self.store.check_room(stored)
             # One reference at a time is decoded and encoded, on a worker thread: beside the
             # engine's steps (which go on), never between them; owners take turns.
@@ -163,6 +186,9 @@ class VoiceService:
                 raise
             for old in retired:
                 _delete_everywhere(self.devices, old)
+            if public and existing is not None and not existing.public:
+                await self.store.public.set(stored.id, owner, True)     # kept already: made public now
+            result["public"] = public or (existing is not None and existing.public)
             return result
         finally:
             registration.release()
@@ -174,11 +200,15 @@ class VoiceService:
         if voice is not None and self.may_be_registered(voice) and self.store.usable_now(voice, owner) is False:
             raise _unknown(self.devices, named or voice)
 
-    async def ensure(self, voice: str, named: str | None = None, owner: str = ANY_OWNER) -> None:
+    async def ensure(self, voice: str, named: str | None = None, owner: str = ANY_OWNER) -> str:
         """Make a registered voice ready on every device, from the store, for `owner`; Refused
         (INVALID) when the store has no such voice or `owner` may not speak with it (naming it
-        as the client did: `named`, or its id). Concurrent callers share one build."""
+        as the client did: `named`, or its id). Named, where `resolve` could not tell which
+        voice the name is (a shared store), the store settles it. Returns the voice's id.
+        Concurrent callers share one build."""
         usable = self.store.usable_now(voice, owner)
+        if usable is None and named is not None:
+            voice = await self.store.public.resolve(voice, named, owner)
         if not (await self.store.usable(voice, owner) if usable is None else usable):
             raise _unknown(self.devices, named or voice)
         pending = self._fetching.get(voice)
@@ -187,6 +217,7 @@ class VoiceService:
             self._fetching[voice] = pending
             pending.add_done_callback(lambda _: self._fetching.pop(voice, None))
         await asyncio.shield(pending)
+        return voice
 
     async def _fetch(self, voice: str, named: str) -> None:
         missing = [e for e in self.devices.engines if not e.voices.has(voice)]
@@ -286,8 +317,10 @@ async def _open_store(store: VoiceStore, devices: Devices) -> None:
 
 
 def _unknown(devices: Devices, named: str) -> Refused:
+    # Door-neutral: a Wyoming client, which cannot register a voice, is told what it may name
+    # by its own door (`transports/wyoming.py`).
     return Refused(ErrorKind.INVALID, f"unknown voice {named!r} (built-in: {devices.engine.voices.names()}; "
-                                      "or register one)", field="voice")
+                                      "or a registered voice's id, or its name)", field="voice")
 
 
 def _delete_everywhere(devices: Devices, voice: str) -> bool:
@@ -299,11 +332,13 @@ def _on(worker: ThreadPoolExecutor, fn: Callable[..., Any], *args: Any) -> Await
 
 
 def checked_registration(transcript: str | None, mode: str | None, name: str | None,
-                         max_text_chars: int) -> tuple[str, str | None]:
+                         max_text_chars: int, public: bool = False) -> tuple[str, str | None]:
     """A registration's mode (its default: "both" with a transcript, else "reference") and its
-    transcript (None where blank), or Refused."""
+    transcript (None where blank), or Refused; a `public` one needs a name."""
     if name is not None:
         check_voice_name(name)
+    elif public:
+        raise nameless_public()
     has_transcript = bool(transcript and transcript.strip())
     mode = mode or ("both" if has_transcript else "reference")
     if mode not in VOICE_MODES:

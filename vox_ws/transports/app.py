@@ -104,7 +104,8 @@ def build_app(state: ServerState, demo_dir: Path | None = None) -> Starlette:
     origins = cors_origins(state.config.cors_origins, state.config.allow_origins)
     if origins:
         # Tokens travel in the Authorization header, never in cookies: no credentials mode.
-        middleware.append(Middleware(CORSMiddleware, allow_origins=origins, allow_methods=["GET", "POST", "DELETE"],
+        middleware.append(Middleware(CORSMiddleware, allow_origins=origins,
+                                     allow_methods=["GET", "POST", "PATCH", "DELETE"],
                                      allow_headers=CORS_REQUEST_HEADERS, expose_headers=CORS_EXPOSED_HEADERS,
                                      allow_credentials=False, max_age=CORS_MAX_AGE_S))
     app = Starlette(routes=routes, middleware=middleware)

@@ -52,14 +52,15 @@ SCHEMAS: dict[str, Any] = {
     "Info": _object({"status": _STRING, "engine": _STRING, "model": {"type": ["string", "null"]},
                      "sample_rate": _INT, "voices": _STRINGS, "languages": _STRINGS, "features": _STRINGS,
                      "version": _STRING}, {"error": {"type": ["string", "null"]}}),
-    "ServerVoice": _object({"id": _STRING, "kind": {"enum": ["builtin", "alias"]}, "languages": _STRINGS},
+    "ServerVoice": _object({"id": _STRING, "kind": {"enum": ["builtin", "alias", "public"]},
+                            "languages": _STRINGS},
                            {"name": _STRING, "voice": {"type": ["string", "null"]}, "instructions": _STRING,
                             "options": {"type": "object"}}),
     "RegisteredVoice": _object({"voice": _STRING, "mode": {"enum": ["reference", "continuation", "both"]},
-                                "audio_s": _NUMBER}, {"name": _STRING}),
+                                "audio_s": _NUMBER}, {"name": _STRING, "public": _BOOL}),
     "UploadedVoice": _object({"id": _STRING, "name": _STRING, "voice_id": _STRING, "mode": _STRING},
                              {"kind": _STRING, "created_at": _NUMBER, "file_size": _INT, "ref_text": _STRING,
-                              "audio_s": _NUMBER, "expires_at": _NUMBER}),
+                              "audio_s": _NUMBER, "expires_at": _NUMBER, "public": _BOOL}),
     "Model": _object({"id": _STRING, "object": {"const": "model"}, "created": _INT, "owned_by": _STRING},
                      {"name": _STRING}),
     "SpeechRequest": _object(
@@ -118,7 +119,8 @@ _AUDIO_UPLOAD = {"required": True, "content": {
     "multipart/form-data": {"schema": _object({}, {"audio": {"type": "string", "format": "binary"},
                                                    "audio_sample": {"type": "string", "format": "binary"},
                                                    "transcript": _STRING, "ref_text": _STRING, "mode": _STRING,
-                                                   "name": _STRING})}}}
+                                                   "name": _STRING, "public": _STRING})}}}
+_PUBLIC_BODY = {"required": True, "content": {"application/json": {"schema": _object({"public": _BOOL})}}}
 _AUDIO_TYPES = ("audio/mpeg", "audio/ogg; codecs=opus", "audio/aac", "audio/flac", "audio/wav", "audio/pcm")
 
 PATHS: dict[str, Any] = {
@@ -146,14 +148,20 @@ PATHS: dict[str, Any] = {
             "201": _json(_ref("RegisteredVoice"), "registered"), **_errors(400, 401, 403, 413, 415, 429, 501, 503)},
             parameters=[{"name": "transcript", "in": "query", "schema": _STRING},
                         {"name": "mode", "in": "query", "schema": _STRING},
-                        {"name": "name", "in": "query", "schema": _STRING}],
+                        {"name": "name", "in": "query", "schema": _STRING},
+                        {"name": "public", "in": "query", "schema": _STRING,
+                         "description": "true: anyone served speaks it by its name (needs a name)"}],
             requestBody=_AUDIO_UPLOAD)},
-    "/v1/voices/{voice_id}": {"delete": _op("Delete a voice of the caller's", "voices", {
-        "200": _json(_object({"voice": _STRING, "deleted": _BOOL}), "deleted"), **_errors(401, 403, 404, 503)},
-        parameters=_VOICE_ID)},
+    "/v1/voices/{voice_id}": {
+        "delete": _op("Delete a voice of the caller's", "voices", {
+            "200": _json(_object({"voice": _STRING, "deleted": _BOOL}), "deleted"),
+            **_errors(401, 403, 404, 503)}, parameters=_VOICE_ID),
+        "patch": _op("Make a voice of the caller's public, or private again", "voices", {
+            "200": _json(_object({"voice": _STRING, "name": _STRING, "public": _BOOL}), "changed"),
+            **_errors(400, 401, 403, 404, 413, 503)}, parameters=_VOICE_ID, requestBody=_PUBLIC_BODY)},
     "/v1/audio/voices": {
         "get": _op("The voices in vLLM-Omni's and Kokoro-FastAPI's shape (answered without a token unless "
-                   "--private-info; uploaded voices only to their owner)", "voices", {
+                   "--private-info; uploaded voices only to their owner, public ones to all)", "voices", {
             "200": _json(_object({"voices": {"type": "array", "items": {"anyOf": [_ref("ServerVoice"),
                                                                                     _ref("UploadedVoice")]}},
                                   "uploaded_voices": {"type": "array", "items": _ref("UploadedVoice")}}),
@@ -161,9 +169,13 @@ PATHS: dict[str, Any] = {
         "post": _op("Register a voice, in vLLM-Omni's shape", "voices", {
             "200": _json(_object({"success": _BOOL, "voice": _ref("UploadedVoice")}), "registered"),
             **_errors(400, 401, 403, 413, 415, 429, 501, 503)}, requestBody=_AUDIO_UPLOAD)},
-    "/v1/audio/voices/{voice_id}": {"delete": _op("Delete a voice, in vLLM-Omni's shape", "voices", {
-        "200": _json(_object({"success": _BOOL, "voice": _STRING, "deleted": _BOOL}), "deleted"),
-        **_errors(401, 403, 404, 503)}, parameters=_VOICE_ID)},
+    "/v1/audio/voices/{voice_id}": {
+        "delete": _op("Delete a voice, in vLLM-Omni's shape", "voices", {
+            "200": _json(_object({"success": _BOOL, "voice": _STRING, "deleted": _BOOL}), "deleted"),
+            **_errors(401, 403, 404, 503)}, parameters=_VOICE_ID),
+        "patch": _op("Make a voice public, or private again, in vLLM-Omni's shape", "voices", {
+            "200": _json(_object({"success": _BOOL, "voice": _ref("UploadedVoice")}), "changed"),
+            **_errors(400, 401, 403, 404, 413, 503)}, parameters=_VOICE_ID, requestBody=_PUBLIC_BODY)},
     "/v1/admin/voices": {
         "get": _op("Every registered voice with its owner's key (admin)", "admin", {
             "200": _json(_object({"voices": {"type": "array"}, "usage": _object({"voices": _INT, "bytes": _INT})}),

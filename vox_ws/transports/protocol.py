@@ -25,7 +25,7 @@ from ..service import AudioOutput, StreamRequest
 from ..service.events import Audio, Ended, Event, Failed, Flushed, Phonemes, Segment, Words
 from ..service.validation import MAX_SAMPLE_RATE, MIN_SAMPLE_RATE, check_length, check_options
 from ..service.voice_names import with_speaker
-from ..service.voice_store import check_voice_name
+from ..service.voice_store import check_voice_name, nameless_public
 # The vocabulary both sides share, under this module's names too (`p.BUSY`, `p.encode`).
 from ..wire import (BAD_FRAME, BAD_REQUEST, BUSY, CLOSE_IDLE, CLOSE_INTERNAL, CLOSE_POLICY,  # noqa: F401
                     CLOSE_SERVICE_RESTART, CLOSE_TOO_MANY_FROM_ADDRESS, CLOSE_TRY_AGAIN_LATER, CLOSE_UNAUTHORIZED,
@@ -108,12 +108,22 @@ class Voice:
     transcript: str | None
     mode: str | None          # None: the server's default for the transcript given
     name: str | None = None   # what the owner will call it (unique per owner)
+    public: bool = False      # spoken by its name by anyone served, and listed to them (needs a name)
 
 
 @dataclass(frozen=True)
 class VoiceDelete:
     id: str | None
     voice: str
+
+
+@dataclass(frozen=True)
+class VoiceUpdate:
+    """Make a voice of the caller's (by its id or name) public, or private again."""
+
+    id: str | None
+    voice: str
+    public: bool
 
 
 @dataclass(frozen=True)
@@ -137,7 +147,7 @@ class Lora:
     name: str | None
 
 
-ClientMessage = Start | Chunk | End | Flush | Cancel | Voice | VoiceDelete | VoiceAdmin | Lora
+ClientMessage = Start | Chunk | End | Flush | Cancel | Voice | VoiceDelete | VoiceUpdate | VoiceAdmin | Lora
 
 
 # --------------------------------------------------------------------------- decoding
@@ -211,6 +221,11 @@ def parse_message(obj: dict[str, Any], limits: Limits, options: Mapping[str, Opt
             return _parse_voice(obj, limits)
         if kind == "voice_delete":
             return VoiceDelete(id=_request_id(obj), voice=_required_str(obj, "voice"))
+        if kind == "voice_update":
+            public = obj.get("public")
+            if not isinstance(public, bool):
+                raise ProtocolError(BAD_REQUEST, f"field 'public' must be true or false, got {_kind(public)}")
+            return VoiceUpdate(id=_request_id(obj), voice=_required_str(obj, "voice"), public=public)
         if kind == "voice_admin":
             op = _required_str(obj, "op")
             if op not in VOICE_ADMIN_OPS:
@@ -295,12 +310,15 @@ def _parse_voice(obj: dict[str, Any], limits: Limits) -> Voice:
     if mode is not None and mode not in VOICE_MODES:
         raise ProtocolError(BAD_REQUEST, f"field 'mode' must be one of {list(VOICE_MODES)}, got {mode!r}")
     name = obj.get("name")
-    if name is not None:
-        try:
+    public = _optional(obj, "public", bool, False)
+    try:
+        if name is not None:
             check_voice_name(name)
-        except Refused as err:
-            raise ProtocolError.from_refused(err) from None
-    return Voice(id=_request_id(obj), audio=audio, transcript=transcript, mode=mode, name=name)
+        elif public:
+            raise nameless_public()
+    except Refused as err:
+        raise ProtocolError.from_refused(err) from None
+    return Voice(id=_request_id(obj), audio=audio, transcript=transcript, mode=mode, name=name, public=public)
 
 
 def _stream_id(obj: dict[str, Any]) -> str:
@@ -395,8 +413,8 @@ def start_message(sid: str, sample_rate: int, audio_format: str, queued: int, ig
 
 
 def reply_message(kind: str, result: dict[str, Any], request_id: str | None) -> dict[str, Any]:
-    """The answer to a request that belongs to no stream (`voice`, `voice_delete`, `voice_admin`,
-    `lora`), carrying the request's `id` where it had one."""
+    """The answer to a request that belongs to no stream (`voice`, `voice_delete`, `voice_update`,
+    `voice_admin`, `lora`), carrying the request's `id` where it had one."""
     message = {"type": kind, **result}
     if request_id is not None:
         message["id"] = request_id

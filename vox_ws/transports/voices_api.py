@@ -3,16 +3,20 @@
 The same limits and errors as protocol v1's `voice` and `voice_delete` messages; a voice
 registered here is usable from every front door (`voice` in a `start`, the HTTP endpoints).
 
-    GET    /v1/voices            {"voices": [{"id", "kind": "builtin" | "alias", "languages"}], "cloning": bool}
-    POST   /v1/voices            201 {"voice", "mode", "audio_s"[, "name"]}
+    GET    /v1/voices            {"voices": [{"id", "kind": "builtin" | "alias" | "public", "languages"}],
+                                  "cloning": bool}
+    POST   /v1/voices            201 {"voice", "mode", "audio_s", "public"[, "name"]}
+    PATCH  /v1/voices/{id|name}  {"public": bool} -> 200 {"voice", "name", "public"} | 404
     DELETE /v1/voices/{id|name}  200 {"voice", "deleted": true} | 404
 
 The same operations in the shape OpenAI-style servers give them (vLLM-Omni, Kokoro-FastAPI),
 for their clients (Open WebUI reads `voices[].id` and `voices[].name`); a caller is shown the
-voices it registered, never another owner's:
+voices it registered, and other owners' public ones (by name, `kind: "public"`), never another
+owner's private voice:
 
     GET    /v1/audio/voices      {"voices": [{"id", "name", "kind", ...}], "uploaded_voices": [{"id", "name", ...}]}
-    POST   /v1/audio/voices      200 {"success": true, "voice": {"id", "name", ...}}
+    POST   /v1/audio/voices      200 {"success": true, "voice": {"id", "name", "public", ...}}
+    PATCH  /v1/audio/voices/{id|name} {"public": bool} -> 200 {"success": true, "voice": {...}} | 404
     DELETE /v1/audio/voices/{id|name} 200 {"success": true, "voice", "deleted": true, "message"} | 404
 
 An admin (the admin token) sees and deletes every owner's voices, by the owner's key (as listed)
@@ -24,6 +28,7 @@ or by a token-less client's address:
 
 from __future__ import annotations
 
+import json
 import logging
 
 from starlette.requests import ClientDisconnect, Request
@@ -59,8 +64,13 @@ async def list_voices(request: Request) -> Response:
     if (loading := _loading(state)) is not None:
         return loading
     # Registered voice ids are capabilities (unguessable, handed to whoever registered
-    # them): they are never listed here.
-    voices = [{key: value for key, value in v.items() if key != "name"} for v in _server_voices(state)]
+    # them): they are never listed here; public voices are, by their names.
+    try:
+        public = await state.service.voices.sharing.listed_for(_owner(request, state))
+    except Refused as err:
+        return refused_response(err)
+    voices = [{key: value for key, value in v.items() if key != "name"}
+              for v in [*_server_voices(state), *_public_described(state, public)]]
     return JSONResponse({"voices": voices, "cloning": state.service.engine.supports_voices})
 
 
@@ -70,6 +80,13 @@ def _loading(state: ServerState) -> Response | None:
     a client keeps as the server's answer.)"""
     devices = state.service.devices
     return None if devices.status == Readiness.READY else refused_response(devices.not_ready())
+
+
+def _public_described(state: ServerState, public: list[VoiceSummary]) -> list[dict]:
+    """Public voices as every caller is shown them: by name, speaking the engine's languages;
+    never their ids or owners."""
+    languages = list(state.service.engine.voices.languages(None))
+    return [{"id": v.name, "name": v.name, "kind": "public", "languages": languages} for v in public]
 
 
 def _server_voices(state: ServerState) -> list[dict]:
@@ -126,6 +143,7 @@ async def _register(request: Request, state: ServerState, registration: Registra
     transcript = request.query_params.get("transcript")
     mode = request.query_params.get("mode")
     name = request.query_params.get("name")
+    public = request.query_params.get("public")
     try:
         if kind == "multipart/form-data":
             if declared is None:
@@ -142,6 +160,7 @@ async def _register(request: Request, state: ServerState, registration: Registra
             transcript = _text_field(fields.get("transcript")) or _text_field(fields.get("ref_text")) or transcript
             mode = _text_field(fields.get("mode")) or mode
             name = _text_field(fields.get("name")) or name
+            public = _text_field(fields.get("public")) or public
         elif kind in AUDIO_TYPES:
             audio = await read_body(request, limit)
         else:
@@ -155,9 +174,13 @@ async def _register(request: Request, state: ServerState, registration: Registra
         return error_response(413, p.TOO_LARGE, f"audio exceeds {limit} bytes")
     if not audio:
         return error_response(400, p.BAD_REQUEST, "no audio in the request")
+    made_public = _flag(public)
+    if made_public is None:
+        return error_response(400, p.BAD_REQUEST,
+                              f"field 'public' must be true or false, got {(public or '')[:16]!r}")
     try:
-        return await state.service.voices.register(audio, transcript, mode, owner=_owner(request, state),
-                                                  registration=registration, name=name)
+        return await state.service.voices.register(audio, transcript, mode, owner=registration, name=name,
+                                                  public=made_public)
     except Refused as err:
         return refused_response(err)
     except Exception as exc:                  # answered, and logged in a line, not a traceback
@@ -175,12 +198,16 @@ async def list_openai_style(request: Request) -> Response:
     # A page of another origin without a token is its own owner (`auth.page_owner`): it is
     # listed the voices it registered, never its visitor's.
     mine = access_refusal(request, state.config) is None
+    caller = _owner(request, state) if mine else None
     try:
-        owned = await state.service.voices.owned_by(_owner(request, state)) if mine else []
+        owned = await state.service.voices.owned_by(caller) if caller is not None else []
+        # Other owners' public voices (the caller's own are among its uploaded ones).
+        public = await state.service.voices.sharing.others_for(caller)
     except Refused as err:
         return refused_response(err)
     uploaded = [_described(v) for v in owned]
-    return JSONResponse({"voices": [*_server_voices(state), *({**v, "kind": "uploaded"} for v in uploaded)],
+    return JSONResponse({"voices": [*_server_voices(state), *({**v, "kind": "uploaded"} for v in uploaded),
+                                    *_public_described(state, public)],
                          "uploaded_voices": uploaded})
 
 
@@ -201,6 +228,35 @@ async def delete(request: Request) -> Response:
     if request.url.path.startswith("/v1/audio/"):
         answer = {"success": True, **answer, "message": f"voice {voice!r} deleted"}
     return JSONResponse(answer)
+
+
+async def update(request: Request) -> Response:
+    """`{"public": bool}`: a voice of the caller's made public, or private again."""
+    state = server_state(request)
+    if (refusal := access_refusal(request, state.config)) is not None:
+        return refusal
+    voice = request.path_params["voice_id"]
+    try:
+        body = json.loads(await read_body(request, MAX_UPDATE_BYTES))
+    except BodyTooLarge:
+        return error_response(413, p.TOO_LARGE, f"body exceeds {MAX_UPDATE_BYTES} bytes")
+    except (ValueError, UnicodeDecodeError) as exc:
+        return error_response(400, p.BAD_REQUEST, f"the body must be JSON: {exc}")
+    except ClientDisconnect:
+        return Response(status_code=400)
+    if not isinstance(body, dict) or not isinstance(body.get("public"), bool) or set(body) - {"public"}:
+        return error_response(400, p.BAD_REQUEST, 'the body must be {"public": true} or {"public": false}')
+    try:
+        changed = await state.service.voices.sharing.set_public(voice, _owner(request, state), body["public"])
+    except Refused as err:
+        return refused_response(err)
+    except Exception as exc:
+        return _failed("update", exc)
+    if changed is None:
+        return error_response(404, p.BAD_REQUEST, f"no registered voice {voice!r}")
+    if request.url.path.startswith("/v1/audio/"):
+        return JSONResponse({"success": True, "voice": _described(changed)})
+    return JSONResponse({"voice": changed.id, "name": changed.name, "public": changed.public})
 
 
 def _admin_owner(request: Request) -> str | None | Response:
@@ -263,9 +319,11 @@ ROUTES: list[BaseRoute] = [
     Route("/v1/voices", list_voices, methods=["GET"]),
     Route("/v1/voices", register, methods=["POST"]),
     Route("/v1/voices/{voice_id}", delete, methods=["DELETE"]),
+    Route("/v1/voices/{voice_id}", update, methods=["PATCH"]),
     Route("/v1/audio/voices", list_openai_style, methods=["GET"]),
     Route("/v1/audio/voices", register_openai_style, methods=["POST"]),
     Route("/v1/audio/voices/{voice_id}", delete, methods=["DELETE"]),
+    Route("/v1/audio/voices/{voice_id}", update, methods=["PATCH"]),
 ]
 
 
@@ -276,7 +334,7 @@ def _described(voice: VoiceSummary) -> dict:
     it by (its name, where its owner gave one; else its id), `voice_id` its id."""
     called = voice.name or voice.id
     described = {"id": called, "name": called, "voice_id": voice.id, "mode": voice.mode,
-                 "created_at": int(voice.created), "file_size": voice.audio_bytes}
+                 "created_at": int(voice.created), "file_size": voice.audio_bytes, "public": voice.public}
     if voice.transcript:
         described["ref_text"] = voice.transcript
     if voice.expires is not None:
@@ -291,3 +349,15 @@ def _failed(what: str, exc: Exception) -> Response:
 
 def _text_field(value: object) -> str | None:
     return value if isinstance(value, str) and value else None
+
+
+# A PATCH's body is `{"public": false}`: a few bytes.
+MAX_UPDATE_BYTES = 1024
+
+
+def _flag(value: str | None) -> bool | None:
+    """A form's or query's boolean (`public=true`); absent: False; None for anything else."""
+    if value is None:
+        return False
+    return {"true": True, "1": True, "yes": True, "on": True, "false": False, "0": False, "no": False,
+            "off": False}.get(value.strip().lower())

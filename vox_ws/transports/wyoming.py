@@ -242,7 +242,7 @@ class WyomingHandler(AsyncEventHandler):
         try:
             await self._handle(event)
         except Refused as err:
-            await self._error(err.kind, err.message)
+            await self._error(err.kind, _worded(err.kind, err.message, err.field))
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             await self._error(ErrorKind.INVALID, f"bad {event.type!r} event: {type(exc).__name__}: {exc}")
         return True
@@ -362,7 +362,7 @@ class WyomingHandler(AsyncEventHandler):
                     if streaming:
                         await self.write_event(SynthesizeStopped().event())
                 elif isinstance(event, Failed):
-                    await self._error(event.kind, event.message)
+                    await self._error(event.kind, _worded(event.kind, event.message, event.field))
         except (ConnectionError, RuntimeError):
             stream.close()       # the client left while being written to
         finally:
@@ -384,8 +384,10 @@ class WyomingHandler(AsyncEventHandler):
         built-in ones, the aliases the aliases file names (OpenAI's default names are for
         OpenAI's clients: listed, they crowded the picker with names for voices it listed
         already; they are still spoken when named), and the voices this address registered by
-        name. The picker shows a voice's description, not its name: each description leads
-        with what a user would call the voice, and no two read alike."""
+        name, then the public voices of other owners (by name: a Wyoming client has no token,
+        and registers nothing; its own voice of a name comes first). The picker shows a voice's
+        description, not its name: each description leads with what a user would call the
+        voice, and no two read alike."""
         engine = self.service.engine
         voices_service = self.service.voices
         attribution = Attribution(*ENGINE_ATTRIBUTIONS.get(engine.name, (f"vox-ws ({engine.name})", PROJECT_URL)))
@@ -402,11 +404,14 @@ class WyomingHandler(AsyncEventHandler):
             [voice(DEFAULT_VOICE, DEFAULT_VOICE, None)]
         for name, alias in voices_service.aliases(in_file_only=True).items():
             voices.append(voice(name, f"{name} ({_alias_described(alias)})", alias.voice))
+        owner = address_owner(self.peer, self.server.ipv6_prefix)
         try:
-            owned = await voices_service.owned_by(address_owner(self.peer, self.server.ipv6_prefix))
+            owned = [v for v in await voices_service.owned_by(owner) if v.name]
+            public = await voices_service.sharing.others_for(owner)
         except Refused:                                 # the store cannot be reached: the others stand
-            owned = []
-        voices += [voice(v.name, f"{v.name} (registered)", None) for v in owned if v.name]
+            owned, public = [], []
+        voices += [voice(v.name, f"{v.name} (registered)", None) for v in owned]
+        voices += [voice(v.name, f"{v.name} (public)", None) for v in public]
         described = f"vox-ws streaming text-to-speech ({model_id(engine.model)})"
         program = TtsProgram(name="vox-ws", description=described,
                              attribution=attribution, installed=True, version=__version__, voices=voices,
@@ -490,6 +495,14 @@ def _alias_described(alias: Alias) -> str:
     else:
         what = "alias of the default voice"
     return what + (f", at {alias.speed:g}x" if alias.speed != 1.0 else "")
+
+
+def _worded(kind: ErrorKind, message: str, field: str | None) -> str:
+    """A refusal in this door's words: an unknown voice is one of the voices `describe` lists
+    (a Wyoming client registers none: the service's words name registered voices too)."""
+    if kind is ErrorKind.INVALID and field == "voice" and message.startswith("unknown voice "):
+        return message.partition(" (")[0] + ": name one of the voices `describe` lists"
+    return message
 
 
 def _text(text: Any) -> str:

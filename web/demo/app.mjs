@@ -58,7 +58,7 @@ const state = {
   lastError: null,
   player: { played: 0, underruns: 0, sourceLate: 0, buffered: 0, sumSquares: 0, peak: 0, playing: false },
   drained: true,
-  voices: [],            // as /v1/audio/voices lists them: {id, name, kind: builtin | alias | uploaded}
+  voices: [],            // as /v1/audio/voices lists them: {id, name, kind: builtin | alias | uploaded | public}
   deleted: [],           // the answers to this page's voice deletions: {voice, deleted}
   needsToken: false,     // the server refused this page's token (or its lack of one)
   captions: null,        // the CaptionTrack of the stream being played, when captions are on

@@ -1,12 +1,13 @@
 // The voice picker's groups and words, from the server's list (`GET /v1/audio/voices`): each
-// voice {id, name, kind: builtin | alias | uploaded, ...}. An alias is named as itself and says
+// voice {id, name, kind: builtin | alias | uploaded | public, ...}. An alias is named as itself and says
 // what it stands for (`alloy · alias of joe`, `slow · alias of joe, 0.8× speed`, `nova ·
 // designed voice`), as a visitor otherwise cannot tell OpenAI's names or the aliases file's
 // from the voices they stand for.
 
-// In the menu's order: what the visitor registered first, then the server's voices, then the
-// names that stand for them.
-export const GROUPS = [["uploaded", "my voices"], ["builtin", "voices"], ["alias", "aliases"]];
+// In the menu's order: what the visitor registered first, then the voices others made public,
+// the server's voices, and the names that stand for them.
+export const GROUPS = [["uploaded", "my voices"], ["public", "shared voices"], ["builtin", "voices"],
+  ["alias", "aliases"]];
 
 export function voiceLabel(v) {
   if (v.kind === "uploaded") return v.mode ? `${v.name} (${v.mode})` : v.name;

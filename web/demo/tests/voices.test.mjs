@@ -19,10 +19,12 @@ test("built-in voices by their name, the visitor's own with how they were made",
   assert.equal(voiceLabel({ id: "Kitchen", name: "Kitchen", kind: "uploaded", mode: "both" }), "Kitchen (both)");
 });
 
-test("the groups: the visitor's voices, the server's, then the aliases; none empty", () => {
-  const voices = [{ id: "alloy", kind: "alias" }, { id: "joe", kind: "builtin" }, { id: "mine", kind: "uploaded" }];
+test("the groups: the visitor's voices, others' public ones, the server's, then the aliases; none empty", () => {
+  const voices = [{ id: "alloy", kind: "alias" }, { id: "joe", kind: "builtin" }, { id: "mine", kind: "uploaded" },
+                  { id: "Narrator", kind: "public" }];
   assert.deepEqual(voiceGroups(voices).map(([label, members]) => [label, members.map((v) => v.id)]),
-                   [["my voices", ["mine"]], ["voices", ["joe"]], ["aliases", ["alloy"]]]);
+                   [["my voices", ["mine"]], ["shared voices", ["Narrator"]], ["voices", ["joe"]],
+                    ["aliases", ["alloy"]]]);
   assert.deepEqual(voiceGroups([{ id: "joe", kind: "builtin" }]).map(([label]) => label), ["voices"]);
 });
 

@@ -1,0 +1,57 @@
+"""Public voices: a voice its owner shares by its name with everyone the server serves.
+
+A registered voice is its owner's (`voice_store.may_speak_with`); its owner may make it public
+(at registration, `VoiceService.register(public=True)`, or later, `set_public`): then any
+caller, at any door (another token, a Wyoming client with none), speaks it by its name and is
+shown it in the lists, unless the caller has a voice of its own by that name (its own comes
+first) or the server's voices or aliases took the name since. One public voice per name
+(`voice_store.PublicVoices`); only its owner (or an admin) makes it private again or deletes it.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from ..scheduling.devices import Devices
+from .voice_store import VoiceStore, VoiceSummary, is_registered_id, is_voice_name, owner_key
+
+
+class VoiceSharing:
+    """The service's public voices (`VoiceService.sharing`): in `store`, for the engine of
+    `devices`, beside the names `server_names` gives (its voices and aliases, now)."""
+
+    def __init__(self, store: VoiceStore, devices: Devices, server_names: Callable[[], set[str]]) -> None:
+        self._store = store
+        self._devices = devices
+        self._server_names = server_names
+
+    async def listed_for(self, owner: str | None) -> list[VoiceSummary]:
+        """The public voices `owner` speaks by their names (None: a caller with no voices of its
+        own), oldest first: not one whose name is its own private voice's, nor a server voice's
+        or alias's (an aliases file or a voices folder may have taken the name since: the
+        server's voice is what the name says). Its own public voices are among them."""
+        if not self._devices.engine.supports_voices:
+            return []
+        public = await self._store.public.listed()
+        if not public:
+            return []
+        taken = self._server_names()
+        if owner is not None:
+            taken |= {v.name for v in await self._store.owned_by(owner) if v.name and not v.public}
+        return [v for v in public if v.name not in taken]
+
+    async def others_for(self, owner: str | None) -> list[VoiceSummary]:
+        """`listed_for`, less `owner`'s own (listed as its own)."""
+        key = owner_key(owner) if owner is not None else None
+        return [v for v in await self.listed_for(owner) if v.owner != key]
+
+    async def set_public(self, voice: str, owner: str, public: bool) -> VoiceSummary | None:
+        """Make a voice of `owner`'s (ANY_OWNER: any; `voice` its id or name) public, or private
+        again: its summary, or None where there is none it may change (another owner's voice
+        looks like no voice). Refused (INVALID, field "name") for a voice without a name, or
+        one whose name another public voice has. Streams speaking it go on to their end."""
+        if not self._devices.engine.supports_voices:
+            return None
+        if not is_registered_id(voice) and is_voice_name(voice):
+            voice = self._store.named_id(owner_key(owner), voice)
+        return await self._store.public.set(voice, owner, public)
