@@ -16,13 +16,12 @@ counted, so one odd entry upstream costs only itself.
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..files import FileTooLarge, read_regular_file
+from ..files import NOT_AN_OBJECT, UnreadableJson, read_json_object
 from .piper_hub import PIPER_VOICES_REPO, files_of, looks_like_voice, reach
 
 CATALOGUE_FILE = "voices.json"
@@ -94,18 +93,10 @@ def read_catalogue(path: str | os.PathLike) -> Catalogue:
     """A catalogue file, read within MAX_CATALOGUE_BYTES and parsed; CatalogueUnreadable
     naming why it is none."""
     try:
-        data = read_regular_file(path, MAX_CATALOGUE_BYTES)
-        if len(data) > MAX_CATALOGUE_BYTES:
-            raise FileTooLarge(0, f"over {MAX_CATALOGUE_BYTES} bytes")
-        document = json.loads(data.decode("utf-8"))
-    except RecursionError:
-        raise CatalogueUnreadable(f"{CATALOGUE_FILE} unreadable: nested too deeply") from None
-    except OSError as exc:
-        raise CatalogueUnreadable(f"{CATALOGUE_FILE} unreadable: {exc.strerror or exc}") from None
-    except ValueError as exc:                                   # not UTF-8, not JSON
-        raise CatalogueUnreadable(f"{CATALOGUE_FILE} unreadable: {exc}") from None
-    if not isinstance(document, dict):
-        raise CatalogueUnreadable(f"{CATALOGUE_FILE} is not a map of voices (a JSON object)")
+        document = read_json_object(path, MAX_CATALOGUE_BYTES)
+    except UnreadableJson as exc:
+        why = "not a map of voices (a JSON object)" if str(exc) == NOT_AN_OBJECT else str(exc)
+        raise CatalogueUnreadable(f"{CATALOGUE_FILE} unreadable: {why}") from None
     voices, skipped = {}, 0
     for name, entry in document.items():
         voice = _entry(name, entry)

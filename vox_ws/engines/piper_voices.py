@@ -23,7 +23,6 @@ everything that needs it (the engine's phoneme set, the worker's load).
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import re
@@ -32,7 +31,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from ..files import FileTooLarge, read_regular_file
+from ..files import UnreadableJson, read_json_object
 
 log = logging.getLogger("vox_ws.engine")
 
@@ -179,21 +178,9 @@ def read_config(path: str) -> dict[str, Any]:
     """A voice's config, parsed: read once, within MAX_CONFIG_BYTES, a regular file only;
     UnreadableVoiceConfig naming the file and why otherwise."""
     try:
-        data = read_regular_file(path, MAX_CONFIG_BYTES)
-        if len(data) > MAX_CONFIG_BYTES:                       # it grew after its size was read
-            raise FileTooLarge(0, f"over {MAX_CONFIG_BYTES} bytes")
-        config = json.loads(data.decode("utf-8"))
-    except RecursionError:
-        # json refuses nesting past the interpreter's recursion limit (about 1,000) with this:
-        # 200,000 nested arrays (130 KB) stopped every start. No real config nests past 3.
-        raise UnreadableVoiceConfig(f"unreadable config {path!r}: nested too deeply") from None
-    except OSError as exc:
-        raise UnreadableVoiceConfig(f"unreadable config {path!r}: {exc.strerror or exc}") from None
-    except ValueError as exc:                                  # not UTF-8, not JSON
+        return read_json_object(path, MAX_CONFIG_BYTES)
+    except UnreadableJson as exc:
         raise UnreadableVoiceConfig(f"unreadable config {path!r}: {exc}") from None
-    if not isinstance(config, dict):
-        raise UnreadableVoiceConfig(f"unreadable config {path!r}: not a JSON object")
-    return config
 
 
 def read_voice(name: str, model_path: str, config_path: str) -> PiperVoiceFile:

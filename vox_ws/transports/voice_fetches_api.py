@@ -14,6 +14,8 @@ them all (401/403): fetching runs downloads and writes to disk, an operator's ac
 
 from __future__ import annotations
 
+from typing import Any, Awaitable, Callable
+
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
@@ -48,41 +50,34 @@ def refusal_response(err: VoiceFetchRefused) -> JSONResponse:
                         status_code=status, headers=headers)
 
 
-async def available(request: Request) -> Response:
+async def _admin(request: Request, what: str, verb: Callable[[Any], Awaitable[dict[str, Any]]],
+                 status_code: int = 200) -> Response:
+    """An operator's act on the voices folder: the admin token checked, `verb` run on the
+    service's `VoiceFetches`, its refusal answered as ANSWERS says."""
     state = server_state(request)
-    refusal = access_refusal(request, state.config) or admin_refusal(request, state.config,
-                                                                     "listing the voices that can be fetched")
+    refusal = access_refusal(request, state.config) or admin_refusal(request, state.config, what)
     if refusal is not None:
         return refusal
     try:
-        return JSONResponse(await state.service.voice_fetches.available(request.query_params.get("language")))
+        return JSONResponse(await verb(state.service.voice_fetches), status_code=status_code)
     except VoiceFetchRefused as err:
         return refusal_response(err)
+
+
+async def available(request: Request) -> Response:
+    language = request.query_params.get("language")
+    return await _admin(request, "listing the voices that can be fetched",
+                        lambda fetches: fetches.available(language))
 
 
 async def fetch(request: Request) -> Response:
-    state = server_state(request)
-    refusal = access_refusal(request, state.config) or admin_refusal(request, state.config,
-                                                                     "fetching a voice")
-    if refusal is not None:
-        return refusal
-    try:
-        fetched = await state.service.voice_fetches.fetch(request.path_params["name"])
-        return JSONResponse(fetched, status_code=201)
-    except VoiceFetchRefused as err:
-        return refusal_response(err)
+    name = request.path_params["name"]
+    return await _admin(request, "fetching a voice", lambda fetches: fetches.fetch(name), status_code=201)
 
 
 async def remove(request: Request) -> Response:
-    state = server_state(request)
-    refusal = access_refusal(request, state.config) or admin_refusal(request, state.config,
-                                                                     "removing a voice")
-    if refusal is not None:
-        return refusal
-    try:
-        return JSONResponse(await state.service.voice_fetches.remove(request.path_params["name"]))
-    except VoiceFetchRefused as err:
-        return refusal_response(err)
+    name = request.path_params["name"]
+    return await _admin(request, "removing a voice", lambda fetches: fetches.remove(name))
 
 
 ROUTES: list[BaseRoute] = [
