@@ -605,8 +605,14 @@ def test_the_demo_offers_each_piper_voice_and_speaks_the_one_chosen(two_voices):
             page = browser.new_page()
             page.goto(two_voices.http + "/")
             page.wait_for_function("window.voxDemo && window.voxDemo.state.ready", timeout=30_000)
-            offered = page.eval_on_selector_all("#voice option", "options => options.map(o => o.value)")
-            assert offered == ["", "joe", "slow"]
+            offered = page.eval_on_selector_all("#voice optgroup[label=voices] option",
+                                                "options => options.map(o => o.value)")
+            assert offered == ["joe", "slow"]
+            # Each of OpenAI's names is offered too, as an alias of one of them.
+            aliases = page.eval_on_selector_all("#voice optgroup[label=aliases] option",
+                                                "options => options.map(o => o.textContent)")
+            assert "alloy" in [label.split(" · ")[0] for label in aliases], aliases
+            assert all(label.split(" · alias of ")[-1] in ("joe", "slow") for label in aliases), aliases
             seconds = {}
             for voice in ("joe", "slow"):
                 page.select_option("#voice", voice)
