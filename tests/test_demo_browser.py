@@ -326,7 +326,7 @@ def test_the_picker_lists_aliases_and_my_voices_and_a_voice_of_mine_is_deleted(b
     page.select_option("#voice", "nova")
     page.fill("#text", "Hi.")
     page.click("#speak")
-    page.wait_for_function("window.voxDemo.state.stream.chunks > 0", timeout=60_000)
+    page.wait_for_function("window.voxDemo.state.stream && window.voxDemo.state.stream.chunks > 0", timeout=60_000)
     page.click("#stop")
     page.wait_for_function("window.voxDemo.state.lastEnd !== null", timeout=30_000)
     assert state(page)["stream"]["request"]["voice"] == "nova" and state(page)["lastError"] is None
