@@ -8,6 +8,7 @@ server, is). A benchmark that starts a server of its own runs it as `python -m b
 from __future__ import annotations
 
 import socket
+import subprocess
 import sys
 from pathlib import Path
 
@@ -24,3 +25,14 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def stop_server(server: subprocess.Popen, grace_s: float = 30.0) -> None:
+    """A server the benchmark started, stopped: asked first (SIGTERM: it drains and closes its
+    helper processes), killed if it has not ended within `grace_s`."""
+    server.terminate()
+    try:
+        server.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        server.kill()
+        server.wait()

@@ -33,7 +33,7 @@ from vox_ws import wire
 from vox_ws.alignment.pool import SegmentRecording, WordAligner
 from vox_ws.alignment.sphinx import END_SHIFT_S, START_SHIFT_S
 
-from . import free_port
+from . import free_port, stop_server
 
 SENTENCES = [
     "The quick brown fox jumps over the lazy dog.",
@@ -136,8 +136,7 @@ def main() -> None:
                 time.sleep(0.2)
         spoken = [asyncio.run(piper_speech(url, text)) for text in SENTENCES]
     finally:
-        server.terminate()
-        server.wait(30)
+        stop_server(server)
     clips = [(recorded(pcm, rate), text, words) for (pcm, rate, words), text in zip(spoken, SENTENCES)]
     speech_s = sum(len(audio) for audio, _, _ in clips) / 16000
 

@@ -21,7 +21,7 @@ import time
 import urllib.request
 from typing import Any
 
-from . import ROOT, free_port
+from . import ROOT, free_port, stop_server
 
 
 def _info(port: int) -> dict[str, Any] | None:
@@ -65,12 +65,7 @@ def run(hogs: int, wait_s: float) -> list[dict[str, Any]]:
         for spinner in spinners:
             spinner.kill()
             spinner.wait()
-        server.terminate()
-        try:
-            server.wait(30)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()
+        stop_server(server)
     return rows
 
 

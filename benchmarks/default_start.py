@@ -38,7 +38,7 @@ from typing import Any
 
 from vox_ws.clients import capacity
 
-from . import free_port
+from . import free_port, stop_server
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -108,12 +108,7 @@ def run(label: str, args: list[str], model: str, rates: tuple[list[float], list[
         result["phases"] = {name: {"rates": summaries, "capacity": capacity.capacity(summaries)}
                             for name, summaries in phases.items()}
     finally:
-        server.terminate()
-        try:
-            server.wait(30)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()
+        stop_server(server)
     return result
 
 

@@ -25,7 +25,7 @@ import time
 import urllib.request
 import wave
 
-from . import free_port
+from . import free_port, stop_server
 from .attacks import _process_tree, _rss_mb
 
 SUBJECTS = ["The keeper", "A sailor", "The old clock", "Our neighbour", "The river", "A quiet train",
@@ -99,8 +99,7 @@ def measure(engine: str, chars: int) -> dict:
             with open(captions) as f:
                 cues = f.read().count(" --> ")
         finally:
-            server.terminate()
-            server.wait(30)
+            stop_server(server)
     # Memory over the run: the median of its first and last fifths, and the peak.
     fifth = max(1, len(samples) // 5)
 

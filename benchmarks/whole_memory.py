@@ -20,7 +20,7 @@ import time
 
 import httpx
 
-from . import free_port
+from . import free_port, stop_server
 
 TEXT = "The quick brown fox jumps over the lazy dog while the evening light fades slowly over the hills. " * 6
 
@@ -58,8 +58,7 @@ def measure(streamed: bool, tree: str | None) -> dict:
             replies = list(pool.map(one, range(4)))
         after = _memory_kb(server.pid)
     finally:
-        server.terminate()
-        server.wait(30)
+        stop_server(server)
     return {"streamed": streamed, "replies": replies, "rss_before_mb": before["VmRSS"] >> 10,
             "peak_growth_mb": (after["VmHWM"] - before["VmRSS"]) >> 10}
 
