@@ -25,11 +25,14 @@ class VoiceSharing:
         self._devices = devices
         self._server_names = server_names
 
-    async def listed_for(self, owner: str | None) -> list[VoiceSummary]:
+    async def listed_for(self, owner: str | None,
+                         owned: list[VoiceSummary] | None = None) -> list[VoiceSummary]:
         """The public voices `owner` speaks by their names (None: a caller with no voices of its
         own), oldest first: not one whose name is its own private voice's, nor a server voice's
         or alias's (an aliases file or a voices folder may have taken the name since: the
-        server's voice is what the name says). Its own public voices are among them."""
+        server's voice is what the name says). Its own public voices are among them. `owned`:
+        `owner`'s voices where the caller has read them already (a list of its own and the
+        public ones reads the store once for them, not twice)."""
         if not self._devices.engine.supports_voices:
             return []
         public = await self._store.public.listed()
@@ -37,13 +40,16 @@ class VoiceSharing:
             return []
         taken = self._server_names()
         if owner is not None:
-            taken |= {v.name for v in await self._store.owned_by(owner) if v.name and not v.public}
+            if owned is None:
+                owned = await self._store.owned_by(owner)
+            taken |= {v.name for v in owned if v.name and not v.public}
         return [v for v in public if v.name not in taken]
 
-    async def others_for(self, owner: str | None) -> list[VoiceSummary]:
+    async def others_for(self, owner: str | None,
+                         owned: list[VoiceSummary] | None = None) -> list[VoiceSummary]:
         """`listed_for`, less `owner`'s own (listed as its own)."""
         key = owner_key(owner) if owner is not None else None
-        return [v for v in await self.listed_for(owner) if v.owner != key]
+        return [v for v in await self.listed_for(owner, owned) if v.owner != key]
 
     async def set_public(self, voice: str, owner: str, public: bool) -> VoiceSummary | None:
         """Make a voice of `owner`'s (ANY_OWNER: any; `voice` its id or name) public, or private

@@ -202,7 +202,7 @@ async def list_openai_style(request: Request) -> Response:
     try:
         owned = await state.service.voices.owned_by(caller) if caller is not None else []
         # Other owners' public voices (the caller's own are among its uploaded ones).
-        public = await state.service.voices.sharing.others_for(caller)
+        public = await state.service.voices.sharing.others_for(caller, owned if caller is not None else None)
     except Refused as err:
         return refused_response(err)
     uploaded = [_described(v) for v in owned]

@@ -406,8 +406,9 @@ class WyomingHandler(AsyncEventHandler):
             voices.append(voice(name, f"{name} ({_alias_described(alias)})", alias.voice))
         owner = address_owner(self.peer, self.server.ipv6_prefix)
         try:
-            owned = [v for v in await voices_service.owned_by(owner) if v.name]
-            public = await voices_service.sharing.others_for(owner)
+            every_owned = await voices_service.owned_by(owner)
+            owned = [v for v in every_owned if v.name]
+            public = await voices_service.sharing.others_for(owner, every_owned)
         except Refused:                                 # the store cannot be reached: the others stand
             owned, public = [], []
         voices += [voice(v.name, f"{v.name} (registered)", None) for v in owned]
