@@ -70,7 +70,6 @@ class PiperWorker(Worker):
         self.voices = [(v.name, v.model_path, v.config, v.required) for v in voices]
         self.sample_rate = 0
         self.word_timings = False          # the model's durations are available (the onnx package)
-        self.speed = 0.0                   # seconds of speech per second of work, measured at start
         self.measured: Timed | None = None  # the first start's measure (`measure`), timed as `measure_piece`
         self.left_out: dict[int, str] = {}  # the first start's: voice number -> why its model failed
         self._measure = measure
@@ -85,7 +84,6 @@ class PiperWorker(Worker):
         self.sample_rate = int(rate)
         if first:
             self.measured = measured
-            self.speed = measured[0] / measured[1] if measured else 0.0
             self.left_out = left_out
             # The engine serves the others, numbered as the worker numbers them: a restart loads
             # those alone, each required (a voice lost then must not renumber the others).
@@ -94,6 +92,11 @@ class PiperWorker(Worker):
 
     def restart(self) -> None:
         self.start()
+
+    @property
+    def speed(self) -> float:
+        """Seconds of speech per second of work, as measured at the first start (0: not measured)."""
+        return self.measured[0] / self.measured[1] if self.measured else 0.0
 
     def phonemize(self, text: str, said: list[Said] | None = None, voice: int = 0) -> tuple[list[str], list[Piece]]:
         """Text to its words and to pieces of at most MAX_PHONEMES phonemes, each spoken by one
