@@ -98,17 +98,17 @@ async def piper_speech(url: str, text: str) -> tuple[np.ndarray, int, list[tuple
                                                    options=STILL)))
         audio, words, rate = [], [], 0
         while True:
-            message = wire.decode(await ws.recv())
-            if message["type"] == "start":
-                rate = message["sample_rate"]
-            elif message["type"] == "chunk":
-                audio.append(np.frombuffer(message["audio"], "<i2"))
-            elif message["type"] == "words":
-                words += [(w["word"], w["start_s"], w["end_s"]) for w in message["words"]]
-            elif message["type"] == "end":
+            message = wire.read(await ws.recv())
+            if isinstance(message, wire.Started):
+                rate = message.sample_rate
+            elif isinstance(message, wire.AudioChunk):
+                audio.append(np.frombuffer(message.audio, "<i2"))
+            elif isinstance(message, wire.Words):
+                words += [(w["word"], w["start_s"], w["end_s"]) for w in message.words]
+            elif isinstance(message, wire.Ended):
                 pcm = np.concatenate(audio).astype(np.float32) / 32768
                 return pcm, rate, words
-            elif message["type"] == "error":
+            elif isinstance(message, wire.Error):
                 raise RuntimeError(message)
 
 

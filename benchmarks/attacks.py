@@ -31,6 +31,8 @@ from typing import Any, Awaitable, Callable
 import msgpack
 import numpy as np
 
+from vox_ws import wire
+
 from . import ROOT, module_command
 
 # The attacker connects from another loopback address than the victim, as it would from
@@ -66,7 +68,7 @@ async def crash_text(port: int, until: float) -> None:
         ws = await _ws(port)
         for text in ("a." * 100, "b." * 100, "A.B." * 50):
             await ws.send(msgpack.packb({"type": "start", "text": text}))
-            while msgpack.unpackb(await ws.recv())["type"] not in ("end", "error"):
+            while not isinstance(wire.read(await ws.recv()), (wire.Ended, wire.Error)):
                 pass
         await ws.close()
 
@@ -135,7 +137,7 @@ async def dense_text(port: int, until: float) -> None:
         ws = await _ws(port)
         while time.monotonic() < until:
             await ws.send(msgpack.packb({"type": "start", "text": CJK_240, "format": "s16"}))
-            while msgpack.unpackb(await ws.recv())["type"] not in ("end", "error"):
+            while not isinstance(wire.read(await ws.recv()), (wire.Ended, wire.Error)):
                 pass
         await ws.close()
     await asyncio.gather(one(), one())
@@ -150,7 +152,7 @@ async def hostile_normalize(port: int, until: float) -> None:
         n += 1
         await ws.send(msgpack.packb({"type": "start", "text": texts[n % 3], "options": {"normalize": True,
                                                                                         "max_len": 4}}))
-        while msgpack.unpackb(await ws.recv())["type"] not in ("end", "error"):
+        while not isinstance(wire.read(await ws.recv()), (wire.Ended, wire.Error)):
             pass
     await ws.close()
 
@@ -421,18 +423,18 @@ async def victim(port: int, until: float, seen: Observed, engine: str) -> None:
                                                  "options": options}))
                     last = None
                     while True:
-                        message = msgpack.unpackb(await asyncio.wait_for(ws.recv(), 60))
+                        message = wire.read(await asyncio.wait_for(ws.recv(), 60))
                         now = time.monotonic()
-                        if message["type"] == "chunk":
+                        if isinstance(message, wire.AudioChunk):
                             if last is None:
                                 seen.first_audio_s.append(now - sent)
                             else:
                                 seen.gaps_s.append(now - last)
                             last = now
-                        elif message["type"] == "error":
-                            seen.failed.append(message["code"])
+                        elif isinstance(message, wire.Error):
+                            seen.failed.append(message.code)
                             break
-                        elif message["type"] == "end":
+                        elif isinstance(message, wire.Ended):
                             break
         except Exception as exc:  # noqa: BLE001 - counted, and the victim connects again
             seen.failed.append(type(exc).__name__)

@@ -38,12 +38,13 @@ FIRST_AUDIO_TEXT = "Hello! How quickly does the first audio arrive in each forma
 CHUNK_S = VOXCPM_CHUNK_S          # encoded in the chunks a VoxCPM2 stream would bring
 
 
-async def _speak(url: str, text: str, fmt: str, rate: int | None) -> tuple[float, list[dict[str, Any]], dict]:
+async def _speak(url: str, text: str, fmt: str,
+                 rate: int | None) -> tuple[float, list[wire.AudioChunk], wire.Ended]:
     """(seconds to the first chunk, chunks, end) of one protocol v1 stream."""
     from websockets.asyncio.client import connect
 
     async with connect(url, max_size=None, compression=None) as ws:
-        wire.decode(await ws.recv())
+        wire.Hello.read(await ws.recv())
         start = {"type": "start", "id": "s", "text": text, "format": fmt}
         if rate:
             start["sample_rate"] = rate
@@ -52,13 +53,13 @@ async def _speak(url: str, text: str, fmt: str, rate: int | None) -> tuple[float
         first = None
         chunks = []
         while True:
-            message = wire.decode(await ws.recv())
-            if message["type"] == "chunk":
+            message = wire.read(await ws.recv())
+            if isinstance(message, wire.AudioChunk):
                 first = first if first is not None else time.monotonic() - sent
                 chunks.append(message)
-            elif message["type"] == "end":
+            elif isinstance(message, wire.Ended):
                 return first, chunks, message
-            elif message["type"] == "error":
+            elif isinstance(message, wire.Error):
                 raise RuntimeError(message)
 
 
@@ -134,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
         for rate in RATES:
             _, chunks, _ = asyncio.run(_speak(url, UTTERANCE, "f32", rate))
             # Three readings of the utterance: long enough that timer noise does not count.
-            pcm = np.tile(np.frombuffer(b"".join(c["audio"] for c in chunks), "<f4"), 3)
+            pcm = np.tile(np.frombuffer(b"".join(c.audio for c in chunks), "<f4"), 3)
             figures = {"utterance_s": round(pcm.size / rate, 2), "encoding": encoding_costs(pcm, rate),
                        "first_audio": asyncio.run(first_audio(url, rate, args.rounds))}
             results["rates"][str(rate)] = figures

@@ -50,7 +50,7 @@ async def v1(url: str, stream_input: bool = False) -> float:
     from websockets.asyncio.client import connect
 
     async with connect(url, max_size=None, compression=None) as ws:
-        wire.decode(await ws.recv())
+        wire.Hello.read(await ws.recv())
         sent = time.monotonic()
         if stream_input:
             await ws.send(wire.encode(wire.start_frame("s", stream_input=True, format="s16", sample_rate=RATE)))
@@ -60,10 +60,10 @@ async def v1(url: str, stream_input: bool = False) -> float:
             await ws.send(wire.encode(wire.start_frame("s", text=TEXT, format="s16", sample_rate=RATE)))
         first = None
         while True:
-            message = wire.decode(await ws.recv())
-            if message["type"] == "chunk" and first is None:
+            message = wire.read(await ws.recv())
+            if isinstance(message, wire.AudioChunk) and first is None:
                 first = time.monotonic() - sent
-            elif message["type"] in ("end", "error"):
+            elif isinstance(message, (wire.Ended, wire.Error)):
                 return first
 
 
@@ -244,19 +244,19 @@ async def v1_interruption(url: str) -> dict[str, float]:
     from websockets.asyncio.client import connect
 
     async with connect(url, max_size=None, compression=None) as ws:
-        wire.decode(await ws.recv())
+        wire.Hello.read(await ws.recv())
         await ws.send(wire.encode(wire.start_frame("s", text=LONG, format="s16", sample_rate=RATE)))
-        while wire.decode(await ws.recv())["type"] != "chunk":
+        while not isinstance(wire.read(await ws.recv()), wire.AudioChunk):
             pass
         await asyncio.sleep(0.3)
         cancelled = time.monotonic()
         await ws.send(wire.encode(wire.cancel_frame("s")))
         last = cancelled
         while True:
-            message = wire.decode(await ws.recv())
-            if message["type"] == "chunk":
+            message = wire.read(await ws.recv())
+            if isinstance(message, wire.AudioChunk):
                 last = time.monotonic()
-            if message["type"] in ("end", "error"):
+            if isinstance(message, (wire.Ended, wire.Error)):
                 return {"last_audio_ms": (last - cancelled) * 1000, "server_end_ms": (time.monotonic() - cancelled) * 1000}
 
 

@@ -59,25 +59,23 @@ class Tally:
 
 async def one_stream(url: str, behaviour: str, rng: random.Random, tally: Tally) -> None:
     async with connect(url, max_size=None, open_timeout=30) as ws:
-        hello = wire.decode(await asyncio.wait_for(ws.recv(), 30))
-        assert hello["type"] == "hello"
+        wire.Hello.read(await asyncio.wait_for(ws.recv(), 30))
         if behaviour == "garbage":
             for frame in (b"\xc1", "text", msgpack.packb([1]), msgpack.packb({"type": "start", "id": 5})):
                 await ws.send(frame)
-                reply = wire.decode(await asyncio.wait_for(ws.recv(), 30))
-                tally.errors[reply.get("code", "?")] += 1
+                reply = wire.read(await asyncio.wait_for(ws.recv(), 30))
+                tally.errors[reply.code if isinstance(reply, wire.Error) else "?"] += 1
         sent = time.monotonic()
         text = LONG_TEXT if behaviour in ("cancel", "slow") else rng.choice(TEXTS)
         await ws.send(wire.encode(wire.start_frame("s", text=text, format="s16")))
         expected_seq = 0
         while True:
-            message = wire.decode(await asyncio.wait_for(ws.recv(), 300))
-            kind = message["type"]
-            if kind == "chunk":
-                if message["seq"] != expected_seq:
+            message = wire.read(await asyncio.wait_for(ws.recv(), 300))
+            if isinstance(message, wire.AudioChunk):
+                if message.seq != expected_seq:
                     tally.seq_gaps += 1
-                expected_seq = message["seq"] + 1
-                tally.audio_bytes += len(message["audio"])
+                expected_seq = message.seq + 1
+                tally.audio_bytes += len(message.audio)
                 if expected_seq == 1:
                     tally.first_audio_ms.append((time.monotonic() - sent) * 1000)
                     if behaviour == "cancel":
@@ -87,11 +85,11 @@ async def one_stream(url: str, behaviour: str, rng: random.Random, tally: Tally)
                         return
                 if behaviour == "slow":
                     await asyncio.sleep(rng.uniform(0.2, 1.0))
-            elif kind == "end":
-                tally.outcomes[message["reason"]] += 1
+            elif isinstance(message, wire.Ended):
+                tally.outcomes[message.reason] += 1
                 return
-            elif kind == "error":
-                tally.errors[message["code"]] += 1
+            elif isinstance(message, wire.Error):
+                tally.errors[message.code] += 1
                 tally.outcomes["error"] += 1
                 return
 

@@ -71,7 +71,7 @@ async def _client(url: str, level: Level, until: float, measuring: list[bool]) -
     from websockets.asyncio.client import connect
 
     async with connect(url, max_size=None, compression=None) as ws:
-        wire.decode(await ws.recv())
+        wire.Hello.read(await ws.recv())
         n = 0
         while time.monotonic() < until:
             n += 1
@@ -80,11 +80,10 @@ async def _client(url: str, level: Level, until: float, measuring: list[bool]) -
             await ws.send(wire.encode(wire.start_frame(sid, text=TEXT, format="f32")))
             first = True
             while True:
-                message = wire.decode(await ws.recv())
+                message = wire.read(await ws.recv())
                 now_ns = time.time_ns()
-                kind = message["type"]
-                if kind == "chunk":
-                    audio = message["audio"]
+                if isinstance(message, wire.AudioChunk):
+                    audio = message.audio
                     if measuring[0]:
                         stamp = read_stamp(np.frombuffer(audio, dtype="<f4", count=STAMP_SAMPLES))
                         if stamp is not None:
@@ -93,10 +92,10 @@ async def _client(url: str, level: Level, until: float, measuring: list[bool]) -
                             level.first_audio_ms.append((time.monotonic() - sent) * 1000)
                         level.audio_s += len(audio) / 4 / 24000
                     first = False
-                elif kind == "end":
+                elif isinstance(message, wire.Ended):
                     level.streams += measuring[0]
                     break
-                elif kind == "error":
+                elif isinstance(message, wire.Error):
                     level.errors += 1
                     break
 

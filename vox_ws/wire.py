@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar, Mapping, Union
 
 import msgpack
 
@@ -136,3 +136,302 @@ def end_frame(sid: str) -> dict[str, Any]:
 def cancel_frame(sid: str) -> dict[str, Any]:
     """`cancel`: barge-in; the stream ends at once with `end` (`reason: cancelled`, `heard`)."""
     return {"type": "cancel", "id": sid}
+
+
+# --------------------------------------------------------------------------- the server's messages
+# Every message the server sends, as PROTOCOL.md's "Server → client" tables name its fields. A
+# field marked `_absent_when_none` is left out of the map while it is None (an optional field, as
+# the server sends it); every other field is always sent, None as nil. A field's place in its
+# class is its place in the map, so the bytes are those the server has always sent.
+
+# Close codes a client sees without the server choosing them (the peer went away; no close frame).
+CLOSE_GOING_AWAY = 1001
+CLOSE_ABNORMAL = 1006
+# The closes after which connecting again (elsewhere, or later) may work.
+RECONNECT_CLOSE_CODES = frozenset({CLOSE_GOING_AWAY, CLOSE_ABNORMAL, CLOSE_INTERNAL, CLOSE_SERVICE_RESTART,
+                                   CLOSE_TRY_AGAIN_LATER})
+
+
+def _absent_when_none(default: Any = None) -> Any:
+    return field(default=default, metadata={"optional": True})
+
+
+class _ServerMessage:
+    """What every server message does: its map, and itself read back from one."""
+
+    TYPE: ClassVar[str]
+
+    def to_map(self) -> dict[str, Any]:
+        message: dict[str, Any] = {"type": self.TYPE}
+        for item in dataclasses.fields(self):  # type: ignore[arg-type]
+            value = getattr(self, item.name)
+            if value is not None or not item.metadata.get("optional"):
+                message[item.name] = value
+        return message
+
+    @classmethod
+    def from_map(cls, obj: Mapping[str, Any]) -> Any:
+        """The message a map carries; a field it lacks is its default (None where it has none),
+        a field it has that the class does not is ignored (a newer server's)."""
+        values = {}
+        for item in dataclasses.fields(cls):  # type: ignore[arg-type]
+            if item.name in obj:
+                values[item.name] = obj[item.name]
+            elif item.default is dataclasses.MISSING and item.default_factory is dataclasses.MISSING:
+                values[item.name] = None
+        return cls(**values)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Hello(_ServerMessage):
+    """Sent once, first: what the server and its engine offer. Every client reads it here
+    (`Hello.read`)."""
+
+    TYPE: ClassVar[str] = "hello"
+    protocol: int = 1
+    server: str = ""
+    status: str = ""
+    engine: str = ""
+    model: str | None = None
+    sample_rate: int = 0
+    formats: list[str] = field(default_factory=list)
+    voices: list[str] = field(default_factory=list)
+    aliases: list[str] = field(default_factory=list)
+    languages: list[str] = field(default_factory=list)
+    options: list[str] = field(default_factory=list)
+    slots: int = 0
+    step_rows: int = 0
+    features: list[str] = field(default_factory=list)
+    limits: dict[str, Any] = field(default_factory=dict)
+    notice: str | None = _absent_when_none()
+
+    @classmethod
+    def read(cls, data: Any) -> "Hello":
+        """The server's first frame as its hello; ValueError, saying what came, for anything else."""
+        try:
+            obj = decode(data) if isinstance(data, bytes) else data
+        except Exception:  # noqa: BLE001 - whatever msgpack makes of garbage
+            obj = data
+        if not isinstance(obj, dict) or obj.get("type") != cls.TYPE:
+            raise ValueError(f"expected the server's hello, got {obj!r:.80}")
+        return cls.from_map(obj)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Started(_ServerMessage):
+    """The answer to a client's `start`, before any of the stream's chunks."""
+
+    TYPE: ClassVar[str] = "start"
+    id: str
+    sample_rate: int
+    format: str
+    channels: int = 1
+    queued: int | None = _absent_when_none()            # its place in the queue, while it waits
+    ignored_options: list[str] | None = _absent_when_none()
+
+
+@dataclass(frozen=True, kw_only=True)
+class AudioChunk(_ServerMessage):
+    """A piece of a stream's audio: `audio`, or for `opus_packets` the packets, their durations
+    and, on the first chunk, the codec's description and pre-skip."""
+
+    TYPE: ClassVar[str] = "chunk"
+    id: str
+    seq: int
+    audio: bytes | None = _absent_when_none()
+    packets: list[bytes] | None = _absent_when_none()
+    durations_us: list[int] | None = _absent_when_none()
+    description: bytes | None = _absent_when_none()
+    pre_skip: int | None = _absent_when_none()
+
+
+@dataclass(frozen=True, kw_only=True)
+class Segment(_ServerMessage):
+    """A segment of the text has all been sent (streams with `segment_events`)."""
+
+    TYPE: ClassVar[str] = "segment"
+    id: str
+    index: int
+    text: str
+    start_s: float
+    end_s: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class Words(_ServerMessage):
+    """Words and their times, `{word, start_s, end_s, estimated?}` each (streams with
+    `word_timestamps`)."""
+
+    TYPE: ClassVar[str] = "words"
+    id: str
+    words: list[dict[str, Any]]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Phonemes(_ServerMessage):
+    """Phonemes and their times, `{phoneme, start_s, end_s}` each (streams with
+    `phoneme_timestamps`)."""
+
+    TYPE: ClassVar[str] = "phonemes"
+    id: str
+    phonemes: list[dict[str, Any]]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Flushed(_ServerMessage):
+    """The audio of the text sent before a `flush` has all been sent."""
+
+    TYPE: ClassVar[str] = "flushed"
+    id: str
+    audio_s: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class Ended(_ServerMessage):
+    """A stream's last message when it ended normally or was cancelled, with its figures."""
+
+    TYPE: ClassVar[str] = "end"
+    id: str
+    reason: str
+    segments: list[dict[str, Any]] = field(default_factory=list)
+    usage: dict[str, Any] = field(default_factory=dict)
+    heard: dict[str, Any] | None = _absent_when_none()    # after a cancel: what was sent before it
+    chunks: int | None = None
+    audio_s: float | None = None
+    ttfa_ms: float | None = None
+    rtf: float | None = None
+    rewrites: list[list[Any]] | None = _absent_when_none()  # flac, wav: [offset, bytes] to write over
+
+
+@dataclass(frozen=True, kw_only=True)
+class Error(_ServerMessage):
+    """A refusal: a stream's last message, a request's answer, or the connection's. `retryable`
+    is the code's (`RETRYABLE`) unless given."""
+
+    TYPE: ClassVar[str] = "error"
+    code: str
+    message: str
+    retryable: bool | None = None        # None: the code's (always a bool once made)
+    id: str | None = _absent_when_none()
+    retry_after_s: float | None = _absent_when_none()
+
+    def __post_init__(self) -> None:
+        if self.retryable is None:
+            object.__setattr__(self, "retryable", self.code in RETRYABLE)
+
+
+@dataclass(frozen=True, kw_only=True)
+class VoiceRegistered(_ServerMessage):
+    """The answer to `voice`: the voice's id, how it was cloned, its reference's length."""
+
+    TYPE: ClassVar[str] = "voice"
+    voice: str
+    mode: str
+    audio_s: float
+    name: str | None = _absent_when_none()
+    public: bool = False
+    id: str | None = _absent_when_none()
+
+
+@dataclass(frozen=True, kw_only=True)
+class VoiceDeleted(_ServerMessage):
+    """The answer to `voice_delete`."""
+
+    TYPE: ClassVar[str] = "voice_delete"
+    voice: str
+    deleted: bool
+    id: str | None = _absent_when_none()
+
+
+@dataclass(frozen=True, kw_only=True)
+class VoiceUpdated(_ServerMessage):
+    """The answer to `voice_update`: `name` and `public` only where it `updated` (the name nil
+    for a voice without one)."""
+
+    TYPE: ClassVar[str] = "voice_update"
+    voice: str
+    name: str | None = None
+    public: bool | None = None
+    updated: bool
+    id: str | None = _absent_when_none()
+
+    def to_map(self) -> dict[str, Any]:
+        message = super().to_map()
+        if not self.updated:
+            del message["name"], message["public"]
+        return message
+
+
+@dataclass(frozen=True, kw_only=True)
+class VoiceAdminReply(_ServerMessage):
+    """The answer to `voice_admin`: `list` gives `voices` and `usage`, `delete` the `owner` and
+    the voices `deleted`."""
+
+    TYPE: ClassVar[str] = "voice_admin"
+    op: str
+    owner: str | None = _absent_when_none()
+    deleted: list[str] | None = _absent_when_none()
+    voices: list[dict[str, Any]] | None = _absent_when_none()
+    usage: dict[str, Any] | None = _absent_when_none()
+    id: str | None = _absent_when_none()
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoraReply(_ServerMessage):
+    """The answer to `lora`: what the operation did (`load`: the adapter's slot and keys;
+    `unload`: whether its slot is free; `enable`/`disable`: the `default`, nil for none), and
+    the adapters after it (`lora`)."""
+
+    TYPE: ClassVar[str] = "lora"
+    op: str
+    name: str | None = _absent_when_none()
+    slot: int | None = _absent_when_none()
+    rank: int | None = _absent_when_none()
+    scaling: float | None = _absent_when_none()
+    loaded: int | None = _absent_when_none()
+    skipped: int | None = _absent_when_none()
+    skipped_keys: list[str] | None = _absent_when_none()
+    unloaded: bool | None = _absent_when_none()
+    streams_using: int | None = _absent_when_none()
+    default: str | None = None
+    lora: dict[str, Any] = field(default_factory=dict)
+    id: str | None = _absent_when_none()
+
+    def to_map(self) -> dict[str, Any]:
+        message = super().to_map()
+        if self.op not in ("enable", "disable"):      # only those answer with the default
+            del message["default"]
+        return message
+
+
+@dataclass(frozen=True)
+class Unknown:
+    """A message of a type this client does not know (a newer server's): skip it."""
+
+    type: str
+    fields: dict[str, Any]
+
+
+ServerMessage = Union[Hello, Started, AudioChunk, Segment, Words, Phonemes, Flushed, Ended, Error,
+                      VoiceRegistered, VoiceDeleted, VoiceUpdated, VoiceAdminReply, LoraReply, Unknown]
+
+SERVER_MESSAGES: dict[str, type] = {cls.TYPE: cls for cls in (
+    Hello, Started, AudioChunk, Segment, Words, Phonemes, Flushed, Ended, Error,
+    VoiceRegistered, VoiceDeleted, VoiceUpdated, VoiceAdminReply, LoraReply)}
+
+
+def server_message(obj: Any) -> ServerMessage:
+    """A decoded frame as the server message its `type` names (`Unknown` for a type not known);
+    ValueError for one that is no v1 message (not a map, or one without a string `type`)."""
+    if not isinstance(obj, dict) or not isinstance(obj.get("type"), str):
+        raise ValueError(f"a frame that is no protocol v1 message: {obj!r:.60}")
+    kind = obj["type"]
+    cls = SERVER_MESSAGES.get(kind)
+    if cls is None:
+        return Unknown(kind, {name: value for name, value in obj.items() if name != "type"})
+    return cls.from_map(obj)
+
+
+def read(data: bytes) -> ServerMessage:
+    """One frame from the server as its message; ValueError for a frame that is no v1 message."""
+    return server_message(decode(data))

@@ -96,19 +96,19 @@ async def listen(target: Target, listener: Listener, text: str, options: dict[st
     arrivals: list[tuple[float, float]] = []
     try:
         async with connect(target.url, additional_headers=target.headers, **kwargs) as ws:
-            hello = wire.decode(await ws.recv())
-            width, rate = bytes_per_sample(target.format), hello["sample_rate"]
+            hello = wire.Hello.read(await ws.recv())
+            width, rate = bytes_per_sample(target.format), hello.sample_rate
             await ws.send(wire.encode({"type": "start", "text": text, "format": target.format, "options": options}))
             async for frame in ws:
-                message = wire.decode(frame)
-                if message["type"] == "chunk":
-                    arrivals.append((time.monotonic(), len(message["audio"]) / width / rate))
-                elif message["type"] == "start" and message.get("sample_rate"):
-                    rate = message["sample_rate"]
-                elif message["type"] == "error":
-                    listener.error = message["code"]
+                message = wire.read(frame)
+                if isinstance(message, wire.AudioChunk):
+                    arrivals.append((time.monotonic(), len(message.audio or b"") / width / rate))
+                elif isinstance(message, wire.Started) and message.sample_rate:
+                    rate = message.sample_rate
+                elif isinstance(message, wire.Error):
+                    listener.error = message.code
                     break
-                elif message["type"] == "end":
+                elif isinstance(message, wire.Ended):
                     break
     except Exception as exc:  # noqa: BLE001 - counted against the rate, the run goes on
         listener.error = listener.error or type(exc).__name__
@@ -261,8 +261,8 @@ async def steps_per_second(target: Target | str) -> float | None:
 
     target = Target.of(target)
     async with connect(target.url, additional_headers=target.headers) as ws:
-        hello = wire.decode(await ws.recv())
-    if not {"min_len", "max_len"} <= set(hello.get("options", ())):
+        hello = wire.Hello.read(await ws.recv())
+    if not {"min_len", "max_len"} <= set(hello.options):
         return None                                    # its text sets the length (Piper)
     steps = 20
     listener = Listener(started=time.monotonic(), speech_s=0.0)

@@ -82,7 +82,7 @@ class TTS(tts.TTS):
             raise APIConnectionError(f"cannot connect to vox-ws: {e}") from None
         except Exception as e:  # noqa: BLE001 - a refused handshake (401, 503) and the like
             raise APIConnectionError(f"cannot connect to vox-ws: {type(e).__name__}: {e}") from None
-        if self._opts.speech.word_timestamps and "word_timestamps" not in client.hello.get("features", ()):
+        if self._opts.speech.word_timestamps and "word_timestamps" not in client.server_hello.features:
             # No true timings from this engine: no aligned transcript rather than invented times.
             self._capabilities.aligned_transcript = False
         return client
@@ -117,7 +117,7 @@ class TTS(tts.TTS):
         await self._pool.aclose()
 
     def _words_wanted(self, client: Client) -> bool:
-        return self._opts.speech.word_timestamps and "word_timestamps" in client.hello.get("features", ())
+        return self._opts.speech.word_timestamps and "word_timestamps" in client.server_hello.features
 
 
 class ChunkedStream(tts.ChunkedStream):
@@ -137,7 +137,7 @@ class ChunkedStream(tts.ChunkedStream):
             with _api_errors():
                 stream = await client.start_stream(self._input_text,
                                                    self._opts.stream_fields(self._tts._words_wanted(client)))
-                async for message in stream.events():
+                async for message in stream.messages():
                     _emit(output_emitter, message)
                 output_emitter.flush()
         finally:
@@ -174,8 +174,8 @@ class SynthesizeStream(tts.SynthesizeStream):
 
                 async def receive() -> None:
                     started = False
-                    async for message in stream.events():
-                        if message["type"] in ("chunk", "words") and not started:
+                    async for message in stream.messages():
+                        if isinstance(message, (wire.AudioChunk, wire.Words)) and not started:
                             output_emitter.start_segment(segment_id=utils.shortuuid())
                             started = True
                         _emit(output_emitter, message)
@@ -205,12 +205,12 @@ def _api_errors() -> Iterator[None]:
         raise APIError(f"vox-ws {e.code}: {e.message}{hint}", retryable=e.retryable) from None
 
 
-def _emit(output_emitter: tts.AudioEmitter, message: dict[str, Any]) -> None:
-    if message["type"] == "chunk":
-        output_emitter.push(message["audio"])
-    elif message["type"] == "words":
+def _emit(output_emitter: tts.AudioEmitter, message: wire.ServerMessage) -> None:
+    if isinstance(message, wire.AudioChunk):
+        output_emitter.push(message.audio)
+    elif isinstance(message, wire.Words):
         output_emitter.push_timed_transcript([TimedString(w["word"] + " ", start_time=w["start_s"], end_time=w["end_s"])
-                                              for w in message["words"]])
+                                              for w in message.words])
 
 
 async def _release(tts_: TTS, client: Client, stream: Any) -> None:

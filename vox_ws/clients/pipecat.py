@@ -75,7 +75,8 @@ class VoxWSTTSService(WebsocketTTSService):
         self._url = url
         self._token = token
         self._speech = speech if speech is not None else wire.Speech(word_timestamps=True)
-        self.hello: dict[str, Any] | None = None
+        self.server_hello: wire.Hello | None = None   # what the server offers, once connected
+        self.hello: dict[str, Any] | None = None       # the same as a map, as older callers read it
         self._words = False                       # this server's engine gives true word timings
         self._open: set[str] = set()              # contexts with a live stream on this socket
         self._receive_task: asyncio.Task | None = None
@@ -114,13 +115,14 @@ class VoxWSTTSService(WebsocketTTSService):
                 return
             headers = {"Authorization": f"Bearer {self._token}"} if self._token else {}
             websocket = await self._websocket_connect(self._url, additional_headers=headers, max_size=None)
-            hello = wire.decode(await asyncio.wait_for(websocket.recv(), HELLO_TIMEOUT_S))
-            if hello.get("type") != "hello":
+            try:
+                hello = wire.Hello.read(await asyncio.wait_for(websocket.recv(), HELLO_TIMEOUT_S))
+            except ValueError as exc:
                 await websocket.close()
-                raise ConnectionError(f"expected the server's hello, got {hello.get('type')!r}")
+                raise ConnectionError(str(exc)) from None
             self._websocket = websocket
-            self.hello = hello
-            self._words = self._speech.word_timestamps and "word_timestamps" in hello.get("features", ())
+            self.server_hello, self.hello = hello, hello.to_map()
+            self._words = self._speech.word_timestamps and "word_timestamps" in hello.features
             # With true word timings, Pipecat builds the spoken text from them; without, from
             # its own sentence text frames.
             self._push_text_frames = not self._words
@@ -149,7 +151,7 @@ class VoxWSTTSService(WebsocketTTSService):
                 raise ConnectionError(f"cannot connect to {self._url}")
         try:
             async for data in self._websocket:
-                await self._handle_message(wire.decode(data))
+                await self._handle_message(wire.read(data))
         finally:
             await self._end_lost_contexts()
 
@@ -170,26 +172,25 @@ class VoxWSTTSService(WebsocketTTSService):
 
     # ------------------------------------------------------------------ server -> Pipecat
 
-    async def _handle_message(self, message: dict[str, Any]) -> None:
-        kind = message.get("type")
-        context_id = message.get("id")
-        if kind == "chunk":
+    async def _handle_message(self, message: wire.ServerMessage) -> None:
+        context_id = getattr(message, "id", None)
+        if isinstance(message, wire.AudioChunk):
             if self.audio_context_available(context_id):
                 await self.append_to_audio_context(context_id, TTSAudioRawFrame(
-                    audio=message["audio"], sample_rate=self.sample_rate,
+                    audio=message.audio, sample_rate=self.sample_rate,
                     num_channels=1, context_id=context_id))
-        elif kind == "words":
+        elif isinstance(message, wire.Words):
             if self.audio_context_available(context_id):
-                await self.add_word_timestamps([(w["word"], w["start_s"]) for w in message["words"]], context_id)
-        elif kind == "end":
+                await self.add_word_timestamps([(w["word"], w["start_s"]) for w in message.words], context_id)
+        elif isinstance(message, wire.Ended):
             self._open.discard(context_id)
-            if message.get("reason") == "cancelled":
-                await self._call_event_handler("on_heard", context_id, message.get("heard"))
+            if message.reason == "cancelled":
+                await self._call_event_handler("on_heard", context_id, message.heard)
             if self.audio_context_available(context_id):
                 await self.stop_ttfb_metrics()
                 await self.append_to_audio_context(context_id, TTSStoppedFrame(context_id=context_id))
                 await self.remove_audio_context(context_id)
-        elif kind == "error":
+        elif isinstance(message, wire.Error):
             if context_id in self._open or self.audio_context_available(context_id):
                 self._open.discard(context_id)
                 error = _describe_error(message)
@@ -250,6 +251,6 @@ class VoxWSTTSService(WebsocketTTSService):
         await super().on_audio_context_interrupted(context_id)
 
 
-def _describe_error(message: dict) -> str:
-    hint = message.get("retry_after_s")
-    return f"vox-ws {message.get('code')}: {message.get('message')}" + (f" (retry after {hint:g}s)" if hint else "")
+def _describe_error(message: wire.Error) -> str:
+    hint = message.retry_after_s
+    return f"vox-ws {message.code}: {message.message}" + (f" (retry after {hint:g}s)" if hint else "")

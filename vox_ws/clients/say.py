@@ -24,6 +24,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from .. import wire
 from ..audio import bytes_to_pcm, pcm_to_bytes
 from ..captions import CAPTION_FORMATS, cues_from_segments, cues_from_words, write_captions
 from .v1 import ProtocolViolation, Stream, VoxError, connect
@@ -202,8 +203,8 @@ async def say(args: Any) -> int:
         # finite number of seconds at or after 0, or out of order, a sample rate outside the
         # protocol's), and a server that says nothing for `--timeout` seconds is given up.
         async with connect(args.url, token=args.token, silence_timeout_s=args.timeout) as client:
-            features = client.hello.get("features", [])
-            limits = client.hello.get("limits")
+            features = client.server_hello.features
+            limits = client.server_hello.limits
             limit = limits.get("max_text_chars") if isinstance(limits, dict) else None
             if not isinstance(limit, int) or isinstance(limit, bool) or limit < 1:
                 raise ProtocolViolation(f"the server's hello has limits.max_text_chars {limit!r:.40}, "
@@ -211,10 +212,10 @@ async def say(args: Any) -> int:
             if not isinstance(features, list):
                 raise ProtocolViolation(f"the server's hello has features {features!r:.40}, not a list")
             timed_words = args.captions is not None and "word_timestamps" in features
-            wire = "f32" if player is not None else ("s16" if args.format == "wav" else args.format)
+            wire_format = "f32" if player is not None else ("s16" if args.format == "wav" else args.format)
             stream = await client.open_stream(
-                voice=args.voice, format=wire, sample_rate=args.sample_rate, segment_events=True, speed=args.speed,
-                instructions=args.instructions, word_timestamps=timed_words, language=args.language,
+                voice=args.voice, format=wire_format, sample_rate=args.sample_rate, segment_events=True,
+                speed=args.speed, instructions=args.instructions, word_timestamps=timed_words, language=args.language,
                 lookahead_s=PLAY_LOOKAHEAD_S if player is not None else None)
             rate = stream.sample_rate          # 8,000-48,000 Hz (v1.py checks it)
             if args.output:
@@ -228,27 +229,27 @@ async def say(args: Any) -> int:
             feeder = asyncio.create_task(_feed(stream, pieces(read_blocks(args.file, text), window), progress,
                                                window))
             try:
-                async for message in stream.events():
-                    kind = message["type"]
-                    if kind == "chunk":
-                        data = message["audio"]
+                async for message in stream.messages():
+                    if isinstance(message, wire.AudioChunk):
+                        data = message.audio
                         if player is not None:               # --play writes WAV only (check_args)
                             data = pcm_to_bytes(bytes_to_pcm(data, "f32"), "s16")
                             player.write(data)
                         if out is not None and data:
                             out.write(data)
-                    elif kind == "segment":
-                        segments.append((message["text"], message["start_s"], message["end_s"]))
-                        progress.spoke(message["text"], message["end_s"])
+                    elif isinstance(message, wire.Segment):
+                        segments.append((message.text, message.start_s, message.end_s))
+                        progress.spoke(message.text, message.end_s)
                         _advance(bar, progress)
-                    elif kind == "words":
-                        words += [(w["word"], w["start_s"], w["end_s"]) for w in message["words"]]
+                    elif isinstance(message, wire.Words):
+                        words += [(w["word"], w["start_s"], w["end_s"]) for w in message.words]
                         if words:
                             progress.audio_s = max(progress.audio_s, words[-1][2])
-                    elif kind == "end":
-                        progress.audio_s = message.get("audio_s", progress.audio_s)
+                    elif isinstance(message, wire.Ended):
+                        if message.audio_s is not None:
+                            progress.audio_s = message.audio_s
                         if out is not None:
-                            out.rewrite(message.get("rewrites"))
+                            out.rewrite(message.rewrites)
                 await feeder
             finally:
                 feeder.cancel()

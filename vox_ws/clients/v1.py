@@ -22,10 +22,12 @@ exception (`Busy`, `BadRequest`, ...), all subclasses of `VoxError`.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import math
 import random
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Awaitable, TypeVar
 
@@ -114,13 +116,21 @@ SAMPLE_RATES = (8000, 48000)
 _T = TypeVar("_T")
 
 
-def error_from(message: dict[str, Any]) -> VoxError:
-    if message.get("code") == "connection_lost":
-        return ConnectionLost(message.get("message", ""), message.get("id"), bool(message.get("retryable")),
-                              close_code=message.get("close_code"))
-    cls = ERRORS.get(message.get("code", ""), VoxError)
-    return cls(message.get("message", ""), message.get("id"), bool(message.get("retryable")),
-               message.get("retry_after_s"))
+@dataclass(frozen=True, kw_only=True)
+class _Lost(wire.Error):
+    """The `error` a client gives itself for what its server no longer says: the connection
+    closed (`close_code`), or the server broke the protocol."""
+
+    close_code: int | None = None
+
+
+def error_from(message: wire.Error) -> VoxError:
+    """An `error` as the exception of its code."""
+    text, retryable = message.message or "", bool(message.retryable)
+    if isinstance(message, _Lost) and message.code == ConnectionLost.code:
+        return ConnectionLost(text, message.id, retryable, close_code=message.close_code)
+    cls = ERRORS.get(message.code or "", VoxError)
+    return cls(text, message.id, retryable, message.retry_after_s)
 
 
 class Stream:
@@ -137,7 +147,8 @@ class Stream:
         self.segments: list[dict[str, Any]] = []
         self.words: list[dict[str, Any]] = []       # with word_timestamps: {word, start_s, end_s, estimated?}
         self.description: bytes | None = None       # opus_packets: the OpusHead
-        self._queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+        # Each message as its class (to act on) and as the map the server sent (to hand on).
+        self._queue: asyncio.Queue[tuple[wire.ServerMessage, dict[str, Any]]] = asyncio.Queue()
         self._start_reply: asyncio.Future = asyncio.get_running_loop().create_future()
         self._flushed: list[asyncio.Future] = []
 
@@ -181,70 +192,81 @@ class Stream:
 
     async def _audio(self) -> AsyncIterator[bytes]:
         while True:
-            message = await self.client._heard(self._queue.get())
-            kind = message["type"]
-            if kind == "chunk":
-                if "packets" in message:
-                    if "description" in message:
-                        self.description = message["description"]
-                    for packet in message["packets"]:
+            message, _ = await self.client._heard(self._queue.get())
+            if isinstance(message, wire.AudioChunk):
+                if message.packets is not None:
+                    if message.description is not None:
+                        self.description = message.description
+                    for packet in message.packets:
                         yield packet
                 else:
-                    yield message["audio"]
-            elif kind == "end":
+                    yield message.audio
+            elif isinstance(message, wire.Ended):
                 return
-            elif kind == "error":
+            elif isinstance(message, wire.Error):
                 raise error_from(message)
 
     async def events(self) -> AsyncIterator[dict[str, Any]]:
         """Every message of the stream after `start`, in order (`chunk`, `words`, `segment`,
-        `flushed`, then `end`), as the server sent it; an `error` is raised. Use either this or
-        iteration for the audio, not both."""
-        while True:
-            message = await self.client._heard(self._queue.get())
-            if message["type"] == "error":
-                raise error_from(message)
+        `flushed`, then `end`), as the server sent it; an `error` is raised. Use either this,
+        `messages()` or iteration for the audio, only one."""
+        async for _, sent in self._arrivals():
+            yield sent
+
+    async def messages(self) -> AsyncIterator[wire.ServerMessage]:
+        """`events()` as `wire`'s classes (`wire.AudioChunk`, `wire.Words`, ..., `wire.Ended`;
+        `wire.Unknown` for a type this client does not know), to dispatch on."""
+        async for message, _ in self._arrivals():
             yield message
-            if message["type"] == "end":
+
+    async def _arrivals(self) -> AsyncIterator[tuple[wire.ServerMessage, dict[str, Any]]]:
+        while True:
+            message, sent = await self.client._heard(self._queue.get())
+            if isinstance(message, wire.Error):
+                raise error_from(message)
+            yield message, sent
+            if isinstance(message, wire.Ended):
                 return
 
     async def read_all(self) -> bytes:
         return b"".join([chunk async for chunk in self])
 
-    def _deliver(self, message: dict[str, Any]) -> None:
-        kind = message["type"]
-        if kind == "start":
-            self.started = message
+    def _deliver(self, message: wire.ServerMessage, sent: dict[str, Any]) -> None:
+        """`message` (the map `sent`) for this stream, as it arrived."""
+        if isinstance(message, wire.Started):
+            self.started = sent
             if not self._start_reply.done():
-                self._start_reply.set_result(message)
+                self._start_reply.set_result(sent)
             return
-        if kind == "segment":
-            self.segments.append(message)
-        elif kind == "words":
-            self.words.extend(message["words"])
-        elif kind == "flushed":
+        if isinstance(message, wire.Segment):
+            self.segments.append(sent)
+        elif isinstance(message, wire.Words):
+            self.words.extend(message.words)
+        elif isinstance(message, wire.Flushed):
             if self._flushed:
-                self._flushed.pop(0).set_result(message)
-        if kind == "end":
-            self.ended = message
-        if kind == "error" and not self._start_reply.done():
+                self._flushed.pop(0).set_result(sent)
+        elif isinstance(message, wire.Ended):
+            self.ended = sent
+        if isinstance(message, wire.Error) and not self._start_reply.done():
             self._start_reply.set_exception(error_from(message))
-        if kind in ("end", "error"):
+        if isinstance(message, (wire.Ended, wire.Error)):
             self.finished = True
             for waiter in self._flushed:
                 if not waiter.done():
-                    waiter.set_exception(error_from(message) if kind == "error" else
-                                         ConnectionLost("the stream ended before the flush completed", self.id))
-        self._queue.put_nowait(message)
+                    waiter.set_exception(
+                        error_from(message) if isinstance(message, wire.Error) else
+                        ConnectionLost("the stream ended before the flush completed", self.id))
+        self._queue.put_nowait((message, sent))
 
 
 class Client:
     """One connection. Use `connect()` to make one."""
 
-    def __init__(self, ws: ClientConnection, hello: dict[str, Any],
+    def __init__(self, ws: ClientConnection, hello: wire.Hello,
                  silence_timeout_s: float | None = SILENCE_TIMEOUT_S) -> None:
         self.ws = ws
-        self.hello = hello
+        self.server_hello = hello                 # what the server offers (`wire.Hello.read`)
+        self.hello = hello.to_map()               # the same as a map, as older callers read it
         self.silence_timeout_s = silence_timeout_s
         self._heard_at = asyncio.get_running_loop().time()     # the server's last message
         self._violation: str | None = None                      # what the server sent that v1 forbids
@@ -256,7 +278,7 @@ class Client:
 
     @property
     def sample_rate(self) -> int:
-        return self.hello["sample_rate"]
+        return self.server_hello.sample_rate
 
     # Every way to speak takes a `wire.Speech` and/or its fields by name (voice, format,
     # sample_rate, speed, volume, language, instructions, markup, options, pronunciations,
@@ -372,34 +394,34 @@ class Client:
         try:
             async for data in self.ws:
                 self._heard_at = asyncio.get_running_loop().time()
-                message, self._violation = _checked(data, self._streams)
+                message, sent, self._violation = _checked(data, self._streams)
                 if self._violation is not None:
                     # Nothing more it says is believed: every waiter is told what it sent now,
                     # not after a close handshake such a server may never finish.
                     self._closing = asyncio.ensure_future(self.ws.close(1002, "protocol error"))
                     break
-                target = message.get("id")
+                target = sent.get("id")
                 if target in self._requests:
                     future = self._requests.pop(target)
-                    if message["type"] == "error":
+                    if isinstance(message, wire.Error):
                         future.set_exception(error_from(message))
                     else:
-                        future.set_result(message)
+                        future.set_result(sent)
                 elif target in self._streams:
                     stream = self._streams[target]
-                    stream._deliver(message)
-                    if message["type"] in ("end", "error"):
+                    stream._deliver(message, sent)
+                    if isinstance(message, (wire.Ended, wire.Error)):
                         del self._streams[target]
         finally:
-            code = self.ws.close_code or 1006
-            lost = {"type": "error", "code": "connection_lost", "retryable": code in RECONNECT_CLOSE_CODES,
-                    "message": f"connection closed ({code} {self.ws.close_reason or ''})".rstrip(),
-                    "close_code": code}
+            code = self.ws.close_code or wire.CLOSE_ABNORMAL
+            lost = _Lost(code=ConnectionLost.code, retryable=code in RECONNECT_CLOSE_CODES,
+                         message=f"connection closed ({code} {self.ws.close_reason or ''})".rstrip(),
+                         close_code=code)
             if self._violation is not None:
-                lost = {"type": "error", "code": ProtocolViolation.code, "retryable": False,
-                        "message": self._violation}
+                lost = _Lost(code=ProtocolViolation.code, retryable=False, message=self._violation)
             for stream in self._streams.values():
-                stream._deliver({**lost, "id": stream.id})
+                stream_lost = dataclasses.replace(lost, id=stream.id)
+                stream._deliver(stream_lost, stream_lost.to_map())
             for future in self._requests.values():
                 if not future.done():
                     future.set_exception(error_from(lost))
@@ -410,34 +432,33 @@ ERRORS[ProtocolViolation.code] = ProtocolViolation
 ERRORS[ServerSilent.code] = ServerSilent
 
 
-def _checked(data: Any, streams: dict[str, Stream]) -> tuple[Any, str | None]:
-    """A frame's message, and what in it protocol v1 forbids, if anything (the numbers a client
-    computes with: times, sample rates, audio), said as what the server sent."""
+def _checked(data: Any, streams: dict[str, Stream]) -> tuple[Any, dict[str, Any], str | None]:
+    """A frame's message (as its class, and as the map sent), and what in it protocol v1
+    forbids, if anything (the numbers a client computes with: times, sample rates, audio), said
+    as what the server sent."""
     try:
-        message = wire.decode(data) if isinstance(data, bytes) else None
-    except Exception:  # noqa: BLE001 - whatever msgpack makes of garbage
-        message = None
-    if not isinstance(message, dict) or not isinstance(message.get("type"), str):
-        return None, f"the server sent a frame that is no protocol v1 message: {data!r:.60}"
-    stream = streams.get(message.get("id")) if isinstance(message.get("id"), str) else None
+        sent = wire.decode(data) if isinstance(data, bytes) else None
+        message = wire.server_message(sent)
+    except Exception:  # noqa: BLE001 - whatever msgpack makes of garbage, or no v1 message
+        return None, {}, f"the server sent a frame that is no protocol v1 message: {data!r:.60}"
+    stream = streams.get(sent.get("id")) if isinstance(sent.get("id"), str) else None
     if stream is None:
-        return message, None
-    kind = message["type"]
+        return message, sent, None
     problem = None
-    if kind == "start":
-        rate = message.get("sample_rate")
+    if isinstance(message, wire.Started):
+        rate = message.sample_rate
         if not _int(rate) or not SAMPLE_RATES[0] <= rate <= SAMPLE_RATES[1]:
             problem = "a sample rate of %r Hz, outside the protocol's %d-%d" % (rate, *SAMPLE_RATES)
-    elif kind == "chunk":
-        if not isinstance(message.get("audio", b""), bytes) or not all(
-                isinstance(p, bytes) for p in message.get("packets", ()) or ()):
+    elif isinstance(message, wire.AudioChunk):
+        if not isinstance(sent.get("audio", b""), bytes) or not all(
+                isinstance(p, bytes) for p in message.packets or ()):
             problem = "audio that is not bytes"
-    elif kind == "segment":
+    elif isinstance(message, wire.Segment):
         before = stream.segments[-1]["start_s"] if stream.segments else 0.0
-        text = message.get("text")
-        problem = _times_problem(message, before) if isinstance(text, str) else f"a text of {text!r:.40}"
-    elif kind == "words":
-        words = message.get("words")
+        text = message.text
+        problem = _times_problem(sent, before) if isinstance(text, str) else f"a text of {text!r:.40}"
+    elif isinstance(message, wire.Words):
+        words = message.words
         if not isinstance(words, list):
             problem = f"words of {words!r:.40}"
         else:
@@ -448,13 +469,13 @@ def _checked(data: Any, streams: dict[str, Stream]) -> tuple[Any, str | None]:
                 if problem:
                     break
                 before = word["start_s"]
-    elif kind == "end" and "audio_s" in message:
-        audio_s = message["audio_s"]
+    elif isinstance(message, wire.Ended) and "audio_s" in sent:
+        audio_s = message.audio_s
         if not _seconds(audio_s):
             problem = f"audio_s {audio_s!r}, not a time in seconds (finite, at least 0)"
     if problem is None:
-        return message, None
-    return message, f"the server's {kind} for stream {stream.id} has {problem}"
+        return message, sent, None
+    return message, sent, f"the server's {sent['type']} for stream {stream.id} has {problem}"
 
 
 def _int(value: Any) -> bool:
@@ -483,7 +504,7 @@ def _times_problem(item: dict[str, Any], not_before: float) -> str | None:
 # Close codes (and handshake statuses) that mean "this server cannot serve you now: connect
 # again", which behind a balancer lands on another server: going away, abnormal closure (the
 # server died), the engine failed, service restart (draining), try again later (full).
-RECONNECT_CLOSE_CODES = frozenset({1001, 1006, 1011, 1012, 1013})
+RECONNECT_CLOSE_CODES = wire.RECONNECT_CLOSE_CODES
 RECONNECT_STATUSES = frozenset({502, 503, 504})
 # The longest wait before a retry, whatever the server asks.
 MAX_RETRY_WAIT_S = 30.0
@@ -562,7 +583,7 @@ async def open_client(url: str = "ws://127.0.0.1:8765/v1/stream", *, token: str 
             try:
                 return await _greeted(ws, silence_timeout_s)
             except ConnectionClosed as exc:
-                code = exc.rcvd.code if exc.rcvd else 1006
+                code = exc.rcvd.code if exc.rcvd else wire.CLOSE_ABNORMAL
                 if code not in RECONNECT_CLOSE_CODES or attempt == retries:
                     raise ConnectionLost(f"closed before hello ({code} {exc.rcvd.reason if exc.rcvd else ''})",
                                          retryable=code in RECONNECT_CLOSE_CODES, close_code=code) from None
@@ -582,11 +603,9 @@ async def _greeted(ws: ClientConnection, silence_timeout_s: float | None = SILEN
         raise ServerSilent(f"the server accepted the connection and said nothing for {silence_timeout_s:g} s "
                            "(no hello)") from None
     try:
-        hello = wire.decode(data) if isinstance(data, bytes) else data
-    except Exception:  # noqa: BLE001 - whatever msgpack makes of garbage
-        hello = data
-    if not isinstance(hello, dict) or hello.get("type") != "hello":
-        raise ProtocolViolation(f"expected the server's hello, got {hello!r:.80}")
+        hello = wire.Hello.read(data)
+    except ValueError as exc:
+        raise ProtocolViolation(str(exc)) from None
     return Client(ws, hello, silence_timeout_s)
 
 

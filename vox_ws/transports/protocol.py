@@ -17,6 +17,7 @@ from typing import Any, Mapping
 
 import msgpack
 
+from .. import wire
 from ..codecs import OUTPUT_FORMATS
 from ..config import Limits
 from ..engine import VOICE_MODES, ErrorKind, OptionSpec, Refused, type_name
@@ -383,49 +384,37 @@ def chunk_message(sid: str, audio: Audio) -> dict[str, Any]:
     """A `chunk`: the audio bytes, or for `opus_packets` the packets, their durations (µs) and,
     on the first chunk, the codec description and pre-skip."""
     if not audio.packets:
-        return {"type": "chunk", "id": sid, "seq": audio.seq, "audio": audio.data}
-    message = {"type": "chunk", "id": sid, "seq": audio.seq, "packets": list(audio.packets),
-               "durations_us": list(audio.durations_us)}
-    if audio.description is not None:
-        message["description"] = audio.description
-        message["pre_skip"] = audio.pre_skip
-    return message
+        return wire.AudioChunk(id=sid, seq=audio.seq, audio=audio.data).to_map()
+    first = audio.description is not None
+    return wire.AudioChunk(id=sid, seq=audio.seq, packets=list(audio.packets),
+                           durations_us=list(audio.durations_us), description=audio.description,
+                           pre_skip=audio.pre_skip if first else None).to_map()
 
 
 def error_message(err: ProtocolError) -> dict[str, Any]:
-    msg: dict[str, Any] = {"type": "error", "code": err.code, "message": err.message, "retryable": err.retryable}
-    if err.stream_id is not None:
-        msg["id"] = err.stream_id
-    if err.retry_after_s is not None:
-        msg["retry_after_s"] = err.retry_after_s
-    return msg
+    return wire.Error(code=err.code, message=err.message, retryable=err.retryable, id=err.stream_id,
+                      retry_after_s=err.retry_after_s).to_map()
 
 
-def start_message(sid: str, sample_rate: int, audio_format: str, queued: int, ignored: list[str]) -> dict[str, Any]:
+def start_message(sid: str, sample_rate: int, audio_format: str, queued: int,
+                  ignored: list[str]) -> dict[str, Any]:
     """The reply to `start`: the stream's audio, its place in the queue, what it ignores."""
-    message: dict[str, Any] = {"type": "start", "id": sid, "sample_rate": sample_rate, "format": audio_format,
-                               "channels": 1}
-    if queued:
-        message["queued"] = queued
-    if ignored:
-        message["ignored_options"] = ignored
-    return message
+    return wire.Started(id=sid, sample_rate=sample_rate, format=audio_format, queued=queued or None,
+                        ignored_options=ignored or None).to_map()
 
 
 def reply_message(kind: str, result: dict[str, Any], request_id: str | None) -> dict[str, Any]:
     """The answer to a request that belongs to no stream (`voice`, `voice_delete`, `voice_update`,
-    `voice_admin`, `lora`), carrying the request's `id` where it had one."""
-    message = {"type": kind, **result}
-    if request_id is not None:
-        message["id"] = request_id
-    return message
+    `voice_admin`, `lora`), carrying the request's `id` where it had one. A result's field the
+    reply's class lacks is a TypeError: the class and PROTOCOL.md name every field."""
+    return wire.SERVER_MESSAGES[kind](**result, id=request_id).to_map()
 
 
 def timed_words(event: Words) -> list[dict[str, Any]]:
     """A `words` message's words; `estimated` only on a word the aligner placed between its
     neighbours rather than heard."""
-    return [{"word": w.word, "start_s": w.start_s, "end_s": w.end_s, **({"estimated": True} if w.estimated else {})}
-            for w in event.words]
+    return [{"word": w.word, "start_s": w.start_s, "end_s": w.end_s,
+             **({"estimated": True} if w.estimated else {})} for w in event.words]
 
 
 def event_message(sid: str, event: Event) -> dict[str, Any]:
@@ -434,20 +423,20 @@ def event_message(sid: str, event: Event) -> dict[str, Any]:
     if isinstance(event, Audio):
         return chunk_message(sid, event)
     if isinstance(event, Segment):
-        return {"type": "segment", "id": sid, "index": event.index, "text": event.text, "start_s": event.start_s,
-                "end_s": event.end_s}
+        return wire.Segment(id=sid, index=event.index, text=event.text, start_s=event.start_s,
+                            end_s=event.end_s).to_map()
     if isinstance(event, Words):
-        return {"type": "words", "id": sid, "words": timed_words(event)}
+        return wire.Words(id=sid, words=timed_words(event)).to_map()
     if isinstance(event, Phonemes):
-        return {"type": "phonemes", "id": sid, "phonemes": [
-            {"phoneme": ph.phoneme, "start_s": ph.start_s, "end_s": ph.end_s} for ph in event.phonemes]}
+        phonemes = [{"phoneme": ph.phoneme, "start_s": ph.start_s, "end_s": ph.end_s}
+                    for ph in event.phonemes]
+        return wire.Phonemes(id=sid, phonemes=phonemes).to_map()
     if isinstance(event, Flushed):
-        return {"type": "flushed", "id": sid, "audio_s": event.audio_s}
+        return wire.Flushed(id=sid, audio_s=event.audio_s).to_map()
     if isinstance(event, Ended):
-        end = {"type": "end", "id": sid, "reason": event.reason.value, **event.stats}
-        if event.rewrites:                    # `flac`, `wav`: the header, now the length is known
-            end["rewrites"] = [[offset, data] for offset, data in event.rewrites]
-        return end
+        # `flac`, `wav`: the header's rewrites, now the length is known
+        rewrites = [[offset, data] for offset, data in event.rewrites] or None
+        return wire.Ended(id=sid, reason=event.reason.value, **event.stats, rewrites=rewrites).to_map()
     assert isinstance(event, Failed), event
     return error_message(ProtocolError(code_for(event.kind), event.message, sid, event.retry_after_s))
 
@@ -473,22 +462,21 @@ def hello_message(state: ServerState) -> dict[str, Any]:
     """The `hello` a connection is greeted with: what this server and its engine offer."""
     service = state.service
     engine = service.engine
-    return {
-        "type": "hello",
-        "protocol": PROTOCOL_VERSION,
-        "server": state.server_name,
-        "status": service.devices.status,
-        "engine": engine.name,
-        "model": model_id(engine.model),
-        "sample_rate": engine.sample_rate,
-        "formats": list(OUTPUT_FORMATS),
-        "voices": service.voices.listed(),
-        "aliases": sorted(service.voices.aliases()),
-        "languages": list(engine.languages),
-        "options": sorted(engine.honoured_options),
-        "slots": service.devices.slots,
-        "step_rows": service.devices.step_rows,
-        "features": state.features(),
-        "limits": state.limits.as_dict(),
-        **({"notice": engine.notice} if engine.notice else {}),
-    }
+    return wire.Hello(
+        protocol=PROTOCOL_VERSION,
+        server=state.server_name,
+        status=service.devices.status,
+        engine=engine.name,
+        model=model_id(engine.model),
+        sample_rate=engine.sample_rate,
+        formats=list(OUTPUT_FORMATS),
+        voices=service.voices.listed(),
+        aliases=sorted(service.voices.aliases()),
+        languages=list(engine.languages),
+        options=sorted(engine.honoured_options),
+        slots=service.devices.slots,
+        step_rows=service.devices.step_rows,
+        features=state.features(),
+        limits=state.limits.as_dict(),
+        notice=engine.notice or None,
+    ).to_map()
