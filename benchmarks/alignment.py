@@ -94,8 +94,8 @@ async def piper_speech(url: str, text: str) -> tuple[np.ndarray, int, list[tuple
     """Piper's audio (float, its own rate) and its own word times for one sentence."""
     async with websockets.connect(url, max_size=None) as ws:
         await ws.recv()
-        await ws.send(wire.encode(wire.start_frame("a", text=text, format="s16", word_timestamps=True,
-                                                   options=STILL)))
+        await ws.send(wire.encode(wire.Start(id="a", text=text, format="s16", word_timestamps=True,
+                                             options=STILL)))
         audio, words, rate = [], [], 0
         while True:
             message = wire.read(await ws.recv())

@@ -67,7 +67,7 @@ async def crash_text(port: int, until: float) -> None:
     while time.monotonic() < until:
         ws = await _ws(port)
         for text in ("a." * 100, "b." * 100, "A.B." * 50):
-            await ws.send(msgpack.packb({"type": "start", "text": text}))
+            await ws.send(wire.encode(wire.Start(text=text)))
             while not isinstance(wire.read(await ws.recv()), (wire.Ended, wire.Error)):
                 pass
         await ws.close()
@@ -114,7 +114,7 @@ async def _uploads(port: int, until: float, audio: bytes, parallel: int) -> None
         n = 0
         while time.monotonic() < until:
             n += 1
-            await ws.send(msgpack.packb({"type": "voice", "id": f"v{n}", "audio": audio}))
+            await ws.send(wire.encode(wire.Voice(audio, id=f"v{n}")))
             while msgpack.unpackb(await ws.recv()).get("id") != f"v{n}":
                 pass
         await ws.close()
@@ -136,7 +136,7 @@ async def dense_text(port: int, until: float) -> None:
     async def one() -> None:
         ws = await _ws(port)
         while time.monotonic() < until:
-            await ws.send(msgpack.packb({"type": "start", "text": CJK_240, "format": "s16"}))
+            await ws.send(wire.encode(wire.Start(text=CJK_240, format="s16")))
             while not isinstance(wire.read(await ws.recv()), (wire.Ended, wire.Error)):
                 pass
         await ws.close()
@@ -150,8 +150,7 @@ async def hostile_normalize(port: int, until: float) -> None:
     n = 0
     while time.monotonic() < until:
         n += 1
-        await ws.send(msgpack.packb({"type": "start", "text": texts[n % 3], "options": {"normalize": True,
-                                                                                        "max_len": 4}}))
+        await ws.send(wire.encode(wire.Start(text=texts[n % 3], options={"normalize": True, "max_len": 4})))
         while not isinstance(wire.read(await ws.recv()), (wire.Ended, wire.Error)):
             pass
     await ws.close()
@@ -175,7 +174,7 @@ async def slot_hog(port: int, until: float) -> None:
     for _ in range(9):
         ws = await _ws(port)
         for n in range(8):
-            await ws.send(msgpack.packb({"type": "start", "id": f"h{n}", "text": LONG_TEXT}))
+            await ws.send(wire.encode(wire.Start(id=f"h{n}", text=LONG_TEXT)))
         sockets.append(asyncio.create_task(_drain_forever(ws)))
         await asyncio.sleep(0.2)
     await asyncio.sleep(max(0.0, until - time.monotonic()))
@@ -229,7 +228,7 @@ async def non_readers(port: int, until: float) -> None:
     for _ in range(8):
         ws = await connect(f"ws://127.0.0.1:{port}/v1/stream", sock=_reader_of_nothing(port), max_queue=1,
                            max_size=None)
-        await ws.send(msgpack.packb({"type": "start", "text": LONG_TEXT, "format": "f32"}))
+        await ws.send(wire.encode(wire.Start(text=LONG_TEXT, format="f32")))
         held.append(ws)
     await asyncio.sleep(max(0.0, until - time.monotonic()))
     for ws in held:
@@ -419,8 +418,7 @@ async def victim(port: int, until: float, seen: Observed, engine: str) -> None:
             async with ws:
                 while time.monotonic() < until:
                     sent = time.monotonic()
-                    await ws.send(msgpack.packb({"type": "start", "text": VICTIM_TEXT, "format": "s16",
-                                                 "options": options}))
+                    await ws.send(wire.encode(wire.Start(text=VICTIM_TEXT, format="s16", options=options)))
                     last = None
                     while True:
                         message = wire.read(await asyncio.wait_for(ws.recv(), 60))

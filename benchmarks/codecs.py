@@ -45,9 +45,7 @@ async def _speak(url: str, text: str, fmt: str,
 
     async with connect(url, max_size=None, compression=None) as ws:
         wire.Hello.read(await ws.recv())
-        start = {"type": "start", "id": "s", "text": text, "format": fmt}
-        if rate:
-            start["sample_rate"] = rate
+        start = wire.Start(id="s", text=text, format=fmt, sample_rate=rate or None)
         sent = time.monotonic()
         await ws.send(wire.encode(start))
         first = None

@@ -53,11 +53,11 @@ async def v1(url: str, stream_input: bool = False) -> float:
         wire.Hello.read(await ws.recv())
         sent = time.monotonic()
         if stream_input:
-            await ws.send(wire.encode(wire.start_frame("s", stream_input=True, format="s16", sample_rate=RATE)))
-            await ws.send(wire.encode(wire.text_frame("s", TEXT)))
-            await ws.send(wire.encode(wire.end_frame("s")))
+            await ws.send(wire.encode(wire.Start(id="s", stream_input=True, format="s16", sample_rate=RATE)))
+            await ws.send(wire.encode(wire.Chunk("s", TEXT)))
+            await ws.send(wire.encode(wire.End("s")))
         else:
-            await ws.send(wire.encode(wire.start_frame("s", text=TEXT, format="s16", sample_rate=RATE)))
+            await ws.send(wire.encode(wire.Start(id="s", text=TEXT, format="s16", sample_rate=RATE)))
         first = None
         while True:
             message = wire.read(await ws.recv())
@@ -245,12 +245,12 @@ async def v1_interruption(url: str) -> dict[str, float]:
 
     async with connect(url, max_size=None, compression=None) as ws:
         wire.Hello.read(await ws.recv())
-        await ws.send(wire.encode(wire.start_frame("s", text=LONG, format="s16", sample_rate=RATE)))
+        await ws.send(wire.encode(wire.Start(id="s", text=LONG, format="s16", sample_rate=RATE)))
         while not isinstance(wire.read(await ws.recv()), wire.AudioChunk):
             pass
         await asyncio.sleep(0.3)
         cancelled = time.monotonic()
-        await ws.send(wire.encode(wire.cancel_frame("s")))
+        await ws.send(wire.encode(wire.Cancel("s")))
         last = cancelled
         while True:
             message = wire.read(await ws.recv())

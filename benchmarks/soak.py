@@ -61,13 +61,14 @@ async def one_stream(url: str, behaviour: str, rng: random.Random, tally: Tally)
     async with connect(url, max_size=None, open_timeout=30) as ws:
         wire.Hello.read(await asyncio.wait_for(ws.recv(), 30))
         if behaviour == "garbage":
-            for frame in (b"\xc1", "text", msgpack.packb([1]), msgpack.packb({"type": "start", "id": 5})):
+            not_an_id = wire.encode({**wire.Start().to_map(), "id": 5})      # a start whose id is no string
+            for frame in (b"\xc1", "text", msgpack.packb([1]), not_an_id):
                 await ws.send(frame)
                 reply = wire.read(await asyncio.wait_for(ws.recv(), 30))
                 tally.errors[reply.code if isinstance(reply, wire.Error) else "?"] += 1
         sent = time.monotonic()
         text = LONG_TEXT if behaviour in ("cancel", "slow") else rng.choice(TEXTS)
-        await ws.send(wire.encode(wire.start_frame("s", text=text, format="s16")))
+        await ws.send(wire.encode(wire.Start(id="s", text=text, format="s16")))
         expected_seq = 0
         while True:
             message = wire.read(await asyncio.wait_for(ws.recv(), 300))
@@ -79,7 +80,7 @@ async def one_stream(url: str, behaviour: str, rng: random.Random, tally: Tally)
                 if expected_seq == 1:
                     tally.first_audio_ms.append((time.monotonic() - sent) * 1000)
                     if behaviour == "cancel":
-                        await ws.send(wire.encode(wire.cancel_frame("s")))
+                        await ws.send(wire.encode(wire.Cancel("s")))
                     elif behaviour == "disconnect":
                         tally.outcomes["disconnected"] += 1
                         return

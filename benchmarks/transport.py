@@ -77,7 +77,7 @@ async def _client(url: str, level: Level, until: float, measuring: list[bool]) -
             n += 1
             sid = f"s{n}"
             sent = time.monotonic()
-            await ws.send(wire.encode(wire.start_frame(sid, text=TEXT, format="f32")))
+            await ws.send(wire.encode(wire.Start(id=sid, text=TEXT, format="f32")))
             first = True
             while True:
                 message = wire.read(await ws.recv())

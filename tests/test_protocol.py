@@ -26,17 +26,33 @@ def refused(obj_or_bytes) -> p.ProtocolError:
 
 def test_start_defaults():
     start = parse({"type": "start", "text": "hi"})
-    assert start == p.Start(id=None, request=StreamRequest("hi", voice=None, options={},
-                                                           output=AudioOutput("f32", sample_rate=None)))
+    assert start == p.Start(text="hi")
+    assert p.stream_request(start) == StreamRequest("hi", voice=None, options={},
+                                                    output=AudioOutput("f32", sample_rate=None))
 
 
 def test_start_with_everything():
     start = parse({"type": "start", "id": "a", "text": "hi", "voice": "joe", "format": "s16", "sample_rate": 8000,
                    "options": {"cfg_value": 2, "inference_timesteps": 10.0, "seed": 7, "normalize": True}})
-    options = start.request.options
-    assert options == {"cfg_value": 2.0, "inference_timesteps": 10, "seed": 7, "normalize": True}
-    assert isinstance(options["cfg_value"], float) and isinstance(options["inference_timesteps"], int)
-    assert start.request.voice == "joe" and start.request.output == AudioOutput("s16", 8000)
+    request = p.stream_request(start)
+    assert start.options == request.options == {"cfg_value": 2.0, "inference_timesteps": 10, "seed": 7,
+                                                "normalize": True}
+    assert isinstance(start.options["cfg_value"], float)
+    assert isinstance(start.options["inference_timesteps"], int)
+    assert request.voice == "joe" and request.output == AudioOutput("s16", 8000)
+
+
+def test_a_start_is_read_for_the_service():
+    """`stream_request` is the server's reading of a start: the speaker joined to the voice,
+    an empty text of streamed input none, empty instructions none, pronunciations as entries."""
+    start = parse({"type": "start", "id": "a", "text": "", "stream_input": True, "voice": "joe", "speaker": 1,
+                   "instructions": "", "lang_code": "de",
+                   "pronunciations": [{"match": "SQL", "say": "sequel"}]})
+    assert (start.speaker, start.language, start.text) == (1, "de", "")
+    request = p.stream_request(start)
+    assert (request.voice, request.text, request.instructions) == ("joe:1", None, None)
+    assert request.language == "de"
+    assert [entry.say for entry in request.pronunciations] == ["sequel"]
 
 
 @pytest.mark.parametrize("frame, code", [
@@ -102,7 +118,8 @@ def test_errors_carry_a_valid_stream_id_only():
 
 def test_stream_input_start_needs_no_text():
     start = parse({"type": "start", "id": "a", "stream_input": True})
-    assert start.request.input_streaming and start.request.text is None
+    request = p.stream_request(start)
+    assert start.stream_input and request.input_streaming and request.text is None
 
 
 def test_other_messages():
@@ -179,10 +196,11 @@ def test_the_wire_imports_nothing_of_the_server_and_the_server_keeps_its_codes()
     # Retryable on the wire is what the service says is retryable, and a client's flooding.
     assert wire.RETRYABLE == {p.code_for(kind) for kind in ErrorKind if kind.retryable} | {wire.RATE_LIMITED}
     assert set(wire.ERROR_CODES) >= {p.code_for(kind) for kind in ErrorKind}
-    # The frames a client sends are the ones the server reads.
+    # The messages a client sends are the ones the server reads (every one: tests/test_wire.py).
     from vox_ws.config import Limits
 
-    for frame in (wire.start_frame("s", text="Hi.", voice=None, format="s16"), wire.text_frame("s", "more"),
-                  wire.flush_frame("s"), wire.end_frame("s"), wire.cancel_frame("s")):
-        assert p.decode_frame(wire.encode(frame), Limits()) == frame
-    assert "voice" not in wire.start_frame("s", voice=None)
+    for message in (wire.Start(id="s", text="Hi.", voice=None, format="s16"), wire.Chunk("s", "more"),
+                    wire.Flush("s"), wire.End("s"), wire.Cancel("s")):
+        assert p.decode_frame(wire.encode(message), Limits()) == message.to_map()
+        assert p.parse_message(message.to_map(), Limits(), {}) == message
+    assert "voice" not in wire.Start(id="s", voice=None).to_map()

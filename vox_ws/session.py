@@ -195,7 +195,7 @@ class Session:
                 p.TOO_MANY_STREAMS, f"{len(self.streams)} streams open, max_streams={self.limits.max_streams}", sid
             )
         try:
-            stream = self.service.open_stream(start.request, owners=self._owners,
+            stream = self.service.open_stream(p.stream_request(start), owners=self._owners,
                                               log_fields={"session": self.number, "id": sid})
         except Refused as err:
             raise p.ProtocolError.from_refused(err, sid) from None
@@ -206,7 +206,7 @@ class Session:
 
     def _on_input(self, message: p.Chunk | p.End | p.Flush, kind: str) -> None:
         entry = self._open(message.id)
-        if not entry.start.request.input_streaming:
+        if not entry.start.stream_input:
             raise p.ProtocolError(p.BAD_REQUEST, f"'{kind}' needs a stream started with stream_input: true",
                                   message.id)
         if entry.stream.input_closed:

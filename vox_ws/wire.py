@@ -1,17 +1,18 @@
 """Protocol v1's shared vocabulary, for both sides of the socket: the error and close codes, the
-frames a client sends, and the one frame encoding (a msgpack map per binary frame).
+messages a client sends, and the one frame encoding (a msgpack map per binary frame).
 
-It imports nothing of the server, so a client (`client.py`, the framework integrations, the
-benchmarks) loads this and no stream service, engine loop or engine; the server's door
-(`transports/protocol.py`) takes its codes from here and adds what only a server does (parsing
-and checking a client's frames, its own replies). docs/PROTOCOL.md is the reference.
+It imports nothing of the server, so a client (`vox_ws/clients/v1.py`, the framework integrations,
+the benchmarks) loads this and no stream service, engine loop or engine; the server's door
+(`transports/protocol.py`) takes its codes and messages from here and adds what only a server
+does (checking a client's messages against its limits, its own replies). docs/PROTOCOL.md is the
+reference.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Mapping, Union
+from typing import Any, ClassVar, Mapping, TypeVar, Union
 
 import msgpack
 
@@ -51,13 +52,15 @@ CLOSE_TOO_MANY_FROM_ADDRESS = 4029  # too many connections from this client addr
 
 MAX_ID_CHARS = 128
 
-# A `lora` message's operations.
+# A `lora` message's operations, and a `voice_admin` message's.
 LORA_OPS = ("load", "unload", "enable", "disable")
+VOICE_ADMIN_OPS = ("list", "delete")
 
 
-def encode(message: dict[str, Any]) -> bytes:
-    """One message as one binary frame; bytes (audio) stay msgpack `bin`."""
-    return msgpack.packb(message, use_bin_type=True)
+def encode(message: Any) -> bytes:
+    """One message (one of this module's, or a plain map) as one binary frame; bytes (audio) stay
+    msgpack `bin`."""
+    return msgpack.packb(message if isinstance(message, dict) else message.to_map(), use_bin_type=True)
 
 
 def decode(data: bytes) -> Any:
@@ -65,17 +68,59 @@ def decode(data: bytes) -> Any:
     return msgpack.unpackb(data, raw=False)
 
 
-# --------------------------------------------------------------------------- a client's frames
+# --------------------------------------------------------------------------- a client's messages
+
+
+_Message = TypeVar("_Message", bound="_ClientMessage")
+
+
+class _ClientMessage:
+    """What every message a client sends does: make its map, and read one back.
+
+    The map leaves out a field that is None or at its default, as clients have always sent them
+    (the server reads a field left out as its default); `_ALWAYS` names those sent even so, and
+    `_LEADING` those that come first, after `type`. Reading is the other way round and checks
+    nothing: a field absent or None is its default (a required one None), unknown fields are
+    skipped. Limits and types are the server's to check (`transports/protocol.py`)."""
+
+    TYPE: ClassVar[str]
+    _ALWAYS: ClassVar[tuple[str, ...]] = ()
+    _LEADING: ClassVar[tuple[str, ...]] = ()
+
+    def to_map(self) -> dict[str, Any]:
+        message: dict[str, Any] = {"type": self.TYPE}
+        fields = sorted(dataclasses.fields(self), key=lambda item: item.name not in self._LEADING)  # stable
+        for item in fields:
+            value = getattr(self, item.name)
+            if value is not None and (item.name in self._ALWAYS or value != _default(item)):
+                message[item.name] = value
+        return message
+
+    @classmethod
+    def from_map(cls: type[_Message], obj: Mapping[str, Any]) -> _Message:
+        values: dict[str, Any] = {}
+        for item in dataclasses.fields(cls):
+            value = obj.get(item.name)
+            if value is not None or _default(item) is dataclasses.MISSING:
+                values[item.name] = value
+        return cls(**values)
+
+
+def _default(item: dataclasses.Field) -> Any:
+    """A field's default (MISSING for a required one)."""
+    if item.default_factory is not dataclasses.MISSING:
+        return item.default_factory()
+    return item.default
 
 
 @dataclass(frozen=True)
 class Speech:
     """How a stream is to be spoken: every `start` field but its id, its text and `stream_input`
     (PROTOCOL.md's `start` table), at the protocol's defaults. A client takes one, or its fields
-    by name: a field added here is a field of every client method."""
+    by name: a field added here is a field of every client method, and of `Start`."""
 
     voice: str | None = None
-    speaker: str | None = None
+    speaker: str | int | None = None        # by its name, or by its number as Piper takes it
     format: str = "f32"
     sample_rate: int | None = None
     speed: float = 1.0
@@ -92,50 +137,141 @@ class Speech:
     phoneme_timestamps: bool = False
 
     @classmethod
-    def of(cls, speech: "Speech | None", fields: dict[str, Any]) -> "Speech":
-        """`speech` (or the defaults) with `fields` set; a name that is no field is a TypeError
-        naming it."""
-        unknown = set(fields) - {f.name for f in dataclasses.fields(cls)}
+    def of(cls: type[_Speech], speech: "Speech | None", fields: dict[str, Any]) -> _Speech:
+        """One of this class with `speech`'s fields (or the defaults), and `fields` set; a name
+        that is no field is a TypeError naming it."""
+        unknown = set(fields) - {item.name for item in dataclasses.fields(cls)}
         if unknown:
             raise TypeError(f"not a field of a stream's start: {', '.join(sorted(unknown))}")
-        return dataclasses.replace(speech or cls(), **fields)
-
-    def start_fields(self) -> dict[str, Any]:
-        """The `start` fields that differ from the protocol's defaults (and the format, always)."""
-        fields = {}
-        for item in dataclasses.fields(self):
-            value = getattr(self, item.name)
-            default = item.default_factory() if item.default_factory is not dataclasses.MISSING else item.default
-            if value != default or item.name == "format":
-                fields[item.name] = value
-        return fields
+        names = [item.name for item in dataclasses.fields(Speech)]
+        kept = {name: getattr(speech, name) for name in names} if speech else {}
+        return cls(**{**kept, **fields})
 
 
-
-def start_frame(sid: str, **fields: Any) -> dict[str, Any]:
-    """`start`: open stream `sid`; `fields` as PROTOCOL.md's table (text, voice, format, ...),
-    those given as None left out."""
-    return {"type": "start", "id": sid, **{name: value for name, value in fields.items() if value is not None}}
+_Speech = TypeVar("_Speech", bound=Speech)
 
 
-def text_frame(sid: str, text: str) -> dict[str, Any]:
+@dataclass(frozen=True)
+class Start(Speech, _ClientMessage):
+    """`start`: open a stream. `id` None: the server names it (`s1`, ...); `text` None: none yet
+    (with `stream_input`, the text comes in `Chunk`s). The format is always sent."""
+
+    TYPE: ClassVar[str] = "start"
+    _ALWAYS: ClassVar[tuple[str, ...]] = ("format",)
+    _LEADING: ClassVar[tuple[str, ...]] = ("id", "text", "stream_input")
+
+    id: str | None = None
+    text: str | None = None
+    stream_input: bool = False
+
+    @classmethod
+    def from_map(cls, obj: Mapping[str, Any]) -> "Start":
+        if "language" not in obj and "lang_code" in obj:         # the name some clients give it
+            obj = {**obj, "language": obj["lang_code"]}
+        return super().from_map(obj)
+
+
+@dataclass(frozen=True)
+class Chunk(_ClientMessage):
     """`chunk`: more text for a stream opened with `stream_input`."""
-    return {"type": "chunk", "id": sid, "text": text}
+
+    TYPE: ClassVar[str] = "chunk"
+    id: str
+    text: str
 
 
-def flush_frame(sid: str) -> dict[str, Any]:
+@dataclass(frozen=True)
+class Flush(_ClientMessage):
     """`flush`: speak what was sent so far now; answered `flushed` once it is spoken."""
-    return {"type": "flush", "id": sid}
+
+    TYPE: ClassVar[str] = "flush"
+    id: str
 
 
-def end_frame(sid: str) -> dict[str, Any]:
+@dataclass(frozen=True)
+class End(_ClientMessage):
     """`end`: no more text; the stream ends once it is all spoken."""
-    return {"type": "end", "id": sid}
+
+    TYPE: ClassVar[str] = "end"
+    id: str
 
 
-def cancel_frame(sid: str) -> dict[str, Any]:
+@dataclass(frozen=True)
+class Cancel(_ClientMessage):
     """`cancel`: barge-in; the stream ends at once with `end` (`reason: cancelled`, `heard`)."""
-    return {"type": "cancel", "id": sid}
+
+    TYPE: ClassVar[str] = "cancel"
+    id: str
+
+
+# The requests that belong to no stream carry an optional `id`, echoed in their answer; it is
+# their last field, as clients have always sent it.
+
+
+@dataclass(frozen=True)
+class Voice(_ClientMessage):
+    """`voice`: register a voice from reference audio (WAV, FLAC or OGG bytes), optionally with
+    its transcript; `mode` None: the server's default for the transcript given; `name`: what the
+    owner will call it (unique per owner); `public`: spoken by its name by anyone served, and
+    listed to them (needs a name)."""
+
+    TYPE: ClassVar[str] = "voice"
+    audio: bytes
+    name: str | None = None
+    public: bool = False
+    transcript: str | None = None
+    mode: str | None = None
+    id: str | None = None
+
+
+@dataclass(frozen=True)
+class VoiceDelete(_ClientMessage):
+    """`voice_delete`: delete a voice of the caller's, by its id or its name."""
+
+    TYPE: ClassVar[str] = "voice_delete"
+    voice: str
+    id: str | None = None
+
+
+@dataclass(frozen=True)
+class VoiceUpdate(_ClientMessage):
+    """`voice_update`: make a voice of the caller's (by its id or name) public, or private again."""
+
+    TYPE: ClassVar[str] = "voice_update"
+    voice: str
+    public: bool
+    id: str | None = None
+
+
+@dataclass(frozen=True)
+class VoiceAdmin(_ClientMessage):
+    """`voice_admin` (admin): `list` every owner's voices (or one owner's, where named), or
+    `delete` one owner's. The owner is its key as listed, or a token-less client's address."""
+
+    TYPE: ClassVar[str] = "voice_admin"
+    op: str
+    owner: str | None = None
+    address: str | None = None
+    id: str | None = None
+
+
+@dataclass(frozen=True)
+class Lora(_ClientMessage):
+    """`lora` (admin): `load`, `unload`, `enable` or `disable` the LoRA adapter `name`."""
+
+    TYPE: ClassVar[str] = "lora"
+    op: str
+    name: str | None = None
+    id: str | None = None
+
+
+ClientMessage = Start | Chunk | Flush | End | Cancel | Voice | VoiceDelete | VoiceUpdate | VoiceAdmin | Lora
+
+# Every message a client may send, by its `type`.
+CLIENT_MESSAGES: dict[str, type[ClientMessage]] = {
+    kind.TYPE: kind
+    for kind in (Start, Chunk, Flush, End, Cancel, Voice, VoiceDelete, VoiceUpdate, VoiceAdmin, Lora)
+}
 
 
 # --------------------------------------------------------------------------- the server's messages

@@ -98,7 +98,7 @@ async def listen(target: Target, listener: Listener, text: str, options: dict[st
         async with connect(target.url, additional_headers=target.headers, **kwargs) as ws:
             hello = wire.Hello.read(await ws.recv())
             width, rate = bytes_per_sample(target.format), hello.sample_rate
-            await ws.send(wire.encode({"type": "start", "text": text, "format": target.format, "options": options}))
+            await ws.send(wire.encode(wire.Start(text=text, format=target.format, options=options)))
             async for frame in ws:
                 message = wire.read(frame)
                 if isinstance(message, wire.AudioChunk):

@@ -165,7 +165,7 @@ class VoxWSTTSService(WebsocketTTSService):
                 await self.append_to_audio_context(context_id, TTSStoppedFrame(context_id=context_id))
                 await self.remove_audio_context(context_id)
 
-    async def _send(self, message: dict[str, Any]) -> None:
+    async def _send(self, message: wire.ClientMessage) -> None:
         if not self._websocket or self._websocket.state is not State.OPEN:
             raise ConnectionError("not connected")
         await self._websocket.send(wire.encode(message))
@@ -213,7 +213,7 @@ class VoxWSTTSService(WebsocketTTSService):
             if context_id not in self._open:
                 await self._send(self._start_message(context_id))
                 self._open.add(context_id)
-            await self._send(wire.text_frame(context_id, text))
+            await self._send(wire.Chunk(context_id, text))
             await self.start_tts_usage_metrics(text)
             yield None
         except Exception as e:  # noqa: BLE001 - Pipecat's convention: an error frame, then stop
@@ -222,12 +222,12 @@ class VoxWSTTSService(WebsocketTTSService):
             yield ErrorFrame(error=f"vox-ws: {e}")
             yield TTSStoppedFrame(context_id=context_id)
 
-    def _start_message(self, context_id: str) -> dict[str, Any]:
+    def _start_message(self, context_id: str) -> wire.Start:
         voice = self._settings.voice
-        fields = {**self._speech.start_fields(), "format": "s16", "sample_rate": self.sample_rate,
-                  "voice": voice if isinstance(voice, str) and voice else self._speech.voice,
-                  "word_timestamps": self._words or None}
-        return wire.start_frame(context_id, stream_input=True, **fields)
+        return wire.Start.of(self._speech, {
+            "id": context_id, "stream_input": True, "format": "s16", "sample_rate": self.sample_rate,
+            "voice": voice if isinstance(voice, str) and voice else self._speech.voice,
+            "word_timestamps": bool(self._words)})
 
     async def flush_audio(self, context_id: str | None = None) -> None:
         """The turn has no more text: speak what is buffered now and close the stream."""
@@ -235,8 +235,8 @@ class VoxWSTTSService(WebsocketTTSService):
         if not flush_id or flush_id not in self._open:
             return
         try:
-            await self._send(wire.flush_frame(flush_id))
-            await self._send(wire.end_frame(flush_id))
+            await self._send(wire.Flush(flush_id))
+            await self._send(wire.End(flush_id))
         except (ConnectionError, OSError) as e:
             logger.warning(f"{self}: cannot flush {flush_id}: {e}")
 
@@ -245,7 +245,7 @@ class VoxWSTTSService(WebsocketTTSService):
         await self.stop_all_metrics()
         if context_id in self._open:
             try:
-                await self._send(wire.cancel_frame(context_id))
+                await self._send(wire.Cancel(context_id))
             except (ConnectionError, OSError) as e:
                 logger.warning(f"{self}: cannot cancel {context_id}: {e}")
         await super().on_audio_context_interrupted(context_id)

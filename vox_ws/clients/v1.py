@@ -27,7 +27,7 @@ import itertools
 import math
 import random
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import TracebackType
 from typing import Any, Awaitable, TypeVar
 
@@ -163,27 +163,27 @@ class Stream:
     # -------------------------------------------------------------- input streaming
 
     async def send_text(self, text: str) -> None:
-        await self.client._send(wire.text_frame(self.id, text))
+        await self.client._send(wire.Chunk(self.id, text))
 
     async def flush(self, wait: bool = True) -> dict[str, Any] | None:
         """Speak what is buffered now; returns when that audio has been generated (`flushed`),
         or at once with `wait=False` (the `flushed` message then comes among `events()`)."""
         if not wait:
-            await self.client._send(wire.flush_frame(self.id))
+            await self.client._send(wire.Flush(self.id))
             return None
         done = asyncio.get_running_loop().create_future()
         self._flushed.append(done)
-        await self.client._send(wire.flush_frame(self.id))
+        await self.client._send(wire.Flush(self.id))
         return await self.client._heard(done)
 
     async def end(self) -> None:
         """No more text: the stream ends once everything sent has been spoken."""
-        await self.client._send(wire.end_frame(self.id))
+        await self.client._send(wire.End(self.id))
 
     async def cancel(self) -> None:
         """Barge-in: stop now. Iteration ends once the server confirms."""
         if not self.finished:
-            await self.client._send(wire.cancel_frame(self.id))
+            await self.client._send(wire.Cancel(self.id))
 
     # -------------------------------------------------------------- audio
 
@@ -259,6 +259,10 @@ class Stream:
         self._queue.put_nowait((message, sent))
 
 
+# The messages that belong to no stream, answered by a reply carrying their `id`.
+_Request = wire.Voice | wire.VoiceDelete | wire.VoiceUpdate | wire.VoiceAdmin | wire.Lora
+
+
 class Client:
     """One connection. Use `connect()` to make one."""
 
@@ -315,33 +319,23 @@ class Client:
                              name: str | None = None, public: bool = False) -> str:
         """Clone a voice from WAV/FLAC bytes; returns its id for `voice=` (with a `name`, the
         voice may also be named by it; `public`, by anyone the server serves, who is shown it)."""
-        message: dict[str, Any] = {"type": "voice", "audio": audio}
-        if name:
-            message["name"] = name
-        if public:
-            message["public"] = True
-        if transcript:
-            message["transcript"] = transcript
-        if mode:
-            message["mode"] = mode
+        message = wire.Voice(audio, name=name or None, public=public, transcript=transcript or None,
+                             mode=mode or None)
         return (await self._request(message))["voice"]
 
     async def delete_voice(self, voice: str) -> bool:
-        return (await self._request({"type": "voice_delete", "voice": voice}))["deleted"]
+        return (await self._request(wire.VoiceDelete(voice)))["deleted"]
 
     async def set_voice_public(self, voice: str, public: bool) -> bool:
         """Make a voice of yours (its id or name) public, or private again; False where you have
         none by that id or name."""
-        return (await self._request({"type": "voice_update", "voice": voice, "public": public}))["updated"]
+        return (await self._request(wire.VoiceUpdate(voice, public)))["updated"]
 
     async def lora(self, op: str, name: str | None = None) -> dict[str, Any]:
         """Admin (needs the admin token): `load` an adapter from the server's LoRA directory into a
         free slot, `unload` it (streams using it finish first), `enable` it as the adapter of
         streams that name none, `disable` that default."""
-        message: dict[str, Any] = {"type": "lora", "op": op}
-        if name:
-            message["name"] = name
-        return await self._request(message)
+        return await self._request(wire.Lora(op, name=name or None))
 
     async def close(self) -> None:
         await self.ws.close()
@@ -353,15 +347,15 @@ class Client:
         sid = f"c{next(self._ids)}"
         stream = Stream(self, sid)
         self._streams[sid] = stream
-        await self._send(wire.start_frame(sid, **start, **speech.start_fields()))
+        await self._send(wire.Start.of(speech, {"id": sid, **start}))
         await self._heard(stream._start_reply)
         return stream
 
-    async def _request(self, message: dict[str, Any]) -> dict[str, Any]:
+    async def _request(self, message: _Request) -> dict[str, Any]:
         rid = f"r{next(self._ids)}"
         future = asyncio.get_running_loop().create_future()
         self._requests[rid] = future
-        await self._send({**message, "id": rid})
+        await self._send(replace(message, id=rid))
         return await self._heard(future)
 
     async def _heard(self, waited: Awaitable[_T]) -> _T:
@@ -384,7 +378,7 @@ class Client:
             if future is not waited and not future.done():      # ours (a coroutine's task): not the caller's
                 future.cancel()
 
-    async def _send(self, message: dict[str, Any]) -> None:
+    async def _send(self, message: wire.ClientMessage) -> None:
         try:
             await self.ws.send(wire.encode(message))
         except ConnectionClosed as exc:

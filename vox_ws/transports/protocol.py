@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import functools
 import re
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -32,7 +31,10 @@ from ..wire import (BAD_FRAME, BAD_REQUEST, BUSY, CLOSE_IDLE, CLOSE_INTERNAL, CL
                     CLOSE_SERVICE_RESTART, CLOSE_TOO_MANY_FROM_ADDRESS, CLOSE_TRY_AGAIN_LATER, CLOSE_UNAUTHORIZED,
                     DUPLICATE_STREAM, ERROR_CODES, GOING_AWAY, INTERNAL, LORA_OPS, MAX_ID_CHARS, NOT_READY,
                     RATE_LIMITED, RETRYABLE, SLOW_CONSUMER, TIMEOUT, TOO_LARGE, TOO_MANY_STREAMS, UNAUTHORIZED,
-                    UNKNOWN_STREAM, UNSUPPORTED, encode)
+                    UNKNOWN_STREAM, UNSUPPORTED, VOICE_ADMIN_OPS, encode)
+# A client's messages, as this door reads them (`p.Start`, ...): declared once, in `vox_ws.wire`.
+from ..wire import (Cancel, Chunk, ClientMessage, End, Flush, Lora, Start, Voice, VoiceAdmin,  # noqa: F401
+                    VoiceDelete, VoiceUpdate)
 from .state import ServerState
 
 PROTOCOL_VERSION = 1
@@ -64,91 +66,6 @@ def code_for(kind: ErrorKind) -> str:
 
 # A client may retry these later with the same request and expect it to work: the service's
 # retryable kinds (`ErrorKind.retryable`, the one table), and this door's own flood refusal.
-
-
-# --------------------------------------------------------------------------- messages
-
-
-@dataclass(frozen=True)
-class Start:
-    """A `start`: the stream's id on this connection (None: the server names it), whether it
-    wants `segment` events, and the stream's request for the service."""
-
-    id: str | None
-    request: StreamRequest
-    segment_events: bool = False
-
-
-@dataclass(frozen=True)
-class Chunk:
-    id: str
-    text: str
-
-
-@dataclass(frozen=True)
-class End:
-    id: str
-
-
-@dataclass(frozen=True)
-class Flush:
-    id: str
-
-
-@dataclass(frozen=True)
-class Cancel:
-    id: str
-
-
-@dataclass(frozen=True)
-class Voice:
-    """Register a voice from reference audio (WAV or FLAC bytes), optionally with its transcript."""
-
-    id: str | None
-    audio: bytes
-    transcript: str | None
-    mode: str | None          # None: the server's default for the transcript given
-    name: str | None = None   # what the owner will call it (unique per owner)
-    public: bool = False      # spoken by its name by anyone served, and listed to them (needs a name)
-
-
-@dataclass(frozen=True)
-class VoiceDelete:
-    id: str | None
-    voice: str
-
-
-@dataclass(frozen=True)
-class VoiceUpdate:
-    """Make a voice of the caller's (by its id or name) public, or private again."""
-
-    id: str | None
-    voice: str
-    public: bool
-
-
-@dataclass(frozen=True)
-class VoiceAdmin:
-    """An admin's view of every owner's voices: `list` them (of one owner, where named), or
-    `delete` one owner's. The owner is its key as listed, or a token-less client's address."""
-
-    id: str | None
-    op: str
-    owner: str | None
-    address: str | None
-
-
-VOICE_ADMIN_OPS = ("list", "delete")
-
-
-@dataclass(frozen=True)
-class Lora:
-    id: str | None
-    op: str
-    name: str | None
-
-
-ClientMessage = Start | Chunk | End | Flush | Cancel | Voice | VoiceDelete | VoiceUpdate | VoiceAdmin | Lora
 
 
 # --------------------------------------------------------------------------- decoding
@@ -208,26 +125,26 @@ def parse_message(obj: dict[str, Any], limits: Limits, options: Mapping[str, Opt
     # Echo the id on errors only when it is a valid id, so clients can route the error.
     sid = raw_id if isinstance(raw_id, str) and 0 < len(raw_id) <= MAX_ID_CHARS else None
     try:
-        if kind == "start":
+        if kind == Start.TYPE:
             return _parse_start(obj, limits, options)
-        if kind == "chunk":
+        if kind == Chunk.TYPE:
             return Chunk(id=_stream_id(obj), text=_chunk_text(obj, limits))
-        if kind == "end":
+        if kind == End.TYPE:
             return End(id=_stream_id(obj))
-        if kind == "flush":
+        if kind == Flush.TYPE:
             return Flush(id=_stream_id(obj))
-        if kind == "cancel":
+        if kind == Cancel.TYPE:
             return Cancel(id=_stream_id(obj))
-        if kind == "voice":
+        if kind == Voice.TYPE:
             return _parse_voice(obj, limits)
-        if kind == "voice_delete":
+        if kind == VoiceDelete.TYPE:
             return VoiceDelete(id=_request_id(obj), voice=_required_str(obj, "voice"))
-        if kind == "voice_update":
+        if kind == VoiceUpdate.TYPE:
             public = obj.get("public")
             if not isinstance(public, bool):
                 raise ProtocolError(BAD_REQUEST, f"field 'public' must be true or false, got {_kind(public)}")
             return VoiceUpdate(id=_request_id(obj), voice=_required_str(obj, "voice"), public=public)
-        if kind == "voice_admin":
+        if kind == VoiceAdmin.TYPE:
             op = _required_str(obj, "op")
             if op not in VOICE_ADMIN_OPS:
                 raise ProtocolError(BAD_REQUEST, f"field 'op' must be one of {list(VOICE_ADMIN_OPS)}, got {op!r}")
@@ -238,7 +155,7 @@ def parse_message(obj: dict[str, Any], limits: Limits, options: Mapping[str, Opt
             if op == "delete" and admin.owner is None and admin.address is None:
                 raise ProtocolError(BAD_REQUEST, "name the owner whose voices to delete: 'owner' or 'address'")
             return admin
-        if kind == "lora":
+        if kind == Lora.TYPE:
             op = _required_str(obj, "op")
             if op not in LORA_OPS:
                 raise ProtocolError(BAD_REQUEST, f"field 'op' must be one of {list(LORA_OPS)}, got {op!r}")
@@ -258,8 +175,9 @@ def _parse_start(obj: dict[str, Any], limits: Limits, specs: Mapping[str, Option
     if not isinstance(text, str) and (text is not None or not stream_input):
         raise ProtocolError(BAD_REQUEST, f"field 'text' must be a string, got {_kind(text)}", sid)
     voice = _optional(obj, "voice", str, None)
+    speaker = obj.get("speaker")
     try:
-        voice = with_speaker(voice, obj.get("speaker"))
+        with_speaker(voice, speaker)                    # checked here; `stream_request` joins them
     except Refused as err:
         raise ProtocolError.from_refused(err, sid) from None
     fmt = _optional(obj, "format", str, "f32")
@@ -284,8 +202,9 @@ def _parse_start(obj: dict[str, Any], limits: Limits, specs: Mapping[str, Option
     segment_events = _optional(obj, "segment_events", bool, False)
     word_timestamps = _optional(obj, "word_timestamps", bool, False)
     phoneme_timestamps = _optional(obj, "phoneme_timestamps", bool, False)
+    pronunciations = obj.get("pronunciations")
     try:
-        pronunciations = request_entries(obj.get("pronunciations"))
+        request_entries(pronunciations)                 # checked here; `stream_request` reads them
     except Refused as err:
         raise ProtocolError.from_refused(err, sid) from None
     markup = _optional(obj, "markup", str, None)
@@ -294,12 +213,25 @@ def _parse_start(obj: dict[str, Any], limits: Limits, specs: Mapping[str, Option
     lora = _optional(obj, "lora", str, None)
     if lora == "":
         raise ProtocolError(BAD_REQUEST, "field 'lora' must name a loaded LoRA adapter", sid)
-    output = AudioOutput(fmt, rate, speed, lookahead, volume)
-    request = StreamRequest(text if (text or not stream_input) else None, voice=voice, options=options, output=output,
-                            input_streaming=stream_input, instructions=instructions or None,
-                            word_timestamps=word_timestamps, phoneme_timestamps=phoneme_timestamps, markup=markup,
-                            pronunciations=pronunciations, lora=lora, language=language)
-    return Start(id=sid, request=request, segment_events=segment_events)
+    # The fields as sent, checked (the options typed by their specs); `stream_request` reads them.
+    return Start(id=sid, text=text, stream_input=stream_input, voice=voice, speaker=speaker, format=fmt,
+                 sample_rate=rate, speed=speed, volume=volume, language=language, instructions=instructions,
+                 markup=markup, options=options, pronunciations=pronunciations or [], lora=lora,
+                 lookahead_s=lookahead, segment_events=segment_events, word_timestamps=word_timestamps,
+                 phoneme_timestamps=phoneme_timestamps)
+
+
+def stream_request(start: Start) -> StreamRequest:
+    """What the stream service is asked for by a `start` that `parse_message` has checked (so
+    nothing here refuses): the voice with its speaker, the audio's output, the text (none yet
+    for streamed input), the pronunciations as entries."""
+    output = AudioOutput(start.format, start.sample_rate, start.speed, start.lookahead_s, start.volume)
+    text = start.text if (start.text or not start.stream_input) else None
+    return StreamRequest(text, voice=with_speaker(start.voice, start.speaker), options=start.options,
+                         output=output, input_streaming=start.stream_input, instructions=start.instructions or None,
+                         word_timestamps=start.word_timestamps, phoneme_timestamps=start.phoneme_timestamps,
+                         markup=start.markup, pronunciations=request_entries(start.pronunciations or None),
+                         lora=start.lora, language=start.language)
 
 
 def _parse_voice(obj: dict[str, Any], limits: Limits) -> Voice:
