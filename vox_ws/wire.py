@@ -58,9 +58,10 @@ VOICE_ADMIN_OPS = ("list", "delete")
 
 
 def encode(message: Any) -> bytes:
-    """One message (one of this module's, or a plain map) as one binary frame; bytes (audio) stay
-    msgpack `bin`."""
-    return msgpack.packb(message if isinstance(message, dict) else message.to_map(), use_bin_type=True)
+    """One message (one of this module's, or any msgpack value: a test's malformed frame) as one
+    binary frame; bytes (audio) stay msgpack `bin`."""
+    to_map = getattr(message, "to_map", None)
+    return msgpack.packb(to_map() if to_map else message, use_bin_type=True)
 
 
 def decode(data: bytes) -> Any:
