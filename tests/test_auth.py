@@ -280,7 +280,7 @@ async def test_with_cors_for_any_page_a_page_without_a_token_reaches_none_of_its
 def test_a_page_owner_is_its_visitors_network_for_the_stores_shares():
     """A page of another origin is an owner of its own, but its voices count in its visitor's
     network's share of the store (and are an owner's without a token: they expire)."""
-    from vox_ws.service.voice_store import is_anonymous, network_key
+    from vox_ws.service.voices.store import is_anonymous, network_key
     from vox_ws.transports.auth import address_owner, page_owner
 
     visitor = address_owner("192.0.2.7", 64)

@@ -33,7 +33,7 @@ from vox_ws.clients.v1 import MAX_RETRY_WAIT_S, retry_delay
 from vox_ws.engines.piper import PiperEngine
 from vox_ws.engines.piper_voices import bundled, voice_set
 from vox_ws.logs import TEXT_FORMAT, JsonFormatter, TextFormatter, voice_tag
-from vox_ws.service.voice_aliases import (
+from vox_ws.service.voices.aliases import (
     OPENAI_VOICES,
     Alias,
     check_aliases,

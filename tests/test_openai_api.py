@@ -24,7 +24,7 @@ from attackers import assert_speaks
 from conftest import WAIT_TIMEOUT, wait_idle, wait_until
 
 from vox_ws.engines.piper import PiperEngine
-from vox_ws.service.voice_aliases import OPENAI_VOICES
+from vox_ws.service.voices.aliases import OPENAI_VOICES
 
 TEXT = "Streaming speech from an OpenAI client. It should start before the end."
 TOKEN = "openai-secret"

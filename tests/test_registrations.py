@@ -1,4 +1,4 @@
-"""`service/registrations.py`: voice uploads waiting, bounded per owner and in all, served in
+"""`service/voices/registrations.py`: voice uploads waiting, bounded per owner and in all, served in
 fair turns."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from conftest import WAIT_TIMEOUT, wait_until
 @pytest.mark.hardening
 async def test_registrations_wait_bounded_and_the_owner_served_longest_ago_goes_first():
     from vox_ws.engine import Refused
-    from vox_ws.service.registrations import RegistrationQueue
+    from vox_ws.service.voices.registrations import RegistrationQueue
 
     queue = RegistrationQueue(per_owner=3, total=5)
     order: list[str] = []

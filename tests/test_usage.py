@@ -251,7 +251,7 @@ async def test_busy_refusals_carry_a_retry_hint_from_the_queues_pace_that_shrink
 def test_a_voice_store_that_is_down_and_a_loading_engine_say_when_to_retry():
     from vox_ws.engine import Readiness
     from vox_ws.scheduling.loop import LOADING_RETRY_AFTER_S, EngineLoop, not_ready
-    from vox_ws.service.voice_store import STORE_RETRY_AFTER_S, StoreUnavailable
+    from vox_ws.service.voices.store import STORE_RETRY_AFTER_S, StoreUnavailable
 
     assert StoreUnavailable("put", OSError("refused")).retry_after_s == STORE_RETRY_AFTER_S
     loading = EngineLoop(ToneEngine())

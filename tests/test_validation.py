@@ -18,7 +18,7 @@ from vox_ws.engine import ErrorKind, Refused
 from vox_ws.engines.piper import PiperEngine
 from vox_ws.service import validation
 from vox_ws.service.validation import MAX_INSTRUCTIONS_CHARS, check_instructions, check_length, check_output
-from vox_ws.service.voices import VoiceService
+from vox_ws.service.voices.service import VoiceService
 from vox_ws.transports import protocol as p
 
 

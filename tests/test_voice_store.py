@@ -26,12 +26,12 @@ from test_stream_service import tone_wav
 
 from vox_ws.engine import ErrorKind, Refused
 from vox_ws.engines.voxcpm.engine import VoxCPMEngine
-from vox_ws.service.voice_store import (
+from vox_ws.service.voices.directory_store import DirectoryStore
+from vox_ws.service.voices.memory_store import MemoryStore
+from vox_ws.service.voices.redis_store import RedisStore
+from vox_ws.service.voices.store import (
     ANY_OWNER,
-    DirectoryStore,
     Lifetime,
-    MemoryStore,
-    RedisStore,
     StoredVoice,
     StoreLimits,
     StoreUnavailable,
@@ -1048,7 +1048,8 @@ async def test_voice_churn_through_one_replica_never_fills_another(start_server,
 # put: prints the voice's id, or the store's refusal (exit 3).
 _STORE_CHILD = """
 import asyncio, resource, signal, sys
-from vox_ws.service.voice_store import DirectoryStore, StoreLimits, StoreUnavailable, new_voice
+from vox_ws.service.voices.directory_store import DirectoryStore
+from vox_ws.service.voices.store import StoreLimits, StoreUnavailable, new_voice
 path, audio, limit = sys.argv[1:4]
 async def main():
     store = DirectoryStore(path, StoreLimits(per_owner=2, max_voices=4, max_bytes=200_000))

@@ -1,4 +1,4 @@
-"""`service/voices.py`: voices registered, owned and deleted; reference audio refused before it
+"""`service/voices/service.py`: voices registered, owned and deleted; reference audio refused before it
 is decoded whole (FLAC bombs, rates, channels)."""
 
 from __future__ import annotations

@@ -36,7 +36,7 @@ from wyoming.tts import (
 from vox_ws.engines.piper import PiperEngine
 from vox_ws.engines.piper_voices import voice_set
 from vox_ws.scheduling.loop import LOADING_RETRY_AFTER_S
-from vox_ws.service.voice_aliases import OPENAI_VOICES
+from vox_ws.service.voices.aliases import OPENAI_VOICES
 
 READ_TIMEOUT = 60.0
 

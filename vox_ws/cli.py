@@ -316,7 +316,7 @@ async def _serve(config: ServerConfig) -> int:
     except StartFailed as exc:
         print(f"vox-ws serve: {exc}", file=sys.stderr)
         return 1
-    from .service.voice_store import StoreUnavailable
+    from .service.voices.store import StoreUnavailable
 
     try:
         await server.start()                   # stops what it had started before it raises

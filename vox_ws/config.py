@@ -98,7 +98,7 @@ class ServerConfig:
     # for another is refused 421 (DNS rebinding, transports/hosts.py). ".example.com": it and its
     # subdomains; "*": any (no check).
     allowed_hosts: list[str] = field(default_factory=list)
-    # A JSON or TOML file of voice aliases (service/voice_aliases.py); None: the defaults.
+    # A JSON or TOML file of voice aliases (service/voices/aliases.py); None: the defaults.
     voice_aliases: str | None = None
     # With client tokens set: whether /v1/info and /metrics need one too (they say how busy the
     # server is and which voices it has). /healthz and /readyz stay open for probes.
@@ -121,7 +121,7 @@ class ServerConfig:
     # balancers that should send new sessions elsewhere).
     unready_when_full: bool = False
     # Where registered voices are kept: memory, dir:PATH or redis://HOST:PORT/DB (see
-    # service/voice_store.py); the command line's default is a directory.
+    # service/voices/store.py); the command line's default is a directory.
     voice_store: str = "memory"
     voice_store_max_mb: float = 512.0
     # Also serve the Wyoming protocol (Home Assistant) here: tcp://HOST:PORT or unix://PATH.

@@ -331,7 +331,7 @@ class Voices:
 
     # Built-in voices read from disk may change while the server runs (Piper's voices folder):
     # the stream service reads them again on SIGHUP, and where this is set polls `disk_stamp`
-    # every so many seconds (`service.voice_rescans`). None: never polled.
+    # every so many seconds (`service.voices.rescans`). None: never polled.
     rescan_every_s: float | None = None
 
     def disk_stamp(self) -> Any:
@@ -354,7 +354,7 @@ class Voices:
         """Free what `prepare_rescan` loaded where it will not be served (its device stopped)."""
 
     def folder(self) -> VoiceFolder | None:
-        """The folder of built-in voices voices may be fetched into (`service.voice_fetches`);
+        """The folder of built-in voices voices may be fetched into (`service.voices.fetches`);
         None: no such folder (voices are not files, or not the server's to change)."""
         return None
 

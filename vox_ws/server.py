@@ -24,8 +24,8 @@ from .scheduling.devices import Devices
 from .scheduling.loop import EngineLoop
 from .service import StreamService
 from .service.service import store_limits
-from .service.voice_aliases import load_aliases
-from .service.voice_store import open_store
+from .service.voices.aliases import load_aliases
+from .service.voices.stores import open_store
 from .service.word_timings import WordTimings
 from .transports import protocol as p
 from .transports.app import STREAM_PATH, build_app, cors_origins

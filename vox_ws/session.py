@@ -23,7 +23,7 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from .engine import ErrorKind, Refused
 from .service import Ended, Failed, Segment, Stream, StreamService
-from .service.voice_store import owner_key
+from .service.voices.store import owner_key
 from .transports import protocol as p
 from .transports.auth import address_owner
 from .transports.connections import asgi_send

@@ -2,7 +2,8 @@
 
     request.py   StreamRequest: one stream's request as every door builds it; StreamSetup
     service.py   StreamService: open streams; readiness and draining; timers
-    voices.py    VoiceService: built-in voices, aliases and names, registering on every device
+    voices/      VoiceService and the rest of the voices: names, aliases, registrations, sharing,
+                 rescans, fetches, the voice store (one module per backend); see its __init__
     loras.py     LoraService: LoRA adapters loaded, unloaded and the default, on every device
     work.py      engine work awaited from the loop (a device's thread, a worker), typed failures
     stream.py    Stream: the consumer's handle (StreamState), owner of the pieces below
@@ -17,9 +18,7 @@
     output.py    OutputStage: engine audio -> what the consumer receives, and the figures
     events.py    the events a stream yields (Audio, Segment, Words, Phonemes, Flushed, Ended, Failed)
     validation.py  the rules a request passes at every front door (text, speed, options)
-    voice_store.py  registered voices (memory, a directory, Redis): owners, limits, ids, names
-    voice_names.py  what a voice a client names is: built-in, alias, registered id, or name
-    voice_aliases.py  aliases (OpenAI's names by default) and the `--voice-aliases` file
+    aligner_end_wait.py  AlignerEndWait: a stream's end held for the aligner's words
     handoff.py   the engine loop's way onto the event loop
 """
 

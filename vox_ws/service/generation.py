@@ -28,6 +28,7 @@ from typing import Any, Awaitable, Iterable, Protocol
 from ..config import Limits
 from ..engine import EndReason, ErrorKind, GenerationRequest, Refused, RequestStatus
 from ..metrics import Metrics
+from .aligner_end_wait import AlignerEndWait
 from .events import Ended, Failed, Flushed, Phonemes, Produced, Segment, Word, Words
 from .handoff import LoopMailbox
 from .markup import Part
@@ -39,7 +40,6 @@ from .segments import SegmentStarter, TextWork
 from .sink import Aligned, RequestEnded, RequestEvent, SegmentAlignment, SegmentSink
 from .stream_input import StreamInput
 from .text_plan import Pause, Speak, TextPlan
-from .word_timings import AlignedInOrder
 
 
 class StreamState(str, enum.Enum):
@@ -121,10 +121,7 @@ class Generation:
         self._timed_words: list[Word] = []       # every word time produced (for `heard`)
         # Where the aligner times the words: the spoken segments (their sinks) whose words are not
         # yet sent, and the end that waits for them (`Ended` comes after every word).
-        self._aligner = setup.aligner if self.word_timestamps else None
-        self._aligning = AlignedInOrder()
-        self._ending: EndReason | None = None
-        self._ending_since = 0.0
+        self._end_wait = AlignerEndWait(setup.aligner if self.word_timestamps else None)
         self._work: asyncio.Future | None = None  # the voice, a cut or a preparation, off the loop
 
     @property
@@ -184,9 +181,8 @@ class Generation:
         """The service's watchdog: a consumer that stopped reading, input that stopped coming."""
         if self.done:
             return
-        if self._ending is not None and now - self._ending_since > self._aligner.answer_within_s:
-            self._aligning.clear()                    # its words are late: the end goes without them
-            self._end(self._ending)
+        if (overdue := self._end_wait.overdue(now)) is not None:
+            self._end(overdue)                        # its words are late: the end goes without them
             return
         limits = self._limits
         if self.pacing.stalled_s(now) > limits.write_stall_timeout_s:
@@ -262,8 +258,8 @@ class Generation:
             self.fail(err)
 
     def _queue(self, text: str, engine_text: str, prepared: bool) -> int:
-        alignment = None if self._aligner is None else SegmentAlignment(self._aligner, text, engine_text,
-                                                                         self.language)
+        aligner = self._end_wait.aligner
+        alignment = None if aligner is None else SegmentAlignment(aligner, text, engine_text, self.language)
         sink = SegmentSink(functools.partial(self._service.mailbox.post, self._on_request_event), self.output,
                            self.pacing, self.word_timestamps, self.phoneme_timestamps, alignment)
         request = self.segments.engine_request(engine_text, prepared, sink, self._lora_pin, self._context, self.plan)
@@ -276,11 +272,11 @@ class Generation:
 
     def _on_request_event(self, sink: SegmentSink, event: RequestEvent) -> None:
         if isinstance(event, Aligned):               # a spoken segment's words: wherever the next one has got to
-            for words in self._aligning.answer(sink, event.words):
+            for words in self._end_wait.answer(sink, event.words):
                 self._timed_words.extend(words)
                 self.pacing.put(Words(words))
-            if self._ending is not None and not self._aligning.waiting and not self.done:
-                self._end(self._ending)
+            if (released := self._end_wait.released()) is not None and not self.done:
+                self._end(released)
             return
         request = self._request
         if request is None or sink is not request.sink or self.done:
@@ -300,7 +296,7 @@ class Generation:
         else:                                               # a segment spoken: on to the next
             self._request = None
             if sink.aligning:
-                self._aligning.expect(sink)
+                self._end_wait.expect(sink)
             segment = self.plan.spoke(self.pacing.produced_s, event.reason)
             if self.plan.continues:
                 self._context = request.continuation
@@ -314,9 +310,8 @@ class Generation:
     # ------------------------------------------------------------------ endings
 
     def _end(self, reason: EndReason) -> None:
-        if reason != EndReason.CANCELLED and self._aligning.waiting:
-            self._ending, self._ending_since = reason, time.monotonic()   # once the aligner's last words are in
-            return
+        if self._end_wait.holds(reason, time.monotonic()):
+            return                                  # once the aligner's last words are in
         heard = None
         if reason != EndReason.CANCELLED:
             self._produced(self.output.tail())
@@ -351,7 +346,7 @@ class Generation:
             self.record.ended(ended_by)
         # No word is waited for any more: segments still in the aligner's queue leave it unaligned,
         # the one in flight's too (it may have ended on the engine's thread already).
-        self._aligning.clear()
+        self._end_wait.clear()
         if self._request is not None and isinstance(self._request.sink, SegmentSink):
             self._request.sink.drop_alignment()
         self.input.stop()

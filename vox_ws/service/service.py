@@ -1,7 +1,7 @@
 """The stream service: the one way into the engine loops for every front door.
 
 A front door (protocol v1 over WebSocket, HTTP, a framework adapter) opens streams here and
-consumes their events; registers and deletes voices (`service.voices`, `voices.py`); asks for
+consumes their events; registers and deletes voices (`service.voices`, `voices/service.py`); asks for
 LoRA changes (`service.loras`, `loras.py`). The service checks
 what it can before any engine work (readiness, draining, voice, limits), runs engine work on the
 engine loop's thread, and watches every live stream's timers. It knows no socket and no wire format:
@@ -34,12 +34,13 @@ from .request import StreamRequest, StreamSetup
 from .stream import Stream
 from .validation import (MAX_SPEED, MIN_SPEED, check_instructions, check_language, check_length, check_output,
                          check_slowing, check_text)
-from .voice_aliases import Alias
-from .voice_fetches import VoiceFetches
-from .voice_names import ResolvedVoice
-from .voice_rescans import VoiceRescans
-from .voice_store import ANY_OWNER, MemoryStore, StoreLimits, VoiceStore
-from .voices import VoiceService
+from .voices.aliases import Alias
+from .voices.fetches import VoiceFetches
+from .voices.memory_store import MemoryStore
+from .voices.names import ResolvedVoice
+from .voices.rescans import VoiceRescans
+from .voices.service import VoiceService
+from .voices.store import ANY_OWNER, StoreLimits, VoiceStore
 from .word_timings import WordTimings
 from .work import engine_work
 
@@ -63,7 +64,7 @@ class StreamService:
                  word_timings: WordTimings | None = None) -> None:
         self.devices = devices if isinstance(devices, Devices) else Devices([devices])
         self.limits = limits or Limits()
-        # Voices: built-in, aliases, and those registered, kept in the store (`voices.py`).
+        # Voices: built-in, aliases, and those registered, kept in the store (`voices/service.py`).
         self.voices = VoiceService(self.devices, self.limits, voice_store or MemoryStore(store_limits(self.limits)),
                                    voice_aliases)
         self.loras = LoraService(self.devices, self.limits, self._end_unloading)

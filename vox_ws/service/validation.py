@@ -10,10 +10,10 @@ from typing import Any, Mapping
 from ..codecs import MAX_SPEED, MIN_SPEED
 from ..engine import ErrorKind, OptionSpec, Refused, type_name
 
-# The range of a stream's lookahead (`AudioOutput.lookahead_s`), in seconds.
 # The output sample rates a client may ask for (a codec may take fewer).
 MIN_SAMPLE_RATE = 8000
 MAX_SAMPLE_RATE = 48000
+# The range of a stream's lookahead (`AudioOutput.lookahead_s`), in seconds.
 MIN_LOOKAHEAD_S = 0.1
 MAX_LOOKAHEAD_S = 600.0
 # The range of a stream's gain (`AudioOutput.volume`).

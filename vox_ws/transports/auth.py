@@ -13,7 +13,7 @@ from starlette.requests import HTTPConnection
 
 from ..service import ANY_OWNER
 from ..addresses import client_key
-from ..service.voice_store import ADDRESS_OWNER_PREFIX, PAGE_OWNER_MARK
+from ..service.voices.store import ADDRESS_OWNER_PREFIX, PAGE_OWNER_MARK
 
 # A browser cannot set headers on a WebSocket: it offers the subprotocols SUBPROTOCOL and
 # BEARER_PREFIX + the token in unpadded base64url (any token, in characters a subprotocol may
@@ -192,6 +192,6 @@ def page_owner(address: str, origin: str | None) -> str:
     (`address_owner`) and the page's origin (a digest: bounded, whatever the header holds). Any
     site's page reaches the server from its visitor's address; as this owner it speaks, lists
     and deletes only the voices it registered itself, never the visitor's own. Its voices are
-    still its address's network's (`voice_store.network_key`): the shares stay by network."""
+    still its address's network's (`voices.store.network_key`): the shares stay by network."""
     digest = hashlib.sha256((origin or "null").lower().encode()).hexdigest()[:16]
     return address + PAGE_OWNER_MARK + digest

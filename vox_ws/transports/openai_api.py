@@ -33,7 +33,7 @@ from ..engine import ErrorKind, Refused
 from ..lexicon import request_entries
 from ..service import AudioOutput, Stream, StreamRequest
 from ..service.events import Audio, Ended, Failed, Segment, Words
-from ..service.voice_names import with_speaker
+from ..service.voices.names import with_speaker
 from ..service.validation import MAX_INSTRUCTIONS_CHARS, MAX_SAMPLE_RATE, MIN_SAMPLE_RATE, check_options
 from . import protocol as p
 from .auth import is_authorized, origin_allowed, owner

@@ -24,8 +24,8 @@ from ..lexicon import request_entries
 from ..service import AudioOutput, StreamRequest
 from ..service.events import Audio, Ended, Event, Failed, Flushed, Phonemes, Segment, Words
 from ..service.validation import MAX_SAMPLE_RATE, MIN_SAMPLE_RATE, check_length, check_options
-from ..service.voice_names import with_speaker
-from ..service.voice_store import check_voice_name, nameless_public
+from ..service.voices.names import with_speaker
+from ..service.voices.store import check_voice_name, nameless_public
 # The vocabulary both sides share, under this module's names too (`p.BUSY`, `p.encode`).
 from ..wire import (BAD_FRAME, BAD_REQUEST, BUSY, CLOSE_IDLE, CLOSE_INTERNAL, CLOSE_POLICY,  # noqa: F401
                     CLOSE_SERVICE_RESTART, CLOSE_TOO_MANY_FROM_ADDRESS, CLOSE_TRY_AGAIN_LATER, CLOSE_UNAUTHORIZED,

@@ -1,5 +1,5 @@
 """REST for the Piper voices an operator fetches by name into the folder the server serves, and
-removes (admin token; `service/voice_fetches.py`):
+removes (admin token; `service/voices/fetches.py`):
 
     GET    /v1/admin/voices/available[?language=en]   200 {"folder", "skipped", "voices": [{"name",
                                                        "language", "language_name", "quality",
@@ -20,7 +20,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
-from ..service.voice_fetches import FetchRefusal, VoiceFetchRefused
+from ..service.voices.fetches import FetchRefusal, VoiceFetchRefused
 from ..wire import UNAVAILABLE
 from . import protocol as p
 from .errors import access_refusal, admin_refusal

@@ -36,10 +36,10 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
 from ..engine import Readiness, Refused
-from ..service.registrations import Registration
-from ..service.voice_store import VoiceSummary
+from ..service.voices.registrations import Registration
+from ..service.voices.store import VoiceSummary
 from . import protocol as p
-from ..service.voice_store import owner_key
+from ..service.voices.store import owner_key
 from .auth import address_owner, owner
 from .body import BodyTooLarge, read_body
 from .errors import access_refusal, admin_refusal, error_response, listing_refusal, refused_response

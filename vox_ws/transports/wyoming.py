@@ -46,8 +46,8 @@ from ..engine import ErrorKind, Readiness, Refused
 from ..service import AudioOutput, StreamRequest, StreamService
 from ..service.events import Audio, Ended, Failed, Segment
 from ..service.stream import Stream
-from ..service.voice_aliases import Alias
-from ..service.voice_names import with_speaker
+from ..service.voices.aliases import Alias
+from ..service.voices.names import with_speaker
 from .auth import address_owner
 from .protocol import code_for, model_id
 from .proxies import ProxyHeaderError, TrustedProxies, parse_proxy_header, v2_header_length

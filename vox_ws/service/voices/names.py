@@ -2,7 +2,7 @@
 owner gave a voice it registered. The same answer at every front door.
 
     built-in ("joe")          the engine's own voice
-    alias ("alloy")           `voice_aliases.py`: another voice, or one designed from words
+    alias ("alloy")           `aliases.py`: another voice, or one designed from words
     registered id ("v_...")   a voice in the store, by the id registration answered
     name ("my voice")         the caller's own registered voice of that name (the store's `named_id`)
 """
@@ -12,9 +12,9 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from ..engine import Engine, ErrorKind, Readiness, Refused
-from .voice_aliases import Alias, check_aliases, default_aliases, for_engine, with_defaults
-from .voice_store import VoiceStore, is_registered_id, is_voice_name, owner_key
+from ...engine import Engine, ErrorKind, Readiness, Refused
+from .aliases import Alias, check_aliases, default_aliases, for_engine, with_defaults
+from .store import VoiceStore, is_registered_id, is_voice_name, owner_key
 
 log = logging.getLogger("vox_ws.service")
 

@@ -15,8 +15,8 @@ import time
 from collections import Counter, deque
 from types import TracebackType
 
-from ..engine import ErrorKind, Refused
-from ..scheduling.queue import QueuePace
+from ...engine import ErrorKind, Refused
+from ...scheduling.queue import QueuePace
 
 
 class RegistrationQueue:

@@ -19,8 +19,8 @@ import asyncio
 import logging
 from typing import Any
 
-from ..engine import Readiness
-from ..scheduling.devices import Devices
+from ...engine import Readiness
+from ...scheduling.devices import Devices
 
 log = logging.getLogger("vox_ws.service")
 

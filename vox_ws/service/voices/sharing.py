@@ -1,19 +1,19 @@
 """Public voices: a voice its owner shares by its name with everyone the server serves.
 
-A registered voice is its owner's (`voice_store.may_speak_with`); its owner may make it public
+A registered voice is its owner's (`store.may_speak_with`); its owner may make it public
 (at registration, `VoiceService.register(public=True)`, or later, `set_public`): then any
 caller, at any door (another token, a Wyoming client with none), speaks it by its name and is
 shown it in the lists, unless the caller has a voice of its own by that name (its own comes
 first) or the server's voices or aliases took the name since. One public voice per name
-(`voice_store.PublicVoices`); only its owner (or an admin) makes it private again or deletes it.
+(`store.PublicVoices`); only its owner (or an admin) makes it private again or deletes it.
 """
 
 from __future__ import annotations
 
 from typing import Callable
 
-from ..scheduling.devices import Devices
-from .voice_store import VoiceStore, VoiceSummary, is_registered_id, is_voice_name, owner_key
+from ...scheduling.devices import Devices
+from .store import VoiceStore, VoiceSummary, is_registered_id, is_voice_name, owner_key
 
 
 class VoiceSharing:

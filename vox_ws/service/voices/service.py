@@ -1,6 +1,6 @@
 """Voices across devices: the built-in ones, aliases and names, and the voices clients register.
 
-A registered voice is kept in the voice store (`voice_store.py`: its reference audio, owner and
+A registered voice is kept in the voice store (`store.py`: its reference audio, owner and
 limits) and built on every device that speaks it; a device that lacks one (another server
 registered it, or this one restarted) builds it from the store when a stream next names it.
 Reference audio is decoded and encoded on one worker thread of its own, beside the engines'
@@ -16,20 +16,20 @@ from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from typing import Any, Awaitable, Callable
 
-from ..audio import AudioTooLong, decode_audio_file
-from ..config import Limits
-from ..scheduling.devices import Devices
-from ..engine import VOICE_MODES, Engine, ErrorKind, Readiness, Refused
-from ..memory import release_memory
+from ...audio import AudioTooLong, decode_audio_file
+from ...config import Limits
+from ...engine import VOICE_MODES, Engine, ErrorKind, Readiness, Refused
+from ...memory import release_memory
+from ...scheduling.devices import Devices
+from ..validation import check_text
+from ..work import engine_work
+from .aliases import Alias
+from .names import ResolvedVoice, VoiceNames
 from .registrations import Registration, RegistrationQueue
-from .validation import check_text
-from .voice_aliases import Alias
-from .voice_names import ResolvedVoice, VoiceNames
-from .voice_sharing import VoiceSharing
-from .voice_store import (ANY_OWNER, STORE_RETRY_AFTER_S, Lifetime, StoreUnavailable, VoiceStore, VoiceSummary,
-                          check_voice_name, is_registered_id, is_voice_name, nameless_public, new_voice,
-                          owner_key, public_name_taken, rekey_named)
-from .work import engine_work
+from .sharing import VoiceSharing
+from .store import (ANY_OWNER, STORE_RETRY_AFTER_S, Lifetime, StoreUnavailable, VoiceStore, VoiceSummary,
+                    check_voice_name, is_registered_id, is_voice_name, nameless_public, new_voice, owner_key,
+                    public_name_taken, rekey_named)
 
 log = logging.getLogger("vox_ws.service")
 
@@ -51,9 +51,9 @@ class VoiceService:
         self.limits = limits
         self.store = store
         self.registrations = RegistrationQueue(limits.max_pending_voices_per_owner, limits.max_pending_voices)
-        # Aliases and names (`voice_names.py`); None: the defaults (`voice_aliases.py`).
+        # Aliases and names (`names.py`); None: the defaults (`aliases.py`).
         self.names = VoiceNames(store, aliases)
-        # Public voices (`voice_sharing.py`), beside the server's own voices' and aliases' names.
+        # Public voices (`sharing.py`), beside the server's own voices' and aliases' names.
         self.sharing = VoiceSharing(store, devices, lambda: set(self.listed()) | set(self.aliases()))
         self._fetching: dict[str, asyncio.Future] = {}      # voices being rebuilt from the store
         self._jobs: asyncio.Semaphore | None = None
@@ -96,7 +96,7 @@ class VoiceService:
     def resolve(self, voice: str | None, owner: str = ANY_OWNER) -> ResolvedVoice:
         """What the voice a client named is, for `owner` (whose voice names count): a name is
         `owner`'s own voice of that name, else the public voice of that name
-        (`voice_sharing.py`); where the store cannot tell without waiting (a shared one),
+        (`sharing.py`); where the store cannot tell without waiting (a shared one),
         `owner`'s own, and `ensure` settles it."""
         resolved = self.names.resolve(self.devices.engine, self.devices.status, voice, owner)
         if resolved.named is None or resolved.voice is None:
@@ -139,10 +139,10 @@ class VoiceService:
         {voice, mode, audio_s, public} (and `name`, where given). The same audio, transcript and
         mode from the same owner give the same id; a `name` (unique per owner: another voice of
         that name is refused) gives an id made from it, and streams may name the voice by it.
-        A `public` voice (it needs a name no other public voice has: `voice_sharing.py`) is
+        A `public` voice (it needs a name no other public voice has: `sharing.py`) is
         spoken by its name by anyone served, and listed to them; registering a voice kept
         already with `public` makes it public. The voice is kept in the store (the rules of
-        `voice_store.py`: an owner at its cap loses its own oldest voice; a full store refuses)
+        `store.py`: an owner at its cap loses its own oldest voice; a full store refuses)
         and built on every device. It waits its turn among the owners' registrations
         (`admit_registration`, here unless the caller did it first and passes the Registration
         as `owner`)."""
@@ -195,7 +195,7 @@ class VoiceService:
 
     def check_use_now(self, voice: str | None, owner: str, named: str | None = None) -> None:
         """Refuse (INVALID, as an unknown voice) a registered voice that `owner` may not speak
-        with (`voice_store.may_speak_with`: another owner's named voice), or that the store no
+        with (`store.may_speak_with`: another owner's named voice), or that the store no
         longer has, where the store tells without waiting; `ensure` asks one that cannot."""
         if voice is not None and self.may_be_registered(voice) and self.store.usable_now(voice, owner) is False:
             raise _unknown(self.devices, named or voice)

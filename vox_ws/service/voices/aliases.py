@@ -40,9 +40,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
-from ..codecs import MAX_SPEED, MIN_SPEED
-from ..engine import Engine
-from ..files import FileTooLarge, read_regular_file
+from ...codecs import MAX_SPEED, MIN_SPEED
+from ...engine import Engine
+from ...files import FileTooLarge, read_regular_file
 
 try:
     import tomllib

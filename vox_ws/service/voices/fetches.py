@@ -24,9 +24,9 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from ..engine import Readiness, Refused, VoiceFolder
-from ..scheduling.devices import Devices
-from .voice_rescans import VoiceRescans
+from ...engine import Readiness, Refused, VoiceFolder
+from ...scheduling.devices import Devices
+from .rescans import VoiceRescans
 
 log = logging.getLogger("vox_ws.service")
 
@@ -86,7 +86,7 @@ class VoiceFetches:
         in the folder and whether it is served."""
         folder = self.folder()
         catalogue = await self._current_catalogue()
-        from ..engines.piper_catalogue import on_disk
+        from ...engines.piper_catalogue import on_disk
 
         here = await asyncio.to_thread(on_disk, Path(folder.path))
         served = set(self.devices.engine.voices.names())
@@ -97,7 +97,7 @@ class VoiceFetches:
     async def fetch(self, name: str) -> dict[str, Any]:
         """Fetch a voice of the catalogue into the folder and serve it; what was fetched, and
         `served: true` once it is."""
-        from ..engines.piper_hub import looks_like_voice
+        from ...engines.piper_hub import looks_like_voice
 
         folder = self.folder()
         self._check_ready()
@@ -207,8 +207,8 @@ def _fetch_catalogue(folder: str) -> Any:
         from huggingface_hub import constants
         from huggingface_hub.errors import LocalEntryNotFoundError
 
-        from ..engines.piper_catalogue import CatalogueUnreadable, fetch_catalogue
-        from ..engines.piper_hub import HubUnreachable
+        from ...engines.piper_catalogue import CatalogueUnreadable, fetch_catalogue
+        from ...engines.piper_hub import HubUnreachable
     except ImportError as exc:
         raise VoiceFetchRefused(FetchRefusal.NO_HUB_CLIENT, f"the hub's client is not installed "
                                 f"({exc.name}): pip install 'vox-ws[piper]'") from None
@@ -231,7 +231,7 @@ def _pull(name: str, folder: VoiceFolder, sizes: dict[str, int]) -> None:
     (on a worker thread)."""
     from huggingface_hub import constants
 
-    from ..engines.piper_hub import HubUnreachable, VoiceRefused, pull_voice
+    from ...engines.piper_hub import HubUnreachable, VoiceRefused, pull_voice
 
     if constants.HF_HUB_OFFLINE:
         raise VoiceFetchRefused(FetchRefusal.HUB_UNREACHABLE, "the server runs with HF_HUB_OFFLINE set: it "
