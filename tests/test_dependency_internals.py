@@ -128,9 +128,9 @@ async def test_a_live_uvicorn_connection_has_the_attributes_vox_ws_uses(tone_ser
 
 
 def test_starlettes_websocket_keeps_its_asgi_send_as_send():
-    """vox_ws/session.py writes frames through `WebSocket._send` (reached by `connections.asgi_send`),
-    the ASGI send callable, so that a frame is queued without awaiting Starlette's state checks on
-    every chunk."""
+    """vox_ws/transports/v1_connection.py writes frames through `WebSocket._send` (reached by
+    `connections.asgi_send`), the ASGI send callable, so that a frame is queued without awaiting
+    Starlette's state checks on every chunk."""
     from starlette.websockets import WebSocket
 
     async def receive():

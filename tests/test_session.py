@@ -1,10 +1,15 @@
-"""`session.py`: one protocol v1 connection's life on a real server: frames costly to decode,
-texts that are not Unicode, pings, message floods, cancel and disconnect."""
+"""`session.py`: one protocol v1 connection's rules, tested with data alone (frames in, what the
+session asks of the stream service and what it answers out, as websockets tests its sans-I/O
+`Protocol`); then its driver (`transports/v1_connection.py`) on a real server, for the I/O itself:
+frames costly to decode, texts that are not Unicode, pings, message floods, cancel and disconnect."""
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import socket
+from dataclasses import dataclass
+from pathlib import Path
 
 import msgpack
 import pytest
@@ -16,8 +21,257 @@ from websockets.exceptions import ConnectionClosed
 from websockets.frames import Close, Opcode
 from websockets.uri import parse_uri
 
+import vox_ws.session
+from vox_ws.config import Limits
+from vox_ws.engine import ErrorKind, Refused
+from vox_ws.engines import option_vocabulary
 from vox_ws.engines.piper import PiperEngine
+from vox_ws.session import (
+    MAX_ERRORS_IN_A_ROW,
+    CancelStream,
+    CloseConnection,
+    EndInput,
+    FlushInput,
+    OpenStream,
+    RunRequest,
+    SendError,
+    SendText,
+    Session,
+)
 from vox_ws.transports.connections import WRITE_BUFFER_HIGH
+from vox_ws.transports.rate import CLOSE_AFTER_REFUSED, MessageBudget
+from vox_ws.transports.v1_connection import frame_in
+
+# ---------------------------------------------------------------------- the rules, with data alone
+
+OPTIONS = option_vocabulary()
+
+
+@dataclass
+class StreamState:
+    """An open stream's state as the session reads it (the driver's handle on a real stream)."""
+
+    input_streaming: bool
+    done: bool = False
+    input_closed: bool = False
+
+
+class StreamService:
+    """The driver's side of `perform`, as data: what the session asked, in order; a stream's
+    state for each stream opened; `refusal`, raised as the service would raise it."""
+
+    def __init__(self) -> None:
+        self.asked: list = []
+        self.opened: dict[str, StreamState] = {}
+        self.refusal: Refused | None = None
+
+    def __call__(self, action):
+        self.asked.append(action)
+        if self.refusal is not None:
+            raise self.refusal
+        if isinstance(action, OpenStream):
+            self.opened[action.id] = StreamState(action.request.input_streaming)
+            return self.opened[action.id]
+        return None
+
+
+class Connection:
+    """A session, the message budget its driver keeps, and a clock the test moves."""
+
+    def __init__(self, is_admin: bool = False, rate: float = 1e9, **limits) -> None:
+        self.limits = Limits(**limits)
+        self.service = StreamService()
+        self.now = 0.0
+        self.session = Session(self.limits, self.service, lambda: 2.5, is_admin=is_admin,
+                               clock=lambda: self.now)
+        self.budget = MessageBudget(rate)
+
+    def send(self, message: dict | bytes | str) -> list:
+        """One frame in (a map is packed as a client packs it); what the session answers."""
+        frame = msgpack.packb(message) if isinstance(message, dict) else message
+        return frame_in(self.session, self.budget, frame, self.limits, OPTIONS)
+
+
+def test_a_start_opens_a_stream_under_its_id():
+    c = Connection()
+    assert c.send({"type": "start", "id": "a", "text": "Hello.", "segment_events": True}) == []
+    [opened] = c.service.asked
+    assert opened.id == "a" and opened.request.text == "Hello." and opened.segment_events
+    assert c.session.streams == {"a": c.service.opened["a"]}
+
+
+def test_a_start_without_an_id_is_named_by_the_session_past_the_ids_taken():
+    c = Connection()
+    c.send({"type": "start", "id": "s1", "text": "x"})
+    c.send({"type": "start", "text": "x"})
+    c.send({"type": "start", "text": "x"})
+    assert [action.id for action in c.service.asked] == ["s1", "s2", "s3"]
+
+
+def test_a_stream_id_already_open_is_a_duplicate_even_once_its_stream_is_done():
+    c = Connection()
+    c.send({"type": "start", "id": "a", "text": "x"})
+    assert c.send({"type": "start", "id": "a", "text": "y"}) == [
+        SendError("duplicate_stream", "stream 'a' is already open on this connection", "a")]
+    c.service.opened["a"].done = True          # its last frames not yet sent: still the connection's
+    assert c.send({"type": "start", "id": "a", "text": "y"})[0].code == "duplicate_stream"
+    assert len(c.service.asked) == 1
+
+
+def test_a_stream_unknown_or_done_is_unknown_to_its_messages():
+    c = Connection()
+    assert c.send({"type": "cancel", "id": "nope"}) == [
+        SendError("unknown_stream", "no open stream with id 'nope'", "nope")]
+    c.send({"type": "start", "id": "a", "text": "x"})
+    assert c.send({"type": "cancel", "id": "a"}) == []
+    assert c.service.asked[-1] == CancelStream("a")
+    c.service.opened["a"].done = True
+    assert c.send({"type": "cancel", "id": "a"})[0].code == "unknown_stream"
+
+
+def test_max_streams_open_at_once_and_a_stream_ended_frees_its_place():
+    c = Connection(max_streams=2)
+    c.send({"type": "start", "id": "a", "text": "x"})
+    c.send({"type": "start", "id": "b", "text": "x"})
+    assert c.send({"type": "start", "id": "c", "text": "x"}) == [
+        SendError("too_many_streams", "2 streams open, max_streams=2", "c")]
+    c.session.stream_ended("a", c.service.opened["a"], by_its_end=True)
+    assert c.send({"type": "start", "id": "c", "text": "x"}) == []
+    assert sorted(c.session.streams) == ["b", "c"]
+
+
+def test_a_stream_ended_is_forgotten_only_if_it_is_still_the_one_under_its_id():
+    c = Connection()
+    c.send({"type": "start", "id": "a", "text": "x"})
+    first = c.service.opened["a"]
+    c.session.stream_ended("a", first, by_its_end=True)
+    c.send({"type": "start", "id": "a", "text": "x"})
+    c.session.stream_ended("a", first, by_its_end=False)     # the first one's pump, stopping late
+    assert c.session.streams == {"a": c.service.opened["a"]} and c.service.opened["a"] is not first
+
+
+def test_text_input_goes_to_a_stream_started_for_it_until_its_input_ends():
+    c = Connection()
+    c.send({"type": "start", "id": "whole", "text": "x"})
+    assert c.send({"type": "chunk", "id": "whole", "text": "more"}) == [
+        SendError("bad_request", "'chunk' needs a stream started with stream_input: true", "whole")]
+    assert c.send({"type": "flush", "id": "whole"})[0].message.startswith("'flush' needs")
+    c.send({"type": "start", "id": "in", "stream_input": True})
+    assert c.send({"type": "chunk", "id": "in", "text": "Hello"}) == []
+    assert c.send({"type": "flush", "id": "in"}) == []
+    assert c.send({"type": "end", "id": "in"}) == []
+    assert c.service.asked[-3:] == [SendText("in", "Hello"), FlushInput("in"), EndInput("in")]
+    c.service.opened["in"].input_closed = True
+    assert c.send({"type": "chunk", "id": "in", "text": "late"}) == [
+        SendError("bad_request", "the input of stream 'in' has already ended", "in")]
+
+
+def test_what_the_stream_service_refuses_is_the_messages_error_with_its_code_and_retry_hint():
+    c = Connection()
+    c.service.refusal = Refused(ErrorKind.BUSY, "every slot is busy", retry_after_s=1.5)
+    assert c.send({"type": "start", "text": "x"}) == [SendError("busy", "every slot is busy", "s1", 1.5)]
+    assert c.session.streams == {}
+    c.service.refusal = None
+    c.send({"type": "start", "id": "in", "stream_input": True})
+    c.service.refusal = Refused(ErrorKind.INVALID, "text longer than 50 characters")
+    assert c.send({"type": "chunk", "id": "in", "text": "x" * 60}) == [
+        SendError("bad_request", "text longer than 50 characters", "in")]
+
+
+def test_a_frame_the_driver_cannot_read_is_refused_with_its_code():
+    c = Connection()
+    assert c.send("text") == [SendError("bad_frame", "text frames are not accepted: send one msgpack map per "
+                                                     "binary frame")]
+    assert c.send({"type": "nonsense", "id": "a"}) == [
+        SendError("bad_request", "unknown message type 'nonsense'", "a")]
+
+
+def test_refused_messages_in_a_row_close_the_connection_and_one_good_message_resets_the_count():
+    c = Connection()
+    for _ in range(MAX_ERRORS_IN_A_ROW - 1):
+        assert [type(o) for o in c.send({"type": "cancel", "id": "x"})] == [SendError]
+    c.send({"type": "start", "id": "a", "text": "x"})
+    for _ in range(MAX_ERRORS_IN_A_ROW - 1):
+        assert [type(o) for o in c.send(b"\xc1")] == [SendError]
+    assert c.send(b"\xc1")[1:] == [CloseConnection(1008, f"{MAX_ERRORS_IN_A_ROW} refused messages in a row")]
+
+
+def test_messages_over_the_budget_are_dropped_then_a_flood_closes_the_connection():
+    c = Connection(rate=1e-6)                  # one message, then none for days
+    assert c.send({"type": "start", "id": "a", "text": "x"}) == []
+    dropped = SendError("rate_limited", "more than 50 messages per second: message dropped")
+    for _ in range(CLOSE_AFTER_REFUSED):
+        assert c.send({"type": "start", "id": "b", "text": "x"}) == [dropped]
+    assert c.send({"type": "start", "id": "b", "text": "x"}) == [
+        CloseConnection(1008, "message rate limit exceeded")]
+    assert len(c.service.asked) == 1           # nothing dropped reached the service
+
+
+def test_voice_and_lora_requests_are_run_by_the_driver_and_answered_with_their_kind():
+    c = Connection(is_admin=True)
+    [voice] = c.send({"type": "voice", "id": "v", "audio": b"RIFF", "transcript": "Hi."})
+    assert isinstance(voice, RunRequest) and (voice.kind, voice.id) == ("voice", "v")
+    assert voice.message.audio == b"RIFF" and voice.message.transcript == "Hi."
+    assert [(r.kind, r.id) for r in c.send({"type": "voice_delete", "voice": "joe"})
+            + c.send({"type": "voice_update", "id": "u", "voice": "joe", "public": True})
+            + c.send({"type": "voice_admin", "op": "list"})
+            + c.send({"type": "lora", "id": "l", "op": "load", "name": "calm"})] == [
+        ("voice_delete", None), ("voice_update", "u"), ("voice_admin", None), ("lora", "l")]
+    assert c.service.asked == []               # none of them is the stream service's at once
+
+
+def test_one_voice_registration_at_a_time_per_connection():
+    c = Connection()
+    c.send({"type": "voice", "audio": b"RIFF"})
+    assert c.send({"type": "voice", "id": "second", "audio": b"RIFF"}) == [
+        SendError("busy", "one voice registration at a time per connection", "second", 2.5)]
+    assert isinstance(c.send({"type": "voice_delete", "voice": "joe"})[0], RunRequest)
+    c.session.answered("voice")
+    assert isinstance(c.send({"type": "voice", "audio": b"RIFF"})[0], RunRequest)
+
+
+def test_voice_admin_and_lora_need_the_admin_token():
+    c = Connection()
+    assert c.send({"type": "voice_admin", "id": "a", "op": "list"}) == [
+        SendError("unauthorized", "voice_admin needs a connection opened with the admin token", "a")]
+    assert c.send({"type": "lora", "op": "disable"}) == [
+        SendError("unauthorized", "LoRA operations need a connection opened with the admin token")]
+
+
+def test_a_connection_is_idle_with_no_stream_and_no_message_that_did_something():
+    c = Connection(idle_timeout_s=60.0)
+    c.now = 59.0
+    assert not c.session.idle()
+    c.now = 61.0
+    assert c.session.idle()
+    c.send({"type": "cancel", "id": "x"})      # refused: not activity
+    assert c.session.idle()
+    c.send({"type": "start", "id": "a", "text": "x"})
+    c.now = 200.0
+    assert not c.session.idle()                # a stream is open
+    c.session.stream_ended("a", c.service.opened["a"], by_its_end=True)
+    c.now = 259.0
+    assert not c.session.idle()                # its end was activity
+    c.now = 261.0
+    assert c.session.idle()
+
+
+def test_the_session_imports_no_asyncio_no_web_framework_and_no_door():
+    tree = ast.parse(Path(vox_ws.session.__file__).read_text())
+    imported = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            imported |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = "." * node.level + (node.module or "")
+            imported |= {base} | {f"{base}.{alias.name}" for alias in node.names}
+    wrong = {name for name in imported
+             if name.split(".")[0] in ("asyncio", "starlette", "uvicorn", "websockets", "socket")
+             or "transports" in name.split(".")}
+    assert not wrong, wrong
+
+
+# ---------------------------------------------------------------------- the driver, on a real server
 
 
 @pytest.mark.hardening

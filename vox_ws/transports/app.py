@@ -1,6 +1,6 @@
 """The one ASGI app of a server: protocol v1's WebSocket and every HTTP route, on one port.
 
-    /v1/stream          protocol v1 (WebSocket; `vox_ws/session.py`)
+    /v1/stream          protocol v1 (WebSocket; `v1_connection.py` drives `vox_ws/session.py`)
     /v1/voices...       voices over REST (`voices_api.py`)
     /v1/admin/voices/{name}  Piper voices fetched by name, and removed (`voice_fetches_api.py`)
     /v1/loras...        LoRA adapters over REST (`loras_api.py`)
@@ -21,7 +21,6 @@ from starlette.routing import WebSocketRoute
 from starlette.websockets import WebSocket
 
 from ..addresses import client_key
-from ..session import Session
 from . import http_routes, loras_api, openai_api, openapi, voice_fetches_api, voices_api
 from . import protocol as p
 from .auth import SUBPROTOCOL, is_admin, is_authorized, offered_subprotocols, origin_allowed, owner
@@ -29,6 +28,7 @@ from .connections import REFUSAL_EXTENSION
 from .errors import ORIGIN_REFUSED, error_response
 from .hosts import AllowedHosts, HostCheck
 from .state import ServerState, server_state
+from .v1_connection import V1Connection
 
 log = logging.getLogger("vox_ws.server")
 
@@ -59,8 +59,8 @@ async def stream_endpoint(ws: WebSocket) -> None:
         return
     address = _address(ws, state)
     config = state.config
-    session = Session(ws, state, is_admin=is_admin(ws, config.admin_tokens),
-                      owner=owner(ws, config.tokens, config.admin_tokens, config.ipv6_prefix))
+    session = V1Connection(ws, state, is_admin=is_admin(ws, config.admin_tokens),
+                           owner=owner(ws, config.tokens, config.admin_tokens, config.ipv6_prefix))
     state.sessions.add(session)
     state.per_address[address] += 1
     log.info("session %d open from %s", session.number, address)

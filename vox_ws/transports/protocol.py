@@ -19,7 +19,7 @@ import msgpack
 from .. import wire
 from ..codecs import OUTPUT_FORMATS
 from ..config import Limits
-from ..engine import VOICE_MODES, ErrorKind, OptionSpec, Refused, type_name
+from ..engine import VOICE_MODES, OptionSpec, Refused, type_name
 from ..lexicon import request_entries
 from ..service import AudioOutput, StreamRequest
 from ..service.events import Audio, Ended, Event, Failed, Flushed, Phonemes, Segment, Words
@@ -35,6 +35,7 @@ from ..wire import (BAD_FRAME, BAD_REQUEST, BUSY, CLOSE_IDLE, CLOSE_INTERNAL, CL
 # A client's messages, as this door reads them (`p.Start`, ...): declared once, in `vox_ws.wire`.
 from ..wire import (Cancel, Chunk, ClientMessage, End, Flush, Lora, Start, Voice, VoiceAdmin,  # noqa: F401
                     VoiceDelete, VoiceUpdate)
+from ..session import code_for
 from .state import ServerState
 
 PROTOCOL_VERSION = 1
@@ -57,15 +58,6 @@ class ProtocolError(Exception):
     @classmethod
     def from_refused(cls, err: Refused, stream_id: str | None = None) -> "ProtocolError":
         return cls(code_for(err.kind), err.message, stream_id, err.retry_after_s)
-
-
-def code_for(kind: ErrorKind) -> str:
-    """The wire code of an engine or stream-service error kind."""
-    return BAD_REQUEST if kind == ErrorKind.INVALID else kind.value
-
-
-# A client may retry these later with the same request and expect it to work: the service's
-# retryable kinds (`ErrorKind.retryable`, the one table), and this door's own flood refusal.
 
 
 # --------------------------------------------------------------------------- decoding

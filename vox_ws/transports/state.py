@@ -24,7 +24,7 @@ log = logging.getLogger("vox_ws.server")
 
 
 class OpenSession(Protocol):
-    """What the server needs of an open protocol v1 session (`vox_ws.session.Session`, which
+    """What the server needs of an open protocol v1 session (`v1_connection.V1Connection`, which
     imports this module): to close it, when it drains or stops."""
 
     async def close(self, code: int, reason: str) -> None: ...
