@@ -26,6 +26,7 @@ from typing import Any, Callable, Protocol
 from .config import Limits
 from .engine import ErrorKind, Refused
 from .service import StreamRequest
+from . import wire
 from .wire import (
     BAD_REQUEST,
     BUSY,
@@ -42,11 +43,11 @@ from .wire import (
 MAX_ERRORS_IN_A_ROW = 50
 
 # Requests only a connection opened with the admin token may make, and what the others are told.
-ADMIN_ONLY = {"voice_admin": "voice_admin needs a connection opened with the admin token",
-              "lora": "LoRA operations need a connection opened with the admin token"}
+ADMIN_ONLY = {wire.VoiceAdmin.TYPE: "voice_admin needs a connection opened with the admin token",
+              wire.Lora.TYPE: "LoRA operations need a connection opened with the admin token"}
 # The request that may run once at a time per connection (a registration holds the service's
 # encoder; a second waits its turn elsewhere).
-ONE_AT_A_TIME = "voice"
+ONE_AT_A_TIME = wire.Voice.TYPE
 
 
 class StreamHandle(Protocol):
@@ -203,17 +204,17 @@ class Session:
 
     @_counted
     def send_text(self, sid: str, text: str) -> list[Output]:
-        self._service(SendText(sid, text), self._input_open(sid, "chunk"))
+        self._service(SendText(sid, text), self._input_open(sid, wire.Chunk.TYPE))
         return []
 
     @_counted
     def flush(self, sid: str) -> list[Output]:
-        self._service(FlushInput(sid), self._input_open(sid, "flush"))
+        self._service(FlushInput(sid), self._input_open(sid, wire.Flush.TYPE))
         return []
 
     @_counted
     def end_input(self, sid: str) -> list[Output]:
-        self._service(EndInput(sid), self._input_open(sid, "end"))
+        self._service(EndInput(sid), self._input_open(sid, wire.End.TYPE))
         return []
 
     @_counted

@@ -78,9 +78,9 @@ class _OpenStream:
         return self.stream.input_closed
 
 
-def deliver(session: Session, message: wire.ClientMessage, kind: str) -> list[Output]:
-    """A parsed message (of type `kind`) to the session's verb for it: the one place that reads
-    `protocol.py`'s message classes and a start's request."""
+def deliver(session: Session, message: wire.ClientMessage) -> list[Output]:
+    """A parsed message to the session's verb for it: the one place that reads a start's
+    request."""
     if isinstance(message, wire.Start):
         return session.start(message.id, p.stream_request(message), message.segment_events)
     if isinstance(message, wire.Chunk):
@@ -91,7 +91,7 @@ def deliver(session: Session, message: wire.ClientMessage, kind: str) -> list[Ou
         return session.end_input(message.id)
     if isinstance(message, wire.Cancel):
         return session.cancel(message.id)
-    return session.request(kind, message.id, message)
+    return session.request(message.TYPE, message.id, message)
 
 
 def frame_in(session: Session, budget: MessageBudget, data: bytes | str, limits: Limits,
@@ -105,7 +105,7 @@ def frame_in(session: Session, budget: MessageBudget, data: bytes | str, limits:
         message = p.parse_message(obj, limits, options)
     except p.ProtocolError as err:
         return session.refused(SendError(err.code, err.message, err.stream_id, err.retry_after_s))
-    return deliver(session, message, obj["type"])
+    return deliver(session, message)
 
 
 class V1Connection:
