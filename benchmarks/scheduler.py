@@ -41,7 +41,7 @@ from typing import Any
 
 import numpy as np
 
-from vox_ws.playback import count_underruns
+from vox_ws.clients.playback import count_underruns
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TQDM_DISABLE", "1")

@@ -17,8 +17,8 @@ import pytest
 import torch
 from conftest import connect_client, loaded_loop
 
-from vox_ws import accelerator
-from vox_ws.accelerator import device_lost, enter_device, on_device
+from vox_ws.engines import accelerator
+from vox_ws.engines.accelerator import device_lost, enter_device, on_device
 from vox_ws.engine import EngineFailure, ErrorKind, GenerationRequest, Readiness, Refused
 from vox_ws.engines.voxcpm.engine import VoxCPMEngine
 from vox_ws.testing.tone import ToneEngine
@@ -75,7 +75,7 @@ def test_errors_that_spare_the_device(error):
 
 def test_a_server_without_torch_never_imports_it():
     """A Piper install has no torch: classifying an error and entering a device import none."""
-    code = ("import sys; from vox_ws import accelerator as a; "
+    code = ("import sys; from vox_ws.engines import accelerator as a; "
             "assert a.device_lost(RuntimeError('CUDA error: device-side assert triggered')); "
             "assert a.device_lost(ValueError('x')) is None; a.enter_device('cpu'); a.enter_device('auto'); "
             "assert 'torch' not in sys.modules, 'torch was imported'")

@@ -454,8 +454,8 @@ def test_the_aligners_are_their_setting_never_more_than_the_cgroup_quota(tmp_pat
     """A host of 8 CPUs, which had 8 aligner processes (one per CPU it may run on), has
     `--aligners` (2 by default) at most, and a container's CPU quota, which its affinity does
     not show, bounds them too; made, an aligner starts no process."""
-    from vox_ws.cli import build_parser, config_from_args
-    from vox_ws.cpus import cpu_limit
+    from vox_ws.commands.cli import build_parser, config_from_args
+    from vox_ws.engines.cpus import cpu_limit
 
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))
     root, membership = tmp_path / "cgroup", tmp_path / "membership"

@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from vox_ws.compile_workers import ENV, compile_workers
+from vox_ws.engines.voxcpm.compile_workers import ENV, compile_workers
 from vox_ws.engines.voxcpm import background
 from vox_ws.engines.voxcpm.background import BackgroundCompile
 

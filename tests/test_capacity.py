@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from vox_ws.clients import capacity
-from vox_ws.playback import playback_gaps
+from vox_ws.clients.playback import playback_gaps
 
 
 def test_a_player_hears_a_gap_when_a_chunk_comes_after_the_audio_before_it_has_played():

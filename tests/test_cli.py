@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from vox_ws.cli import build_parser
+from vox_ws.commands.cli import build_parser
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -28,11 +28,12 @@ from wyoming.client import AsyncTcpClient
 from wyoming.info import Describe, Info
 from wyoming.tts import Synthesize, SynthesizeVoice
 
-from vox_ws.cli import build_parser, config_from_args
+from vox_ws.commands.cli import build_parser, config_from_args
 from vox_ws.clients.v1 import MAX_RETRY_WAIT_S, retry_delay
 from vox_ws.engines.piper import PiperEngine
 from vox_ws.engines.piper_voices import bundled, voice_set
-from vox_ws.logs import TEXT_FORMAT, JsonFormatter, TextFormatter, voice_tag
+from vox_ws.commands.logs import TEXT_FORMAT, JsonFormatter, TextFormatter
+from vox_ws.voice_tags import voice_tag
 from vox_ws.service.voices.aliases import (
     OPENAI_VOICES,
     Alias,

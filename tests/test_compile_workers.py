@@ -1,4 +1,4 @@
-"""Inductor's compile workers: one per CPU of the cgroup's quota (`vox_ws.cpus`, test_cpus.py),
+"""Inductor's compile workers: one per CPU of the cgroup's quota (`vox_ws.engines.cpus`, test_cpus.py),
 read from a cgroup file system given here; the user's TORCHINDUCTOR_COMPILE_THREADS first; one
 in a serving process, so that loading a kernel starts no pool."""
 
@@ -11,8 +11,8 @@ import sys
 import pytest
 from test_cpus import cgroup
 
-from vox_ws import compile_workers as workers
-from vox_ws.compile_workers import ENV, compile_workers, use_compile_workers
+from vox_ws.engines.voxcpm import compile_workers as workers
+from vox_ws.engines.voxcpm.compile_workers import ENV, compile_workers, use_compile_workers
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""The CPUs a process may use (`vox_ws.cpus`): those it may run on, fewer where its cgroup's quota
+"""The CPUs a process may use (`vox_ws.engines.cpus`): those it may run on, fewer where its cgroup's quota
 (v2 `cpu.max`, v1 CFS quota) allows fewer, read from a cgroup file system given here. What sizes
 inductor's compile workers and the aligner's processes."""
 
@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from vox_ws.cpus import cpu_limit
+from vox_ws.engines.cpus import cpu_limit
 
 AFFINITY = len(os.sched_getaffinity(0))
 

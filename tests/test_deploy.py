@@ -184,7 +184,7 @@ def test_a_piper_voice_pulled_in_the_container_lands_in_the_folder_it_serves(tmp
     served = re.search(r"^ENV VOX_WS_PIPER_VOICES_DIR=(\S+)$", image, re.M)[1]
     assert served == "/data/piper-voices" and '"--piper-voices-dir"' not in image    # one name for both
     assert re.search(r"mkdir -p [^\n]*/data/piper-voices", image) and "chown -R vox:vox /data" in image
-    from vox_ws.cli import build_parser, config_from_args
+    from vox_ws.commands.cli import build_parser, config_from_args
     from vox_ws.engines.piper_hub import pulled_voices_dir
 
     monkeypatch.setenv("VOX_WS_PIPER_VOICES_DIR", str(tmp_path / "piper-voices"))
@@ -235,7 +235,7 @@ def test_compose_publishes_on_loopback_unless_widened_with_a_token(monkeypatch):
     demo, Wyoming and (compose.gpu.yaml) VoxCPM2's voice cloning. Now every port is published on
     127.0.0.1 unless its variable widens it, and the token widening 8765 asks for reaches both
     vox-ws (which then requires it) and Open WebUI (which sends it)."""
-    from vox_ws.cli import build_parser, config_from_args
+    from vox_ws.commands.cli import build_parser, config_from_args
 
     for name in ("compose.yaml", "compose.gpu.yaml"):
         doc = yaml.safe_load((DEPLOY / name).read_text())

@@ -143,7 +143,7 @@ async def test_slots_auto_for_piper_follows_its_measured_speed(start_server):
 
 
 def test_the_command_line_takes_auto_or_a_number_of_slots_by_either_spelling(monkeypatch):
-    from vox_ws.cli import build_parser, config_from_args
+    from vox_ws.commands.cli import build_parser, config_from_args
 
     assert config_from_args(build_parser().parse_args(["serve"])).slots is None
     assert config_from_args(build_parser().parse_args(["serve", "--slots", "12"])).slots == 12

@@ -6,6 +6,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
 PACKAGE = Path(__file__).resolve().parent.parent / "vox_ws"
 
 
@@ -93,18 +95,118 @@ def test_no_module_imports_itself_back_through_others():
     assert circles(import_graph()) == []
 
 
+# The package root: what more than one layer shares, the design's named parts (the engine
+# contract, the session, the server), and the entry points. Everything else lives by purpose in
+# a folder (docs/ARCHITECTURE.md, "The package root"); a module moved out keeps its old name
+# through `vox_ws.MOVED`, not through a file here.
+ROOT_MODULES = {
+    "__init__.py", "__main__.py",          # the package, `python -m vox_ws`
+    "wire.py",                             # protocol v1, the contract both sides share
+    "engine.py", "session.py", "server.py",  # the design's names: engine contract, session, server
+    "config.py",                           # the server's settings, from the command line down
+    "audio.py", "codecs.py", "text.py",    # audio and text, for the server and the clients
+    "addresses.py", "files.py", "priority.py", "voice_tags.py",  # helpers of more than one layer
+}
+
+
+def test_the_package_root_holds_only_its_listed_modules():
+    """At most 14 modules at the root, exactly those listed: a new module finds its folder."""
+    root = {path.name for path in PACKAGE.glob("*.py")}
+    assert root == ROOT_MODULES, f"new: {sorted(root - ROOT_MODULES)}, gone: {sorted(ROOT_MODULES - root)}"
+    assert len(ROOT_MODULES) <= 14
+
+
+# Each layer -> the vox_ws modules it never imports. Data flows one way: the front doors
+# (transports, with the server that assembles them) -> the stream service -> the scheduler ->
+# the engines; the command line sits above everything, the clients beside the server.
+DOORS = ("vox_ws.transports", "vox_ws.session", "vox_ws.server")
+ABOVE = {
+    "vox_ws.engines": ("vox_ws.scheduling", "vox_ws.service", *DOORS, "vox_ws.commands", "vox_ws.clients"),
+    "vox_ws.alignment": ("vox_ws.scheduling", "vox_ws.service", *DOORS, "vox_ws.commands", "vox_ws.clients"),
+    "vox_ws.scheduling": ("vox_ws.service", *DOORS, "vox_ws.commands", "vox_ws.clients"),
+    "vox_ws.service": (*DOORS, "vox_ws.commands", "vox_ws.clients"),
+    "vox_ws.transports": ("vox_ws.server", "vox_ws.commands", "vox_ws.clients"),
+}
+
+
+def _wrong_arrows(layer: str, forbidden: tuple[str, ...]) -> list[str]:
+    return [f"{module} -> {target}" for module, imported in import_graph().items()
+            if module == layer or module.startswith(layer + ".")
+            for target in sorted(imported) if target.startswith(forbidden)]
+
+
 def test_lower_layers_never_import_the_doors_or_the_service():
     """Data flows one way: engines and the scheduler know nothing of the stream service, the
-    front doors or the server; the service knows nothing of the doors."""
-    graph = import_graph()
-    upper = {"engines": ("vox_ws.service", "vox_ws.transports", "vox_ws.session", "vox_ws.server"),
-             "service": ("vox_ws.transports", "vox_ws.session", "vox_ws.server")}
-    wrong = []
-    for module, imported in graph.items():
-        for layer, forbidden in upper.items():
-            if module.startswith(f"vox_ws.{layer}"):
-                wrong += [f"{module} -> {target}" for target in imported if target.startswith(forbidden)]
+    front doors or the server; the service knows nothing of the doors; the doors nothing of the
+    server that assembles them; none of them anything of the command line."""
+    wrong = [arrow for layer, forbidden in ABOVE.items() for arrow in _wrong_arrows(layer, forbidden)]
     assert not wrong, wrong
+
+
+def test_only_the_command_line_imports_the_command_line():
+    wrong = [f"{module} -> {target}" for module, imported in import_graph().items()
+             if not module.startswith(("vox_ws.commands", "vox_ws.__main__"))
+             for target in imported if target.startswith("vox_ws.commands")]
+    assert not wrong, wrong
+
+
+# What a client may load besides the clients themselves: the wire's contract and the audio
+# helpers (tests/test_protocol.py checks what `vox_ws.clients.v1` loads at run time).
+CLIENT_SHARED = {"vox_ws", "vox_ws.wire", "vox_ws.audio", "vox_ws.codecs"}
+
+
+def test_clients_import_only_the_shared_modules():
+    """The clients (and the integrations, their first names) run without the server: they import
+    each other and the shared modules, nothing of the server's layers."""
+    wrong = [f"{module} -> {target}" for module, imported in import_graph().items()
+             if module.startswith(("vox_ws.clients", "vox_ws.integrations"))
+             for target in sorted(imported)
+             if target not in CLIENT_SHARED and not target.startswith("vox_ws.clients")]
+    assert not wrong, wrong
+
+
+def test_the_session_imports_no_front_door():
+    """The session is the connection's rules with no socket: the front doors drive it."""
+    wrong = _wrong_arrows("vox_ws.session", ("vox_ws.transports", "vox_ws.server", "vox_ws.commands"))
+    assert not wrong, wrong
+
+
+def _old_names_imported() -> list[str]:
+    """Imports, inside the package, of a moved module by its old name (`vox_ws.MOVED`): they
+    work, through the alias, but hide the arrow from the import graph above."""
+    from vox_ws import MOVED
+
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        name = _module_name(path)
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text())):
+            sources = []
+            if isinstance(node, ast.Import):
+                sources = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = package.split(".")[:len(package.split(".")) - (node.level - 1)] if node.level else []
+                source = ".".join(base + ([node.module] if node.module else []))
+                sources = [source] + [f"{source}.{alias.name}" for alias in node.names]
+            found += [f"{path.relative_to(PACKAGE.parent)}:{node.lineno} {source}"
+                      for source in sources if source in MOVED]
+    return found
+
+
+def test_the_package_imports_no_moved_module_by_its_old_name():
+    assert _old_names_imported() == []
+
+
+def test_every_old_name_is_its_moved_module():
+    """`import vox_ws.cli` gives the module `vox_ws.commands.cli` is: one module, two names, so
+    no state (a registry, a lock) is ever made twice."""
+    import importlib
+
+    from vox_ws import MOVED
+
+    for old, new in MOVED.items():
+        assert importlib.import_module(old) is importlib.import_module(new), old
+        assert importlib.import_module(old).__spec__.name == new
 
 
 def _classes_and_functions(folder: str = ""):
@@ -187,3 +289,23 @@ def test_the_architecture_page_names_every_module():
                if f"`{path}`" not in doc and f"vox_ws/{path}" not in doc
                and not (names[path.name] == 1 and f"{path.name}" in doc)]
     assert not unnamed, unnamed
+
+
+def test_the_published_old_names_work_in_a_fresh_process():
+    """What users' code and older installs run: the `vox-ws` script of an install made before the
+    move (`from vox_ws.cli import main`), `python -m vox_ws`, and the client's helpers by their
+    first names; importing `vox_ws` alone loads nothing else."""
+    import subprocess
+    import sys
+
+    def run(*args: str) -> str:
+        return subprocess.run([sys.executable, *args], capture_output=True, text=True, check=True).stdout
+
+    assert run("-c", "import sys, vox_ws; print(sorted(m for m in sys.modules if m.startswith('vox_ws')))") \
+        == "['vox_ws']\n"
+    old_script = "from vox_ws.cli import main; raise SystemExit(main(['--version']))"
+    assert run("-c", old_script).startswith("vox-ws ")
+    assert run("-m", "vox_ws", "--version").startswith("vox-ws ")
+    assert run("-c", "import vox_ws.captions, vox_ws.clients.captions as c; from vox_ws.playback import "
+                     "count_underruns; from vox_ws.client import connect; "
+                     "print(vox_ws.captions is c)") == "True\n"

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from vox_ws.models import check
+from vox_ws.commands.models import check
 
 pytestmark = pytest.mark.packaging
 
@@ -236,7 +236,7 @@ def test_without_the_voxcpm_extra_models_says_so_in_one_line(command):
     """`vox-ws models list` in a Piper-only install was a traceback (`No module named
     'huggingface_hub'`). huggingface_hub made unimportable here, as it is in such an install."""
     script = ("import sys; sys.modules.update(dict.fromkeys(['huggingface_hub', 'safetensors', 'torch'])); sys.argv = ['vox-ws', 'models', *sys.argv[1:]]; "
-              "from vox_ws.cli import main; raise SystemExit(main())")
+              "from vox_ws.commands.cli import main; raise SystemExit(main())")
     run = subprocess.run([sys.executable, "-c", script, *command], capture_output=True, text=True, timeout=120)
     assert run.returncode == 2 and "Traceback" not in run.stderr, run.stderr
     assert run.stderr.count("\n") == 1 and "piper" in run.stderr and "huggingface_hub" in run.stderr

@@ -16,7 +16,7 @@ from conftest import WAIT_TIMEOUT, assert_good_stream, bytes_to_pcm, connect_cli
 
 from vox_ws.engine import GenerationRequest, Refused
 from vox_ws.engines.piper import PiperEngine
-from vox_ws.metrics import MAX_OWNER_SERIES, Metrics, owner_label
+from vox_ws.service.metrics import MAX_OWNER_SERIES, Metrics, owner_label
 from vox_ws.scheduling.queue import MAX_RETRY_AFTER_S, MIN_RETRY_AFTER_S, QueuePace
 from vox_ws.testing.tone import ToneEngine
 
@@ -266,7 +266,7 @@ def test_a_voice_store_that_is_down_and_a_loading_engine_say_when_to_retry():
 async def test_usage_per_token_is_under_the_label_vox_ws_owner_prints(start_server, capsys, monkeypatch):
     import logging
 
-    from vox_ws.cli import main
+    from vox_ws.commands.cli import main
 
     # `main` points the root logger at this test's captured standard error, closed after it:
     # the handlers are put back, so later tests' log lines do not go to a closed file.

@@ -627,7 +627,7 @@ def serve_refused(tmp_path, *options: str, hidden: tuple[str, ...] = ()) -> subp
     """`vox-ws serve OPTIONS` in a process of its own, the packages `hidden` not importable there
     (as on an install without the extra): its exit and what it said."""
     hide = "".join(f"sys.modules[{name!r}] = None; " for name in hidden)
-    code = f"import sys; {hide}from vox_ws.cli import main; sys.exit(main(sys.argv[1:]))"
+    code = f"import sys; {hide}from vox_ws.commands.cli import main; sys.exit(main(sys.argv[1:]))"
     return subprocess.run([sys.executable, "-c", code, "serve", "--engine", "piper", "--port", "0",
                            "--voice-store", "memory", *options], capture_output=True, text=True,
                           timeout=120, env={**os.environ, "HOME": str(tmp_path)})

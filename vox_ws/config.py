@@ -128,7 +128,7 @@ class ServerConfig:
     wyoming: str | None = None
     # Advertise the Wyoming door on the local network (zeroconf) under this name.
     zeroconf: str | None = None
-    # The server's pronunciations (a JSON or TSV file, vox_ws/lexicon.py); reloaded on SIGHUP
+    # The server's pronunciations (a JSON or TSV file, vox_ws/service/lexicon.py); reloaded on SIGHUP
     # and by `POST /v1/lexicon` with an admin token.
     lexicon: str | None = None
     # Where word times come from: auto (the engine's own, else the aligner's), aligned (the

@@ -19,7 +19,7 @@ import uvicorn
 
 from .config import ServerConfig
 from .engine import Engine, ErrorKind, Readiness
-from .metrics import Metrics
+from .service.metrics import Metrics
 from .scheduling.devices import Devices
 from .scheduling.loop import EngineLoop
 from .service import StreamService

@@ -30,7 +30,7 @@ from concurrent.futures.process import BrokenProcessPool
 import numpy as np
 
 from ..audio import StreamEncoder
-from ..cpus import cpu_limit
+from ..engines.cpus import cpu_limit
 from ..text import base_language, text_words
 from .english import reads_as_english
 from .spelling import AlignmentText, written_times

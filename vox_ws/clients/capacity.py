@@ -30,7 +30,7 @@ import numpy as np
 
 from .. import wire
 from ..audio import bytes_per_sample
-from ..playback import playback_gaps
+from .playback import playback_gaps
 
 SENTENCES = [
     "Sure, I can help with that.",

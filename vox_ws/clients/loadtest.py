@@ -27,7 +27,7 @@ from urllib.parse import urlsplit
 import numpy as np
 
 from ..audio import bytes_per_sample
-from ..playback import count_underruns
+from .playback import count_underruns
 from .v1 import VoxError, connect
 
 TEXTS = [

@@ -26,7 +26,7 @@ from typing import Any
 
 from .. import wire
 from ..audio import bytes_to_pcm, pcm_to_bytes
-from ..captions import CAPTION_FORMATS, cues_from_segments, cues_from_words, write_captions
+from .captions import CAPTION_FORMATS, cues_from_segments, cues_from_words, write_captions
 from .v1 import ProtocolViolation, Stream, VoxError, connect
 
 # `say --play`: seconds of audio the server may send ahead of what the speakers have played.

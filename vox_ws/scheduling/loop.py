@@ -35,7 +35,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Literal, Union
 
-from .. import accelerator
+from ..engines import accelerator
 from ..engine import (
     Engine,
     EngineFailure,

@@ -11,8 +11,8 @@ import time
 from typing import Any, Iterable
 
 from ..engine import EndReason, ErrorKind
-from ..logs import logged_voice, without_voice_ids
-from ..metrics import Metrics
+from ..voice_tags import logged_voice, without_voice_ids
+from .metrics import Metrics
 from .events import Ended, Failed, Produced
 from .request import StreamRequest, StreamSetup
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Mapping
 
 from ..alignment.pool import WordAligner
-from ..lexicon import Lexicon, Pronunciation
+from .lexicon import Lexicon, Pronunciation
 from ..scheduling.loop import EngineLoop
 from .output import AudioOutput
 

@@ -10,7 +10,7 @@ from typing import Any, Callable, Protocol
 
 from ..config import Limits
 from ..engine import Engine, ErrorKind, GenerationRequest, Refused
-from ..lexicon import respell
+from .lexicon import respell
 from .markup import Part
 from .request import StreamRequest, StreamSetup
 from .silence import SilenceBudget

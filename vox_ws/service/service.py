@@ -23,8 +23,8 @@ from ..config import Limits
 from ..scheduling.devices import Devices
 from ..engine import Engine, ErrorKind, Readiness, Refused
 from ..files import read_regular_file
-from ..lexicon import MAX_LEXICON_BYTES, Lexicon, combined, parse_lexicon
-from ..metrics import Metrics
+from .lexicon import MAX_LEXICON_BYTES, Lexicon, combined, parse_lexicon
+from .metrics import Metrics
 from ..scheduling.loop import EngineLoop
 from .generation import Generation
 from .handoff import LoopMailbox

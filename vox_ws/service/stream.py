@@ -26,7 +26,7 @@ from collections import deque
 from typing import Any
 
 from ..engine import EndReason
-from ..metrics import Metrics
+from .metrics import Metrics
 from .events import Audio, Ended, Event, Failed, Produced
 from .generation import Generation, StreamHost, StreamState
 from .request import StreamRequest

@@ -10,7 +10,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import BaseRoute, Route
 
 from ..engine import Readiness
-from ..metrics import CONTENT_TYPE
+from ..service.metrics import CONTENT_TYPE
 from . import protocol as p
 from .auth import is_authorized
 from .errors import admin_refusal, unauthorized_response

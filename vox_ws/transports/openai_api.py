@@ -30,7 +30,7 @@ from starlette.types import Receive, Scope, Send
 
 from ..codecs import CODECS
 from ..engine import ErrorKind, Refused
-from ..lexicon import request_entries
+from ..service.lexicon import request_entries
 from ..service import AudioOutput, Stream, StreamRequest
 from ..service.events import Audio, Ended, Failed, Segment, Words
 from ..service.voices.names import with_speaker

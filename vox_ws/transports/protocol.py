@@ -20,7 +20,7 @@ from .. import wire
 from ..codecs import OUTPUT_FORMATS
 from ..config import Limits
 from ..engine import VOICE_MODES, OptionSpec, Refused, type_name
-from ..lexicon import request_entries
+from ..service.lexicon import request_entries
 from ..service import AudioOutput, StreamRequest
 from ..service.events import Audio, Ended, Event, Failed, Flushed, Phonemes, Segment, Words
 from ..service.validation import MAX_SAMPLE_RATE, MIN_SAMPLE_RATE, check_length, check_options

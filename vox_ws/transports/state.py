@@ -15,7 +15,7 @@ from .. import __version__
 from ..config import Limits, ServerConfig
 from ..engine import Readiness
 from ..engines import option_vocabulary
-from ..metrics import Metrics
+from ..service.metrics import Metrics
 from ..service import StreamService
 from .multipart import MultipartParser
 from .spool import SpoolBudget

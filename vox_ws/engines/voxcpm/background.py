@@ -25,8 +25,8 @@ import threading
 import time
 from typing import Any, Callable
 
-from ...accelerator import DEVICE_LOCK, enter_device
-from ...compile_workers import ENV as COMPILE_WORKERS_ENV, compile_workers
+from ..accelerator import DEVICE_LOCK, enter_device
+from .compile_workers import ENV as COMPILE_WORKERS_ENV, compile_workers
 from ..child import end_process, grace_until
 
 log = logging.getLogger("vox_ws.engines.voxcpm")

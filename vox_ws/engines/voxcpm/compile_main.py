@@ -29,8 +29,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from ...compile_workers import compile_workers, use_compile_workers
-from ...cpus import cpu_limit
+from .compile_workers import compile_workers, use_compile_workers
+from ..cpus import cpu_limit
 from ...priority import lowest_priority
 
 # The events go to the standard output this process was given; everything else printed here (the

@@ -33,7 +33,7 @@ from typing import Any, Callable, ContextManager
 
 import torch
 
-from ...accelerator import DEVICE_LOCK, on_device
+from ..accelerator import DEVICE_LOCK, on_device
 from .whole_step import WHOLE_TIMESTEPS, StepInputs
 
 log = logging.getLogger("vox_ws.engines.voxcpm")

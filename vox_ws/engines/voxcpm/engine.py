@@ -16,9 +16,9 @@ from pathlib import Path
 from typing import Any
 
 
-from ...accelerator import DEVICE_LOCK
+from ..accelerator import DEVICE_LOCK
 from ...engine import Engine, ErrorKind, GenerationRequest, Refused, StepResult
-from ...compile_workers import compile_workers, use_compile_workers
+from .compile_workers import compile_workers, use_compile_workers
 from .loading import (DEFAULT_MODEL, architecture, from_pretrained, import_voxcpm, resolve_model_path,
                       verify_weights)
 from .adapters import AdapterBook

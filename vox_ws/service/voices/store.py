@@ -60,7 +60,7 @@ from typing import Any, Callable
 
 from ...addresses import network_of
 from ...engine import ErrorKind, Refused
-from ...logs import VOICE_ID, voice_tag
+from ...voice_tags import VOICE_ID, voice_tag
 
 log = logging.getLogger("vox_ws.service")
 

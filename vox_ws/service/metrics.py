@@ -11,7 +11,7 @@ from typing import Callable
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from .engine import Readiness
+from ..engine import Readiness
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 

@@ -10,13 +10,14 @@ import os
 import sys
 from typing import Any, Callable, Sequence
 
-from . import __version__, engines, logs
-from .config import Limits, ServerConfig
-from .transports.proxies import FORWARDING_HEADERS
+from .. import __version__, engines
+from ..config import Limits, ServerConfig
+from ..transports.proxies import FORWARDING_HEADERS
+from . import logs
 
 
 def _ipv6_prefix(text: str) -> int:
-    from .addresses import check_ipv6_prefix
+    from ..addresses import check_ipv6_prefix
 
     try:
         return check_ipv6_prefix(int(text))
@@ -186,8 +187,8 @@ def build_parser() -> argparse.ArgumentParser:
         names = [f"--{option}"] + ([f"--{old}"] if old else [])
         group.add_argument(*names, dest=dest, type=kind, default=value, help=f"{text} [env {env}; default {default}]")
 
+    from ..clients import loadtest
     from . import compile_ahead, models
-    from .clients import loadtest
 
     compile_command = commands.add_parser("compile", help="compile the step into the compile cache ahead of time, "
                                                           "then exit (serve's options)",
@@ -300,9 +301,8 @@ def _list(text: str | None) -> list[str]:
 async def _serve(config: ServerConfig) -> int:
     """Every start that cannot go on ends in one `vox-ws serve:` line, never a traceback: exit 2
     for options or files that cannot be served, 1 for what the machine lacks (a package, a port)."""
-    from .server import StartFailed, VoxServer, wyoming_door
-
-    from .scheduling.devices import parse_devices
+    from ..scheduling.devices import parse_devices
+    from ..server import StartFailed, VoxServer, wyoming_door
 
     # One engine (one copy of the model) per device, each with its own engine loop.
     try:
@@ -316,7 +316,7 @@ async def _serve(config: ServerConfig) -> int:
     except StartFailed as exc:
         print(f"vox-ws serve: {exc}", file=sys.stderr)
         return 1
-    from .service.voices.store import StoreUnavailable
+    from ..service.voices.store import StoreUnavailable
 
     try:
         await server.start()                   # stops what it had started before it raises
@@ -346,7 +346,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.getLogger("uvicorn.error").setLevel(logging.WARNING)
     if args.command == "serve":
         config = config_from_args(args)
-        from .scheduling.devices import parse_devices
+        from ..scheduling.devices import parse_devices
 
         try:
             parse_devices(config.device)
@@ -368,7 +368,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"vox-ws compile: {exc}", file=sys.stderr)
             return 2
     if args.command == "say":
-        from .clients import say
+        from ..clients import say
 
         problem = say.check_args(args)
         if problem:
@@ -383,12 +383,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return models.main(args)
     if args.command == "bench":
-        from .clients import loadtest
+        from ..clients import loadtest
 
         return loadtest.main(args)
     if args.command == "owner":
-        from .metrics import owner_label
-        from .transports.auth import address_owner, token_owner
+        from ..service.metrics import owner_label
+        from ..transports.auth import address_owner, token_owner
 
         if not args.metrics_secret:
             print("vox-ws owner: labels are keyed by the server's --metrics-secret: give the same one", file=sys.stderr)

@@ -23,7 +23,7 @@ import unicodedata
 from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
 
-from .engine import ErrorKind, Refused
+from ..engine import ErrorKind, Refused
 
 MAX_ENTRY_CHARS = 100          # of a match, a respelling or IPA
 MAX_REQUEST_ENTRIES = 64       # a request's own

@@ -15,10 +15,10 @@ from __future__ import annotations
 import sys
 import time
 
-from . import engines
-from .compile_workers import compile_workers, use_compile_workers
-from .config import ServerConfig
-from .scheduling.devices import parse_devices
+from .. import engines
+from ..config import ServerConfig
+from ..engines.voxcpm.compile_workers import compile_workers, use_compile_workers
+from ..scheduling.devices import parse_devices
 
 # The engines with a compiled step.
 COMPILES = ("voxcpm",)

@@ -20,12 +20,20 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .engines.piper_catalogue import fetch_catalogue
-from .engines.piper_catalogue import on_disk as catalogue_on_disk
-from .engines.piper_hub import (DEFAULT_VOICES_DIR, HubUnreachable, VoiceRefused, default_voices_dir,
-                                files_of, looks_like_voice, pull_voice, pulled_voices_dir)
-from .engines.piper_voices import voice_from_spec
-from .engines.voxcpm.loading import DEFAULT_MODEL, read_config
+from ..engines.piper_catalogue import fetch_catalogue
+from ..engines.piper_catalogue import on_disk as catalogue_on_disk
+from ..engines.piper_hub import (
+    DEFAULT_VOICES_DIR,
+    HubUnreachable,
+    VoiceRefused,
+    default_voices_dir,
+    files_of,
+    looks_like_voice,
+    pull_voice,
+    pulled_voices_dir,
+)
+from ..engines.piper_voices import voice_from_spec
+from ..engines.voxcpm.loading import DEFAULT_MODEL, read_config
 
 PIPER_PREFIX = "piper:"
 

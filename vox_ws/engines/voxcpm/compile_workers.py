@@ -18,7 +18,7 @@ import os
 import sys
 from pathlib import Path
 
-from .cpus import CGROUP_ROOT, PROC_CGROUP, cpu_limit
+from ..cpus import CGROUP_ROOT, PROC_CGROUP, cpu_limit
 
 ENV = "TORCHINDUCTOR_COMPILE_THREADS"
 # Inductor's own bound on its compile workers.
