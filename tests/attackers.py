@@ -10,7 +10,7 @@ import socket
 import httpx
 import pytest
 from conftest import WAIT_TIMEOUT
-from test_server_piper import SENTENCE
+from helpers import SENTENCE
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 

@@ -9,6 +9,7 @@ import json
 import os
 import re
 import shutil
+import socket
 import subprocess
 import threading
 import time
@@ -131,35 +132,60 @@ class ServerFactory:
         return running
 
     def stop_all(self) -> None:
-        # All at once: each waits out its own close grace, and they have a loop each.
-        stopping = [(running, running.begin_stopping()) for running in self.servers]
+        self.stop_since(0)
+
+    def stop_since(self, first: int) -> None:
+        """Stop the servers started since the `first` (all at once: each waits out its own close
+        grace, and they have a loop each)."""
+        started, self.servers[first:] = self.servers[first:], []
+        stopping = [(running, running.begin_stopping()) for running in started]
         for running, shutdown in stopping:
             running.finish_stopping(shutdown)
-        self.servers.clear()
 
 
 @pytest.fixture(scope="module")
 def start_server() -> Callable[..., RunningServer]:
     """Factory: start_server(engine, **config_or_limits) -> a ready server, stopped (with its
     engine's worker processes) when the module's tests are done, not kept for the session: a
-    full run would otherwise hold every server it started to its end."""
+    full run would otherwise hold every server it started to its end. One a test starts in its
+    own body stops when that test ends (`stops_the_servers_it_starts`)."""
     factory = ServerFactory()
     yield factory
     factory.stop_all()
 
 
+@pytest.fixture(autouse=True)
+def stops_the_servers_it_starts(request):
+    """Stops, when a test ends, the servers it started itself (in its body or a function-scoped
+    fixture); a module fixture's stay for the module, being set up before this (a wider scope
+    first). Kept to the module's end, a module whose tests each start a server or two held them
+    all at once (test_wyoming.py: 13 Piper workers), the quick lane's peak memory."""
+    if "start_server" not in request.fixturenames:
+        yield
+        return
+    factory = request.getfixturevalue("start_server")
+    first = len(factory.servers)
+    yield
+    factory.stop_since(first)
+
+
 class SharedServerFactory(ServerFactory):
     """A ServerFactory whose servers' processes (engine workers, decoders, the aligner's) are
     the session's: the per-module check below does not count them against the module that
-    first asked. The aligner's start with the server, all of them, not as streams need them."""
+    first asked. One aligner process starts with a server whose engine times no words itself,
+    so a first stream's words wait for none; none for Piper, which times its own words and never
+    asks. The others start as streams need them, as in production, and the check below asks the
+    servers for them: each xdist worker holds these servers for the whole lane, and their idle
+    aligners (two a server, 110-190 MB each) were a fifth of the quick lane's peak memory."""
 
     def __call__(self, engine: Engine, wait: bool = True, **overrides: Any) -> RunningServer:
         before = set(child_processes())
         running = super().__call__(engine, wait, **overrides)
         aligner = running.server.service.word_timings.aligner
-        if aligner is not None:
-            aligner.start(aligner.workers)
+        if aligner is not None and not engine.word_timings:
+            aligner.start(1)
         SESSION_PROCESSES.update(set(child_processes()) - before)
+        SHARED_SERVERS.append(running)
         return running
 
 
@@ -173,9 +199,17 @@ def shared_servers() -> Callable[..., RunningServer]:
 
 # Processes the session keeps (its shared servers'), and those Python keeps for itself.
 SESSION_PROCESSES: set[int] = set()
+SHARED_SERVERS: list[RunningServer] = []
 _PYTHONS_OWN = ("multiprocessing.resource_tracker", "multiprocessing.forkserver")
 # How long a module's processes have to exit once its fixtures have stopped them.
 EXIT_WAIT_S = 20.0
+
+
+def session_processes() -> set[int]:
+    """The session's processes: those its shared servers started with them, and their aligners'
+    started since, as streams needed them."""
+    aligners = (running.server.service.word_timings.aligner for running in SHARED_SERVERS)
+    return SESSION_PROCESSES | {pid for aligner in aligners if aligner is not None for pid in aligner.pids()}
 
 
 def child_processes() -> dict[int, str]:
@@ -201,8 +235,9 @@ def stops_what_it_starts(request):
     yield
     deadline = time.monotonic() + EXIT_WAIT_S
     while True:
+        session = session_processes()
         left = {pid: command for pid, command in child_processes().items()
-                if pid not in before and pid not in SESSION_PROCESSES and not any(p in command for p in _PYTHONS_OWN)}
+                if pid not in before and pid not in session and not any(p in command for p in _PYTHONS_OWN)}
         if not left or time.monotonic() >= deadline:
             break
         time.sleep(0.1)
@@ -549,3 +584,95 @@ def checkout_copy(into: Path) -> Path:
             (into / name).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(source, into / name)
     return into
+
+
+@pytest.fixture(scope="module")
+def hub(tmp_path_factory):
+    """The hub's address; it serves openbmb/VoxCPM2 (main, and a tag `v2` with a changed
+    config), and rhasspy/piper-voices holding one voice, en_GB-test-medium, laid out as that
+    repository lays out its voices (the bundled joe's model, a config naming en_GB), two
+    hostile ones (en_US-evil-medium, en_US-huge-medium: their configs), and its catalogue,
+    voices.json, in that repository's format (`catalogue_entry`): the test voice; en_GB-liar-medium,
+    a good voice whose model the catalogue says is 1,000 bytes; de_DE-absent-low, listed and not
+    there; and one entry that is no voice's. For tests/test_models.py and test_voice_fetches.py."""
+    from helpers import OLAH, catalogue_entry, git  # here: helpers imports this module
+
+    from vox_ws.testing.tiny_voxcpm import build
+
+    if not OLAH.exists():
+        pytest.fail(f"{OLAH} missing: scripts/test.sh installs it (Olah, the hub mirror)")
+    root = tmp_path_factory.mktemp("hub")
+    repo = build(root / "mirrors" / "models" / "openbmb" / "VoxCPM2")
+    git(repo, "init", "-q", "-b", "main")
+    git(repo, "add", "-A")
+    git(repo, "commit", "-qm", "tiny VoxCPM2")
+    config = json.loads((repo / "config.json").read_text())
+    config["max_length"] = 4096
+    (repo / "config.json").write_text(json.dumps(config, indent=2))
+    git(repo, "commit", "-qam", "max_length 4096")
+    git(repo, "tag", "v2")
+    git(repo, "reset", "-q", "--hard", "HEAD~1")           # main: the first commit
+    from vox_ws.engines.piper_voices import bundled
+
+    joe = bundled()
+    voices = root / "mirrors" / "models" / "rhasspy" / "piper-voices"
+    folder = voices / "en" / "en_GB" / "test" / "medium"
+    folder.mkdir(parents=True)
+    shutil.copyfile(joe.model_path, folder / "en_GB-test-medium.onnx")
+    config = json.loads(Path(joe.config_path).read_text())
+    config["language"] = {**config["language"], "code": "en_GB"}
+    (folder / "en_GB-test-medium.onnx.json").write_text(json.dumps(config))
+    # A hostile hub's voices: a config of 200,000 nested arrays (130 KB), one over its 1 MiB bound.
+    for dataset, hostile in (("evil", b"[" * 200_000 + b"]" * 200_000),
+                             ("huge", json.dumps({**config, "pad": "x" * (2 << 20)}).encode())):
+        folder = voices / "en" / "en_US" / dataset / "medium"
+        folder.mkdir(parents=True)
+        shutil.copyfile(joe.model_path, folder / f"en_US-{dataset}-medium.onnx")
+        (folder / f"en_US-{dataset}-medium.onnx.json").write_bytes(hostile)
+    folder = voices / "en" / "en_GB" / "liar" / "medium"
+    folder.mkdir(parents=True)
+    shutil.copyfile(joe.model_path, folder / "en_GB-liar-medium.onnx")
+    (folder / "en_GB-liar-medium.onnx.json").write_text(json.dumps(config))
+    catalogue = {name: catalogue_entry(voices, name)
+                 for name in ("en_GB-test-medium", "en_GB-liar-medium", "de_DE-absent-low")}
+    liar = catalogue["en_GB-liar-medium"]["files"]
+    liar["en/en_GB/liar/medium/en_GB-liar-medium.onnx"]["size_bytes"] = 1000
+    catalogue["_README"] = {"note": "no voice"}
+    (voices / "voices.json").write_text(json.dumps(catalogue, indent=4))
+    git(voices, "init", "-q", "-b", "main")
+    git(voices, "add", "-A")
+    git(voices, "commit", "-qm", "one voice")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    (root / "olah.toml").write_text(f"""
+[basic]
+host = "127.0.0.1"
+port = {port}
+mirror-netloc = "127.0.0.1:{port}"
+mirror-lfs-netloc = "127.0.0.1:{port}"
+repos-path = "{root / 'repos'}"
+mirrors-path = ["{root / 'mirrors'}"]
+[accessibility]
+offline = true
+""")
+    process = subprocess.Popen([str(OLAH), "-c", "olah.toml"], cwd=root, stdout=subprocess.DEVNULL,
+                               stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert process.poll() is None, "the hub mirror exited"
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                assert time.monotonic() < deadline, "the hub mirror never listened"
+                time.sleep(0.1)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        process.terminate()
+        try:
+            process.wait(10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()

@@ -177,10 +177,10 @@ async def test_voxcpm_streams_carry_a_time_for_every_word_in_english(tiny_voxcpm
     assert all(set(w) <= {"word", "start_s", "end_s", "estimated"} for w in words)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def voxcpm_normalising(start_server, tiny_model):
     """The tiny VoxCPM2 with its defaults, for streams that start its text normaliser (a
-    process this module stops with the server)."""
+    process stopped with the server). One test's: stopped when it ends, not held to the module's."""
     from vox_ws.engines.voxcpm.engine import VoxCPMEngine
 
     engine = VoxCPMEngine(model=str(tiny_model), device="cpu", slots=2)
@@ -354,9 +354,10 @@ class HangingAligner(FailingAligner):
 # ------------------------------------------------------------------------------ any engine's words, aligned
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def aligned_piper(start_server):
-    """Piper whose words come from the aligner (`--word-timings aligned`), to measure it."""
+    """Piper whose words come from the aligner (`--word-timings aligned`), to measure it. One
+    test's: stopped when it ends, not held to the module's."""
     return start_server(PiperEngine(), slots=2, word_timings="aligned")
 
 

@@ -12,8 +12,7 @@ import msgpack
 import pytest
 from attackers import ATTACKER, closed_with
 from conftest import WAIT_TIMEOUT, assert_good_stream, connect_client, wait_until
-from test_http import wav
-from test_server_piper import SENTENCE
+from helpers import SENTENCE, wav
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 

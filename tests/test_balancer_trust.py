@@ -20,8 +20,7 @@ import httpx
 import pytest
 from attackers import attacker_socket, read_until_closed, speech_headers
 from conftest import WAIT_TIMEOUT, assert_good_stream, connect_client, start_serve
-from test_proxies import v2
-from test_replicas import Balancer
+from helpers import Balancer, v2
 
 pytestmark = pytest.mark.replicas
 

@@ -24,6 +24,7 @@ import numpy as np
 import openai
 import pytest
 from conftest import assert_good_stream, connect_client
+from helpers import make_voice
 from wyoming.client import AsyncTcpClient
 from wyoming.info import Describe, Info
 from wyoming.tts import Synthesize, SynthesizeVoice
@@ -31,7 +32,7 @@ from wyoming.tts import Synthesize, SynthesizeVoice
 from vox_ws.commands.cli import build_parser, config_from_args
 from vox_ws.clients.v1 import MAX_RETRY_WAIT_S, retry_delay
 from vox_ws.engines.piper import PiperEngine
-from vox_ws.engines.piper_voices import bundled, voice_set
+from vox_ws.engines.piper_voices import voice_set
 from vox_ws.commands.logs import TEXT_FORMAT, JsonFormatter, TextFormatter
 from vox_ws.voice_tags import voice_tag
 from vox_ws.service.voices.aliases import (
@@ -45,25 +46,6 @@ from vox_ws.service.voices.aliases import (
 )
 
 SENTENCE = "Hello there, this is one of the voices speaking a sentence."
-# The second voice: the bundled model with a config of its own (British English, spoken slower).
-SLOW_LENGTH_SCALE = 1.7
-
-
-def make_voice(folder: Path, stem: str = "en_GB-slow-medium", language: str = "en_GB",
-               length_scale: float = SLOW_LENGTH_SCALE, rate: int | None = None) -> Path:
-    joe = bundled()
-    config = json.loads(Path(joe.config_path).read_text())
-    config["language"] = {**config["language"], "code": language}
-    config["inference"]["length_scale"] = length_scale
-    if rate is not None:
-        config["audio"]["sample_rate"] = rate
-    folder.mkdir(parents=True, exist_ok=True)
-    model = folder / f"{stem}.onnx"
-    model.symlink_to(joe.model_path)
-    (folder / f"{stem}.onnx.json").write_text(json.dumps(config))
-    return model
-
-
 @pytest.fixture(scope="module")
 def slow_voice(tmp_path_factory) -> Path:
     return make_voice(tmp_path_factory.mktemp("piper-voices"))
@@ -407,8 +389,8 @@ FETCH_SPEECH = """async ([url, token]) => {
 
 @pytest.mark.browser
 def test_a_page_on_another_origin_calls_the_api_in_chromium(start_server, page_origin):
+    from helpers import CHROMIUM, LAUNCH_ARGS
     from playwright.sync_api import sync_playwright
-    from test_demo_browser import CHROMIUM, LAUNCH_ARGS
 
     server = start_server(PiperEngine(), tokens=["page-token"], cors_origins=[page_origin])
     with sync_playwright() as pw:
@@ -496,7 +478,7 @@ def test_no_log_line_names_a_registered_voice_by_its_id(tiny_voxcpm, caplog):
     without a name, the capability that speaks with it from anywhere. The line names a registered
     voice by its tag now, in either format, and whatever else a line echoes (an error message, a
     file name in a traceback) says the tag for an id too; the voices speak as before."""
-    from test_stream_service import tone_wav
+    from helpers import tone_wav
 
     async def register_and_speak() -> tuple[list[str], list]:
         async with connect_client(tiny_voxcpm) as c:
@@ -571,7 +553,7 @@ def test_openai_names_are_distinct_designed_voices_on_voxcpm(tiny_voxcpm):
 
 
 def test_a_voice_registered_over_v1_keeps_its_name_and_is_spoken_by_it(tiny_voxcpm):
-    from test_server_voxcpm import tone_wav
+    from helpers import tone_wav
 
     async def run() -> None:
         async with connect_client(tiny_voxcpm) as c:
@@ -597,8 +579,8 @@ def test_a_voice_registered_over_v1_keeps_its_name_and_is_spoken_by_it(tiny_voxc
 
 @pytest.mark.browser
 def test_the_demo_offers_each_piper_voice_and_speaks_the_one_chosen(two_voices):
+    from helpers import CHROMIUM, LAUNCH_ARGS
     from playwright.sync_api import sync_playwright
-    from test_demo_browser import CHROMIUM, LAUNCH_ARGS
 
     with sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True, args=LAUNCH_ARGS)

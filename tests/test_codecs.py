@@ -13,7 +13,7 @@ import pytest
 import soundfile
 import soxr
 from conftest import WAIT_TIMEOUT, connect_client, wait_until
-from test_server_piper import LONG, SENTENCE
+from helpers import LONG, SENTENCE, decode_file, flac_streaminfo, service_on
 
 from vox_ws.codecs import CODECS, OutputPipeline
 from vox_ws.engines.piper import PiperEngine
@@ -21,23 +21,6 @@ from vox_ws.engines.piper import PiperEngine
 PITCH_TEXT = ("The quick brown fox jumps over the lazy dog, and then it rests a while. "
               "A calm voice reads the morning news, slowly and clearly, to anyone who listens.")
 TEXT = "Compressed audio, streamed as it is spoken. Every chunk adds to one file."
-
-
-def decode_file(data: bytes) -> tuple[np.ndarray, int]:
-    container = av.open(io.BytesIO(data))
-    frames = [frame.to_ndarray().reshape(-1).astype(np.float32) for frame in container.decode(audio=0)]
-    rate = container.streams.audio[0].codec_context.sample_rate
-    pcm = np.concatenate(frames)
-    return (pcm / 32767.0 if np.abs(pcm).max() > 2.0 else pcm), rate
-
-
-def flac_streaminfo(data: bytes) -> tuple[int, bytes]:
-    """A FLAC file's total samples and MD5 of its samples, from its STREAMINFO (the block after
-    `fLaC` and the block's 4-byte header: the total in the low 36 bits of its bytes 10-17, the
-    MD5 in bytes 18-33; 0 and zeros: unknown)."""
-    assert data[:4] == b"fLaC" and data[4] & 0x7F == 0
-    info = data[8:42]
-    return int.from_bytes(info[10:18], "big") & ((1 << 36) - 1), info[18:34]
 
 
 def with_rewrites(data: bytes, rewrites: list) -> bytes:
@@ -212,8 +195,6 @@ async def test_cancelled_codec_streams_free_their_ffmpeg_threads_without_the_gar
     import gc
     import os
     import threading
-
-    from test_stream_service import service_on
 
     from vox_ws.scheduling.loop import EngineLoop
     from vox_ws.service import Audio, AudioOutput, StreamRequest

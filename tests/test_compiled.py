@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import WAIT_TIMEOUT, assert_good_stream, connect_client, wait_until
-from test_server_voxcpm import speak_through
+from helpers import speak_through
 
 from vox_ws.engines.voxcpm import parse_buckets, parse_compile
 from vox_ws.engines.voxcpm.compiled import buckets_for

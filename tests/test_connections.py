@@ -13,7 +13,7 @@ import time
 import pytest
 from attackers import ATTACKER, assert_speaks, attacker_socket, closed_with, read_until_closed, speech_headers
 from conftest import WAIT_TIMEOUT, assert_good_stream, connect_client, wait_until
-from test_server_piper import LONG, SENTENCE
+from helpers import LONG, SENTENCE
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 

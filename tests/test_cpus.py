@@ -7,22 +7,11 @@ from __future__ import annotations
 import os
 
 import pytest
+from helpers import cgroup
 
 from vox_ws.engines.cpus import cpu_limit
 
 AFFINITY = len(os.sched_getaffinity(0))
-
-
-def cgroup(tmp_path, membership: str, files: dict[str, str]):
-    """A cgroup file system at `tmp_path/cgroup` holding `files` (path -> text), and the process's
-    /proc/self/cgroup saying `membership`."""
-    root = tmp_path / "cgroup"
-    root.mkdir()
-    for path, text in files.items():
-        (root / path).parent.mkdir(parents=True, exist_ok=True)
-        (root / path).write_text(text)
-    (tmp_path / "membership").write_text(membership)
-    return root, tmp_path / "membership"
 
 
 @pytest.mark.parametrize(("quota", "cpus"), [("200000 100000", 2), ("150000 100000", 2), ("100000 100000", 1),

@@ -3,18 +3,12 @@ against a real server with the Piper voice. Assertions come from the page's own 
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
+from helpers import CHROMIUM, LAUNCH_ARGS
 
-CHROMIUM = os.environ.get("VOX_WS_CHROMIUM", "/usr/bin/chromium")
 ARTIFACTS = Path(__file__).resolve().parent.parent / "artifacts"
-LAUNCH_ARGS = [
-    "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-    "--disable-background-networking", "--disable-component-update", "--disable-sync",
-    "--autoplay-policy=no-user-gesture-required",
-]
 
 pytestmark = pytest.mark.browser
 

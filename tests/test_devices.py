@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from conftest import connect_client
-from test_server_voxcpm import tone_wav
+from helpers import tone_wav
 
 from vox_ws.engine import EngineFailure
 from vox_ws.engines.voxcpm.engine import VoxCPMEngine
@@ -68,7 +68,8 @@ async def test_the_same_seed_gives_the_same_audio_on_either_device(two_cpus):
 
 async def test_a_registered_voice_speaks_on_every_device(two_cpus):
     async with connect_client(two_cpus) as c:
-        await c.send({"type": "voice", "id": "r", "audio": tone_wav(1.0), "transcript": "A test voice."})
+        await c.send({"type": "voice", "id": "r", "audio": tone_wav(1.0, pitch=200.0),
+                      "transcript": "A test voice."})
         voice = (await c.recv_where(lambda m: m["type"] == "voice"))["voice"]
         for sid in ("a", "b"):
             await c.send({"type": "start", "id": sid, "text": "In the new voice.", "voice": voice,

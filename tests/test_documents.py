@@ -21,6 +21,7 @@ import msgpack
 import pytest
 import webvtt
 from conftest import WAIT_TIMEOUT
+from helpers import decode_file, flac_streaminfo
 
 from vox_ws.clients.captions import (MAX_CUE_CHARS, MAX_CUE_S, Cue, cues_from_segments, cues_from_words,
                                      write_captions)
@@ -216,7 +217,6 @@ def test_say_files_are_read_by_soundfile_with_the_length_the_server_sent(tmp_pat
     import hashlib
 
     import soundfile
-    from test_codecs import decode_file, flac_streaminfo
 
     path = tmp_path / name
     done = run_say(PARAGRAPH, "-o", str(path), "--url", piper_server.url)

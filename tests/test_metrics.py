@@ -9,7 +9,7 @@ import urllib.request
 
 import pytest
 from conftest import assert_good_stream, connect_client
-from test_server_piper import SENTENCE
+from helpers import SENTENCE
 
 
 @pytest.mark.hardening

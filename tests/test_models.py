@@ -11,132 +11,14 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import pytest
+from helpers import catalogue_entry
 
 from vox_ws.commands.models import check
 
 pytestmark = pytest.mark.packaging
-
-ROOT = Path(__file__).resolve().parent.parent
-# scripts/test.sh installs Olah in a venv of its own: its web stack is pinned apart from ours.
-OLAH = ROOT / ".venv-hub" / "bin" / "olah-cli"
-
-
-def _git(cwd: Path, *args: str) -> None:
-    subprocess.run(["git", "-c", "user.email=t@example.com", "-c", "user.name=test", *args], cwd=cwd, check=True,
-                   capture_output=True)
-
-
-@pytest.fixture(scope="module")
-def hub(tmp_path_factory):
-    """The hub's address; it serves openbmb/VoxCPM2 (main, and a tag `v2` with a changed
-    config), and rhasspy/piper-voices holding one voice, en_GB-test-medium, laid out as that
-    repository lays out its voices (the bundled joe's model, a config naming en_GB), two
-    hostile ones (en_US-evil-medium, en_US-huge-medium: their configs), and its catalogue,
-    voices.json, in that repository's format (`catalogue_entry`): the test voice; en_GB-liar-medium,
-    a good voice whose model the catalogue says is 1,000 bytes; de_DE-absent-low, listed and not
-    there; and one entry that is no voice's."""
-    from vox_ws.testing.tiny_voxcpm import build
-
-    if not OLAH.exists():
-        pytest.fail(f"{OLAH} missing: scripts/test.sh installs it (Olah, the hub mirror)")
-    root = tmp_path_factory.mktemp("hub")
-    repo = build(root / "mirrors" / "models" / "openbmb" / "VoxCPM2")
-    _git(repo, "init", "-q", "-b", "main")
-    _git(repo, "add", "-A")
-    _git(repo, "commit", "-qm", "tiny VoxCPM2")
-    config = json.loads((repo / "config.json").read_text())
-    config["max_length"] = 4096
-    (repo / "config.json").write_text(json.dumps(config, indent=2))
-    _git(repo, "commit", "-qam", "max_length 4096")
-    _git(repo, "tag", "v2")
-    _git(repo, "reset", "-q", "--hard", "HEAD~1")           # main: the first commit
-    from vox_ws.engines.piper_voices import bundled
-
-    joe = bundled()
-    voices = root / "mirrors" / "models" / "rhasspy" / "piper-voices"
-    folder = voices / "en" / "en_GB" / "test" / "medium"
-    folder.mkdir(parents=True)
-    shutil.copyfile(joe.model_path, folder / "en_GB-test-medium.onnx")
-    config = json.loads(Path(joe.config_path).read_text())
-    config["language"] = {**config["language"], "code": "en_GB"}
-    (folder / "en_GB-test-medium.onnx.json").write_text(json.dumps(config))
-    # A hostile hub's voices: a config of 200,000 nested arrays (130 KB), one over its 1 MiB bound.
-    for dataset, hostile in (("evil", b"[" * 200_000 + b"]" * 200_000),
-                             ("huge", json.dumps({**config, "pad": "x" * (2 << 20)}).encode())):
-        folder = voices / "en" / "en_US" / dataset / "medium"
-        folder.mkdir(parents=True)
-        shutil.copyfile(joe.model_path, folder / f"en_US-{dataset}-medium.onnx")
-        (folder / f"en_US-{dataset}-medium.onnx.json").write_bytes(hostile)
-    folder = voices / "en" / "en_GB" / "liar" / "medium"
-    folder.mkdir(parents=True)
-    shutil.copyfile(joe.model_path, folder / "en_GB-liar-medium.onnx")
-    (folder / "en_GB-liar-medium.onnx.json").write_text(json.dumps(config))
-    catalogue = {name: catalogue_entry(voices, name)
-                 for name in ("en_GB-test-medium", "en_GB-liar-medium", "de_DE-absent-low")}
-    liar = catalogue["en_GB-liar-medium"]["files"]
-    liar["en/en_GB/liar/medium/en_GB-liar-medium.onnx"]["size_bytes"] = 1000
-    catalogue["_README"] = {"note": "no voice"}
-    (voices / "voices.json").write_text(json.dumps(catalogue, indent=4))
-    _git(voices, "init", "-q", "-b", "main")
-    _git(voices, "add", "-A")
-    _git(voices, "commit", "-qm", "one voice")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    (root / "olah.toml").write_text(f"""
-[basic]
-host = "127.0.0.1"
-port = {port}
-mirror-netloc = "127.0.0.1:{port}"
-mirror-lfs-netloc = "127.0.0.1:{port}"
-repos-path = "{root / 'repos'}"
-mirrors-path = ["{root / 'mirrors'}"]
-[accessibility]
-offline = true
-""")
-    process = subprocess.Popen([str(OLAH), "-c", "olah.toml"], cwd=root, stdout=subprocess.DEVNULL,
-                               stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert process.poll() is None, "the hub mirror exited"
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                break
-            except OSError:
-                assert time.monotonic() < deadline, "the hub mirror never listened"
-                time.sleep(0.1)
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        process.terminate()
-        try:
-            process.wait(10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-
-
-def catalogue_entry(voices: Path, name: str) -> dict:
-    """A voice's entry in piper-voices' voices.json, as that repository writes it: its files'
-    sizes and MD5s (those in the mirror; a voice absent there gets made-up ones)."""
-    import hashlib
-
-    language, dataset, quality = name.split("-")
-    folder = f"{language.split('_')[0]}/{language}/{dataset}/{quality}"
-    files = {}
-    for path in (f"{folder}/{name}.onnx", f"{folder}/{name}.onnx.json", f"{folder}/MODEL_CARD"):
-        data = (voices / path).read_bytes() if (voices / path).exists() else b"x" * 1000
-        files[path] = {"size_bytes": len(data), "md5_digest": hashlib.md5(data).hexdigest()}
-    family, region = language.split("_")
-    return {"key": name, "name": dataset, "quality": quality, "num_speakers": 1, "speaker_id_map": {},
-            "language": {"code": language, "family": family, "region": region, "name_native": family,
-                         "name_english": {"en": "English", "de": "German"}[family],
-                         "country_english": region},
-            "files": files, "aliases": []}
 
 
 def _vox_ws(hub: str, home: Path, *args: str) -> subprocess.CompletedProcess:

@@ -9,14 +9,12 @@ import httpx
 import pytest
 from attackers import ATTACKER
 from conftest import WAIT_TIMEOUT
+from helpers import tiny_server, tone_wav
 
 
 @pytest.mark.hardening
 async def test_hostile_multipart_bodies_are_parsed_in_another_process(start_server, tiny_model):
     import os
-
-    from test_stream_service import tone_wav
-    from test_voice_store import tiny_server
 
     server = tiny_server(start_server, tiny_model, "memory")
     boundary = b"vox" * 20

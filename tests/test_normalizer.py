@@ -8,7 +8,7 @@ import os
 import signal
 
 import pytest
-from test_stream_service import drain, service_on
+from helpers import drain, service_on
 
 from vox_ws.engine import EndReason, ErrorKind, Refused
 from vox_ws.engines.voxcpm.normalizer import NORMALIZE_TIMEOUT_S

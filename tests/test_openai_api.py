@@ -19,9 +19,10 @@ import numpy as np
 import openai
 import pytest
 import soundfile
-from websockets.sync.client import connect as connect_sync
 from attackers import assert_speaks
 from conftest import WAIT_TIMEOUT, wait_idle, wait_until
+from helpers import flac_streaminfo, register, speak, tiny_server
+from websockets.sync.client import connect as connect_sync
 
 from vox_ws.engines.piper import PiperEngine
 from vox_ws.service.voices.aliases import OPENAI_VOICES
@@ -115,7 +116,6 @@ def test_the_sdks_plain_create_saves_flac_and_wav_that_soundfile_reads_with_thei
     `ValueError: array is too big`. Without `stream` a FLAC now comes whole, its STREAMINFO
     written by the muxer at the end (length and MD5); `stream: false` gives a WAV its true sizes.
     A plain WAV and a FLAC asked for with `stream: true` stream open-ended, as documented."""
-    from test_codecs import flac_streaminfo
 
     for fmt, extra, whole in (("flac", None, True), ("wav", {"stream": False}, True), ("wav", None, False),
                               ("flac", {"stream": True}, False)):
@@ -417,7 +417,6 @@ def test_deep_json_lone_surrogates_and_escaped_text_over_http(piper_server):
 @pytest.mark.hardening
 async def test_the_openai_door_speaks_a_stored_voice_this_process_never_built(start_server, tiny_model, tmp_path):
     import openai
-    from test_voice_store import register, speak, tiny_server
 
     store = f"dir:{tmp_path / 'voices'}"
     first = tiny_server(start_server, tiny_model, store)

@@ -9,7 +9,7 @@ import socket
 import msgpack
 import pytest
 from conftest import WAIT_TIMEOUT, assert_good_stream, connect_client, wait_until
-from test_server_piper import LONG, SENTENCE
+from helpers import LONG, SENTENCE, service_on
 from websockets.asyncio.client import connect
 
 from vox_ws.engines.piper import PiperEngine
@@ -20,7 +20,6 @@ async def test_a_lookahead_keeps_the_stream_within_it_of_a_real_time_clock(start
     """Taken as fast as the consumer can: the audio handed over never runs more than
     `lookahead_s` ahead of a real-time playback clock started at the first audio (a slower
     machine only keeps it further behind)."""
-    from test_stream_service import service_on
 
     from vox_ws.scheduling.loop import EngineLoop
     from vox_ws.service import Audio, AudioOutput, Ended, StreamRequest

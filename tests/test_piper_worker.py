@@ -26,7 +26,7 @@ import openai
 import psutil
 import pytest
 from conftest import WAIT_TIMEOUT, assert_good_stream, connect_client, start_serve
-from test_server_piper import LONG, SENTENCE
+from helpers import LONG, SENTENCE
 from wyoming.client import AsyncTcpClient
 from wyoming.info import Describe, Info
 

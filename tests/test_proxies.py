@@ -7,7 +7,6 @@ tests/test_balancer_trust.py."""
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import json
 import socket
 import struct
@@ -17,7 +16,7 @@ import pytest
 import websockets
 from attackers import read_until_closed, speech_headers
 from conftest import WAIT_TIMEOUT, assert_good_stream, connect_client, wait_until
-from test_http import wav
+from helpers import v2, wav
 
 from vox_ws.engines.piper import PiperEngine
 from vox_ws.transports import protocol as p
@@ -39,17 +38,6 @@ def v1(source: str, port: int = 40000) -> bytes:
     family = "TCP6" if ":" in source else "TCP4"
     destination = "::1" if family == "TCP6" else "127.0.0.1"
     return f"PROXY {family} {source} {destination} {port} 8765\r\n".encode()
-
-
-def v2(source: str | None, port: int = 40000, tlvs: bytes = b"") -> bytes:
-    """A v2 header naming `source`; None: LOCAL (a balancer's health check)."""
-    if source is None:
-        return V2_SIGNATURE + bytes([0x20, 0x00]) + struct.pack("!H", len(tlvs)) + tlvs
-    address = ipaddress.ip_address(source)
-    family = 0x11 if address.version == 4 else 0x21
-    body = address.packed + ipaddress.ip_address("127.0.0.1" if address.version == 4 else "::1").packed
-    body += struct.pack("!HH", port, 8765) + tlvs
-    return V2_SIGNATURE + bytes([0x21, family]) + struct.pack("!H", len(body)) + body
 
 
 # ---------------------------------------------------------------- the parser
@@ -146,9 +134,10 @@ def behind_balancer(start_server):
                         body_timeout_s=3600.0, refused_requests_per_s=0.001, wyoming="tcp://127.0.0.1:0")
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def not_behind_one(start_server):
-    """Trusts 127.0.0.2 only: this test's connections from 127.0.0.1 are clients'."""
+    """Trusts 127.0.0.2 only: this test's connections from 127.0.0.1 are clients'. One test's:
+    stopped when it ends, not held to the module's."""
     return start_server(PiperEngine(), slots=2, trusted_proxies=["127.0.0.2"], max_connections_per_address=1,
                         body_timeout_s=3600.0)
 

@@ -9,6 +9,7 @@ import httpx
 import pytest
 from attackers import ATTACKER
 from conftest import WAIT_TIMEOUT, wait_until
+from helpers import tiny_server, tone_wav
 
 
 @pytest.mark.hardening
@@ -63,8 +64,6 @@ class GatedVoxCPM:
 
 @pytest.mark.hardening
 async def test_an_owner_flooding_voice_uploads_is_refused_429_and_another_owner_is_served(start_server, tiny_model):
-    from test_stream_service import tone_wav
-    from test_voice_store import tiny_server
 
     server = tiny_server(start_server, tiny_model, "memory")
     gated = GatedVoxCPM(server.server.devices.engines[0])

@@ -6,13 +6,9 @@ it prints are those of docs/DEPLOY.md."""
 from __future__ import annotations
 
 import asyncio
-import csv
-import io
 import json
-import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -23,22 +19,15 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
-from conftest import WAIT_TIMEOUT, RedisServer, wait_until
-from test_stream_service import tone_wav
+from conftest import RedisServer
+from helpers import Balancer, free_port, tone_wav
 
 from vox_ws.clients import v1 as vox
 
 pytestmark = pytest.mark.replicas
 
 ROOT = Path(__file__).resolve().parent.parent
-CHECK_INTERVAL_S = 0.5          # HAProxy's health checks, as in deploy/haproxy.cfg but faster
 OPTIONS = {"seed": 3, "max_len": 12}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def http_get(port: int, path: str) -> tuple[int, dict]:
@@ -87,58 +76,6 @@ class Replica:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait(20)
-
-
-class Balancer:
-    """HAProxy with deploy/haproxy.cfg, its port and replicas substituted."""
-
-    def __init__(self, replicas: list[Replica], directory: Path) -> None:
-        self.port = free_port()
-        config = (ROOT / "deploy" / "haproxy.cfg").read_text()
-        config = config.replace("bind 127.0.0.1:8765", f"bind 127.0.0.1:{self.port}")
-        config = config.replace("inter 1s", f"inter {int(CHECK_INTERVAL_S * 1000)}ms")
-        servers = "\n".join(f"    server {r.name} 127.0.0.1:{r.port} check" for r in replicas)
-        config = re.sub(r"(    server r\d .*\n)+", servers + "\n", config)
-        # HAProxy's own view of its servers (UP, DOWN), for tests that wait on a health check.
-        self.stats_socket = directory / "haproxy.sock"
-        config = config.replace("global\n", f"global\n    stats socket {self.stats_socket} mode 600 level user\n", 1)
-        self.config = directory / "haproxy.cfg"
-        self.config.write_text(config)
-        check = subprocess.run(["haproxy", "-c", "-f", str(self.config)], capture_output=True, text=True)
-        assert check.returncode == 0, check.stdout + check.stderr
-        self.proc = subprocess.Popen(["haproxy", "-db", "-f", str(self.config)], stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.DEVNULL)
-        self.url = f"ws://127.0.0.1:{self.port}/v1/stream"
-        deadline = time.monotonic() + WAIT_TIMEOUT
-        while time.monotonic() < deadline:
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=1):
-                    return
-            except OSError:
-                time.sleep(0.05)
-        raise AssertionError("haproxy did not start")
-
-    def states(self) -> dict[str, str]:
-        """Each replica's status as HAProxy's health checks last found it ("UP", "DOWN", ...)."""
-        with socket.socket(socket.AF_UNIX) as sock:
-            sock.connect(str(self.stats_socket))
-            sock.sendall(b"show stat\n")
-            data = b""
-            while chunk := sock.recv(65536):
-                data += chunk
-        rows = list(csv.reader(io.StringIO(data.decode().lstrip("# "))))
-        header = rows[0]
-        name, status = header.index("svname"), header.index("status")
-        return {row[name]: row[status].split()[0] for row in rows[1:]
-                if len(row) > status and row[0] == "replicas" and row[name] not in ("BACKEND", "FRONTEND")}
-
-    async def wait_until_seen(self, replica: str, state: str) -> None:
-        """Until HAProxy's health checks have marked `replica` UP or DOWN."""
-        await wait_until(lambda: self.states().get(replica) == state)
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        self.proc.wait(10)
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ import msgpack
 import pytest
 from attackers import closed_with
 from conftest import connect_client, start_serve, wait_until
-from test_server_piper import LONG
+from helpers import LONG
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 

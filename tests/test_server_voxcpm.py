@@ -4,7 +4,6 @@ loading path (hub switched off), the batched scheduler, voices, options and LoRA
 from __future__ import annotations
 
 import asyncio
-import io
 import json
 import os
 import shutil
@@ -12,9 +11,9 @@ import signal
 import threading
 from pathlib import Path
 
+import helpers
 import numpy as np
 import pytest
-import soundfile
 from conftest import WAIT_TIMEOUT, connect_client, wait_until
 from conftest import assert_good_stream as _assert_good_stream
 from websockets.exceptions import ConnectionClosed
@@ -35,11 +34,8 @@ CHUNK_SAMPLES = 7680          # 4 latent frames x 1920 = 160 ms at 48 kHz
 
 
 def tone_wav(seconds: float, rate: int = 16000, pitch: float = 200.0, fmt: str = "WAV") -> bytes:
-    t = np.arange(int(seconds * rate)) / rate
-    buf = io.BytesIO()
-    soundfile.write(buf, (0.3 * np.sin(2 * np.pi * pitch * t)).astype(np.float32), rate, format=fmt,
-                    subtype="PCM_16")
-    return buf.getvalue()
+    """This module's reference audio: a 200 Hz tone by default."""
+    return helpers.tone_wav(seconds, rate, pitch, fmt)
 
 
 @pytest.fixture(scope="module")
@@ -441,25 +437,6 @@ def _decoder_processes() -> list[int]:
     return pids
 
 
-def speak_through(runner, text: str, *, seed: int, min_len: int, max_len: int) -> np.ndarray:
-    """One request through a runner (`BatchedVoxCPM2`), start to end: its audio."""
-    from vox_ws.engines.voxcpm.prompt import build_prompt
-    from vox_ws.engines.voxcpm.runner import PrefillInput
-
-    row = runner.prefill(PrefillInput(build_prompt(runner.model, text, None), seed=seed, cfg_value=2.0, timesteps=4,
-                                      min_len=min_len, max_len=max_len))
-    audio = []
-    try:
-        while True:
-            [(chunk, reason)] = runner.step([row])
-            if chunk is not None:
-                audio.append(chunk)
-            if reason is not None:
-                return np.concatenate(audio)
-    finally:
-        runner.release(row)
-
-
 @pytest.mark.slow
 def test_a_runners_decoder_process_serves_the_next_runner_and_says_the_same(tiny_model, two_cpus):
     """How `--slots auto` keeps the process it started while the model loaded: the runner
@@ -479,9 +456,9 @@ def test_a_runners_decoder_process_serves_the_next_runner_and_says_the_same(tiny
         engine.runner = second
         assert second.decodes_in_process and set(_decoder_processes()) - others == {decoder.pid}
         said = dict(text="Handed over, the same voice.", seed=5, min_len=6, max_len=7)    # seven patches
-        handed_over = speak_through(second, **said)
+        handed_over = helpers.speak_through(second, **said)
         inline = BatchedVoxCPM2(model, 2, decode_process=False)
-        np.testing.assert_allclose(handed_over, speak_through(inline, **said), atol=1e-5)
+        np.testing.assert_allclose(handed_over, helpers.speak_through(inline, **said), atol=1e-5)
     finally:
         engine.close()
     assert set(_decoder_processes()) - others == set()

@@ -15,7 +15,7 @@ import msgpack
 import pytest
 from attackers import _rss_mb
 from conftest import assert_good_stream, connect_client, wait_until
-from test_server_piper import LONG, SENTENCE
+from helpers import LONG, SENTENCE
 from websockets.client import ClientProtocol
 from websockets.exceptions import ConnectionClosed
 from websockets.frames import Close, Opcode

@@ -1,7 +1,7 @@
 """`--slots auto` by measured speed (`engines/speed_slots.py`) as plain data: measures whose times
 the test says (a machine's speed and its neighbours are not the test's to know) and a clock the
 test moves. No thread, no engine, no sleep. The same with the real Piper worker, measured, is in
-test_server_piper.py; the engine loop running the measures, in test_engine_loop.py."""
+test_piper.py; the engine loop running the measures, in test_loop.py."""
 
 from __future__ import annotations
 

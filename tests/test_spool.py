@@ -10,7 +10,7 @@ import httpx
 import pytest
 from attackers import ATTACKER, attacker_socket, speech_headers
 from conftest import WAIT_TIMEOUT, wait_until
-from test_server_piper import LONG, SENTENCE
+from helpers import LONG, SENTENCE
 
 from vox_ws.engines.piper import PiperEngine
 

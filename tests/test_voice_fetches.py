@@ -18,7 +18,6 @@ import httpx
 import openai
 import pytest
 from conftest import WAIT_TIMEOUT, start_serve
-from test_models import hub  # noqa: F401 - the loopback hub mirror, started for this module
 from wyoming.client import AsyncTcpClient
 from wyoming.info import Describe, Info
 
@@ -87,7 +86,7 @@ async def _described(wyoming_port: int) -> set[str]:
                 return {voice.name for voice in program.voices}
 
 
-async def test_a_voice_fetched_by_name_is_served_at_once_and_one_removed_is_not(hub, tmp_path):  # noqa: F811
+async def test_a_voice_fetched_by_name_is_served_at_once_and_one_removed_is_not(hub, tmp_path):
     """Finding 9: a voice pulled while the server ran was not served until a restart, and a
     voice could be fetched only from the command line. The admin token's POST fetches it from
     the catalogue into the served folder and answers once it is served: Wyoming's describe and

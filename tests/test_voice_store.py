@@ -22,10 +22,9 @@ import httpx
 import numpy as np
 import pytest
 from conftest import WAIT_TIMEOUT, connect_client, wait_until
-from test_stream_service import tone_wav
+from helpers import register, speak, tiny_server, tone_wav
 
 from vox_ws.engine import ErrorKind, Refused
-from vox_ws.engines.voxcpm.engine import VoxCPMEngine
 from vox_ws.service.voices.directory_store import DirectoryStore
 from vox_ws.service.voices.memory_store import MemoryStore
 from vox_ws.service.voices.redis_store import RedisStore
@@ -462,25 +461,6 @@ async def test_addresses_share_the_store_by_network_and_never_lock_out_tokens(sh
 
 
 # ------------------------------------------------------------------ servers on one store
-
-
-def tiny_server(start_server, tiny_model, store: str, **limits):
-    return start_server(VoxCPMEngine(model=str(tiny_model), device="cpu", slots=2), slots=2,
-                        voice_store=store, **limits)
-
-
-async def register(server, seconds: float = 1.0, pitch: float = 190.0) -> str:
-    async with connect_client(server) as c:
-        await c.send({"type": "voice", "id": "r", "audio": tone_wav(seconds, pitch=pitch),
-                      "transcript": "The reference says this."})
-        reply = await c.recv_where(lambda m: m.get("id") == "r")
-        assert reply["type"] == "voice", reply
-        return reply["voice"]
-
-
-async def speak(server, voice: str | None, sid: str = "s"):
-    async with connect_client(server) as c:
-        return await c.speak("Speak in the stored voice.", sid, voice=voice, options={"seed": 9, "max_len": 4})
 
 
 async def test_a_voice_in_a_directory_store_speaks_after_a_restart(start_server, tiny_model, tmp_path):
@@ -957,7 +937,7 @@ async def test_a_redis_that_refuses_writes_is_not_ready_and_every_request_is_ans
                                                                                         tmp_path, caplog):
     import redis.asyncio
     from conftest import RedisServer
-    from test_stream_service import tone_wav
+    from helpers import tone_wav
 
     store = RedisServer(str(tmp_path))
     try:

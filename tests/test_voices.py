@@ -16,7 +16,7 @@ import pytest
 import soundfile
 from attackers import _rss_mb
 from conftest import WAIT_TIMEOUT, connect_client
-from test_stream_service import audio_of, drain, service_on, tone_wav
+from helpers import audio_of, drain, service_on, tone_wav
 
 from vox_ws.engine import EndReason, ErrorKind, Refused
 from vox_ws.service import ANY_OWNER, Audio, Ended, StreamRequest

@@ -16,8 +16,7 @@ import numpy as np
 import pytest
 from attackers import ATTACKER
 from conftest import WAIT_TIMEOUT, connect_client, wait_idle, wait_until
-from test_clients import make_voice
-from test_server_piper import LONG, SENTENCE, GatedPiper
+from helpers import FRAME_S, LONG, SENTENCE, GatedPiper, longest_zero_run, make_voice, tone_wav
 from wyoming.audio import AudioChunk, AudioStart, AudioStop
 from wyoming.client import AsyncTcpClient
 from wyoming.error import Error
@@ -125,7 +124,6 @@ async def test_one_shot_synthesis_is_one_utterance(server):
 async def test_ssml_from_home_assistant_has_its_break_as_exact_silence(server):
     # Piper's s16 output quantises its quietest samples to zero here and there; the break is
     # the one long run of them.
-    from test_ssml import FRAME_S, longest_zero_run
 
     async with client(server) as c:
         await c.write_event(Synthesize(text='<speak>Lights on.<break time="600ms"/>Done.</speak>').event())
@@ -393,7 +391,6 @@ async def test_describe_lists_the_voices_this_address_registered_by_name(start_s
     voices in a request worked. Now an address sees the voices it registered by name (nobody
     else's), beside the aliases."""
     import httpx
-    from test_stream_service import tone_wav
     from wyoming.event import async_read_event, async_write_event
 
     from vox_ws.engines.voxcpm.engine import VoxCPMEngine
@@ -424,7 +421,6 @@ async def test_a_public_voice_is_described_and_spoken_to_a_client_without_a_toke
     `synthesize` (the real `wyoming` client, from another address); a private one is neither,
     and the refusal says what a Wyoming client may name."""
     import httpx
-    from test_stream_service import tone_wav
     from wyoming.event import async_read_event, async_write_event
 
     from vox_ws.engines.voxcpm.engine import VoxCPMEngine

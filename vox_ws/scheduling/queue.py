@@ -4,7 +4,7 @@ No thread, no lock, no engine and no sink: the engine loop (`loop.py`) owns the 
 under its lock and passes the time in (`now`); what the loop must do with a request (prefill
 it, step it, end it) comes back as the verbs' answers. The queue never ends anyone itself: it
 returns `Ending`s and the loop tells their streams. That keeps the policy testable with plain
-requests and a fake clock (`tests/test_slot_queue.py`).
+requests and a fake clock (`tests/test_queue.py`).
 
 A request's place is its `RequestStatus`, mirrored by the list it is in, and every change of
 place goes through `_move`, whose table (`MOVES`) refuses any other:

@@ -3,28 +3,19 @@ and voices over REST usable from protocol v1."""
 
 from __future__ import annotations
 
-import io
 import logging
 
 import httpx
 import msgpack
-import numpy as np
 import pytest
-import soundfile
 from conftest import connect_client
+from helpers import wav
 from websockets.asyncio.client import connect
 from websockets.exceptions import InvalidStatus
 
 from vox_ws.engines.piper import PiperEngine
 
 TOKEN = "http-secret"
-
-
-def wav(seconds: float, rate: int = 16000, fmt: str = "WAV") -> bytes:
-    t = np.arange(int(seconds * rate)) / rate
-    buf = io.BytesIO()
-    soundfile.write(buf, (0.3 * np.sin(2 * np.pi * 170 * t)).astype(np.float32), rate, format=fmt, subtype="PCM_16")
-    return buf.getvalue()
 
 
 @pytest.fixture(scope="module")

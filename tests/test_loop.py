@@ -1,6 +1,6 @@
 """The engine loop's turn, request by request: where each request is (`RequestStatus`) at every
 step, on an engine whose steps the test lets go one at a time (no timing involved). The queue's
-policy itself is tested without a thread (`test_slot_queue.py`)."""
+policy itself is tested without a thread (`test_queue.py`)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,7 @@ import numpy as np
 import pytest
 from attackers import ATTACKER, attacker_socket
 from conftest import WAIT_TIMEOUT, assert_good_stream, connect_client, loaded_loop, wait_until
-from test_server_piper import LONG, SENTENCE
-from test_stream_service import drain, service_on
+from helpers import LONG, SENTENCE, drain, service_on
 
 from vox_ws.engine import EndReason, ErrorKind, GenerationRequest, Refused, RequestStatus, StepResult
 from vox_ws.engines.piper import PiperEngine
@@ -293,7 +292,6 @@ async def test_streams_waiting_on_slow_readers_give_their_slots_to_a_waiting_str
 async def test_a_stream_parked_while_its_reader_lags_holds_no_place_in_the_queue():
     """One slot, a queue of one: two readers that take nothing rest parked, and a third stream
     still finds room in the queue (it is not refused `busy` for streams that wait on nobody)."""
-    from test_stream_service import drain, service_on
 
     from vox_ws.engine import EndReason
     from vox_ws.service import Ended, StreamRequest

@@ -9,24 +9,11 @@ import asyncio
 import numpy as np
 import pytest
 from conftest import assert_good_stream, bytes_to_pcm, connect_client
+from helpers import FRAME_S, longest_zero_run
 
 from vox_ws.engine import ErrorKind, Refused
 from vox_ws.service.markup import MAX_BREAK_S, Pause, parse_ssml, wants_markup
 from vox_ws.service.silence import MAX_SILENCE_S, SilenceBudget
-
-FRAME_S = 0.01          # how exactly a break's silence is placed and measured
-
-
-def longest_zero_run(pcm: np.ndarray) -> tuple[int, int]:
-    """(first sample, length) of the longest run of exact zeros."""
-    zero = np.concatenate([[0], (pcm == 0).astype(np.int8), [0]])
-    edges = np.flatnonzero(np.diff(zero))
-    starts, ends = edges[::2], edges[1::2]
-    if not len(starts):
-        return 0, 0
-    longest = int(np.argmax(ends - starts))
-    return int(starts[longest]), int(ends[longest] - starts[longest])
-
 
 # ------------------------------------------------------------------ the parser
 

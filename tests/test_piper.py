@@ -7,17 +7,13 @@ import httpx
 import msgpack
 import pytest
 from conftest import assert_good_stream, connect_client, wait_until
+from helpers import LONG, SENTENCE, GatedPiper
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 
 from vox_ws.engines.piper import PiperEngine, slots_for_speed
 from vox_ws.engines.speed_slots import RemeasurePolicy
 from vox_ws.scheduling.loop import LOADING_RETRY_AFTER_S
-
-SENTENCE = "The quick brown fox jumps over the lazy dog."
-LONG = " ".join(
-    f"This is sentence number {i}, which keeps the voice busy for a while." for i in range(1, 13)
-)
 
 
 async def test_hello_publishes_engine_formats_and_limits(piper_server):
@@ -203,23 +199,6 @@ async def test_http_endpoints(piper_server):
 
 
 # ------------------------------------------------------------------ dedicated servers
-
-
-class GatedPiper(PiperEngine):
-    """The real Piper voice, whose load waits until the test opens a gate (or fails on demand)."""
-
-    def __init__(self, fail: bool = False, voices=None):
-        super().__init__(voices=voices)
-        import threading
-
-        self.gate = threading.Event()
-        self.fail = fail
-
-    def load(self):
-        assert self.gate.wait(60)
-        if self.fail:
-            raise RuntimeError("weights are corrupt")
-        super().load()
 
 
 async def test_readiness_before_and_after_load(start_server):

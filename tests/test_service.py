@@ -3,20 +3,16 @@
 from __future__ import annotations
 
 import asyncio
-import io
 
 import numpy as np
 import pytest
-import soundfile
 from conftest import loaded_loop, wait_until
-from test_server_piper import LONG, SENTENCE
+from helpers import LONG, SENTENCE, audio_of, drain, service_on, tone_wav
 
-from vox_ws.audio import bytes_to_pcm
-from vox_ws.config import Limits
 from vox_ws.engine import EndReason, ErrorKind, Refused
 from vox_ws.engines.piper import PiperEngine
 from vox_ws.scheduling.loop import EngineLoop
-from vox_ws.service import Audio, AudioOutput, Ended, Failed, Flushed, Segment, StreamRequest, StreamService
+from vox_ws.service import Audio, AudioOutput, Ended, Failed, Flushed, Segment, StreamRequest
 
 
 @pytest.fixture(scope="module")
@@ -24,22 +20,6 @@ def piper_scheduler():
     scheduler = loaded_loop(PiperEngine())
     yield scheduler
     scheduler.stop()
-
-
-async def service_on(scheduler, **limits) -> StreamService:
-    service = StreamService(scheduler, Limits(**limits))
-    await service.start()
-    return service
-
-
-async def drain(stream, timeout=60.0):
-    async def take():
-        return [event async for event in stream]
-    return await asyncio.wait_for(take(), timeout)
-
-
-def audio_of(events, fmt):
-    return np.concatenate([bytes_to_pcm(e.data, fmt) for e in events if isinstance(e, Audio)])
 
 
 # ------------------------------------------------------------------ Piper
@@ -215,13 +195,6 @@ def voxcpm_scheduler(tiny_model):
     scheduler = loaded_loop(VoxCPMEngine(model=str(tiny_model), device="cpu", slots=4))
     yield scheduler
     scheduler.stop()
-
-
-def tone_wav(seconds: float, rate: int = 16000, pitch: float = 180.0) -> bytes:
-    t = np.arange(int(seconds * rate)) / rate
-    buf = io.BytesIO()
-    soundfile.write(buf, (0.3 * np.sin(2 * np.pi * pitch * t)).astype(np.float32), rate, format="WAV")
-    return buf.getvalue()
 
 
 async def test_voxcpm_streams_batched_with_options_and_cloned_voice(voxcpm_scheduler):
