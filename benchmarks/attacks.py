@@ -6,8 +6,9 @@ client speaks a text again and again and a probe reads /healthz every 100 ms. Pr
 attack: the victim's first audio (median, against its unloaded value) and longest gap between
 two chunks of a stream, its failed streams, /healthz p99, the server's peak RSS (alone, and
 with its worker processes), and whether the server survived. The attacker connects from
-127.0.0.2, the victim from 127.0.0.1, as if from two machines. Targets on the 2-core CI machine: the server survives; RSS under 1 GB;
-/healthz p99 under 100 ms; first audio under 3x unloaded; longest chunk gap under 1 s.
+127.0.0.2, the victim from 127.0.0.1, as if from two machines. Targets on the 2-core CI
+machine: the server survives; RSS under 1 GB; /healthz p99 under 100 ms; first audio under 3x
+unloaded; longest chunk gap under 1 s.
 
     python -m benchmarks.attacks [--attacks crash_text,ping_flood,...] [--seconds 20] [--json out.json]
 """

@@ -156,7 +156,8 @@ def main(argv: list[str] | None = None) -> int:
                [int(n) for n in args.lengths.split(",")], args.repeats)
     print(f"# decode attention, {HEADS} query heads over {KV_HEADS} KV heads of {HEAD_DIM}: {args.device}, "
           f"{args.dtype}, {args.threads} thread(s), median of {args.repeats}")
-    print(f"{'B':>3} {'length':>6} {'before ms':>10} {'after ms':>9} {'after/before':>13} {'kernels':>32} {'max diff':>9}")
+    print(f"{'B':>3} {'length':>6} {'before ms':>10} {'after ms':>9} {'after/before':>13} "
+          f"{'kernels':>32} {'max diff':>9}")
     for r in rows:
         print(f"{r['batch']:>3} {r['length']:>6} {r['before_ms']:>10.3f} {r['after_ms']:>9.3f} "
               f"{r['after_ms'] / r['before_ms']:>13.2f} {r['before_kernel'] + ' -> ' + r['after_kernel']:>32} "

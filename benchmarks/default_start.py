@@ -143,8 +143,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.only:
         configurations = [c for c in configurations if c[0] in args.only.split(",")]
     neighbour = _neighbour() if args.neighbour else None
-    results: dict[str, Any] = {"rates": rates[0], "compiled_rates": rates[1], "seconds": args.seconds, "neighbour": args.neighbour,
-                               "configurations": {}}
+    results: dict[str, Any] = {"rates": rates[0], "compiled_rates": rates[1], "seconds": args.seconds,
+                               "neighbour": args.neighbour, "configurations": {}}
     try:
         for label, extra, tree in configurations:
             results["configurations"][label] = run(label, extra, model, rates, args.seconds, args.bound, tree)

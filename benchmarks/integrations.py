@@ -257,7 +257,8 @@ async def v1_interruption(url: str) -> dict[str, float]:
             if isinstance(message, wire.AudioChunk):
                 last = time.monotonic()
             if isinstance(message, (wire.Ended, wire.Error)):
-                return {"last_audio_ms": (last - cancelled) * 1000, "server_end_ms": (time.monotonic() - cancelled) * 1000}
+                return {"last_audio_ms": (last - cancelled) * 1000,
+                        "server_end_ms": (time.monotonic() - cancelled) * 1000}
 
 
 def _info(http: str) -> dict[str, Any]:

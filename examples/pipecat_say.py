@@ -7,8 +7,14 @@ import asyncio
 import sys
 import wave
 
-from pipecat.frames.frames import (EndFrame, LLMFullResponseEndFrame, LLMFullResponseStartFrame, LLMTextFrame,
-                                   TTSAudioRawFrame, TTSTextFrame)
+from pipecat.frames.frames import (
+    EndFrame,
+    LLMFullResponseEndFrame,
+    LLMFullResponseStartFrame,
+    LLMTextFrame,
+    TTSAudioRawFrame,
+    TTSTextFrame,
+)
 from pipecat.pipeline.pipeline import Pipeline
 from pipecat.pipeline.worker import PipelineParams, PipelineWorker
 from pipecat.processors.frame_processor import FrameProcessor

@@ -9,10 +9,11 @@ import socket
 
 import httpx
 import pytest
-from conftest import WAIT_TIMEOUT
-from helpers import SENTENCE
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
+
+from conftest import WAIT_TIMEOUT
+from helpers import SENTENCE
 
 ATTACKER = "127.0.0.2"
 

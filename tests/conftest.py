@@ -295,7 +295,8 @@ class Client:
             return self.pending.pop(0)
         return await self._read(timeout)
 
-    async def recv_where(self, match: Callable[[dict[str, Any]], bool], timeout: float = RECV_TIMEOUT) -> dict[str, Any]:
+    async def recv_where(self, match: Callable[[dict[str, Any]], bool],
+                         timeout: float = RECV_TIMEOUT) -> dict[str, Any]:
         """The next message that matches; others are kept for later calls."""
         for i, message in enumerate(self.pending):
             if match(message):
@@ -422,7 +423,8 @@ async def wait_until(condition: Callable[[], Any], timeout: float = WAIT_TIMEOUT
     """Until `condition()` is true, polled; fails as a hang after `timeout`."""
     deadline = time.monotonic() + timeout
     while not condition():
-        assert time.monotonic() < deadline, f"not reached in {timeout:g}s: {getattr(condition, '__doc__', None) or condition}"
+        assert time.monotonic() < deadline, (
+            f"not reached in {timeout:g}s: {getattr(condition, '__doc__', None) or condition}")
         await asyncio.sleep(0.01)
 
 
@@ -596,7 +598,6 @@ def hub(tmp_path_factory):
     a good voice whose model the catalogue says is 1,000 bytes; de_DE-absent-low, listed and not
     there; and one entry that is no voice's. For tests/test_models.py and test_voice_fetches.py."""
     from helpers import OLAH, catalogue_entry, git  # here: helpers imports this module
-
     from vox_ws.testing.tiny_voxcpm import build
 
     if not OLAH.exists():

@@ -22,8 +22,8 @@ from typing import Any
 
 import numpy as np
 import soundfile
-from conftest import WAIT_TIMEOUT, connect_client, wait_until
 
+from conftest import WAIT_TIMEOUT, connect_client, wait_until
 from vox_ws.audio import bytes_to_pcm
 from vox_ws.config import Limits
 from vox_ws.engines.piper import PiperEngine

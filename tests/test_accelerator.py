@@ -15,11 +15,11 @@ import threading
 
 import pytest
 import torch
-from conftest import connect_client, loaded_loop
 
+from conftest import connect_client, loaded_loop
+from vox_ws.engine import EngineFailure, ErrorKind, GenerationRequest, Readiness, Refused
 from vox_ws.engines import accelerator
 from vox_ws.engines.accelerator import device_lost, enter_device, on_device
-from vox_ws.engine import EngineFailure, ErrorKind, GenerationRequest, Readiness, Refused
 from vox_ws.engines.voxcpm.engine import VoxCPMEngine
 from vox_ws.testing.tone import ToneEngine
 from vox_ws.transports import protocol as p

@@ -15,9 +15,9 @@ from concurrent.futures import Future
 
 import numpy as np
 import pytest
+
 from attackers import ATTACKER
 from conftest import WAIT_TIMEOUT, assert_good_stream, child_processes, connect_client, wait_until
-
 from vox_ws.alignment.pool import WordAligner
 from vox_ws.alignment.spelling import AlignmentText, spoken_words, written_times
 from vox_ws.alignment.sphinx import letters_to_phones

@@ -10,12 +10,12 @@ import logging
 import httpx
 import msgpack
 import pytest
-from attackers import ATTACKER, closed_with
-from conftest import WAIT_TIMEOUT, assert_good_stream, connect_client, wait_until
-from helpers import SENTENCE, wav
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
+from attackers import ATTACKER, closed_with
+from conftest import WAIT_TIMEOUT, assert_good_stream, connect_client, wait_until
+from helpers import SENTENCE, wav
 from vox_ws.engines.piper import PiperEngine
 
 

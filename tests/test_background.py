@@ -9,9 +9,9 @@ import json
 
 import pytest
 
-from vox_ws.engines.voxcpm.compile_workers import ENV, compile_workers
 from vox_ws.engines.voxcpm import background
 from vox_ws.engines.voxcpm.background import BackgroundCompile
+from vox_ws.engines.voxcpm.compile_workers import ENV, compile_workers
 
 SETTINGS = {"model": "/nowhere", "device": "cpu", "threads": 1, "buckets": [1], "cache": "/nowhere",
             "lora_rank": 0, "lora_alpha": 0, "max_loras": 1}

@@ -18,6 +18,7 @@ from types import SimpleNamespace
 
 import httpx
 import pytest
+
 from attackers import attacker_socket, read_until_closed, speech_headers
 from conftest import WAIT_TIMEOUT, assert_good_stream, connect_client, start_serve
 from helpers import Balancer, v2

@@ -9,8 +9,8 @@ import threading
 import time
 
 import pytest
-from conftest import RunningServer, connect_client, make_config, wait_until
 
+from conftest import RunningServer, connect_client, make_config, wait_until
 from vox_ws.clients import v1 as vox
 from vox_ws.testing.tone import ToneEngine
 

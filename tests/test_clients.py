@@ -23,18 +23,17 @@ import httpx
 import numpy as np
 import openai
 import pytest
-from conftest import assert_good_stream, connect_client
-from helpers import make_voice
 from wyoming.client import AsyncTcpClient
 from wyoming.info import Describe, Info
 from wyoming.tts import Synthesize, SynthesizeVoice
 
-from vox_ws.commands.cli import build_parser, config_from_args
+from conftest import assert_good_stream, connect_client
+from helpers import make_voice
 from vox_ws.clients.v1 import MAX_RETRY_WAIT_S, retry_delay
+from vox_ws.commands.cli import build_parser, config_from_args
+from vox_ws.commands.logs import TEXT_FORMAT, JsonFormatter, TextFormatter
 from vox_ws.engines.piper import PiperEngine
 from vox_ws.engines.piper_voices import voice_set
-from vox_ws.commands.logs import TEXT_FORMAT, JsonFormatter, TextFormatter
-from vox_ws.voice_tags import voice_tag
 from vox_ws.service.voices.aliases import (
     OPENAI_VOICES,
     Alias,
@@ -44,6 +43,7 @@ from vox_ws.service.voices.aliases import (
     for_engine,
     load_aliases,
 )
+from vox_ws.voice_tags import voice_tag
 
 SENTENCE = "Hello there, this is one of the voices speaking a sentence."
 @pytest.fixture(scope="module")
@@ -279,7 +279,8 @@ def test_the_peers_fields_are_taken_or_refused_by_name(piper_server):
         model="tts-1", voice="alloy", input="Fields.", response_format="pcm",
         extra_body={"normalization_options": {"normalize": True, "url_normalization": False}})
     # Piper has no normalisation option; Kokoro's URL normalisation is not made here: both named.
-    assert set(reply.headers["x-ignored-parameters"].split(",")) == {"normalize", "normalization_options.url_normalization"}
+    assert (set(reply.headers["x-ignored-parameters"].split(","))
+            == {"normalize", "normalization_options.url_normalization"})
     for extra, param in (({"language": "not a tag!"}, "language"), ({"volume": 9}, "volume"),
                          ({"volume": "loud"}, "volume"), ({"stream": "yes"}, "stream"),
                          ({"normalization_options": {"bogus": True}}, "normalization_options.bogus"),
@@ -389,8 +390,9 @@ FETCH_SPEECH = """async ([url, token]) => {
 
 @pytest.mark.browser
 def test_a_page_on_another_origin_calls_the_api_in_chromium(start_server, page_origin):
-    from helpers import CHROMIUM, LAUNCH_ARGS
     from playwright.sync_api import sync_playwright
+
+    from helpers import CHROMIUM, LAUNCH_ARGS
 
     server = start_server(PiperEngine(), tokens=["page-token"], cors_origins=[page_origin])
     with sync_playwright() as pw:
@@ -579,8 +581,9 @@ def test_a_voice_registered_over_v1_keeps_its_name_and_is_spoken_by_it(tiny_voxc
 
 @pytest.mark.browser
 def test_the_demo_offers_each_piper_voice_and_speaks_the_one_chosen(two_voices):
-    from helpers import CHROMIUM, LAUNCH_ARGS
     from playwright.sync_api import sync_playwright
+
+    from helpers import CHROMIUM, LAUNCH_ARGS
 
     with sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True, args=LAUNCH_ARGS)

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 import soundfile
 import soxr
+
 from conftest import WAIT_TIMEOUT, connect_client, wait_until
 from helpers import LONG, SENTENCE, decode_file, flac_streaminfo, service_on
-
 from vox_ws.codecs import CODECS, OutputPipeline
 from vox_ws.engines.piper import PiperEngine
 

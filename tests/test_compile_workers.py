@@ -9,8 +9,8 @@ import subprocess
 import sys
 
 import pytest
-from helpers import cgroup
 
+from helpers import cgroup
 from vox_ws.engines.voxcpm import compile_workers as workers
 from vox_ws.engines.voxcpm.compile_workers import ENV, compile_workers, use_compile_workers
 

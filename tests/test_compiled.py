@@ -13,9 +13,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+
 from conftest import WAIT_TIMEOUT, assert_good_stream, connect_client, wait_until
 from helpers import speak_through
-
 from vox_ws.engines.voxcpm import parse_buckets, parse_compile
 from vox_ws.engines.voxcpm.compiled import buckets_for
 from vox_ws.engines.voxcpm.decoder_process import DecoderProcess
@@ -739,7 +739,6 @@ def test_the_servers_shutdown_gives_a_stopped_compile_child_what_its_budget_has_
     import signal
 
     from conftest import connect_client
-
     from vox_ws.engines.voxcpm import background as background_module
     from vox_ws.server import SHUTDOWN_BOUND_S
 

@@ -11,12 +11,12 @@ import socket
 import time
 
 import pytest
-from attackers import ATTACKER, assert_speaks, attacker_socket, closed_with, read_until_closed, speech_headers
-from conftest import WAIT_TIMEOUT, assert_good_stream, connect_client, wait_until
-from helpers import LONG, SENTENCE
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 
+from attackers import ATTACKER, assert_speaks, attacker_socket, closed_with, read_until_closed, speech_headers
+from conftest import WAIT_TIMEOUT, assert_good_stream, connect_client, wait_until
+from helpers import LONG, SENTENCE
 from vox_ws.config import Limits
 from vox_ws.engines.piper import PiperEngine
 from vox_ws.transports.connections import BodyClock, HttpProtocol

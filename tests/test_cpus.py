@@ -7,8 +7,8 @@ from __future__ import annotations
 import os
 
 import pytest
-from helpers import cgroup
 
+from helpers import cgroup
 from vox_ws.engines.cpus import cpu_limit
 
 AFFINITY = len(os.sched_getaffinity(0))

@@ -11,8 +11,8 @@ import threading
 import numpy as np
 import pytest
 import torch
-from conftest import eager_speech, speak_rows, tiny_runner
 
+from conftest import eager_speech, speak_rows, tiny_runner
 from vox_ws.engines import accelerator
 from vox_ws.engines.voxcpm.cuda_graphs import CapturedSteps, length_buckets
 from vox_ws.engines.voxcpm.whole_step import StepInputs, step_function

@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+
 from helpers import CHROMIUM, LAUNCH_ARGS
 
 ARTIFACTS = Path(__file__).resolve().parent.parent / "artifacts"
@@ -119,7 +120,8 @@ def test_a_rate_other_than_the_context_is_resampled_in_the_page(page):
     page.select_option("#format", "s16")
     page.fill("#text", "Sixteen kilohertz, resampled in the browser.")
     page.click("#speak")
-    page.wait_for_function("window.voxDemo.state.stream && window.voxDemo.state.stream.ended && window.voxDemo.state.drained", timeout=60_000)
+    page.wait_for_function("window.voxDemo.state.stream && window.voxDemo.state.stream.ended "
+                           "&& window.voxDemo.state.drained", timeout=60_000)
     s = state(page)
     assert s["stream"]["rate"] == 16000 and s["contextRate"] != 16000
     received_s = s["stream"]["samples"] / 16000
@@ -274,7 +276,8 @@ def test_clone_my_voice_from_a_file_then_speak_with_it(browser, start_server, ti
     page.select_option("#voice", "")
     page.fill("#instructions", "a warm, low voice, slowly")
     s = speak_and_drain(page, "Hi.")
-    assert s["stream"]["request"]["instructions"] == "a warm, low voice, slowly" and "voice" not in s["stream"]["request"]
+    assert (s["stream"]["request"]["instructions"] == "a warm, low voice, slowly"
+            and "voice" not in s["stream"]["request"])
     assert s["lastEnd"]["reason"] == "max_len" and "instructions" not in s["stream"]["ignored"]
     # VoxCPM2 times no words itself: the aligner does, and the captions are its words.
     assert s["stream"]["request"].get("word_timestamps") is True

@@ -12,8 +12,8 @@ import inspect
 import socket
 
 import pytest
-from conftest import connect_client, wait_until
 
+from conftest import connect_client, wait_until
 from vox_ws.testing.tone import ToneEngine
 
 # Methods vox_ws/transports/connections.py overrides or calls, with the parameters it passes:

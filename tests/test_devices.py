@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+
 from conftest import connect_client
 from helpers import tone_wav
-
 from vox_ws.engine import EngineFailure
 from vox_ws.engines.voxcpm.engine import VoxCPMEngine
 from vox_ws.scheduling.devices import parse_devices

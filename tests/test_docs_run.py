@@ -63,7 +63,8 @@ def live(start_server, tmp_path_factory):
     (folder / "examples").symlink_to(ROOT / "examples")
     tools = folder / "bin"
     tools.mkdir()
-    (tools / "an-llm").write_text("#!/bin/sh\nprintf 'Once upon a time, a lighthouse keeper kept a light. The end.\\n'\n")
+    (tools / "an-llm").write_text("#!/bin/sh\nprintf 'Once upon a time, a lighthouse keeper kept a light. "
+                                  "The end.\\n'\n")
     (tools / "an-llm").chmod(0o755)
     return server, folder
 

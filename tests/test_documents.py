@@ -20,11 +20,10 @@ import httpx
 import msgpack
 import pytest
 import webvtt
+
 from conftest import WAIT_TIMEOUT
 from helpers import decode_file, flac_streaminfo
-
-from vox_ws.clients.captions import (MAX_CUE_CHARS, MAX_CUE_S, Cue, cues_from_segments, cues_from_words,
-                                     write_captions)
+from vox_ws.clients.captions import MAX_CUE_CHARS, MAX_CUE_S, Cue, cues_from_segments, cues_from_words, write_captions
 from vox_ws.engines.piper import PiperEngine
 
 # The full lane runs these, not the quick one: together they took a minute or more of it (CONTRIBUTING.md, "Tests").

@@ -6,8 +6,8 @@ import subprocess
 import sys
 
 import pytest
-from conftest import assert_good_stream, connect_client
 
+from conftest import assert_good_stream, connect_client
 from vox_ws import engines
 from vox_ws.commands.cli import build_parser, config_from_args
 from vox_ws.engine import ErrorKind, OptionSpec, Refused

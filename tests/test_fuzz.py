@@ -8,10 +8,10 @@ import threading
 
 import msgpack
 import pytest
-from conftest import assert_good_stream, connect_client
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from conftest import assert_good_stream, connect_client
 from vox_ws.engines import option_vocabulary
 from vox_ws.engines.piper import PiperEngine
 from vox_ws.transports import protocol as p

@@ -8,11 +8,11 @@ import logging
 import httpx
 import msgpack
 import pytest
-from conftest import connect_client
-from helpers import wav
 from websockets.asyncio.client import connect
 from websockets.exceptions import InvalidStatus
 
+from conftest import connect_client
+from helpers import wav
 from vox_ws.engines.piper import PiperEngine
 
 TOKEN = "http-secret"

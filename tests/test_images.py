@@ -98,8 +98,10 @@ def test_the_cpu_image_installs_and_its_server_knows_its_engines(tmp_path):
     # This machine reaches PyPI only: its torch==2.13.0 is the CPU build (the image asks
     # PyTorch's CPU index for the same).
     bin_dir = _run_install_steps("cpu", tmp_path, {"TORCH_INDEX": "https://pypi.org/simple"})
-    probe = subprocess.run([str(bin_dir / "python"), "-c", "import torch, piper; from vox_ws.engines.voxcpm.loading import import_voxcpm; import_voxcpm(); "
-                            "print(torch.__version__, torch.version.cuda)"], capture_output=True, text=True)
+    probe = subprocess.run([str(bin_dir / "python"), "-c",
+                            "import torch, piper; from vox_ws.engines.voxcpm.loading import import_voxcpm; "
+                            "import_voxcpm(); print(torch.__version__, torch.version.cuda)"],
+                           capture_output=True, text=True)
     assert probe.returncode == 0, probe.stderr[-2000:]
     assert probe.stdout.split()[1] == "None", "the CPU image must not carry a CUDA build of torch"
     assert "--piper-voice" in _installed_server_answers(bin_dir, "serve", "--help")

@@ -6,8 +6,6 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-import pytest
-
 PACKAGE = Path(__file__).resolve().parent.parent / "vox_ws"
 
 

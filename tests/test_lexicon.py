@@ -17,8 +17,8 @@ import urllib.request
 
 import httpx
 import pytest
-from conftest import assert_good_stream, connect_client, wait_until
 
+from conftest import assert_good_stream, connect_client, wait_until
 from vox_ws.engine import ErrorKind, Refused
 from vox_ws.service.lexicon import (
     MAX_ENTRY_CHARS,

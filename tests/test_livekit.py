@@ -7,10 +7,10 @@ import asyncio
 
 import numpy as np
 import pytest
-from conftest import wait_idle, wait_until
 from livekit.agents import tts as lk_tts
 from livekit.agents.types import USERDATA_TIMED_TRANSCRIPT
 
+from conftest import wait_idle, wait_until
 from vox_ws.clients.livekit import TTS
 from vox_ws.engines.piper import PiperEngine
 from vox_ws.wire import Speech

@@ -11,10 +11,10 @@ import time
 
 import numpy as np
 import pytest
+
 from attackers import ATTACKER, attacker_socket
 from conftest import WAIT_TIMEOUT, assert_good_stream, connect_client, loaded_loop, wait_until
 from helpers import LONG, SENTENCE, drain, service_on
-
 from vox_ws.engine import EndReason, ErrorKind, GenerationRequest, Refused, RequestStatus, StepResult
 from vox_ws.engines.piper import PiperEngine
 from vox_ws.engines.speed_slots import RemeasurePolicy, SpeedMeasure, SpeedSlots

@@ -16,9 +16,9 @@ import numpy as np
 import openai
 import pytest
 import torch
-from conftest import assert_good_stream, connect_client
 
 from benchmarks.equivalence import package_noise
+from conftest import assert_good_stream, connect_client
 from vox_ws.engines.voxcpm.engine import VoxCPMEngine
 from vox_ws.testing.lora_adapters import RandomAdapter, package_model, write_adapter
 

@@ -8,9 +8,9 @@ import asyncio
 
 import numpy as np
 import pytest
+
 from conftest import assert_good_stream, bytes_to_pcm, connect_client
 from helpers import FRAME_S, longest_zero_run
-
 from vox_ws.engine import ErrorKind, Refused
 from vox_ws.service.markup import MAX_BREAK_S, Pause, parse_ssml, wants_markup
 from vox_ws.service.silence import MAX_SILENCE_S, SilenceBudget

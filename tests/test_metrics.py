@@ -8,6 +8,7 @@ import re
 import urllib.request
 
 import pytest
+
 from conftest import assert_good_stream, connect_client
 from helpers import SENTENCE
 

@@ -14,8 +14,8 @@ import threading
 from pathlib import Path
 
 import pytest
-from helpers import catalogue_entry
 
+from helpers import catalogue_entry
 from vox_ws.commands.models import check
 
 pytestmark = pytest.mark.packaging
@@ -117,7 +117,8 @@ def test_a_config_json_too_large_or_not_a_file_is_refused_unread(tiny_model, tmp
 def test_without_the_voxcpm_extra_models_says_so_in_one_line(command):
     """`vox-ws models list` in a Piper-only install was a traceback (`No module named
     'huggingface_hub'`). huggingface_hub made unimportable here, as it is in such an install."""
-    script = ("import sys; sys.modules.update(dict.fromkeys(['huggingface_hub', 'safetensors', 'torch'])); sys.argv = ['vox-ws', 'models', *sys.argv[1:]]; "
+    script = ("import sys; sys.modules.update(dict.fromkeys(['huggingface_hub', 'safetensors', 'torch'])); "
+              "sys.argv = ['vox-ws', 'models', *sys.argv[1:]]; "
               "from vox_ws.commands.cli import main; raise SystemExit(main())")
     run = subprocess.run([sys.executable, "-c", script, *command], capture_output=True, text=True, timeout=120)
     assert run.returncode == 2 and "Traceback" not in run.stderr, run.stderr

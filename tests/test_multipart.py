@@ -7,6 +7,7 @@ import asyncio
 
 import httpx
 import pytest
+
 from attackers import ATTACKER
 from conftest import WAIT_TIMEOUT
 from helpers import tiny_server, tone_wav

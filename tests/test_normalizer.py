@@ -8,8 +8,8 @@ import os
 import signal
 
 import pytest
-from helpers import drain, service_on
 
+from helpers import drain, service_on
 from vox_ws.engine import EndReason, ErrorKind, Refused
 from vox_ws.engines.voxcpm.normalizer import NORMALIZE_TIMEOUT_S
 from vox_ws.service import Audio, Ended, Failed, StreamRequest

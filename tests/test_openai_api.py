@@ -19,11 +19,11 @@ import numpy as np
 import openai
 import pytest
 import soundfile
+from websockets.sync.client import connect as connect_sync
+
 from attackers import assert_speaks
 from conftest import WAIT_TIMEOUT, wait_idle, wait_until
 from helpers import flac_streaminfo, register, speak, tiny_server
-from websockets.sync.client import connect as connect_sync
-
 from vox_ws.engines.piper import PiperEngine
 from vox_ws.service.voices.aliases import OPENAI_VOICES
 
@@ -280,7 +280,8 @@ def test_the_lists_a_client_reads_answer_without_a_key(guarded, start_server):
     private = start_server(PiperEngine(), tokens=[TOKEN], private_info=True)
     for path in ("/v1/audio/voices", "/v1/audio/models"):
         assert httpx.get(private.http + path, timeout=30).status_code == 401
-        assert httpx.get(private.http + path, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=30).status_code == 200
+        assert httpx.get(private.http + path, headers={"Authorization": f"Bearer {TOKEN}"},
+                         timeout=30).status_code == 200
 
 
 async def test_a_full_queue_is_429_with_retry_after(guarded):

@@ -51,7 +51,8 @@ def _validator(schema: dict) -> jsonschema.Validator:
 def _check(response: httpx.Response, path: str, method: str, seen: set) -> None:
     operation = document()["paths"][path][method]
     answer = operation["responses"].get(str(response.status_code))
-    assert answer is not None, f"{method.upper()} {path}: {response.status_code} is not described: {response.text[:300]}"
+    assert answer is not None, (f"{method.upper()} {path}: {response.status_code} is not described: "
+                                f"{response.text[:300]}")
     kind = response.headers.get("content-type", "").split(";")[0]
     content = answer.get("content", {})
     matching = [schema for name, schema in content.items() if name.split(";")[0] == kind]

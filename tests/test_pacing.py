@@ -8,10 +8,10 @@ import socket
 
 import msgpack
 import pytest
-from conftest import WAIT_TIMEOUT, assert_good_stream, connect_client, wait_until
-from helpers import LONG, SENTENCE, service_on
 from websockets.asyncio.client import connect
 
+from conftest import WAIT_TIMEOUT, assert_good_stream, connect_client, wait_until
+from helpers import LONG, SENTENCE, service_on
 from vox_ws.engines.piper import PiperEngine
 
 

@@ -10,7 +10,6 @@ from contextlib import asynccontextmanager
 from typing import Any, AsyncIterator
 
 import pytest
-from conftest import wait_idle, wait_until
 from pipecat.frames.frames import (
     EndFrame,
     ErrorFrame,
@@ -28,6 +27,7 @@ from pipecat.pipeline.worker import PipelineParams, PipelineWorker
 from pipecat.processors.frame_processor import FrameDirection, FrameProcessor
 from pipecat.workers.runner import WorkerRunner
 
+from conftest import wait_idle, wait_until
 from vox_ws.clients.pipecat import VoxWSTTSService
 from vox_ws.engines.piper import PiperEngine
 from vox_ws.wire import Speech

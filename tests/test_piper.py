@@ -6,11 +6,11 @@ import math
 import httpx
 import msgpack
 import pytest
-from conftest import assert_good_stream, connect_client, wait_until
-from helpers import LONG, SENTENCE, GatedPiper
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 
+from conftest import assert_good_stream, connect_client, wait_until
+from helpers import LONG, SENTENCE, GatedPiper
 from vox_ws.engines.piper import PiperEngine, slots_for_speed
 from vox_ws.engines.speed_slots import RemeasurePolicy
 from vox_ws.scheduling.loop import LOADING_RETRY_AFTER_S
@@ -193,7 +193,8 @@ async def test_http_endpoints(piper_server):
     assert status == 200
     assert info["engine"] == "piper" and info["device"] == "cpu" and info["sample_rate"] == 22050
     assert info["slots"] == 4 == info["max_batch"] and {"sessions", "active", "queued", "streams_open"} <= set(info)
-    assert [d["slots"] for d in info["devices"]] == [d["max_batch"] for d in info["devices"]] == [4]   # old name, one release
+    # old name, one release
+    assert [d["slots"] for d in info["devices"]] == [d["max_batch"] for d in info["devices"]] == [4]
     assert info["slots_measure"] is None               # --slots 4: nothing measured sizes them
     assert piper_server.get("/nope")[0] == 404
 

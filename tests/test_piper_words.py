@@ -7,8 +7,8 @@ from __future__ import annotations
 import threading
 
 import pytest
-from conftest import WAIT_TIMEOUT, connect_client
 
+from conftest import WAIT_TIMEOUT, connect_client
 from vox_ws.engines.piper_words import NO_WORD, phoneme_spans, word_owners, word_spans
 from vox_ws.testing.tone import ToneEngine
 from vox_ws.text import text_words
@@ -199,7 +199,8 @@ def test_phoneme_spans_give_stress_to_the_next_phoneme_and_no_time_to_pauses():
 def test_words_are_matched_to_phonemes_even_where_espeak_merges_or_splits_them():
     """"of the" is one phoneme word in context, "1999" three: each text word still gets its own
     phonemes, in order, and word spans follow the phoneme durations."""
-    alone = {"Of": [["ʌ", "v"]], "the": [["ð", "ə"]], "1999": [list("nˈaɪntiːn"), list("nˈaɪnti")], "go.": [list("ɡˈoʊ.")]}
+    alone = {"Of": [["ʌ", "v"]], "the": [["ð", "ə"]], "1999": [list("nˈaɪntiːn"), list("nˈaɪnti")],
+             "go.": [list("ɡˈoʊ.")]}
     sentence = list("ʌvðə nˈaɪntiːn nˈaɪnti ɡˈoʊ.")
     words = ["Of", "the", "1999", "go."]
     (owners,) = word_owners(words, [sentence], lambda w: alone[w])

@@ -25,11 +25,11 @@ import numpy as np
 import openai
 import psutil
 import pytest
-from conftest import WAIT_TIMEOUT, assert_good_stream, connect_client, start_serve
-from helpers import LONG, SENTENCE
 from wyoming.client import AsyncTcpClient
 from wyoming.info import Describe, Info
 
+from conftest import WAIT_TIMEOUT, assert_good_stream, connect_client, start_serve
+from helpers import LONG, SENTENCE
 from vox_ws.engines import piper_worker
 from vox_ws.engines.piper import PiperEngine, defuse_letter_runs
 from vox_ws.engines.piper_voices import MAX_CONFIG_BYTES, VoiceSource, bundled, voice_set

@@ -14,10 +14,10 @@ import struct
 import httpx
 import pytest
 import websockets
+
 from attackers import read_until_closed, speech_headers
 from conftest import WAIT_TIMEOUT, assert_good_stream, connect_client, wait_until
 from helpers import v2, wav
-
 from vox_ws.engines.piper import PiperEngine
 from vox_ws.transports import protocol as p
 from vox_ws.transports.proxies import (

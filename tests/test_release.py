@@ -24,6 +24,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+
 from conftest import checkout_copy
 
 pytestmark = pytest.mark.packaging
@@ -38,7 +39,8 @@ NPM_LOCK = ROOT / "scripts" / "npm-lock.json"
 _LINT = """
 const { createLinter } = require(process.argv[1]);
 const { readFileSync } = require("node:fs");
-createLinter().then((lint) => console.log(JSON.stringify(lint(readFileSync(process.argv[2], "utf8"), process.argv[2]))));
+createLinter().then((lint) => \
+console.log(JSON.stringify(lint(readFileSync(process.argv[2], "utf8"), process.argv[2]))));
 """
 
 

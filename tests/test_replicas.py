@@ -19,9 +19,9 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
+
 from conftest import RedisServer
 from helpers import Balancer, free_port, tone_wav
-
 from vox_ws.clients import v1 as vox
 
 pytestmark = pytest.mark.replicas

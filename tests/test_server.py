@@ -14,12 +14,12 @@ import urllib.request
 
 import msgpack
 import pytest
-from attackers import closed_with
-from conftest import connect_client, start_serve, wait_until
-from helpers import LONG
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 
+from attackers import closed_with
+from conftest import connect_client, start_serve, wait_until
+from helpers import LONG
 from vox_ws.engines.piper import PiperEngine
 
 

@@ -11,14 +11,14 @@ import signal
 import threading
 from pathlib import Path
 
-import helpers
 import numpy as np
 import pytest
-from conftest import WAIT_TIMEOUT, connect_client, wait_until
-from conftest import assert_good_stream as _assert_good_stream
 from websockets.exceptions import ConnectionClosed
 
+import helpers
 from benchmarks.equivalence import package_noise
+from conftest import WAIT_TIMEOUT, connect_client, wait_until
+from conftest import assert_good_stream as _assert_good_stream
 from vox_ws.engines.voxcpm.engine import VoxCPMEngine
 from vox_ws.engines.voxcpm.loading import import_voxcpm
 from vox_ws.engines.voxcpm.prompt import prompt_positions

@@ -6,9 +6,9 @@ import asyncio
 
 import numpy as np
 import pytest
+
 from conftest import loaded_loop, wait_until
 from helpers import LONG, SENTENCE, audio_of, drain, service_on, tone_wav
-
 from vox_ws.engine import EndReason, ErrorKind, Refused
 from vox_ws.engines.piper import PiperEngine
 from vox_ws.scheduling.loop import EngineLoop

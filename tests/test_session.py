@@ -13,15 +13,15 @@ from pathlib import Path
 
 import msgpack
 import pytest
-from attackers import _rss_mb
-from conftest import assert_good_stream, connect_client, wait_until
-from helpers import LONG, SENTENCE
 from websockets.client import ClientProtocol
 from websockets.exceptions import ConnectionClosed
 from websockets.frames import Close, Opcode
 from websockets.uri import parse_uri
 
 import vox_ws.session
+from attackers import _rss_mb
+from conftest import assert_good_stream, connect_client, wait_until
+from helpers import LONG, SENTENCE
 from vox_ws.config import Limits
 from vox_ws.engine import ErrorKind, Refused
 from vox_ws.engines import option_vocabulary

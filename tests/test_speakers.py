@@ -8,12 +8,12 @@ from __future__ import annotations
 import httpx
 import numpy as np
 import pytest
-from conftest import connect_client
 from wyoming.audio import AudioChunk, AudioStart, AudioStop
 from wyoming.client import AsyncTcpClient
 from wyoming.info import Describe, Info
 from wyoming.tts import Synthesize, SynthesizeVoice
 
+from conftest import connect_client
 from vox_ws.engines.piper import PiperEngine
 from vox_ws.engines.piper_voices import voice_set
 from vox_ws.testing.piper_speakers import multi_speaker_voice
@@ -103,4 +103,5 @@ async def test_a_speaker_by_number_as_piper_and_wyoming_piper_take_it(trio):
                          json={"input": TEXT, "voice": TRIO, "speaker": "9", "response_format": "pcm"})
     assert refused.status_code == 400 and "no speaker '9'" in refused.json()["error"]["message"]
 
-    assert 2.5 < await wyoming_level(trio, "0") / await wyoming_level(trio, "2") < 6     # as wyoming-piper: loud over soft
+    # as wyoming-piper: loud over soft
+    assert 2.5 < await wyoming_level(trio, "0") / await wyoming_level(trio, "2") < 6

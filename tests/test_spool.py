@@ -8,10 +8,10 @@ import threading
 
 import httpx
 import pytest
+
 from attackers import ATTACKER, attacker_socket, speech_headers
 from conftest import WAIT_TIMEOUT, wait_until
 from helpers import LONG, SENTENCE
-
 from vox_ws.engines.piper import PiperEngine
 
 
@@ -71,8 +71,8 @@ async def test_a_spool_budget_refuses_past_an_owner_and_past_everyone():
     assert budget.held == 0
 
 
-# A whole file of about 1 MB (1.0-1.1: Piper's noise varies its length): far more than a stopped reader's buffers (the server's 64 KB,
-# its own 4 KB, the kernel's send buffer between them).
+# A whole file of about 1 MB (1.0-1.1: Piper's noise varies its length): far more than a stopped
+# reader's buffers (the server's 64 KB, its own 4 KB, the kernel's send buffer between them).
 SLOWED = {"input": SENTENCE, "voice": "alloy", "response_format": "wav", "stream": False, "speed": 0.25,
           "sample_rate": 48000}
 

@@ -12,12 +12,12 @@ import threading
 import time
 
 import pytest
-from conftest import WAIT_TIMEOUT, assert_good_stream, bytes_to_pcm, connect_client, wait_until
 
+from conftest import WAIT_TIMEOUT, assert_good_stream, bytes_to_pcm, connect_client, wait_until
 from vox_ws.engine import GenerationRequest, Refused
 from vox_ws.engines.piper import PiperEngine
-from vox_ws.service.metrics import MAX_OWNER_SERIES, Metrics, owner_label
 from vox_ws.scheduling.queue import MAX_RETRY_AFTER_S, MIN_RETRY_AFTER_S, QueuePace
+from vox_ws.service.metrics import MAX_OWNER_SERIES, Metrics, owner_label
 from vox_ws.testing.tone import ToneEngine
 
 TEXT = "Usage adds up. It counts what was sent."
@@ -105,7 +105,8 @@ def test_usage_in_openais_sse_done_event_adds_up(piper):
     usage = done["usage"]
     assert usage["characters"] == len(TEXT) and usage["chunks"] == len(deltas)
     assert usage["audio_s"] == pytest.approx(sum(len(d) for d in deltas) / 2 / 24_000, abs=1e-3)
-    assert usage["input_tokens"] == len(TEXT) and usage["total_tokens"] == usage["input_tokens"] + usage["output_tokens"]
+    assert (usage["input_tokens"] == len(TEXT)
+            and usage["total_tokens"] == usage["input_tokens"] + usage["output_tokens"])
 
 
 async def test_usage_on_the_tiny_voxcpm(tiny_voxcpm):

@@ -5,14 +5,14 @@ once per request whatever the door (counted below, on a real server)."""
 from __future__ import annotations
 
 import collections
-import threading
 import sys
+import threading
 from typing import Any, Callable
 
 import httpx
 import pytest
-from conftest import assert_good_stream, connect_client
 
+from conftest import assert_good_stream, connect_client
 from vox_ws.config import Limits
 from vox_ws.engine import ErrorKind, Refused
 from vox_ws.engines.piper import PiperEngine

@@ -12,8 +12,8 @@ import wave
 
 import numpy as np
 import pytest
-from conftest import WAIT_TIMEOUT, assert_good_stream, connect_client, wait_until
 
+from conftest import WAIT_TIMEOUT, assert_good_stream, connect_client, wait_until
 from vox_ws.audio import bytes_to_pcm, mulaw_decode, mulaw_encode
 from vox_ws.clients import v1 as vc
 from vox_ws.engines.piper import PiperEngine

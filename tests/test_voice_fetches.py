@@ -17,9 +17,10 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from conftest import WAIT_TIMEOUT, start_serve
 from wyoming.client import AsyncTcpClient
 from wyoming.info import Describe, Info
+
+from conftest import WAIT_TIMEOUT, start_serve
 
 pytestmark = pytest.mark.packaging           # as test_models.py: the hub mirror's own venv (.venv-hub)
 

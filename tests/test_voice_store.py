@@ -21,9 +21,9 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
+
 from conftest import WAIT_TIMEOUT, connect_client, wait_until
 from helpers import register, speak, tiny_server, tone_wav
-
 from vox_ws.engine import ErrorKind, Refused
 from vox_ws.service.voices.directory_store import DirectoryStore
 from vox_ws.service.voices.memory_store import MemoryStore
@@ -222,7 +222,8 @@ async def test_a_public_voice_keeps_its_owners_cap_and_expiry_in_every_store(quo
     def made(name: str, pitch: float, shared: bool = True) -> StoredVoice:
         now[0] += 1.0
         made = new_voice(owner, tone_wav(0.2, pitch=pitch), None, "reference",
-                         Lifetime(QUOTA_LIMITS.ttl_s, store.clock), named=(name, store.named_id(owner_key(owner), name)))
+                         Lifetime(QUOTA_LIMITS.ttl_s, store.clock),
+                         named=(name, store.named_id(owner_key(owner), name)))
         return dataclasses.replace(made, public=shared)
 
     first = made("first", 200.0)
@@ -936,6 +937,7 @@ async def test_many_addresses_of_one_network_cannot_lock_new_owners_out(start_se
 async def test_a_redis_that_refuses_writes_is_not_ready_and_every_request_is_answered(start_server, tiny_model,
                                                                                         tmp_path, caplog):
     import redis.asyncio
+
     from conftest import RedisServer
     from helpers import tone_wav
 

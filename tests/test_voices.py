@@ -14,10 +14,10 @@ import urllib.request
 import numpy as np
 import pytest
 import soundfile
+
 from attackers import _rss_mb
 from conftest import WAIT_TIMEOUT, connect_client
 from helpers import audio_of, drain, service_on, tone_wav
-
 from vox_ws.engine import EndReason, ErrorKind, Refused
 from vox_ws.service import ANY_OWNER, Audio, Ended, StreamRequest
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 
 import numpy as np
-
 import pytest
 import torch
 import torch.nn.functional as F

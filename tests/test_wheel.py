@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 import soundfile
 import tomllib
-from conftest import checkout_copy, start_serve
 
 import vox_ws
+from conftest import checkout_copy, start_serve
 
 pytestmark = pytest.mark.packaging
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+
 from conftest import eager_speech, speak_rows, tiny_runner
 
 TEXTS = ["One sentence here.", "Another, a bit longer sentence.", "Third."]

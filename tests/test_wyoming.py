@@ -14,9 +14,6 @@ import time
 
 import numpy as np
 import pytest
-from attackers import ATTACKER
-from conftest import WAIT_TIMEOUT, connect_client, wait_idle, wait_until
-from helpers import FRAME_S, LONG, SENTENCE, GatedPiper, longest_zero_run, make_voice, tone_wav
 from wyoming.audio import AudioChunk, AudioStart, AudioStop
 from wyoming.client import AsyncTcpClient
 from wyoming.error import Error
@@ -32,6 +29,9 @@ from wyoming.tts import (
     SynthesizeVoice,
 )
 
+from attackers import ATTACKER
+from conftest import WAIT_TIMEOUT, connect_client, wait_idle, wait_until
+from helpers import FRAME_S, LONG, SENTENCE, GatedPiper, longest_zero_run, make_voice, tone_wav
 from vox_ws.engines.piper import PiperEngine
 from vox_ws.engines.piper_voices import voice_set
 from vox_ws.scheduling.loop import LOADING_RETRY_AFTER_S
@@ -151,7 +151,8 @@ async def test_streaming_synthesis_speaks_each_sentence_as_it_comes(server):
         assert len(first_pcm) > 0
         await c.write_event(SynthesizeChunk(text="one follows.").event())
         # Home Assistant also sends the whole text for servers that cannot stream: ignored.
-        await c.write_event(Synthesize(text="The first sentence arrives in pieces. And the second one follows.").event())
+        await c.write_event(
+            Synthesize(text="The first sentence arrives in pieces. And the second one follows.").event())
         await c.write_event(SynthesizeStop().event())
         _, second_pcm = await read_utterance(c)
         assert len(second_pcm) > 0

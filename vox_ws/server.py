@@ -11,29 +11,29 @@ import logging
 import signal
 import socket
 import time
-from urllib.parse import urlsplit
 from pathlib import Path
 from typing import Any, Iterator
+from urllib.parse import urlsplit
 
 import uvicorn
 
 from .config import ServerConfig
 from .engine import Engine, ErrorKind, Readiness
-from .service.metrics import Metrics
 from .scheduling.devices import Devices
 from .scheduling.loop import EngineLoop
 from .service import StreamService
+from .service.metrics import Metrics
 from .service.service import store_limits
 from .service.voices.aliases import load_aliases
 from .service.voices.stores import open_store
 from .service.word_timings import WordTimings
 from .transports import protocol as p
 from .transports.app import STREAM_PATH, build_app, cors_origins
+from .transports.connections import ConnectionGuard, HttpProtocol, WebSocketProtocol
 from .transports.hosts import AllowedHosts
 from .transports.http_routes import default_demo_dir
-from .transports.state import OpenSession, ServerState
-from .transports.connections import ConnectionGuard, HttpProtocol, WebSocketProtocol
 from .transports.proxies import TrustedProxies
+from .transports.state import OpenSession, ServerState
 
 log = logging.getLogger("vox_ws.server")
 
@@ -316,8 +316,9 @@ class VoxServer:
         # Called on a engine loop's thread. A failed load keeps the server up, answering 503 with
         # the reason, so an operator can read it. A dead engine thread cannot be trusted to
         # reload in-process (CUDA context, half-freed state): its streams have been told
-        # (`unavailable`; `internal` where the thread crashed) and its device takes no more streams. While another device serves, the
-        # server goes on with it (`/v1/info` shows the failed device); once none is left,
+        # (`unavailable`; `internal` where the thread crashed) and its device takes no more streams.
+        # While another device serves, the server goes on with it (`/v1/info` shows the failed
+        # device); once none is left,
         # readiness is 503 and the process exits with code 3 for its supervisor.
         if during_load or self.devices.status == Readiness.READY:
             if not during_load:

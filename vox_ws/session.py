@@ -23,10 +23,10 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
+from . import wire
 from .config import Limits
 from .engine import ErrorKind, Refused
 from .service import StreamRequest
-from . import wire
 from .wire import (
     BAD_REQUEST,
     BUSY,

@@ -28,7 +28,7 @@ _PIECE = re.compile(r"\d+(?:[.,]\d+)*|[a-z]+(?:'[a-z]+)*|[&%+@=$£€#]")
 
 @lru_cache(maxsize=1)
 def _inflect():
-    import inflect           # in the voxcpm extra, beside the aligner
+    import inflect  # in the voxcpm extra, beside the aligner
     return inflect.engine()
 
 

@@ -7,8 +7,9 @@ Its C search holds the GIL, so it runs in processes of its own, never on a threa
 
 Making a decoder costs some 0.3 s, aligning a second of speech about 20 ms: each process makes
 one and keeps it. A segment with more words than its audio could hold (MAX_WORDS_PER_S) is not
-searched: its words are estimated, and no text holds a process for long. Words out of the dictionary are added with a pronunciation spelled by rule
-(`letters_to_phones`): close enough to place the word between its neighbours. Added words are
+searched: its words are estimated, and no text holds a process for long. Words out of the
+dictionary are added with a pronunciation spelled by rule (`letters_to_phones`): close enough
+to place the word between its neighbours. Added words are
 kept (a name recurs) up to MAX_ADDED_WORDS, and then the decoder is made anew, so that a stream
 of invented words cannot grow it without bound.
 """

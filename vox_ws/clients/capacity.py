@@ -325,8 +325,8 @@ async def measure(target: Target | str, rates: list[float], duration: float, *, 
         summaries.append(summary)
         if not quiet:
             print_summary(summary)
-    return {"url": target.url, "duration_s": duration, "format": target.format, "steps_per_s": steps, "rates": summaries,
-            "capacity": capacity(summaries)}
+    return {"url": target.url, "duration_s": duration, "format": target.format, "steps_per_s": steps,
+            "rates": summaries, "capacity": capacity(summaries)}
 
 
 def main(args: argparse.Namespace) -> int:

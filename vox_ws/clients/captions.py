@@ -1,7 +1,8 @@
 """Captions (SRT, WebVTT) from what a stream said and when: its word timings where it has them
 (the engine's own, Piper's, or the aligner's, VoxCPM2's), else its segments' (each segment's
-time shared among its lines by their length). Cues are of readable length: one line of at most MAX_CUE_CHARS characters, at most
-MAX_CUE_S long (a word longer than either is cut across cues, its time shared by its letters),
+time shared among its lines by their length). Cues are of readable length: one line of at most
+MAX_CUE_CHARS characters, at most MAX_CUE_S long (a word longer than either is cut across cues,
+its time shared by its letters),
 and a sentence end closes one. WebVTT files are written by webvtt-py, their text escaped
 (`&amp;`, `&lt;`, `&gt;`: a player takes `<...>` for a tag and drops it); SRT, whose readers
 take text as it is, is written here (webvtt-py's SRT writer drops what looks like a tag).

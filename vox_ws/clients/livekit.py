@@ -8,8 +8,9 @@ Built as LiveKit's current plugins are (Cartesia's is the model): pooled connect
 (`utils.ConnectionPool`, one request on a connection at a time), `synthesize()` returning a
 `ChunkedStream` (one vox-ws stream with the whole text) and `stream()` a `SynthesizeStream`
 (one input-streaming vox-ws stream: `push_text` -> `chunk`; `flush` or `end_input` -> `end`, as
-LiveKit 1.8 speaks one segment per stream; the stream's `end` closes the segment). Audio goes through LiveKit's `AudioEmitter` as
-16-bit PCM at the TTS's rate. `aclose()` (or LiveKit's interruption) cancels the server stream:
+LiveKit 1.8 speaks one segment per stream; the stream's `end` closes the segment). Audio goes
+through LiveKit's `AudioEmitter` as 16-bit PCM at the TTS's rate. `aclose()` (or LiveKit's
+interruption) cancels the server stream:
 its slot is freed before the next step. Word timings go to `push_timed_transcript` only where
 the server's engine has true ones (`Speech(word_timestamps=True)` and the server says so in `hello`).
 """
@@ -107,7 +108,8 @@ class TTS(tts.TTS):
                    "options": None if options is None else dict(options)}
         self._opts.speech = replace(self._opts.speech, **{k: v for k, v in changes.items() if v is not None})
 
-    def synthesize(self, text: str, *, conn_options: APIConnectOptions = DEFAULT_API_CONNECT_OPTIONS) -> "ChunkedStream":
+    def synthesize(self, text: str, *,
+                   conn_options: APIConnectOptions = DEFAULT_API_CONNECT_OPTIONS) -> "ChunkedStream":
         return ChunkedStream(tts=self, input_text=text, conn_options=conn_options)
 
     def stream(self, *, conn_options: APIConnectOptions = DEFAULT_API_CONNECT_OPTIONS) -> "SynthesizeStream":

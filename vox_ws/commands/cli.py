@@ -66,8 +66,9 @@ _SERVE_OPTIONS: list[tuple[str, Callable[[str], Any], Any, str]] = [
     ("trusted-proxies", str, None, "balancers (addresses or CIDR networks, comma-separated) whose connections say "
                                    "who the client is: a PROXY protocol header (v1/v2), else --proxy-header; from "
                                    "others both are ignored (docs/DEPLOY.md). Default: none"),
-    ("proxy-header", _proxy_header, "x-forwarded-for", "the header a trusted proxy names the client in: x-forwarded-for, "
-                                             "forwarded (RFC 7239) or none (PROXY protocol only)"),
+    ("proxy-header", _proxy_header, "x-forwarded-for",
+     "the header a trusted proxy names the client in: x-forwarded-for, "
+     "forwarded (RFC 7239) or none (PROXY protocol only)"),
     ("model-aliases", str, None, "more model names (comma-separated) the OpenAI door takes for the served model "
                                  "(its own, OpenAI's and `kokoro` always are; any other is served and named in "
                                  "X-Ignored-Parameters)"),
@@ -104,9 +105,12 @@ _SERVE_OPTIONS: list[tuple[str, Callable[[str], Any], Any, str]] = [
     ("whole-min-rate", float, Limits.whole_min_rate,
      "bytes a second a whole response's client must take it at, on average (after --write-stall-timeout, "
      "which is also the most it may bank); a slower one is closed and its bytes given back (0: no floor)"),
-    ("idle-timeout", float, Limits.idle_timeout_s, "seconds before a connection with no stream and no message is closed"),
-    ("max-buffered-audio", float, Limits.max_buffered_audio_s, "audio seconds a stream may have unsent before generation pauses"),
-    ("write-stall-timeout", float, Limits.write_stall_timeout_s, "seconds a paused stream may wait on its reader before `slow_consumer`"),
+    ("idle-timeout", float, Limits.idle_timeout_s,
+     "seconds before a connection with no stream and no message is closed"),
+    ("max-buffered-audio", float, Limits.max_buffered_audio_s,
+     "audio seconds a stream may have unsent before generation pauses"),
+    ("write-stall-timeout", float, Limits.write_stall_timeout_s,
+     "seconds a paused stream may wait on its reader before `slow_consumer`"),
     ("body-timeout", float, Limits.body_timeout_s, "seconds an HTTP request body has before --body-min-rate counts"),
     ("body-min-rate", float, Limits.body_min_rate, ("bytes a second an HTTP body must keep up after that (each "
                                                     "such many bytes earn one more second)")),
@@ -233,7 +237,8 @@ def build_parser() -> argparse.ArgumentParser:
     owner.add_argument("--metrics-secret", default=os.environ.get("VOX_WS_METRICS_SECRET"),
                        help="the server's --metrics-secret [env VOX_WS_METRICS_SECRET]")
     owner.add_argument("--ipv6-prefix", type=_ipv6_prefix, default=os.environ.get("VOX_WS_IPV6_PREFIX", "64"),
-                       help="the server's --ipv6-prefix (an IPv6 address counts by its network) [env VOX_WS_IPV6_PREFIX]")
+                       help="the server's --ipv6-prefix (an IPv6 address counts by its network) "
+                            "[env VOX_WS_IPV6_PREFIX]")
 
     # The module's docstring past its first paragraph, which names source files for developers.
     about = "\n\n".join([

@@ -20,8 +20,18 @@ from typing import Any
 
 import numpy as np
 
-from ..engine import (EndReason, Engine, ErrorKind, GenerationRequest, OptionSpec, Refused, StepResult, TextRules,
-                      VoiceFolder, Voices)
+from ..engine import (
+    EndReason,
+    Engine,
+    ErrorKind,
+    GenerationRequest,
+    OptionSpec,
+    Refused,
+    StepResult,
+    TextRules,
+    VoiceFolder,
+    Voices,
+)
 from ..text import segment, text_words
 from . import EnginePlugin, Setting
 from .piper_hub import DEFAULT_VOICES_DIR, pulled_voices_dir
@@ -101,9 +111,11 @@ class PiperEngine(Engine):
     # synthesis settings (wyoming-piper's --length-scale, --noise-scale, --noise-w-scale,
     # --sentence-silence), per request or per alias; unsaid, the voice's own config decides.
     options = {"max_len": OptionSpec(int, 1, 8192, None, "segments spoken at most"),
-               "length_scale": OptionSpec(float, 0.25, 4.0, None, "the voice's pace: over 1 slower (its config's by default)"),
+               "length_scale": OptionSpec(float, 0.25, 4.0, None,
+                                          "the voice's pace: over 1 slower (its config's by default)"),
                "noise_scale": OptionSpec(float, 0.0, 2.0, None, "variation in the voice (its config's by default)"),
-               "noise_w_scale": OptionSpec(float, 0.0, 2.0, None, "variation in phoneme lengths (its config's by default)"),
+               "noise_w_scale": OptionSpec(float, 0.0, 2.0, None,
+                                           "variation in phoneme lengths (its config's by default)"),
                "sentence_silence": OptionSpec(float, 0.0, 5.0, 0.0, "seconds of silence after each sentence")}
 
     def __init__(self, threads: int = 1, voices: list[PiperVoiceFile] | None = None,
@@ -279,7 +291,8 @@ class PiperEngine(Engine):
                                              "voices folder)", field="voice")
         number, speaker = found
         loaded = self._loaded
-        request.state = _PiperState(segments=segment(request.text, language=request.language or self._language(request)),
+        request.state = _PiperState(segments=segment(request.text,
+                                                     language=request.language or self._language(request)),
                                     voice=loaded.numbers[self.voice_files[number].name], loaded=loaded,
                                     steps_cap=request.options.get("max_len"),
                                     scales=(request.options.get("length_scale"), request.options.get("noise_scale"),

@@ -35,7 +35,6 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Literal, Union
 
-from ..engines import accelerator
 from ..engine import (
     Engine,
     EngineFailure,
@@ -46,6 +45,7 @@ from ..engine import (
     RequestStatus,
     SlotSizing,
 )
+from ..engines import accelerator
 from .queue import Ending, SlotQueue
 
 log = logging.getLogger("vox_ws.scheduling")
@@ -252,7 +252,8 @@ class EngineLoop:
                     self.slots, self.slots_reason = self.engine.slots()
                     self._sizing = self.engine.slot_sizing
                 max_share, max_wait_s = self._queue_settings
-                queue = SlotQueue(self.slots, self.max_queue, SinkReaders(), max_share=max_share or max(1, self.slots // 2),
+                queue = SlotQueue(self.slots, self.max_queue, SinkReaders(),
+                                  max_share=max_share or max(1, self.slots // 2),
                                   can_park=self.engine.can_park, max_wait_s=max_wait_s)
                 log.info("engine %s loaded in %.2fs: %s; %d slots (%s)", self.engine.name, time.monotonic() - started,
                          self.engine.describe(), self.slots, self.slots_reason)
@@ -390,7 +391,8 @@ class EngineLoop:
                 refused.append((request, error))
             elif error is not None:
                 log.error("prefill failed for request %s", request.id, exc_info=error)
-                refused.append((request, Refused(ErrorKind.INTERNAL, f"prefill failed: {type(error).__name__}: {error}")))
+                refused.append((request,
+                                Refused(ErrorKind.INTERNAL, f"prefill failed: {type(error).__name__}: {error}")))
         return refused
 
     def _step(self, group: list[GenerationRequest]) -> None:
@@ -431,7 +433,8 @@ class EngineLoop:
         if finished:
             with self._cond:
                 now = time.monotonic()
-                endings = [Ending(request, self.queue.left(request, now), reason=reason) for request, reason in finished]
+                endings = [Ending(request, self.queue.left(request, now), reason=reason)
+                           for request, reason in finished]
             for ending in endings:
                 self._tell(ending)
 

@@ -23,10 +23,10 @@
 """
 
 from .events import Audio, Ended, Event, Failed, Flushed, Phoneme, Phonemes, Segment, Word, Words
-from .service import ANY_OWNER, StreamService
-from .output import AudioOutput
 from .generation import StreamState
+from .output import AudioOutput
 from .request import StreamRequest
+from .service import ANY_OWNER, StreamService
 from .stream import Stream
 
 __all__ = ["ANY_OWNER", "Audio", "AudioOutput", "Ended", "Event", "Failed", "Flushed", "Phoneme", "Phonemes", "Segment",

@@ -27,11 +27,11 @@ from typing import Any, Awaitable, Iterable, Protocol
 
 from ..config import Limits
 from ..engine import EndReason, ErrorKind, GenerationRequest, Refused, RequestStatus
-from .metrics import Metrics
 from .aligner_end_wait import AlignerEndWait
 from .events import Ended, Failed, Flushed, Phonemes, Produced, Segment, Word, Words
 from .handoff import LoopMailbox
 from .markup import Part
+from .metrics import Metrics
 from .output import OutputStage
 from .pacing import Pacing
 from .record import StreamRecord

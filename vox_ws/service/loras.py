@@ -7,8 +7,8 @@ import asyncio
 from typing import Any, Callable
 
 from ..config import Limits
-from ..scheduling.devices import Devices
 from ..engine import Engine, Readiness
+from ..scheduling.devices import Devices
 from .work import off_thread, on_each
 
 

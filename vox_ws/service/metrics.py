@@ -46,7 +46,9 @@ class Metrics:
                                    buckets=_STEP_BUCKETS, registry=r)
         self.batch_size = Histogram("voxws_batch_size", "Requests advanced by one engine step",
                                     buckets=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64), registry=r)
-        self.audio_seconds = Counter("voxws_audio_seconds", "Seconds of audio generated for streams (counted as the engine yields it)", registry=r)
+        self.audio_seconds = Counter("voxws_audio_seconds",
+                                     "Seconds of audio generated for streams (counted as the engine yields it)",
+                                     registry=r)
         self.audio_bytes = Counter("voxws_audio_bytes", "Bytes of audio handed to clients, by output format",
                                    ["format"], registry=r)
         self.streams = Counter("voxws_streams", "Streams ended, by reason", ["reason"], registry=r)

@@ -12,8 +12,8 @@ from typing import Any, Iterable
 
 from ..engine import EndReason, ErrorKind
 from ..voice_tags import logged_voice, without_voice_ids
-from .metrics import Metrics
 from .events import Ended, Failed, Produced
+from .metrics import Metrics
 from .request import StreamRequest, StreamSetup
 
 stream_log = logging.getLogger("vox_ws.stream")

@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Mapping
 
 from ..alignment.pool import WordAligner
-from .lexicon import Lexicon, Pronunciation
 from ..scheduling.loop import EngineLoop
+from .lexicon import Lexicon, Pronunciation
 from .output import AudioOutput
 
 

@@ -20,20 +20,28 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Mapping
 
 from ..config import Limits
-from ..scheduling.devices import Devices
 from ..engine import Engine, ErrorKind, Readiness, Refused
 from ..files import read_regular_file
-from .lexicon import MAX_LEXICON_BYTES, Lexicon, combined, parse_lexicon
-from .metrics import Metrics
+from ..scheduling.devices import Devices
 from ..scheduling.loop import EngineLoop
 from .generation import Generation
 from .handoff import LoopMailbox
+from .lexicon import MAX_LEXICON_BYTES, Lexicon, combined, parse_lexicon
 from .loras import LoraService
 from .markup import parse_ssml, wants_markup
+from .metrics import Metrics
 from .request import StreamRequest, StreamSetup
 from .stream import Stream
-from .validation import (MAX_SPEED, MIN_SPEED, check_instructions, check_language, check_length, check_output,
-                         check_slowing, check_text)
+from .validation import (
+    MAX_SPEED,
+    MIN_SPEED,
+    check_instructions,
+    check_language,
+    check_length,
+    check_output,
+    check_slowing,
+    check_text,
+)
 from .voices.aliases import Alias
 from .voices.fetches import VoiceFetches
 from .voices.memory_store import MemoryStore
@@ -213,7 +221,8 @@ class StreamService:
         output = request.output
         if resolved.alias is not None and resolved.alias.speed != 1.0:
             # The alias's speed, times the request's own (an alias "slow-joe" slows any client).
-            output = dataclasses.replace(output, speed=max(MIN_SPEED, min(MAX_SPEED, output.speed * resolved.alias.speed)))
+            output = dataclasses.replace(output,
+                                         speed=max(MIN_SPEED, min(MAX_SPEED, output.speed * resolved.alias.speed)))
         language = None if request.language is None else check_language(request.language)
         text = request.text
         input_streaming = request.input_streaming or request.streamed_text

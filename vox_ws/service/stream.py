@@ -26,9 +26,9 @@ from collections import deque
 from typing import Any
 
 from ..engine import EndReason
-from .metrics import Metrics
 from .events import Audio, Ended, Event, Failed, Produced
 from .generation import Generation, StreamHost, StreamState
+from .metrics import Metrics
 from .request import StreamRequest
 
 __all__ = ["Stream", "StreamHost", "StreamState"]

@@ -6,8 +6,8 @@ from __future__ import annotations
 import asyncio
 from typing import Any, Awaitable, Callable
 
-from ..scheduling.devices import Devices
 from ..engine import Engine, ErrorKind, Refused
+from ..scheduling.devices import Devices
 from ..scheduling.loop import EngineLoop
 
 

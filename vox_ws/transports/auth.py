@@ -11,8 +11,8 @@ from urllib.parse import unquote_plus, urlsplit
 
 from starlette.requests import HTTPConnection
 
-from ..service import ANY_OWNER
 from ..addresses import client_key
+from ..service import ANY_OWNER
 from ..service.voices.store import ADDRESS_OWNER_PREFIX, PAGE_OWNER_MARK
 
 # A browser cannot set headers on a WebSocket: it offers the subprotocols SUBPROTOCOL and

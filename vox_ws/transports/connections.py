@@ -760,7 +760,8 @@ class WebSocketProtocol(_WatchedWrites, WebSocketsSansIOProtocol):
         if isinstance(cause, (HeaderLineTooLong, TooManyHeaders)):
             answer = _response(431, "Request Header Fields Too Large", "too_large", f"the handshake's {cause}")
         else:
-            answer = _response(400, "Bad Request", "bad_request", f"not a WebSocket handshake this server reads: {cause}")
+            answer = _response(400, "Bad Request", "bad_request",
+                               f"not a WebSocket handshake this server reads: {cause}")
         self.transport.write(answer)
         self.refused()
         self.transport.close()

@@ -30,11 +30,11 @@ from starlette.types import Receive, Scope, Send
 
 from ..codecs import CODECS
 from ..engine import ErrorKind, Refused
-from ..service.lexicon import request_entries
 from ..service import AudioOutput, Stream, StreamRequest
 from ..service.events import Audio, Ended, Failed, Segment, Words
-from ..service.voices.names import with_speaker
+from ..service.lexicon import request_entries
 from ..service.validation import MAX_INSTRUCTIONS_CHARS, MAX_SAMPLE_RATE, MIN_SAMPLE_RATE, check_options
+from ..service.voices.names import with_speaker
 from . import protocol as p
 from .auth import is_authorized, origin_allowed, owner
 from .body import BodyTooLarge, read_body
@@ -225,7 +225,8 @@ async def _read_json(request: Request, limit: int) -> dict[str, Any]:
         raise OpenAIError(400, "We could not parse the JSON body of your request: nested too deeply",
                           code="invalid_json") from None
     except (ValueError, UnicodeDecodeError) as exc:
-        raise OpenAIError(400, f"We could not parse the JSON body of your request: {exc}", code="invalid_json") from None
+        raise OpenAIError(400, f"We could not parse the JSON body of your request: {exc}",
+                          code="invalid_json") from None
     if not isinstance(body, dict):
         raise OpenAIError(400, "the JSON body must be an object", code="invalid_json")
     return body

@@ -93,7 +93,8 @@ def _text(description: str) -> dict[str, Any]:
 
 def _errors(*statuses: int, openai: bool = False) -> dict[str, Any]:
     words = {400: "bad request", 401: "no valid token", 403: "not allowed (origin, or the admin token needed)",
-             404: "not found", 409: "in the way", 413: "too large", 415: "not a body it reads", 429: "busy: Retry-After",
+             404: "not found", 409: "in the way", 413: "too large", 415: "not a body it reads",
+             429: "busy: Retry-After",
              500: "failed", 501: "not supported by this engine",
              502: "the hub answered an error, or a voice it gave was refused",
              503: "not ready, or shutting down (or the hub unreachable): Retry-After",

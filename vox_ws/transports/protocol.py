@@ -20,22 +20,58 @@ from .. import wire
 from ..codecs import OUTPUT_FORMATS
 from ..config import Limits
 from ..engine import VOICE_MODES, OptionSpec, Refused, type_name
-from ..service.lexicon import request_entries
 from ..service import AudioOutput, StreamRequest
 from ..service.events import Audio, Ended, Event, Failed, Flushed, Phonemes, Segment, Words
+from ..service.lexicon import request_entries
 from ..service.validation import MAX_SAMPLE_RATE, MIN_SAMPLE_RATE, check_length, check_options
 from ..service.voices.names import with_speaker
 from ..service.voices.store import check_voice_name, nameless_public
-# The vocabulary both sides share, under this module's names too (`p.BUSY`, `p.encode`).
-from ..wire import (BAD_FRAME, BAD_REQUEST, BUSY, CLOSE_IDLE, CLOSE_INTERNAL, CLOSE_POLICY,  # noqa: F401
-                    CLOSE_SERVICE_RESTART, CLOSE_TOO_MANY_FROM_ADDRESS, CLOSE_TRY_AGAIN_LATER, CLOSE_UNAUTHORIZED,
-                    DUPLICATE_STREAM, ERROR_CODES, GOING_AWAY, INTERNAL, LORA_OPS, MAX_ID_CHARS, NOT_READY,
-                    RATE_LIMITED, RETRYABLE, SLOW_CONSUMER, TIMEOUT, TOO_LARGE, TOO_MANY_STREAMS, UNAUTHORIZED,
-                    UNKNOWN_STREAM, UNSUPPORTED, VOICE_ADMIN_OPS, encode)
-# A client's messages, as this door reads them (`p.Start`, ...): declared once, in `vox_ws.wire`.
-from ..wire import (Cancel, Chunk, ClientMessage, End, Flush, Lora, Start, Voice, VoiceAdmin,  # noqa: F401
-                    VoiceDelete, VoiceUpdate)
 from ..session import code_for
+
+# Re-exported, hence the noqa: the vocabulary both sides share, under this module's names too
+# (`p.BUSY`, `p.encode`), and a client's messages, as this door reads them (`p.Start`, ...):
+# both declared once, in `vox_ws.wire`.
+from ..wire import (  # noqa: F401
+    BAD_FRAME,
+    BAD_REQUEST,
+    BUSY,
+    CLOSE_IDLE,
+    CLOSE_INTERNAL,
+    CLOSE_POLICY,
+    CLOSE_SERVICE_RESTART,
+    CLOSE_TOO_MANY_FROM_ADDRESS,
+    CLOSE_TRY_AGAIN_LATER,
+    CLOSE_UNAUTHORIZED,
+    DUPLICATE_STREAM,
+    ERROR_CODES,
+    GOING_AWAY,
+    INTERNAL,
+    LORA_OPS,
+    MAX_ID_CHARS,
+    NOT_READY,
+    RATE_LIMITED,
+    RETRYABLE,
+    SLOW_CONSUMER,
+    TIMEOUT,
+    TOO_LARGE,
+    TOO_MANY_STREAMS,
+    UNAUTHORIZED,
+    UNKNOWN_STREAM,
+    UNSUPPORTED,
+    VOICE_ADMIN_OPS,
+    Cancel,
+    Chunk,
+    ClientMessage,
+    End,
+    Flush,
+    Lora,
+    Start,
+    Voice,
+    VoiceAdmin,
+    VoiceDelete,
+    VoiceUpdate,
+    encode,
+)
 from .state import ServerState
 
 PROTOCOL_VERSION = 1

@@ -15,8 +15,8 @@ from .. import __version__
 from ..config import Limits, ServerConfig
 from ..engine import Readiness
 from ..engines import option_vocabulary
-from ..service.metrics import Metrics
 from ..service import StreamService
+from ..service.metrics import Metrics
 from .multipart import MultipartParser
 from .spool import SpoolBudget
 

@@ -21,10 +21,10 @@ from typing import Any, Awaitable, Mapping
 
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
+from .. import wire
 from ..config import Limits
 from ..engine import ErrorKind, OptionSpec, Refused
 from ..service import Ended, Failed, Segment, Stream
-from .. import wire
 from ..service.voices.store import owner_key
 from ..session import (
     CancelStream,

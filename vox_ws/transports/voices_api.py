@@ -37,9 +37,8 @@ from starlette.routing import BaseRoute, Route
 
 from ..engine import Readiness, Refused
 from ..service.voices.registrations import Registration
-from ..service.voices.store import VoiceSummary
+from ..service.voices.store import VoiceSummary, owner_key
 from . import protocol as p
-from ..service.voices.store import owner_key
 from .auth import address_owner, owner
 from .body import BodyTooLarge, read_body
 from .errors import access_refusal, admin_refusal, error_response, listing_refusal, refused_response

@@ -73,7 +73,8 @@ def _notice(settings: dict[str, Any], why: str) -> str | None:
     model = settings.get("model") or DEFAULT_MODEL
     if "not found locally" in why:
         fix = ("run `vox-ws models pull`, then start again" if model == DEFAULT_MODEL
-               else f"run `vox-ws models pull {model}`, then start again" if "/" in model and not model.startswith(("/", "."))
+               else f"run `vox-ws models pull {model}`, then start again"
+               if "/" in model and not model.startswith(("/", "."))
                else "pass --model with a VoxCPM2 checkpoint directory (`vox-ws models list` shows what is on disk)")
     else:
         fix = "see the log line above for why (README, \"Quick start\"; docs/DEPLOY.md)"

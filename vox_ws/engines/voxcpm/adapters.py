@@ -255,7 +255,8 @@ class AdapterBook(Loras):
         except NotRegularFile:
             raise Refused(ErrorKind.INVALID, f"{candidate.name} is not a regular file", field="name") from None
         except OSError as exc:
-            raise Refused(ErrorKind.INVALID, f"{candidate.name} cannot be read ({exc.strerror})", field="name") from None
+            raise Refused(ErrorKind.INVALID, f"{candidate.name} cannot be read ({exc.strerror})",
+                          field="name") from None
         if len(data) > MAX_CONFIG_BYTES:
             raise Refused(ErrorKind.TOO_LARGE, f"{candidate.name} is over {MAX_CONFIG_BYTES} bytes", field="name")
         try:

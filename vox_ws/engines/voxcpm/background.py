@@ -26,8 +26,9 @@ import time
 from typing import Any, Callable
 
 from ..accelerator import DEVICE_LOCK, enter_device
-from .compile_workers import ENV as COMPILE_WORKERS_ENV, compile_workers
 from ..child import end_process, grace_until
+from .compile_workers import ENV as COMPILE_WORKERS_ENV
+from .compile_workers import compile_workers
 
 log = logging.getLogger("vox_ws.engines.voxcpm")
 

@@ -29,9 +29,9 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from .compile_workers import compile_workers, use_compile_workers
-from ..cpus import cpu_limit
 from ...priority import lowest_priority
+from ..cpus import cpu_limit
+from .compile_workers import compile_workers, use_compile_workers
 
 # The events go to the standard output this process was given; everything else printed here (the
 # package prints as it loads) goes to the standard error, where the server's log is.

@@ -241,7 +241,8 @@ class CompiledStep:
         rows = self._bucket(count)
         slots = adapter_slots + [NO_ADAPTER] * (rows - count)
         with adapted(self.adapters, slots + slots, gathered=True):           # the CFG's two halves
-            solved = self._solve_padded(padded(mu, rows), padded(cond, rows), padded(noise, rows), timesteps, padded(cfg, rows))
+            solved = self._solve_padded(padded(mu, rows), padded(cond, rows), padded(noise, rows), timesteps,
+                                        padded(cfg, rows))
         return solved[:count]
 
     def _solve_padded(self, mu: torch.Tensor, cond: torch.Tensor, noise: torch.Tensor, timesteps: int,

@@ -15,24 +15,22 @@ import time
 from pathlib import Path
 from typing import Any
 
-
-from ..accelerator import DEVICE_LOCK
 from ...engine import Engine, ErrorKind, GenerationRequest, Refused, StepResult
-from .compile_workers import compile_workers, use_compile_workers
-from .loading import (DEFAULT_MODEL, architecture, from_pretrained, import_voxcpm, resolve_model_path,
-                      verify_weights)
+from ..accelerator import DEVICE_LOCK
 from .adapters import AdapterBook
-from .settings import VoxCPMSettings
 from .background import BackgroundCompile
-from .decoder_process import DecoderProcess
 from .cache_trust import trusted_cache_dir
+from .compile_workers import compile_workers, use_compile_workers
 from .compiled import BUCKETS, CompiledStep, buckets_for, default_cache_dir, use_cache_dir, warm_compiler
+from .decoder_process import DecoderProcess
 from .graphs import PrecompileUnavailable
 from .kv import attention_kernel
+from .loading import DEFAULT_MODEL, architecture, from_pretrained, import_voxcpm, resolve_model_path, verify_weights
 from .normalizer import Normalizer
 from .options import DEFAULTS, OPTIONS
 from .prompt import build_prompt, prompt_positions
 from .runner import BatchedVoxCPM2, PrefillInput, wants_decode_process
+from .settings import VoxCPMSettings
 from .text_rules import VoxCPMText
 from .voices import VoxCPMVoices, builtin_voice_files
 
@@ -304,7 +302,8 @@ class VoxCPMEngine(Engine):
             self._slots = slots
             self.max_step_batch = min(self.settings.step_rows or slots, slots)
             self._slots_reason = (f"{free / 2**30:.1f} GiB free on {self.device} after loading"
-                                  + (f", {spared / 2**30:.1f} GiB of it left to the background compile" if spared else "")
+                                  + (f", {spared / 2**30:.1f} GiB of it left to the background compile"
+                                     if spared else "")
                                   + f", {per_slot / 2**20:.0f} MiB of KV per slot (whole context) + 25%: 80% of the "
                                   f"rest holds {slots}"
                                   + (f" (capped at {AUTO_MAX_SLOTS})" if slots == AUTO_MAX_SLOTS else "")

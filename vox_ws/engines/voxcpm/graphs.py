@@ -173,8 +173,9 @@ class GraphStore:
     def __init__(self, directory: Path, sources: str = "", load_only: bool = False,
                  lock_wait_s: float = LOCK_WAIT_S) -> None:
         """`sources`: the source code the graphs trace through, beside the modules passed in
-        (their caller's: a change to it is a new key); `load_only`: never compile (a graph not on the disk is `GraphMissing`): a serving
-        process loads what a background compile made. `lock_wait_s`: how long to wait for
+        (their caller's: a change to it is a new key); `load_only`: never compile (a graph not on
+        the disk is `GraphMissing`): a serving process loads what a background compile made.
+        `lock_wait_s`: how long to wait for
         another process compiling the same graph before compiling it too."""
         self.directory = Path(directory) / "graphs"
         self.load_only = load_only

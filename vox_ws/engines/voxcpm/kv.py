@@ -42,7 +42,8 @@ def slot_bytes(lm: nn.Module, max_len: int, dtype: torch.dtype) -> int:
     """What one slot of a `SlotKV` for this LM holds: K and V at every layer and position."""
     cfg = lm.config
     head_dim = cfg.kv_channels or cfg.hidden_size // cfg.num_attention_heads
-    return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * max_len * head_dim * torch.empty(0, dtype=dtype).element_size()
+    return (2 * cfg.num_hidden_layers * cfg.num_key_value_heads * max_len * head_dim
+            * torch.empty(0, dtype=dtype).element_size())
 
 
 def key_positions(positions: list[int], device: Any) -> torch.Tensor:

@@ -11,7 +11,8 @@ OPTIONS: dict[str, OptionSpec] = {
     "max_len": OptionSpec(int, 1, 8192, 4096, "step cap (160 ms each); the package also caps at 6 x text tokens + 10"),
     "normalize": OptionSpec(bool, default=False, help="text normalisation (numbers, symbols) before synthesis"),
     "denoise": OptionSpec(bool, default=False, help="denoise the reference audio (needs --load-denoiser)"),
-    "seed": OptionSpec(int, 0, 2**63 - 1, None, "noise seed; the same seed, text, voice and options give the same audio"),
+    "seed": OptionSpec(int, 0, 2**63 - 1, None,
+                       "noise seed; the same seed, text, voice and options give the same audio"),
 }
 # Used when a request leaves an option out.
 DEFAULTS = {name: spec.default for name, spec in OPTIONS.items() if spec.default is not None}

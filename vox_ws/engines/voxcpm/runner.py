@@ -338,7 +338,8 @@ class BatchedVoxCPM2:
             with adapted(self.adapters, [i.adapter for i in inputs]):
                 enc_outputs, kv = m.base_lm(inputs_embeds=combined, is_causal=True)
                 enc_outputs = m.fsq_layer(enc_outputs) * feat_mask.unsqueeze(-1) + enc_outputs * text_mask.unsqueeze(-1)
-                residual_in = m.fusion_concat_proj(torch.cat((enc_outputs, feat_mask.unsqueeze(-1) * feat_embed), dim=-1))
+                residual_in = m.fusion_concat_proj(
+                    torch.cat((enc_outputs, feat_mask.unsqueeze(-1) * feat_embed), dim=-1))
                 residual_out, residual_kv = m.residual_lm(inputs_embeds=residual_in, is_causal=True)
             # Every row's last prompt position and its slot, in one copy each way.
             placed = to_device(slots + [length - 1 for length in lengths], self.device)

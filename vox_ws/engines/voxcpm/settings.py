@@ -34,9 +34,10 @@ SETTINGS = (
                                            "(see --compile)"),
     Setting("load-denoiser", parse_bool, False,
             "load the ZipEnhancer denoiser (needs modelscope and its weights)"),
-    Setting("step-rows", parse_count, "auto", "rows one step carries at most (compute), below --slots's slots (memory): "
-                                      "the streams closest to running out of audio go first; default: measured "
-                                      "on a CPU (with --slots auto: 4 slots a row), every slot on a GPU"),
+    Setting("step-rows", parse_count, "auto",
+            "rows one step carries at most (compute), below --slots's slots (memory): "
+            "the streams closest to running out of audio go first; default: measured "
+            "on a CPU (with --slots auto: 4 slots a row), every slot on a GPU"),
     Setting("voices-dir", str, None, "built-in voices: NAME.wav (+ optional NAME.txt transcript) per voice"),
     Setting("lora-rank", int, 0, "LoRA adapter slots of this rank (adapters up to it load at run time, smaller ranks "
                                  "zero-padded); 0: no LoRA"),

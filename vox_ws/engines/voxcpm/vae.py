@@ -19,7 +19,6 @@ from torch import nn
 
 from .graphs import GraphsBySize, GraphStore, bucket_of, padded
 
-
 # Warming the VAE up for more rows stops once one decode takes this long.
 WARM_UP_ENOUGH_S = 0.5
 

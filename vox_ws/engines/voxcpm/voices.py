@@ -21,10 +21,10 @@ from typing import Any
 
 import numpy as np
 
-from ..accelerator import exclusive_on
 from ...audio import decode_audio_file
 from ...engine import ErrorKind, Refused, Voices
 from ...voice_tags import voice_tag
+from ..accelerator import exclusive_on
 from .prompt import clean_text
 
 log = logging.getLogger("vox_ws.engines.voxcpm")

@@ -19,17 +19,30 @@ from typing import Any, Awaitable, Callable
 from ...audio import AudioTooLong, decode_audio_file
 from ...config import Limits
 from ...engine import VOICE_MODES, Engine, ErrorKind, Readiness, Refused
-from ..memory import release_memory
 from ...scheduling.devices import Devices
+from ..memory import release_memory
 from ..validation import check_text
 from ..work import engine_work
 from .aliases import Alias
 from .names import ResolvedVoice, VoiceNames
 from .registrations import Registration, RegistrationQueue
 from .sharing import VoiceSharing
-from .store import (ANY_OWNER, STORE_RETRY_AFTER_S, Lifetime, StoreUnavailable, VoiceStore, VoiceSummary,
-                    check_voice_name, is_registered_id, is_voice_name, nameless_public, new_voice, owner_key,
-                    public_name_taken, rekey_named)
+from .store import (
+    ANY_OWNER,
+    STORE_RETRY_AFTER_S,
+    Lifetime,
+    StoreUnavailable,
+    VoiceStore,
+    VoiceSummary,
+    check_voice_name,
+    is_registered_id,
+    is_voice_name,
+    nameless_public,
+    new_voice,
+    owner_key,
+    public_name_taken,
+    rekey_named,
+)
 
 log = logging.getLogger("vox_ws.service")
 
@@ -160,7 +173,8 @@ class VoiceService:
             # Hashing megabytes would hold the loop for milliseconds; hashlib lets go of the GIL.
             stored = await asyncio.to_thread(new_voice, owner, audio, transcript, mode,
                                              Lifetime(self.limits.voice_ttl_s, self.store.clock),
-                                             None if name is None else (name, self.store.named_id(owner_key(owner), name)))
+                                             None if name is None
+                                             else (name, self.store.named_id(owner_key(owner), name)))
             stored = dataclasses.replace(stored, public=public)
             existing = None
             if name is not None:
@@ -222,7 +236,8 @@ class VoiceService:
     async def _fetch(self, voice: str, named: str) -> None:
         missing = [e for e in self.devices.engines if not e.voices.has(voice)]
         if not missing:
-            if (self.store.shared or self.store.usable_now(voice, ANY_OWNER) is False) and not await self.store.has(voice):
+            if ((self.store.shared or self.store.usable_now(voice, ANY_OWNER) is False)
+                    and not await self.store.has(voice)):
                 _delete_everywhere(self.devices, voice)            # deleted through another server, or expired
                 raise Refused(ErrorKind.INVALID, f"unknown voice {named!r}", field="voice")
             return
@@ -239,8 +254,8 @@ class VoiceService:
         is not kept)."""
         pcm = None
         try:
-            pcm, rate = await decode_reference(audio, self.limits.max_voice_audio_s, self.devices.engine.voice_sample_rate,
-                                               partial(_on, self._worker))
+            pcm, rate = await decode_reference(audio, self.limits.max_voice_audio_s,
+                                               self.devices.engine.voice_sample_rate, partial(_on, self._worker))
             built = []
             try:
                 for engine in self.devices.engines:
