@@ -259,19 +259,20 @@ class Balancer:
                 time.sleep(0.05)
         raise AssertionError("haproxy did not start")
 
-    def states(self) -> dict[str, str]:
-        """Each replica's status as HAProxy's health checks last found it ("UP", "DOWN", ...)."""
+    def stats(self) -> list[dict[str, str]]:
+        """HAProxy's `show stat`: a row per frontend, backend and server, by column name."""
         with socket.socket(socket.AF_UNIX) as sock:
             sock.connect(str(self.stats_socket))
             sock.sendall(b"show stat\n")
             data = b""
             while chunk := sock.recv(65536):
                 data += chunk
-        rows = list(csv.reader(io.StringIO(data.decode().lstrip("# "))))
-        header = rows[0]
-        name, status = header.index("svname"), header.index("status")
-        return {row[name]: row[status].split()[0] for row in rows[1:]
-                if len(row) > status and row[0] == "replicas" and row[name] not in ("BACKEND", "FRONTEND")}
+        return list(csv.DictReader(io.StringIO(data.decode().lstrip("# "))))
+
+    def states(self) -> dict[str, str]:
+        """Each replica's status as HAProxy's health checks last found it ("UP", "DOWN", ...)."""
+        return {row["svname"]: row["status"].split()[0] for row in self.stats()
+                if row["pxname"] == "replicas" and row["svname"] not in ("BACKEND", "FRONTEND") and row["status"]}
 
     async def wait_until_seen(self, replica: str, state: str) -> None:
         """Until HAProxy's health checks have marked `replica` UP or DOWN."""
@@ -317,3 +318,19 @@ def catalogue_entry(voices: Path, name: str) -> dict:
                          "name_english": {"en": "English", "de": "German"}[family],
                          "country_english": region},
             "files": files, "aliases": []}
+
+
+def top_level_parts(inner: str) -> list[str]:
+    """The parts of a map or object literal's inside, split at its top-level commas (JavaScript's
+    `type: "x", id, text: a(b, c)`, PROTOCOL.md's `id, voice: "v_…", name?`)."""
+    depth, parts, current = 0, [], ""
+    for char in inner:
+        depth += char in "([{"
+        depth -= char in ")]}"
+        if char == "," and depth == 0:
+            parts.append(current)
+            current = ""
+        else:
+            current += char
+    parts.append(current)
+    return parts

@@ -8,10 +8,7 @@ DOWN and a bystander got 503."""
 from __future__ import annotations
 
 import asyncio
-import csv
-import io
 import shutil
-import socket
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -73,14 +70,7 @@ async def wait_until_true(check) -> None:
 
 def chkfail(balancer: Balancer) -> int:
     """HAProxy's count of failed health checks of r1."""
-    with socket.socket(socket.AF_UNIX) as sock:
-        sock.connect(str(balancer.stats_socket))
-        sock.sendall(b"show stat\n")
-        data = b""
-        while chunk := sock.recv(65536):
-            data += chunk
-    rows = list(csv.DictReader(io.StringIO(data.decode().lstrip("# "))))
-    return int(next(row for row in rows if row["svname"] == "r1")["chkfail"] or 0)
+    return int(next(row for row in balancer.stats() if row["svname"] == "r1")["chkfail"] or 0)
 
 
 async def test_a_client_past_its_budget_is_refused_alone_and_the_replica_stays_up(balanced):

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from helpers import top_level_parts
 from vox_ws import wire
 
 DEMO = Path(__file__).resolve().parent.parent / "web" / "demo"
@@ -81,17 +82,7 @@ def demo_reads() -> dict[str, set[str]]:
 
 def _keys(literal: str) -> set[str]:
     """The keys of a JavaScript object literal's inside: `type: "x", id, text: a(b, c)`."""
-    depth, parts, current = 0, [], ""
-    for char in literal:
-        depth += char in "([{"
-        depth -= char in ")]}"
-        if char == "," and depth == 0:
-            parts.append(current)
-            current = ""
-        else:
-            current += char
-    parts.append(current)
-    return {re.match(r"\s*(\w+)", part).group(1) for part in parts if part.strip()}
+    return {re.match(r"\s*(\w+)", part).group(1) for part in top_level_parts(literal) if part.strip()}
 
 
 def demo_sends() -> list[tuple[str, set[str]]]:

@@ -13,6 +13,7 @@ from pathlib import Path
 import msgpack
 import pytest
 
+from helpers import top_level_parts
 from vox_ws import wire
 from vox_ws.config import Limits
 from vox_ws.engine import EndReason, ErrorKind
@@ -376,17 +377,7 @@ def _reply_shapes(text: str) -> list[tuple[str, str]]:
 
 def _top_level_keys(shape: str) -> set[str]:
     """The keys of a map written as PROTOCOL.md writes one: `{id, voice: "v_…", name?, ...}`."""
-    inner, depth, parts, current = shape.strip()[1:-1], 0, [], ""
-    for char in inner:
-        depth += char in "[{("
-        depth -= char in "]})"
-        if char == "," and depth == 0:
-            parts.append(current)
-            current = ""
-        else:
-            current += char
-    parts.append(current)
-    keys = {part.split(":")[0].strip().rstrip("?") for part in parts}
+    keys = {part.split(":")[0].strip().rstrip("?") for part in top_level_parts(shape.strip()[1:-1])}
     return {key for key in keys if key and key != "…"}
 
 
