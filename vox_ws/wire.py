@@ -50,6 +50,12 @@ CLOSE_TRY_AGAIN_LATER = 1013     # server at its connection limit, or full: reco
 CLOSE_IDLE = 4000                # idle timeout: no open stream and no message
 CLOSE_UNAUTHORIZED = 4001        # no valid token presented
 CLOSE_TOO_MANY_FROM_ADDRESS = 4029  # too many connections from this client address
+# Close codes a client sees without the server choosing them (the peer went away; no close frame).
+CLOSE_GOING_AWAY = 1001
+CLOSE_ABNORMAL = 1006
+# The closes after which connecting again (elsewhere, or later) may work.
+RECONNECT_CLOSE_CODES = frozenset({CLOSE_GOING_AWAY, CLOSE_ABNORMAL, CLOSE_INTERNAL, CLOSE_SERVICE_RESTART,
+                                   CLOSE_TRY_AGAIN_LATER})
 
 MAX_ID_CHARS = 128
 
@@ -281,13 +287,6 @@ CLIENT_MESSAGES: dict[str, type[ClientMessage]] = {
 # field marked `_absent_when_none` is left out of the map while it is None (an optional field, as
 # the server sends it); every other field is always sent, None as nil. A field's place in its
 # class is its place in the map, so the bytes are those the server has always sent.
-
-# Close codes a client sees without the server choosing them (the peer went away; no close frame).
-CLOSE_GOING_AWAY = 1001
-CLOSE_ABNORMAL = 1006
-# The closes after which connecting again (elsewhere, or later) may work.
-RECONNECT_CLOSE_CODES = frozenset({CLOSE_GOING_AWAY, CLOSE_ABNORMAL, CLOSE_INTERNAL, CLOSE_SERVICE_RESTART,
-                                   CLOSE_TRY_AGAIN_LATER})
 
 
 def _absent_when_none(default: Any = None) -> Any:
