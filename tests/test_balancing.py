@@ -53,7 +53,7 @@ async def test_full_server_turns_unready_and_sends_new_connections_elsewhere(sta
         # ... and the bundled client connects again until it is let in (the stream ends in 1.5 s).
         started = time.monotonic()
         async with vox.connect(server.url, retries=6, retry_wait=0.1) as again:
-            assert again.hello["type"] == "hello"
+            assert again.hello.protocol == 1
             assert time.monotonic() - started > 0.3
         result = await c.collect("long")
         assert result.end["reason"] == "done"

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from conftest import WAIT_TIMEOUT, assert_good_stream, connect_client, wait_until
+from vox_ws import wire
 from vox_ws.audio import bytes_to_pcm, mulaw_decode, mulaw_encode
 from vox_ws.clients import v1 as vc
 from vox_ws.engines.piper import PiperEngine
@@ -293,7 +294,7 @@ async def test_every_client_method_takes_every_field_of_a_start(piper_server):
         s = await client.start_stream(ssml, speech)
         events = [m async for m in s.events()]
         assert s.started.get("ignored_options") is None
-        assert {"words", "phonemes", "segment"} <= {m["type"] for m in events}
+        assert {wire.Words, wire.Phonemes, wire.Segment} <= {type(m) for m in events}
         assert [w["word"] for w in s.words] == ["Quiet", "now."]
         # The same by name, on the other methods.
         loud = b"".join([c async for c in client.stream("Loud now.", format="s16", volume=2.0, speed=1.25)])
@@ -313,7 +314,7 @@ async def test_every_client_method_takes_every_field_of_a_start(piper_server):
 
 async def test_client_stream_synthesize_and_input_streaming(piper_server):
     async with vc.connect(piper_server.url) as client:
-        assert client.hello["engine"] == "piper"
+        assert client.hello.engine == "piper"
         chunks = [c async for c in client.stream("Hello from the client.", format="s16", sample_rate=16000)]
         assert sum(len(c) for c in chunks) / 2 / 16000 > 0.5
         wav = await client.synthesize("A whole file.", sample_rate=24000)

@@ -83,7 +83,7 @@ class TTS(tts.TTS):
             raise APIConnectionError(f"cannot connect to vox-ws: {e}") from None
         except Exception as e:  # noqa: BLE001 - a refused handshake (401, 503) and the like
             raise APIConnectionError(f"cannot connect to vox-ws: {type(e).__name__}: {e}") from None
-        if self._opts.speech.word_timestamps and "word_timestamps" not in client.server_hello.features:
+        if self._opts.speech.word_timestamps and "word_timestamps" not in client.hello.features:
             # No true timings from this engine: no aligned transcript rather than invented times.
             self._capabilities.aligned_transcript = False
         return client
@@ -119,7 +119,7 @@ class TTS(tts.TTS):
         await self._pool.aclose()
 
     def _words_wanted(self, client: Client) -> bool:
-        return self._opts.speech.word_timestamps and "word_timestamps" in client.server_hello.features
+        return self._opts.speech.word_timestamps and "word_timestamps" in client.hello.features
 
 
 class ChunkedStream(tts.ChunkedStream):
@@ -139,7 +139,7 @@ class ChunkedStream(tts.ChunkedStream):
             with _api_errors():
                 stream = await client.start_stream(self._input_text,
                                                    self._opts.stream_fields(self._tts._words_wanted(client)))
-                async for message in stream.messages():
+                async for message in stream.events():
                     _emit(output_emitter, message)
                 output_emitter.flush()
         finally:
@@ -176,7 +176,7 @@ class SynthesizeStream(tts.SynthesizeStream):
 
                 async def receive() -> None:
                     started = False
-                    async for message in stream.messages():
+                    async for message in stream.events():
                         if isinstance(message, (wire.AudioChunk, wire.Words)) and not started:
                             output_emitter.start_segment(segment_id=utils.shortuuid())
                             started = True

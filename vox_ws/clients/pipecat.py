@@ -75,8 +75,7 @@ class VoxWSTTSService(WebsocketTTSService):
         self._url = url
         self._token = token
         self._speech = speech if speech is not None else wire.Speech(word_timestamps=True)
-        self.server_hello: wire.Hello | None = None   # what the server offers, once connected
-        self.hello: dict[str, Any] | None = None       # the same as a map, as older callers read it
+        self.hello: wire.Hello | None = None       # what the server offers, once connected
         self._words = False                       # this server's engine gives true word timings
         self._open: set[str] = set()              # contexts with a live stream on this socket
         self._receive_task: asyncio.Task | None = None
@@ -121,7 +120,7 @@ class VoxWSTTSService(WebsocketTTSService):
                 await websocket.close()
                 raise ConnectionError(str(exc)) from None
             self._websocket = websocket
-            self.server_hello, self.hello = hello, hello.to_map()
+            self.hello = hello
             self._words = self._speech.word_timestamps and "word_timestamps" in hello.features
             # With true word timings, Pipecat builds the spoken text from them; without, from
             # its own sentence text frames.

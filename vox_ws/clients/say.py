@@ -203,8 +203,8 @@ async def say(args: Any) -> int:
         # finite number of seconds at or after 0, or out of order, a sample rate outside the
         # protocol's), and a server that says nothing for `--timeout` seconds is given up.
         async with connect(args.url, token=args.token, silence_timeout_s=args.timeout) as client:
-            features = client.server_hello.features
-            limits = client.server_hello.limits
+            features = client.hello.features
+            limits = client.hello.limits
             limit = limits.get("max_text_chars") if isinstance(limits, dict) else None
             if not isinstance(limit, int) or isinstance(limit, bool) or limit < 1:
                 raise ProtocolViolation(f"the server's hello has limits.max_text_chars {limit!r:.40}, "
@@ -229,7 +229,7 @@ async def say(args: Any) -> int:
             feeder = asyncio.create_task(_feed(stream, pieces(read_blocks(args.file, text), window), progress,
                                                window))
             try:
-                async for message in stream.messages():
+                async for message in stream.events():
                     if isinstance(message, wire.AudioChunk):
                         data = message.audio
                         if player is not None:               # --play writes WAV only (check_args)

@@ -206,16 +206,11 @@ class Stream:
             elif isinstance(message, wire.Error):
                 raise error_from(message)
 
-    async def events(self) -> AsyncIterator[dict[str, Any]]:
-        """Every message of the stream after `start`, in order (`chunk`, `words`, `segment`,
-        `flushed`, then `end`), as the server sent it; an `error` is raised. Use either this,
-        `messages()` or iteration for the audio, only one."""
-        async for _, sent in self._arrivals():
-            yield sent
-
-    async def messages(self) -> AsyncIterator[wire.ServerMessage]:
-        """`events()` as `wire`'s classes (`wire.AudioChunk`, `wire.Words`, ..., `wire.Ended`;
-        `wire.Unknown` for a type this client does not know), to dispatch on."""
+    async def events(self) -> AsyncIterator[wire.ServerMessage]:
+        """Every message of the stream after `start`, in order, as `wire`'s classes to dispatch
+        on (`wire.AudioChunk`, `wire.Words`, `wire.Segment`, `wire.Flushed`, then `wire.Ended`;
+        `wire.Unknown` for a type this client does not know); an `error` is raised. Use either
+        this or iteration for the audio, not both."""
         async for message, _ in self._arrivals():
             yield message
 
@@ -269,8 +264,7 @@ class Client:
     def __init__(self, ws: ClientConnection, hello: wire.Hello,
                  silence_timeout_s: float | None = SILENCE_TIMEOUT_S) -> None:
         self.ws = ws
-        self.server_hello = hello                 # what the server offers (`wire.Hello.read`)
-        self.hello = hello.to_map()               # the same as a map, as older callers read it
+        self.hello = hello                        # what the server offers (`wire.Hello.read`)
         self.silence_timeout_s = silence_timeout_s
         self._heard_at = asyncio.get_running_loop().time()     # the server's last message
         self._violation: str | None = None                      # what the server sent that v1 forbids
@@ -282,7 +276,7 @@ class Client:
 
     @property
     def sample_rate(self) -> int:
-        return self.server_hello.sample_rate
+        return self.hello.sample_rate
 
     # Every way to speak takes a `wire.Speech` and/or its fields by name (voice, format,
     # sample_rate, speed, volume, language, instructions, markup, options, pronunciations,
