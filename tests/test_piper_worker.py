@@ -82,6 +82,28 @@ def test_the_worker_times_its_speech_in_wall_and_cpu_time():
         worker.close()
 
 
+def test_voices_of_one_model_file_share_its_session_and_keep_their_configs(tmp_path):
+    """Voices that differ in their config alone (a speed, a language, a speaker) load their
+    model once: a session of the bundled voice holds about 170 MB. The same file by another
+    name (a link) is the same model; a copy is another."""
+    joe = bundled()
+    linked, copied = tmp_path / "linked.onnx", tmp_path / "copied.onnx"
+    linked.symlink_to(joe.model_path)
+    shutil.copyfile(joe.model_path, copied)
+    slow = {**joe.config, "inference": {**joe.config["inference"], "length_scale": 2.0}}
+    sessions: dict = {}
+    first, _, _ = piper_worker._load(1, joe.model_path, joe.config, sessions)
+    second, _, _ = piper_worker._load(1, str(linked), slow, sessions)
+    third, _, _ = piper_worker._load(1, str(copied), joe.config, sessions)
+    assert second.session is first.session and len(sessions) == 2
+    assert third.session is not first.session
+    assert (first.config.length_scale, second.config.length_scale) == (joe.config["inference"]["length_scale"], 2.0)
+    piece = piper_worker.phonemize(first, SENTENCE)[1][0][0]
+    quick, _ = piper_worker.speak(first, piece, True)
+    slower, _ = piper_worker.speak(second, piece, True)
+    assert len(slower) > 1.5 * len(quick)               # the shared model speaks by each one's config
+
+
 @pytest.mark.hardening                   # a fault: the full lane's
 def test_a_crash_in_the_worker_raises_and_the_next_text_gets_a_new_worker():
     worker = PiperWorker(threads=1, voices=[bundled()])
