@@ -3,6 +3,7 @@ WebSocket client speaking the msgpack protocol."""
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import inspect
 import json
@@ -23,6 +24,7 @@ import msgpack
 import numpy as np
 import psutil
 import pytest
+from _pytest.mark.expression import Expression
 from websockets.asyncio.client import ClientConnection, connect
 
 from vox_ws.audio import bytes_to_pcm
@@ -98,6 +100,34 @@ def make_config(**overrides: Any) -> ServerConfig:
     limits = Limits(**{k: v for k, v in overrides.items() if k in limit_fields})
     rest = {k: v for k, v in overrides.items() if k not in limit_fields}
     return replace(ServerConfig(port=0, ping_interval=5.0, ping_timeout=10.0), limits=limits, **rest)
+
+
+def _module_marks(path: Path) -> set[str]:
+    """The marks a test module gives all its tests (`pytestmark = pytest.mark.X` or a list of
+    them), read from its source without importing it."""
+    for node in ast.parse(path.read_text(encoding="utf-8")).body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "pytestmark" for t in node.targets):
+            values = node.value.elts if isinstance(node.value, (ast.List, ast.Tuple)) else [node.value]
+            marks = set()
+            for value in values:
+                value = value.func if isinstance(value, ast.Call) else value
+                if isinstance(value, ast.Attribute):
+                    marks.add(value.attr)
+            return marks
+    return set()
+
+
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    """A module whose every test the lane's `-m` leaves out is not imported at all: the quick
+    lane's two workers each imported LiveKit Agents and Pipecat (about 160 MB apiece) only to
+    deselect their tests."""
+    markexpr = config.getoption("markexpr")
+    if not markexpr or collection_path.suffix != ".py" or not collection_path.name.startswith("test_"):
+        return None
+    marks = _module_marks(collection_path)
+    if marks and not Expression.compile(markexpr).evaluate(marks.__contains__):
+        return True
+    return None
 
 
 # A test that calls one of these starts a real server itself (a `vox-ws serve` process, or one in
