@@ -16,7 +16,7 @@ import threading
 import pytest
 import torch
 
-from conftest import connect_client, loaded_loop
+from conftest import WAIT_TIMEOUT, connect_client, loaded_loop
 from vox_ws.engine import EngineFailure, ErrorKind, GenerationRequest, Readiness, Refused
 from vox_ws.engines import accelerator
 from vox_ws.engines.accelerator import device_lost, enter_device, on_device
@@ -273,6 +273,10 @@ async def test_each_engine_thread_enters_its_own_device_before_it_loads_and_step
     recorder = DeviceRecorder()
     monkeypatch.setattr(accelerator, "enter_device", recorder)
 
+    # Each engine's first step waits for the other's: the first stream cannot end before the
+    # second is placed, so the second goes to the other device (the first's one slot is taken).
+    both_stepping = threading.Barrier(2, timeout=WAIT_TIMEOUT)
+
     class Recording(ToneEngine):
         def __init__(self) -> None:
             super().__init__()
@@ -283,6 +287,8 @@ async def test_each_engine_thread_enters_its_own_device_before_it_loads_and_step
             super().load()
 
         def step(self, batch):
+            if not any(what == "step" for what, _, _ in self.seen):
+                both_stepping.wait()
             self.seen.append(("step", recorder.current(), threading.get_ident()))
             return super().step(batch)
 

@@ -105,7 +105,7 @@ def test_a_word_out_of_the_dictionary_is_spelled_by_rule():
 # ------------------------------------------------------------------------------ the aligner itself
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture                     # a process of its own, 110-190 MB: not kept for the module's servers
 def aligner():
     aligner = WordAligner(workers=1)
     yield aligner

@@ -264,9 +264,10 @@ async def test_a_client_that_leaves_mid_stream_frees_its_slot(server):
 # ------------------------------------------------------------------ connections the server ends
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def strict_server(start_server):
-    """Short idle and write-stall time-outs, so reaping shows in a test's time."""
+    """Short idle and write-stall time-outs, so reaping shows in a test's time. Each test's own:
+    kept for the module, it was a fourth Piper worker (about 270 MB) beside the module's others."""
     return start_server(PiperEngine(), slots=2, wyoming="tcp://127.0.0.1:0",
                         idle_timeout_s=1.0, write_stall_timeout_s=1.0)
 
