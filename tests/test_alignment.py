@@ -195,6 +195,7 @@ def voxcpm_normalising(start_server, tiny_model):
     return start_server(engine, slots=2)
 
 
+@pytest.mark.slow                        # over 4.5 s: the full lane's
 async def test_words_are_those_sent_when_the_engine_was_given_others(voxcpm_normalising):
     """Normalised ("$3.50" said as "three dollars fifty cents") and respelled ("SQL" said
     "sequel"): the aligner hears what the engine was given, the client gets back what it sent."""
@@ -278,6 +279,7 @@ async def test_voxcpm_words_scale_with_the_speed_and_come_before_the_end(tiny_vo
         assert b["start_s"] == pytest.approx(a["start_s"] / 2, abs=0.02)
 
 
+@pytest.mark.slow                        # over 4.5 s: the full lane's
 async def test_a_barge_in_hears_the_aligned_words_wholly_taken(tiny_voxcpm):
     """An agent's reply streams in and plays in real time (a lookahead: the server hands over
     audio no faster than it plays); the listener barges in once its first sentence is whole
@@ -361,6 +363,7 @@ def aligned_piper(start_server):
     return start_server(PiperEngine(), slots=2, word_timings="aligned")
 
 
+@pytest.mark.slow                        # over 4.5 s: the full lane's
 async def test_word_timings_aligned_times_piper_by_the_aligner_close_to_its_own(aligned_piper, piper_server):
     assert aligned_piper.get("/v1/info")[1]["word_timings"] == {"source": "aligner", "languages": ["en"]}
     assert piper_server.get("/v1/info")[1]["word_timings"] == {"source": "engine"}

@@ -201,6 +201,7 @@ async def test_a_page_of_another_origin_cannot_register_or_delete_for_its_visito
         assert (await http.delete("/v1/audio/voices/mine", headers={"origin": voxcpm_http.http})).status_code == 200
 
 
+@pytest.mark.slow                        # over 4.5 s: the full lane's
 async def test_cors_for_any_page_never_deletes_nor_lists_a_visitors_voices_without_a_token(start_server,
                                                                                           tiny_model):
     """Hardening V, 9: with `--cors-origins '*'` and no tokens, any page listed the visitor's

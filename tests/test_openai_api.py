@@ -453,6 +453,7 @@ def test_kokoro_fastapis_download_fields_are_taken_and_said_ignored(client):
     assert len(data) > 24_000 and "x-ignored-parameters" not in headers
 
 
+@pytest.mark.slow                        # over 4.5 s: the full lane's
 def test_a_model_served_from_a_directory_is_named_by_it_not_by_its_path(tiny_voxcpm, tiny_model):
     """`/v1/audio/models` named a VoxCPM2 checkpoint served from a directory by its absolute path
     (where the server's files lie, and not the same on the next machine). It is named by the

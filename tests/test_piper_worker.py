@@ -324,6 +324,7 @@ def _on_server(server, coroutine):
     return asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coroutine, server.loop))
 
 
+@pytest.mark.slow                        # over 4.5 s: the full lane's
 async def test_a_voice_added_to_the_folder_is_served_after_sighup_and_one_removed_is_refused(
         tmp_path, start_server, caplog):
     """The voices folder read again on SIGHUP (`VoxServer.reload`, what the signal runs): a voice
@@ -383,6 +384,7 @@ async def test_a_voice_added_to_the_folder_is_served_after_sighup_and_one_remove
     assert not psutil.pid_exists(first_worker)                # with its last stream (released before `end`)
 
 
+@pytest.mark.slow                        # over 4.5 s: the full lane's
 async def test_a_voice_copied_into_the_folder_is_served_without_a_signal(tmp_path, start_server):
     """`--piper-voices-poll`: the folder looked at every so often; a voice copied in is served
     once the folder has settled, and one deleted is no longer, to the OpenAI SDK. The test waits
@@ -414,6 +416,7 @@ async def test_a_voice_copied_into_the_folder_is_served_without_a_signal(tmp_pat
     assert refused.value.code == "voice_not_found"
 
 
+@pytest.mark.slow                        # over 4.5 s: the full lane's
 def test_vox_ws_serve_serves_a_first_pulled_voice_on_sighup(tmp_path):
     """`vox-ws serve` without a voices folder, then a first voice placed where `models pull
     piper:NAME` puts it (the folder made then) and SIGHUP: the voice is served without a

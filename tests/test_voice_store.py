@@ -464,6 +464,7 @@ async def test_addresses_share_the_store_by_network_and_never_lock_out_tokens(sh
 # ------------------------------------------------------------------ servers on one store
 
 
+@pytest.mark.slow                        # over 4.5 s: the full lane's
 async def test_a_voice_in_a_directory_store_speaks_after_a_restart(start_server, tiny_model, tmp_path):
     store = f"dir:{tmp_path / 'voices'}"
     first = tiny_server(start_server, tiny_model, store)

@@ -286,6 +286,7 @@ async def test_an_idle_connection_is_told_and_closed(strict_server):
     await wait_for_no_wyoming_connections(strict_server)
 
 
+@pytest.mark.slow                        # over 4.5 s: the full lane's
 async def test_a_connection_inside_a_request_is_not_idle(strict_server):
     async with client(strict_server) as c:
         await c.write_event(SynthesizeStart().event())
