@@ -122,13 +122,14 @@ class PiperWorker(Worker):
 # ---------------------------------------------------------------------------- the worker
 
 
-def _load(threads: int, model_path: str, config: dict, sessions: dict[tuple, tuple[Any, bool]]):
+def _load(threads: int, model_path: str, config: dict, sessions: dict[tuple, tuple[Any, bool]] | None = None):
     """A voice: its model's ONNX session (shared with the voices already in `sessions` whose
     model is the same file) and its own config."""
     from piper import PiperVoice
     from piper.config import PiperConfig
 
     config = PiperConfig.from_dict(config)
+    sessions = {} if sessions is None else sessions
     key = _model_file(model_path)
     if key not in sessions:
         sessions[key] = _session(threads, model_path)
