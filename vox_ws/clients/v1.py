@@ -147,8 +147,7 @@ class Stream:
         self.segments: list[dict[str, Any]] = []
         self.words: list[dict[str, Any]] = []       # with word_timestamps: {word, start_s, end_s, estimated?}
         self.description: bytes | None = None       # opus_packets: the OpusHead
-        # Each message as its class (to act on) and as the map the server sent (to hand on).
-        self._queue: asyncio.Queue[tuple[wire.ServerMessage, dict[str, Any]]] = asyncio.Queue()
+        self._queue: asyncio.Queue[wire.ServerMessage] = asyncio.Queue()
         self._start_reply: asyncio.Future = asyncio.get_running_loop().create_future()
         self._flushed: list[asyncio.Future] = []
 
@@ -192,7 +191,7 @@ class Stream:
 
     async def _audio(self) -> AsyncIterator[bytes]:
         while True:
-            message, _ = await self.client._heard(self._queue.get())
+            message = await self.client._heard(self._queue.get())
             if isinstance(message, wire.AudioChunk):
                 if message.packets is not None:
                     if message.description is not None:
@@ -211,15 +210,11 @@ class Stream:
         on (`wire.AudioChunk`, `wire.Words`, `wire.Segment`, `wire.Flushed`, then `wire.Ended`;
         `wire.Unknown` for a type this client does not know); an `error` is raised. Use either
         this or iteration for the audio, not both."""
-        async for message, _ in self._arrivals():
-            yield message
-
-    async def _arrivals(self) -> AsyncIterator[tuple[wire.ServerMessage, dict[str, Any]]]:
         while True:
-            message, sent = await self.client._heard(self._queue.get())
+            message = await self.client._heard(self._queue.get())
             if isinstance(message, wire.Error):
                 raise error_from(message)
-            yield message, sent
+            yield message
             if isinstance(message, wire.Ended):
                 return
 
@@ -251,7 +246,7 @@ class Stream:
                     waiter.set_exception(
                         error_from(message) if isinstance(message, wire.Error) else
                         ConnectionLost("the stream ended before the flush completed", self.id))
-        self._queue.put_nowait((message, sent))
+        self._queue.put_nowait(message)
 
 
 # The messages that belong to no stream, answered by a reply carrying their `id`.
