@@ -50,6 +50,10 @@ ADMIN_ONLY = {wire.VoiceAdmin.TYPE: "voice_admin needs a connection opened with 
 ONE_AT_A_TIME = wire.Voice.TYPE
 
 
+# The messages that belong to no stream: answered by a reply of their type, carrying their `id`.
+Request = wire.Voice | wire.VoiceDelete | wire.VoiceUpdate | wire.VoiceAdmin | wire.Lora
+
+
 class StreamHandle(Protocol):
     """An open stream as the driver holds it; the session reads its state, never its events."""
 
@@ -116,12 +120,20 @@ class SendError:
 
 @dataclass(frozen=True)
 class RunRequest:
-    """Run a request that belongs to no stream (`kind`: its message's type, which its reply
-    carries) and answer it, with its reply or an error, while the streams go on."""
+    """Run a request that belongs to no stream (a `voice`, `voice_delete`, `voice_update`,
+    `voice_admin` or `lora` message) and answer it, with its reply or an error, while the
+    streams go on."""
 
-    kind: str
-    id: str | None
-    message: Any
+    message: Request
+
+    @property
+    def kind(self) -> str:
+        """The message's type, which its reply carries."""
+        return self.message.TYPE
+
+    @property
+    def id(self) -> str | None:
+        return self.message.id
 
 
 @dataclass(frozen=True)
@@ -224,10 +236,11 @@ class Session:
         return []
 
     @_counted
-    def request(self, kind: str, request_id: str | None, message: Any) -> list[Output]:
+    def request(self, message: Request) -> list[Output]:
         """A request answered later, while the connection's streams go on: voice registration,
         deletion and sharing (the stream service's work, beside the engine's steps), an admin's
         view of every owner's voices, LoRA operations (on each engine thread, between steps)."""
+        kind, request_id = message.TYPE, message.id
         if kind == ONE_AT_A_TIME and kind in self._running:
             raise _Refusal(SendError(BUSY, "one voice registration at a time per connection", request_id,
                                      self._busy_retry_after()))
@@ -235,7 +248,7 @@ class Session:
             raise _Refusal(SendError(UNAUTHORIZED, ADMIN_ONLY[kind], request_id))
         if kind == ONE_AT_A_TIME:
             self._running.add(kind)
-        return [RunRequest(kind, request_id, message)]
+        return [RunRequest(message)]
 
     def refused(self, error: SendError) -> list[Output]:
         """A message refused (by the driver's decoding, or here): its error, and the connection

@@ -91,7 +91,7 @@ def deliver(session: Session, message: wire.ClientMessage) -> list[Output]:
         return session.end_input(message.id)
     if isinstance(message, wire.Cancel):
         return session.cancel(message.id)
-    return session.request(message.TYPE, message.id, message)
+    return session.request(message)
 
 
 def frame_in(session: Session, budget: MessageBudget, data: bytes | str, limits: Limits,
