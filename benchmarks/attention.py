@@ -17,11 +17,20 @@ attention over what was gathered; at 4,000 and 8,000 positions the gather is the
 row's whole prefix, twice a layer:
 
     python -m benchmarks.attention --gather --lengths 4000,8000 [--device cuda --dtype bfloat16]
+
+`--in-place` measures the two ways a compiled step attends (`kv.lm_step`), each compiled as the
+step is (`fullgraph=True`; the cache's slot count and, for the gather, the attention length
+symbolic): the gather and `kv.attend` after it, against FlexAttention over the cache as it is
+(`kv.attend_in_place`, its block mask made in the graph), on a `kv.SlotKV`-laid cache of one
+slot per row plus the padding slot, `--max-len` positions each, each row at its own position:
+
+    python -m benchmarks.attention --in-place --lengths 100,1000,4000,8000 [--device cuda]
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import time
 from typing import Any, Callable
@@ -124,6 +133,82 @@ def gather_rows(device: str, dtype: str, batches: list[int], lengths: list[int],
     return rows
 
 
+def _gather_attention(q, cache_k, cache_v, slots, positions, keys_at):
+    """What `kv.lm_step` does for one layer without `in_place`: gather, then `attend`."""
+    from vox_ws.engines.voxcpm.kv import attend
+
+    length = keys_at.shape[0]
+    mask = (keys_at.view(1, -1) <= positions.view(-1, 1)).view(-1, 1, 1, length)
+    return attend(q, cache_k[slots, :, :length], cache_v[slots, :, :length], mask)
+
+
+def _in_place_attention(q, cache_k, cache_v, places):
+    """What `kv.lm_step` does for one layer in place: the block mask, then FlexAttention."""
+    from vox_ws.engines.voxcpm.kv import attend_in_place, in_place_mask
+
+    mask = in_place_mask(places, cache_k.shape[0], cache_k.shape[2])
+    return attend_in_place(q, cache_k, cache_v, mask)
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled(fn: Callable) -> Callable:
+    """`fn` compiled as a step is, once per process: a caller timing one batch at a time (the
+    device check, which keeps each batch's figures as they come) reuses its graphs."""
+    import torch
+
+    return torch.compile(fn, fullgraph=True, dynamic=False)
+
+
+def in_place_rows(device: str, dtype: str, batches: list[int], lengths: list[int], max_len: int,
+                  repeats: int = 20) -> list[dict]:
+    """Per batch and length: the compiled gather + `attend` against the compiled in-place
+    attention, and their largest difference."""
+    import torch
+
+    from vox_ws.engines.voxcpm.kv import slot_positions
+
+    device_, dtype_ = torch.device(device), getattr(torch, dtype)
+    gather, in_place = _compiled(_gather_attention), _compiled(_in_place_attention)
+    rows = []
+    with torch.inference_mode():
+        for batch in batches:
+            positions_held = slot_positions(max(max_len, max(lengths)))
+            stored = (KV_HEADS, batch + 1, positions_held, HEAD_DIM)
+            generator = torch.Generator(device="cpu").manual_seed(batch)
+            cache_k = torch.randn(stored, generator=generator).to(device_, dtype_).transpose(0, 1)
+            cache_v = torch.randn(stored, generator=generator).to(device_, dtype_).transpose(0, 1)
+            torch._dynamo.maybe_mark_dynamic(cache_k, 0)
+            torch._dynamo.maybe_mark_dynamic(cache_v, 0)
+            slots = torch.randperm(batch, generator=generator).to(device_)
+            for length in lengths:
+                q, _, _, mask = inputs(batch, length, device_, dtype_)
+                positions = mask.view(batch, length).sum(dim=1) - 1
+                keys_at = torch.arange(length, device=device_)
+                torch._dynamo.maybe_mark_dynamic(keys_at, 0)
+                gather_args = (q, cache_k, cache_v, slots, positions, keys_at)
+                in_place_args = (q, cache_k, cache_v, torch.stack((slots, positions), dim=1))
+                for tensor in (q, slots, positions, in_place_args[3]):     # one graph for every batch
+                    torch._dynamo.maybe_mark_dynamic(tensor, 0)
+                difference = (gather(*gather_args).float() - in_place(*in_place_args).float()).abs().max()
+                rows.append({"batch": batch, "length": length,
+                             "gather_ms": round(time_ms(gather, gather_args, device_, repeats), 4),
+                             "in_place_ms": round(time_ms(in_place, in_place_args, device_, repeats), 4),
+                             "max_abs_diff": float(difference)})
+            del cache_k, cache_v
+            if device_.type == "cuda":
+                torch.cuda.empty_cache()
+    return rows
+
+
+def in_place_table(rows: list[dict]) -> list[str]:
+    lines = [f"{'B':>3} {'length':>6} {'gather+SDPA ms':>15} {'in place ms':>12} {'in place/gather':>16} "
+             f"{'max diff':>9}"]
+    for r in rows:
+        lines.append(f"{r['batch']:>3} {r['length']:>6} {r['gather_ms']:>15.3f} {r['in_place_ms']:>12.3f} "
+                     f"{r['in_place_ms'] / r['gather_ms']:>16.2f} {r['max_abs_diff']:>9.1e}")
+    return lines
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cpu")
@@ -134,11 +219,24 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--json", help="write the results to this file")
     ap.add_argument("--gather", action="store_true", help="the KV gather against the attention after it")
-    ap.add_argument("--max-len", type=int, default=8192, help="positions a KV slot holds (--gather)")
+    ap.add_argument("--in-place", action="store_true",
+                    help="the compiled gather + attention against the compiled in-place attention")
+    ap.add_argument("--max-len", type=int, default=8192, help="positions a KV slot holds (--gather, --in-place)")
     args = ap.parse_args(argv)
     import torch
 
     torch.set_num_threads(args.threads)
+    if args.in_place:
+        rows = in_place_rows(args.device, args.dtype, [int(b) for b in args.batches.split(",")],
+                             [int(n) for n in args.lengths.split(",")], args.max_len, args.repeats)
+        print(f"# the compiled decode attention, gathered against in place, {HEADS} query heads over {KV_HEADS} "
+              f"KV heads of {HEAD_DIM}: {args.device}, {args.dtype}, {args.threads} thread(s), median of "
+              f"{args.repeats}")
+        print("\n".join(in_place_table(rows)))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"device": args.device, "dtype": args.dtype, "in_place": rows}, f, indent=1)
+        return 0
     if args.gather:
         rows = gather_rows(args.device, args.dtype, [int(b) for b in args.batches.split(",")],
                            [int(n) for n in args.lengths.split(",")], args.max_len, args.repeats)

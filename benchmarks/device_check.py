@@ -377,12 +377,27 @@ def step_steps(ctx: dict) -> dict:
 
 def step_attention(ctx: dict) -> dict:
     """The decode attention before and after the fold (`benchmarks.attention`), at the step's
-    context lengths too on a GPU (a CPU's memory and time allow 100 and 1,000)."""
+    context lengths too on a GPU (a CPU's memory and time allow 100 and 1,000); and the compiled
+    step's two ways to attend, gathered against in place (`benchmarks.attention --in-place`),
+    which decide `kv.in_place_attention`'s default."""
     _torch(ctx)
-    from benchmarks.attention import run
+    from benchmarks.attention import in_place_rows, run
 
-    lengths = [100, 1000] + (list(CONTEXTS) if ctx["device"].startswith("cuda") else [])
-    return {"dtype": ctx["dtype"], "results": run(ctx["device"], ctx["dtype"], list(STEP_BATCHES), lengths)}
+    on_gpu = ctx["device"].startswith("cuda")
+    lengths = [100, 1000] + (list(CONTEXTS) if on_gpu else [])
+    result = {"dtype": ctx["dtype"], "results": run(ctx["device"], ctx["dtype"], list(STEP_BATCHES), lengths)}
+    if not on_gpu:      # a CPU's figures come from `benchmarks.attention --in-place` (minutes of compiling)
+        return result
+    report = _reporter(ctx)
+    report(result)
+    result["in_place"] = []
+    try:
+        for batch in STEP_BATCHES:      # each batch's figures kept as they come: a kill keeps them
+            result["in_place"] += in_place_rows(ctx["device"], ctx["dtype"], [batch], lengths, max(lengths))
+            report(result)
+    except Exception as exc:  # noqa: BLE001 - the fold's figures stand without it
+        result["in_place_error"] = f"{type(exc).__name__}: {str(exc)[:500]}"
+    return result
 
 
 def _compiled_step(ctx: dict, model: Any, runner: Any, load_only: bool,
@@ -607,8 +622,8 @@ STEPS: list[tuple[str, Callable[[dict], dict], int]] = [
     ("checkpoint", step_checkpoint, 60),
     ("scheduler", step_scheduler, 120),
     ("steps", step_steps, 60),
-    ("attention", step_attention, 15),
-    ("compiled", step_compiled, 180),
+    ("attention", step_attention, 45),
+    ("compiled", step_compiled, 150),
     ("equivalence", step_equivalence, 30),
 ]
 # Run only inside another step's process group.
@@ -719,6 +734,13 @@ def table(report: dict) -> str:
         for r in attention["results"]:
             lines.append(f"{r['batch']:>3} {r['length']:>6} {r['before_ms']:>20.3f} {r['after_ms']:>9.3f} "
                          f"{r['before_kernel'] + ' -> ' + r['after_kernel']:>36}")
+        if attention.get("in_place"):
+            from benchmarks.attention import in_place_table
+
+            lines += ["", f"the compiled decode attention on {on}, gathered against in place:",
+                      *in_place_table(attention["in_place"])]
+        if "in_place_error" in attention:
+            lines += [f"the compiled in-place attention on {on} FAILED: {attention['in_place_error']}"]
     if compiled := get("compiled"):
         lines += ["", *_compiled_lines(compiled, on)]
     if equivalence := get("equivalence"):

@@ -226,6 +226,53 @@ def test_a_graph_per_batch_size_and_a_dynamic_size_takes_any_length_of_two_or_mo
         graphs(x, torch.arange(1.0))
 
 
+@pytest.mark.slow
+def test_a_symbolic_batch_is_one_graph_for_every_batch_of_two_or_more_and_its_own_key(tmp_path):
+    """A symbolic batch (`dynamic` names the rows' first size): a batch of 1 has its own graph
+    (dynamo specialises a size of 1), every other batch shares one, whose file is not a per-batch
+    graph's: a cache of per-batch graphs is never taken for it, nor it for them."""
+    def scaled_sum(x: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+        return (x[:, :keys.shape[0]] * keys).sum(-1)
+
+    store = GraphStore(tmp_path)
+    graphs = GraphsBySize(store, "scaled_sum", scaled_sum, context="test", rows_of="x",
+                          dynamic={"keys": 0, "x": 0})
+    for rows, length in ((1, 2), (2, 4), (4, 9), (64, 3), (1, 5), (3, 2)):
+        x, keys = torch.randn(rows, 16), torch.arange(float(length))
+        torch.testing.assert_close(graphs(x, keys), scaled_sum(x, keys))
+    assert (store.loaded, store.compiled) == (0, 2)       # batch 1, and every other batch
+    per_batch = GraphStore(tmp_path)
+    GraphsBySize(per_batch, "scaled_sum", scaled_sum, context="test", rows_of="x", dynamic={"keys": 0})(
+        torch.randn(4, 16), torch.arange(3.0))
+    assert (per_batch.loaded, per_batch.compiled) == (0, 1)   # not the symbolic graph of the same batch
+    again = GraphStore(tmp_path, load_only=True)
+    symbolic = GraphsBySize(again, "scaled_sum", scaled_sum, context="test", rows_of="x",
+                            dynamic={"keys": 0, "x": 0})
+    x, keys = torch.randn(8, 16), torch.arange(6.0)
+    torch.testing.assert_close(symbolic(x, keys), scaled_sum(x, keys))
+    assert (again.loaded, again.compiled) == (1, 0)
+
+
+@pytest.mark.slow
+def test_a_batch_that_compiles_specialised_after_all_falls_back_to_a_graph_per_batch_size(tmp_path, caplog):
+    """A convolution whose groups grow with the rows (as the CPU's folded VAE's do) makes the
+    compiler specialise the batch: the symbolic graph refuses any other, so the next batch gets
+    a graph of its own, with a warning, and the right result."""
+    def folded(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        rows, channels = x.shape[0], x.shape[1]
+        out = torch.nn.functional.conv1d(x.reshape(1, rows * channels, -1), weight.repeat(rows, 1, 1),
+                                         groups=rows * channels)
+        return out.view(rows, channels, -1)
+
+    store = GraphStore(tmp_path)
+    graphs = GraphsBySize(store, "folded", folded, context="test", rows_of="x", dynamic={"x": 0})
+    weight = torch.randn(4, 1, 3)
+    for rows in (2, 3, 4):
+        x = torch.randn(rows, 4, 16)
+        torch.testing.assert_close(graphs(x, weight), folded(x, weight))
+    assert "not symbolic in its batch" in caplog.text and store.compiled == 3   # 2 (as symbolic), 3, 4
+
+
 def test_a_decode_compile_that_fails_is_refused_with_its_reason_and_the_process_goes_on(tiny_model, tmp_path):
     engine = VoxCPMEngine(model=str(tiny_model), device="cpu", slots=1)
     engine.load()

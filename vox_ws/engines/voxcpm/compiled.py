@@ -11,7 +11,9 @@ repeating its last row, whose outputs are dropped):
   serves every `inference_timesteps`;
 - the rest of the generation (`advance`): the LocEnc and its projection, the stop head, and one
   decode step of both LMs over the KV slots, each row's new K and V written into its slot in
-  place and attended up to its own position. The attention length is the one symbolic size
+  place and attended up to its own position: in place (FlexAttention over the cache, no copy of
+  the rows' prefixes; `kv.lm_step`), where this device's compiler has FlexAttention's kernel
+  (`in_place_attention`), else through the gather. The attention length is the one symbolic size
   (`kv.key_positions`): one graph per bucket serves every length. Nothing in it reads a value
   back to the host; the runner reads the stop flags once, after the whole step is queued;
 - the streaming VAE decode (`vae.BatchedStreamingVAE.compile`), each row's carried convolution
@@ -40,7 +42,7 @@ from torch import nn
 
 from .cache_trust import trusted_cache_dir
 from .graphs import GraphsBySize, GraphStore, bucket_of, padded
-from .kv import RowPlaces, SlotKV, key_positions, lm_step
+from .kv import RowPlaces, SlotKV, attention_name, in_place_attention, key_positions, lm_step
 from .lora import NO_ADAPTER, RowAdapters
 
 log = logging.getLogger("vox_ws.engines.voxcpm")
@@ -114,18 +116,21 @@ def encode(model: nn.Module, pred_feat: torch.Tensor) -> torch.Tensor:
 
 def advance(model: nn.Module, base_k: list[torch.Tensor], base_v: list[torch.Tensor], residual_k: list[torch.Tensor],
             residual_v: list[torch.Tensor], pred_feat: torch.Tensor, lm_hidden: torch.Tensor, slots: torch.Tensor,
-            positions: torch.Tensor, keys_at: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            positions: torch.Tensor, keys_at: torch.Tensor, places: torch.Tensor | None = None
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The generation after the CFM, for every row (`VoxCPM2Model._inference`'s loop body): the
     stop head on the LM state the patch was made from, the patch through the LocEnc into both
-    LMs' next decode step (K and V written at `positions` of the caches, `SlotKV.k` / `.v`).
+    LMs' next decode step (K and V written at `positions` of the caches, `SlotKV.k` / `.v`;
+    attended in place where `places` is given, the graph's input table of the same slots and
+    positions, else through the gather: `kv.lm_step`).
     pred_feat [b, P, D], lm_hidden [b, H] -> (stop flags [b] (1: stop), the LM's next hidden
     [b, H], the residual LM's [b, H])."""
     stop = model.stop_head(model.stop_actn(model.stop_proj(lm_hidden))).argmax(dim=-1)
     curr_embed = encode(model, pred_feat)
     at = RowPlaces(slots, positions, keys_at)
-    hidden = model.fsq_layer(lm_step(model.base_lm, base_k, base_v, curr_embed, at))
+    hidden = model.fsq_layer(lm_step(model.base_lm, base_k, base_v, curr_embed, at, places))
     residual_in = model.fusion_concat_proj(torch.cat((hidden, curr_embed), dim=-1))
-    return stop, hidden, lm_step(model.residual_lm, residual_k, residual_v, residual_in, at)
+    return stop, hidden, lm_step(model.residual_lm, residual_k, residual_v, residual_in, at, places)
 
 
 def _use_row_slots(adapters: RowAdapters | None, row_slots: torch.Tensor | None) -> None:
@@ -149,6 +154,19 @@ def adapted_advance(adapters: RowAdapters | None, row_slots: torch.Tensor | None
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     _use_row_slots(adapters, row_slots)
     return advance(model, base_k, base_v, residual_k, residual_v, pred_feat, lm_hidden, slots, positions, keys_at)
+
+
+def adapted_advance_in_place(adapters: RowAdapters | None, row_slots: torch.Tensor | None, model: nn.Module,
+                             base_k: list[torch.Tensor], base_v: list[torch.Tensor], residual_k: list[torch.Tensor],
+                             residual_v: list[torch.Tensor], pred_feat: torch.Tensor, lm_hidden: torch.Tensor,
+                             places: torch.Tensor, keys_at: torch.Tensor
+                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`adapted_advance` attending in place, its rows' slots and positions given as one table
+    (`places`, int64 [b, 2]: what the in-place attention's mask reads must be an input of the
+    graph as it is, `kv.in_place_mask`)."""
+    _use_row_slots(adapters, row_slots)
+    return advance(model, base_k, base_v, residual_k, residual_v, pred_feat, lm_hidden, places[:, 0], places[:, 1],
+                   keys_at, places)
 
 
 # This package's modules that compiled graphs trace through.
@@ -212,10 +230,16 @@ class CompiledStep:
         self.store = GraphStore(self.cache_dir, sources=traced_sources(), load_only=load_only)
         context = model.config.model_dump_json()
         self._velocity = GraphsBySize(self.store, "velocity", adapted_velocity, context=context, rows_of="x")
+        # How the advance attends (`in_place_attention`): the same answer in the process that
+        # compiles and the one that loads; part of the graph's key, so a graph of the other kind
+        # is never adopted.
+        self.in_place = in_place_attention(next(model.parameters()).device)
         # One graph for every attention length (the key positions' length is symbolic) and every
         # number of KV slots (the caches' first size is symbolic too): a background compile builds
         # the graphs with a cache of two slots beside a server holding many.
-        self._advance = GraphsBySize(self.store, "advance", adapted_advance, context=context,
+        self._advance = GraphsBySize(self.store, "advance",
+                                     adapted_advance_in_place if self.in_place else adapted_advance,
+                                     context=f"{context}\nattention {attention_name(self.in_place)}",
                                      rows_of="pred_feat", dynamic={"base_k": 0, "base_v": 0, "residual_k": 0,
                                                                    "residual_v": 0, "keys_at": 0})
         self.compile_s: dict[int, float] = {}
@@ -259,9 +283,11 @@ class CompiledStep:
         size = self._bucket(rows)
         padding_slots = slots.new_full((size - rows,), base_kv.padding_slot)
         with adapted(self.adapters, adapter_slots + [NO_ADAPTER] * (size - rows), gathered=True):
+            places = (torch.cat([slots, padding_slots]), padded(positions, size))
+            if self.in_place:       # one table (`adapted_advance_in_place`)
+                places = (torch.stack(places, dim=1),)
             out = self._advance(self.adapters, self._row_slots(), self.model, base_kv.k, base_kv.v, residual_kv.k,
-                                residual_kv.v, padded(pred_feat, size), padded(lm_hidden, size),
-                                torch.cat([slots, padding_slots]), padded(positions, size), keys_at)
+                                residual_kv.v, padded(pred_feat, size), padded(lm_hidden, size), *places, keys_at)
         return tuple(t[:rows] for t in out)
 
     def _bucket(self, rows: int) -> int:

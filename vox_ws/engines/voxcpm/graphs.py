@@ -303,27 +303,62 @@ class GraphStore:
 
 class GraphsBySize:
     """`fn` through one graph per batch size (the rows of its parameter `rows_of`), each loaded
-    or compiled from `store` on its first call with that size."""
+    or compiled from `store` on its first call with that size; where `dynamic` names `rows_of`'s
+    first size too (a symbolic batch), one graph for a batch of 1 and one for every other.
+
+    Per bucket, the same graph is compiled once per bucket: seven times at a cold compile's cost.
+    A symbolic batch compiles it twice (dynamo specialises a size of 1, and the store's call
+    check takes a symbolic size only from 2), and on this CPU the whole step through it runs as
+    fast (`benchmarks/dynamic_batch.py`, docs/PERFORMANCE.md). It is for a `fn` whose batch
+    enters through `rows_of` alone, where no operation needs the batch as a number: a
+    convolution whose groups grow with the rows (the CPU's folded depthwise VAE) specialises it
+    to the first batch compiled, and the graph then refuses every other: met, the graph falls
+    back to one per batch size, with a warning."""
 
     def __init__(self, store: GraphStore, name: str, fn: Callable, *, context: str, rows_of: str,
                  dynamic: Mapping[str, int] | None = None) -> None:
         self.store, self.name, self.fn = store, name, fn
-        self.context, self.dynamic = context, dynamic
+        self.context = context
         (self._rows_at,) = _argument_indexes(fn, {rows_of: 0})
+        # The symbolic graph's dynamic sizes (its key differs from every bucket's: the store
+        # never takes one for the other), and the sizes of a graph of one batch size.
+        self._symbolic = dict(dynamic) if dynamic and dynamic.get(rows_of) == 0 else None
+        per_size = {k: v for k, v in (dynamic or {}).items() if k != rows_of or self._symbolic is None}
+        self.dynamic = per_size or None
         self._graphs: dict[int, Callable] = {}
 
     def __call__(self, *args: Any) -> Any:
-        return self.load(*args)(*args)
+        graph = self.load(*args)
+        if self._graphs.get(SYMBOLIC_ROWS) is not graph:
+            return graph(*args)
+        try:
+            return graph(*args)
+        except (AssertionError, GraphMismatch) as exc:
+            # Specialised after all (by an operation this device's compiler needed the batch of):
+            # the graph checks its inputs' sizes before it computes anything, so nothing was
+            # written. A graph per batch size from now on; the warm-up runs every bucket, so
+            # this is met at start, never on a live step.
+            log.warning("graph %s is not symbolic in its batch (%s: %s): a graph per batch size instead",
+                        self.name, type(exc).__name__, str(exc).splitlines()[0][:200] if str(exc) else "")
+            self._symbolic = None
+            self._graphs.pop(SYMBOLIC_ROWS)
+            return self.load(*args)(*args)
 
     def load(self, *args: Any) -> Callable:
         """The graph for `args`' batch size, loaded or compiled now where it is not yet: a caller
         that must not wait on the disk later (a thread that decodes) has it loaded ahead."""
         rows = args[self._rows_at].shape[0]
-        graph = self._graphs.get(rows)
+        symbolic = self._symbolic is not None and rows >= 2
+        key = SYMBOLIC_ROWS if symbolic else rows
+        graph = self._graphs.get(key)
         if graph is None:
-            graph = self._graphs[rows] = self.store.graph(self.name, self.fn, args, context=self.context,
-                                                          dynamic=self.dynamic)
+            graph = self._graphs[key] = self.store.graph(self.name, self.fn, args, context=self.context,
+                                                         dynamic=self._symbolic if symbolic else self.dynamic)
         return graph
+
+
+# `GraphsBySize`'s key of its one graph for every batch of at least 2 rows.
+SYMBOLIC_ROWS = -1
 
 
 def bucket_of(rows: int, buckets: tuple[int, ...]) -> int | None:

@@ -1,29 +1,65 @@
-"""KV caches in slots, and one decode step of the model's LMs over rows at different positions."""
+"""KV caches in slots, and one decode step of the model's LMs over rows at different positions.
+
+A decode step attends each row over its own slot's keys up to its position, one of two ways:
+
+- the gather (`lm_step` without `places`): each row's K and V prefix copied out of its slot
+  (`layer_k[slots, :, :length]`), then SDPA (`attend`) with a mask. The copy is of every row's
+  whole prefix, twice a layer: at thousands of positions it costs more than the attention. The
+  eager step's way (FlexAttention uncompiled materialises the scores over the whole cache), and a
+  compiled step's where the in-place attention is not chosen (`in_place_attention`);
+- in place (`lm_step(..., places=...)`): FlexAttention over the cache itself, every slot's
+  positions seen as one sequence of a batch of one (`SlotKV` keeps that view free) and a block
+  mask, made from tensor operations inside the graph (`in_place_mask`), that sends each row to
+  its slot's blocks up to its position. Nothing is copied; what a row reads is what it attends.
+  For a compiled step only (FlexAttention's fused kernel is made by the compiler).
+"""
 
 from __future__ import annotations
 
+import functools
+import logging
 import math
 from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
+
+log = logging.getLogger("vox_ws.engines.voxcpm")
+
+# Positions per block of the in-place attention's block mask (FlexAttention's default): a slot
+# holds a whole number of them, so no block straddles two slots.
+KV_BLOCK = 128
+
+
+def slot_positions(max_len: int) -> int:
+    """The positions a slot holds for `max_len`: rounded up to whole `KV_BLOCK`s."""
+    return -(-max_len // KV_BLOCK) * KV_BLOCK
 
 
 class SlotKV:
     """K and V for `slots` requests of up to `max_len` positions each, one tensor per layer
-    ([slots + 1, kv heads, max_len, head dim]: a compiled step writes each in place, where one
+    ([slots + 1, kv heads, positions, head dim]: a compiled step writes each in place, where one
     tensor for every layer would be copied whole at each layer's write), and one slot more,
     `padding_slot`, where the rows a compiled step pads its batch with write (never a
-    request's: a padding row writing into a real row's slot would race with it)."""
+    request's: a padding row writing into a real row's slot would race with it).
+
+    Each tensor is stored heads first ([kv heads, slots + 1, positions, head dim], given as its
+    transpose): so every slot's positions of a KV head follow each other in memory, and the
+    in-place attention sees the whole cache as one sequence of (slots + 1) x positions for a
+    batch of one without a copy (`whole_sequence`). A slot holds `max_len` rounded up to whole
+    `KV_BLOCK`s (the positions past `max_len` are never written)."""
 
     def __init__(self, lm: nn.Module, slots: int, max_len: int, device: Any, dtype: torch.dtype) -> None:
         cfg = lm.config
         head_dim = cfg.kv_channels or cfg.hidden_size // cfg.num_attention_heads
         self.padding_slot = slots
-        shape = (slots + 1, cfg.num_key_value_heads, max_len, head_dim)
-        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.num_hidden_layers)]
-        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.num_hidden_layers)]
+        stored = (cfg.num_key_value_heads, slots + 1, slot_positions(max_len), head_dim)
+        self.k = [torch.zeros(stored, device=device, dtype=dtype).transpose(0, 1)
+                  for _ in range(cfg.num_hidden_layers)]
+        self.v = [torch.zeros(stored, device=device, dtype=dtype).transpose(0, 1)
+                  for _ in range(cfg.num_hidden_layers)]
         self.max_len = max_len
 
     def fill(self, slots: torch.Tensor, caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
@@ -42,7 +78,7 @@ def slot_bytes(lm: nn.Module, max_len: int, dtype: torch.dtype) -> int:
     """What one slot of a `SlotKV` for this LM holds: K and V at every layer and position."""
     cfg = lm.config
     head_dim = cfg.kv_channels or cfg.hidden_size // cfg.num_attention_heads
-    return (2 * cfg.num_hidden_layers * cfg.num_key_value_heads * max_len * head_dim
+    return (2 * cfg.num_hidden_layers * cfg.num_key_value_heads * slot_positions(max_len) * head_dim
             * torch.empty(0, dtype=dtype).element_size())
 
 
@@ -63,17 +99,23 @@ class RowPlaces(NamedTuple):
 
 
 def lm_step(lm: nn.Module, cache_k: list[torch.Tensor], cache_v: list[torch.Tensor], x: torch.Tensor,
-            at: RowPlaces) -> torch.Tensor:
+            at: RowPlaces, places: torch.Tensor | None = None) -> torch.Tensor:
     """MiniCPMModel.forward_step for a batch whose rows sit at different positions in their own
     KV slots (`SlotKV.k`, `.v`). x: [B, H] -> [B, H]. Writes each row's new K and V into its
-    slot in place, then attends over the slot's keys up to its own position."""
+    slot in place, then attends over the slot's keys up to its own position: through the
+    gather, or in place where `places` is given (`in_place_mask`'s table of the same slots and
+    positions; see the module's docstring)."""
     slots, positions, keys_at = at
     batch = x.shape[0]
     length = keys_at.shape[0]
     if lm.rope_emb is not None:
         cos = lm.rope_emb.cos_cached[positions].view(batch, 1, 1, -1)
         sin = lm.rope_emb.sin_cached[positions].view(batch, 1, 1, -1)
-    mask = (keys_at.view(1, -1) <= positions.view(-1, 1)).view(batch, 1, 1, length)
+    if places is not None:
+        # One block mask for every layer: the slots and positions are the same at each.
+        block_mask = in_place_mask(places, cache_k[0].shape[0], cache_k[0].shape[2])
+    else:
+        mask = (keys_at.view(1, -1) <= positions.view(-1, 1)).view(batch, 1, 1, length)
     hidden = x
     for index, layer in enumerate(lm.layers):
         attn = layer.self_attn
@@ -87,8 +129,11 @@ def lm_step(lm: nn.Module, cache_k: list[torch.Tensor], cache_v: list[torch.Tens
         layer_k, layer_v = cache_k[index], cache_v[index]
         layer_k[slots, :, positions] = k[:, :, 0]
         layer_v[slots, :, positions] = v[:, :, 0]
-        keys, values = layer_k[slots, :, :length], layer_v[slots, :, :length]
-        out = attend(q, keys, values, mask)
+        if places is not None:
+            out = attend_in_place(q, layer_k, layer_v, block_mask)
+        else:
+            keys, values = layer_k[slots, :, :length], layer_v[slots, :, :length]
+            out = attend(q, keys, values, mask)
         out = attn.o_proj(out.reshape(batch, attn.num_heads * attn.head_dim))
         hidden = residual + _depth_scaled(layer, out)
         residual = hidden
@@ -109,6 +154,109 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torc
     kv_heads = keys.shape[1]
     grouped = q.reshape(batch, kv_heads, heads // kv_heads, dim)
     return F.scaled_dot_product_attention(grouped, keys, values, attn_mask=mask).reshape(batch, heads, dim)
+
+
+def whole_sequence(cache: torch.Tensor) -> torch.Tensor:
+    """A `SlotKV` layer's K or V ([slots, kv heads, positions, D], stored heads first) as one
+    sequence of every slot's positions for a batch of one: [1, kv heads, slots x positions, D].
+    A view: nothing is copied."""
+    slots, kv_heads, positions, dim = cache.shape
+    return cache.transpose(0, 1).view(1, kv_heads, slots * positions, dim)
+
+
+def in_place_mask(places: torch.Tensor, slot_count: int, slot_len: int) -> BlockMask:
+    """The block mask of the in-place attention for the rows of `places` (int64 [B, >= 2]: each
+    row's slot, then its position): row b (query batch b) attends to the blocks of its slot in
+    the whole sequence (`whole_sequence`: `slot_count` slots of `slot_len` positions) before the
+    one holding its position, whole (FlexAttention's full blocks: no mask read), and in that
+    block to the keys at or before its position (its one partial block). Tensor operations
+    alone (no host work, nothing read back): it is made inside the compiled graph at each step.
+
+    `places` must be an input of the graph as it is (the whole step's `rows`; a compiled
+    advance's own), not a tensor computed in it: the mask reads it per row, and a CPU's kernel
+    reads a computed one wrong, or fails to compile it (torch 2.13). Every row lists all the
+    sequence's blocks (its own slot's first), as many as a CPU's kernel wants (its block mask
+    must span the whole key length; the kernels read only the first `kv_num_blocks` of them):
+    one int32 per block and row. The full blocks are given apart, as a CPU's decoding kernel
+    does not compile without them (torch 2.13)."""
+    slots, positions = places[:, 0], places[:, 1]
+    rows = places.shape[0]
+    per_slot = slot_len // KV_BLOCK
+    blocks = slot_count * per_slot
+    last = torch.div(positions, KV_BLOCK, rounding_mode="floor")
+    first = (slots * per_slot).view(rows, 1)
+    listed = torch.arange(blocks, device=places.device).view(1, -1)
+    full = ((first + listed) % blocks).to(torch.int32).view(rows, 1, 1, blocks)
+    partial = ((first + last.view(rows, 1) + listed) % blocks).to(torch.int32).view(rows, 1, 1, blocks)
+    one = torch.ones(rows, 1, 1, dtype=torch.int32, device=places.device)
+
+    def up_to_position(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+        # Exact by itself (uncompiled, FlexAttention reads this alone, over every key); the
+        # compiled kernel reads it in the partial block only.
+        start = places[b, 0] * slot_len
+        return (kv_idx >= start) & (kv_idx <= start + places[b, 1])
+
+    return BlockMask.from_kv_blocks(one, partial, last.to(torch.int32).view(rows, 1, 1), full,
+                                    BLOCK_SIZE=KV_BLOCK, mask_mod=up_to_position,
+                                    seq_lengths=(1, slot_count * slot_len), compute_q_blocks=False)
+
+
+def attend_in_place(q: torch.Tensor, layer_k: torch.Tensor, layer_v: torch.Tensor, block_mask: BlockMask
+                    ) -> torch.Tensor:
+    """The decode attention over a `SlotKV` layer as it is: q [B, H, 1, D] against every slot's
+    keys (`whole_sequence`, a batch of one), each row kept to its slot and positions by
+    `block_mask` (`in_place_mask`). -> [B, H, D]. The scale is SDPA's default, 1 / sqrt(D), as
+    `attend`'s."""
+    # The query copied into a tensor of its own: one the compiler sees as a view of a 2-D buffer
+    # (the projection's output) fails a CPU's FlexAttention lowering, which reads the shape of
+    # the buffer under the view (torch 2.13). B x H x D values.
+    query = q.clone(memory_format=torch.contiguous_format)
+    out = flex_attention(query, whole_sequence(layer_k), whole_sequence(layer_v), block_mask=block_mask,
+                         enable_gqa=True)
+    return out.view(q.shape[0], q.shape[1], q.shape[3])
+
+
+def attention_name(in_place: bool) -> str:
+    """How a compiled step attends, in words (part of its graphs' keys, and what the log says)."""
+    return "in place" if in_place else "gathered"
+
+
+def in_place_attention(device: Any) -> bool:
+    """Whether a compiled step on `device` attends in place (else through the gather): wherever
+    this PyTorch's compiler has FlexAttention's fused kernel for the device.
+
+    Measured (docs/PERFORMANCE.md, `python -m benchmarks.attention --in-place`, compiled both):
+    on this CPU it is 3-5x faster than the gather at 8 to 64 rows of 1,000 to 8,000 positions
+    (where the gather's copy is most of the time), about as fast at one row, and 0.1-2 ms
+    slower at 100 positions (1.1-1.4x), where neither costs much. On a GPU the gather is the
+    same copy of every row's prefix; the device check times both there (its "attention" step).
+    Nothing measured yet asks for another choice on a GPU, so one rule for both, and no
+    setting. Where the kernel is missing (a CPU without AVX2, a CUDA build without Triton), the
+    gather, and the log says so once."""
+    why_not = _in_place_unavailable(torch.device(device).type)
+    if why_not is not None:
+        _log_once(f"compiled steps on {torch.device(device).type} attend through the gather: {why_not}")
+    return why_not is None
+
+
+def _in_place_unavailable(device_type: str) -> str | None:
+    """Why FlexAttention's fused kernel cannot be compiled for `device_type`, or None."""
+    if device_type == "cuda":
+        from torch.utils._triton import has_triton
+
+        return None if has_triton() else "FlexAttention's GPU kernel needs Triton"
+    if device_type == "cpu":
+        try:
+            from torch._inductor.kernel.flex.flex_cpu import check_cpu_supported
+        except ImportError:
+            return f"torch {torch.__version__} has no FlexAttention kernel for a CPU"
+        return None if check_cpu_supported() else "FlexAttention's CPU kernel needs AVX2 (and no macOS)"
+    return f"no FlexAttention kernel is known here for {device_type}"
+
+
+@functools.lru_cache(maxsize=None)
+def _log_once(line: str) -> None:
+    log.warning(line)
 
 
 def attention_kernel(lm: nn.Module, device: Any, dtype: torch.dtype) -> str:

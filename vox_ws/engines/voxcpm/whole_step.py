@@ -1,4 +1,4 @@
-"""The whole decode step as one function of static per-slot buffers: one graph per bucket.
+"""The whole decode step as one function of static per-slot buffers: one graph for every bucket.
 
 A step's pieces compiled apart (`compiled.py`: the CFM's velocity, the advance, the decode)
 leave the Euler loop, the state's gathers and scatters and the noise in Python: some 200
@@ -13,7 +13,10 @@ one pure function of
   one host-to-device copy a step makes;
 - `keys_at`: the key positions the step attends over (its length the one dynamic size);
 
-with the number of CFM timesteps and whether it decodes fixed per graph (`step_function`). It
+with the number of CFM timesteps, whether it decodes and how it attends fixed per graph
+(`step_function`: in place, FlexAttention over the caches as they are, where this device's
+compiler has its kernel, `kv.in_place_attention`; else through the gather, as an uncompiled
+step always does: `kv.lm_step`). It
 reads each row's state by slot, draws its noise, solves, advances both LMs, decodes, writes the
 new state back by slot, and returns (stop flags, patches, audio): compiled with
 `fullgraph=True` it is one graph (no break, no host sync), which a CUDA device replays as one
@@ -35,10 +38,11 @@ from .vae import streaming_decode
 SLOT_BUFFERS = 4
 
 
-def step_function(timesteps: int, decode: bool) -> Callable[..., tuple[torch.Tensor, ...]]:
+def step_function(timesteps: int, decode: bool, in_place: bool = False) -> Callable[..., tuple[torch.Tensor, ...]]:
     """The whole step for `timesteps` CFM steps, decoding its patches where `decode` (else its
-    patches go to a decoder process): (model, decoder, caches, buffers, rows, keys_at) ->
-    (stop [b], patches [b, P, D]) and, decoding, audio [b, samples] float32."""
+    patches go to a decoder process), attending `in_place` or through the gather (`kv.lm_step`):
+    (model, decoder, caches, buffers, rows, keys_at) -> (stop [b], patches [b, P, D]) and,
+    decoding, audio [b, samples] float32."""
 
     def whole_step(model: nn.Module, decoder: Any, caches: list[torch.Tensor], buffers: list[torch.Tensor],
                    rows: torch.Tensor, keys_at: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -60,7 +64,7 @@ def step_function(timesteps: int, decode: bool) -> Callable[..., tuple[torch.Ten
         patches = cfm_solve(model.feat_decoder, mu, cond.transpose(1, 2).contiguous(), noise, timesteps,
                             cfg).transpose(1, 2)
         stop, lm_next, residual_next = advance(model, base_k, base_v, residual_k, residual_v, patches, lm_hidden,
-                                               slots, positions, keys_at)
+                                               slots, positions, keys_at, rows if in_place else None)
         lm_state.index_copy_(0, slots, lm_next)
         residual_state.index_copy_(0, slots, residual_next)
         cond_state.index_copy_(0, slots, patches)
@@ -93,13 +97,15 @@ class StepInputs(NamedTuple):
     keys_at: torch.Tensor
 
 
-def graph_context(model: nn.Module, decoder: Any) -> str:
+def graph_context(model: nn.Module, decoder: Any, in_place: bool = False) -> str:
     """What a whole step's graph depends on besides its arguments' shapes and the model's
-    modules (which the store's key covers): the model's config, and the VAE's class, settings
-    and modules (the decoder is no module: its VAE's shapes are named here)."""
+    modules (which the store's key covers): the model's config, the VAE's class, settings and
+    modules (the decoder is no module: its VAE's shapes are named here), and how it attends."""
     from .graphs import module_signature
+    from .kv import attention_name
 
-    return "\n".join([model.config.model_dump_json(), decoder.graph_context(), module_signature(decoder.vae)])
+    return "\n".join([model.config.model_dump_json(), decoder.graph_context(), module_signature(decoder.vae),
+                      f"attention {attention_name(in_place)}"])
 
 
 # The timesteps whose whole step is compiled ahead: the package's default. Other timesteps
@@ -107,20 +113,39 @@ def graph_context(model: nn.Module, decoder: Any) -> str:
 WHOLE_TIMESTEPS = (10,)
 
 
-class WholeSteps:
-    """The whole step's graphs from `store`, one per bucket and (timesteps, decode); a step of
-    rows whose graph is `ready` runs through it. Made ahead by `warm_up`, never on a live step."""
+def _dynamic(decode: bool, decoder: Any) -> dict[str, int]:
+    """The whole step's symbolic sizes: the slot counts, the attention length and the batch
+    (`GraphsBySize`), but for a step decoding through a VAE whose depthwise convolutions are
+    folded into one row (their groups grow with the batch: it would be specialised)."""
+    sizes = {"caches": 0, "buffers": 0, "keys_at": 0}
+    return sizes if decode and getattr(decoder, "fold_depthwise", False) else {**sizes, "rows": 0}
 
-    def __init__(self, store: Any, model: nn.Module, decoder: Any, buckets: tuple[int, ...]) -> None:
+
+class WholeSteps:
+    """The whole step's graphs from `store`, per (timesteps, decode): one for a bucket of 1 and
+    one with a symbolic batch for every other bucket (`GraphsBySize`, `_dynamic`: the
+    same speed as a graph per bucket on this CPU, a fraction of the compiling: docs/PERFORMANCE.md,
+    `benchmarks/dynamic_batch.py`), but one per bucket for a step that decodes through a VAE
+    whose depthwise convolutions are folded into one row (a CPU's: their groups grow with the
+    batch, which specialises it). Captured per bucket all the same (`cuda_graphs.py`). A step of
+    rows whose bucket is `ready` runs through them. Made ahead by `warm_up`, never on a live step."""
+
+    def __init__(self, store: Any, model: nn.Module, decoder: Any, buckets: tuple[int, ...],
+                 in_place: bool | None = None) -> None:
+        """`in_place`: how the graphs attend (default: `kv.in_place_attention` for the model's
+        device, as `compiled.CompiledStep` chooses)."""
         from .graphs import GraphsBySize
+        from .kv import in_place_attention
 
         self.model = model
         self.buckets = tuple(sorted(buckets))
-        context = graph_context(model, decoder)
+        self.in_place = in_place_attention(next(model.parameters()).device) if in_place is None else in_place
+        context = graph_context(model, decoder, self.in_place)
         self._graphs = {
-            (timesteps, decode): GraphsBySize(store, graph_name(timesteps, decode), step_function(timesteps, decode),
+            (timesteps, decode): GraphsBySize(store, graph_name(timesteps, decode),
+                                              step_function(timesteps, decode, self.in_place),
                                               context=context, rows_of="rows",
-                                              dynamic={"caches": 0, "buffers": 0, "keys_at": 0})
+                                              dynamic=_dynamic(decode, decoder))
             for timesteps in WHOLE_TIMESTEPS for decode in (False, True)}
         self.ready: set[tuple[int, int, bool]] = set()      # (bucket, timesteps, decode)
         self.compile_s: dict[str, float] = {}
@@ -149,7 +174,8 @@ class WholeSteps:
 
 class EagerWholeSteps:
     """The whole step uncompiled, for `buckets`: what a CUDA graph can capture with no compile
-    at all (the device check times it; `WholeSteps` is the compiled one)."""
+    at all (the device check times it; `WholeSteps` is the compiled one). It attends through the
+    gather: FlexAttention uncompiled would materialise the scores over every slot."""
 
     def __init__(self, model: nn.Module, buckets: tuple[int, ...]) -> None:
         self.model = model
