@@ -243,6 +243,8 @@ def step_scheduler(ctx: dict) -> dict:
             result["background"] = _background(engine, bucket_seconds)
             report(result)
         runs["adopted"] = engine.describe()["compile"]["buckets"]
+        # Compared with eager on the background compile's reader thread, during the bursts.
+        runs["mismatched"] = engine.describe()["compile"]["mismatched"]
         result["background"] = _background(engine, bucket_seconds)
         result["peak"] = _memory(device)
     finally:
@@ -771,6 +773,8 @@ def _scheduler_lines(scheduler: dict, on: str) -> list[str]:
         lines.append(f"  (the background compile, not waited for: {background['status']} after "
                      f"{background['running_s']} s, buckets compiled {background['compiled']} of "
                      f"{background['buckets']} ({seconds}), in use {background['adopted']})")
+        if mismatched := scheduler.get("eager", {}).get("mismatched"):
+            lines.append(f"  (compared with eager on its reader thread and left eager: {mismatched})")
     elif "eager" in scheduler:
         lines.append("  (no background compile: eager throughout)")
     return lines

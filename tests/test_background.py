@@ -122,14 +122,16 @@ def test_the_decode_is_prepared_on_the_reader_thread_before_the_engine_hears_of_
 @pytest.mark.slow
 def test_prepared_decode_graphs_are_switched_in_with_no_load_on_the_thread_that_decodes(tiny_model, tmp_path,
                                                                                            monkeypatch):
-    """A decode compiled into a cache (as the background child does), then loaded and run once by
-    another thread (`BatchedStreamingVAE.prepare`): the runner's `adopt` only switches to them,
-    reading nothing from the disk, and decodes as eager does."""
+    """A decode compiled into a cache (as the background child does), then loaded, run once and
+    compared with eager by another thread (`CompiledStep.prepare_decode`): the runner's `adopt`
+    only switches to them, reading nothing from the disk and comparing nothing, and decodes as
+    eager does."""
     import threading
 
     import numpy as np
     import torch
 
+    from vox_ws.engines.voxcpm import graph_check
     from vox_ws.engines.voxcpm.compiled import CompiledStep
     from vox_ws.engines.voxcpm.graphs import GraphStore
     from vox_ws.engines.voxcpm.loading import import_voxcpm
@@ -162,20 +164,21 @@ def test_prepared_decode_graphs_are_switched_in_with_no_load_on_the_thread_that_
 
     serving = runner()
     compiled = CompiledStep(serving.model, (1,), cache_dir=cache, load_only=True)
-    loads = []
+    loads, compared = [], []
     load = GraphStore._load
     monkeypatch.setattr(GraphStore, "_load", lambda self, *a, **k: loads.append(threading.get_ident()) or load(
         self, *a, **k))
+    check = graph_check.check_decode
+    monkeypatch.setattr(graph_check, "check_decode", lambda *a, **k: compared.append(threading.get_ident()) or check(
+        *a, **k))
 
-    def prepare() -> None:
-        compiled.prepared_decode = serving.vae.prepare(compiled.buckets, serving.model.patch_size, compiled.store)
-
-    reader = threading.Thread(target=prepare)
+    reader = threading.Thread(target=compiled.prepare_decode, args=(serving.vae,))
     reader.start()
     reader.join()
-    assert loads == [reader.ident]
+    assert loads == compared == [reader.ident] and compiled.verdicts == {"decode": None}
     serving.adopt(compiled, decode=True)
-    assert loads == [reader.ident] and serving.vae.buckets == (1,) and compiled.mismatched == {}
+    # Switched in on this thread: nothing loaded nor compared here.
+    assert loads == compared == [reader.ident] and serving.vae.buckets == (1,) and compiled.mismatched == {}
     got = speak(serving)
     serving.close()
     assert got.shape == want.shape and np.max(np.abs(got - want)) < 1e-4

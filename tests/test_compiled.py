@@ -273,6 +273,32 @@ def test_a_batch_that_compiles_specialised_after_all_falls_back_to_a_graph_per_b
     assert "not symbolic in its batch" in caplog.text and store.compiled == 3   # 2 (as symbolic), 3, 4
 
 
+def test_a_symbolic_batch_that_does_not_compile_falls_back_to_a_graph_per_batch_size(tmp_path, caplog):
+    """A compiler that needs the batch as a number (as the CPU's FlexAttention kernel does) fails
+    on the symbolic graph: each batch size then gets a graph of its own, with a warning, and the
+    right result; a size the symbolic graph served is never tried again."""
+    @torch.library.custom_op("vox_ws_test::twice", mutates_args=())
+    def twice(x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+    @twice.register_fake
+    def _(x: torch.Tensor) -> torch.Tensor:
+        if isinstance(x.shape[0], torch.SymInt):
+            raise NotImplementedError("this kernel takes no symbolic batch")
+        return torch.empty_like(x)
+
+    def picky(x: torch.Tensor) -> torch.Tensor:
+        return twice(x)
+
+    store = GraphStore(tmp_path)
+    graphs = GraphsBySize(store, "picky", picky, context="test", rows_of="x", dynamic={"x": 0})
+    for rows in (2, 3, 2):
+        x = torch.randn(rows, 4)
+        torch.testing.assert_close(graphs(x), x * 2)
+    assert "not symbolic in its batch" in caplog.text
+    assert store.compiled == 3          # the symbolic attempt, then 2 and 3 each its own
+
+
 def test_a_decode_compile_that_fails_is_refused_with_its_reason_and_the_process_goes_on(tiny_model, tmp_path):
     engine = VoxCPMEngine(model=str(tiny_model), device="cpu", slots=1)
     engine.load()
@@ -446,12 +472,22 @@ BACKGROUND_BOUND_S = 900
 
 
 async def test_a_background_compile_never_holds_the_start_and_its_graphs_come_in_between_steps(
-        start_server, tiny_model, background_cache):
+        start_server, tiny_model, background_cache, monkeypatch):
     """Ready as soon as the model is loaded, serving eager; the child compiles the bucket into
     the cache; the engine takes it in at the next step only once the test lets it (so the eager
-    stream is eager whatever the machine's speed), and the audio is the same either way."""
+    stream is eager whatever the machine's speed), and the audio is the same either way. The
+    graphs are compared with eager on the reader's thread; the engine's only switches them in."""
+    from vox_ws.engines.voxcpm import compiled as compiled_module
+    from vox_ws.engines.voxcpm import graph_check
+
     gate = threading.Event()
     prepared_on: list[str] = []
+    compared_on: list[str] = []
+    for module, name in ((compiled_module, "check_step"), (graph_check, "check_step"), (graph_check, "check_decode")):
+        def recorded(*args, _check=getattr(module, name), **kwargs):
+            compared_on.append(threading.current_thread().name)
+            return _check(*args, **kwargs)
+        monkeypatch.setattr(module, name, recorded)
 
     class Gated(VoxCPMEngine):
         def _compile_in_background(self, path):
@@ -484,6 +520,8 @@ async def test_a_background_compile_never_holds_the_start_and_its_graphs_come_in
     # steps, and are not in use until it adopts them; the child ran on idle CPU time only.
     assert prepared_on == ["vox-ws-background-compile"]
     assert 1 in engine.compiled.compile_s and engine.compiled.ready == set()
+    assert engine.compiled.verdicts == {1: None, "decode": None}
+    assert sorted(compared_on) == ["vox-ws-background-compile"] * 2     # the step's bucket, the decode's
     assert engine.background.describe()["priority"] == "SCHED_IDLE"
     gate.set()
     async with connect_client(server) as c:
@@ -495,6 +533,7 @@ async def test_a_background_compile_never_holds_the_start_and_its_graphs_come_in
     assert background["compiled"] == [1] and background["adopted"] == [1] and background["decode"] is True
     assert info["compile"]["graphs"]["compiled"] == 0       # this process only loads what the child made
     np.testing.assert_allclose(compiled.pcm(), eager.pcm(), atol=1e-4)
+    assert sorted(compared_on) == ["vox-ws-background-compile"] * 2     # none on the engine's thread
 
 
 def test_auto_on_a_cpu_measures_each_bucket_and_uses_it_only_where_it_is_faster(tiny_model, background_cache):

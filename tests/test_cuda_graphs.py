@@ -15,6 +15,7 @@ import torch
 from conftest import eager_speech, speak_rows, tiny_runner
 from vox_ws.engines import accelerator
 from vox_ws.engines.voxcpm.cuda_graphs import CapturedSteps, length_buckets
+from vox_ws.engines.voxcpm.graph_check import agreeing_whole_steps
 from vox_ws.engines.voxcpm.whole_step import StepInputs, step_function
 
 
@@ -69,17 +70,27 @@ class EagerWhole:
     """The whole step uncompiled (`step_function` as it is), standing in for `WholeSteps`: the
     same code the graphs are compiled from, ready for `buckets`."""
 
-    def __init__(self, model, buckets: tuple[int, ...]) -> None:
-        self.model = model
+    def __init__(self, model, buckets: tuple[int, ...], in_place: bool = False, decoder=None) -> None:
+        self.model, self.decoder = model, decoder
         self.buckets = buckets
+        self.in_place = in_place
+        self.ready = {(bucket, 10, decode) for bucket in buckets for decode in (False, True)}
         self.calls = 0
 
     def serves(self, bucket: int, timesteps: int, decode: bool) -> bool:
-        return bucket in self.buckets and timesteps == 10
+        return (bucket, timesteps, decode) in self.ready
 
     def __call__(self, timesteps: int, decode: bool, given: StepInputs):
         self.calls += 1
-        return step_function(timesteps, decode)(self.model, *given)
+        return step_function(timesteps, decode, self.in_place)(self.model, *given)
+
+
+class WrongWhole(EagerWhole):
+    """A whole step whose audio is off by a little: what a miscompiled graph would speak."""
+
+    def __call__(self, timesteps: int, decode: bool, given: StepInputs):
+        out = super().__call__(timesteps, decode, given)
+        return (*out[:-1], out[-1] + 0.05)
 
 
 def _step_inputs(bucket: int, length: int) -> StepInputs:
@@ -154,24 +165,27 @@ def test_attention_lengths_double_up_to_the_models_positions():
     assert length_buckets(100) == (100,)
 
 
-@pytest.mark.parametrize("decode_process", [False, pytest.param(True, marks=pytest.mark.slow)])
-def test_a_runner_replaying_captured_whole_steps_speaks_as_the_eager_runner(tiny_model, decode_process):
+@pytest.mark.parametrize("decode_process,in_place", [(False, False), (False, True),
+                                                     pytest.param(True, False, marks=pytest.mark.slow)])
+def test_a_runner_replaying_captured_whole_steps_speaks_as_the_eager_runner(tiny_model, decode_process, in_place):
     """Three rows in a bucket of four (one padding row in the padding slot), attending over a
     length bucket longer than their positions (masked), their inputs copied into the static
-    rows at each replay: the audio of the eager step."""
+    rows at each replay: the audio of the eager step. Attending in place, one capture serves
+    every length."""
     torch.set_num_threads(1)
     texts = ["One sentence here.", "Another, a bit longer sentence.", "Third."]
     want = eager_speech(tiny_model, texts, 4, decode_process)
     runner = tiny_runner(tiny_model, 4, decode_process)
     try:
-        runner.whole = EagerWhole(runner.model, (4,))
+        runner.whole = EagerWhole(runner.model, (4,), in_place)
         lock = RecordingLock()
         fake = FakeCapture(lock)
         runner.captured = CapturedSteps(runner.whole, runner.device, fake, owner=threading.get_ident(), lock=lock,
                                         device_context=fake.device_context)
         runner.capture_whole(fake, buckets=(4,))
         captured = len(fake.captures)
-        assert captured == len(length_buckets(runner.max_len)) and all(c["locked"] for c in fake.captures)
+        assert captured == (1 if in_place else len(length_buckets(runner.max_len)))
+        assert all(c["locked"] for c in fake.captures)
         calls = runner.whole.calls
         got = speak_rows(runner, texts)
         assert runner.whole.calls > calls, "the steps must have been replayed"
@@ -179,3 +193,39 @@ def test_a_runner_replaying_captured_whole_steps_speaks_as_the_eager_runner(tiny
         runner.close()
     for a, b in zip(want, got):
         assert a.shape == b.shape and np.max(np.abs(a - b)) < 1e-5
+
+
+def test_a_whole_step_that_differs_from_the_uncompiled_one_is_never_run_nor_captured(tiny_model, caplog):
+    """Each bucket of the whole step is compared with the uncompiled whole step (attending
+    through the gather) on copies of its own before anything is captured: one attending in place
+    agrees; one whose audio is off stays out of the ready buckets, named with why, and is never
+    captured, while the others are."""
+    torch.set_num_threads(1)
+    runner = tiny_runner(tiny_model, 4)
+    try:
+        before = [t.clone() for t in runner._caches + runner._buffers]
+        in_place = EagerWhole(runner.model, (1, 2, 4), in_place=True, decoder=runner.vae)
+        mismatched: dict = {}
+        agreeing_whole_steps(in_place, EagerWhole(runner.model, (1, 2, 4)), runner._buffers, (1, 2, 4), True,
+                             mismatched)
+        assert mismatched == {} and all(in_place.serves(b, 10, True) for b in (1, 2, 4))
+
+        wrong = WrongWhole(runner.model, (1, 2, 4), decoder=runner.vae)
+        with caplog.at_level(logging.ERROR, logger="vox_ws.engines.voxcpm"):
+            agreeing_whole_steps(wrong, EagerWhole(runner.model, (1, 2, 4)), runner._buffers, (2,), True, mismatched)
+        assert set(mismatched) == {"whole 2"} and "audio" in mismatched["whole 2"]
+        assert not wrong.serves(2, 10, True) and wrong.serves(4, 10, True)
+        assert any("whole step for 2 rows is not used" in r.getMessage() for r in caplog.records)
+        # The runner's own state was never touched: the comparison ran on copies.
+        assert all(torch.equal(a, b) for a, b in zip(before, runner._caches + runner._buffers))
+
+        runner.whole = wrong
+        lock = RecordingLock()
+        fake = FakeCapture(lock)
+        runner.captured = CapturedSteps(runner.whole, runner.device, fake, owner=threading.get_ident(), lock=lock,
+                                        device_context=fake.device_context)
+        runner.capture_whole(fake)
+        assert {c["rows"] for c in fake.captures} == {1, 4}
+    finally:
+        runner.close()
+

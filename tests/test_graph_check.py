@@ -4,12 +4,16 @@ that differs is never adopted."""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
+from conftest import WAIT_TIMEOUT
 from vox_ws.engines.voxcpm.compiled import EagerStep
 from vox_ws.engines.voxcpm.graph_check import check_decode, check_step
 from vox_ws.engines.voxcpm.loading import import_voxcpm
+from vox_ws.engines.voxcpm.lora import NO_ADAPTER
 
 
 @pytest.fixture(scope="module")
@@ -27,6 +31,7 @@ class Off(EagerStep):
         self.wrong = wrong
         # What `runner.adopt` reads of a `CompiledStep`.
         self.buckets, self.compile_s, self.ready, self.mismatched = (1, 2, 4), {1: 0.0, 2: 0.0, 4: 0.0}, set(), {}
+        self.verdicts, self.prepared_decode = {}, None
 
     def warm_up(self, *args, **kwargs) -> None:
         pass
@@ -88,3 +93,109 @@ def test_a_mismatching_bucket_is_never_adopted_and_the_others_are(model, caplog)
         assert any("not used" in r.getMessage() and "stay eager" in r.getMessage() for r in caplog.records)
     finally:
         runner.close()
+
+
+def test_a_background_adoption_compares_off_the_thread_that_steps_and_adopts_only_what_agreed(model, caplog,
+                                                                                             monkeypatch):
+    """As a background compile's buckets arrive: each is loaded, run once and compared with eager
+    on the reader's thread (`CompiledStep.prepare`); the thread that steps compares nothing: it
+    records what differed and switches in what agreed (`runner.adopt`)."""
+    from vox_ws.engines.voxcpm import compiled, graph_check
+    from vox_ws.engines.voxcpm.compiled import CompiledStep
+    from vox_ws.engines.voxcpm.runner import BatchedVoxCPM2
+
+    compared_on = []
+    check = graph_check.check_step
+
+    def recorded(*args, **kwargs):
+        compared_on.append(threading.get_ident())
+        return check(*args, **kwargs)
+    monkeypatch.setattr(graph_check, "check_step", recorded)
+    monkeypatch.setattr(compiled, "check_step", recorded)
+    runner = BatchedVoxCPM2(model, slots=4, decode_process=False, warm_rows=1)
+    good, bad = Off(model, "none"), Off(model, "residual")
+
+    def read() -> None:          # what the background compile's reader does with each bucket
+        CompiledStep.prepare(good, (1, 2), runner.eager)
+        CompiledStep.prepare(bad, (2, 4), runner.eager)
+
+    try:
+        reader = threading.Thread(target=read)
+        reader.start()
+        reader.join()
+        assert compared_on == [reader.ident] * 4
+        assert good.ready == bad.ready == set() and good.mismatched == bad.mismatched == {}
+        with caplog.at_level("ERROR", logger="vox_ws.engines.voxcpm"):
+            runner.adopt(good, (1, 2))
+            runner.adopt(bad, (2, 4))
+        assert compared_on == [reader.ident] * 4               # nothing compared on the thread that steps
+        assert good.ready == {1, 2} and good.mismatched == {}
+        assert bad.ready == set() and set(bad.mismatched) == {2, 4} and "residual hidden state" in bad.mismatched[2]
+        assert runner._step_for(4) is runner.eager
+        assert any("not used" in r.getMessage() and "stay eager" in r.getMessage() for r in caplog.records)
+    finally:
+        runner.close()
+
+
+def test_a_decode_that_differs_is_found_off_the_thread_that_decodes_and_never_switched_in(model):
+    """The decode's graphs compared with eager where they were loaded (`decode_mismatch` on the
+    reader's thread, as `CompiledStep.prepare_decode` does); `runner.adopt` never switches to a
+    decode that differed, and says why where `/v1/info` reads it."""
+    from vox_ws.engines.voxcpm.graph_check import decode_mismatch
+    from vox_ws.engines.voxcpm.runner import BatchedVoxCPM2
+    from vox_ws.engines.voxcpm.vae import streaming_decode
+
+    def louder(decoder, vae, latents, carried):     # a miscompiled decode: 10% too loud
+        audio, carried = streaming_decode(decoder, vae, latents, carried)
+        return audio * 1.1, carried
+
+    runner = BatchedVoxCPM2(model, slots=2, decode_process=False, warm_rows=1)
+    stand_in = Off(model, "none")
+    stand_in.prepared_decode = (louder, (1, 2))
+    try:
+        reader = threading.Thread(target=lambda: stand_in.verdicts.update(
+            decode=decode_mismatch(runner.vae, model.patch_size, stand_in.prepared_decode)))
+        reader.start()
+        reader.join()
+        assert "decode for 1 rows" in stand_in.verdicts["decode"]
+        runner.adopt(stand_in, decode=True)
+        assert runner.vae.buckets == () and stand_in.mismatched == {"decode": stand_in.verdicts["decode"]}
+    finally:
+        runner.close()
+
+
+def test_a_comparison_off_the_thread_that_steps_never_mixes_its_adapter_rows_with_a_steps(tiny_model):
+    """With LoRA slots every adapted layer reads one shared row selection (`RowAdapters`): the
+    comparison on the reader's thread selects rows of its own, so while one of its calls runs,
+    no step's call can select (or read) rows, and the other way round: they take turns."""
+    from voxcpm.model.voxcpm2 import LoRAConfig
+
+    from vox_ws.engines.voxcpm.lora import install_row_lora
+
+    lora = LoRAConfig(enable_lm=True, enable_dit=True, enable_proj=False, r=4, alpha=8)
+    model = import_voxcpm().VoxCPM.from_pretrained(str(tiny_model), load_denoiser=False, optimize=False,
+                                                   device="cpu", lora_config=lora).tts_model
+    adapters, layers = install_row_lora(model, 2, 4)
+    layer = next(layer for name, layer in layers.items() if name.startswith("feat_decoder"))
+    eager = EagerStep(model, adapters)
+    inside, go, verdicts = threading.Event(), threading.Event(), []
+
+    def held(module, args) -> None:        # the reader's first adapted call waits here
+        if threading.current_thread() is reader and not inside.is_set():
+            inside.set()
+            assert go.wait(WAIT_TIMEOUT), "the test never let the comparison go on"
+
+    hook = layer.register_forward_pre_hook(held)
+    reader = threading.Thread(target=lambda: verdicts.append(check_step(eager, eager, model, 2)))
+    try:
+        reader.start()
+        assert inside.wait(WAIT_TIMEOUT)
+        # The reader is inside one of its calls: the step cannot select its rows meanwhile.
+        assert not adapters._selecting.acquire(blocking=False)
+    finally:
+        go.set()
+        reader.join()
+        hook.remove()
+    assert verdicts == [None]
+    with adapters.rows([0, NO_ADAPTER], gathered=True):     # and the step selects its own once it has ended
+        assert adapters.row_slots.tolist() == [0, adapters.slots]

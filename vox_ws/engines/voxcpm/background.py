@@ -3,10 +3,10 @@ child process (`compile_main`) compiles the step's graphs into the compile cache
 is adopted (its graphs loaded, milliseconds) between two steps as soon as it is there.
 
 `BackgroundCompile` starts the child and reads its events on a thread of its own, where each
-bucket's graphs are loaded and run once (`prepare`: off the thread that steps, which would stall
-every stream meanwhile); the engine loop's thread takes what has arrived (`arrived`) before
-each step and only switches it on there (with LoRA slots it loads them there too). `describe` is
-its progress, for `/v1/info`.
+bucket's graphs are loaded, run once and compared with the eager step (`prepare`; the decode's
+likewise, `prepare_decode`: off the thread that steps, which would stall every stream
+meanwhile); the engine loop's thread takes what has arrived (`arrived`) before each step and
+only switches in there what agreed. `describe` is its progress, for `/v1/info`.
 
 Where every graph is in the cache already, the child says so without loading the model
 (`compile_main.CacheRecord`; `describe`'s `cached`); should a bucket it says is there fail to
@@ -46,9 +46,9 @@ class BackgroundCompile:
     def __init__(self, settings: dict[str, Any], prepare: Callable[[int], None] | None = None,
                  prepare_decode: Callable[[], None] | None = None) -> None:
         """`prepare(rows)`: called on this object's reader thread for each bucket the child has
-        put in the cache, before the engine is told (its graphs loaded and run once there, off
-        the thread that steps); `prepare_decode()` the same for the decode's graphs; a failure
-        leaves the graphs to be loaded when adopted."""
+        put in the cache, before the engine is told (its graphs loaded, run once and compared
+        with eager there, off the thread that steps); `prepare_decode()` the same for the
+        decode's graphs; a failure leaves the graphs to be loaded and compared when adopted."""
         self.buckets = tuple(settings["buckets"])
         self._prepare = prepare
         self._prepare_decode = prepare_decode

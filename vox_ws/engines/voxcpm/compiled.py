@@ -41,6 +41,7 @@ import torch
 from torch import nn
 
 from .cache_trust import trusted_cache_dir
+from .graph_check import check_step, decode_mismatch, verdict
 from .graphs import GraphsBySize, GraphStore, bucket_of, padded
 from .kv import RowPlaces, SlotKV, attention_name, in_place_attention, key_positions, lm_step
 from .lora import NO_ADAPTER, RowAdapters
@@ -247,6 +248,10 @@ class CompiledStep:
         # The decode's graphs loaded off the thread that steps, to be switched in there
         # (`BatchedStreamingVAE.prepare`, `runner.adopt`).
         self.prepared_decode: Any = None
+        # Each bucket (or "decode") compared with eager off the thread that steps (`prepare`,
+        # `prepare_decode`): None where it agreed, else why not. The thread that steps records
+        # them (`mismatched`) and switches in what agreed (`runner.adopt`).
+        self.verdicts: dict[int | str, str | None] = {}
         # What differed from the eager step (`graph_check`), by bucket (or "decode"): left eager.
         self.mismatched: dict[int | str, str] = {}
         # The whole step as one graph per bucket (`whole_step.py`; `BatchedVoxCPM2.compile_whole`):
@@ -309,19 +314,29 @@ class CompiledStep:
             raise RuntimeError("a compiled call with LoRA slots needs every row's slot")
         return self.adapters.row_slots
 
-    def prepare(self, buckets: tuple[int, ...]) -> None:
-        """Load `buckets`' graphs and run each once, off the thread that steps (a background
-        compile's reader): on KV caches of its own (the graphs take any number of slots), so no
-        step's memory is touched. The buckets are not `ready` after: whoever steps adopts them
-        (`ready.add`) between two steps. Not with LoRA slots, whose row map the step shares."""
-        if self.adapters is not None:
-            raise RuntimeError("a model with LoRA slots is warmed up on the thread that steps")
+    def prepare(self, buckets: tuple[int, ...], eager: EagerStep) -> None:
+        """Load `buckets`' graphs, run each once and compare it with `eager` (`graph_check`), off
+        the thread that steps (a background compile's reader): on KV caches and inputs of its own
+        (the graphs take any number of slots), so no step's memory is touched; with LoRA slots
+        each call holds the rows' adapter selection, as a step's call does (`RowAdapters.rows`).
+        The buckets are not `ready` after: whoever steps records each one's `verdicts` and
+        adopts those that agreed, between two steps (`runner.adopt`)."""
         m = self.model
         params = next(m.parameters())
         # One slot and the padding slot: each dynamic size at least 2, as the graphs were made.
         base_kv = SlotKV(m.base_lm, 1, m.config.max_length, params.device, params.dtype)
         residual_kv = SlotKV(m.residual_lm, 1, m.config.max_length, params.device, params.dtype)
         self.warm_up(base_kv, residual_kv, buckets, mark_ready=False)
+        for rows in buckets:
+            self.verdicts[rows] = verdict(check_step, self, eager, m, rows)
+
+    def prepare_decode(self, decoder: Any) -> None:
+        """The decode's graphs loaded and run once (`BatchedStreamingVAE.prepare`) and compared
+        with `decoder`'s eager decode, off the thread that decodes; `runner.adopt` switches to
+        them where they agreed (`verdicts["decode"]`)."""
+        prepared = decoder.prepare(self.buckets, self.model.patch_size, self.store)
+        self.verdicts["decode"] = decode_mismatch(decoder, self.model.patch_size, prepared)
+        self.prepared_decode = prepared
 
     @torch.inference_mode()
     def warm_up(self, base_kv: SlotKV, residual_kv: SlotKV, buckets: tuple[int, ...] | None = None,

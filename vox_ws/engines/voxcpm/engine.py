@@ -212,20 +212,16 @@ class VoxCPMEngine(Engine):
                         "at start instead, in this process)", exc)
             return
         self.compiled = compiled
-        prepare = None if self.loras.adapters is not None else (lambda rows: compiled.prepare((rows,)))
-
-        def prepare_decode() -> None:
-            # Off the engine loop's thread; it switches them in between two steps (`runner.adopt`).
-            compiled.prepared_decode = self.runner.vae.prepare(compiled.buckets, self.tts.tts_model.patch_size,
-                                                               compiled.store)
-
+        # Loaded, run once and compared with eager off the engine loop's thread (the reader's);
+        # it switches in what agreed between two steps (`runner.adopt`).
+        runner = self.runner
         self.background = BackgroundCompile({
             "model": str(path), "device": self.device, "threads": self.settings.threads, "buckets": list(buckets),
             "cache": str(self.compiled.cache_dir), "lora_rank": self.settings.lora_rank, "lora_alpha": self._lora_alpha,
             "max_loras": self.settings.max_loras,
             # Where compiling is not certain to pay (a CPU, `auto`), each bucket is timed both ways.
-            "measure": self.settings.compile == "auto" and not self.device.startswith("cuda")}, prepare,
-            prepare_decode)
+            "measure": self.settings.compile == "auto" and not self.device.startswith("cuda")},
+            lambda rows: compiled.prepare((rows,), runner.eager), lambda: compiled.prepare_decode(runner.vae))
 
     def _adopt_compiled(self) -> None:
         """Between two steps (the engine loop's thread): the buckets the background compile has put

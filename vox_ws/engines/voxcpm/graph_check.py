@@ -7,13 +7,20 @@ So each bucket's pieces run on copies of the same state, eager and compiled, at 
 attention lengths and slot counts, and are compared: the advance's stop flags, both hidden
 states and every K and V it wrote; the CFM solve; the decode. A bucket that differs stays
 eager, and the runner says so (`CompiledStep.mismatched`, `/v1/info`, the log).
+
+The comparison touches only copies of its own (caches, inputs, carried state) and reads the
+weights, so it runs where the graphs are loaded: a background compile's reader thread
+(`CompiledStep.prepare`, `prepare_decode`), whose verdicts the thread that steps only records
+and acts on (`runner.adopt`); with LoRA slots its calls take turns with the step's
+(`RowAdapters.rows`), whose row selection they share.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-from typing import Any, Callable, NamedTuple
+from functools import partial
+from typing import Any, Callable, Mapping, NamedTuple
 
 import torch
 
@@ -120,11 +127,14 @@ def _check_advance(probe: Probe, rows: int, slots: int, length: int) -> str | No
     return None
 
 
-def check_decode(decoder: Any, rows: int, patch_size: int, seed: int = 0) -> str | None:
-    """Why `decoder`'s compiled decode (`BatchedStreamingVAE`, compiled) differs from its eager
-    decode for `rows` rows, on the same latents and carried state, or None."""
+def check_decode(decoder: Any, rows: int, patch_size: int, seed: int = 0, step: Any = None) -> str | None:
+    """Why the compiled decode `step` (`decoder`'s own by default: `BatchedStreamingVAE`, compiled)
+    differs from `decoder`'s eager decode for `rows` rows, on the same latents and carried
+    state, or None. Both run on state of their own: the decoder's carried state is only read
+    for its shapes."""
     from .vae import streaming_decode
 
+    step = step or decoder._step
     generator = torch.Generator(device="cpu").manual_seed(seed)
     state = decoder.states[0]
     latents = torch.randn(rows, decoder.vae.latent_dim, patch_size, generator=generator).to(state.device, state.dtype)
@@ -132,7 +142,7 @@ def check_decode(decoder: Any, rows: int, patch_size: int, seed: int = 0) -> str
                     for s in decoder.states)
     with torch.inference_mode(), decoder._lock:
         want_audio, want_state = streaming_decode(decoder, decoder.vae, latents, tuple(c.clone() for c in carried))
-        got_audio, got_state = decoder._step(latents, tuple(c.clone() for c in carried))
+        got_audio, got_state = step(latents, tuple(c.clone() for c in carried))
     tolerance = TOLERANCE.get(state.dtype, 4e-2)
     if difference(got_audio, want_audio) > tolerance:
         return f"the decode for {rows} rows differs from eager by {difference(got_audio, want_audio):.2e}"
@@ -142,12 +152,25 @@ def check_decode(decoder: Any, rows: int, patch_size: int, seed: int = 0) -> str
     return None
 
 
-def agreeing_buckets(compiled: Any, eager: Any, buckets: tuple[int, ...]) -> tuple[int, ...]:
+def verdict(check: Callable[..., str | None], *args: Any) -> str | None:
+    """`check(*args)` (`check_step`, `check_decode`): why the compiled piece differs from eager, or
+    None; a comparison that fails is a difference too (the graph would fail or worse on a step)."""
+    try:
+        return check(*args)
+    except Exception as exc:  # noqa: BLE001 - named where the mismatches are, never served
+        return f"the comparison with eager failed ({type(exc).__name__}: {exc})"
+
+
+def agreeing_buckets(compiled: Any, eager: Any, buckets: tuple[int, ...],
+                     verdicts: Mapping[int | str, str | None] | None = None) -> tuple[int, ...]:
     """The buckets of `compiled` whose step agrees with `eager`; each other one is named in
-    `compiled.mismatched` with why, and in the log: it stays eager."""
+    `compiled.mismatched` with why, and in the log: it stays eager. `verdicts`: the comparisons
+    made already, off the thread that steps (`CompiledStep.prepare`); a bucket not there is
+    compared now."""
     agreeing = []
     for rows in buckets:
-        why = check_step(compiled, eager, compiled.model, rows)
+        why = verdicts[rows] if verdicts is not None and rows in verdicts else verdict(
+            check_step, compiled, eager, compiled.model, rows)
         if why is None:
             agreeing.append(rows)
             continue
@@ -156,13 +179,90 @@ def agreeing_buckets(compiled: Any, eager: Any, buckets: tuple[int, ...]) -> tup
     return tuple(agreeing)
 
 
-def decode_agrees(decoder: Any, patch_size: int, mismatched: dict[str, str]) -> bool:
-    """Whether every bucket of `decoder`'s compiled decode agrees with its eager decode; where
-    one does not, it is named in `mismatched` (under "decode") and the log."""
-    for rows in decoder.buckets:
-        why = check_decode(decoder, rows, patch_size)
+def decode_mismatch(decoder: Any, patch_size: int, prepared: tuple[Any, tuple[int, ...]] | None = None
+                    ) -> str | None:
+    """Why a bucket of the compiled decode differs from `decoder`'s eager decode, or None where
+    every one agrees: `decoder`'s own compiled decode, or the graphs `prepared` holds
+    (`BatchedStreamingVAE.prepare`: loaded, not yet in use)."""
+    if prepared is None:
+        step, buckets = decoder._step, decoder.buckets
+    else:
+        graphs, buckets = prepared
+        step = partial(graphs, decoder, decoder.vae)
+    for rows in buckets:
+        why = verdict(check_decode, decoder, rows, patch_size, 0, step)
         if why is not None:
-            mismatched["decode"] = why
-            log.error("the compiled decode is not used: %s; the decode stays eager", why)
-            return False
-    return True
+            return why
+    return None
+
+
+def record_decode(why: str | None, mismatched: dict[int | str, str]) -> bool:
+    """Whether the compiled decode agreed with eager (`why`: `decode_mismatch`'s); where it did
+    not, it is named in `mismatched` (under "decode") and the log."""
+    if why is None:
+        return True
+    mismatched["decode"] = why
+    log.error("the compiled decode is not used: %s; the decode stays eager", why)
+    return False
+
+
+def check_whole_step(whole: Any, eager: Any, template: list[torch.Tensor], bucket: int, decode: bool
+                     ) -> str | None:
+    """Why the compiled whole step `whole` (`whole_step.WholeSteps`) for `bucket` rows differs
+    from `eager`, the same step uncompiled (`EagerWholeSteps`, attending through the gather), or
+    None: from two copies of the same random state (caches of `SLOT_COUNTS` slots, per-slot
+    buffers shaped as `template`'s, the runner's), its outputs (stop flags, patches and,
+    decoding, audio) and everything it wrote (K and V, the per-slot state, the VAE's carried
+    state), at attention lengths that cross blocks, for each of its timesteps. Never the
+    runner's own state: a bucket is checked on copies of its own."""
+    model, decoder = whole.model, whole.decoder
+    params = next(model.parameters())
+    device, dtype = params.device, params.dtype
+    tolerance = TOLERANCE.get(dtype, 4e-2)
+    generator = torch.Generator(device="cpu").manual_seed(bucket)
+    for slots in SLOT_COUNTS:
+        shortest = math.ceil(bucket / slots) + 1
+        for length in sorted({shortest, max(shortest, min(257, model.config.max_length))}):
+            kv = [SlotKV(lm, slots, model.config.max_length, device, dtype)
+                  for lm in (model.base_lm, model.residual_lm)]
+            first = kv[0].k + kv[0].v + kv[1].k + kv[1].v
+            for cache in first:
+                filled = torch.randn(*cache[:, :, :length].shape, generator=generator) * 0.5
+                cache.zero_()[:, :, :length] = filled.to(device, dtype)
+            buffers = [torch.randn(slots + 1, *b.shape[1:], generator=generator).to(device, b.dtype)
+                       if b.is_floating_point() else b.new_zeros((slots + 1, *b.shape[1:])) for b in template]
+            rows = torch.tensor([[i % slots, length - 1 - i // slots, 1000 + i] for i in range(bucket)],
+                                dtype=torch.long, device=device)
+            keys_at = torch.arange(length, device=device)
+            where = f"for {bucket} rows in {slots} slots at {length} positions"
+            for timesteps in sorted(t for (b, t, d) in whole.ready if b == bucket and d == decode):
+                copies = [([c.clone() for c in first], [b.clone() for b in buffers]) for _ in range(2)]
+                with torch.inference_mode():
+                    want = eager(timesteps, decode, (decoder, *copies[0], rows, keys_at))
+                    got = whole(timesteps, decode, (decoder, *copies[1], rows, keys_at))
+                if not torch.equal(got[0], want[0]):
+                    return f"the whole step's stop flags {where} differ from eager"
+                for name, a, b in zip(("patches", "audio"), got[1:], want[1:]):
+                    if difference(a, b) > tolerance:
+                        return f"the whole step's {name} {where} differ from eager by {difference(a, b):.2e}"
+                for name, written, wanted in (("K and V", copies[1][0], copies[0][0]),
+                                              ("per-slot state", copies[1][1], copies[0][1])):
+                    for a, b in zip(written, wanted):
+                        # Only the real slots: the padding slot is never read.
+                        if difference(a[:slots], b[:slots]) > tolerance:
+                            return f"the whole step's written {name} {where} differs from eager"
+    return None
+
+
+def agreeing_whole_steps(whole: Any, eager: Any, template: list[torch.Tensor], buckets: tuple[int, ...],
+                         decode: bool, mismatched: dict[int | str, str]) -> None:
+    """Leave every bucket of `whole` (`WholeSteps`, warmed up) whose step differs from `eager`
+    (the uncompiled whole step) out of its `ready` buckets (its steps then run the pieces),
+    named in `mismatched` (as "whole <rows>") and the log. Before anything is captured from it."""
+    for rows in buckets:
+        why = verdict(check_whole_step, whole, eager, template, rows, decode)
+        if why is None:
+            continue
+        whole.ready -= {entry for entry in whole.ready if entry[0] == rows and entry[2] == decode}
+        mismatched[f"whole {rows}"] = why
+        log.error("the compiled whole step for %d rows is not used: %s; it runs the step's pieces", rows, why)

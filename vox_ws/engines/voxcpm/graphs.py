@@ -312,8 +312,9 @@ class GraphsBySize:
     fast (`benchmarks/dynamic_batch.py`, docs/PERFORMANCE.md). It is for a `fn` whose batch
     enters through `rows_of` alone, where no operation needs the batch as a number: a
     convolution whose groups grow with the rows (the CPU's folded depthwise VAE) specialises it
-    to the first batch compiled, and the graph then refuses every other: met, the graph falls
-    back to one per batch size, with a warning."""
+    to the first batch compiled, and the graph then refuses every other, and the CPU's
+    FlexAttention kernel does not compile with a symbolic batch: met at a batch size's first
+    call, the graph falls back to one per batch size, with a warning."""
 
     def __init__(self, store: GraphStore, name: str, fn: Callable, *, context: str, rows_of: str,
                  dynamic: Mapping[str, int] | None = None) -> None:
@@ -326,23 +327,28 @@ class GraphsBySize:
         per_size = {k: v for k, v in (dynamic or {}).items() if k != rows_of or self._symbolic is None}
         self.dynamic = per_size or None
         self._graphs: dict[int, Callable] = {}
+        self._proven: set[int] = set()      # batch sizes the symbolic graph has served
 
     def __call__(self, *args: Any) -> Any:
-        graph = self.load(*args)
-        if self._graphs.get(SYMBOLIC_ROWS) is not graph:
-            return graph(*args)
+        rows = args[self._rows_at].shape[0]
+        if self._symbolic is None or rows < 2 or rows in self._proven:
+            return self.load(*args)(*args)
         try:
-            return graph(*args)
-        except (AssertionError, GraphMismatch) as exc:
-            # Specialised after all (by an operation this device's compiler needed the batch of):
-            # the graph checks its inputs' sizes before it computes anything, so nothing was
-            # written. A graph per batch size from now on; the warm-up runs every bucket, so
-            # this is met at start, never on a live step.
+            out = self.load(*args)(*args)
+        except Exception as exc:  # noqa: BLE001 - the graph per batch size is tried next; its error is raised
+            # Not symbolic after all: this device's compiler needed the batch as a number (a
+            # compile error, or a graph specialised to the first batch that checks its inputs'
+            # sizes before it computes anything). A graph per batch size from now on. A batch
+            # size's first call is the warm-up's, on padding rows: never a live step's.
             log.warning("graph %s is not symbolic in its batch (%s: %s): a graph per batch size instead",
                         self.name, type(exc).__name__, str(exc).splitlines()[0][:200] if str(exc) else "")
             self._symbolic = None
-            self._graphs.pop(SYMBOLIC_ROWS)
+            self._graphs.pop(SYMBOLIC_ROWS, None)
+            # The rows' tensor keeps the symbolic graph's mark on its batch: a copy has none.
+            args = (*args[:self._rows_at], args[self._rows_at].clone(), *args[self._rows_at + 1:])
             return self.load(*args)(*args)
+        self._proven.add(rows)
+        return out
 
     def load(self, *args: Any) -> Callable:
         """The graph for `args`' batch size, loaded or compiled now where it is not yet: a caller

@@ -22,6 +22,7 @@ unconditioned halves).
 
 from __future__ import annotations
 
+import threading
 from contextlib import contextmanager
 from typing import Any, Iterator
 
@@ -46,24 +47,29 @@ class RowAdapters:
         self._device = device
         self.single: int | None = None              # every row uses this slot
         self.row_slots: torch.Tensor | None = None  # [rows] long: each row's slot (`slots`: none)
+        # Held for the whole of `rows`: the selection is shared by every layer, and a thread other
+        # than the one that steps (a background compile's reader, comparing a bucket with eager)
+        # selects rows of its own; its calls and the step's take turns, never mixing selections.
+        self._selecting = threading.RLock()
 
     @contextmanager
     def rows(self, slots: list[int], gathered: bool = False) -> Iterator[None]:
         """For the calls inside: row i uses adapter slot `slots[i]` (`NO_ADAPTER`: none).
         `gathered`: every mix through the gather, none and one adapter too (a compiled graph then
-        serves them all)."""
+        serves them all). One thread's calls at a time: another thread's wait for these to end."""
         used = set(slots)
-        self.single, self.row_slots = None, None
-        if gathered or used != {NO_ADAPTER}:
-            if len(used) == 1 and not gathered:
-                self.single = slots[0]
-            else:
-                self.row_slots = to_device([self.slots if s == NO_ADAPTER else s for s in slots],
-                                           torch.device(self._device))
-        try:
-            yield
-        finally:
+        with self._selecting:
             self.single, self.row_slots = None, None
+            if gathered or used != {NO_ADAPTER}:
+                if len(used) == 1 and not gathered:
+                    self.single = slots[0]
+                else:
+                    self.row_slots = to_device([self.slots if s == NO_ADAPTER else s for s in slots],
+                                               torch.device(self._device))
+            try:
+                yield
+            finally:
+                self.single, self.row_slots = None, None
 
 
 class RowLoRALinear(nn.Module):

@@ -36,7 +36,7 @@ from .compiled import CompiledStep, EagerStep, adapted
 from .cuda_graphs import Capture, CapturedSteps, CudaCapture, length_buckets
 from .decoder_process import DecoderProcess
 from .decoding import DecodeBalance, RowDecoding  # noqa: F401 - DecodeBalance: the tests' handle on it
-from .graph_check import agreeing_buckets, decode_agrees
+from .graph_check import agreeing_buckets, agreeing_whole_steps, decode_mismatch, record_decode
 from .graphs import bucket_of
 from .kv import RowPlaces, SlotKV, key_positions
 from .lora import NO_ADAPTER, RowAdapters
@@ -44,7 +44,7 @@ from .noise import NoiseSource, row_key
 from .prompt import Prompt
 from .transfer import host_to_device, to_device
 from .vae import BatchedStreamingVAE, fold_weight_norm
-from .whole_step import StepInputs, WholeSteps
+from .whole_step import WHOLE_TIMESTEPS, EagerWholeSteps, StepInputs, WholeSteps
 
 # Same sway-sampling and CFG-zero* settings as UnifiedCFM.forward's defaults.
 # The package caps generation at this many steps per target-text token (+10).
@@ -197,11 +197,12 @@ class BatchedVoxCPM2:
         store compiles each once, and a process that wants one being compiled waits for it)."""
         if self.decoding.process is not None:
             self.decoding.process.compile(compiled.buckets, str(compiled.cache_dir), self.model.patch_size)
-        compiled.warm_up(self.base_kv, self.residual_kv, mark_ready=False)
-        compiled.ready.update(agreeing_buckets(compiled, self.eager, compiled.buckets))
-        self.vae.compile(compiled.buckets, self.model.patch_size, compiled.store)
-        if not decode_agrees(self.vae, self.model.patch_size, compiled.mismatched):
-            self.vae.uncompile()
+        # What a background compile's reader does off this thread, then what `adopt` does.
+        compiled.prepare(compiled.buckets, self.eager)
+        compiled.ready.update(agreeing_buckets(compiled, self.eager, compiled.buckets, compiled.verdicts))
+        compiled.prepare_decode(self.vae)
+        if record_decode(compiled.verdicts["decode"], compiled.mismatched):
+            self.vae.switch_to(compiled.prepared_decode)
         if compiled.whole_step:
             self.compile_whole(compiled)
             if self.device.type == "cuda":
@@ -222,20 +223,29 @@ class BatchedVoxCPM2:
         if self.whole is None:
             self.whole = WholeSteps(compiled.store, self.model, self.vae, compiled.buckets)
         # A length of 2, as no real step has less (`CompiledStep.warm_up`).
-        self.whole.warm_up(lambda bucket: _padding_step(self, bucket, 2), decode=self.decoding.process is None,
-                           buckets=buckets)
+        decode = self.decoding.process is None
+        self.whole.warm_up(lambda bucket: _padding_step(self, bucket, 2), decode=decode, buckets=buckets)
+        # Each compared with the uncompiled whole step first: one that differs is never captured nor run.
+        agreeing_whole_steps(self.whole, EagerWholeSteps(self.model, self.whole.buckets), self._buffers,
+                             buckets or self.whole.buckets, decode, compiled.mismatched)
 
     def capture_whole(self, capture: Capture, buckets: tuple[int, ...] | None = None) -> None:
         """The whole step's graphs captured (`cuda_graphs.py`) for `buckets` (default: every
-        compiled one) at every attention length, on this runner's thread only; steps replay
-        them from now on. A capture that fails leaves its bucket to the uncaptured step."""
+        compiled one) at every attention length (at one, where it attends in place), on this
+        runner's thread only; steps replay them from now on. A capture that fails leaves its
+        bucket to the uncaptured step."""
         if self.whole is None:
             raise RuntimeError("the whole step is not compiled: nothing to capture")
         if self.captured is None:
             self.captured = CapturedSteps(self.whole, self.device, capture, owner=self._thread)
-        self.captured.capture_all(lambda bucket, length: _padding_step(self, bucket, length),
-                                  buckets or self.whole.buckets, length_buckets(self.max_len),
-                                  decode=self.decoding.process is None)
+        # A step attending in place reads the whole cache whatever its rows' positions (its mask
+        # bounds the work): one capture a bucket; through the gather, one per attention length.
+        lengths = (self.max_len,) if self.whole.in_place else length_buckets(self.max_len)
+        decode = self.decoding.process is None
+        # Only what serves: a bucket that differed from the uncompiled step is never captured.
+        serving = tuple(b for b in buckets or self.whole.buckets if self.whole.serves(b, WHOLE_TIMESTEPS[0], decode))
+        self.captured.capture_all(lambda bucket, length: _padding_step(self, bucket, length), serving, lengths,
+                                  decode=decode)
 
     def adopt(self, compiled: CompiledStep, buckets: tuple[int, ...] = (), decode: bool = False) -> None:
         """Take in what a background compile put in `compiled`'s cache (`compiled` only loads),
@@ -243,22 +253,24 @@ class BatchedVoxCPM2:
         of other buckets stay eager); with `decode`, the decode too, here and in the decoder
         process (which loads them before its next decode)."""
         if buckets:
-            # Loaded and run once already off this thread (`CompiledStep.prepare`), or here now.
-            unprepared = tuple(rows for rows in buckets if rows not in compiled.compile_s)
+            # Loaded, run once and compared with the eager step off this thread already
+            # (`CompiledStep.prepare`), or here now: one that differs never serves.
+            unprepared = tuple(rows for rows in buckets if rows not in compiled.verdicts)
             if unprepared:
                 compiled.warm_up(self.base_kv, self.residual_kv, unprepared, mark_ready=False)
-            # Each compared with the eager step first: one that differs never serves.
-            compiled.ready.update(agreeing_buckets(compiled, self.eager, buckets))
+            compiled.ready.update(agreeing_buckets(compiled, self.eager, buckets, compiled.verdicts))
             self.compiled = compiled
         if decode:
-            # Loaded and run once off this thread already (`BatchedStreamingVAE.prepare`), or here now.
-            if compiled.prepared_decode is not None:
-                self.vae.switch_to(compiled.prepared_decode)
-            else:
-                self.vae.compile(compiled.buckets, self.model.patch_size, compiled.store)
-            if not decode_agrees(self.vae, self.model.patch_size, compiled.mismatched):
-                self.vae.uncompile()
+            # Loaded, run once and compared with eager off this thread already
+            # (`CompiledStep.prepare_decode`), or here now.
+            prepared = compiled.prepared_decode
+            if prepared is None:
+                prepared = self.vae.prepare(compiled.buckets, self.model.patch_size, compiled.store)
+            why = (compiled.verdicts["decode"] if "decode" in compiled.verdicts
+                   else decode_mismatch(self.vae, self.model.patch_size, prepared))
+            if not record_decode(why, compiled.mismatched):
                 return
+            self.vae.switch_to(prepared)
             if self.decoding.process is not None:
                 self.decoding.process.compile(compiled.buckets, str(compiled.cache_dir), self.model.patch_size)
 

@@ -56,8 +56,9 @@ SETTINGS = (
                                         "loads them (default: ~/.cache/vox-ws/compile)"),
     Setting("compile-buckets", parse_buckets, None, "batch sizes to compile for (default 1,2,4,...,64 up to the "
                                                     "rows a step carries; a batch runs padded up to its bucket)"),
-    Setting("cuda-graphs", parse_bool, False, "compile the whole step as one graph per bucket and replay it from CUDA "
-                                              "graphs captured at start, per bucket and attention length (a CUDA "
+    Setting("cuda-graphs", parse_bool, False, "compile the whole step and replay it from CUDA graphs captured at "
+                                              "start, one per bucket (per attention length too where the step "
+                                              "cannot attend in place) (a CUDA "
                                               "device, no LoRA slots; off until measured: "
                                               "python -m benchmarks.device_check)"),
     Setting("warm-normalizer", parse_bool, False,

@@ -113,12 +113,15 @@ def graph_context(model: nn.Module, decoder: Any, in_place: bool = False) -> str
 WHOLE_TIMESTEPS = (10,)
 
 
-def _dynamic(decode: bool, decoder: Any) -> dict[str, int]:
+def _dynamic(decode: bool, decoder: Any, in_place: bool, device: torch.device) -> dict[str, int]:
     """The whole step's symbolic sizes: the slot counts, the attention length and the batch
     (`GraphsBySize`), but for a step decoding through a VAE whose depthwise convolutions are
-    folded into one row (their groups grow with the batch: it would be specialised)."""
+    folded into one row (their groups grow with the batch: it would be specialised), and for a
+    CPU's step attending in place (its FlexAttention kernel's C++ does not compile with a
+    symbolic batch: torch 2.13, measured; a GPU's is tried, and falls back where it fails)."""
     sizes = {"caches": 0, "buffers": 0, "keys_at": 0}
-    return sizes if decode and getattr(decoder, "fold_depthwise", False) else {**sizes, "rows": 0}
+    per_bucket = (decode and getattr(decoder, "fold_depthwise", False)) or (in_place and device.type == "cpu")
+    return sizes if per_bucket else {**sizes, "rows": 0}
 
 
 class WholeSteps:
@@ -127,7 +130,8 @@ class WholeSteps:
     same speed as a graph per bucket on this CPU, a fraction of the compiling: docs/PERFORMANCE.md,
     `benchmarks/dynamic_batch.py`), but one per bucket for a step that decodes through a VAE
     whose depthwise convolutions are folded into one row (a CPU's: their groups grow with the
-    batch, which specialises it). Captured per bucket all the same (`cuda_graphs.py`). A step of
+    batch, which specialises it), and for a CPU's step attending in place. Captured per bucket
+    all the same (`cuda_graphs.py`). A step of
     rows whose bucket is `ready` runs through them. Made ahead by `warm_up`, never on a live step."""
 
     def __init__(self, store: Any, model: nn.Module, decoder: Any, buckets: tuple[int, ...],
@@ -137,15 +141,16 @@ class WholeSteps:
         from .graphs import GraphsBySize
         from .kv import in_place_attention
 
-        self.model = model
+        self.model, self.decoder = model, decoder
         self.buckets = tuple(sorted(buckets))
-        self.in_place = in_place_attention(next(model.parameters()).device) if in_place is None else in_place
+        device = next(model.parameters()).device
+        self.in_place = in_place_attention(device) if in_place is None else in_place
         context = graph_context(model, decoder, self.in_place)
         self._graphs = {
             (timesteps, decode): GraphsBySize(store, graph_name(timesteps, decode),
                                               step_function(timesteps, decode, self.in_place),
                                               context=context, rows_of="rows",
-                                              dynamic=_dynamic(decode, decoder))
+                                              dynamic=_dynamic(decode, decoder, self.in_place, device))
             for timesteps in WHOLE_TIMESTEPS for decode in (False, True)}
         self.ready: set[tuple[int, int, bool]] = set()      # (bucket, timesteps, decode)
         self.compile_s: dict[str, float] = {}
@@ -180,6 +185,7 @@ class EagerWholeSteps:
     def __init__(self, model: nn.Module, buckets: tuple[int, ...]) -> None:
         self.model = model
         self.buckets = tuple(sorted(buckets))
+        self.in_place = False
 
     def serves(self, bucket: int, timesteps: int, decode: bool) -> bool:
         return bucket in self.buckets and timesteps in WHOLE_TIMESTEPS
