@@ -570,7 +570,9 @@ def _time_cuda_graphs(torch: Any, runner: Any, compiled: Any, prompt: Any, bucke
     captured = runner.captured.describe()
     runner.whole, runner.captured = None, None
     return {"bucket": bucket, "capture_s": capture_s, "captured_ms": replayed_ms, "max_abs_diff": differences,
-            "captured_s": captured["captured_s"], "failed": captured["failed"], "lengths": captured["lengths"]}
+            "captured_s": captured["captured_s"], "failed": captured["failed"], "lengths": captured["lengths"],
+            # A compiled whole step that differed from the uncompiled one is neither run nor captured.
+            "mismatched": dict(compiled.mismatched) if compiled is not None else {}}
 
 
 def step_compiled_reload(ctx: dict) -> dict:

@@ -15,6 +15,7 @@ TEXTS = ["One sentence here.", "Another, a bit longer sentence.", "Third."]
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)     # a compile of the whole step per bucket: minutes on two shared cores
 def test_the_whole_step_compiles_as_one_graph_and_speaks_as_the_eager_step(tiny_model, tmp_path):
     """Three rows in a bucket of four: the step compiled whole (`GraphStore` compiles with
     `fullgraph=True`: a graph break is an error), every step of theirs through it, their audio

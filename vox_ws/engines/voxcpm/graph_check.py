@@ -220,38 +220,46 @@ def check_whole_step(whole: Any, eager: Any, template: list[torch.Tensor], bucke
     device, dtype = params.device, params.dtype
     tolerance = TOLERANCE.get(dtype, 4e-2)
     generator = torch.Generator(device="cpu").manual_seed(bucket)
+    timesteps_ready = sorted(t for (b, t, d) in whole.ready if b == bucket and d == decode)
     for slots in SLOT_COUNTS:
         shortest = math.ceil(bucket / slots) + 1
         for length in sorted({shortest, max(shortest, min(257, model.config.max_length))}):
-            kv = [SlotKV(lm, slots, model.config.max_length, device, dtype)
-                  for lm in (model.base_lm, model.residual_lm)]
-            first = kv[0].k + kv[0].v + kv[1].k + kv[1].v
-            for cache in first:
-                filled = torch.randn(*cache[:, :, :length].shape, generator=generator) * 0.5
-                cache.zero_()[:, :, :length] = filled.to(device, dtype)
-            buffers = [torch.randn(slots + 1, *b.shape[1:], generator=generator).to(device, b.dtype)
-                       if b.is_floating_point() else b.new_zeros((slots + 1, *b.shape[1:])) for b in template]
-            rows = torch.tensor([[i % slots, length - 1 - i // slots, 1000 + i] for i in range(bucket)],
-                                dtype=torch.long, device=device)
-            keys_at = torch.arange(length, device=device)
-            where = f"for {bucket} rows in {slots} slots at {length} positions"
-            for timesteps in sorted(t for (b, t, d) in whole.ready if b == bucket and d == decode):
-                copies = [([c.clone() for c in first], [b.clone() for b in buffers]) for _ in range(2)]
+            for timesteps in timesteps_ready:
+                want_state = _random_whole_state(model, template, slots, length, generator)
+                got_state = tuple([t.clone() for t in part] for part in want_state)
+                rows = torch.tensor([[i % slots, length - 1 - i // slots, 1000 + i] for i in range(bucket)],
+                                    dtype=torch.long, device=device)
+                keys_at = torch.arange(length, device=device)
                 with torch.inference_mode():
-                    want = eager(timesteps, decode, (decoder, *copies[0], rows, keys_at))
-                    got = whole(timesteps, decode, (decoder, *copies[1], rows, keys_at))
+                    want = eager(timesteps, decode, (decoder, *want_state, rows, keys_at))
+                    got = whole(timesteps, decode, (decoder, *got_state, rows, keys_at))
+                where = f"for {bucket} rows in {slots} slots at {length} positions"
                 if not torch.equal(got[0], want[0]):
                     return f"the whole step's stop flags {where} differ from eager"
                 for name, a, b in zip(("patches", "audio"), got[1:], want[1:]):
                     if difference(a, b) > tolerance:
                         return f"the whole step's {name} {where} differ from eager by {difference(a, b):.2e}"
-                for name, written, wanted in (("K and V", copies[1][0], copies[0][0]),
-                                              ("per-slot state", copies[1][1], copies[0][1])):
+                for name, written, wanted in zip(("K and V", "per-slot state"), got_state, want_state):
                     for a, b in zip(written, wanted):
                         # Only the real slots: the padding slot is never read.
                         if difference(a[:slots], b[:slots]) > tolerance:
                             return f"the whole step's written {name} {where} differs from eager"
     return None
+
+
+def _random_whole_state(model: Any, template: list[torch.Tensor], slots: int, length: int,
+                        generator: torch.Generator) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """A whole step's caches (`slots` KV slots, random K and V before `length`) and per-slot
+    buffers shaped as `template`'s, random: on the model's device, none of the runner's."""
+    params = next(model.parameters())
+    device, dtype = params.device, params.dtype
+    kv = [SlotKV(lm, slots, model.config.max_length, device, dtype) for lm in (model.base_lm, model.residual_lm)]
+    caches = kv[0].k + kv[0].v + kv[1].k + kv[1].v
+    for cache in caches:
+        cache[:, :, :length] = (torch.randn(*cache[:, :, :length].shape, generator=generator) * 0.5).to(device, dtype)
+    buffers = [torch.randn(slots + 1, *b.shape[1:], generator=generator).to(device, b.dtype)
+               if b.is_floating_point() else b.new_zeros((slots + 1, *b.shape[1:])) for b in template]
+    return caches, buffers
 
 
 def agreeing_whole_steps(whole: Any, eager: Any, template: list[torch.Tensor], buckets: tuple[int, ...],
