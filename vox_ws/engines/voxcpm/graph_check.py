@@ -179,16 +179,11 @@ def agreeing_buckets(compiled: Any, eager: Any, buckets: tuple[int, ...],
     return tuple(agreeing)
 
 
-def decode_mismatch(decoder: Any, patch_size: int, prepared: tuple[Any, tuple[int, ...]] | None = None
-                    ) -> str | None:
-    """Why a bucket of the compiled decode differs from `decoder`'s eager decode, or None where
-    every one agrees: `decoder`'s own compiled decode, or the graphs `prepared` holds
-    (`BatchedStreamingVAE.prepare`: loaded, not yet in use)."""
-    if prepared is None:
-        step, buckets = decoder._step, decoder.buckets
-    else:
-        graphs, buckets = prepared
-        step = partial(graphs, decoder, decoder.vae)
+def decode_mismatch(decoder: Any, patch_size: int, prepared: tuple[Any, tuple[int, ...]]) -> str | None:
+    """Why a bucket of the compiled decode `prepared` holds (`BatchedStreamingVAE.prepare`:
+    loaded, not yet in use) differs from `decoder`'s eager decode, or None where every one agrees."""
+    graphs, buckets = prepared
+    step = partial(graphs, decoder, decoder.vae)
     for rows in buckets:
         why = verdict(check_decode, decoder, rows, patch_size, 0, step)
         if why is not None:

@@ -131,11 +131,6 @@ class BatchedStreamingVAE:
                               context=self.graph_context(), rows_of="latents")
         return graphs, tuple(sorted(set(buckets)))
 
-    def uncompile(self) -> None:
-        """Decode eager again (a compiled decode that disagreed with it: `graph_check`)."""
-        self._step = self._decode_carried
-        self.buckets = ()
-
     def graph_context(self) -> str:
         """What a compiled decode depends on besides the VAE's modules: its class and its plain
         settings (the output sample rate becomes a constant of the graph). The same in the
