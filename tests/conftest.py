@@ -64,6 +64,12 @@ class RunningServer:
     def devices(self):
         return self.server.devices
 
+    @property
+    def engine_loops(self):
+        """Each engine's own engine loop, on its side of the boundary (the server's are stand-ins,
+        `EngineProxy`): what a test holds the engine's thread with, or reads the slot queue of."""
+        return [proxy.launcher.host.loop for proxy in self.devices.loops]
+
     def wait_ready(self, timeout: float = 120.0) -> None:
         assert self.devices.ready_event.wait(timeout), "engine did not load in time"
         assert self.devices.status == "ready", self.devices.error
@@ -435,14 +441,49 @@ def loaded_loop(engine, slots=4, max_queue=8):
     return loop
 
 
+class HostedEngine:
+    """An engine served on a thread of this process behind its stand-in (`EngineProxy`), as a
+    server serves an engine object: the stream service under test talks to `proxy` over the same
+    socket and messages as to an engine process. The stand-in runs on an event loop of its own
+    (its verbs are thread-safe), so one may serve every test of a module."""
+
+    def __init__(self, engine: Engine, slots: int = 4, max_queue: int = 8) -> None:
+        from vox_ws.engine_process.launch import InProcess
+        from vox_ws.engine_process.proxy import EngineProxy
+        from vox_ws.engine_process.spec import LoopSettings
+
+        self.engine = engine
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="test-engine-host", daemon=True)
+        self._thread.start()
+        self.launcher = InProcess(engine, LoopSettings(slots, max_queue))
+        self.proxy = EngineProxy(self.launcher, engine.name, engine.options)
+
+        async def start() -> None:
+            self.proxy.start()
+
+        asyncio.run_coroutine_threadsafe(start(), self.loop).result(30)
+        assert self.proxy.ready_event.wait(WAIT_TIMEOUT) and self.proxy.status == "ready", self.proxy.error
+
+    @property
+    def engine_loop(self):
+        """The engine's own loop, on its side of the boundary."""
+        return self.launcher.host.loop
+
+    def stop(self) -> None:
+        self.proxy.stop(10.0)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(10)
+
+
 @pytest.fixture(scope="module")
 def voxcpm_loop(tiny_model):
-    """An engine loop on the tiny VoxCPM2, loaded, for a module's tests of the service on it."""
+    """The tiny VoxCPM2, loaded behind its stand-in, for a module's tests of the service on it."""
     from vox_ws.engines.voxcpm.engine import VoxCPMEngine
 
-    loop = loaded_loop(VoxCPMEngine(model=str(tiny_model), device="cpu", slots=2), slots=2)
-    yield loop
-    loop.stop()
+    hosted = HostedEngine(VoxCPMEngine(model=str(tiny_model), device="cpu", slots=2), slots=2)
+    yield hosted.proxy
+    hosted.stop()
 
 
 @pytest.fixture(scope="session")

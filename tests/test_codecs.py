@@ -13,7 +13,7 @@ import pytest
 import soundfile
 import soxr
 
-from conftest import WAIT_TIMEOUT, connect_client, wait_until
+from conftest import HostedEngine, connect_client, wait_until
 from helpers import LONG, SENTENCE, decode_file, flac_streaminfo, service_on
 from vox_ws.codecs import CODECS, OutputPipeline
 from vox_ws.engines.piper import PiperEngine
@@ -196,7 +196,6 @@ async def test_cancelled_codec_streams_free_their_ffmpeg_threads_without_the_gar
     import os
     import threading
 
-    from vox_ws.scheduling.loop import EngineLoop
     from vox_ws.service import Audio, AudioOutput, StreamRequest
 
     def threads() -> int:
@@ -204,9 +203,8 @@ async def test_cancelled_codec_streams_free_their_ffmpeg_threads_without_the_gar
         python = {str(t.native_id) for t in threading.enumerate()}
         return len(set(os.listdir("/proc/self/task")) - python)
 
-    scheduler = EngineLoop(PiperEngine(), slots=4)
-    scheduler.start()
-    assert scheduler.ready_event.wait(WAIT_TIMEOUT)
+    hosted = HostedEngine(PiperEngine(), slots=4)
+    scheduler = hosted.proxy
     service = await service_on(scheduler)
     warm = service.open_stream(StreamRequest(SENTENCE, output=AudioOutput("mp3", speed=1.5)))
     async for _ in warm:
@@ -230,5 +228,5 @@ async def test_cancelled_codec_streams_free_their_ffmpeg_threads_without_the_gar
         await wait_until(lambda: threads() <= before)
     finally:
         gc.enable()
-    scheduler.stop()
+    hosted.stop()
     await service.close()

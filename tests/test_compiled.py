@@ -844,7 +844,7 @@ def test_the_servers_shutdown_gives_a_stopped_compile_child_what_its_budget_has_
 
     running, engine, child = serve("first")
     shutdown(running, 0.0)
-    running.devices.loops[0]._thread.join(WAIT_TIMEOUT)        # the engine's close, after the budget
+    running.engine_loops[0]._thread.join(WAIT_TIMEOUT)        # the engine's close, after the budget
     assert engine.background._process.returncode == -signal.SIGKILL and _gone(child)
 
     running, engine, child = serve("second")

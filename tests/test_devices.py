@@ -10,8 +10,8 @@ import pytest
 from conftest import connect_client
 from helpers import tone_wav
 from vox_ws.engine import EngineFailure
+from vox_ws.engine_process.devices import parse_devices
 from vox_ws.engines.voxcpm.engine import VoxCPMEngine
-from vox_ws.scheduling.devices import parse_devices
 from vox_ws.testing.tone import ToneEngine
 
 # The full lane runs these, not the quick one: together they took a minute or more of it (CONTRIBUTING.md, "Tests").

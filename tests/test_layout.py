@@ -119,9 +119,13 @@ def test_the_package_root_holds_only_its_listed_modules():
 # the engines; the command line sits above everything, the clients beside the server.
 DOORS = ("vox_ws.transports", "vox_ws.session", "vox_ws.server")
 ABOVE = {
-    "vox_ws.engines": ("vox_ws.scheduling", "vox_ws.service", *DOORS, "vox_ws.commands", "vox_ws.clients"),
-    "vox_ws.alignment": ("vox_ws.scheduling", "vox_ws.service", *DOORS, "vox_ws.commands", "vox_ws.clients"),
-    "vox_ws.scheduling": ("vox_ws.service", *DOORS, "vox_ws.commands", "vox_ws.clients"),
+    "vox_ws.engines": ("vox_ws.scheduling", "vox_ws.engine_process", "vox_ws.service", *DOORS, "vox_ws.commands",
+                       "vox_ws.clients"),
+    "vox_ws.alignment": ("vox_ws.scheduling", "vox_ws.engine_process", "vox_ws.service", *DOORS,
+                         "vox_ws.commands", "vox_ws.clients"),
+    "vox_ws.scheduling": ("vox_ws.engine_process", "vox_ws.service", *DOORS, "vox_ws.commands", "vox_ws.clients"),
+    # The boundary: the server's stand-ins and the engine process's host, under the stream service.
+    "vox_ws.engine_process": ("vox_ws.service", *DOORS, "vox_ws.commands", "vox_ws.clients"),
     "vox_ws.service": (*DOORS, "vox_ws.commands", "vox_ws.clients"),
     "vox_ws.transports": ("vox_ws.server", "vox_ws.commands", "vox_ws.clients"),
 }
@@ -134,7 +138,8 @@ def _wrong_arrows(layer: str, forbidden: tuple[str, ...]) -> list[str]:
 
 
 def test_lower_layers_never_import_the_doors_or_the_service():
-    """Data flows one way: engines and the scheduler know nothing of the stream service, the
+    """Data flows one way: engines and the scheduler know nothing of the engine process's
+    boundary, the stream service, the
     front doors or the server; the service knows nothing of the doors; the doors nothing of the
     server that assembles them; none of them anything of the command line."""
     wrong = [arrow for layer, forbidden in ABOVE.items() for arrow in _wrong_arrows(layer, forbidden)]

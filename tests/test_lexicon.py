@@ -20,7 +20,7 @@ import pytest
 
 from conftest import assert_good_stream, connect_client, wait_until
 from vox_ws.engine import ErrorKind, Refused
-from vox_ws.service.lexicon import (
+from vox_ws.engines.lexicon import (
     MAX_ENTRY_CHARS,
     MAX_LEXICON_BYTES,
     MAX_LEXICON_ENTRIES,
@@ -245,7 +245,7 @@ def test_matching_walks_a_phrase_at_most_per_word_whatever_the_entries():
     """2,000 phrases that all start with "the" and a text of "the" 1,250 times (the attack that
     held the loop 1.6-2.3 s): the same matches as ever, now from a trie walked at most
     MAX_PHRASE_WORDS words from each word."""
-    from vox_ws.service.lexicon import MAX_PHRASE_WORDS
+    from vox_ws.engines.lexicon import MAX_PHRASE_WORDS
 
     phrases = [entry({"match": f"the the word{n}", "say": f"x{n}"}, "x") for n in range(2000)]
     lexicon = Lexicon([*phrases, entry({"match": "the the", "say": "both"}, "x")])

@@ -73,7 +73,7 @@ def stream_speech(client: openai.OpenAI, text: str = TEXT, on_first=None, **fiel
 def test_every_format_streams_and_decodes(client, piper_server, fmt):
     """The first bytes reach the client while the text is still being spoken: the engine
     thread is held before its second step until they have (whatever the machine's speed)."""
-    (scheduler,) = piper_server.server.devices.loops
+    (scheduler,) = piper_server.engine_loops
     second_step = threading.Event()
     steps = []
 

@@ -10,7 +10,7 @@ import msgpack
 import pytest
 from websockets.asyncio.client import connect
 
-from conftest import WAIT_TIMEOUT, assert_good_stream, connect_client, wait_until
+from conftest import HostedEngine, assert_good_stream, connect_client, wait_until
 from helpers import LONG, SENTENCE, service_on
 from vox_ws.engines.piper import PiperEngine
 
@@ -21,12 +21,10 @@ async def test_a_lookahead_keeps_the_stream_within_it_of_a_real_time_clock(start
     `lookahead_s` ahead of a real-time playback clock started at the first audio (a slower
     machine only keeps it further behind)."""
 
-    from vox_ws.scheduling.loop import EngineLoop
     from vox_ws.service import Audio, AudioOutput, Ended, StreamRequest
 
-    scheduler = EngineLoop(PiperEngine(), slots=2)
-    scheduler.start()
-    assert scheduler.ready_event.wait(WAIT_TIMEOUT)
+    hosted = HostedEngine(PiperEngine(), slots=2)
+    scheduler = hosted.proxy
     service = await service_on(scheduler)
     lookahead = 0.5
     stream = service.open_stream(StreamRequest(LONG[:240], output=AudioOutput("s16", lookahead_s=lookahead)))
@@ -42,7 +40,7 @@ async def test_a_lookahead_keeps_the_stream_within_it_of_a_real_time_clock(start
     assert isinstance(last, Ended) and handed > 3 * lookahead
     with pytest.raises(Exception, match="'lookahead_s' must be in"):
         service.open_stream(StreamRequest(SENTENCE, output=AudioOutput("s16", lookahead_s=0.0)))
-    scheduler.stop()
+    hosted.stop()
     await service.close()
 
 

@@ -273,7 +273,7 @@ async def test_slots_measured_on_a_busy_machine_are_measured_again_and_follow_th
     policy = RemeasurePolicy(contended_below=2.0, backoff_s=(30.0, 60.0, 120.0), clock=clock)
     engine = PiperEngine(remeasure=policy)
     server = start_server(engine, slots=None)
-    loop = server.devices.loops[0]
+    (loop,) = server.engine_loops
     info = server.get("/v1/info")[1]
     first = info["slots_measure"]
     assert first["contended"] and first["remeasures"] == 0 and first["next_at"] is not None

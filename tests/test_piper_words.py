@@ -109,7 +109,7 @@ async def test_a_cancel_reports_the_words_heard_of_the_cut_segment(piper_server)
     delivered, and the engine thread waits after the second step (before delivering it) until
     the test has cancelled."""
     text = "This one long sentence goes on and on for quite a while so that it is cut short in the middle."
-    (scheduler,) = piper_server.server.devices.loops
+    (scheduler,) = piper_server.engine_loops
     observe = scheduler.on_step                                # the server's metrics
     held = threading.Event()
     steps = []

@@ -88,7 +88,7 @@ async def test_concurrent_streams_are_batched_and_match_the_package(voxcpm_serve
     step batches them, and each stream's audio equals the package's output for that request
     alone. The joins are certain whatever the machine's speed: after the first stream's step 1,
     and again after step 4, the engine thread waits until the test has queued the next stream."""
-    (scheduler,) = voxcpm_server.server.devices.loops
+    (scheduler,) = voxcpm_server.engine_loops
     plan = [("First stream, longest text of all of them.", 101, 20),
             ("Second one.", 202, 14),
             ("Third stream joins later.", 303, 10)]
@@ -136,7 +136,7 @@ async def test_with_more_slots_than_rows_each_stream_is_still_the_packages(start
     from vox_ws.engines.voxcpm.engine import VoxCPMEngine
 
     server = start_server(VoxCPMEngine(model=str(tiny_model), device="cpu", slots=4, step_rows=2), slots=4)
-    (scheduler,) = server.server.devices.loops
+    (scheduler,) = server.engine_loops
     sizes: list[int] = []
     observe = scheduler.on_step
 

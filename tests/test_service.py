@@ -7,19 +7,20 @@ import asyncio
 import numpy as np
 import pytest
 
-from conftest import loaded_loop, wait_until
+from conftest import HostedEngine, wait_until
 from helpers import LONG, SENTENCE, audio_of, drain, service_on, tone_wav
 from vox_ws.engine import EndReason, ErrorKind, Refused
+from vox_ws.engine_process.launch import InProcess
+from vox_ws.engine_process.proxy import EngineProxy
 from vox_ws.engines.piper import PiperEngine
-from vox_ws.scheduling.loop import EngineLoop
 from vox_ws.service import Audio, AudioOutput, Ended, Failed, Flushed, Segment, StreamRequest
 
 
 @pytest.fixture(scope="module")
 def piper_scheduler():
-    scheduler = loaded_loop(PiperEngine())
-    yield scheduler
-    scheduler.stop()
+    hosted = HostedEngine(PiperEngine())
+    yield hosted.proxy
+    hosted.stop()
 
 
 # ------------------------------------------------------------------ Piper
@@ -115,10 +116,11 @@ async def test_a_consumer_that_stops_taking_pauses_generation_then_fails_slow(pi
     service = await service_on(piper_scheduler, max_buffered_audio_s=1.0, write_stall_timeout_s=1.0)
     stream = service.open_stream(StreamRequest(LONG * 2))
     await wait_until(lambda: stream.chunks >= 1)
-    steps = piper_scheduler.steps_total
+    engine_loop = piper_scheduler.launcher.host.loop            # the engine's own, in its process
+    steps = engine_loop.steps_total
     await asyncio.sleep(0.5)
     # Paused: at most the step that was running when the backlog filled.
-    assert piper_scheduler.steps_total <= steps + 1
+    assert engine_loop.steps_total <= steps + 1
     # Nothing is taken: after write_stall_timeout_s the stream fails, before anything is read.
     await wait_until(lambda: stream.done)
     events = await drain(stream)
@@ -166,18 +168,20 @@ async def test_refusals_are_typed(piper_scheduler):
 
 
 async def test_full_queue_is_busy_and_a_loading_engine_not_ready():
-    scheduler = loaded_loop(PiperEngine(), slots=1, max_queue=1)
-    service = await service_on(scheduler)
+    hosted = HostedEngine(PiperEngine(), slots=1, max_queue=1)
+    service = await service_on(hosted.proxy)
     streams = [service.open_stream(StreamRequest(LONG)), service.open_stream(StreamRequest(LONG))]
     assert [s.queued for s in streams] == [0, 1]
-    with pytest.raises(Refused) as info:
-        service.open_stream(StreamRequest(LONG))
-    assert info.value.kind == ErrorKind.BUSY
+    # The engine's slot queue refuses the third (in its process, where the queue is): the stream
+    # opens and fails at once, saying when a place should free.
+    refused = await drain(service.open_stream(StreamRequest(LONG)))
+    assert [type(e) for e in refused] == [Failed] and refused[0].kind == ErrorKind.BUSY
+    assert refused[0].retry_after_s is not None
     for stream in streams:
         stream.cancel()
-    scheduler.stop()
+    hosted.stop()
     await service.close()
-    not_loaded = EngineLoop(PiperEngine())
+    not_loaded = EngineProxy(InProcess(PiperEngine()), "piper")         # never started: loading
     service = await service_on(not_loaded)
     with pytest.raises(Refused) as info:
         service.open_stream(StreamRequest("Hi."))
@@ -192,9 +196,9 @@ async def test_full_queue_is_busy_and_a_loading_engine_not_ready():
 def voxcpm_scheduler(tiny_model):
     from vox_ws.engines.voxcpm.engine import VoxCPMEngine
 
-    scheduler = loaded_loop(VoxCPMEngine(model=str(tiny_model), device="cpu", slots=4))
-    yield scheduler
-    scheduler.stop()
+    hosted = HostedEngine(VoxCPMEngine(model=str(tiny_model), device="cpu", slots=4))
+    yield hosted.proxy
+    hosted.stop()
 
 
 async def test_voxcpm_streams_batched_with_options_and_cloned_voice(voxcpm_scheduler):

@@ -203,7 +203,7 @@ async def test_busy_refusals_carry_a_retry_hint_from_the_queues_pace_that_shrink
     # One slot, one queue place; while the gate is held, the stream in the slot keeps it.
     engine = HeldTone()
     server = start_server(engine, slots=1, max_queue=1, max_queue_wait_s=None)
-    scheduler = server.devices.loops[0]
+    scheduler = server.engine_loops[0]
     async with connect_client(server) as c:
         assert_good_stream(await c.speak("Measured first.", "first"))        # a hold is measured
     await wait_until(lambda: scheduler.queue.pace.observed >= 1)

@@ -785,7 +785,7 @@ async def test_one_client_over_wyoming_and_v1_is_one_owner_to_the_fair_shares(wy
     await async_write_event(Synthesize(text=LONG).event(), writer)
     async with connect_client(wyoming_patient) as c:
         await c.send({"type": "start", "id": "v1", "text": LONG})
-        scheduler = wyoming_patient.server.devices.loops[0]
+        scheduler = wyoming_patient.engine_loops[0]
 
         def owners() -> list[str]:
             with scheduler._cond:

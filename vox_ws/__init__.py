@@ -27,12 +27,14 @@ MOVED = {
     "vox_ws.compile_ahead": "vox_ws.commands.compile_ahead",
     "vox_ws.compile_workers": "vox_ws.engines.voxcpm.compile_workers",
     "vox_ws.cpus": "vox_ws.engines.cpus",
-    "vox_ws.lexicon": "vox_ws.service.lexicon",
+    "vox_ws.lexicon": "vox_ws.engines.lexicon",
     "vox_ws.logs": "vox_ws.commands.logs",
     "vox_ws.memory": "vox_ws.service.memory",
     "vox_ws.metrics": "vox_ws.service.metrics",
     "vox_ws.models": "vox_ws.commands.models",
     "vox_ws.playback": "vox_ws.clients.playback",
+    "vox_ws.scheduling.devices": "vox_ws.engine_process.devices",
+    "vox_ws.service.lexicon": "vox_ws.engines.lexicon",
 }
 
 

@@ -128,7 +128,7 @@ class ServerConfig:
     wyoming: str | None = None
     # Advertise the Wyoming door on the local network (zeroconf) under this name.
     zeroconf: str | None = None
-    # The server's pronunciations (a JSON or TSV file, vox_ws/service/lexicon.py); reloaded on SIGHUP
+    # The server's pronunciations (a JSON or TSV file, vox_ws/engines/lexicon.py); reloaded on SIGHUP
     # and by `POST /v1/lexicon` with an admin token.
     lexicon: str | None = None
     # Where word times come from: auto (the engine's own, else the aligner's), aligned (the
@@ -140,6 +140,15 @@ class ServerConfig:
     # three times what Piper speaks on a whole 2-core host (14.6 s of audio, 5 sentences, a
     # second); two held 122 real-time streams. One per CPU, as before, was 12 GB on a 96-CPU node.
     aligners: int = 2
+    # Engine processes started on each device (`--engines-per-device`: several share one GPU
+    # under CUDA MPS); their CPUs, one list per engine process ("0-3;4-7"), the server taking the
+    # rest (None: chosen where several engine processes share the machine: `placement.py`).
+    engines_per_device: int = 1
+    engine_cpus: str | None = None
+    # An engine process that dies is started again, after a back-off, unless it died this many
+    # times within `engine_restart_window` seconds: the server then stops (exit code 3).
+    engine_restarts: int = 5
+    engine_restart_window: float = 600.0
     limits: Limits = field(default_factory=Limits)
 
     def engine_options(self) -> dict[str, Any]:

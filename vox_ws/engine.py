@@ -329,6 +329,21 @@ class Voices:
     def delete(self, voice_id: str) -> bool:
         return False
 
+    def registered(self) -> list[str]:
+        """The cloned voices built here, by id (`has` is true of each)."""
+        return []
+
+    def summary(self, pin: Any) -> Any:
+        """What of a pin (`pin`'s answer) the engine's text rules read, as plain data (numbers,
+        strings, lists, maps); None where they read nothing. The server's copy of the engine, in
+        another process than the model's, hands its text rules this where the engine hands its
+        own the pin (`TextRules.portable`)."""
+        return None
+
+    def not_served(self) -> dict[str, str]:
+        """Voices found (on disk) that are not served, and why: a stream naming one is told so."""
+        return {}
+
     # Built-in voices read from disk may change while the server runs (Piper's voices folder):
     # the stream service reads them again on SIGHUP, and where this is set polls `disk_stamp`
     # every so many seconds (`service.voices.rescans`). None: never polled.
@@ -409,6 +424,19 @@ class TextRules:
         if item.ipa is not None and not self.engine.takes_phonemes:
             raise Refused(ErrorKind.UNSUPPORTED, f"pronunciation {item.match!r}: engine {self.engine.name} cannot "
                                                  "say IPA phonemes; give a respelling ('say')")
+
+    def check(self, request: GenerationRequest, pin: Any) -> None:
+        """Refuse a request whose text this engine cannot take (too long for its context, say),
+        `pin` being its voice's pin (or its `Voices.summary`, in the server's copy). Cheap: the
+        event loop calls it (`Engine.check`). The default: any text."""
+
+    def portable(self) -> tuple[str, dict[str, Any]] | None:
+        """How the server process, which has no model, makes its own copy of these rules: a
+        class (`"module:Class"`, importable without torch or any model library) whose
+        `from_settings(engine, settings)` takes the plain `settings` given here, its `engine`
+        then being the server's copy (`engine_process/view.py`), its pins `Voices.summary`s.
+        None: the server's copy follows the base rules (one piece, as written)."""
+        return None
 
 
 class Loras:
@@ -549,6 +577,7 @@ class Engine(ABC):
         request is queued, so it must be cheap."""
         if request.voice_pin is None:
             self.voices.check(request.voice)
+        self.text.check(request, request.voice_pin)
 
     def slots(self) -> tuple[int, str]:
         """After `load`: how many streams this device should serve at once (its engine loop's

@@ -19,8 +19,12 @@ import uvicorn
 
 from .config import ServerConfig
 from .engine import Engine, ErrorKind, Readiness
-from .scheduling.devices import Devices
-from .scheduling.loop import EngineLoop
+from .engine_process.devices import Devices
+from .engine_process.launch import EngineProcesses, InProcess, Launcher
+from .engine_process.proxy import EngineProxy
+from .engine_process.restarts import RestartPolicy
+from .engine_process.spec import EngineSpec, LoopSettings
+from .engines import plugins
 from .service import StreamService
 from .service.metrics import Metrics
 from .service.service import store_limits
@@ -103,15 +107,16 @@ class _Uvicorn(uvicorn.Server):
 
 
 class VoxServer:
-    """One listening socket, one engine loop per device (one copy of the model each), every front door."""
+    """One listening socket, one engine per device (one copy of the model each), every front door.
+    An engine is given as an `EngineSpec` (what `vox-ws serve` gives: it runs in a process of its
+    own) or as an `Engine` object (served on a thread of this process, over the same messages:
+    tests, embedding)."""
 
-    def __init__(self, config: ServerConfig, engines: Engine | list[Engine]) -> None:
+    def __init__(self, config: ServerConfig, engines: Engine | EngineSpec | list[Engine] | list[EngineSpec]) -> None:
         self.config = config
-        engines = engines if isinstance(engines, list) else [engines]
-        self.engine = engines[0]
-        self.devices = Devices([EngineLoop(engine, slots=config.slots, max_queue=config.limits.max_queue,
-                                          on_fatal=self._engine_died, max_share=config.max_share,
-                                          max_wait_s=config.limits.max_queue_wait_s) for engine in engines])
+        given = engines if isinstance(engines, list) else [engines]
+        self.devices = Devices([self._proxy(engine) for engine in given])
+        self.engine = self.devices.engines[0]
         self.metrics = Metrics(config.metrics_secret.encode() if config.metrics_secret else None)
         store = open_store(config.voice_store, store_limits(config.limits, int(config.voice_store_max_mb * 2**20)))
         cors_origins(config.cors_origins, config.allow_origins)      # refused before anything starts
@@ -130,7 +135,8 @@ class VoxServer:
             ready=lambda: 1.0 if self.state.ready() else 0.0,
         )
         for index, engine_loop in enumerate(self.devices.loops):
-            engine_loop.on_step = self.metrics.observe_step
+            engine_loop.replay.on_step = self.metrics.observe_step
+            engine_loop.on_period = self.metrics.observe_period
             self.metrics.bind_device(index, engine_loop.engine.device, engine_loop.stats)
         self.exit_code = 0
         self._uvicorn: _Uvicorn | None = None
@@ -147,6 +153,22 @@ class VoxServer:
                 self.wyoming = door(config.wyoming, self.service, self.proxies, config.ipv6_prefix)
             except ValueError as exc:                 # the wyoming library's word on the URI
                 raise ValueError(f"--wyoming {config.wyoming!r}: {exc}") from None
+
+    def _proxy(self, engine: Engine | EngineSpec) -> EngineProxy:
+        config = self.config
+        launcher: Launcher
+        if isinstance(engine, EngineSpec):
+            launcher = EngineProcesses(engine)
+            plugin = plugins().get(engine.plugin)
+            name, options = engine.plugin, plugin.options if plugin is not None else {}
+        else:
+            limits = config.limits
+            launcher = InProcess(engine, LoopSettings(config.slots, limits.max_queue, config.max_share,
+                                                      limits.max_queue_wait_s))
+            name, options = engine.name, engine.options
+        return EngineProxy(launcher, name, options, on_fatal=self._engine_died,
+                           restart_policy=RestartPolicy(max_deaths=config.engine_restarts,
+                                                        window_s=config.engine_restart_window))
 
     @property
     def sessions(self) -> set[OpenSession]:
@@ -170,6 +192,7 @@ class VoxServer:
         await self.service.start()
         self.devices.start()
         try:
+            await self.devices.created()          # an engine its settings cannot build: said, exit 2
             await self._open_doors()
         except BaseException:
             # What had started is stopped (the engine's worker, a door already listening): the
@@ -313,12 +336,12 @@ class VoxServer:
         return await self.service.voice_rescans.rescan()
 
     def _engine_died(self, exc: BaseException, during_load: bool) -> None:
-        # Called on a engine loop's thread. A failed load keeps the server up, answering 503 with
-        # the reason, so an operator can read it. A dead engine thread cannot be trusted to
-        # reload in-process (CUDA context, half-freed state): its streams have been told
-        # (`unavailable`; `internal` where the thread crashed) and its device takes no more streams.
-        # While another device serves, the server goes on with it (`/v1/info` shows the failed
-        # device); once none is left,
+        # Called on the event loop, for an engine that will not serve again. A failed load keeps
+        # the server up, answering 503 with the reason, so an operator can read it. An engine
+        # process that died is started again (`EngineProxy`), unless it died too often: then,
+        # as for an engine on this process's thread that failed, its device takes no more
+        # streams (its streams were told `unavailable`). While another device serves, the
+        # server goes on with it (`/v1/info` shows the failed one); once none is left,
         # readiness is 503 and the process exits with code 3 for its supervisor.
         if during_load or self.devices.status == Readiness.READY:
             if not during_load:

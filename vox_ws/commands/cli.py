@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import functools
 import logging
 import os
 import sys
@@ -135,6 +136,14 @@ _SERVE_OPTIONS: list[tuple[str, Callable[[str], Any], Any, str]] = [
     ("aligners", _positive, ServerConfig.aligners, "aligner processes (word times for engines without "
                                                   "their own) at most, each ~125 MB, started as segments need "
                                                   "them; never more than the CPUs of the container's quota"),
+    ("engines-per-device", _positive, 1, "engine processes on each device (several share one GPU under CUDA "
+                                        "MPS, started before the server: docs/DEPLOY.md)"),
+    ("engine-cpus", str, None, "the CPUs of each engine process, one list per process, e.g. 0-3;4-7 (the server "
+                               "takes the rest); default: where several engine processes share the machine, each "
+                               "gets cores of its own, the server the rest"),
+    ("engine-restarts", _positive, 5, "an engine process that dies is started again, unless it died this many "
+                                      "times within --engine-restart-window seconds: the server then stops, exit 3"),
+    ("engine-restart-window", float, 600.0, "seconds over which an engine process's deaths are counted"),
     ("demo-dir", str, None, "directory of the browser demo served at / (default: web/demo of the source tree)"),
     ("zeroconf", str, None, "advertise the Wyoming door on the local network (zeroconf, _wyoming._tcp) under this "
                             "name, e.g. --zeroconf vox-ws, so Home Assistant finds it by itself (needs --wyoming tcp://...)"),
@@ -303,18 +312,20 @@ def _list(text: str | None) -> list[str]:
     return [item.strip() for item in (text or "").split(",") if item.strip()]
 
 
-async def _serve(config: ServerConfig) -> int:
+async def _serve(config: ServerConfig, devices: list[str], log_setup: Callable[[], None]) -> int:
     """Every start that cannot go on ends in one `vox-ws serve:` line, never a traceback: exit 2
     for options or files that cannot be served, 1 for what the machine lacks (a package, a port)."""
-    from ..scheduling.devices import parse_devices
+    from ..engine_process.devices import engine_specs
     from ..server import StartFailed, VoxServer, wyoming_door
 
-    # One engine (one copy of the model) per device, each with its own engine loop.
+    # One engine process (one copy of the model) per device, each with its own engine loop;
+    # this process imports no model library.
     try:
         wyoming_door(config)                   # before an engine is chosen: a missing package, at once
-        built = [engines.create_engine(config.engine, {**config.engine_options(), "device": device})
-                 for device in parse_devices(config.device)]
-        server = VoxServer(config, built)
+        specs, server_cpus = engine_specs(config, devices, log_setup)
+        if server_cpus:
+            os.sched_setaffinity(0, server_cpus)
+        server = VoxServer(config, specs)
     except ValueError as exc:                  # a setting that cannot be served (a voice file, aliases)
         print(f"vox-ws serve: {exc}", file=sys.stderr)
         return 2
@@ -351,18 +362,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.getLogger("uvicorn.error").setLevel(logging.WARNING)
     if args.command == "serve":
         config = config_from_args(args)
-        from ..scheduling.devices import parse_devices
+        from ..engine_process.devices import parse_devices
 
         try:
-            parse_devices(config.device)
+            devices = parse_devices(config.device)
         except ValueError as exc:
             print(f"vox-ws serve: {exc}", file=sys.stderr)
             return 2
+        # Each engine process logs as this one does.
+        log_setup = functools.partial(logs.configure, getattr(args, "log_level", "info"),
+                                      getattr(args, "log_format", "text"))
         try:
             import uvloop
         except ImportError:
-            return asyncio.run(_serve(config))
-        return uvloop.run(_serve(config))
+            return asyncio.run(_serve(config, devices, log_setup))
+        return uvloop.run(_serve(config, devices, log_setup))
     if args.command == "compile":
         from .compile_ahead import compile_ahead
 

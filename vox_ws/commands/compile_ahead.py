@@ -17,8 +17,8 @@ import time
 
 from .. import engines
 from ..config import ServerConfig
+from ..engine_process.devices import parse_devices
 from ..engines.voxcpm.compile_workers import compile_workers, use_compile_workers
-from ..scheduling.devices import parse_devices
 
 # The engines with a compiled step.
 COMPILES = ("voxcpm",)

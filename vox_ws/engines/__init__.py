@@ -78,6 +78,9 @@ class EnginePlugin:
     # if what it would serve is within reach (a GPU without weights: the command that gets
     # them), else None. Logged, and kept on the engine that serves instead (`Engine.notice`).
     notice: Callable[[dict[str, Any], str], str | None] | None = None
+    # Modules an engine process imports once, in the fork server every engine process is forked
+    # from (torch, the model's package): a restart starts without importing them again.
+    preload: tuple[str, ...] = ()
 
 
 COMMON_SETTINGS = (

@@ -31,6 +31,19 @@ def start_child(module: str, threads: int) -> tuple[subprocess.Popen, Connection
     return proc, Connection(parent.detach())
 
 
+def killed_with_parent() -> None:
+    """On Linux, the kernel kills this process (SIGKILL: also when it is stopped, or stuck where
+    no thread reads what its parent sends) as soon as the process that started it is gone."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        pr_set_pdeathsig = 1
+        libc.prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):
+        return
+
+
 def send(conn: Connection, message: tuple) -> None:
     conn.send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
 

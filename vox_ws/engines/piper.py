@@ -147,7 +147,7 @@ class PiperEngine(Engine):
         self._pending: set[PiperWorker] = set()  # started by a rescan, not yet served
         self._closed = False
         self.voices = _PiperVoices(self)
-        self.text = _PiperText(self)
+        self.text = PiperText(self, PiperText.phonemes_of(self.voice_files))
 
     @property
     def _worker(self) -> PiperWorker | None:
@@ -431,6 +431,9 @@ class _PiperVoices(Voices):
     def description(self, voice: str) -> str:
         return next((v.description for v in self.files if v.name == voice), voice)
 
+    def not_served(self) -> dict[str, str]:
+        return dict(self.engine.left_out)
+
     def check(self, voice: str | None) -> None:
         left_out = self.engine.left_out.get((voice or "").partition(":")[0])
         if left_out is not None:
@@ -448,12 +451,20 @@ class _PiperVoices(Voices):
         super().check(voice)
 
 
-class _PiperText(TextRules):
-    """Texts as written; IPA pronunciations only in phonemes every voice served can say."""
+class PiperText(TextRules):
+    """Texts as written; IPA pronunciations only in phonemes every voice served can say. Portable:
+    the server's copy is made from the phonemes (`from_settings`)."""
 
-    def __init__(self, engine: PiperEngine) -> None:
+    def __init__(self, engine: Any, phonemes: frozenset[str]) -> None:
         super().__init__(engine)
-        self.phonemes = self.phonemes_of(engine.voice_files)
+        self.phonemes = phonemes
+
+    @classmethod
+    def from_settings(cls, engine: Any, settings: dict[str, Any]) -> PiperText:
+        return cls(engine, frozenset(settings["phonemes"]))
+
+    def portable(self) -> tuple[str, dict[str, Any]]:
+        return f"{__name__}:PiperText", {"phonemes": sorted(self.phonemes)}
 
     @staticmethod
     def phonemes_of(voices: list[PiperVoiceFile]) -> frozenset[str]:
@@ -547,6 +558,7 @@ PLUGIN = EnginePlugin(
                       "(SIGHUP looks at once); 0: only on SIGHUP")),
     auto_priority=0,
     probe=_probe,
+    preload=("vox_ws.engines.piper",),
 )
 
 

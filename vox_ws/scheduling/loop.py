@@ -133,6 +133,9 @@ class EngineLoop:
         self.ready_event = threading.Event()
         # Optional observer of each step (rows, seconds); used by metrics.
         self.on_step: Callable[[int, float], None] | None = None
+        # Optional observer of each turn's end, on the loop's thread: every result of the turn
+        # has gone to its sink (the engine process sends the turn's results as one message).
+        self.on_turn_end: Callable[[], None] | None = None
         self.queue: SlotQueue | None = None       # made once the engine has loaded (its slots known)
         # `--slots auto` measured again while serving (the engine's, once loaded), the measure
         # under way, and how the slots were measured (/v1/info's `slots_measure`), as of the last.
@@ -266,7 +269,8 @@ class EngineLoop:
                 return
             try:
                 while self._turn(self.queue):
-                    pass
+                    if self.on_turn_end is not None:
+                        self.on_turn_end()
             except BaseException as exc:  # noqa: BLE001 - the loop's thread died: tell everyone
                 self._die(exc, "engine failed" if isinstance(exc, EngineFailure) else "engine thread died",
                           during_load=False)

@@ -33,6 +33,10 @@ from typing import Any, NamedTuple, Protocol
 from ..engine import EndReason, ErrorKind, GenerationRequest, Refused, RequestStatus
 from .fair_share import FairShare
 
+# A stream with no audio yet counts as this far ahead of its listener when the queue picks whom
+# to serve (`Readers.ahead_s`): before streams comfortably ahead (first audio matters), after
+# those about to run out (a gap in audio already playing matters more).
+NEW_STREAM_AHEAD_S = 1.0
 # What a retry hint may say: never sooner than this, never later.
 MIN_RETRY_AFTER_S = 0.1
 MAX_RETRY_AFTER_S = 60.0

@@ -27,6 +27,7 @@ from typing import Any, Awaitable, Iterable, Protocol
 
 from ..config import Limits
 from ..engine import EndReason, ErrorKind, GenerationRequest, Refused, RequestStatus
+from ..engine_process.view import Held
 from .aligner_end_wait import AlignerEndWait
 from .events import Ended, Failed, Flushed, Phonemes, Produced, Segment, Word, Words
 from .handoff import LoopMailbox
@@ -90,8 +91,15 @@ class Generation:
         self.sample_rate = wanted.rate_for(engine.sample_rate)
         self.output = OutputStage(engine.sample_rate, wanted.format, self.sample_rate, wanted.speed,
                                   service.encoding, wanted.volume)
-        self.pacing = Pacing(service.limits.max_buffered_audio_s, wanted.speed, wanted.lookahead_s,
-                             setup.engine_loop.wake)
+        self._request: GenerationRequest | None = None    # of the segment being generated
+
+        def reader_changed(backlogged: bool) -> None:
+            """The consumer fell behind (or caught up): the engine skips (or steps again) the
+            segment being generated."""
+            if self._request is not None:
+                self.engine_loop.reader(self._request, backlogged)
+
+        self.pacing = Pacing(service.limits.max_buffered_audio_s, wanted.speed, wanted.lookahead_s, reader_changed)
         record = StreamRecord(service.metrics, request, setup, engine.name, self.sample_rate)
         self._service = service
         self.engine_loop = setup.engine_loop          # its device's: every request of it goes there
@@ -116,7 +124,6 @@ class Generation:
         # How it ended, once it has: an EndReason or, for a failure, an ErrorKind.
         self.ended_by: EndReason | ErrorKind | None = None
         self.last_event: Ended | Failed | None = None
-        self._request: GenerationRequest | None = None    # of the segment being generated
         self._context: Any = None                # the previous segment's continuation
         self._timed_words: list[Word] = []       # every word time produced (for `heard`)
         # Where the aligner times the words: the spoken segments (their sinks) whose words are not
@@ -355,6 +362,10 @@ class Generation:
             self._work.cancel()
         if self._request is not None and self._request.status is not RequestStatus.FINISHED:
             self.engine_loop.cancel(self._request)        # one that has ended meanwhile is let be
+        if isinstance(self._context, Held):
+            self._context.release()                       # the engine keeps it no longer
+        self._context = None
+        self.segments.release_voice()
         self.release_lora()
         self._service.forget(self)
 

@@ -4,12 +4,16 @@ device between two of its steps, and described as one."""
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Any, Callable
 
 from ..config import Limits
 from ..engine import Engine, Readiness
-from ..scheduling.devices import Devices
+from ..engine_process.devices import Devices
+from ..engine_process.proxy import EngineProxy
 from .work import off_thread, on_each
+
+log = logging.getLogger("vox_ws.service")
 
 
 class LoraService:
@@ -43,6 +47,24 @@ class LoraService:
 
     async def clear_default(self) -> dict[str, Any]:
         return await self._on_every_device("disable", lambda engine: engine.loras.clear_default(), None)
+
+    async def restore(self, engine_loop: EngineProxy, names: Any, default: str | None) -> int:
+        """Load again, on an engine started again, the adapters the one before held (and its
+        default): how many loaded."""
+        loaded = 0
+        for name in names:
+            outcome, = await on_each(self.devices, [engine_loop],
+                                     lambda engine, name=name: engine.loras.load(engine.loras.read(name)))
+            if isinstance(outcome, BaseException):
+                log.warning("LoRA adapter %r not restored: %s", name, getattr(outcome, "message", outcome))
+            else:
+                loaded += 1
+        if default is not None:
+            outcome, = await on_each(self.devices, [engine_loop], lambda engine: engine.loras.set_default(default))
+            if isinstance(outcome, BaseException):
+                log.warning("LoRA adapter %r not made the default again: %s", default,
+                            getattr(outcome, "message", outcome))
+        return loaded
 
     def describe(self) -> dict[str, Any]:
         """The adapters loaded (the same on every device), the slots and what a slot costs; an

@@ -44,6 +44,8 @@ class Metrics:
                                    buckets=_LATENCY_BUCKETS, registry=r)
         self.step_time = Histogram("voxws_step_seconds", "One engine step (all requests in its batch)",
                                    buckets=_STEP_BUCKETS, registry=r)
+        self.step_period = Histogram("voxws_step_period_seconds", "Time from one engine step to the next, "
+                                     "measured in the engine's process", buckets=_STEP_BUCKETS, registry=r)
         self.batch_size = Histogram("voxws_batch_size", "Requests advanced by one engine step",
                                     buckets=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64), registry=r)
         self.audio_seconds = Counter("voxws_audio_seconds",
@@ -67,6 +69,8 @@ class Metrics:
         self.device_queued = Gauge("voxws_device_queued_streams", "Streams waiting for a slot, per device",
                                    ["index", "device"], registry=r)
         self.device_up = Gauge("voxws_device_up", "1 while the device's engine serves", ["index", "device"], registry=r)
+        self.device_restarts = Gauge("voxws_engine_restarts", "Times the device's engine process was started "
+                                     "again after it died", ["index", "device"], registry=r)
         # Usage per owner (`owner_label`: keyed by the server's secret), for billing and quotas.
         self.owner_characters = Counter("voxws_owner_characters", "Characters of text taken in, per owner",
                                         ["owner"], registry=r)
@@ -88,6 +92,7 @@ class Metrics:
         self.device_active.labels(*labels).set_function(lambda: stats()["active"])
         self.device_queued.labels(*labels).set_function(lambda: stats()["queued"])
         self.device_up.labels(*labels).set_function(lambda: 1.0 if stats()["status"] == Readiness.READY else 0.0)
+        self.device_restarts.labels(*labels).set_function(lambda: stats().get("restarts", 0))
 
     def count_usage(self, owner: str, characters: int, audio_s: float) -> None:
         """A stream's usage, under its owner's series (`owner`: "token:…", "address:…"). At most
@@ -113,6 +118,9 @@ class Metrics:
     def observe_step(self, batch: int, seconds: float) -> None:
         self.step_time.observe(seconds)
         self.batch_size.observe(batch)
+
+    def observe_period(self, seconds: float) -> None:
+        self.step_period.observe(seconds)
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

@@ -15,21 +15,17 @@ import time
 from collections import deque
 from typing import Callable
 
+from ..scheduling.queue import NEW_STREAM_AHEAD_S
 from .events import Flushed, Phonemes, Produced, Queued, Segment, Words
-
-# A stream with no audio yet counts as this far ahead of its listener when the slot queue picks
-# whom to serve: before streams comfortably ahead (first audio matters), after those about to
-# run out (a gap in audio already playing matters more).
-NEW_STREAM_AHEAD_S = 1.0
 
 
 class Pacing:
     def __init__(self, max_buffered_s: float, speed: float, lookahead_s: float | None,
-                 on_room: Callable[[], None]) -> None:
+                 on_backlog: Callable[[bool], None]) -> None:
         self._max_buffered_s = max_buffered_s
-        self._speed = speed
+        self.speed = speed
         self._lookahead_s = lookahead_s
-        self._on_room = on_room                # the backlog cleared: the producer may go on
+        self._on_backlog = on_backlog          # the backlog began (True) or cleared: the producer pauses or goes on
         self._events: deque[Queued] = deque()
         self._waiter: asyncio.Future | None = None
         self._closed = False                   # no more events will be put
@@ -92,7 +88,7 @@ class Pacing:
         first = self.first_produced_at
         if first is None:
             return NEW_STREAM_AHEAD_S
-        return self.produced_s / self._speed - (time.monotonic() - first)
+        return self.produced_s / self.speed - (time.monotonic() - first)
 
     # ------------------------------------------------------------------ the consumer's side
 
@@ -149,8 +145,8 @@ class Pacing:
             self._backlog_since = now
         elif not self.backlogged:
             self._backlog_since = None
-            if was:
-                self._on_room()
+        if self.backlogged != was:
+            self._on_backlog(self.backlogged)
 
     def _ahead_of_playback(self) -> float:
         """Seconds the consumer is ahead of its lookahead on a real-time playback clock (<= 0:
@@ -158,7 +154,7 @@ class Pacing:
         if self._lookahead_s is None or self._first_taken_at is None:
             return 0.0
         played = time.monotonic() - self._first_taken_at
-        return self.taken_s / self._speed - played - self._lookahead_s
+        return self.taken_s / self.speed - played - self._lookahead_s
 
     async def _wait(self, timeout: float | None = None) -> None:
         """Until the producer (or a cancel, a close) wakes the consumer, or `timeout` passes."""

@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Mapping
 
 from ..alignment.pool import WordAligner
-from ..scheduling.loop import EngineLoop
-from .lexicon import Lexicon, Pronunciation
+from ..engine_process.proxy import EngineProxy
+from ..engines.lexicon import Lexicon, Pronunciation
 from .output import AudioOutput
 
 
@@ -65,7 +65,7 @@ class StreamSetup:
     pronunciations (the request's before the server's), what of the request is ignored, and
     the aligner that times its words where the engine does not."""
 
-    engine_loop: EngineLoop
+    engine_loop: EngineProxy
     number: int
     owners: tuple[str, ...] = ()
     log_fields: Mapping[str, Any] = field(default_factory=dict)

@@ -10,7 +10,8 @@ from typing import Any, Callable, Protocol
 
 from ..config import Limits
 from ..engine import Engine, ErrorKind, GenerationRequest, Refused
-from .lexicon import respell
+from ..engine_process.view import Held
+from ..engines.lexicon import respell
 from .markup import Part
 from .request import StreamRequest, StreamSetup
 from .silence import SilenceBudget
@@ -49,6 +50,12 @@ class SegmentStarter:
         self._written_chars = 0               # of the segments so far, as sent
         self._pronounced_chars = 0            # ... and with their pronunciations put in
         self._silence = SilenceBudget(request.output.speed)
+
+    def release_voice(self) -> None:
+        """The stream has stopped: its voice is held no longer (where the engine holds it)."""
+        pin, self.voice_pin = self.voice_pin, None
+        if isinstance(pin, Held):
+            pin.release()
 
     def use_voice(self, voice: str) -> None:
         """Speak with `voice` rather than the one the request named (resolved by the store after

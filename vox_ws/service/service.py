@@ -21,16 +21,17 @@ from typing import Any, Mapping
 
 from ..config import Limits
 from ..engine import Engine, ErrorKind, Readiness, Refused
+from ..engine_process.devices import Devices
+from ..engine_process.proxy import EngineProxy
+from ..engines.lexicon import MAX_LEXICON_BYTES, Lexicon, combined, parse_lexicon
 from ..files import read_regular_file
-from ..scheduling.devices import Devices
-from ..scheduling.loop import EngineLoop
 from .generation import Generation
 from .handoff import LoopMailbox
-from .lexicon import MAX_LEXICON_BYTES, Lexicon, combined, parse_lexicon
 from .loras import LoraService
 from .markup import parse_ssml, wants_markup
 from .metrics import Metrics
 from .request import StreamRequest, StreamSetup
+from .restores import EngineRestores
 from .stream import Stream
 from .validation import (
     MAX_SPEED,
@@ -66,7 +67,7 @@ class StreamService:
     """Serves streams on one engine loop per device (one, or several: `Devices`). Create it,
     `await start()` on the loop that will use it."""
 
-    def __init__(self, devices: Devices | EngineLoop, limits: Limits | None = None,
+    def __init__(self, devices: Devices | EngineProxy, limits: Limits | None = None,
                  metrics: Metrics | None = None, voice_store: VoiceStore | None = None,
                  voice_aliases: dict[str, Alias | None] | None = None,
                  word_timings: WordTimings | None = None) -> None:
@@ -108,6 +109,7 @@ class StreamService:
         await self.voice_rescans.start()
         self.mailbox = LoopMailbox(asyncio.get_running_loop())
         self._watchdog = asyncio.create_task(self._watch(), name="vox-ws-stream-watchdog")
+        EngineRestores(self.voices, self.loras).watch(self.devices)
 
     async def close(self, grace_s: float | None = None) -> None:
         """Stop its helpers; the aligner's processes within `grace_s` seconds (None: no bound)."""
@@ -139,7 +141,7 @@ class StreamService:
                 if self.devices.status in LOAD_SETTLED:
                     settled.set()
 
-            def watch(engine_loop: EngineLoop) -> None:
+            def watch(engine_loop: EngineProxy) -> None:
                 engine_loop.ready_event.wait()          # set once the device's load has succeeded or failed
                 try:
                     loop.call_soon_threadsafe(settle)

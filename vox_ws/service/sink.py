@@ -37,6 +37,7 @@ import numpy as np
 
 from ..alignment.pool import AlignerBusy, SegmentRecording, WordAligner, estimated_segment
 from ..engine import EndReason, ErrorKind
+from ..engine_process.messages import ReaderState
 from .events import Phoneme, Phonemes, Produced, Word, Words
 from .output import OutputStage
 from .pacing import Pacing
@@ -138,6 +139,12 @@ class SegmentSink:
 
     def backlogged(self) -> bool:
         return self._pacing.backlogged
+
+    def reader_state(self) -> ReaderState:
+        """The stream's reader as its request goes to the engine, which answers the two
+        questions above itself from then on (the first told again when it changes)."""
+        pacing = self._pacing
+        return ReaderState(pacing.backlogged, pacing.produced_s, pacing.first_produced_at, pacing.speed)
 
     def audio_ahead_s(self) -> float:
         return self._pacing.audio_ahead_s()

@@ -7,8 +7,8 @@ import asyncio
 from typing import Any, Awaitable, Callable
 
 from ..engine import Engine, ErrorKind, Refused
-from ..scheduling.devices import Devices
-from ..scheduling.loop import EngineLoop
+from ..engine_process.devices import Devices
+from ..engine_process.proxy import EngineProxy
 
 
 async def engine_work(work: Awaitable[Any], failed: str = "") -> Any:
@@ -22,7 +22,7 @@ async def engine_work(work: Awaitable[Any], failed: str = "") -> Any:
         raise Refused(ErrorKind.INTERNAL, f"{failed}{type(exc).__name__}: {exc}") from exc
 
 
-async def on_each(devices: Devices, loops: list[EngineLoop], fn: Callable[[Engine], Any]) -> list[Any]:
+async def on_each(devices: Devices, loops: list[EngineProxy], fn: Callable[[Engine], Any]) -> list[Any]:
     """`fn(engine)` on each engine loop's thread, between two steps: each one's result or refusal."""
     calls = [engine_work(asyncio.wrap_future(done)) for done in devices.call_each(fn, loops)]
     return await asyncio.gather(*calls, return_exceptions=True)

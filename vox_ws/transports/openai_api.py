@@ -30,9 +30,9 @@ from starlette.types import Receive, Scope, Send
 
 from ..codecs import CODECS
 from ..engine import ErrorKind, Refused
+from ..engines.lexicon import request_entries
 from ..service import AudioOutput, Stream, StreamRequest
 from ..service.events import Audio, Ended, Failed, Segment, Words
-from ..service.lexicon import request_entries
 from ..service.validation import MAX_INSTRUCTIONS_CHARS, MAX_SAMPLE_RATE, MIN_SAMPLE_RATE, check_options
 from ..service.voices.names import with_speaker
 from . import protocol as p

@@ -20,9 +20,9 @@ from .. import wire
 from ..codecs import OUTPUT_FORMATS
 from ..config import Limits
 from ..engine import VOICE_MODES, OptionSpec, Refused, type_name
+from ..engines.lexicon import request_entries
 from ..service import AudioOutput, StreamRequest
 from ..service.events import Audio, Ended, Event, Failed, Flushed, Phonemes, Segment, Words
-from ..service.lexicon import request_entries
 from ..service.validation import MAX_SAMPLE_RATE, MIN_SAMPLE_RATE, check_length, check_options
 from ..service.voices.names import with_speaker
 from ..service.voices.store import check_voice_name, nameless_public

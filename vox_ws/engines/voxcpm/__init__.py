@@ -90,4 +90,5 @@ PLUGIN = EnginePlugin(
     auto_priority=10,
     probe=_probe,
     notice=_notice,
+    preload=("vox_ws.engines.voxcpm.engine",),
 )

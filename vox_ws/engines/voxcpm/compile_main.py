@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ...priority import lowest_priority
+from ..child import killed_with_parent
 from ..cpus import cpu_limit
 from .compile_workers import compile_workers, use_compile_workers
 
@@ -229,27 +230,13 @@ def _exit_with_parent() -> None:
     os._exit(0)
 
 
-def _killed_with_parent() -> None:
-    """On Linux, the kernel kills this process (SIGKILL: also when it is stopped, or stuck where
-    no thread reads its standard input) as soon as the server that started it is gone."""
-    try:
-        import ctypes
-        import signal
-
-        libc = ctypes.CDLL(None, use_errno=True)
-        pr_set_pdeathsig = 1
-        libc.prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)
-    except (OSError, AttributeError):
-        return
-
-
 def main() -> None:
     global _events
     settings = json.loads(sys.argv[1])
     # Before anything imports inductor: its compile workers, one per CPU this container may use
     # (or as the server was told), not per CPU of the host.
     use_compile_workers(compile_workers())
-    _killed_with_parent()
+    killed_with_parent()
     if os.getppid() != settings.get("parent", os.getppid()):    # the server went before that took effect
         os._exit(0)
     _events = os.fdopen(os.dup(1), "w")

@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import secrets
 import threading
 import time
 from pathlib import Path
@@ -166,6 +165,7 @@ class VoxCPMEngine(Engine):
             if decoder is not None and not decoder.has_vae:     # no runner has it
                 decoder.close()
             raise
+        self.text.loaded(model.text_tokenizer, self.runner.max_len, self.tts.denoiser is not None, str(path))
         if self.settings.warm_normalizer:
             self._normalizer.ensure_started()
         if self._voices_dir is not None:
@@ -382,21 +382,7 @@ class VoxCPMEngine(Engine):
         return cache
 
     def check(self, request: GenerationRequest) -> None:
-        cache = self._voice_cache(request)
-        if request.options.get("denoise") and self.tts is not None and self.tts.denoiser is None:
-            raise Refused(ErrorKind.INVALID, "option 'options.denoise' needs a server started with --load-denoiser")
-        text = self.text.spoken(request, cache)
-        if not text:
-            raise Refused(ErrorKind.INVALID, "field 'text' has nothing to say after whitespace cleanup")
-        if self.runner is not None and (request.prepared or not request.options.get("normalize")):
-            positions, tokens = prompt_positions(self.tts.tts_model, text, cache)
-            if not self.runner.fits(positions, tokens, request.options.get("max_len", DEFAULTS["max_len"])):
-                raise Refused(ErrorKind.TOO_LARGE, f"text and voice prompt take {positions} positions; with the "
-                                                   f"audio they need, the model's {self.runner.max_len} are not "
-                                                   "enough: send a shorter text")
-        if "seed" not in request.options:
-            # A fixed seed per request keeps its audio reproducible; the client may choose it.
-            request.options = {**request.options, "seed": secrets.randbits(63)}
+        self.text.check(request, self._voice_cache(request))
 
     def prefill(self, request: GenerationRequest) -> None:
         (error,) = self.prefill_many([request])

@@ -6,35 +6,14 @@ continuation audio and transcript) taken from a voice's cache.
 
 from __future__ import annotations
 
-import re
-import threading
-import weakref
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-# Texts whose tokens each model keeps: a segment is counted when it is cut, checked when it is
-# queued and built when it is prefilled, on three threads; the tokenizer runs once for it.
-TOKENS_KEPT = 256
-_kept: "weakref.WeakKeyDictionary[Any, dict[str, list[int]]]" = weakref.WeakKeyDictionary()
-_kept_lock = threading.Lock()
+from .positions import clean_text, prompt_positions, tokens
 
-
-def tokens(model: Any, text: str) -> list[int]:
-    """`model.text_tokenizer(text)`, kept for the `TOKENS_KEPT` texts asked last."""
-    with _kept_lock:
-        kept = _kept.setdefault(model, {})
-        found = kept.pop(text, None)
-        if found is not None:
-            kept[text] = found                   # the most recent last
-            return found
-    made = list(model.text_tokenizer(text))
-    with _kept_lock:
-        kept[text] = made
-        while len(kept) > TOKENS_KEPT:
-            del kept[next(iter(kept))]
-    return made
+__all__ = ["Prompt", "build_prompt", "clean_text", "prompt_positions", "tokens"]
 
 
 @dataclass
@@ -46,22 +25,6 @@ class Prompt:
     audio_feat: torch.Tensor    # [T, P, D]
     audio_mask: torch.Tensor    # [T] int
     target_tokens: int          # tokens of the target text alone (the length cap counts these)
-
-
-def prompt_positions(model: Any, target_text: str, cache: dict | None) -> tuple[int, int]:
-    """(positions the prompt of `build_prompt` takes, tokens of the target text), counted
-    without building it: cheap enough for the event loop, and no torch."""
-    mode = "zero_shot" if cache is None else cache.get("mode", "continuation")
-    text = target_text
-    if mode in ("continuation", "ref_continuation"):
-        text = cache.get("prompt_text", "") + target_text
-    positions = len(tokens(model, text)) + 1                 # + audio_start
-    if mode in ("reference", "ref_continuation"):
-        positions += cache["ref_audio_feat"].shape[0] + 2    # ref_start ... ref_end
-    if mode in ("continuation", "ref_continuation"):
-        positions += cache["audio_feat"].shape[0]
-    return positions, len(tokens(model, target_text))
-
 
 
 def build_prompt(model: Any, target_text: str, cache: dict | None) -> Prompt:
@@ -102,9 +65,3 @@ def build_prompt(model: Any, target_text: str, cache: dict | None) -> Prompt:
         audio_mask=torch.cat(seq_amask),
         target_tokens=len(tokens(model, target_text)),
     )
-
-
-
-def clean_text(text: str) -> str:
-    """The package's own clean-up (VoxCPM._generate): newlines and runs of whitespace to one space."""
-    return re.sub(r"\s+", " ", text.replace("\n", " ")).strip()

@@ -41,14 +41,13 @@ from .graphs import bucket_of
 from .kv import RowPlaces, SlotKV, key_positions
 from .lora import NO_ADAPTER, RowAdapters
 from .noise import NoiseSource, row_key
+from .positions import fits, max_steps
 from .prompt import Prompt
 from .transfer import host_to_device, to_device
 from .vae import BatchedStreamingVAE, fold_weight_norm
 from .whole_step import WHOLE_TIMESTEPS, EagerWholeSteps, StepInputs, WholeSteps
 
 # Same sway-sampling and CFG-zero* settings as UnifiedCFM.forward's defaults.
-# The package caps generation at this many steps per target-text token (+10).
-STEPS_PER_TOKEN = 6.0
 # The padded positions one batched prefill call takes at most (rows x the longest prompt): the
 # prompts admitted in one turn go in together, up to this, so a burst of arrivals costs the
 # running streams a few calls, not one per newcomer; it bounds the call's activations.
@@ -287,13 +286,11 @@ class BatchedVoxCPM2:
 
     # ------------------------------------------------------------------ capacity
 
-    @staticmethod
-    def max_steps(target_tokens: int, max_len: int) -> int:
-        return min(int(target_tokens * STEPS_PER_TOKEN + 10), max_len)
+    max_steps = staticmethod(max_steps)
 
     def fits(self, positions: int, target_tokens: int, max_len: int) -> bool:
         """Whether a prompt and its longest generation fit a KV slot."""
-        return positions + self.max_steps(target_tokens, max_len) <= self.max_len
+        return fits(positions, target_tokens, max_len, self.max_len)
 
     # ------------------------------------------------------------------ prefill
 

@@ -25,7 +25,7 @@ from ...audio import decode_audio_file
 from ...engine import ErrorKind, Refused, Voices
 from ...voice_tags import voice_tag
 from ..accelerator import exclusive_on
-from .prompt import clean_text
+from .positions import clean_text, frames
 
 log = logging.getLogger("vox_ws.engines.voxcpm")
 
@@ -72,6 +72,11 @@ class VoiceBook:
     def __len__(self) -> int:
         with self._lock:
             return len(self._registered)
+
+    def registered(self) -> list[str]:
+        """The registered voices built, the least recently used first."""
+        with self._lock:
+            return list(self._registered)
 
     def delete(self, voice_id: str) -> bool:
         with self._lock:
@@ -143,6 +148,22 @@ class VoxCPMVoices(Voices):
 
     def delete(self, voice_id: str) -> bool:
         return self.book.delete(voice_id)
+
+    def registered(self) -> list[str]:
+        return self.book.registered()
+
+    def summary(self, pin: dict | None) -> dict[str, Any] | None:
+        """What the text rules read of a prompt cache (its mode, its transcript, its frames),
+        without its tensors: the server process's copy of them counts positions with it."""
+        if pin is None:
+            return None
+        summary: dict[str, Any] = {"mode": pin.get("mode", "continuation")}
+        if "prompt_text" in pin:
+            summary["prompt_text"] = pin["prompt_text"]
+        for features in ("ref_audio_feat", "audio_feat"):
+            if features in pin:
+                summary[f"{features}_frames"] = frames(pin, features)
+        return summary
 
 
 def builtin_voice_files(folder: Path) -> list[tuple[str, np.ndarray, int, str | None]]:

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ...engine import Readiness, Refused, VoiceFolder
-from ...scheduling.devices import Devices
+from ...engine_process.devices import Devices
 from .rescans import VoiceRescans
 
 log = logging.getLogger("vox_ws.service")

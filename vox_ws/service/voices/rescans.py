@@ -20,7 +20,7 @@ import logging
 from typing import Any
 
 from ...engine import Readiness
-from ...scheduling.devices import Devices
+from ...engine_process.devices import Devices
 
 log = logging.getLogger("vox_ws.service")
 

@@ -19,7 +19,7 @@ from typing import Any, Awaitable, Callable
 from ...audio import AudioTooLong, decode_audio_file
 from ...config import Limits
 from ...engine import VOICE_MODES, Engine, ErrorKind, Readiness, Refused
-from ...scheduling.devices import Devices
+from ...engine_process.devices import Devices
 from ..memory import release_memory
 from ..validation import check_text
 from ..work import engine_work

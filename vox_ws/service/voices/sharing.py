@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from ...scheduling.devices import Devices
+from ...engine_process.devices import Devices
 from .store import VoiceStore, VoiceSummary, is_registered_id, is_voice_name, owner_key
 
 

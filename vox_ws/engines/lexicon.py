@@ -157,6 +157,13 @@ class Lexicon:
         return found
 
 
+def found_in(words: Sequence[str], lexicon: Lexicon) -> tuple[Pronunciation, ...]:
+    """The entries of `lexicon` that a text's words match, each once, in the order found: all of
+    it that an engine phonemizing the text, or any piece of it, needs (it crosses to the engine
+    process with the request, the server's 20,000 entries never do)."""
+    return tuple(dict.fromkeys(item for _, _, item in lexicon.find(words)))
+
+
 def combined(first: Sequence[Pronunciation], then: Lexicon) -> Lexicon:
     """A request's entries before the server's."""
     return Lexicon(first, under=then) if first else then

@@ -1,50 +1,108 @@
-"""Several devices in one server: one engine loop (one engine, one copy of the model) per device.
+"""Several engines in one server: one engine process (one engine, one copy of the model) per
+device, or several per device (`--engines-per-device`, for CUDA MPS), each with its stand-in
+(`proxy.EngineProxy`).
 
-    stream service ──open──▶ Devices.place() ──▶ the engine loop with the most free slots
+    stream service ──open──▶ Devices.place() ──▶ the engine with the most free slots
                                                   (its open streams against its slots)
-                   ──voices, LoRA──▶ every engine loop
+                   ──voices, LoRA──▶ every engine
 
-A stream stays on the device it was placed on (its requests, its continuation, its voice pin
-belong to that engine). Each device's engine loads, steps and may fail on its own thread (each
-thread on its own device: `accelerator.enter_device`, so nothing of one device runs on
-another's stream); a device that fails is taken out of placement (its streams got
-`unavailable`, or `internal` where its thread crashed), and the others go on; the server is
-ready while one device is. `Devices` answers the questions a single
-engine loop answers (status, stats, readiness) for the whole set.
+A stream stays on the engine it was placed on (its requests, its continuation, its voice pin
+belong to that engine). Each engine loads, steps and may fail on its own; one that fails is
+taken out of placement while it is started again (its streams got `unavailable`), and the
+others go on; the server is ready while one engine is. `Devices` answers the questions a single
+engine answers (status, stats, readiness) for the whole set.
+
+Each engine process sees its GPU as `cuda:0` (`CUDA_VISIBLE_DEVICES` set to that one GPU): the
+compiled graphs one process writes into `--compile-cache` name device 0, and so serve every
+other (inductor writes a graph's device index into its code and its cache key).
 """
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import threading
 import time
 from collections import Counter
 from concurrent.futures import Future
 from typing import Any, Callable
 
+from ..config import ServerConfig
 from ..engine import Engine, Readiness, Refused
-from .loop import EngineLoop, not_ready
+from ..engines import plugins
+from ..scheduling.loop import not_ready
+from .placement import placed
+from .proxy import EngineProxy
+from .spec import EngineSpec, LoopSettings
+
+# How long counting the GPUs (a process that imports torch) may take.
+COUNT_TIMEOUT_S = 120.0
 
 
-def parse_devices(spec: str) -> list[str]:
+def parse_devices(spec: str, count: Callable[[], int] | None = None) -> list[str]:
     """`--device`: one device ("auto", "cpu", "cuda:1"), several ("cuda:0,cuda:1", "cpu,cpu"),
-    or every CUDA device ("cuda:all")."""
+    or every CUDA device ("cuda:all": counted by `count`, by default in a process of its own,
+    this one never importing torch)."""
     devices = [d.strip() for d in spec.split(",") if d.strip()] or ["auto"]
     if "cuda:all" in devices:
         if devices != ["cuda:all"]:
             raise ValueError("--device cuda:all stands alone")
-        try:
-            import torch
-        except ImportError:
-            raise ValueError("--device cuda:all needs torch") from None
-        count = torch.cuda.device_count()
-        if count == 0:
+        found = (count or cuda_device_count)()
+        if found == 0:
             raise ValueError("--device cuda:all: no CUDA device is visible")
-        devices = [f"cuda:{i}" for i in range(count)]
+        devices = [f"cuda:{i}" for i in range(found)]
     return devices
 
 
+def cuda_device_count() -> int:
+    """The CUDA devices torch sees, asked of a process of its own (this one has no torch)."""
+    try:
+        done = subprocess.run([sys.executable, "-c", "import torch; print(torch.cuda.device_count())"],
+                              capture_output=True, text=True, timeout=COUNT_TIMEOUT_S, check=False)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise ValueError(f"--device cuda:all: the GPUs could not be counted ({exc})") from None
+    if done.returncode != 0:
+        if "No module named 'torch'" in done.stderr:
+            raise ValueError("--device cuda:all needs torch")
+        raise ValueError(f"--device cuda:all: the GPUs could not be counted: {done.stderr.strip()[-300:]}")
+    return int(done.stdout.strip() or 0)
+
+
+def seen_as(device: str, visible: str | None = None) -> tuple[str, dict[str, str]]:
+    """How an engine process on `device` sees it, and the environment that makes it so: a CUDA
+    device as `cuda:0`, the one GPU its `CUDA_VISIBLE_DEVICES` leaves (the N-th of the server's
+    own list where it has one); any other as it is."""
+    if not device.startswith("cuda"):
+        return device, {}
+    index = int(device.partition(":")[2] or 0)
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES") if visible is None else visible
+    listed = [v.strip() for v in visible.split(",") if v.strip()] if visible else []
+    if listed and index >= len(listed):
+        raise ValueError(f"--device {device}: CUDA_VISIBLE_DEVICES={visible} has {len(listed)} device(s)")
+    return "cuda:0", {"CUDA_VISIBLE_DEVICES": listed[index] if listed else str(index)}
+
+
+def engine_specs(config: ServerConfig, devices: list[str],
+                 log_setup: Callable[[], None] | None = None) -> tuple[list[EngineSpec], list[int] | None]:
+    """One engine process's spec for each device (`--engines-per-device` each), and the CPUs the
+    server keeps where they are pinned (`placement.py`; None: not pinned)."""
+    plugin = plugins().get(config.engine)
+    on = [device for device in devices for _ in range(max(1, config.engines_per_device))]
+    server_cpus, engine_cpus = placed(len(on), config.engine_cpus)
+    limits = config.limits
+    loop = LoopSettings(config.slots, limits.max_queue, config.max_share, limits.max_queue_wait_s)
+    specs = []
+    for index, device in enumerate(on):
+        seen, env = seen_as(device)
+        specs.append(EngineSpec(config.engine, {**config.engine_options(), "device": seen}, device, loop, env,
+                                engine_cpus[index] if engine_cpus else None, log_setup,
+                                plugin.preload if plugin is not None else ()))
+    return specs, server_cpus
+
+
 class Devices:
-    def __init__(self, loops: list[EngineLoop]) -> None:
+    def __init__(self, loops: list[EngineProxy]) -> None:
         if not loops:
             raise ValueError("at least one engine loop")
         self.loops = loops
@@ -55,7 +113,7 @@ class Devices:
     # ------------------------------------------------------------------ the set as one
 
     @property
-    def ready(self) -> list[EngineLoop]:
+    def ready(self) -> list[EngineProxy]:
         """The loops of the devices that serve now."""
         return [s for s in self.loops if s.status == Readiness.READY]
 
@@ -98,9 +156,16 @@ class Devices:
         return sum(s.step_rows for s in self.loops)
 
     def start(self) -> None:
+        """Start every engine (on the event loop that serves)."""
         for loop in self.loops:
             loop.start()
         self._waiter.start()
+
+    async def created(self) -> None:
+        """Until every engine is built (they then load); ValueError for the first whose
+        settings could not build it."""
+        for loop in self.loops:
+            await loop.created()
 
     def stop(self, timeout: float = 5.0) -> None:
         """Stop every loop and close its engine within `timeout` seconds, all at once: each
@@ -141,7 +206,7 @@ class Devices:
 
     # ------------------------------------------------------------------ placement
 
-    def place(self) -> EngineLoop:
+    def place(self) -> EngineProxy:
         """The ready loop with the most free slots (open streams against its slots; the
         first among equals). Call `release` when the stream ends."""
         best, best_free = None, None
@@ -161,13 +226,13 @@ class Devices:
         """The refusal of work while no device is ready, with a retry hint while one loads."""
         return not_ready(self.status, self.error)
 
-    def release(self, loop: EngineLoop) -> None:
+    def release(self, loop: EngineProxy) -> None:
         index = self.loops.index(loop)
         self._placed[index] = max(0, self._placed[index] - 1)
 
     # ------------------------------------------------------------------ on every device
 
-    def call_each(self, fn: Callable[[Engine], Any], loops: list[EngineLoop] | None = None) -> list[Future]:
+    def call_each(self, fn: Callable[[Engine], Any], loops: list[EngineProxy] | None = None) -> list[Future]:
         """Run `fn(engine)` on each device's loop thread (`loops`; default: every ready
         one), between two of its steps: a future for each."""
         return [s.call(lambda engine=s.engine: fn(engine)) for s in (self.ready if loops is None else loops)]
