@@ -41,7 +41,8 @@ def read_until_closed(sock: socket.socket) -> bytes:
 
 def speech_headers(length: int | None, chunked: bool = False) -> bytes:
     framing = b"Transfer-Encoding: chunked\r\n" if chunked else b"Content-Length: %d\r\n" % length
-    return (b"POST /v1/audio/speech HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n" + framing + b"\r\n")
+    return (b"POST /v1/audio/speech HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+            + framing + b"\r\n")
 
 
 def assert_speaks(server) -> None:

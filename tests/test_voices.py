@@ -25,7 +25,8 @@ from vox_ws.service import ANY_OWNER, Audio, Ended, StreamRequest
 @pytest.mark.hardening
 def test_piper_refuses_a_voice_upload_before_reading_its_body(piper_server):
     sock = socket.create_connection(("127.0.0.1", piper_server.port))
-    sock.sendall(b"POST /v1/voices HTTP/1.1\r\nHost: x\r\nContent-Type: audio/wav\r\nContent-Length: 2000000\r\n\r\n")
+    sock.sendall(b"POST /v1/voices HTTP/1.1\r\nHost: localhost\r\nContent-Type: audio/wav\r\n"
+                 b"Content-Length: 2000000\r\n\r\n")
     sock.settimeout(WAIT_TIMEOUT)
     answer = http.client.HTTPResponse(sock)                             # not a byte of the body sent
     answer.begin()
