@@ -37,10 +37,12 @@ from .store import (
     check_voice_name,
     is_registered_id,
     is_voice_name,
+    keyed_under,
     nameless_public,
     new_voice,
     owner_key,
     public_name_taken,
+    refuse_page,
     rekey_named,
 )
 
@@ -143,6 +145,7 @@ class VoiceService:
         waiting. `register` releases it."""
         if not self.devices.engine.supports_voices:
             raise Refused(ErrorKind.UNSUPPORTED, f"engine {self.devices.engine.name} cannot clone voices")
+        refuse_page(owner, public=False)
         return self.registrations.admit(owner)
 
     async def register(self, audio: bytes, transcript: str | None = None, mode: str | None = None,
@@ -162,6 +165,7 @@ class VoiceService:
         registration = owner if isinstance(owner, Registration) else self.admit_registration(owner)
         owner = registration.owner
         try:
+            refuse_page(owner, public)
             if name is not None and (self.devices.engine.voices.has(name) or name in self.aliases()):
                 raise Refused(ErrorKind.INVALID, f"{name!r} is a voice of the server's: name yours otherwise",
                               field="name")
@@ -286,8 +290,8 @@ class VoiceService:
 
     async def every(self, owner: str | None = None) -> list[VoiceSummary]:
         """Every registered voice, oldest first, with its owner's key (for an admin); only
-        those of the owner whose key is `owner`, where given."""
-        return [v for v in await self.store.every_voice() if owner is None or v.owner == owner]
+        those of the owner whose key is `owner` (and its address's pages'), where given."""
+        return [v for v in await self.store.every_voice() if owner is None or keyed_under(v.owner, owner)]
 
     async def delete_owned(self, owner: str) -> list[str]:
         """Delete every voice of the owner whose key is `owner` (for an admin); their ids."""

@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Callable
 
 from ...scheduling.devices import Devices
-from .store import VoiceStore, VoiceSummary, is_registered_id, is_voice_name, owner_key
+from .store import VoiceStore, VoiceSummary, is_registered_id, is_voice_name, owner_key, refuse_page
 
 
 class VoiceSharing:
@@ -55,9 +55,12 @@ class VoiceSharing:
         """Make a voice of `owner`'s (ANY_OWNER: any; `voice` its id or name) public, or private
         again: its summary, or None where there is none it may change (another owner's voice
         looks like no voice). Refused (INVALID, field "name") for a voice without a name, or
-        one whose name another public voice has. Streams speaking it go on to their end."""
+        one whose name another public voice has; (field "public") made public by a page of
+        another origin without a token (`store.refuse_page`). Streams speaking it go on to their
+        end."""
         if not self._devices.engine.supports_voices:
             return None
+        refuse_page(owner, public)
         if not is_registered_id(voice) and is_voice_name(voice):
             voice = self._store.named_id(owner_key(owner), voice)
         return await self._store.public.set(voice, owner, public)
