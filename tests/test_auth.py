@@ -290,7 +290,8 @@ def test_a_page_owner_is_its_visitors_network_for_the_stores_shares():
         network_key(address_owner("2001:db8:1:9::1", 64))
     from vox_ws.service.voices.store import is_opaque_page, keyed_under, owner_key
 
-    assert keyed_under(owner_key(page), owner_key(visitor)) and not keyed_under(owner_key(visitor), owner_key(page))
+    assert keyed_under(owner_key(page), owner_key(visitor))
+    assert not keyed_under(owner_key(visitor), owner_key(page))
     assert not keyed_under(owner_key(page), owner_key(address_owner("192.0.2.8", 64)))
     assert is_opaque_page(page_owner(visitor, "null")) and is_opaque_page(page_owner(visitor, None))
     assert not is_opaque_page(page)
@@ -310,7 +311,8 @@ async def test_a_page_of_another_origin_publishes_nothing_without_a_token(start_
     async with httpx.AsyncClient(base_url=server.http, timeout=60) as http:
         published = await http.post("/v1/voices", params={"name": spam, "public": "true"}, content=wav(1.0),
                                     headers={"content-type": "audio/wav", **page})
-        assert published.status_code == 400 and "token" in published.json()["error"]["message"], published.text
+        assert published.status_code == 400, published.text
+        assert "token" in published.json()["error"]["message"], published.text
         private = await http.post("/v1/voices", params={"name": spam}, content=wav(1.0),
                                   headers={"content-type": "audio/wav", **page})
         assert private.status_code == 201, private.text
@@ -330,8 +332,8 @@ async def test_a_page_of_another_origin_publishes_nothing_without_a_token(start_
     admin = {"authorization": "Bearer root"}
     swept = httpx.delete(server.http + "/v1/admin/voices", params={"address": "127.0.0.1"}, headers=admin)
     assert swept.status_code == 200 and private.json()["voice"] in swept.json()["deleted"], swept.text
-    good = httpx.post(server.http + "/v1/voices", params={"name": "Narrator", "public": "true"}, content=wav(1.0),
-                      headers={"content-type": "audio/wav"}, timeout=60)
+    good = httpx.post(server.http + "/v1/voices", params={"name": "Narrator", "public": "true"},
+                      content=wav(1.0), headers={"content-type": "audio/wav"}, timeout=60)
     assert good.status_code == 201 and good.json()["public"] is True, good.text
 
 

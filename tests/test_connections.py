@@ -285,7 +285,8 @@ async def test_bodies_answered_before_they_are_read_are_dropped_within_a_budget_
 
     server = start_server(PiperEngine(), discard_bytes_per_s=1.0)       # the burst, then next to nothing
     burst = DISCARD_BURST_FRAMES * server.config.limits.max_frame_bytes
-    upload = b"POST /v1/voices HTTP/1.1\r\nHost: localhost\r\nContent-Type: audio/wav\r\nContent-Length: %d\r\n\r\n"
+    upload = (b"POST /v1/voices HTTP/1.1\r\nHost: localhost\r\nContent-Type: audio/wav\r\n"
+              b"Content-Length: %d\r\n\r\n")
     size = burst * 3 // 4
     first = attacker_socket(server.port)
     first.sendall(upload % size)

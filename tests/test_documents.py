@@ -470,8 +470,8 @@ def test_say_refuses_a_server_frame_past_what_the_protocol_allows(tmp_path, pipe
             await ws.send(msgpack.packb(HELLO))
             sid = msgpack.unpackb(await ws.recv())["id"]
             await ws.send(msgpack.packb({"type": "start", "id": sid, "sample_rate": 22050, "format": "s16"}))
-            await ws.send(bomb if bomb is not None else
-                          msgpack.packb({"type": "chunk", "id": sid, "seq": 0, "audio": bytes(2 * 2 * 22050)}))
+            two_seconds = {"type": "chunk", "id": sid, "seq": 0, "audio": bytes(2 * 2 * 22050)}
+            await ws.send(bomb if bomb is not None else msgpack.packb(two_seconds))
             await ws.wait_closed()
         return answer
 

@@ -369,7 +369,8 @@ async def test_a_loopback_server_answers_no_name_a_neighbour_can_point_at_it(vox
         for name in ("evil.local", "evil", "evil.home.arpa"):
             page = {"host": f"{name}:{port}", "origin": f"http://{name}:{port}"}
             for method, path, body in (("GET", "/v1/audio/voices", None),
-                                       ("POST", "/v1/audio/speech", {"input": "Hi.", "voice": "neighbour-me"}),
+                                       ("POST", "/v1/audio/speech",
+                                        {"input": "Hi.", "voice": "neighbour-me"}),
                                        ("DELETE", "/v1/audio/voices/neighbour-me", None)):
                 refused = await http.request(method, path, headers=page, json=body)
                 assert refused.status_code == 421 and name in refused.json()["error"]["message"], refused.text
@@ -394,7 +395,8 @@ async def test_a_patch_nested_too_deeply_is_a_typed_400(voxcpm_http, caplog):
     await _named_voice(voxcpm_http.http, "deep-me")
     async with httpx.AsyncClient(base_url=voxcpm_http.http, timeout=60) as http:
         for body in (b"[" * 1000, b"[" * 100_000 + b"]" * 100_000, b"{\"public\": " * 900):
-            refused = await http.patch("/v1/voices/deep-me", content=body, headers={"content-type": "application/json"})
+            refused = await http.patch("/v1/voices/deep-me", content=body,
+                                       headers={"content-type": "application/json"})
             assert refused.status_code in (400, 413), refused.text
             assert refused.json()["error"]["code"] in ("bad_request", "too_large"), refused.text
         nested = await http.patch("/v1/voices/deep-me", content=b"[" * 1000)

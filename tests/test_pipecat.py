@@ -247,7 +247,7 @@ async def test_a_server_chunk_past_a_second_of_audio_is_a_protocol_violation(ser
             await wait_until(lambda: tts._websocket is not None)
             assert tts._websocket.protocol.max_message_size == wire.MAX_SERVER_FRAME_BYTES
             await say(worker, ["Hello."])
-            await sink.wait_for(lambda f: isinstance(f, TTSStoppedFrame))       # the turn ended (error upstream)
+            await sink.wait_for(lambda f: isinstance(f, TTSStoppedFrame))       # ended (its error upstream)
             assert not [f for _, f in sink.frames if isinstance(f, TTSAudioRawFrame)]
     async with pipeline(server.url) as (worker, tts, sink):
         await say(worker, ["Hello again."])

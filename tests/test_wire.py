@@ -409,8 +409,11 @@ def test_a_clients_decode_is_bounded_as_the_servers_is():
     assert wire.decode(wire.encode(second))["audio"] == bytes(4 * 48_000)
     assert "more than 1 s of s16 at 24000 Hz" in wire.chunk_problem(
         wire.AudioChunk(id="s", seq=0, audio=bytes(2 * 2 * 24_000)), "s16", 24_000)
-    assert wire.chunk_problem(wire.AudioChunk(id="s", seq=0, packets=[bytes(9000)] * 50), "opus_packets", 48_000)
-    assert wire.chunk_problem(wire.AudioChunk(id="s", seq=0, audio="text"), "s16", 24_000) == "audio that is not bytes"
+    packets = wire.AudioChunk(id="s", seq=0, packets=[bytes(9000)] * 50)
+    assert wire.chunk_problem(packets, "opus_packets", 48_000)
+    text = wire.AudioChunk(id="s", seq=0, audio="text")
+    assert wire.chunk_problem(text, "s16", 24_000) == "audio that is not bytes"
     ended = {"type": "end", "id": "s", "reason": "done",
-             "segments": [{"text": "A sentence of some length.", "start_s": i, "end_s": i + 1} for i in range(2000)]}
+             "segments": [{"text": "A sentence of some length.", "start_s": i, "end_s": i + 1}
+                          for i in range(2000)]}
     assert len(wire.decode(wire.encode(ended))["segments"]) == 2000

@@ -103,10 +103,11 @@ def decode(data: bytes) -> Any:
     """One frame's message (a map, from a server that keeps to the protocol); ValueError for a
     frame past what a server's may cost (MAX_SERVER_FRAME_BYTES, MAX_SERVER_CONTAINERS)."""
     if len(data) > MAX_SERVER_FRAME_BYTES:
-        raise ValueError(f"a frame of {len(data)} bytes, over the {MAX_SERVER_FRAME_BYTES} a server's may have")
+        raise ValueError(f"a frame of {len(data)} bytes, over the {MAX_SERVER_FRAME_BYTES} a server's "
+                         "may have")
     budget = ContainerBudget(MAX_SERVER_CONTAINERS)
-    return msgpack.unpackb(data, raw=False, max_array_len=MAX_SERVER_CONTAINERS, max_map_len=MAX_SERVER_CONTAINERS,
-                           list_hook=budget, object_hook=budget)
+    return msgpack.unpackb(data, raw=False, max_array_len=MAX_SERVER_CONTAINERS,
+                           max_map_len=MAX_SERVER_CONTAINERS, list_hook=budget, object_hook=budget)
 
 
 def max_chunk_bytes(fmt: str, sample_rate: int) -> int:
@@ -122,7 +123,8 @@ def chunk_problem(chunk: "AudioChunk", fmt: str, sample_rate: int) -> str | None
     anything: audio that is not bytes, or more than `max_chunk_bytes`."""
     audio = chunk.audio if chunk.audio is not None else b""
     packets = chunk.packets or []
-    if not isinstance(audio, bytes) or not isinstance(packets, list) or not all(isinstance(p, bytes) for p in packets):
+    if not isinstance(audio, bytes) or not isinstance(packets, list) \
+            or not all(isinstance(p, bytes) for p in packets):
         return "audio that is not bytes"
     size = len(audio) + sum(len(p) for p in packets)
     if size > max_chunk_bytes(fmt, sample_rate):

@@ -600,7 +600,8 @@ async def _greeted(ws: ClientConnection, silence_timeout_s: float | None = SILEN
                            "(no hello)") from None
     except ConnectionClosed:
         if _sent_too_big(ws):
-            raise ProtocolViolation(f"the server's hello is over {ws.protocol.max_message_size} bytes") from None
+            raise ProtocolViolation(f"the server's hello is over {ws.protocol.max_message_size} "
+                                    "bytes") from None
         raise
     try:
         hello = wire.Hello.read(data)

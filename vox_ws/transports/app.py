@@ -99,7 +99,8 @@ def build_app(state: ServerState, demo_dir: Path | None = None) -> Starlette:
               *loras_api.ROUTES, *openai_api.ROUTES, *openapi.ROUTES, *http_routes.routes(demo_dir)]
     # Outermost: a request for a host name the server does not answer to (DNS rebinding) is
     # refused before any other rule reads it.
-    hosts = AllowedHosts(state.config.allowed_hosts, loopback_only=listens_on_loopback_only(state.config.host))
+    hosts = AllowedHosts(state.config.allowed_hosts,
+                         loopback_only=listens_on_loopback_only(state.config.host))
     middleware = [Middleware(HostCheck, hosts=hosts,
                              on_refused=lambda: state.metrics.rejected.labels("host").inc())]
     origins = cors_origins(state.config.cors_origins, state.config.allow_origins)

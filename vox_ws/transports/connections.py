@@ -582,15 +582,8 @@ class HttpProtocol(_WatchedWrites, HttpToolsProtocol):
             self._body.start()
         super().on_headers_complete()
         self.cycle.on_response = self._counted_response_complete
-        self.scope.setdefault("extensions", {})[CUT_EXTENSION] = functools.partial(self._cut, self.cycle)
-
-    def _cut(self, cycle: Any) -> None:
-        """Ends `cycle`'s response unfinished: the connection is closed after what is written
-        (no chunked terminator, fewer bytes than its Content-Length), and the cycle counts as
-        disconnected, so uvicorn neither sends more nor reports the response left unfinished."""
-        cycle.disconnected = True
-        cycle.keep_alive = False
-        self.transport.close()
+        cut = functools.partial(_cut, self.transport, self.cycle)
+        self.scope.setdefault("extensions", {})[CUT_EXTENSION] = cut
 
     def _proxied_client_heard(self) -> bool:
         """Takes the request's client from what the trusted peer said; false (and answered
@@ -675,6 +668,15 @@ class HttpProtocol(_WatchedWrites, HttpToolsProtocol):
         finally:
             self.app = served
         self.cycle.keep_alive = False             # what the client still sends is not read
+
+
+def _cut(transport: asyncio.BaseTransport, cycle: Any) -> None:
+    """Ends `cycle`'s response unfinished: the connection is closed after what is written (no
+    chunked terminator, fewer bytes than its Content-Length), and the cycle counts as
+    disconnected, so uvicorn neither sends more nor reports the response left unfinished."""
+    cycle.disconnected = True
+    cycle.keep_alive = False
+    transport.close()
 
 
 class _HeadersRefused(Exception):

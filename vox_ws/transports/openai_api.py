@@ -434,7 +434,7 @@ class SpeechResponse(Response):
         except _StreamBroke:
             cut = scope.get("extensions", {}).get(CUT_EXTENSION)
             if cut is None:
-                raise                                    # another server: dropping the connection is its to do
+                raise                                    # another server: dropping it is its own to do
             cut()                                        # said in one warning already, no traceback
         except OSError:
             pass                                         # the client went away mid-write

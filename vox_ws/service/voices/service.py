@@ -24,6 +24,7 @@ from ..memory import release_memory
 from ..validation import check_text
 from ..work import engine_work
 from .aliases import Alias
+from .lookalikes import name_key
 from .names import ResolvedVoice, VoiceNames
 from .registrations import Registration, RegistrationQueue
 from .sharing import VoiceSharing
@@ -69,7 +70,8 @@ class VoiceService:
         # Aliases and names (`names.py`); None: the defaults (`aliases.py`).
         self.names = VoiceNames(store, aliases)
         # Public voices (`sharing.py`), beside the server's own voices' and aliases' names.
-        self.sharing = VoiceSharing(store, devices, lambda: set(self.listed()) | set(self.aliases()))
+        self.sharing = VoiceSharing(store, devices,
+                                    lambda: {name_key(name) for name in (*self.listed(), *self.aliases())})
         self._fetching: dict[str, asyncio.Future] = {}      # voices being rebuilt from the store
         self._jobs: asyncio.Semaphore | None = None
         self._sweeper: asyncio.Task | None = None
@@ -166,9 +168,10 @@ class VoiceService:
         owner = registration.owner
         try:
             refuse_page(owner, public)
-            if name is not None and (self.devices.engine.voices.has(name) or name in self.aliases()):
-                raise Refused(ErrorKind.INVALID, f"{name!r} is a voice of the server's: name yours otherwise",
-                              field="name")
+            if name is not None and (self.devices.engine.voices.has(name)
+                                     or self.sharing.reads_as_the_servers(name)):
+                raise Refused(ErrorKind.INVALID, f"{name!r} is, or reads as, a voice of the server's: "
+                              "name yours otherwise", field="name")
             mode, transcript = checked_registration(transcript, mode, name, self.limits.max_text_chars,
                                                     public)
             if self.devices.status != Readiness.READY:

@@ -61,6 +61,7 @@ from typing import Any, Callable
 from ...addresses import network_of
 from ...engine import ErrorKind, Refused
 from ...voice_tags import VOICE_ID, voice_tag
+from .lookalikes import mixes_scripts
 
 log = logging.getLogger("vox_ws.service")
 
@@ -97,8 +98,8 @@ def refuse_page(owner: str, public: bool) -> None:
     public (a drive-by page published names into every user's list: Hardening VII, 3), or, with
     an opaque origin, register one at all (every sandboxed or `file:` page would share it)."""
     if is_opaque_page(owner):
-        raise Refused(ErrorKind.INVALID, "a page without an origin of its own (Origin: null) registers voices "
-                                         "only with a token", field="voice")
+        raise Refused(ErrorKind.INVALID, "a page without an origin of its own (Origin: null) registers "
+                                         "voices only with a token", field="voice")
     if public and is_page_owner(owner):
         raise Refused(ErrorKind.INVALID, "a page of another origin makes a voice public only with a token "
                                          "(its voices are its own until then)", field="public")
@@ -220,12 +221,17 @@ _VOICE_NAME = re.compile(r"[^\W_][\w .'-]{0,%d}" % (MAX_VOICE_NAME_CHARS - 1))
 
 
 def check_voice_name(name: Any) -> str:
-    """A voice's name as a client gives it; raises Refused (INVALID, field "name")."""
+    """A voice's name as a client gives it; raises Refused (INVALID, field "name"), also for a
+    name mixing scripts that look alike (`lookalikes.mixes_scripts`)."""
     if not isinstance(name, str) or not _VOICE_NAME.fullmatch(name) or name != name.strip() \
             or is_registered_id(name):
         raise Refused(ErrorKind.INVALID,
                       f"a voice's name is 1-{MAX_VOICE_NAME_CHARS} letters, digits, spaces or "
                       f"_.'- starting with a letter or digit, got {name!r}", field="name")
+    if mixes_scripts(name):
+        raise Refused(ErrorKind.INVALID, f"a voice's name is in one script (Latin may go with Han and kana, "
+                                         f"Bopomofo or Hangul), got {name!r}: its letters would pass for "
+                                         "another name's", field="name")
     return name
 
 
@@ -271,9 +277,10 @@ def may_speak_with(stored_owner: str, name: str | None, owner: str, public: bool
 
 
 def public_name_taken(name: str) -> Refused:
-    """The refusal of a public voice whose name another public voice has."""
-    return Refused(ErrorKind.INVALID, f"another public voice is named {name!r}: choose another name",
-                   field="name")
+    """The refusal of a public voice whose name another public voice has (as `name_key` reads
+    names: `Narrator` and `narrator` are one)."""
+    return Refused(ErrorKind.INVALID, f"another public voice is named {name!r}, or a name that reads the "
+                                      "same: choose another name", field="name")
 
 
 def nameless_public() -> Refused:
