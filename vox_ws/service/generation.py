@@ -182,7 +182,11 @@ class Generation:
         if self.done:
             return
         if (overdue := self._end_wait.overdue(now)) is not None:
-            self._end(overdue)                        # its words are late: the end goes without them
+            reason, late = overdue                    # the aligner is late: its words, estimated, then the end
+            for words in late:
+                self._timed_words.extend(words)
+                self.pacing.put(Words(words))
+            self._end(reason)
             return
         limits = self._limits
         if self.pacing.stalled_s(now) > limits.write_stall_timeout_s:
