@@ -186,3 +186,32 @@ async def test_a_spools_rewrites_stand_over_what_was_written_in_memory_or_in_its
     assert sent == bytes(expected) and whole.size == len(written)
     assert budget.spilled == (memory_bytes < len(written))
     await whole.close()
+
+
+@pytest.mark.hardening
+async def test_a_whole_responses_floor_is_its_own_byte_rate_where_that_is_higher():
+    """Hardening VII (found on the way): at the default floor (16 KiB/s) eight owners reading
+    at 17 KiB/s could hold the whole 1 GiB budget for about two hours each (128 MB apiece, by
+    the documented figures). A whole response must now be taken no slower than it plays: the
+    floor is its own byte rate (its size over its audio's seconds) where that is higher, so
+    128 MB of 48 kHz f32 (699 s of audio) is held about 12 minutes at most (its audio, plus the
+    grace). The clock is driven with made-up times: nothing here waits."""
+    from vox_ws.transports.spool import SendClock, Spool, SpoolBudget
+
+    budget = SpoolBudget(per_owner=1 << 30, total=1 << 30)
+    whole = Spool(budget, "a", floor=(float(16 << 10), 20.0))
+    await whole.write(bytes(192_000 * 10))                            # 10 s of f32 at 48 kHz
+    rate, grace = whole.send_floor(10.0)
+    assert rate == 192_000 and grace == 20.0
+    assert whole.send_floor(None) == (16 << 10, 20.0)                  # no figure: the configured floor
+    assert whole.send_floor(1e9)[0] == 16 << 10                         # a low byte rate: the configured floor
+    assert Spool(budget, "b", floor=(0.0, 20.0)).send_floor(10.0) == (0.0, 20.0)    # no floor stays none
+    # The attack's reader, 17 KiB/s, against each floor: behind the byte rate's within a minute.
+    for floor, cut in ((16 << 10, False), (rate, True)):
+        clock, now, taken = SendClock(floor, grace, 0.0), 0.0, 0
+        while taken < len(bytes(192_000 * 10)) and clock.left_s(now) > 0:
+            now += 1.0
+            taken += 17 << 10
+            clock.taken(17 << 10, now)
+        assert (clock.left_s(now) == 0) is cut and (not cut or now < 60), (floor, now)
+    await whole.close()

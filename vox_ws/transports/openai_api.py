@@ -513,7 +513,8 @@ class SpeechResponse(Response):
         headers = [*self.raw_headers, (b"content-length", str(spool.size).encode())]
         await send({"type": "http.response.start", "status": 200, "headers": headers})
         loop = asyncio.get_running_loop()
-        clock = SendClock(*spool.floor, loop.time())
+        floor = spool.send_floor(event.stats.get("audio_s"))
+        clock = SendClock(*floor, loop.time())
         sent = 0
         async for piece in spool.pieces():
             try:
@@ -521,7 +522,7 @@ class SpeechResponse(Response):
                 await asyncio.wait_for(self._body(send, piece), clock.left_s(loop.time()))
             except asyncio.TimeoutError:
                 log.warning("whole response taken slower than %.0f bytes a second: closed after %d of %d "
-                            "bytes", spool.floor[0], sent, spool.size)
+                            "bytes", floor[0], sent, spool.size)
                 raise _StreamBroke("the client took the whole file too slowly") from None
             sent += len(piece)
             clock.taken(len(piece), loop.time())
