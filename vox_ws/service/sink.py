@@ -80,6 +80,7 @@ class SegmentAlignment:
     written: str
     spoken: str
     language: str | None = None
+    owner: str = ""                   # the stream's: the aligner's queue is shared by owners
 
 
 class SegmentSink:
@@ -177,7 +178,8 @@ class SegmentSink:
             return
         future: Future
         try:
-            future = alignment.aligner.align(audio, alignment.written, alignment.spoken, alignment.language)
+            future = alignment.aligner.align(audio, alignment.written, alignment.spoken, alignment.language,
+                                             alignment.owner)
         except AlignerBusy:
             future = Future()
             future.set_result(estimated_segment(audio, alignment.written))
@@ -197,6 +199,9 @@ class SegmentSink:
             return
         try:
             timed = future.result()
+        except AlignerBusy:                   # pushed out of the queue by another owner's segment
+            self._post(self, Aligned(self.estimated_words()))
+            return
         except BaseException as exc:          # the aligner failed, or was closed: words lost, never audio
             log.warning("aligning a segment failed (%s: %s): its words are not sent", type(exc).__name__, exc)
             words = None
