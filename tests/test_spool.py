@@ -204,7 +204,7 @@ async def test_a_whole_responses_floor_is_its_own_byte_rate_where_that_is_higher
     rate, grace = whole.send_floor(10.0)
     assert rate == 192_000 and grace == 20.0
     assert whole.send_floor(None) == (16 << 10, 20.0)                  # no figure: the configured floor
-    assert whole.send_floor(1e9)[0] == 16 << 10                         # a low byte rate: the configured floor
+    assert whole.send_floor(1e9)[0] == 16 << 10                         # a low byte rate: the floor
     assert Spool(budget, "b", floor=(0.0, 20.0)).send_floor(10.0) == (0.0, 20.0)    # no floor stays none
     # The attack's reader, 17 KiB/s, against each floor: behind the byte rate's within a minute.
     for floor, cut in ((16 << 10, False), (rate, True)):

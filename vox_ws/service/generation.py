@@ -183,7 +183,7 @@ class Generation:
         if self.done:
             return
         if (overdue := self._end_wait.overdue(now)) is not None:
-            reason, late = overdue                    # the aligner is late: its words, estimated, then the end
+            reason, late = overdue                    # the aligner is late: its words estimated, then the end
             for words in late:
                 self._timed_words.extend(words)
                 self.pacing.put(Words(words))

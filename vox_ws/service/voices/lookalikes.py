@@ -24,8 +24,8 @@ import unicodedata
 # answers for an unassigned character (which a name's pattern already refuses).
 _ANY_SCRIPT = frozenset({"COMMON", "INHERITED", "Unknown"})
 # UTS #39 5.2, "highly restrictive": the scripts a name may mix.
-_MIXES_ALLOWED = (frozenset({"LATIN", "HAN", "HIRAGANA", "KATAKANA"}), frozenset({"LATIN", "HAN", "BOPOMOFO"}),
-                  frozenset({"LATIN", "HAN", "HANGUL"}))
+_MIXES_ALLOWED = (frozenset({"LATIN", "HAN", "HIRAGANA", "KATAKANA"}),
+                  frozenset({"LATIN", "HAN", "BOPOMOFO"}), frozenset({"LATIN", "HAN", "HANGUL"}))
 
 
 def name_key(name: str) -> str:

@@ -144,7 +144,7 @@ class MemoryPublic(PublicVoices):
     def __init__(self, store: MemoryStore) -> None:
         super().__init__(store)
         self._memory = store
-        self.names: dict[str, str] = {}           # a public voice's name's normal form (`name_key`) -> its id
+        self.names: dict[str, str] = {}           # a public name's normal form (`name_key`) -> its id
 
     def kept(self, voice: StoredVoice) -> None:
         if voice.public and voice.name is not None:
