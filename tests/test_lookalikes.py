@@ -17,7 +17,7 @@ def test_names_that_read_the_same_have_one_key_and_mixed_scripts_are_refused():
     in any one script is a name."""
     assert name_key("Alloy") == name_key("ａｌｌｏｙ") == name_key("ALLOY") == "alloy"
     assert name_key("Straße") == name_key("STRASSE") and name_key("ﬁne") == "fine"
-    assert name_key("аlloy") != "alloy"                                  # Cyrillic а: another name, refused below
+    assert name_key("аlloy") != "alloy"                   # Cyrillic а: another name, refused below
     for mixed in ("аlloy", "Narrаtor", "Ωmega", "Сaра", "ボイスΩ", "عربي abc"):
         assert mixes_scripts(mixed), mixed
         with pytest.raises(Refused, match="one script"):
