@@ -453,7 +453,7 @@ CLIENT_BOMBS = {
                                       "a frame over 1048576 bytes"),
     "a frame within the bytes of 480,000 empty arrays": (
         msgpack.packb({"type": "words", "words": [[[]] * 16_000] * 30}), "more than 16384 maps or arrays"),
-    "a chunk of 2 s of s16 audio": (None, "more than 1 s of s16 at 22050 Hz"),
+    "a chunk of 5 s of s16 audio": (None, "more than 4 s of s16 at 22050 Hz"),
 }
 
 
@@ -461,17 +461,17 @@ CLIENT_BOMBS = {
 def test_say_refuses_a_server_frame_past_what_the_protocol_allows(tmp_path, piper_server):
     """Hardening VII, 4: the client connected with no frame bound (`max_size=None`) and decoded
     whatever came: one 8 MB frame of empty arrays took `vox-ws say` from 45 to 611 MB. A
-    server's frame is now bounded (1 MiB: a chunk holds at most 1 s of audio, 192 KB of f32 at
-    48 kHz) and so are its decode's maps and arrays (16,384), and a chunk of more than 1 s of
-    its stream's audio is refused too: each a protocol violation in one line, exit 1. A real
-    server then speaks."""
+    server's frame is now bounded (1 MiB: a chunk holds at most 1 s of the engine's audio, 4 s
+    of output at the slowest speed: 768 KB of f32 at 48 kHz) and so are its decode's maps and
+    arrays (16,384), and a chunk of more than that of its stream's audio is refused too: each a
+    protocol violation in one line, exit 1. A real server then speaks."""
     def answer_with(bomb: bytes | None):
         async def answer(ws) -> None:
             await ws.send(msgpack.packb(HELLO))
             sid = msgpack.unpackb(await ws.recv())["id"]
             await ws.send(msgpack.packb({"type": "start", "id": sid, "sample_rate": 22050, "format": "s16"}))
-            two_seconds = {"type": "chunk", "id": sid, "seq": 0, "audio": bytes(2 * 2 * 22050)}
-            await ws.send(bomb if bomb is not None else msgpack.packb(two_seconds))
+            five_seconds = {"type": "chunk", "id": sid, "seq": 0, "audio": bytes(5 * 2 * 22050)}
+            await ws.send(bomb if bomb is not None else msgpack.packb(five_seconds))
             await ws.wait_closed()
         return answer
 

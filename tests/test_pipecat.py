@@ -224,8 +224,9 @@ async def test_pronunciations_reach_the_server_and_the_spoken_text_keeps_the_wor
 async def test_a_server_chunk_past_a_second_of_audio_is_a_protocol_violation(server):
     """Hardening VII, 4: the Pipecat service connected with no frame bound and took whatever
     the server sent. Its socket is now bounded (`wire.MAX_SERVER_FRAME_BYTES`), its decode too
-    (`wire.decode`), and a chunk of more than 1 s of its stream's audio (a real WebSocket server
-    on loopback sending 2 s) closes the connection as a protocol violation: the turn ends, with
+    (`wire.decode`), and a chunk of more than 1 s of the engine's audio can make (4 s at the
+    slowest speed; a real WebSocket server on loopback sending 5 s) closes the connection as a
+    protocol violation: the turn ends, with
     none of that audio (the error goes upstream, as Pipecat's errors do). A real server then speaks."""
     import msgpack
 
@@ -239,7 +240,7 @@ async def test_a_server_chunk_past_a_second_of_audio_is_a_protocol_violation(ser
             pass
         sid = start["id"]
         await ws.send(msgpack.packb({"type": "start", "id": sid, "sample_rate": RATE, "format": "s16"}))
-        await ws.send(msgpack.packb({"type": "chunk", "id": sid, "seq": 0, "audio": bytes(2 * 2 * RATE)}))
+        await ws.send(msgpack.packb({"type": "chunk", "id": sid, "seq": 0, "audio": bytes(5 * 2 * RATE)}))
         await ws.wait_closed()
 
     with hostile_server(answer) as url:

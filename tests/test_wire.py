@@ -404,12 +404,15 @@ def test_a_clients_decode_is_bounded_as_the_servers_is():
         wire.decode(b"\xdd" + (2 << 20).to_bytes(4, "big") + b"\x90" * (2 << 20))
     with pytest.raises(ValueError, match="more than 16384 maps or arrays"):
         wire.decode(msgpack.packb({"type": "words", "words": [[[]] * 16_000] * 30}))
-    second = wire.AudioChunk(id="s", seq=0, audio=bytes(4 * 48_000))
-    assert wire.chunk_problem(second, "f32", 48_000) is None
-    assert wire.decode(wire.encode(second))["audio"] == bytes(4 * 48_000)
-    assert "more than 1 s of s16 at 24000 Hz" in wire.chunk_problem(
-        wire.AudioChunk(id="s", seq=0, audio=bytes(2 * 2 * 24_000)), "s16", 24_000)
-    packets = wire.AudioChunk(id="s", seq=0, packets=[bytes(9000)] * 50)
+    from vox_ws.codecs import MIN_SPEED
+
+    assert wire.SLOWEST_SPEED == MIN_SPEED
+    slowest = wire.AudioChunk(id="s", seq=0, audio=bytes(4 * 4 * 48_000))     # 1 s of audio at speed 0.25
+    assert wire.chunk_problem(slowest, "f32", 48_000) is None
+    assert wire.decode(wire.encode(slowest))["audio"] == bytes(4 * 4 * 48_000)
+    assert "more than 4 s of s16 at 24000 Hz" in wire.chunk_problem(
+        wire.AudioChunk(id="s", seq=0, audio=bytes(5 * 2 * 24_000)), "s16", 24_000)
+    packets = wire.AudioChunk(id="s", seq=0, packets=[bytes(9000)] * 50 * 4)
     assert wire.chunk_problem(packets, "opus_packets", 48_000)
     text = wire.AudioChunk(id="s", seq=0, audio="text")
     assert wire.chunk_problem(text, "s16", 24_000) == "audio that is not bytes"

@@ -73,12 +73,16 @@ def encode(message: Any) -> bytes:
 
 # What one frame from a server may cost a client to decode, a frame past them a protocol
 # violation: one 8 MB frame of empty arrays took `vox-ws say` from 45 to 611 MB (Hardening VII,
-# 4). The largest frame a server sends is a chunk of 1 s of f32 at 48 kHz (192 KB); a `voice_admin`
+# 4). The largest frame a server sends is a chunk of 4 s of f32 at 48 kHz (768 KB: 1 s of the
+# engine's audio at speed 0.25), or of 1 s at speed 1 (192 KB); a `voice_admin`
 # list of 256 voices, or an `end` of a long stream's hundreds of segments, some tens of KB.
 MAX_SERVER_FRAME_BYTES = 1 << 20
 MAX_SERVER_CONTAINERS = 16384          # maps and arrays in one frame, and entries in one
-# The most audio one chunk carries (docs/PROTOCOL.md, `chunk`).
+# The most audio one chunk carries (docs/PROTOCOL.md, `chunk`): 1 s of the engine's, which at the
+# slowest speed (`codecs.MIN_SPEED`; an alias's speed times the request's is kept within it) is 4 s
+# of the stream's output.
 MAX_CHUNK_S = 1.0
+SLOWEST_SPEED = 0.25
 # Bytes one sample of a format takes at most: PCM's own; no codec makes more of a second than
 # 16-bit PCM does (FLAC's verbatim frames are 16-bit PCM and a header).
 _CHUNK_BYTES_PER_SAMPLE = {"f32": 4, "mulaw": 1}
@@ -110,12 +114,18 @@ def decode(data: bytes) -> Any:
                            max_map_len=MAX_SERVER_CONTAINERS, list_hook=budget, object_hook=budget)
 
 
+def max_chunk_seconds() -> float:
+    """The most seconds of a stream's output one chunk carries: MAX_CHUNK_S of the engine's audio
+    at the slowest speed."""
+    return MAX_CHUNK_S / SLOWEST_SPEED
+
+
 def max_chunk_bytes(fmt: str, sample_rate: int) -> int:
-    """The most bytes a chunk of a stream of `fmt` at `sample_rate` carries: MAX_CHUNK_S of its
-    audio, a tenth more (resampling's and a codec's few milliseconds: an encoder's last frames
-    come with the last chunk) and 8 KiB (a file's header)."""
+    """The most bytes a chunk of a stream of `fmt` at `sample_rate` carries: `max_chunk_seconds`
+    of its audio, a tenth more (resampling's and a codec's few milliseconds: an encoder's last
+    frames come with the last chunk) and 8 KiB (a file's header)."""
     per_sample = _CHUNK_BYTES_PER_SAMPLE.get(fmt, 2)
-    return int(per_sample * sample_rate * MAX_CHUNK_S * 1.1) + 8192
+    return int(per_sample * sample_rate * max_chunk_seconds() * 1.1) + 8192
 
 
 def chunk_problem(chunk: "AudioChunk", fmt: str, sample_rate: int) -> str | None:
@@ -128,7 +138,8 @@ def chunk_problem(chunk: "AudioChunk", fmt: str, sample_rate: int) -> str | None
         return "audio that is not bytes"
     size = len(audio) + sum(len(p) for p in packets)
     if size > max_chunk_bytes(fmt, sample_rate):
-        return f"{size} bytes of audio, more than {MAX_CHUNK_S:g} s of {fmt} at {sample_rate} Hz"
+        return (f"{size} bytes of audio, more than {max_chunk_seconds():g} s of {fmt} at {sample_rate} Hz "
+                f"({MAX_CHUNK_S:g} s of the engine's audio at the slowest speed)")
     return None
 
 

@@ -399,7 +399,7 @@ class Client:
         finally:
             if self._violation is None and _sent_too_big(self.ws):
                 self._violation = (f"the server sent a frame over {self.ws.protocol.max_message_size} bytes "
-                                   f"(a chunk holds at most {wire.MAX_CHUNK_S:g} s of audio)")
+                                   f"(a chunk holds at most {wire.max_chunk_seconds():g} s of audio)")
             code = self.ws.close_code or wire.CLOSE_ABNORMAL
             lost = _Lost(code=ConnectionLost.code, retryable=code in RECONNECT_CLOSE_CODES,
                          message=f"connection closed ({code} {self.ws.close_reason or ''})".rstrip(),
