@@ -194,7 +194,7 @@ async def voice_churn(port: int, until: float) -> None:
 
 async def half_open(port: int, until: float) -> None:
     """1,100 HTTP requests that never finish their headers (smaller items)."""
-    await asyncio.to_thread(_hold_requests, port, until, b"GET /healthz HTTP/1.1\r\nHost: x\r\n")
+    await asyncio.to_thread(_hold_requests, port, until, b"GET /healthz HTTP/1.1\r\nHost: localhost\r\n")
 
 
 def _hold_requests(port: int, until: float, sent: bytes, count: int = 1100) -> None:
@@ -241,7 +241,7 @@ async def non_readers(port: int, until: float) -> None:
 
 async def slow_bodies(port: int, until: float) -> None:
     """1,100 speech requests: whole headers, 11 bytes of a 30,000-byte body, then nothing (III.1)."""
-    head = (b"POST /v1/audio/speech HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    head = (b"POST /v1/audio/speech HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
             b"Content-Length: 30000\r\n\r\n" + b'{"input": "')
     await asyncio.to_thread(_hold_requests, port, until, head)
 
@@ -249,7 +249,7 @@ async def slow_bodies(port: int, until: float) -> None:
 async def unread_speech(port: int, until: float) -> None:
     """24 speech requests for long texts whose clients never read the response (III.2)."""
     body = json.dumps({"input": LONG_TEXT, "response_format": "pcm"}).encode()
-    request = (b"POST /v1/audio/speech HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    request = (b"POST /v1/audio/speech HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
                b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
 
     def hold() -> None:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import socket
 
@@ -41,7 +42,8 @@ def read_until_closed(sock: socket.socket) -> bytes:
 
 def speech_headers(length: int | None, chunked: bool = False) -> bytes:
     framing = b"Transfer-Encoding: chunked\r\n" if chunked else b"Content-Length: %d\r\n" % length
-    return (b"POST /v1/audio/speech HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n" + framing + b"\r\n")
+    return (b"POST /v1/audio/speech HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+            + framing + b"\r\n")
 
 
 def assert_speaks(server) -> None:
@@ -63,3 +65,36 @@ async def closed_with(server, expect_code, **kwargs):
             await asyncio.wait_for(ws.recv(), 10)
         assert ws.close_code == expect_code, (ws.close_code, ws.close_reason)
         return ws.close_reason
+
+
+@contextlib.contextmanager
+def hostile_server(answer):
+    """A real WebSocket server on loopback (its own thread and loop) whose every connection
+    `answer(ws)` serves, as a hostile server would; yields its v1 URL. Stopped on leaving."""
+    import asyncio
+    import threading
+
+    from websockets.asyncio.server import serve
+
+    ready = threading.Event()
+    running: dict = {}
+
+    async def main() -> None:
+        running["loop"], running["stop"] = asyncio.get_running_loop(), asyncio.Event()
+        async with serve(answer, "127.0.0.1", 0) as server:
+            running["port"] = server.sockets[0].getsockname()[1]
+            ready.set()
+            await running["stop"].wait()
+            server.close(close_connections=False)
+            for connection in list(server.connections):
+                connection.transport.abort()
+
+    thread = threading.Thread(target=asyncio.run, args=(main(),))
+    thread.start()
+    try:
+        assert ready.wait(WAIT_TIMEOUT)
+        yield f"ws://127.0.0.1:{running['port']}/v1/stream"
+    finally:
+        ready.wait(WAIT_TIMEOUT)
+        running["loop"].call_soon_threadsafe(running["stop"].set)
+        thread.join(WAIT_TIMEOUT)

@@ -1,19 +1,26 @@
 """A stream's end held for the aligner's words (`vox_ws/service/aligner_end_wait.py`), with data:
 the clock's readings are passed in, so nothing here waits."""
 
+import pytest
+
 from vox_ws.engine import EndReason
 from vox_ws.service.aligner_end_wait import AlignerEndWait
 from vox_ws.service.events import Word
 
 
 class Segment:
-    """A segment as the end-wait sees it: a hashable that can leave the aligner's queue."""
+    """A segment as the end-wait sees it: a hashable that can leave the aligner's queue, and
+    estimate its words."""
 
-    def __init__(self) -> None:
+    def __init__(self, *words: str) -> None:
         self.dropped = False
+        self.words = words
 
     def drop_alignment(self) -> None:
         self.dropped = True
+
+    def estimated_words(self) -> tuple[Word, ...]:
+        return tuple(Word(word, i, i + 1, True) for i, word in enumerate(self.words))
 
 
 class Aligner:
@@ -46,14 +53,28 @@ def test_a_cancel_never_waits_for_words():
     assert wait.released() is None
 
 
-def test_an_end_whose_words_are_overdue_goes_without_them():
+@pytest.mark.hardening
+def test_an_end_whose_words_are_overdue_sends_them_estimated_in_order_then_goes():
+    """Hardening VII (found on the way): under load the aligner's answer came past its deadline
+    and the end went without the words still waited for, so captions lost them. Past the
+    deadline (the clock passed in: nothing waits) every segment still waited for now leaves
+    the aligner's queue with its words estimated, each marked, in the order spoken, after the
+    words of a segment answered already but held behind them; an answer that comes later is
+    not sent twice."""
     wait = AlignerEndWait(Aligner())
-    late = Segment()
-    wait.expect(late)
+    late, answered, later = Segment("one", "two"), Segment("three"), Segment("four")
+    for segment in (late, answered, later):
+        wait.expect(segment)
+    aligned = (Word("three", 5, 6),)
+    assert wait.answer(answered, aligned) == []                          # behind the late one
     assert wait.holds(EndReason.DONE, now=10.0)
     assert wait.overdue(now=15.0) is None and not late.dropped       # within answer_within_s
-    assert wait.overdue(now=15.5) == EndReason.DONE and late.dropped  # dropped from the queue
-    assert wait.answer(late, (Word("a", 0, 1),)) == []                 # its words come too late
+    reason, words = wait.overdue(now=15.5)
+    assert reason == EndReason.DONE and late.dropped and later.dropped and not answered.dropped
+    assert words == [late.estimated_words(), aligned, later.estimated_words()]
+    assert all(w.estimated for w in words[0] + words[2]) and not words[1][0].estimated
+    assert wait.answer(late, (Word("one", 0, 1),)) == [] and wait.released() is None   # too late: not twice
+    assert not wait.holds(EndReason.DONE, now=16.0)
 
 
 def test_clearing_drops_every_segment_waited_for():

@@ -319,7 +319,7 @@ class FailingAligner(WordAligner):
     def start(self) -> None:
         pass
 
-    def align(self, audio, written, spoken, language=None) -> Future:
+    def align(self, audio, written, spoken, language=None, owner="") -> Future:
         failed: Future = Future()
         failed.set_exception(RuntimeError("the aligner crashed"))
         return failed
@@ -340,16 +340,19 @@ async def test_a_failing_aligner_costs_the_stream_its_words_never_its_audio(star
     async with connect_client(server) as c:
         result = await c.speak("And the next one too.", "n", format="s16", options={"max_len": 10})
     assert_good_stream(result, min_seconds=0.5, reason=result.end["reason"])
-    # An aligner that never answers (a hung process): the end waits for its words no longer
-    # than the aligner's time (none here), then comes without them.
+    # An aligner that never answers (a hung process, or one far behind under load): the end
+    # waits for its words no longer than the aligner's time (none here), then sends them
+    # estimated, every one marked, and comes (Hardening VII, found on the way: they were dropped).
     server.server.service.word_timings = WordTimings(HangingAligner(1, answer_within_s=0.0))
     words, chunks, start, end = await stream_words(server, text, options={"max_len": 10})
-    assert end["type"] == "end" and words == []
+    spoken = " ".join(segment["text"] for segment in end["segments"]).split()
+    assert end["type"] == "end" and [w["word"] for w in words] == spoken and spoken
+    assert all(w["estimated"] for w in words) and words[-1]["end_s"] <= end["audio_s"] + 1e-3
     assert sum(len(c["audio"]) for c in chunks) / 2 / start["sample_rate"] == pytest.approx(end["audio_s"], abs=1e-3)
 
 
 class HangingAligner(FailingAligner):
-    def align(self, audio, written, spoken, language=None) -> Future:
+    def align(self, audio, written, spoken, language=None, owner="") -> Future:
         return Future()                 # never answered
 
 
@@ -537,3 +540,35 @@ async def test_a_segment_past_the_aligner_queue_gets_estimated_words_the_next_al
         words, _, _, end = await stream_words(piper_for_aligners, ONE)
         assert end["type"] == "end" and [w["word"] for w in words] == ONE.split()
         assert not any(w.get("estimated") for w in words) and aligner.aligned == 3 and aligner.refused == 1
+
+
+@pytest.mark.hardening
+def test_the_aligners_queue_is_shared_by_owners_in_turns_and_places():
+    """Hardening VII (found on the way): the aligner's queue was one FIFO for every client, so
+    one client's flood of segments delayed every other stream's words behind it and took every
+    place (the others' then estimated). Free processes now take the owners' segments in turns
+    (oldest first within each), and a full queue makes room for an owner holding fewer than the
+    one holding most, whose newest segment is pushed out (its future fails AlignerBusy: its
+    words are estimated). Held (no process takes a segment): nothing here waits."""
+    from vox_ws.alignment.pool import AlignerBusy
+
+    aligner = WordAligner(1, cpus=1, queue=4)
+    aligner.hold()
+    audio = np.zeros(1600, dtype=np.int16)
+    try:
+        flood = [aligner.align(audio, "a", "a", "en", owner="flooder") for _ in range(4)]
+        assert aligner.queued == 4
+        first = aligner.align(audio, "b", "b", "en", owner="other")            # the flooder's newest goes
+        assert isinstance(flood[3].exception(timeout=0), AlignerBusy) and aligner.queued == 4
+        second = aligner.align(audio, "b", "b", "en", owner="other")           # 3 against 1: again
+        assert isinstance(flood[2].exception(timeout=0), AlignerBusy)
+        with pytest.raises(AlignerBusy):                                          # 2 against 2: no more
+            aligner.align(audio, "b", "b", "en", owner="other")
+        with pytest.raises(AlignerBusy):
+            aligner.align(audio, "a", "a", "en", owner="flooder")
+        with aligner._lock:
+            order = [aligner._next_waiting()[0] for _ in range(4)]
+        assert order == [flood[0], first, flood[1], second]                     # in turns
+        assert aligner.refused == 4
+    finally:
+        aligner.close(grace_s=0)

@@ -288,3 +288,70 @@ def test_a_page_owner_is_its_visitors_network_for_the_stores_shares():
     assert network_key(page) == network_key(visitor) == network_key(address_owner("192.0.2.99", 64))
     assert network_key(page_owner(address_owner("2001:db8:1:2::1", 64), EVIL_PAGE)) == \
         network_key(address_owner("2001:db8:1:9::1", 64))
+    from vox_ws.service.voices.store import is_opaque_page, keyed_under, owner_key
+
+    assert keyed_under(owner_key(page), owner_key(visitor))
+    assert not keyed_under(owner_key(visitor), owner_key(page))
+    assert not keyed_under(owner_key(page), owner_key(address_owner("192.0.2.8", 64)))
+    assert is_opaque_page(page_owner(visitor, "null")) and is_opaque_page(page_owner(visitor, None))
+    assert not is_opaque_page(page)
+
+
+@pytest.mark.hardening
+async def test_a_page_of_another_origin_publishes_nothing_without_a_token(start_server, tiny_model):
+    """Hardening VII, 3: under `--cors-origins '*'` a drive-by page without a token (an owner of
+    its own) registered a public voice, "Call 555-0100 for support", which every user's list
+    then showed and spoke; the admin's deletion by the visitor's address missed it. Publishing
+    from such a page (registering public, PATCH, `voice_update`) is now refused `bad_request`
+    (field `public`), its private voices stay its own, and the admin's deletion by address
+    takes them too. A client of the server's own (no Origin) still publishes."""
+    server = _cloning_server(start_server, tiny_model, cors_origins=["*"], admin_tokens=["root"])
+    spam = "Call 555-0100 for support"
+    page = {"origin": EVIL_PAGE}
+    async with httpx.AsyncClient(base_url=server.http, timeout=60) as http:
+        published = await http.post("/v1/voices", params={"name": spam, "public": "true"}, content=wav(1.0),
+                                    headers={"content-type": "audio/wav", **page})
+        assert published.status_code == 400, published.text
+        assert "token" in published.json()["error"]["message"], published.text
+        private = await http.post("/v1/voices", params={"name": spam}, content=wav(1.0),
+                                  headers={"content-type": "audio/wav", **page})
+        assert private.status_code == 201, private.text
+        patched = await http.patch(f"/v1/audio/voices/{spam}", json={"public": True}, headers=page)
+        assert patched.status_code == 400 and patched.json()["error"]["code"] == "bad_request", patched.text
+    async with connect_client(server, origin=EVIL_PAGE) as c:
+        await c.send({"type": "voice_update", "id": "up", "voice": spam, "public": True})
+        refused = await c.recv_where(lambda m: m.get("id") == "up")
+        assert refused["type"] == "error" and refused["code"] == "bad_request", refused
+        await c.send({"type": "voice", "id": "reg", "audio": wav(1.0), "name": "Other spam", "public": True})
+        refused = await c.recv_where(lambda m: m.get("id") == "reg")
+        assert refused["type"] == "error" and "token" in refused["message"], refused
+        spoken = await c.speak("Hello.", "own", voice=spam, options={"max_len": 3})    # its own, privately
+        assert spoken.end["reason"] == "max_len"
+    everyone = httpx.get(server.http + "/v1/audio/voices", timeout=60).json()["voices"]
+    assert not [v for v in everyone if v["kind"] == "public"], everyone
+    admin = {"authorization": "Bearer root"}
+    swept = httpx.delete(server.http + "/v1/admin/voices", params={"address": "127.0.0.1"}, headers=admin)
+    assert swept.status_code == 200 and private.json()["voice"] in swept.json()["deleted"], swept.text
+    good = httpx.post(server.http + "/v1/voices", params={"name": "Narrator", "public": "true"},
+                      content=wav(1.0), headers={"content-type": "audio/wav"}, timeout=60)
+    assert good.status_code == 201 and good.json()["public"] is True, good.text
+
+
+@pytest.mark.hardening
+async def test_a_page_with_an_opaque_origin_is_no_owner(start_server, tiny_model):
+    """Hardening VII (found on the way): under `--cors-origins '*'` every sandboxed frame and
+    `file:` page of every site sends `Origin: null`, and was one page owner per address: any of
+    them used the voices another registered. Such a page registers nothing now (`bad_request`,
+    over HTTP and v1), so there is nothing of another's to reach; it still speaks the server's
+    voices, and the same connection's next good request is served."""
+    server = _cloning_server(start_server, tiny_model, cors_origins=["*"])
+    refused = httpx.post(server.http + "/v1/voices", params={"name": "sandboxed"}, content=wav(1.0),
+                         headers={"content-type": "audio/wav", "origin": "null"}, timeout=60)
+    assert refused.status_code == 400 and "Origin: null" in refused.json()["error"]["message"], refused.text
+    async with connect_client(server, origin="null") as c:
+        await c.send({"type": "voice", "id": "reg", "audio": wav(1.0), "name": "sandboxed"})
+        answer = await c.recv_where(lambda m: m.get("id") == "reg")
+        assert answer["type"] == "error" and answer["code"] == "bad_request", answer
+        assert (await c.speak("Hello.", "builtin", options={"max_len": 3})).end["reason"] == "max_len"
+    listed = httpx.get(server.http + "/v1/audio/voices", headers={"origin": "null"}, timeout=60)
+    assert listed.status_code == 200 and listed.json()["uploaded_voices"] == []

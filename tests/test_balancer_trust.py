@@ -109,7 +109,7 @@ async def test_a_client_past_its_budget_is_refused_alone_and_the_replica_stays_u
         # A health check as HAProxy sends it (PROXY v2 LOCAL, from the balancer's address) is
         # answered: the balancer is never the client that was refused.
         with attacker_socket(balanced.port, source="127.0.0.1") as check:
-            check.sendall(v2(None) + b"GET /readyz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            check.sendall(v2(None) + b"GET /readyz HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n")
             assert read_until_closed(check).startswith(b"HTTP/1.1 200")
         assert chkfail(balancer) == failed_before
         # A forged X-Forwarded-For changes nothing: through the balancer the bystander naming the

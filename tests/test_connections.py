@@ -285,14 +285,15 @@ async def test_bodies_answered_before_they_are_read_are_dropped_within_a_budget_
 
     server = start_server(PiperEngine(), discard_bytes_per_s=1.0)       # the burst, then next to nothing
     burst = DISCARD_BURST_FRAMES * server.config.limits.max_frame_bytes
-    upload = b"POST /v1/voices HTTP/1.1\r\nHost: x\r\nContent-Type: audio/wav\r\nContent-Length: %d\r\n\r\n"
+    upload = (b"POST /v1/voices HTTP/1.1\r\nHost: localhost\r\nContent-Type: audio/wav\r\n"
+              b"Content-Length: %d\r\n\r\n")
     size = burst * 3 // 4
     first = attacker_socket(server.port)
     first.sendall(upload % size)
     answer = _answer(first)                                  # answered before a byte of the body
     assert answer.status == 501 and answer.getheader("connection") is None
     first.sendall(b"\0" * size)                             # dropped within the budget ...
-    first.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+    first.sendall(b"GET /healthz HTTP/1.1\r\nHost: localhost\r\n\r\n")
     assert _answer(first).status == 200                      # ... and the connection goes on
     first.close()
 
@@ -300,7 +301,7 @@ async def test_bodies_answered_before_they_are_read_are_dropped_within_a_budget_
     second.sendall(upload % size)
     assert _answer(second).status == 501
     try:
-        second.sendall(b"\0" * size + b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+        second.sendall(b"\0" * size + b"GET /healthz HTTP/1.1\r\nHost: localhost\r\n\r\n")
     except (BrokenPipeError, ConnectionResetError):
         pass                                                 # closed while the body was coming
     assert read_until_closed(second) == b""                  # no answer to the next request: closed
@@ -328,7 +329,7 @@ async def test_unfinished_requests_are_bounded_per_address_and_timed_out(start_s
 
     idle = [socket.create_connection(("127.0.0.1", server.port)) for _ in range(4)]
     for sock in idle:
-        sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n")       # headers never finished
+        sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: localhost\r\n")       # headers never finished
     await wait_until(lambda: server.server.guard.pending == 4)
     extra = [socket.create_connection(("127.0.0.1", server.port)) for _ in range(4)]
     assert all([await asyncio.to_thread(closed_by_server, sock, WAIT_TIMEOUT) for sock in extra])

@@ -90,10 +90,10 @@ async def test_a_live_uvicorn_connection_has_the_attributes_vox_ws_uses(tone_ser
     problems = []
     # An HTTP connection with its headers half sent: the protocol object is live, and waiting.
     sock = socket.create_connection(("127.0.0.1", tone_server.port))
-    sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n")
+    sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: localhost\r\n")
     # And one whose request waits for its body: it has a request-response cycle.
     waiting = socket.create_connection(("127.0.0.1", tone_server.port))
-    waiting.sendall(b"POST /v1/audio/speech HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    waiting.sendall(b"POST /v1/audio/speech HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
                     b"Content-Length: 100\r\n\r\n{")
     try:
         def waits_for_a_body() -> bool:

@@ -4,7 +4,6 @@ back with PyAV and webvtt-py."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
@@ -21,6 +20,7 @@ import msgpack
 import pytest
 import webvtt
 
+from attackers import hostile_server
 from conftest import WAIT_TIMEOUT
 from helpers import decode_file, flac_streaminfo
 from vox_ws.clients.captions import MAX_CUE_CHARS, MAX_CUE_S, Cue, cues_from_segments, cues_from_words, write_captions
@@ -367,39 +367,6 @@ def test_cue_text_never_holds_a_timing_arrow_or_a_blank_line(tmp_path):
                                     if not line[:1].isdigit())
 
 
-@contextlib.contextmanager
-def hostile_server(answer):
-    """A real WebSocket server on loopback (its own thread and loop) whose every connection
-    `answer(ws)` serves, as a hostile server would; yields its v1 URL. Stopped on leaving."""
-    import asyncio
-    import threading
-
-    from websockets.asyncio.server import serve
-
-    ready = threading.Event()
-    running: dict = {}
-
-    async def main() -> None:
-        running["loop"], running["stop"] = asyncio.get_running_loop(), asyncio.Event()
-        async with serve(answer, "127.0.0.1", 0) as server:
-            running["port"] = server.sockets[0].getsockname()[1]
-            ready.set()
-            await running["stop"].wait()
-            server.close(close_connections=False)
-            for connection in list(server.connections):
-                connection.transport.abort()
-
-    thread = threading.Thread(target=asyncio.run, args=(main(),))
-    thread.start()
-    try:
-        assert ready.wait(WAIT_TIMEOUT)
-        yield f"ws://127.0.0.1:{running['port']}/v1/stream"
-    finally:
-        ready.wait(WAIT_TIMEOUT)
-        running["loop"].call_soon_threadsafe(running["stop"].set)
-        thread.join(WAIT_TIMEOUT)
-
-
 HELLO = {"type": "hello", "protocol": 1, "sample_rate": 22050, "features": ["word_timestamps"],
          "limits": {"max_text_chars": 1000}}
 
@@ -478,6 +445,43 @@ def test_say_refuses_a_server_whose_times_are_not_times(tmp_path, piper_server):
                    "--url", piper_server.url)
     assert good.returncode == 0, good.stderr
     assert [c.text for c in webvtt.read(str(tmp_path / "good.vtt"))] == ["Hello there."]
+
+
+# What a hostile server sends once a stream has started, and what `say` names of it.
+CLIENT_BOMBS = {
+    "an 8 MB frame of empty arrays": (b"\xdd" + (8 << 20).to_bytes(4, "big") + b"\x90" * (8 << 20),
+                                      "a frame over 1048576 bytes"),
+    "a frame within the bytes of 480,000 empty arrays": (
+        msgpack.packb({"type": "words", "words": [[[]] * 16_000] * 30}), "more than 16384 maps or arrays"),
+    "a chunk of 5 s of s16 audio": (None, "more than 4 s of s16 at 22050 Hz"),
+}
+
+
+@pytest.mark.hardening
+def test_say_refuses_a_server_frame_past_what_the_protocol_allows(tmp_path, piper_server):
+    """Hardening VII, 4: the client connected with no frame bound (`max_size=None`) and decoded
+    whatever came: one 8 MB frame of empty arrays took `vox-ws say` from 45 to 611 MB. A
+    server's frame is now bounded (1 MiB: a chunk holds at most 1 s of the engine's audio, 4 s
+    of output at the slowest speed: 768 KB of f32 at 48 kHz) and so are its decode's maps and
+    arrays (16,384), and a chunk of more than that of its stream's audio is refused too: each a
+    protocol violation in one line, exit 1. A real server then speaks."""
+    def answer_with(bomb: bytes | None):
+        async def answer(ws) -> None:
+            await ws.send(msgpack.packb(HELLO))
+            sid = msgpack.unpackb(await ws.recv())["id"]
+            await ws.send(msgpack.packb({"type": "start", "id": sid, "sample_rate": 22050, "format": "s16"}))
+            five_seconds = {"type": "chunk", "id": sid, "seq": 0, "audio": bytes(5 * 2 * 22050)}
+            await ws.send(bomb if bomb is not None else msgpack.packb(five_seconds))
+            await ws.wait_closed()
+        return answer
+
+    for attack, (bomb, named) in CLIENT_BOMBS.items():
+        with hostile_server(answer_with(bomb)) as url:
+            said = run_say("Hello.", "-o", str(tmp_path / "x.wav"), "--url", url)
+        assert said.returncode == 1 and "Traceback" not in said.stderr, (attack, said.stderr)
+        assert "protocol_violation" in said.stderr and named in said.stderr, (attack, said.stderr)
+    good = run_say("Hello.", "-o", str(tmp_path / "good.wav"), "--url", piper_server.url)
+    assert good.returncode == 0 and wav_seconds(tmp_path / "good.wav") > 0.3, good.stderr
 
 
 @pytest.mark.hardening

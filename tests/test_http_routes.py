@@ -317,7 +317,15 @@ async def test_allowed_hosts_admits_the_names_it_lists(start_server):
 def test_the_names_a_server_answers_to():
     """The host matcher: what no outside attacker can re-point (IP literals, localhost, single
     labels such as `vox-ws` or Starlette's `testserver`, .local/.internal names, the machine's
-    own name) always; `--allowed-hosts` names, `.domain` with its subdomains, `*` anything."""
+    own name) for a server listening elsewhere than loopback; loopback names only (localhost,
+    loopback literals, the machine's name) for one listening on loopback only; `--allowed-hosts`
+    names, `.domain` with its subdomains, `*` anything."""
+    from vox_ws.transports.hosts import listens_on_loopback_only
+
+    for host in ("127.0.0.1", "127.0.0.5", "::1", "[::1]", "localhost", "LOCALHOST.", "app.localhost"):
+        assert listens_on_loopback_only(host), host
+    for host in ("0.0.0.0", "::", "", "10.0.0.5", "::ffff:10.0.0.5", "no-such-host.invalid"):
+        assert not listens_on_loopback_only(host), host
     from vox_ws.transports.hosts import AllowedHosts, host_name
 
     default = AllowedHosts([], own_names=["box.corp.example"])
@@ -328,6 +336,14 @@ def test_the_names_a_server_answers_to():
     for host in ("rebind.example:8765", "rebind.example", "evil.example.", "localhost.evil.example",
                  "box.corp.example.evil", "", "[not-an-address]"):
         assert not default.allows(host), host
+    loopback = AllowedHosts([], own_names=["box"], loopback_only=True)
+    for host in ("localhost:8765", "app.localhost", "127.0.0.1:8765", "127.3.2.1", "[::1]:8765", "box:8765",
+                 None):
+        assert loopback.allows(host), host
+    for host in ("vox-ws:8765", "evil", "evil.local:8765", "nas.home.arpa", "api.internal", "10.0.0.5",
+                 "[::ffff:10.0.0.5]", "0.0.0.0", "rebind.example"):
+        assert not loopback.allows(host), host
+    assert AllowedHosts(["evil.local"], loopback_only=True).allows("evil.local:1")
     listed = AllowedHosts(["tts.example.com", ".corp.example"], own_names=[])
     assert listed.allows("TTS.example.com:443") and listed.allows("corp.example")
     assert listed.allows("a.b.corp.example")
@@ -337,3 +353,55 @@ def test_the_names_a_server_answers_to():
     for bad in ("*.example.com", ".", "a/b"):
         with pytest.raises(ValueError):
             AllowedHosts([bad])
+
+
+@pytest.mark.hardening
+async def test_a_loopback_server_answers_no_name_a_neighbour_can_point_at_it(voxcpm_http, caplog):
+    """Hardening VII, 2: single-label names (LLMNR, NetBIOS) and `.local` ones (mDNS) are
+    answered by any machine on the link, so a page at `evil.local:PORT` or `evil:PORT`
+    re-pointed at 127.0.0.1 was the visitor's own origin to a loopback server: it listed the
+    visitor's voices, spoke one, opened the WebSocket and deleted it. A server listening on
+    loopback only (the tests', as the default) now refuses them 421 at every door; on the same
+    server a loopback name is served, and the voice is still there."""
+    port = voxcpm_http.port
+    await _named_voice(voxcpm_http.http, "neighbour-me")
+    async with httpx.AsyncClient(base_url=voxcpm_http.http, timeout=60) as http:
+        for name in ("evil.local", "evil", "evil.home.arpa"):
+            page = {"host": f"{name}:{port}", "origin": f"http://{name}:{port}"}
+            for method, path, body in (("GET", "/v1/audio/voices", None),
+                                       ("POST", "/v1/audio/speech",
+                                        {"input": "Hi.", "voice": "neighbour-me"}),
+                                       ("DELETE", "/v1/audio/voices/neighbour-me", None)):
+                refused = await http.request(method, path, headers=page, json=body)
+                assert refused.status_code == 421 and name in refused.json()["error"]["message"], refused.text
+            with pytest.raises(InvalidStatus) as info:
+                async with connect(f"ws://{name}:{port}/v1/stream", host="127.0.0.1", port=port,
+                                   origin=f"http://{name}:{port}"):
+                    pass
+            assert info.value.response.status_code == 421
+        served = {"host": f"localhost:{port}", "origin": f"http://localhost:{port}"}
+        listed = await http.get("/v1/audio/voices", headers=served)
+        assert "neighbour-me" in [v["id"] for v in listed.json()["uploaded_voices"]], listed.text
+        deleted = await http.delete("/v1/audio/voices/neighbour-me", headers=served)
+        assert deleted.status_code == 200
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+
+
+@pytest.mark.hardening
+async def test_a_patch_nested_too_deeply_is_a_typed_400(voxcpm_http, caplog):
+    """Hardening VII, 8: `PATCH /v1/voices/{name}` with 1,000 `[` was a 500 with a
+    RecursionError's traceback, from any client; every JSON body is now read the same bounded
+    way (`body.parse_json`): 400 `bad_request`, and the same connection's next PATCH works."""
+    await _named_voice(voxcpm_http.http, "deep-me")
+    async with httpx.AsyncClient(base_url=voxcpm_http.http, timeout=60) as http:
+        for body in (b"[" * 1000, b"[" * 100_000 + b"]" * 100_000, b"{\"public\": " * 900):
+            refused = await http.patch("/v1/voices/deep-me", content=body,
+                                       headers={"content-type": "application/json"})
+            assert refused.status_code in (400, 413), refused.text
+            assert refused.json()["error"]["code"] in ("bad_request", "too_large"), refused.text
+        nested = await http.patch("/v1/voices/deep-me", content=b"[" * 1000)
+        assert nested.status_code == 400 and "nested too deeply" in nested.json()["error"]["message"]
+        made = await http.patch("/v1/voices/deep-me", json={"public": False})
+        assert made.status_code == 200 and made.json()["public"] is False, made.text
+        await http.delete("/v1/voices/deep-me")
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]

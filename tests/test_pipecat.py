@@ -218,3 +218,39 @@ async def test_pronunciations_reach_the_server_and_the_spoken_text_keeps_the_wor
         await sink.wait_for(lambda f: isinstance(f, TTSStoppedFrame))
         assert [f.text.strip() for f in sink.of(TTSTextFrame)] == ["I", "love", "New York."]
         assert not sink.of(ErrorFrame)
+
+
+@pytest.mark.hardening
+async def test_a_server_chunk_past_a_second_of_audio_is_a_protocol_violation(server):
+    """Hardening VII, 4: the Pipecat service connected with no frame bound and took whatever
+    the server sent. Its socket is now bounded (`wire.MAX_SERVER_FRAME_BYTES`), its decode too
+    (`wire.decode`), and a chunk of more than 1 s of the engine's audio can make (4 s at the
+    slowest speed; a real WebSocket server on loopback sending 5 s) closes the connection as a
+    protocol violation: the turn ends, with
+    none of that audio (the error goes upstream, as Pipecat's errors do). A real server then speaks."""
+    import msgpack
+
+    from attackers import hostile_server
+    from vox_ws import wire
+
+    async def answer(ws) -> None:
+        await ws.send(msgpack.packb({"type": "hello", "protocol": 1, "sample_rate": RATE, "features": [],
+                                     "limits": {}}))
+        while (start := msgpack.unpackb(await ws.recv()))["type"] != "start":
+            pass
+        sid = start["id"]
+        await ws.send(msgpack.packb({"type": "start", "id": sid, "sample_rate": RATE, "format": "s16"}))
+        await ws.send(msgpack.packb({"type": "chunk", "id": sid, "seq": 0, "audio": bytes(5 * 2 * RATE)}))
+        await ws.wait_closed()
+
+    with hostile_server(answer) as url:
+        async with pipeline(url) as (worker, tts, sink):
+            await wait_until(lambda: tts._websocket is not None)
+            assert tts._websocket.protocol.max_message_size == wire.MAX_SERVER_FRAME_BYTES
+            await say(worker, ["Hello."])
+            await sink.wait_for(lambda f: isinstance(f, TTSStoppedFrame))       # ended (its error upstream)
+            assert not [f for _, f in sink.frames if isinstance(f, TTSAudioRawFrame)]
+    async with pipeline(server.url) as (worker, tts, sink):
+        await say(worker, ["Hello again."])
+        done = await sink.wait_for(lambda f: isinstance(f, TTSStoppedFrame))
+        assert audio_s(sink.of(TTSAudioRawFrame, done.context_id)) > 0.3

@@ -157,7 +157,7 @@ def request(port: int, preamble: bytes, text: bytes) -> bytes:
         return read_until_closed(sock)
 
 
-HEALTH = b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+HEALTH = b"GET /healthz HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n"
 
 
 def held_body(port: int, preamble: bytes = b"", extra: bytes = b"", source: str = BALANCER) -> socket.socket:
@@ -206,7 +206,7 @@ async def test_a_client_past_its_refusals_is_answered_through_the_balancer_which
         refused = await asyncio.to_thread(request, server.port, v1(spender), HEALTH)
         assert refused.startswith(b"HTTP/1.1 429") and b"after being refused" in refused, refused
     # A WebSocket upgrade from it is refused the same way, not upgraded.
-    upgrade = (b"GET /v1/stream HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+    upgrade = (b"GET /v1/stream HTTP/1.1\r\nHost: localhost\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
                b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n")
     refused = await asyncio.to_thread(request, server.port, v2(spender), upgrade)
     assert refused.startswith(b"HTTP/1.1 429"), refused
@@ -362,7 +362,7 @@ async def test_a_clients_unfinished_requests_through_the_balancer_count_as_its_o
     server = start_server(PiperEngine(), trusted_proxies=[BALANCER], max_connections=6,
                           max_connections_per_address=2)
     guard = server.server.guard
-    unfinished = b"GET /healthz HTTP/1.1\r\nHost: x\r\n"                 # headers never finished
+    unfinished = b"GET /healthz HTTP/1.1\r\nHost: localhost\r\n"                 # headers never finished
     held = []
     for n in range(6):
         held.append(await asyncio.to_thread(connected, server.port, v2(CLIENT_A, port=40000 + n) + unfinished))
@@ -372,8 +372,8 @@ async def test_a_clients_unfinished_requests_through_the_balancer_count_as_its_o
             assert await asyncio.to_thread(read_until_closed, held[-1]) == b""
     assert guard.pending == guard.pending_from(CLIENT_A) == 2 and guard.pending_from(BALANCER) == 0
     for preamble in (v2(CLIENT_B), v2(None), v1("192.0.2.45")):          # another client; the balancer's check
-        sock = await asyncio.to_thread(connected, server.port, preamble + b"GET /healthz HTTP/1.1\r\nHost: x\r\n"
-                                                                          b"Connection: close\r\n\r\n")
+        request = b"GET /healthz HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n"
+        sock = await asyncio.to_thread(connected, server.port, preamble + request)
         answer = await asyncio.to_thread(read_until_closed, sock)
         sock.close()
         assert answer.startswith(b"HTTP/1.1 200 "), answer[:100]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import threading
 
 import httpx
@@ -102,14 +103,17 @@ def trickle(port: int, source: str, answered: list[str], resume: threading.Event
 
 
 @pytest.mark.hardening
-async def test_whole_responses_read_slower_than_the_floor_are_closed_and_give_their_budget_back(start_server):
+async def test_whole_responses_read_slower_than_the_floor_are_closed_and_give_their_budget_back(start_server,
+                                                                                                 caplog):
     """Hardening VI, 11: two owners reading their whole files 2 KB every 4 s held the budget of
     every whole response for as long as they liked (the write stall time-out sees progress): a
     third owner got 429. Now a whole response must be taken at `whole_min_rate` bytes a second
     on average (after `write_stall_timeout_s`, the most it may bank): the stopped readers are
     closed before they have their files, their bytes are given back, and the third owner is
     served. The floor (64 KB/s, 5 s banked at most) is far under what a reader that reads at
-    once takes on any machine, and the tricklers take nothing at all once started."""
+    once takes on any machine, and the tricklers take nothing at all once started. Hardening VII,
+    7: each cut also logged uvicorn's ERROR "Exception in ASGI application" with a traceback
+    (`_StreamBroke`); now it is the one intended warning per cut, and no ERROR."""
     server = start_server(PiperEngine(), write_stall_timeout_s=5.0, whole_min_rate=float(64 << 10))
     budget = server.server.state.spools
 
@@ -134,6 +138,8 @@ async def test_whole_responses_read_slower_than_the_floor_are_closed_and_give_th
         resume.set()
     for length, received in await tricklers:
         assert received < length, (length, received)                    # closed before the end
+    assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert len([r for r in caplog.records if "whole response taken slower" in r.getMessage()]) == 2
     # A third owner: served whole.
     served = await asyncio.to_thread(whole, "127.0.0.1")
     assert served.status_code == 200
@@ -179,4 +185,33 @@ async def test_a_spools_rewrites_stand_over_what_was_written_in_memory_or_in_its
     expected[8:18], expected[4:8], expected[-3:] = b"STREAMINFO", b"SIZE", b"end"
     assert sent == bytes(expected) and whole.size == len(written)
     assert budget.spilled == (memory_bytes < len(written))
+    await whole.close()
+
+
+@pytest.mark.hardening
+async def test_a_whole_responses_floor_is_its_own_byte_rate_where_that_is_higher():
+    """Hardening VII (found on the way): at the default floor (16 KiB/s) eight owners reading
+    at 17 KiB/s could hold the whole 1 GiB budget for about two hours each (128 MB apiece, by
+    the documented figures). A whole response must now be taken no slower than it plays: the
+    floor is its own byte rate (its size over its audio's seconds) where that is higher, so
+    128 MB of 48 kHz f32 (699 s of audio) is held about 12 minutes at most (its audio, plus the
+    grace). The clock is driven with made-up times: nothing here waits."""
+    from vox_ws.transports.spool import SendClock, Spool, SpoolBudget
+
+    budget = SpoolBudget(per_owner=1 << 30, total=1 << 30)
+    whole = Spool(budget, "a", floor=(float(16 << 10), 20.0))
+    await whole.write(bytes(192_000 * 10))                            # 10 s of f32 at 48 kHz
+    rate, grace = whole.send_floor(10.0)
+    assert rate == 192_000 and grace == 20.0
+    assert whole.send_floor(None) == (16 << 10, 20.0)                  # no figure: the configured floor
+    assert whole.send_floor(1e9)[0] == 16 << 10                         # a low byte rate: the floor
+    assert Spool(budget, "b", floor=(0.0, 20.0)).send_floor(10.0) == (0.0, 20.0)    # no floor stays none
+    # The attack's reader, 17 KiB/s, against each floor: behind the byte rate's within a minute.
+    for floor, cut in ((16 << 10, False), (rate, True)):
+        clock, now, taken = SendClock(floor, grace, 0.0), 0.0, 0
+        while taken < len(bytes(192_000 * 10)) and clock.left_s(now) > 0:
+            now += 1.0
+            taken += 17 << 10
+            clock.taken(17 << 10, now)
+        assert (clock.left_s(now) == 0) is cut and (not cut or now < 60), (floor, now)
     await whole.close()

@@ -211,6 +211,57 @@ async def test_a_public_voice_is_anyones_by_its_name_and_only_its_owners_to_chan
     assert await resolved(store, wyoming, "narrator") == bobs.id
 
 
+@pytest.mark.hardening
+async def test_public_names_that_read_the_same_are_one_name_in_every_store(store):
+    """Hardening VII, 6: `narrator` beside another owner's public `Narrator` (and fullwidth
+    `ＮＡＲＲＡＴＯＲ`) were accepted and listed to everyone. A public name is now one voice's by
+    its normal form (NFKC, case folded), in every store (Redis atomically, by its scripts), and
+    found by any spelling that reads the same; another name is served beside it."""
+    first = public(store, "token:alice", "Narrator")
+    await store.put(first)
+    for owner, name, pitch in (("token:bob", "narrator", 300.0),
+                               ("token:carol", "ＮＡＲＲＡＴＯＲ", 310.0)):
+        with pytest.raises(Refused, match="another public voice"):
+            await store.put(public(store, owner, name, pitch))
+        kept = named(store, owner, name, pitch)
+        await store.put(kept)                                     # kept privately: its owner's name
+        with pytest.raises(Refused, match="another public voice"):
+            await store.public.set(kept.id, owner, True)
+    assert await store.public.id("narrator") == first.id == await store.public.id("ＮＡＲＲＡＴＯＲ")
+    other = public(store, "token:bob", "Narrator two", 320.0)
+    await store.put(other)
+    assert [v.name for v in await store.public.listed()] == ["Narrator", "Narrator two"]
+    assert await store.delete(first.id, "token:alice")
+    assert await store.public.id("narrator") is None                # the name is free again
+    assert (await store.public.set(named(store, "token:bob", "narrator", 300.0).id, "token:bob", True)).public
+
+
+async def test_redis_public_names_an_earlier_version_indexed_as_given_move_to_their_normal_form(redis_server):
+    """A Redis store whose `public` hash an earlier version keyed by the name as given (no
+    `name_key` on the voice) is keyed by the normal form once a server opens it: the voice is
+    found by any spelling, and a look-alike is refused."""
+    made = RedisStore(redis_server.url, LIMITS)
+    await made._redis.flushdb()
+    await made.open()
+    old = public(made, "token:alice", "Narrator")
+    await made.put(old)
+    index = made._key("public")
+    await made._redis.hdel(index, "narrator")                      # as the earlier version kept it
+    await made._redis.hset(index, "Narrator", old.id)
+    await made._redis.hdel(made._key("voice", old.id), "name_key")
+    await made.close()
+    reopened = RedisStore(redis_server.url, LIMITS)
+    await reopened.open()
+    try:
+        assert await reopened._redis.hgetall(index) == {b"narrator": old.id.encode()}
+        assert await reopened.public.id("NARRATOR") == old.id
+        with pytest.raises(Refused, match="another public voice"):
+            await reopened.put(public(reopened, "token:bob", "narrator", 300.0))
+        assert await reopened.delete(old.id, "token:alice") and await reopened._redis.hgetall(index) == {}
+    finally:
+        await reopened.close()
+
+
 async def test_a_public_voice_keeps_its_owners_cap_and_expiry_in_every_store(quota_store):
     """A public voice has no place in the store that its owner's others lack: one beyond the
     owner's cap retires its oldest, public or not, and an anonymous owner's expires with its

@@ -11,13 +11,14 @@ import socket
 import urllib.error
 import urllib.request
 
+import httpx
 import numpy as np
 import pytest
 import soundfile
 
 from attackers import _rss_mb
 from conftest import WAIT_TIMEOUT, connect_client
-from helpers import audio_of, drain, service_on, tone_wav
+from helpers import audio_of, drain, service_on, tone_wav, wav
 from vox_ws.engine import EndReason, ErrorKind, Refused
 from vox_ws.service import ANY_OWNER, Audio, Ended, StreamRequest
 
@@ -25,7 +26,8 @@ from vox_ws.service import ANY_OWNER, Audio, Ended, StreamRequest
 @pytest.mark.hardening
 def test_piper_refuses_a_voice_upload_before_reading_its_body(piper_server):
     sock = socket.create_connection(("127.0.0.1", piper_server.port))
-    sock.sendall(b"POST /v1/voices HTTP/1.1\r\nHost: x\r\nContent-Type: audio/wav\r\nContent-Length: 2000000\r\n\r\n")
+    sock.sendall(b"POST /v1/voices HTTP/1.1\r\nHost: localhost\r\nContent-Type: audio/wav\r\n"
+                 b"Content-Length: 2000000\r\n\r\n")
     sock.settimeout(WAIT_TIMEOUT)
     answer = http.client.HTTPResponse(sock)                             # not a byte of the body sent
     answer.begin()
@@ -156,3 +158,49 @@ def _delete(server, voice: str, token: str) -> tuple[int, bytes]:
             return response.status, response.read()
     except urllib.error.HTTPError as err:
         return err.code, err.read()
+
+
+@pytest.mark.hardening
+async def test_a_public_name_that_reads_as_anothers_is_refused(tiny_voxcpm):
+    """Hardening VII, 6: `Alloy`, Cyrillic `аlloy` and fullwidth `ａｌｌｏｙ` beside the alias
+    `alloy`, and `narrator` beside another owner's public `Narrator`, were all accepted and
+    listed to everyone. Names are now compared by their normal form (NFKC, case folded) with
+    the server's voices, its aliases and the public voices, and a name mixing scripts (UTS #39,
+    highly restrictive) is refused: each a typed 400 (`bad_request` over v1), at registration
+    and at PATCH. Names that read as nothing else register, in any one script."""
+    def register(name: str, address: str, public: bool = True) -> httpx.Response:
+        transport = httpx.HTTPTransport(local_address=address)
+        with httpx.Client(transport=transport, base_url=tiny_voxcpm.http, timeout=60) as http:
+            return http.post("/v1/voices", params={"name": name, "public": str(public).lower()},
+                             content=wav(1.0), headers={"content-type": "audio/wav"})
+
+    made = register("Narrator", "127.0.0.5")
+    assert made.status_code == 201, made.text
+    for name, why in (("Alloy", "reads as"), ("ａｌｌｏｙ", "reads as"), ("аlloy", "one script"),
+                      ("narrator", "another public voice"),
+                      ("ＮＡＲＲＡＴＯＲ", "another public voice"),
+                      ("Narrаtor", "one script")):
+        refused = await asyncio.to_thread(register, name, "127.0.0.6")
+        assert refused.status_code == 400 and why in refused.json()["error"]["message"], (name, refused.text)
+    private = await asyncio.to_thread(register, "narrator", "127.0.0.6", False)       # its owner's own
+    assert private.status_code == 201, private.text
+    with httpx.Client(transport=httpx.HTTPTransport(local_address="127.0.0.6"), base_url=tiny_voxcpm.http,
+                      timeout=60) as http:
+        patched = http.patch("/v1/voices/narrator", json={"public": True})
+    assert patched.status_code == 400 and "another public voice" in patched.json()["error"]["message"]
+    async with connect_client(tiny_voxcpm) as c:
+        await c.send({"type": "voice", "id": "r", "audio": wav(1.0), "name": "Echo", "public": True})
+        answer = await c.recv_where(lambda m: m.get("id") == "r")
+        assert answer["type"] == "error" and answer["code"] == "bad_request", answer
+    for name in ("Ελένη", "日本語のボイス", "Narrator two"):
+        served = await asyncio.to_thread(register, name, "127.0.0.7")
+        assert served.status_code == 201, (name, served.text)
+    listed = httpx.get(tiny_voxcpm.http + "/v1/audio/voices", timeout=60).json()["voices"]
+    assert sorted(v["name"] for v in listed if v["kind"] == "public") == sorted(
+        ["Narrator", "Ελένη", "日本語のボイス", "Narrator two"])
+    for address, names in (("127.0.0.5", ["Narrator"]), ("127.0.0.6", ["narrator"]),
+                           ("127.0.0.7", ["Ελένη", "日本語のボイス", "Narrator two"])):
+        with httpx.Client(transport=httpx.HTTPTransport(local_address=address), base_url=tiny_voxcpm.http,
+                          timeout=60) as http:
+            for name in names:
+                assert http.delete(f"/v1/voices/{name}").status_code == 200

@@ -392,3 +392,31 @@ def test_protocol_md_names_every_server_message():
 @pytest.mark.parametrize("kind", sorted(wire.SERVER_MESSAGES))
 def test_protocol_md_names_exactly_each_server_messages_fields(kind):
     assert _documented_messages()[kind] == _class_fields(wire.SERVER_MESSAGES[kind])
+
+
+@pytest.mark.hardening
+def test_a_clients_decode_is_bounded_as_the_servers_is():
+    """Hardening VII, 4: `wire.decode` (every client's) decoded whatever came. A frame past
+    MAX_SERVER_FRAME_BYTES, or building more than MAX_SERVER_CONTAINERS maps and arrays, is a
+    ValueError, found before the frame is built; a chunk of more than 1 s of its stream's audio
+    is a problem named; the largest real messages decode."""
+    with pytest.raises(ValueError, match="over the"):
+        wire.decode(b"\xdd" + (2 << 20).to_bytes(4, "big") + b"\x90" * (2 << 20))
+    with pytest.raises(ValueError, match="more than 16384 maps or arrays"):
+        wire.decode(msgpack.packb({"type": "words", "words": [[[]] * 16_000] * 30}))
+    from vox_ws.codecs import MIN_SPEED
+
+    assert wire.SLOWEST_SPEED == MIN_SPEED
+    slowest = wire.AudioChunk(id="s", seq=0, audio=bytes(4 * 4 * 48_000))     # 1 s of audio at speed 0.25
+    assert wire.chunk_problem(slowest, "f32", 48_000) is None
+    assert wire.decode(wire.encode(slowest))["audio"] == bytes(4 * 4 * 48_000)
+    assert "more than 4 s of s16 at 24000 Hz" in wire.chunk_problem(
+        wire.AudioChunk(id="s", seq=0, audio=bytes(5 * 2 * 24_000)), "s16", 24_000)
+    packets = wire.AudioChunk(id="s", seq=0, packets=[bytes(9000)] * 50 * 4)
+    assert wire.chunk_problem(packets, "opus_packets", 48_000)
+    text = wire.AudioChunk(id="s", seq=0, audio="text")
+    assert wire.chunk_problem(text, "s16", 24_000) == "audio that is not bytes"
+    ended = {"type": "end", "id": "s", "reason": "done",
+             "segments": [{"text": "A sentence of some length.", "start_s": i, "end_s": i + 1}
+                          for i in range(2000)]}
+    assert len(wire.decode(wire.encode(ended))["segments"]) == 2000

@@ -71,9 +71,76 @@ def encode(message: Any) -> bytes:
     return msgpack.packb(to_map() if to_map else message, use_bin_type=True)
 
 
+# What one frame from a server may cost a client to decode, a frame past them a protocol
+# violation: one 8 MB frame of empty arrays took `vox-ws say` from 45 to 611 MB (Hardening VII,
+# 4). The largest frame a server sends is a chunk of 4 s of f32 at 48 kHz (768 KB: 1 s of the
+# engine's audio at speed 0.25), or of 1 s at speed 1 (192 KB); a `voice_admin`
+# list of 256 voices, or an `end` of a long stream's hundreds of segments, some tens of KB.
+MAX_SERVER_FRAME_BYTES = 1 << 20
+MAX_SERVER_CONTAINERS = 16384          # maps and arrays in one frame, and entries in one
+# The most audio one chunk carries (docs/PROTOCOL.md, `chunk`): 1 s of the engine's, which at the
+# slowest speed (`codecs.MIN_SPEED`; an alias's speed times the request's is kept within it) is 4 s
+# of the stream's output.
+MAX_CHUNK_S = 1.0
+SLOWEST_SPEED = 0.25
+# Bytes one sample of a format takes at most: PCM's own; no codec makes more of a second than
+# 16-bit PCM does (FLAC's verbatim frames are 16-bit PCM and a header).
+_CHUNK_BYTES_PER_SAMPLE = {"f32": 4, "mulaw": 1}
+
+
+class ContainerBudget:
+    """A msgpack hook that refuses a frame once it has built more than `limit` maps and arrays,
+    so decoding stops early instead of building them all (ValueError)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.left = limit
+
+    def __call__(self, container: Any) -> Any:
+        self.left -= 1
+        if self.left < 0:
+            raise ValueError(f"more than {self.limit} maps or arrays")
+        return container
+
+
 def decode(data: bytes) -> Any:
-    """One frame's message (a map, from a server that keeps to the protocol)."""
-    return msgpack.unpackb(data, raw=False)
+    """One frame's message (a map, from a server that keeps to the protocol); ValueError for a
+    frame past what a server's may cost (MAX_SERVER_FRAME_BYTES, MAX_SERVER_CONTAINERS)."""
+    if len(data) > MAX_SERVER_FRAME_BYTES:
+        raise ValueError(f"a frame of {len(data)} bytes, over the {MAX_SERVER_FRAME_BYTES} a server's "
+                         "may have")
+    budget = ContainerBudget(MAX_SERVER_CONTAINERS)
+    return msgpack.unpackb(data, raw=False, max_array_len=MAX_SERVER_CONTAINERS,
+                           max_map_len=MAX_SERVER_CONTAINERS, list_hook=budget, object_hook=budget)
+
+
+def max_chunk_seconds() -> float:
+    """The most seconds of a stream's output one chunk carries: MAX_CHUNK_S of the engine's audio
+    at the slowest speed."""
+    return MAX_CHUNK_S / SLOWEST_SPEED
+
+
+def max_chunk_bytes(fmt: str, sample_rate: int) -> int:
+    """The most bytes a chunk of a stream of `fmt` at `sample_rate` carries: `max_chunk_seconds`
+    of its audio, a tenth more (resampling's and a codec's few milliseconds: an encoder's last
+    frames come with the last chunk) and 8 KiB (a file's header)."""
+    per_sample = _CHUNK_BYTES_PER_SAMPLE.get(fmt, 2)
+    return int(per_sample * sample_rate * max_chunk_seconds() * 1.1) + 8192
+
+
+def chunk_problem(chunk: "AudioChunk", fmt: str, sample_rate: int) -> str | None:
+    """What protocol v1 forbids in a server's chunk of a stream of `fmt` at `sample_rate`, if
+    anything: audio that is not bytes, or more than `max_chunk_bytes`."""
+    audio = chunk.audio if chunk.audio is not None else b""
+    packets = chunk.packets or []
+    if not isinstance(audio, bytes) or not isinstance(packets, list) \
+            or not all(isinstance(p, bytes) for p in packets):
+        return "audio that is not bytes"
+    size = len(audio) + sum(len(p) for p in packets)
+    if size > max_chunk_bytes(fmt, sample_rate):
+        return (f"{size} bytes of audio, more than {max_chunk_seconds():g} s of {fmt} at {sample_rate} Hz "
+                f"({MAX_CHUNK_S:g} s of the engine's audio at the slowest speed)")
+    return None
 
 
 # --------------------------------------------------------------------------- a client's messages

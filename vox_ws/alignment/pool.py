@@ -7,7 +7,12 @@ started busy. Each makes its decoder once (`sphinx.SphinxAligner`) and aligns on
 time. Segments wait for a free process in the pool's own queue, bounded (QUEUE_PER_PROCESS a
 process): past it a segment is refused (`AlignerBusy`; its words are then estimated, not
 aligned), and a segment whose stream no longer waits for it (ended, cancelled, its client gone:
-the stream cancels its future) leaves the queue unaligned.
+the stream cancels its future) leaves the queue unaligned. The queue is shared by owners (a
+segment's stream's owner, as the scheduler's fair shares count them): free processes take the
+owners' segments in turns, oldest first within each, and a full queue makes room for an owner
+holding fewer segments than the one holding most, whose newest segment is pushed out (refused
+`AlignerBusy` as if it had come last). One client's flood no longer delays every other stream's
+words behind it, nor takes every place.
 
 Threads: `align` is called on the engine's thread, `start` on the event loop, a segment's future
 is cancelled on the loop, and a process's answer comes on its executor's own thread. They share
@@ -23,7 +28,7 @@ import multiprocessing
 import os
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 
@@ -138,7 +143,8 @@ class WordAligner:
         self.queue_limit = QUEUE_PER_PROCESS * self.workers if queue is None else queue
         self.answer_within_s = answer_within_s
         self._processes: list[_Process] = []
-        self._waiting: deque[tuple[Future, Segment]] = deque()
+        # Segments waiting, by owner; the owner first here gives the next (then goes last).
+        self._waiting: OrderedDict[str, deque[tuple[Future, Segment]]] = OrderedDict()
         self._lock = threading.Lock()
         self._closed = False
         self._held = False
@@ -163,30 +169,32 @@ class WordAligner:
     @property
     def queued(self) -> int:
         """Segments waiting for a process."""
-        return len(self._waiting)
+        return sum(len(waiting) for waiting in self._waiting.values())
 
     def pids(self) -> list[int]:
         """The ids of its processes that have started."""
         with self._lock:
             return [p.pid for p in self._processes if p.pid is not None]
 
-    def align(self, audio: np.ndarray, written: str, spoken: str, language: str | None = None) -> Future:
+    def align(self, audio: np.ndarray, written: str, spoken: str, language: str | None = None,
+              owner: str = "") -> Future:
         """A future of `align_segment`'s words: `audio` a `SegmentRecording`'s, `written` the
         segment's text as the client sent it, `spoken` as the engine was given it, `language`
-        the stream's (None: told from the text, segment by segment). Cancel it
-        when its words are no longer wanted: a segment still waiting is then never aligned.
-        Raises AlignerBusy where the queue is full."""
+        the stream's (None: told from the text, segment by segment), `owner` its stream's (the
+        queue's turns and places are shared by owners). Cancel it when its words are no longer
+        wanted: a segment still waiting is then never aligned. Raises AlignerBusy where the
+        queue is full; the future fails with AlignerBusy where another owner's segment later
+        takes its place."""
         future: Future = Future()
         with self._lock:
             if self._closed:
                 raise RuntimeError("the aligner is closed")
-            if len(self._waiting) >= self.queue_limit:
-                self.refused += 1
-                raise AlignerBusy(f"{len(self._waiting)} segments wait for the aligner's "
-                                  f"{self.workers} processes")
-            self._waiting.append((future, (audio, written, spoken, language)))
+            pushed = self._make_room(owner)
+            self._waiting.setdefault(owner, deque()).append((future, (audio, written, spoken, language)))
             handed = self._hand_over()
         future.add_done_callback(self._forget)
+        if pushed is not None and pushed.set_running_or_notify_cancel():
+            pushed.set_exception(AlignerBusy("pushed out of the aligner's queue by another client's segment"))
         self._watch(handed)
         return future
 
@@ -215,7 +223,8 @@ class WordAligner:
         at it then (stuck, stopped) is killed, so a shutdown keeps its bound."""
         with self._lock:
             self._closed = True
-            waiting, self._waiting = list(self._waiting), deque()
+            waiting = [entry for entries in self._waiting.values() for entry in entries]
+            self._waiting = OrderedDict()
             processes, self._processes = self._processes, []
         for future, _ in waiting:
             if future.set_running_or_notify_cancel():
@@ -236,6 +245,32 @@ class WordAligner:
 
     # ------------------------------------------------------------------ under the lock
 
+    def _make_room(self, owner: str) -> Future | None:
+        """Room in the queue for one more of `owner`'s segments: where it is full, the newest of
+        the owner holding most, if that owner holds more than `owner` would (its future, to be
+        refused outside the lock); AlignerBusy where none holds more."""
+        if self.queued < self.queue_limit:
+            return None
+        mine = len(self._waiting.get(owner, ()))
+        most = max(self._waiting, key=lambda other: len(self._waiting[other]))
+        if len(self._waiting[most]) <= mine + 1:
+            self.refused += 1
+            raise AlignerBusy(f"{self.queued} segments wait for the aligner's {self.workers} processes")
+        pushed, _ = self._waiting[most].pop()
+        if not self._waiting[most]:
+            del self._waiting[most]
+        self.refused += 1
+        return pushed
+
+    def _next_waiting(self) -> tuple[Future, Segment]:
+        """The next segment to align: the oldest of the owner whose turn it is (then the last)."""
+        owner, waiting = next(iter(self._waiting.items()))
+        taken = waiting.popleft()
+        del self._waiting[owner]
+        if waiting:
+            self._waiting[owner] = waiting
+        return taken
+
     def _hand_over(self) -> list[tuple[_Process, Future, Future]]:
         """Each waiting segment that a free process (or one that may still start) takes:
         (process, the segment's future, the process's)."""
@@ -244,7 +279,7 @@ class WordAligner:
             process = self._free_process()
             if process is None:
                 break
-            future, segment = self._waiting.popleft()
+            future, segment = self._next_waiting()
             if not future.set_running_or_notify_cancel():       # cancelled: its stream is gone
                 self.dropped += 1
                 continue
@@ -303,8 +338,11 @@ class WordAligner:
         if not future.cancelled():
             return
         with self._lock:
-            for index, (waiting, _) in enumerate(self._waiting):
-                if waiting is future:
-                    del self._waiting[index]
-                    self.dropped += 1
-                    break
+            for owner, entries in self._waiting.items():
+                for index, (waiting, _) in enumerate(entries):
+                    if waiting is future:
+                        del entries[index]
+                        if not entries:
+                            del self._waiting[owner]
+                        self.dropped += 1
+                        return

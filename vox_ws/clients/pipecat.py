@@ -113,7 +113,8 @@ class VoxWSTTSService(WebsocketTTSService):
             if self._websocket and self._websocket.state is State.OPEN:
                 return
             headers = {"Authorization": f"Bearer {self._token}"} if self._token else {}
-            websocket = await self._websocket_connect(self._url, additional_headers=headers, max_size=None)
+            websocket = await self._websocket_connect(self._url, additional_headers=headers,
+                                                      max_size=wire.MAX_SERVER_FRAME_BYTES)
             try:
                 hello = wire.Hello.read(await asyncio.wait_for(websocket.recv(), HELLO_TIMEOUT_S))
             except ValueError as exc:
@@ -150,9 +151,25 @@ class VoxWSTTSService(WebsocketTTSService):
                 raise ConnectionError(f"cannot connect to {self._url}")
         try:
             async for data in self._websocket:
-                await self._handle_message(wire.read(data))
+                await self._handle_message(await self._checked(data))
         finally:
             await self._end_lost_contexts()
+
+    async def _checked(self, data: bytes) -> wire.ServerMessage:
+        """A frame's message; a frame protocol v1 forbids (past what a server's may cost to
+        decode, a chunk of more than a second of audio) closes the connection (1002) and raises,
+        and the base class connects again."""
+        try:
+            message = wire.read(data)
+            problem = wire.chunk_problem(message, "s16", self.sample_rate) \
+                if isinstance(message, wire.AudioChunk) else None
+        except ValueError as exc:
+            problem = str(exc)
+        if problem is None:
+            return message
+        if self._websocket is not None:
+            await self._websocket.close(1002, "protocol error")
+        raise ConnectionError(f"vox-ws: protocol violation: the server sent {problem}"[:300])
 
     async def _end_lost_contexts(self) -> None:
         """Streams die with their socket: their contexts end now, not after Pipecat's

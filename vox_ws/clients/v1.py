@@ -34,6 +34,7 @@ from typing import Any, Awaitable, TypeVar
 from websockets.asyncio.client import ClientConnection
 from websockets.asyncio.client import connect as ws_connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
+from websockets.frames import CloseCode
 
 from .. import wire
 from ..audio import bytes_to_pcm, wav_bytes
@@ -396,6 +397,9 @@ class Client:
                     if isinstance(message, (wire.Ended, wire.Error)):
                         del self._streams[target]
         finally:
+            if self._violation is None and _sent_too_big(self.ws):
+                self._violation = (f"the server sent a frame over {self.ws.protocol.max_message_size} bytes "
+                                   f"(a chunk holds at most {wire.max_chunk_seconds():g} s of audio)")
             code = self.ws.close_code or wire.CLOSE_ABNORMAL
             lost = _Lost(code=ConnectionLost.code, retryable=code in RECONNECT_CLOSE_CODES,
                          message=f"connection closed ({code} {self.ws.close_reason or ''})".rstrip(),
@@ -422,8 +426,9 @@ def _checked(data: Any, streams: dict[str, Stream]) -> tuple[Any, dict[str, Any]
     try:
         sent = wire.decode(data) if isinstance(data, bytes) else None
         message = wire.server_message(sent)
-    except Exception:  # noqa: BLE001 - whatever msgpack makes of garbage, or no v1 message
-        return None, {}, f"the server sent a frame that is no protocol v1 message: {data!r:.60}"
+    except Exception as exc:  # noqa: BLE001 - whatever msgpack makes of garbage, or no v1 message
+        why = f" ({str(exc)[:120]})" if isinstance(exc, ValueError) else ""
+        return None, {}, f"the server sent a frame that is no protocol v1 message{why}: {data!r:.60}"
     stream = streams.get(sent.get("id")) if isinstance(sent.get("id"), str) else None
     if stream is None:
         return message, sent, None
@@ -433,9 +438,8 @@ def _checked(data: Any, streams: dict[str, Stream]) -> tuple[Any, dict[str, Any]
         if not _int(rate) or not SAMPLE_RATES[0] <= rate <= SAMPLE_RATES[1]:
             problem = "a sample rate of %r Hz, outside the protocol's %d-%d" % (rate, *SAMPLE_RATES)
     elif isinstance(message, wire.AudioChunk):
-        if not isinstance(sent.get("audio", b""), bytes) or not all(
-                isinstance(p, bytes) for p in message.packets or ()):
-            problem = "audio that is not bytes"
+        # Before its `start` a stream's rate is not known: the protocol's highest bounds it.
+        problem = wire.chunk_problem(message, stream.format, stream.sample_rate or SAMPLE_RATES[1])
     elif isinstance(message, wire.Segment):
         before = stream.segments[-1]["start_s"] if stream.segments else 0.0
         text = message.text
@@ -459,6 +463,12 @@ def _checked(data: Any, streams: dict[str, Stream]) -> tuple[Any, dict[str, Any]
     if problem is None:
         return message, sent, None
     return message, sent, f"the server's {sent['type']} for stream {stream.id} has {problem}"
+
+
+def _sent_too_big(ws: ClientConnection) -> bool:
+    """Whether this side closed the connection for a frame over its `max_size` (1009)."""
+    sent = ws.protocol.close_sent
+    return sent is not None and sent.code == CloseCode.MESSAGE_TOO_BIG
 
 
 def _int(value: Any) -> bool:
@@ -547,6 +557,9 @@ async def open_client(url: str = "ws://127.0.0.1:8765/v1/stream", *, token: str 
     message) before ServerSilent (None: for ever)."""
     if silence_timeout_s is not None:
         kwargs.setdefault("open_timeout", silence_timeout_s)
+    # A frame past it closes the connection (1009), a protocol violation: `wire.decode` bounds
+    # what one within it may cost.
+    kwargs.setdefault("max_size", wire.MAX_SERVER_FRAME_BYTES)
     headers = dict(kwargs.pop("additional_headers", {}) or {})
     if token:
         headers["Authorization"] = f"Bearer {token}"
@@ -554,7 +567,7 @@ async def open_client(url: str = "ws://127.0.0.1:8765/v1/stream", *, token: str 
     for attempt in range(retries + 1):
         asked: float | None = None
         try:
-            ws = await ws_connect(url, additional_headers=headers, max_size=None, **kwargs)
+            ws = await ws_connect(url, additional_headers=headers, **kwargs)
         except InvalidStatus as exc:
             if exc.response.status_code not in RECONNECT_STATUSES or attempt == retries:
                 raise
@@ -585,6 +598,11 @@ async def _greeted(ws: ClientConnection, silence_timeout_s: float | None = SILEN
     except asyncio.TimeoutError:
         raise ServerSilent(f"the server accepted the connection and said nothing for {silence_timeout_s:g} s "
                            "(no hello)") from None
+    except ConnectionClosed:
+        if _sent_too_big(ws):
+            raise ProtocolViolation(f"the server's hello is over {ws.protocol.max_message_size} "
+                                    "bytes") from None
+        raise
     try:
         hello = wire.Hello.read(data)
     except ValueError as exc:

@@ -3,7 +3,10 @@
 The aligner (`vox_ws.alignment`) times a spoken segment's words in another process, after the
 segment's audio is out. A stream whose last segment is spoken while words are still with the
 aligner keeps its end back until they are in, or until the aligner's answer is overdue
-(`WordAligner.answer_within_s`): then the end goes without them. A cancel never waits.
+(`WordAligner.answer_within_s`): then the words still waited for go with estimated times, each
+marked `estimated` (a share of its segment's audio by its length, as a segment the aligner had no
+room for gets), and the end after them: captions keep every word under load. A cancel never
+waits.
 """
 
 from __future__ import annotations
@@ -45,13 +48,13 @@ class AlignerEndWait:
         """The end held, once the last words it waited for are in; else None."""
         return self._held if self._held is not None and not self._segments.waiting else None
 
-    def overdue(self, now: float) -> EndReason | None:
-        """The end held, once the aligner's answer is overdue: the words still waited for are
-        dropped (the end goes without them); else None."""
+    def overdue(self, now: float) -> tuple[EndReason, list[tuple[Word, ...]]] | None:
+        """The end held and the words to send before it, once the aligner's answer is overdue:
+        the segments still waited for leave the aligner, their words estimated; else None."""
         if self._held is None or now - self._held_since <= self.aligner.answer_within_s:
             return None
-        self._segments.clear()
-        return self._held
+        held, self._held = self._held, None            # given to the caller, which ends the stream
+        return held, self._segments.estimate_waiting()
 
     def clear(self) -> None:
         """No word is waited for any more (the stream stopped producing)."""

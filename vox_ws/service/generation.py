@@ -119,6 +119,7 @@ class Generation:
         self.input = StreamInput(self.plan, request.input_streaming, self._limits.input_pause_s, self._advance,
                                  self.fail, characters=len(request.one_shot_text or ""))
         self.segments = SegmentStarter(service, self._engine, request, setup, self._limits)
+        self._owner = setup.owners[0] if setup.owners else ""    # the aligner's queue shares by it
         self._voice = request.voice
         self.state = StreamState.OPENING
         # How it ended, once it has: an EndReason or, for a failure, an ErrorKind.
@@ -189,7 +190,11 @@ class Generation:
         if self.done:
             return
         if (overdue := self._end_wait.overdue(now)) is not None:
-            self._end(overdue)                        # its words are late: the end goes without them
+            reason, late = overdue                    # the aligner is late: its words estimated, then the end
+            for words in late:
+                self._timed_words.extend(words)
+                self.pacing.put(Words(words))
+            self._end(reason)
             return
         limits = self._limits
         if self.pacing.stalled_s(now) > limits.write_stall_timeout_s:
@@ -266,7 +271,8 @@ class Generation:
 
     def _queue(self, text: str, engine_text: str, prepared: bool) -> int:
         aligner = self._end_wait.aligner
-        alignment = None if aligner is None else SegmentAlignment(aligner, text, engine_text, self.language)
+        alignment = None if aligner is None else SegmentAlignment(aligner, text, engine_text, self.language,
+                                                                   self._owner)
         sink = SegmentSink(functools.partial(self._service.mailbox.post, self._on_request_event), self.output,
                            self.pacing, self.word_timestamps, self.phoneme_timestamps, alignment)
         request = self.segments.engine_request(engine_text, prepared, sink, self._lora_pin, self._context, self.plan)

@@ -35,7 +35,7 @@ from typing import Callable, Union
 
 import numpy as np
 
-from ..alignment.pool import AlignerBusy, SegmentRecording, WordAligner, estimated_segment
+from ..alignment.pool import AlignerBusy, SegmentRecording, TimedWord, WordAligner, estimated_segment
 from ..engine import EndReason, ErrorKind
 from ..engine_process.messages import ReaderState
 from .events import Phoneme, Phonemes, Produced, Word, Words
@@ -81,6 +81,7 @@ class SegmentAlignment:
     written: str
     spoken: str
     language: str | None = None
+    owner: str = ""                   # the stream's: the aligner's queue is shared by owners
 
 
 class SegmentSink:
@@ -95,6 +96,7 @@ class SegmentSink:
         self._alignment = alignment
         self._recording = SegmentRecording(output.engine_rate) if alignment is not None else None
         self._first_sample: int | None = None    # where the segment starts in the stream's audio
+        self._aligned_audio = None                # what was handed to the aligner (16 kHz), kept to estimate
         self.aligning = False                    # its words are with the aligner (set before RequestEnded)
         # Set on the loop, read on the engine's thread: the stream no longer waits for the words.
         self._dropped = False
@@ -130,6 +132,10 @@ class SegmentSink:
     def finish(self, reason: EndReason) -> None:
         # The end first, the words (or their loss) after it, however soon the aligner answers.
         self.aligning = reason != EndReason.CANCELLED and self._first_sample is not None and not self._failed
+        if self.aligning:
+            assert self._recording is not None
+            # Taken before the end is posted: the loop may estimate the words from it from then on.
+            self._aligned_audio = self._recording.take()
         self._post(self, RequestEnded(reason))
         if self.aligning:
             self._align()
@@ -159,15 +165,28 @@ class SegmentSink:
         if future is not None:
             future.cancel()
 
+    def estimated_words(self) -> tuple[Word, ...]:
+        """On the loop, once the segment has ended: its words each given a share of its audio by
+        length, all `estimated` (what is sent in place of the aligner's overdue answer)."""
+        assert self._alignment is not None and self._aligned_audio is not None
+        return self._timed(estimated_segment(self._aligned_audio, self._alignment.written))
+
+    def _timed(self, timed: list[TimedWord]) -> tuple[Word, ...]:
+        """The segment's timed words in the stream's time."""
+        assert self._first_sample is not None
+        start = self._first_sample / self._output.engine_rate
+        return tuple(Word(word, round(start + a, 4), round(start + b, 4), estimated)
+                     for word, a, b, estimated in timed)
+
     def _align(self) -> None:
-        alignment, recording = self._alignment, self._recording
-        assert alignment is not None and recording is not None
+        alignment, audio = self._alignment, self._aligned_audio
+        assert alignment is not None and audio is not None
         if self._dropped:
             return
-        audio = recording.take()
         future: Future
         try:
-            future = alignment.aligner.align(audio, alignment.written, alignment.spoken, alignment.language)
+            future = alignment.aligner.align(audio, alignment.written, alignment.spoken, alignment.language,
+                                             alignment.owner)
         except AlignerBusy:
             future = Future()
             future.set_result(estimated_segment(audio, alignment.written))
@@ -187,13 +206,14 @@ class SegmentSink:
             return
         try:
             timed = future.result()
+        except AlignerBusy:                   # pushed out of the queue by another owner's segment
+            self._post(self, Aligned(self.estimated_words()))
+            return
         except BaseException as exc:          # the aligner failed, or was closed: words lost, never audio
             log.warning("aligning a segment failed (%s: %s): its words are not sent", type(exc).__name__, exc)
             words = None
         else:
-            start = self._first_sample / self._output.engine_rate
-            words = tuple(Word(word, round(start + a, 4), round(start + b, 4), estimated)
-                          for word, a, b, estimated in timed)
+            words = self._timed(timed)
         self._post(self, Aligned(words))
 
 

@@ -67,7 +67,7 @@ class WordTimings:
 class AlignedInOrder:
     """One stream's segments whose words are with the aligner, in the order spoken: its
     processes may answer out of it, the words go out in it. A segment is its sink (any hashable
-    with `drop_alignment`)."""
+    with `drop_alignment` and `estimated_words`)."""
 
     def __init__(self) -> None:
         self._answers: dict[Hashable, tuple[tuple[Word, ...] | None] | None] = {}
@@ -89,6 +89,19 @@ class AlignedInOrder:
             del self._answers[next(iter(self._answers))]
             if first[0]:
                 due.append(first[0])
+        return due
+
+    def estimate_waiting(self) -> list[tuple[Word, ...]]:
+        """Give up on the aligner: every segment still waited for gets its words estimated (its
+        `estimated_words`) and leaves the aligner's queue; the words now due, in order."""
+        due = []
+        for segment, answered in self._answers.items():
+            if answered is None:
+                segment.drop_alignment()
+            words = segment.estimated_words() if answered is None else answered[0]
+            if words:
+                due.append(words)
+        self._answers.clear()
         return due
 
     def clear(self) -> None:

@@ -26,7 +26,7 @@ from . import protocol as p
 from .auth import SUBPROTOCOL, is_admin, is_authorized, offered_subprotocols, origin_allowed, owner
 from .connections import REFUSAL_EXTENSION
 from .errors import ORIGIN_REFUSED, error_response
-from .hosts import AllowedHosts, HostCheck
+from .hosts import AllowedHosts, HostCheck, listens_on_loopback_only
 from .state import ServerState, server_state
 from .v1_connection import V1Connection
 
@@ -99,7 +99,9 @@ def build_app(state: ServerState, demo_dir: Path | None = None) -> Starlette:
               *loras_api.ROUTES, *openai_api.ROUTES, *openapi.ROUTES, *http_routes.routes(demo_dir)]
     # Outermost: a request for a host name the server does not answer to (DNS rebinding) is
     # refused before any other rule reads it.
-    middleware = [Middleware(HostCheck, hosts=AllowedHosts(state.config.allowed_hosts),
+    hosts = AllowedHosts(state.config.allowed_hosts,
+                         loopback_only=listens_on_loopback_only(state.config.host))
+    middleware = [Middleware(HostCheck, hosts=hosts,
                              on_refused=lambda: state.metrics.rejected.labels("host").inc())]
     origins = cors_origins(state.config.cors_origins, state.config.allow_origins)
     if origins:

@@ -13,7 +13,7 @@ from starlette.requests import HTTPConnection
 
 from ..addresses import client_key
 from ..service import ANY_OWNER
-from ..service.voices.store import ADDRESS_OWNER_PREFIX, PAGE_OWNER_MARK
+from ..service.voices.store import ADDRESS_OWNER_PREFIX, OPAQUE_PAGE, PAGE_OWNER_MARK
 
 # A browser cannot set headers on a WebSocket: it offers the subprotocols SUBPROTOCOL and
 # BEARER_PREFIX + the token in unpadded base64url (any token, in characters a subprotocol may
@@ -193,5 +193,9 @@ def page_owner(address: str, origin: str | None) -> str:
     site's page reaches the server from its visitor's address; as this owner it speaks, lists
     and deletes only the voices it registered itself, never the visitor's own. Its voices are
     still its address's network's (`voices.store.network_key`): the shares stay by network."""
-    digest = hashlib.sha256((origin or "null").lower().encode()).hexdigest()[:16]
+    if origin is None or origin.strip().lower() == OPAQUE_PAGE:
+        # Every sandboxed frame and `file:` page of every site says `null`: no owner it could
+        # keep voices under (`store.refuse_page` refuses it registrations).
+        return address + PAGE_OWNER_MARK + OPAQUE_PAGE
+    digest = hashlib.sha256(origin.lower().encode()).hexdigest()[:16]
     return address + PAGE_OWNER_MARK + digest

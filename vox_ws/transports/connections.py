@@ -116,6 +116,11 @@ REFUSAL_LOG_EVERY_S = 60.0
 # The ASGI scope extension through which the app tells a WebSocket's guard that it refused the
 # connection after accepting it (to send a close code the client can read): a callable.
 REFUSAL_EXTENSION = "vox_ws.refused"
+# The ASGI scope extension through which an HTTP response that cannot be finished (its stream
+# failed after its first bytes, or its reader took it too slowly) ends its connection unfinished,
+# so the client sees a truncated body: a callable. An app can only raise for that otherwise,
+# which uvicorn logs as an ERROR with a traceback (Hardening VII, 7).
+CUT_EXTENSION = "vox_ws.cut_response"
 
 _PONG = 0x0A
 # struct tcp_info (linux/tcp.h): tcpi_bytes_acked is the u64 at offset 120 (Linux >= 4.1).
@@ -577,6 +582,8 @@ class HttpProtocol(_WatchedWrites, HttpToolsProtocol):
             self._body.start()
         super().on_headers_complete()
         self.cycle.on_response = self._counted_response_complete
+        cut = functools.partial(_cut, self.transport, self.cycle)
+        self.scope.setdefault("extensions", {})[CUT_EXTENSION] = cut
 
     def _proxied_client_heard(self) -> bool:
         """Takes the request's client from what the trusted peer said; false (and answered
@@ -661,6 +668,15 @@ class HttpProtocol(_WatchedWrites, HttpToolsProtocol):
         finally:
             self.app = served
         self.cycle.keep_alive = False             # what the client still sends is not read
+
+
+def _cut(transport: asyncio.BaseTransport, cycle: Any) -> None:
+    """Ends `cycle`'s response unfinished: the connection is closed after what is written (no
+    chunked terminator, fewer bytes than its Content-Length), and the cycle counts as
+    disconnected, so uvicorn neither sends more nor reports the response left unfinished."""
+    cycle.disconnected = True
+    cycle.keep_alive = False
+    transport.close()
 
 
 class _HeadersRefused(Exception):

@@ -7,14 +7,21 @@ visitor's voices to it. Only a name the server does not answer to tells such a r
 so every HTTP request and WebSocket handshake names one it does (`--allowed-hosts`), before
 anything of it is read.
 
-Always answered to, as no outside attacker can re-point them at this server: IP literals (a
-page served from an address is that address's own), `localhost` and `*.localhost`, single-label
-names (`vox-ws` in a compose network, resolved by the local resolver's search list, never by
-public DNS), names under the special-use suffixes public DNS never delegates (`.local`,
-`.internal`, `.home.arpa`: mDNS and private networks, Kubernetes' `*.svc.cluster.local`), and
-the machine's own host name. `--allowed-hosts` adds names: `tts.example.com`, `.example.com`
-(that name and every subdomain), or `*` (no check). A request without a Host (HTTP/1.0) is
-served: every browser sends one, so no page is behind it.
+Answered to by a server listening elsewhere than loopback only (a LAN address, `0.0.0.0`, a
+container's), as no outside attacker can re-point them at it: IP literals (a page served from an
+address is that address's own), `localhost` and `*.localhost`, single-label names (`vox-ws` in a
+compose network, resolved by the local resolver's search list, never by public DNS), names under
+the special-use suffixes public DNS never delegates (`.local`, `.internal`, `.home.arpa`: mDNS
+and private networks, Kubernetes' `*.svc.cluster.local`), and the machine's own host name. A
+neighbour on the same link can still re-point single-label names (LLMNR, NetBIOS) and `.local`
+ones (mDNS) for the machines that ask it: a server listening only on loopback (the default,
+`127.0.0.1`) has no use for them, so it answers only loopback names: `localhost`,
+`*.localhost`, loopback literals (`127.0.0.0/8`, `[::1]`) and the machine's own name (a page at
+`evil.local:PORT` or `evil:PORT` re-pointed at 127.0.0.1 listed, spoke and deleted the visitor's
+voices: Hardening VII, 2). `--allowed-hosts` adds names: `tts.example.com`, `.example.com` (that
+name and every subdomain), or `*` (no check). A request without a Host (HTTP/1.0) is served:
+every browser sends one, so no page is behind it. Wyoming has no Host, and no page speaks it (a
+browser's request is no Wyoming event: the door closes the connection).
 """
 
 from __future__ import annotations
@@ -57,20 +64,46 @@ def host_name(value: str) -> str:
     return value.rstrip(".")
 
 
-def always_answered(name: str, own_names: Iterable[str] = ()) -> bool:
-    """Whether `name` (`host_name`) is one no outside attacker can re-point at this server."""
+def always_answered(name: str, own_names: Iterable[str] = (), loopback_only: bool = False) -> bool:
+    """Whether `name` (`host_name`) is one no outside attacker can re-point at this server; for a
+    server listening on loopback only (`loopback_only`), at its loopback addresses."""
     if not name:
         return False
     bracketed = name.startswith("[") and name.endswith("]")
     try:
-        ipaddress.ip_address(name[1:-1] if bracketed else name)
-        return True
+        address = ipaddress.ip_address(name[1:-1] if bracketed else name)
+        return not loopback_only or _is_loopback(address)
     except ValueError:
         if bracketed:
             return False                    # brackets hold an IPv6 address or nothing a browser sends
-    if "." not in name or name == "localhost" or name.endswith(PRIVATE_SUFFIXES):
+    if name == "localhost" or name.endswith(".localhost") or name in own_names:
         return True
-    return name in own_names
+    return not loopback_only and ("." not in name or name.endswith(PRIVATE_SUFFIXES))
+
+
+def listens_on_loopback_only(host: str) -> bool:
+    """Whether every address `host` (what the server listens on: an address, or a name the
+    resolver turns into some) is a loopback one. `0.0.0.0`, `::` and "" are every interface."""
+    name = host.strip().strip("[]")
+    try:
+        return _is_loopback(ipaddress.ip_address(name))
+    except ValueError:
+        pass
+    if not name:
+        return False
+    if name.lower().rstrip(".") == "localhost" or name.lower().rstrip(".").endswith(".localhost"):
+        return True
+    try:                                    # as binding to it would: the resolver's answer
+        found = socket.getaddrinfo(name, None, type=socket.SOCK_STREAM)
+    except OSError:
+        return False
+    return bool(found) and all(_is_loopback(ipaddress.ip_address(str(info[4][0]).partition("%")[0]))
+                               for info in found)
+
+
+def _is_loopback(address: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
+    mapped = getattr(address, "ipv4_mapped", None)
+    return (mapped or address).is_loopback
 
 
 def own_host_names() -> frozenset[str]:
@@ -80,10 +113,13 @@ def own_host_names() -> frozenset[str]:
 
 
 class AllowedHosts:
-    """`--allowed-hosts` and the names always answered to; `allows(host)` decides."""
+    """`--allowed-hosts` and the names always answered to (`loopback_only`: by a server that
+    listens on loopback only); `allows(host)` decides."""
 
-    def __init__(self, allowed: Sequence[str], own_names: Iterable[str] | None = None) -> None:
+    def __init__(self, allowed: Sequence[str], own_names: Iterable[str] | None = None,
+                 loopback_only: bool = False) -> None:
         self.any = ANY_HOST in allowed
+        self.loopback_only = loopback_only
         self.own_names = frozenset(own_host_names() if own_names is None else own_names)
         self.exact: set[str] = set()
         suffixes: list[str] = []
@@ -104,7 +140,8 @@ class AllowedHosts:
         if self.any or host is None:
             return True
         name = host_name(host)
-        return always_answered(name, self.own_names) or name in self.exact or name.endswith(self.suffixes)
+        return always_answered(name, self.own_names, self.loopback_only) or name in self.exact \
+            or name.endswith(self.suffixes)
 
 
 class HostCheck:

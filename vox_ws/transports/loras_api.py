@@ -10,15 +10,13 @@ The same operations and errors as protocol v1's `lora` message, on every device 
 
 from __future__ import annotations
 
-import json
-
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
 from ..engine import Refused
 from . import protocol as p
-from .body import BodyTooLarge, read_body
+from .body import BadJson, BodyTooLarge, parse_json, read_body
 from .errors import access_refusal, admin_refusal, error_response, refused_response
 from .state import server_state
 
@@ -42,8 +40,8 @@ async def load_lora(request: Request) -> Response:
     except ClientDisconnect:
         return Response(status_code=400)
     try:
-        options = json.loads(body) if body.strip() else {}
-    except ValueError:
+        options = parse_json(body) if body.strip() else {}
+    except BadJson:
         return error_response(400, p.BAD_REQUEST, "the body must be JSON: {\"default\": true} or nothing")
     if not isinstance(options, dict) or not isinstance(options.get("default", False), bool) \
             or set(options) - {"default"}:

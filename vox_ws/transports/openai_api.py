@@ -37,7 +37,8 @@ from ..service.validation import MAX_INSTRUCTIONS_CHARS, MAX_SAMPLE_RATE, MIN_SA
 from ..service.voices.names import with_speaker
 from . import protocol as p
 from .auth import is_authorized, origin_allowed, owner
-from .body import BodyTooLarge, read_body
+from .body import BadJson, BodyTooLarge, parse_json, read_body
+from .connections import CUT_EXTENSION
 from .errors import HTTP_STATUS, ORIGIN_REFUSED, listing_refusal, retry_headers
 from .spool import SendClock, Spool
 from .state import ServerState, server_state
@@ -220,11 +221,8 @@ async def _read_json(request: Request, limit: int) -> dict[str, Any]:
     except BodyTooLarge:
         raise OpenAIError(413, f"body exceeds {limit} bytes", code="too_large") from None
     try:
-        body = json.loads(data)
-    except RecursionError:
-        raise OpenAIError(400, "We could not parse the JSON body of your request: nested too deeply",
-                          code="invalid_json") from None
-    except (ValueError, UnicodeDecodeError) as exc:
+        body = parse_json(data)
+    except BadJson as exc:
         raise OpenAIError(400, f"We could not parse the JSON body of your request: {exc}",
                           code="invalid_json") from None
     if not isinstance(body, dict):
@@ -433,6 +431,11 @@ class SpeechResponse(Response):
         watcher = asyncio.ensure_future(self._watch(receive))
         try:
             await self._respond(send)
+        except _StreamBroke:
+            cut = scope.get("extensions", {}).get(CUT_EXTENSION)
+            if cut is None:
+                raise                                    # another server: dropping it is its own to do
+            cut()                                        # said in one warning already, no traceback
         except OSError:
             pass                                         # the client went away mid-write
         finally:
@@ -510,7 +513,8 @@ class SpeechResponse(Response):
         headers = [*self.raw_headers, (b"content-length", str(spool.size).encode())]
         await send({"type": "http.response.start", "status": 200, "headers": headers})
         loop = asyncio.get_running_loop()
-        clock = SendClock(*spool.floor, loop.time())
+        floor = spool.send_floor(event.stats.get("audio_s"))
+        clock = SendClock(*floor, loop.time())
         sent = 0
         async for piece in spool.pieces():
             try:
@@ -518,7 +522,7 @@ class SpeechResponse(Response):
                 await asyncio.wait_for(self._body(send, piece), clock.left_s(loop.time()))
             except asyncio.TimeoutError:
                 log.warning("whole response taken slower than %.0f bytes a second: closed after %d of %d "
-                            "bytes", spool.floor[0], sent, spool.size)
+                            "bytes", floor[0], sent, spool.size)
                 raise _StreamBroke("the client took the whole file too slowly") from None
             sent += len(piece)
             clock.taken(len(piece), loop.time())
@@ -535,7 +539,8 @@ class SpeechResponse(Response):
 
 
 class _StreamBroke(Exception):
-    """Raised to the server after the response started: it drops the connection unfinished."""
+    """The response, started, cannot be finished: its connection is dropped unfinished
+    (`connections.CUT_EXTENSION`; under another server, raised to it)."""
 
 
 async def _no_receive() -> dict[str, Any]:

@@ -62,6 +62,7 @@ from ..wire import (  # noqa: F401
     Cancel,
     Chunk,
     ClientMessage,
+    ContainerBudget,
     End,
     Flush,
     Lora,
@@ -106,20 +107,6 @@ MAX_CONTAINER_LEN = 64       # entries in one map or array
 MAX_CONTAINERS = 64          # maps and arrays in one frame
 
 
-class _ContainerBudget:
-    """A msgpack hook that refuses a frame once it has built more than MAX_CONTAINERS maps and
-    arrays (of each kind), so decoding stops early instead of building them all."""
-
-    def __init__(self) -> None:
-        self.left = MAX_CONTAINERS
-
-    def __call__(self, container: Any) -> Any:
-        self.left -= 1
-        if self.left < 0:
-            raise ValueError(f"more than {MAX_CONTAINERS} maps or arrays")
-        return container
-
-
 def decode_frame(data: bytes | str, limits: Limits) -> dict[str, Any]:
     """Turn one WebSocket message into a msgpack map with a string `type`.
 
@@ -131,8 +118,8 @@ def decode_frame(data: bytes | str, limits: Limits) -> dict[str, Any]:
         raise ProtocolError(TOO_LARGE, f"frame of {len(data)} bytes exceeds max_frame_bytes={limits.max_frame_bytes}")
     try:
         obj = msgpack.unpackb(data, raw=False, strict_map_key=True, max_array_len=MAX_CONTAINER_LEN,
-                              max_map_len=MAX_CONTAINER_LEN, list_hook=_ContainerBudget(),
-                              object_hook=_ContainerBudget())
+                              max_map_len=MAX_CONTAINER_LEN, list_hook=ContainerBudget(MAX_CONTAINERS),
+                              object_hook=ContainerBudget(MAX_CONTAINERS))
     except Exception as exc:  # msgpack raises many unrelated types (ValueError, StackError, ...)
         why = f": {exc}" if isinstance(exc, ValueError) else ""
         raise ProtocolError(BAD_FRAME, f"not a msgpack message of this protocol: {type(exc).__name__}{why}"[:200]) \

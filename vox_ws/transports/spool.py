@@ -9,7 +9,10 @@ all of them hold (`SpoolBudget`): a request past its owner's bound is refused `t
 may ask for the audio streamed), one that would take its owner, or everyone, past the bound
 with others is refused `busy` (retryable). Once sending, a response must be taken at a minimum
 rate (`SendClock`): a client that trickles (2 KB every 4 s held the budget for as long as it
-liked: the write stall time-out sees progress) is closed and its bytes given back.
+liked: the write stall time-out sees progress) is closed and its bytes given back. That rate is
+`--whole-min-rate`, or the response's own byte rate where higher (`Spool.send_floor`: no slower
+than it plays), so a response holds its bytes about as long as its audio lasts at the most:
+eight owners reading just over 16 KiB/s held the whole 1 GiB budget for two hours each.
 """
 
 from __future__ import annotations
@@ -93,6 +96,16 @@ class Spool:
         self._memory = bytearray()
         self._file: IO[bytes] | None = None
         self._rewrites: list[tuple[int, bytes]] = []
+
+    def send_floor(self, audio_s: float | None) -> tuple[float, float]:
+        """(bytes a second, grace seconds) the response must be taken at once written whole
+        (`SendClock`), its `floor` holding `audio_s` seconds of audio: the floor's rate, or the
+        response's own byte rate (its size over its audio's seconds) where higher. No floor (a
+        rate of 0) stays none."""
+        rate, grace = self.floor
+        if rate > 0 and audio_s:
+            rate = max(rate, self.size / audio_s)
+        return rate, grace
 
     async def write(self, data: bytes) -> None:
         self._budget.take(self._owner, len(data), self.size)

@@ -28,7 +28,6 @@ or by a token-less client's address:
 
 from __future__ import annotations
 
-import json
 import logging
 
 from starlette.requests import ClientDisconnect, Request
@@ -40,7 +39,7 @@ from ..service.voices.registrations import Registration
 from ..service.voices.store import VoiceSummary, owner_key
 from . import protocol as p
 from .auth import address_owner, owner
-from .body import BodyTooLarge, read_body
+from .body import BadJson, BodyTooLarge, parse_json, read_body
 from .errors import access_refusal, admin_refusal, error_response, listing_refusal, refused_response
 from .multipart import MultiPartException
 from .proxies import parse_host
@@ -236,10 +235,10 @@ async def update(request: Request) -> Response:
         return refusal
     voice = request.path_params["voice_id"]
     try:
-        body = json.loads(await read_body(request, MAX_UPDATE_BYTES))
+        body = parse_json(await read_body(request, MAX_UPDATE_BYTES))
     except BodyTooLarge:
         return error_response(413, p.TOO_LARGE, f"body exceeds {MAX_UPDATE_BYTES} bytes")
-    except (ValueError, UnicodeDecodeError) as exc:
+    except BadJson as exc:
         return error_response(400, p.BAD_REQUEST, f"the body must be JSON: {exc}")
     except ClientDisconnect:
         return Response(status_code=400)

@@ -43,6 +43,7 @@ from typing import Any, Mapping
 from ...codecs import MAX_SPEED, MIN_SPEED
 from ...engine import Engine
 from ...files import FileTooLarge, read_regular_file
+from .lookalikes import name_key
 
 try:
     import tomllib
@@ -192,11 +193,18 @@ def with_defaults(configured: Mapping[str, Alias | None], engine: Engine) -> dic
 def check_aliases(aliases: Mapping[str, Alias], engine: Engine) -> list[tuple[str, str]]:
     """What is wrong with aliases for this engine: (alias, why), one each (empty: all good)."""
     problems = []
+    voices = {name_key(voice): voice for voice in engine.voices.names()}
+    seen: dict[str, str] = {}                   # the aliases' names by their normal forms
     for alias in aliases.values():
         if alias.voice is not None and not engine.voices.has(alias.voice):
             problems.append((alias.name, f"no built-in voice {alias.voice!r} (built-in: {engine.voices.names()})"))
-        if engine.voices.has(alias.name):
-            problems.append((alias.name, "the engine has a voice of that name"))
+        key = name_key(alias.name)
+        if engine.voices.has(alias.name) or key in voices:
+            problems.append((alias.name, f"the engine has a voice of that name, or one that reads the same "
+                                         f"({voices.get(key, alias.name)!r})"))
+        elif key in seen:
+            problems.append((alias.name, f"it reads the same as the alias {seen[key]!r}"))
+        seen.setdefault(key, alias.name)
         for option, value in alias.options.items():
             spec = engine.options.get(option)
             if spec is None:

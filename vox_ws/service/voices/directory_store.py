@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Callable
 
 from ...files import PRIVATE_DIR_MODE, PRIVATE_FILE_MODE, is_partial, make_private_dir, write_private_file
+from .lookalikes import name_key
 from .memory_store import MemoryStore
 from .store import SECRET_BYTES, StoredVoice, StoreLimits, StoreUnavailable
 
@@ -48,7 +49,8 @@ class DirectoryStore(MemoryStore):
             self._voices = await asyncio.to_thread(self._read_all)
         except OSError as exc:
             raise StoreUnavailable(str(self.path), exc) from None
-        self.public.names = {v.name: v.id for v in self._voices.values() if v.public and v.name is not None}
+        self.public.names = {name_key(v.name): v.id for v in self._voices.values()
+                             if v.public and v.name is not None}
         await super().open()
 
     async def _read_secret(self) -> bytes:

@@ -9,6 +9,7 @@ import secrets
 import time
 from typing import Callable
 
+from .lookalikes import name_key
 from .store import (
     ANY_OWNER,
     SECRET_BYTES,
@@ -143,32 +144,32 @@ class MemoryPublic(PublicVoices):
     def __init__(self, store: MemoryStore) -> None:
         super().__init__(store)
         self._memory = store
-        self.names: dict[str, str] = {}           # a public voice's name -> its id
+        self.names: dict[str, str] = {}           # a public name's normal form (`name_key`) -> its id
 
     def kept(self, voice: StoredVoice) -> None:
         if voice.public and voice.name is not None:
-            self.names[voice.name] = voice.id
+            self.names[name_key(voice.name)] = voice.id
 
     def dropped(self, voice: StoredVoice) -> None:
-        if voice.name is not None and self.names.get(voice.name) == voice.id:
-            del self.names[voice.name]
+        if voice.name is not None and self.names.get(name_key(voice.name)) == voice.id:
+            del self.names[name_key(voice.name)]
 
     def check_name(self, voice: StoredVoice) -> None:
         """Refuses a public voice without a name, or whose name another public voice has."""
         if voice.name is None:
             raise nameless_public()
-        holder = self.names.get(voice.name)
+        holder = self.names.get(name_key(voice.name))
         if holder is not None and holder != voice.id and self._memory.usable_now(holder, ANY_OWNER):
             raise public_name_taken(voice.name)
 
     def resolve_now(self, own: str, name: str, owner: str) -> str | None:
         if self._memory.usable_now(own, owner):
             return own
-        public = self.names.get(name)
+        public = self.names.get(name_key(name))
         return public if public is not None and self._memory.usable_now(public, owner) else own
 
     async def id(self, name: str) -> str | None:
-        public = self.names.get(name)
+        public = self.names.get(name_key(name))
         return public if public is not None and self._memory.usable_now(public, ANY_OWNER) else None
 
     async def set(self, voice: str, owner: str, public: bool) -> VoiceSummary | None:

@@ -8,6 +8,7 @@ import time
 from typing import Any, Callable
 
 from ...engine import ErrorKind, Refused
+from .lookalikes import name_key
 from .store import (
     ANY_OWNER,
     SECRET_BYTES,
@@ -27,10 +28,11 @@ from .store import (
 _DROP = """
 local function drop(prefix, id)
   local key = prefix .. 'voice:' .. id
-  local fields = redis.call('HMGET', key, 'owner', 'size', 'network', 'name')
+  local fields = redis.call('HMGET', key, 'owner', 'size', 'network', 'name', 'name_key')
   redis.call('DECRBY', prefix .. 'bytes', tonumber(fields[2] or '0'))
-  if fields[4] and fields[4] ~= '' and redis.call('HGET', prefix .. 'public', fields[4]) == id then
-    redis.call('HDEL', prefix .. 'public', fields[4])
+  local named = fields[5] or fields[4]
+  if named and named ~= '' and redis.call('HGET', prefix .. 'public', named) == id then
+    redis.call('HDEL', prefix .. 'public', named)
   end
   redis.call('DEL', key)
   redis.call('ZREM', prefix .. 'voices', id)
@@ -57,12 +59,13 @@ _EXPIRE = _DROP + "local prefix, now = ARGV[1], ARGV[2]\n" + _PURGE + "return ex
 # ARGV: id, owner, created, size, the owner's cap, max_voices, max_bytes, audio, transcript,
 # mode, the key prefix, the name ('' for none), anonymous ('1' or '0'), expires ('' for never),
 # now, network ('' for an owner with a token), the anonymous share, the network's share, public
-# ('1' or '0': then the `public` hash, name -> id, names it). Returns {status, ids let go...}.
+# ('1' or '0': then the `public` hash, the name's normal form -> id, names it), the name's normal
+# form (`lookalikes.name_key`; '' for none). Returns {status, ids let go...}.
 _PUT = _DROP + "local prefix, now = ARGV[11], ARGV[15]\n" + _PURGE + """
 if redis.call('EXISTS', KEYS[4]) == 1 then table.insert(expired, 1, 'exists') return expired end
 if ARGV[19] == '1' then
   if ARGV[12] == '' then table.insert(expired, 1, 'nameless') return expired end
-  local holder = redis.call('HGET', prefix .. 'public', ARGV[12])
+  local holder = redis.call('HGET', prefix .. 'public', ARGV[20])
   if holder and holder ~= ARGV[1] and redis.call('EXISTS', prefix .. 'voice:' .. holder) == 1 then
     table.insert(expired, 1, 'name_taken') return expired
   end
@@ -99,8 +102,8 @@ end
 redis.call('INCRBY', KEYS[3], size)
 redis.call('HSET', KEYS[4], 'audio', ARGV[8], 'transcript', ARGV[9], 'mode', ARGV[10], 'owner', ARGV[2],
            'created', ARGV[3], 'size', ARGV[4], 'name', ARGV[12], 'anonymous', ARGV[13], 'expires', ARGV[14],
-           'network', network, 'public', ARGV[19])
-if ARGV[19] == '1' then redis.call('HSET', prefix .. 'public', ARGV[12], ARGV[1]) end
+           'network', network, 'public', ARGV[19], 'name_key', ARGV[20])
+if ARGV[19] == '1' then redis.call('HSET', prefix .. 'public', ARGV[20], ARGV[1]) end
 redis.call('ZADD', KEYS[1], ARGV[3], ARGV[1])
 redis.call('ZADD', KEYS[2], ARGV[3], ARGV[1])
 if ARGV[14] ~= '' then redis.call('ZADD', prefix .. 'expiry', ARGV[14], ARGV[1]) end
@@ -128,8 +131,8 @@ return 1
 # it has not expired; a public one needs a name no other public voice has. KEYS: the voice.
 # ARGV: id, owner, the key prefix, now, public. Returns 'none', 'nameless', 'name_taken' or 'ok'.
 _SET_PUBLIC = """
-local fields = redis.call('HMGET', KEYS[1], 'owner', 'expires', 'name')
-local owner, expires, name = fields[1], fields[2], fields[3]
+local fields = redis.call('HMGET', KEYS[1], 'owner', 'expires', 'name', 'name_key')
+local owner, expires, name = fields[1], fields[2], fields[4] or fields[3]
 if not owner then return 'none' end
 if ARGV[2] ~= '' and owner ~= ARGV[2] then return 'none' end
 if expires and expires ~= '' and tonumber(expires) <= tonumber(ARGV[4]) then return 'none' end
@@ -146,6 +149,19 @@ elseif name and name ~= '' and redis.call('HGET', index, name) == ARGV[1] then
 end
 redis.call('HSET', KEYS[1], 'public', ARGV[5])
 return 'ok'
+"""
+
+
+# Move one public name's entry to its normal form. KEYS: the `public` hash, the voice. ARGV: the
+# name as indexed, its normal form, the voice's id. A name the normal form holds already (two
+# public voices an earlier version let read the same) stays with the one there.
+_KEY_PUBLIC_NAME = """
+if redis.call('HGET', KEYS[1], ARGV[1]) ~= ARGV[3] then return 0 end
+redis.call('HDEL', KEYS[1], ARGV[1])
+if redis.call('EXISTS', KEYS[2]) == 0 then return 0 end
+redis.call('HSETNX', KEYS[1], ARGV[2], ARGV[3])
+redis.call('HSET', KEYS[2], 'name_key', ARGV[2])
+return 1
 """
 
 
@@ -168,7 +184,12 @@ class RedisStore(VoiceStore):
         self._delete_script = self._redis.register_script(_DELETE)
         self._expire_script = self._redis.register_script(_EXPIRE)
         self._set_public_script = self._redis.register_script(_SET_PUBLIC)
+        self._key_public_script = self._redis.register_script(_KEY_PUBLIC_NAME)
         self.public: RedisPublic = RedisPublic(self)
+
+    async def open(self) -> None:
+        await super().open()
+        await _key_public_names(self)
 
     def describe(self) -> str:
         return "redis:" + self.url.split("@")[-1]          # no password in what is shown
@@ -272,7 +293,8 @@ class RedisStore(VoiceStore):
                 limits.max_voices, limits.max_bytes, voice.audio, voice.transcript or "", voice.mode,
                 self.PREFIX, voice.name or "", "1" if voice.anonymous else "0",
                 repr(voice.expires) if voice.expires is not None else "", repr(self.clock()),
-                voice.network or "", limits.anonymous, limits.per_network, "1" if voice.public else "0"]
+                voice.network or "", limits.anonymous, limits.per_network, "1" if voice.public else "0",
+                name_key(voice.name) if voice.name else ""]
         answer = await self._call("put", self._put_script(keys=keys, args=args))
         status = answer[0].decode() if isinstance(answer[0], bytes) else answer[0]
         if status in ("exists", "ok"):
@@ -308,6 +330,17 @@ class RedisStore(VoiceStore):
         await self._redis.aclose()
 
 
+async def _key_public_names(store: RedisStore) -> None:
+    """Public names an earlier version indexed as given move to their normal form (`name_key`),
+    which names are compared by now; by any replica, any number of times."""
+    index = store._key("public")
+    for field, voice in (await store._call("open", store._redis.hgetall(index))).items():
+        name = field.decode()
+        if name_key(name) != name:
+            await store._call("open", store._key_public_script(
+                keys=[index, store._key("voice", voice.decode())], args=[name, name_key(name), voice]))
+
+
 class RedisPublic(PublicVoices):
     """The public voices of a Redis store: its `public` hash (name -> id), kept with the voices
     by its scripts, atomically."""
@@ -318,7 +351,7 @@ class RedisPublic(PublicVoices):
 
     async def id(self, name: str) -> str | None:
         store = self._kept
-        public = await store._call("get", store._redis.hget(store._key("public"), name))
+        public = await store._call("get", store._redis.hget(store._key("public"), name_key(name)))
         return public.decode() if public is not None and await store.has(public.decode()) else None
 
     async def listed(self) -> list[VoiceSummary]:

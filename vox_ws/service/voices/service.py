@@ -24,6 +24,7 @@ from ..memory import release_memory
 from ..validation import check_text
 from ..work import engine_work
 from .aliases import Alias
+from .lookalikes import name_key
 from .names import ResolvedVoice, VoiceNames
 from .registrations import Registration, RegistrationQueue
 from .sharing import VoiceSharing
@@ -37,10 +38,12 @@ from .store import (
     check_voice_name,
     is_registered_id,
     is_voice_name,
+    keyed_under,
     nameless_public,
     new_voice,
     owner_key,
     public_name_taken,
+    refuse_page,
     rekey_named,
 )
 
@@ -67,7 +70,8 @@ class VoiceService:
         # Aliases and names (`names.py`); None: the defaults (`aliases.py`).
         self.names = VoiceNames(store, aliases)
         # Public voices (`sharing.py`), beside the server's own voices' and aliases' names.
-        self.sharing = VoiceSharing(store, devices, lambda: set(self.listed()) | set(self.aliases()))
+        self.sharing = VoiceSharing(store, devices,
+                                    lambda: {name_key(name) for name in (*self.listed(), *self.aliases())})
         self._fetching: dict[str, asyncio.Future] = {}      # voices being rebuilt from the store
         self._jobs: asyncio.Semaphore | None = None
         self._sweeper: asyncio.Task | None = None
@@ -143,6 +147,7 @@ class VoiceService:
         waiting. `register` releases it."""
         if not self.devices.engine.supports_voices:
             raise Refused(ErrorKind.UNSUPPORTED, f"engine {self.devices.engine.name} cannot clone voices")
+        refuse_page(owner, public=False)
         return self.registrations.admit(owner)
 
     async def register(self, audio: bytes, transcript: str | None = None, mode: str | None = None,
@@ -162,9 +167,11 @@ class VoiceService:
         registration = owner if isinstance(owner, Registration) else self.admit_registration(owner)
         owner = registration.owner
         try:
-            if name is not None and (self.devices.engine.voices.has(name) or name in self.aliases()):
-                raise Refused(ErrorKind.INVALID, f"{name!r} is a voice of the server's: name yours otherwise",
-                              field="name")
+            refuse_page(owner, public)
+            if name is not None and (self.devices.engine.voices.has(name)
+                                     or self.sharing.reads_as_the_servers(name)):
+                raise Refused(ErrorKind.INVALID, f"{name!r} is, or reads as, a voice of the server's: "
+                              "name yours otherwise", field="name")
             mode, transcript = checked_registration(transcript, mode, name, self.limits.max_text_chars,
                                                     public)
             if self.devices.status != Readiness.READY:
@@ -286,8 +293,8 @@ class VoiceService:
 
     async def every(self, owner: str | None = None) -> list[VoiceSummary]:
         """Every registered voice, oldest first, with its owner's key (for an admin); only
-        those of the owner whose key is `owner`, where given."""
-        return [v for v in await self.store.every_voice() if owner is None or v.owner == owner]
+        those of the owner whose key is `owner` (and its address's pages'), where given."""
+        return [v for v in await self.store.every_voice() if owner is None or keyed_under(v.owner, owner)]
 
     async def delete_owned(self, owner: str) -> list[str]:
         """Delete every voice of the owner whose key is `owner` (for an admin); their ids."""

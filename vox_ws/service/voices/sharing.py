@@ -13,7 +13,16 @@ from __future__ import annotations
 from typing import Callable
 
 from ...engine_process.devices import Devices
-from .store import VoiceStore, VoiceSummary, is_registered_id, is_voice_name, owner_key
+from .lookalikes import name_key
+from .store import (
+    VoiceStore,
+    VoiceSummary,
+    is_registered_id,
+    is_voice_name,
+    owner_key,
+    public_name_taken,
+    refuse_page,
+)
 
 
 class VoiceSharing:
@@ -23,7 +32,12 @@ class VoiceSharing:
     def __init__(self, store: VoiceStore, devices: Devices, server_names: Callable[[], set[str]]) -> None:
         self._store = store
         self._devices = devices
-        self._server_names = server_names
+        self._server_names = server_names          # their normal forms (`lookalikes.name_key`)
+
+    def reads_as_the_servers(self, name: str) -> bool:
+        """Whether `name` reads as one of the server's voices or aliases (`lookalikes.name_key`):
+        no registered voice is named so."""
+        return name_key(name) in self._server_names()
 
     async def listed_for(self, owner: str | None,
                          owned: list[VoiceSummary] | None = None) -> list[VoiceSummary]:
@@ -38,12 +52,13 @@ class VoiceSharing:
         public = await self._store.public.listed()
         if not public:
             return []
-        taken = self._server_names()
+        server = self._server_names()
+        taken: set[str] = set()
         if owner is not None:
             if owned is None:
                 owned = await self._store.owned_by(owner)
-            taken |= {v.name for v in owned if v.name and not v.public}
-        return [v for v in public if v.name not in taken]
+            taken = {v.name for v in owned if v.name and not v.public}
+        return [v for v in public if v.name not in taken and name_key(v.name or "") not in server]
 
     async def others_for(self, owner: str | None,
                          owned: list[VoiceSummary] | None = None) -> list[VoiceSummary]:
@@ -55,9 +70,16 @@ class VoiceSharing:
         """Make a voice of `owner`'s (ANY_OWNER: any; `voice` its id or name) public, or private
         again: its summary, or None where there is none it may change (another owner's voice
         looks like no voice). Refused (INVALID, field "name") for a voice without a name, or
-        one whose name another public voice has. Streams speaking it go on to their end."""
+        one whose name another public voice has; (field "public") made public by a page of
+        another origin without a token (`store.refuse_page`). Streams speaking it go on to their
+        end."""
         if not self._devices.engine.supports_voices:
             return None
+        refuse_page(owner, public)
         if not is_registered_id(voice) and is_voice_name(voice):
             voice = self._store.named_id(owner_key(owner), voice)
+        if public:
+            stored = await self._store.get(voice)
+            if stored is not None and stored.name is not None and self.reads_as_the_servers(stored.name):
+                raise public_name_taken(stored.name)
         return await self._store.public.set(voice, owner, public)

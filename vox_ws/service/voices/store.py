@@ -61,6 +61,7 @@ from typing import Any, Callable
 from ...addresses import network_of
 from ...engine import ErrorKind, Refused
 from ...voice_tags import VOICE_ID, voice_tag
+from .lookalikes import mixes_scripts
 
 log = logging.getLogger("vox_ws.service")
 
@@ -70,10 +71,38 @@ ADDRESS_OWNER_PREFIX = "address:"
 # A page of another origin without a token is its visitor's address, this, and its origin's digest
 # (`transports.auth.page_owner`): an owner without a token, of its address's network.
 PAGE_OWNER_MARK = " page:"
+# A page whose origin is opaque (`Origin: null`: sandboxed frames, `file:` pages, of any site at
+# all) has no stable owner: this in place of its origin's digest. It registers nothing.
+OPAQUE_PAGE = "null"
+# A page owner's key (`owner_key`): its address owner's key, this, its origin's digest; so an
+# admin's deletion by address reaches the voices that address's pages registered too.
+PAGE_KEY_MARK = "~"
 
 
 def is_anonymous(owner: str) -> bool:
     return owner.startswith(ADDRESS_OWNER_PREFIX)
+
+
+def is_page_owner(owner: str) -> bool:
+    """Whether `owner` is a page of another origin that presented no token (`auth.page_owner`)."""
+    return PAGE_OWNER_MARK in owner
+
+
+def is_opaque_page(owner: str) -> bool:
+    """Whether `owner` is a page with an opaque origin (`Origin: null`), which no owner is."""
+    return owner.endswith(PAGE_OWNER_MARK + OPAQUE_PAGE)
+
+
+def refuse_page(owner: str, public: bool) -> None:
+    """Refuses (INVALID) what a page of another origin without a token may not do: make a voice
+    public (a drive-by page published names into every user's list: Hardening VII, 3), or, with
+    an opaque origin, register one at all (every sandboxed or `file:` page would share it)."""
+    if is_opaque_page(owner):
+        raise Refused(ErrorKind.INVALID, "a page without an origin of its own (Origin: null) registers "
+                                         "voices only with a token", field="voice")
+    if public and is_page_owner(owner):
+        raise Refused(ErrorKind.INVALID, "a page of another origin makes a voice public only with a token "
+                                         "(its voices are its own until then)", field="public")
 
 
 @dataclass(frozen=True)
@@ -157,7 +186,17 @@ class StoreLimits:
 
 
 def owner_key(owner: str) -> str:
-    return hashlib.sha256(b"vox-ws owner\0" + owner.encode()).hexdigest()[:32]
+    """An owner as the stores keep it: a digest; a page owner's is its address owner's and its
+    origin's digest (`PAGE_KEY_MARK`)."""
+    address, page, origin = owner.partition(PAGE_OWNER_MARK)
+    key = hashlib.sha256(b"vox-ws owner\0" + address.encode()).hexdigest()[:32]
+    return key + PAGE_KEY_MARK + origin[:32] if page else key
+
+
+def keyed_under(voice_owner: str, key: str) -> bool:
+    """Whether a voice kept for `voice_owner` (a key) is the owner's whose key is `key`, or a
+    page's of that owner's address (an admin names an address: its pages' voices are among its)."""
+    return voice_owner == key or voice_owner.startswith(key + PAGE_KEY_MARK)
 
 
 def network_key(owner: str) -> str | None:
@@ -182,12 +221,17 @@ _VOICE_NAME = re.compile(r"[^\W_][\w .'-]{0,%d}" % (MAX_VOICE_NAME_CHARS - 1))
 
 
 def check_voice_name(name: Any) -> str:
-    """A voice's name as a client gives it; raises Refused (INVALID, field "name")."""
+    """A voice's name as a client gives it; raises Refused (INVALID, field "name"), also for a
+    name mixing scripts that look alike (`lookalikes.mixes_scripts`)."""
     if not isinstance(name, str) or not _VOICE_NAME.fullmatch(name) or name != name.strip() \
             or is_registered_id(name):
         raise Refused(ErrorKind.INVALID,
                       f"a voice's name is 1-{MAX_VOICE_NAME_CHARS} letters, digits, spaces or "
                       f"_.'- starting with a letter or digit, got {name!r}", field="name")
+    if mixes_scripts(name):
+        raise Refused(ErrorKind.INVALID, f"a voice's name is in one script (Latin may go with Han and kana, "
+                                         f"Bopomofo or Hangul), got {name!r}: its letters would pass for "
+                                         "another name's", field="name")
     return name
 
 
@@ -233,9 +277,10 @@ def may_speak_with(stored_owner: str, name: str | None, owner: str, public: bool
 
 
 def public_name_taken(name: str) -> Refused:
-    """The refusal of a public voice whose name another public voice has."""
-    return Refused(ErrorKind.INVALID, f"another public voice is named {name!r}: choose another name",
-                   field="name")
+    """The refusal of a public voice whose name another public voice has (as `name_key` reads
+    names: `Narrator` and `narrator` are one)."""
+    return Refused(ErrorKind.INVALID, f"another public voice is named {name!r}, or a name that reads the "
+                                      "same: choose another name", field="name")
 
 
 def nameless_public() -> Refused:
@@ -344,10 +389,11 @@ class VoiceStore(ABC):
         """Every voice kept, oldest first, with its owner's key (for an admin)."""
 
     async def delete_owned(self, key: str) -> list[str]:
-        """Delete every voice of the owner whose key (`owner_key`) is `key`; the ids deleted."""
+        """Delete every voice of the owner whose key (`owner_key`) is `key` (and of its address's
+        pages: `keyed_under`); the ids deleted."""
         deleted = []
         for voice in await self.every_voice():
-            if voice.owner == key and await self.delete(voice.id, ANY_OWNER):
+            if keyed_under(voice.owner, key) and await self.delete(voice.id, ANY_OWNER):
                 deleted.append(voice.id)
         return deleted
 
