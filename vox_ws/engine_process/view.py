@@ -303,6 +303,8 @@ class EngineView(Engine):
                           "supports_voices", "voice_sample_rate", "cuts_texts", "word_timings", "phoneme_timings",
                           "takes_phonemes"):
             setattr(self, attribute, data[attribute])
+        if self.device == "auto":            # the engine's choice, as it made it
+            self.device = data["device"]
         self.languages = tuple(data["languages"])
         self.options = {name: read_option_spec(spec) for name, spec in data["options"].items()}
         self._honoured = frozenset(data["honoured_options"])
