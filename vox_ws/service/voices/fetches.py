@@ -17,7 +17,7 @@ a container mounts), and is served once the answer is sent: the fetch ends with 
 
 Whatever the hub does, it holds nothing but its own fetch: the routes' lock is taken only to
 place and rescan, never across a download (a removal asked while a fetch holds it is answered
-at once, `busy`); each download has a deadline (`hub_download.deadline_for` its size; the
+at once, `folder_busy`); each download has a deadline (`hub_download.deadline_for` its size; the
 catalogue's CATALOGUE_DEADLINE_S) after which it is given up, and runs on a daemon thread that a
 fetch given up, or the server's exit, abandons (told to stop, never waited for): the shutdown's
 bound holds with a hub that stalls.
@@ -393,10 +393,10 @@ _STAGED_LOCK = threading.Lock()
 
 
 def _staging() -> Path:
+    """A new temporary folder for a download, removed at the exit if it is still there then."""
     with _STAGED_LOCK:
-        if not _STAGED:
-            atexit.unregister(_discard_all)
-            atexit.register(_discard_all)
+        atexit.unregister(_discard_all)                  # registered once, however many downloads
+        atexit.register(_discard_all)
         staging = Path(tempfile.mkdtemp(prefix="vox-ws-voice-"))
         _STAGED.add(staging)
     return staging
