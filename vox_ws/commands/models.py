@@ -8,9 +8,10 @@ offline), so a start never waits on a network or fails halfway through a downloa
 admin token, a running server fetches a Piper voice into the folder it serves
 (`POST /v1/admin/voices/NAME`). A checkpoint's pull is huggingface_hub's download: resumable,
 with a progress bar, honouring `HF_ENDPOINT` (a mirror), `HF_TOKEN` and the hub cache (`HF_HOME`,
-`HF_HUB_CACHE`). A Piper voice and the catalogue come through the same client, read within
-their bounds (`engines/hub_download.py`), with a progress bar each file; what the catalogue says
-is printed as plain text (`piper_catalogue.plain`): a hub's escapes never reach the terminal.
+`HF_HUB_CACHE`). A Piper voice and the catalogue come through the same client, each file read
+no further than the hub said and the server reads, the whole by a deadline, with a progress bar
+a file; what the catalogue says is printed as plain text: a hub's escapes never reach the
+terminal.
 """
 
 from __future__ import annotations
