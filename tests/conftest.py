@@ -663,6 +663,25 @@ def checkout_copy(into: Path) -> Path:
     return into
 
 
+@pytest.fixture
+def hub_client(monkeypatch, tmp_path) -> Callable[[str], None]:
+    """huggingface_hub in this process online (telemetry off: it asks the hub nothing of its own),
+    its home a tmp dir, pointed at the hub the test runs on loopback by `hub_client(url)`, as
+    HF_ENDPOINT points a process started with it (huggingface_hub makes its file URLs' template
+    from it once, at import)."""
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "HF_HUB_DISABLE_TELEMETRY", True)
+    monkeypatch.setattr(constants, "HF_HOME", str(tmp_path / "hf"))
+
+    def point_at(url: str) -> None:
+        monkeypatch.setattr(constants, "ENDPOINT", url)
+        monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE", url + "/{repo_id}/resolve/{revision}/{filename}")
+
+    return point_at
+
+
 @pytest.fixture(scope="module")
 def hub(tmp_path_factory):
     """The hub's address; it serves openbmb/VoxCPM2 (main, and a tag `v2` with a changed

@@ -303,6 +303,29 @@ def git(cwd: Path, *args: str) -> None:
                    check=True, capture_output=True)
 
 
+class GatedVoxCPM:
+    """An engine's voice builds (the tiny VoxCPM2's), held until the test lets them go (`gate`),
+    in the order made (`built`); `entered` is set once one is held. `undo()` gives the engine its
+    own `register` back (an engine a module shares)."""
+
+    def __init__(self, engine) -> None:
+        self.gate = threading.Event()
+        self.entered = threading.Event()
+        self.built: list[str] = []
+        self._voices = engine.voices
+        self._register = engine.voices.register
+        engine.voices.register = self
+
+    def __call__(self, *args, **kwargs):
+        self.entered.set()
+        self.gate.wait(WAIT_TIMEOUT)
+        self.built.append(args[-1])
+        return self._register(*args, **kwargs)
+
+    def undo(self) -> None:
+        del self._voices.register
+
+
 def catalogue_entry(voices: Path, name: str) -> dict:
     """A voice's entry in piper-voices' voices.json, as that repository writes it: its files'
     sizes and MD5s (those in the mirror; a voice absent there gets made-up ones)."""

@@ -10,7 +10,7 @@ import pytest
 
 from attackers import ATTACKER
 from conftest import WAIT_TIMEOUT, wait_until
-from helpers import tiny_server, tone_wav
+from helpers import GatedVoxCPM, tiny_server, tone_wav
 
 
 @pytest.mark.hardening
@@ -44,23 +44,6 @@ async def test_registrations_wait_bounded_and_the_owner_served_longest_ago_goes_
     await asyncio.gather(*tasks)
     assert order == ["a1", "b1", "c1", "a2", "a3"]           # a's burst waits behind the others
     assert queue.pending == 0
-
-
-class GatedVoxCPM:
-    """The tiny VoxCPM2's voice builds, held until the test lets them go (in the order made)."""
-
-    def __init__(self, engine) -> None:
-        import threading
-
-        self.gate = threading.Event()
-        self.built: list[str] = []
-        self._register = engine.voices.register
-        engine.voices.register = self
-
-    def __call__(self, *args, **kwargs):
-        self.gate.wait(WAIT_TIMEOUT)
-        self.built.append(args[-1])
-        return self._register(*args, **kwargs)
 
 
 @pytest.mark.hardening

@@ -98,12 +98,49 @@ def test_a_tag_builds_checks_publishes_and_pushes_both_images():
         assert (ROOT / "deploy" / f"Dockerfile.{flavour}").is_file()
 
 
+# An install command (pip, pipx, uv, poetry), and the first package it names after its options.
+_INSTALL = re.compile(r"\b(?:pip3?|pipx|uv pip|uv tool|uv|poetry)\s+(?:install|add)\b((?:\s+-[^\s`]+)*)\s+([^\s`]+)")
+_BY_NAME = re.compile(r"['\"]?vox[-_]ws(?:\[[^\]]*\])?(?:[=<>~!]=?[^'\"\s]*)?['\"]?")
+
+
+def installs_by_name(text: str) -> list[str]:
+    """Each install command of `text` whose package is vox-ws by its name (with extras or a
+    version), not a checkout's `.` nor a built wheel's file."""
+    return [command.group(0) for command in _INSTALL.finditer(text) if _BY_NAME.fullmatch(command.group(2))]
+
+
+def _docs_and_deploy_files() -> list[Path]:
+    """Every file a user reads for how to install: each Markdown file, README included, what
+    deploy/, scripts/ and examples/ hold, and the package's own messages."""
+    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
+                            capture_output=True, check=True).stdout.decode().split("\0")
+    return [ROOT / name for name in listed if name and (ROOT / name).is_file() and (
+        name.endswith(".md") or name.startswith(("deploy/", "scripts/", "examples/", ".github/"))
+        or (name.startswith("vox_ws/") and name.endswith(".py")))]
+
+
 def test_install_instructions_never_name_a_release_that_does_not_exist():
-    """README and USAGE said `pip install 'vox-ws[pipecat]'`: "No matching distribution found".
-    Until a release is published, they say how to install from a checkout."""
-    for doc in ("README.md", "docs/USAGE.md"):
-        text = (ROOT / doc).read_text()
-        assert "pip install 'vox-ws[" not in text and "pip install vox-ws" not in text, doc
+    """README and USAGE said `pip install 'vox-ws[pipecat]'`: "No matching distribution found";
+    CONFIGURATION.md, and the server's refusal of `--wyoming` without its extra, still said
+    `pip install 'vox-ws[wyoming]'` (issue 71): no package of that name is this project's on the
+    registry, so that name is anyone's to take (dependency confusion). Until a release is
+    published, no doc, deploy file, script nor message of the package installs vox-ws by its
+    name: they say how to install from a checkout (`.[wyoming]`) or a built wheel."""
+    files = _docs_and_deploy_files()
+    assert ROOT / "README.md" in files and ROOT / "docs" / "CONFIGURATION.md" in files
+    assert ROOT / "deploy" / "Dockerfile.cpu" in files and ROOT / "vox_ws" / "server.py" in files
+    found = {str(path.relative_to(ROOT)): installs_by_name(path.read_text(errors="replace")) for path in files}
+    assert not {name: commands for name, commands in found.items() if commands}
+
+
+def test_the_install_check_finds_an_install_by_name_and_only_that():
+    by_name = ["pip install vox-ws", "pip install 'vox-ws[wyoming]'", 'pip install -U "vox_ws[piper]==0.1.0"',
+               "pipx install vox-ws", "uv add vox-ws>=0.1", "uv pip install vox-ws[redis]"]
+    not_by_name = ["pip install '.[wyoming]'", 'pip install "dist/vox_ws-0.1.0-py3-none-any.whl[piper]"',
+                   "pip install -e '.[piper]'", "pip install openai", "pip install '.[piper]' in a checkout of vox-ws",
+                   "pip install vox-ws-helper", "the vox-ws[wyoming] extra"]
+    assert [installs_by_name(text) != [] for text in by_name] == [True] * len(by_name)
+    assert [installs_by_name(text) for text in not_by_name] == [[]] * len(not_by_name)
 
 
 # ------------------------------------------------------------------ what the workflows run

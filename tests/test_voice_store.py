@@ -290,6 +290,31 @@ async def test_a_public_voice_keeps_its_owners_cap_and_expiry_in_every_store(quo
     assert third.id in await store.expire()
 
 
+@pytest.mark.hardening
+async def test_an_expired_public_voice_frees_its_name_at_once_in_every_store(quota_store):
+    """Issue 71, found on the way: in Redis, a public voice whose time was up kept its name
+    taken from every other owner until the next sweep (`_SET_PUBLIC` asked only whether the
+    holder's key was still there). Now its name is free the moment it expires, sweep or not:
+    another owner's voice of that name is made public, and is the one its name speaks."""
+    store, now = quota_store
+    await store.open()
+    visitor, bob = "address:10.2.0.1", "token:bob"
+    now[0] += 1.0
+    gone = dataclasses.replace(new_voice(visitor, tone_wav(0.2, pitch=200.0), None, "reference",
+                                         Lifetime(QUOTA_LIMITS.ttl_s, store.clock),
+                                         named=("narrator", store.named_id(owner_key(visitor), "narrator"))),
+                               public=True)
+    await store.put(gone)
+    bobs = named(store, bob, "narrator", 260.0)
+    await store.put(bobs)
+    with pytest.raises(Refused, match="another public voice"):
+        await store.public.set(bobs.id, bob, True)                  # while the visitor's is alive
+    now[0] += QUOTA_LIMITS.ttl_s                                    # its time is up; no sweep
+    assert (await store.public.set(bobs.id, bob, True)).public
+    assert await store.public.id("narrator") == bobs.id
+    assert await resolved(store, "token:carol", "narrator") == bobs.id
+
+
 async def test_a_directory_store_of_the_previous_version_opens_with_its_voices_private(tmp_path):
     """A voice's JSON file holds `public` only where it is true: a private voice's file is the
     one the previous version wrote and read, and a file without the field is a private voice."""

@@ -17,8 +17,8 @@ import pytest
 import soundfile
 
 from attackers import _rss_mb
-from conftest import WAIT_TIMEOUT, connect_client
-from helpers import audio_of, drain, service_on, tone_wav, wav
+from conftest import WAIT_TIMEOUT, connect_client, wait_until
+from helpers import GatedVoxCPM, audio_of, drain, service_on, tone_wav, wav
 from vox_ws.engine import EndReason, ErrorKind, Refused
 from vox_ws.service import ANY_OWNER, Audio, Ended, StreamRequest
 
@@ -105,6 +105,36 @@ async def test_voices_belong_to_their_owner_and_no_one_evicts_another(voxcpm_loo
     assert len(set(others.values()) | {bob}) == 4
     assert info.value.kind == ErrorKind.BUSY
     service.open_stream(StreamRequest("Hi.", voice=bob, options={"max_len": 1})).cancel()
+    await service.close()
+
+
+@pytest.mark.hardening
+async def test_a_registration_cancelled_mid_build_leaves_no_voice_in_the_engine(voxcpm_loop):
+    """Issue 71, found on the way: a registration cancelled (its client gone) while the voice
+    thread built its voice left the voice in the engine's book: the thread built it after the
+    registration had stopped waiting, and nothing kept in the store stood for it. The build is
+    held until the registration is cancelled; once the thread has built it, the voice is taken
+    out of the engine. Then the same audio is registered whole and spoken with."""
+    service = await service_on(voxcpm_loop)
+    engine = service.devices.engines[0]
+    gated = GatedVoxCPM(engine)
+    try:
+        registering = asyncio.ensure_future(service.voices.register(tone_wav(0.5, pitch=410.0), owner="token:a"))
+        assert await asyncio.to_thread(gated.entered.wait, WAIT_TIMEOUT)
+        registering.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await registering
+        gated.gate.set()
+        await wait_until(lambda: gated.built)
+        voice = gated.built[0]
+        await wait_until(lambda: not engine.voices.has(voice))
+        assert await service.voices.store.get(voice) is None            # nor kept
+    finally:
+        gated.undo()
+    again = await service.voices.register(tone_wav(0.5, pitch=410.0), owner="token:a")
+    assert again["voice"] == voice and engine.voices.has(voice)
+    events = await drain(service.open_stream(StreamRequest("Hi.", voice=voice, options={"max_len": 2})))
+    assert isinstance(events[-1], Ended), events[-1]
     await service.close()
 
 

@@ -649,7 +649,7 @@ def test_the_wyoming_door_without_its_package_is_refused_in_one_line(tmp_path):
         run = serve_refused(tmp_path, *options, hidden=hidden)
         assert run.returncode == 1, run.stderr
         line = said_in_one_line(run)
-        assert f"needs the {package} package" in line and "vox-ws[wyoming]" in line, line
+        assert f"needs the {package} package" in line and "pip install '.[wyoming]'" in line, line
         assert "engine auto" not in run.stderr and "listening" not in run.stderr
 
 

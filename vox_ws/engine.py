@@ -269,10 +269,13 @@ class Role:
 class VoiceFolder:
     """The folder an engine reads its built-in voices from, to which an operator may add voices
     and from which remove them while it serves (Piper's voices folder): where it is, and the
-    voices named at start (`--piper-voice NAME`), which must stay."""
+    voices named at start (`--piper-voice NAME`), which must stay: by the names they are served
+    by, and by the files they are read from (`kept_files`: wherever those are, by whatever name
+    the folder holds them)."""
 
     path: str
     named_at_start: frozenset[str] = frozenset()
+    kept_files: frozenset[str] = frozenset()
 
 
 class Voices:

@@ -76,8 +76,9 @@ def wyoming_door(config: ServerConfig) -> Any:
     except ImportError as exc:
         missing = (exc.name or "wyoming").partition(".")[0]
         raise StartFailed(f"--wyoming{' with --zeroconf' if name else ''} needs the {missing} package, not "
-                          f"installed: pip install 'vox-ws[wyoming]' (a checkout: VOX_WS_EXTRAS=piper,wyoming "
-                          f"scripts/serve.sh)") from None
+                          f"installed: pip install '.[wyoming]' in a checkout (or VOX_WS_EXTRAS=piper,wyoming "
+                          f"scripts/serve.sh), or from a built wheel pip install "
+                          f"'dist/vox_ws-VERSION-py3-none-any.whl[wyoming]'") from None
     return WyomingServer
 
 

@@ -6,9 +6,12 @@ whether the engine can load each, `models list --available` the Piper voices tha
 The server never downloads to start (it loads from a directory or the local Hugging Face cache,
 offline), so a start never waits on a network or fails halfway through a download; with its
 admin token, a running server fetches a Piper voice into the folder it serves
-(`POST /v1/admin/voices/NAME`). The pull is huggingface_hub's download: resumable, with a
-progress bar, honouring `HF_ENDPOINT` (a mirror), `HF_TOKEN` and the hub cache (`HF_HOME`,
-`HF_HUB_CACHE`).
+(`POST /v1/admin/voices/NAME`). A checkpoint's pull is huggingface_hub's download: resumable,
+with a progress bar, honouring `HF_ENDPOINT` (a mirror), `HF_TOKEN` and the hub cache (`HF_HOME`,
+`HF_HUB_CACHE`). A Piper voice and the catalogue come through the same client, each file read
+no further than the hub said and the server reads, the whole by a deadline, with a progress bar
+a file; what the catalogue says is printed as plain text: a hub's escapes never reach the
+terminal.
 """
 
 from __future__ import annotations
@@ -19,8 +22,10 @@ import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
-from ..engines.piper_catalogue import fetch_catalogue
+from ..engines.hub_download import Transfer, deadline_for
+from ..engines.piper_catalogue import CatalogueNotKept, fetch_catalogue, plain
 from ..engines.piper_catalogue import on_disk as catalogue_on_disk
 from ..engines.piper_hub import (
     DEFAULT_VOICES_DIR,
@@ -32,10 +37,12 @@ from ..engines.piper_hub import (
     pull_voice,
     pulled_voices_dir,
 )
-from ..engines.piper_voices import voice_from_spec
+from ..engines.piper_voices import MAX_CONFIG_BYTES, MAX_MODEL_BYTES, voice_from_spec
 from ..engines.voxcpm.loading import DEFAULT_MODEL, read_config
 
 PIPER_PREFIX = "piper:"
+# The longest line of a hub's error message printed (a hub writes what it likes there).
+MAX_SAID = 500
 
 WEIGHTS = ("model.safetensors", "pytorch_model.bin")
 VAE_WEIGHTS = ("audiovae.safetensors", "audiovae.pth")
@@ -217,17 +224,22 @@ def _pull_piper(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"vox-ws models pull: {exc}", file=sys.stderr)
         return 2
+    bars = _ProgressBars()
     try:
-        model = pull_voice(name, args.dir, args.revision)
+        transfer = Transfer(deadline_for(MAX_CONFIG_BYTES + MAX_MODEL_BYTES), progress=bars)
+        model = pull_voice(name, args.dir, args.revision, transfer=transfer)
     except VoiceRefused as exc:
-        print(f"vox-ws models pull: {args.repo}: refused: {exc}", file=sys.stderr)
+        print(f"vox-ws models pull: {args.repo}: refused: {plain(str(exc), MAX_SAID)}", file=sys.stderr)
         return 1
     except HubUnreachable as exc:
-        print(f"vox-ws models pull: {args.repo}: {exc}", file=sys.stderr)
+        print(f"vox-ws models pull: {args.repo}: {plain(str(exc), MAX_SAID)}", file=sys.stderr)
         return 1
     except Exception as exc:  # noqa: BLE001 - the hub's errors (not found, network) say what went wrong
-        print(f"vox-ws models pull: {args.repo}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        print(f"vox-ws models pull: {args.repo}: {type(exc).__name__}: {plain(str(exc), MAX_SAID)}",
+              file=sys.stderr)
         return 1
+    finally:
+        bars.close()
     serve = f"vox-ws serve --piper-voices-dir {model.parent}" if args.dir else "vox-ws serve"
     print(f"{args.repo} is in {model}\nserve it (as voice {name!r}) with: {serve}")
     return 0
@@ -235,20 +247,18 @@ def _pull_piper(args: argparse.Namespace) -> int:
 
 def _list_available(args: argparse.Namespace) -> int:
     """`models list --available`: the catalogue, one voice a line (or one JSON document)."""
-    from huggingface_hub.errors import LocalEntryNotFoundError
-
     folder = pulled_voices_dir()
     try:
         catalogue = fetch_catalogue(folder)
     except HubUnreachable as exc:
-        print(f"vox-ws models list --available: {exc}", file=sys.stderr)
+        print(f"vox-ws models list --available: {plain(str(exc), MAX_SAID)}", file=sys.stderr)
         return 1
-    except LocalEntryNotFoundError:
-        print("vox-ws models list --available: HF_HUB_OFFLINE is set and the catalogue (voices.json) is not "
-              "in the hub cache: unset HF_HUB_OFFLINE to fetch it", file=sys.stderr)
+    except CatalogueNotKept as exc:
+        print(f"vox-ws models list --available: {exc}: unset HF_HUB_OFFLINE to fetch it", file=sys.stderr)
         return 1
     except Exception as exc:  # noqa: BLE001 - a catalogue refused, or the hub's own errors: one line
-        print(f"vox-ws models list --available: {type(exc).__name__}: {exc}", file=sys.stderr)
+        print(f"vox-ws models list --available: {type(exc).__name__}: {plain(str(exc), MAX_SAID)}",
+              file=sys.stderr)
         return 1
     here = catalogue_on_disk(folder)
     voices = catalogue.in_language(args.language)
@@ -266,6 +276,27 @@ def _list_available(args: argparse.Namespace) -> int:
     print(f"\n{len(voices)} voices; `vox-ws models pull piper:NAME` puts one in {folder}, which the server "
           "serves")
     return 0
+
+
+class _ProgressBars:
+    """A progress bar a file of a Piper voice, as huggingface_hub draws a checkpoint's (its own
+    tqdm: none where HF_HUB_DISABLE_PROGRESS_BARS is set)."""
+
+    def __init__(self) -> None:
+        self._bars: dict[str, Any] = {}
+
+    def __call__(self, path: str, received: int, size: int | None) -> None:
+        from huggingface_hub.utils import tqdm
+
+        bar = self._bars.get(path)
+        if bar is None:
+            bar = self._bars[path] = tqdm(total=size, unit="B", unit_scale=True, unit_divisor=1024,
+                                          desc=Path(path).name)
+        bar.update(received - bar.n)
+
+    def close(self) -> None:
+        for bar in self._bars.values():
+            bar.close()
 
 
 def _pull(args: argparse.Namespace) -> int:

@@ -69,7 +69,8 @@ def declare_voices(engine: Engine, names: list[str]) -> dict[str, Any]:
                  if (summary := _summary(engine, voice)) is not None},
         "registered": registered,
         "rescan_every_s": voices.rescan_every_s,
-        "folder": None if folder is None else {"path": folder.path, "named_at_start": sorted(folder.named_at_start)},
+        "folder": None if folder is None else {"path": folder.path, "named_at_start": sorted(folder.named_at_start),
+                                                "kept_files": sorted(folder.kept_files)},
     }
 
 

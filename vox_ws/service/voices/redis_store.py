@@ -43,6 +43,16 @@ local function drop(prefix, id)
 end
 """
 
+# Whether a voice is there and its time not up (a voice past its time stays until the next
+# sweep, but is no one's any more: its public name is free). Defined in each script that asks.
+_LIVE = """
+local function live(prefix, id, now)
+  local fields = redis.call('HMGET', prefix .. 'voice:' .. id, 'owner', 'expires')
+  if not fields[1] then return false end
+  return not (fields[2] and fields[2] ~= '' and tonumber(fields[2]) <= tonumber(now))
+end
+"""
+
 # Drop the voices whose time is up (the `expiry` zset: id -> when), as a delete would. Needs
 # `prefix` and `now` set; leaves their ids in `expired`.
 _PURGE = """
@@ -61,12 +71,12 @@ _EXPIRE = _DROP + "local prefix, now = ARGV[1], ARGV[2]\n" + _PURGE + "return ex
 # now, network ('' for an owner with a token), the anonymous share, the network's share, public
 # ('1' or '0': then the `public` hash, the name's normal form -> id, names it), the name's normal
 # form (`lookalikes.name_key`; '' for none). Returns {status, ids let go...}.
-_PUT = _DROP + "local prefix, now = ARGV[11], ARGV[15]\n" + _PURGE + """
+_PUT = _DROP + _LIVE + "local prefix, now = ARGV[11], ARGV[15]\n" + _PURGE + """
 if redis.call('EXISTS', KEYS[4]) == 1 then table.insert(expired, 1, 'exists') return expired end
 if ARGV[19] == '1' then
   if ARGV[12] == '' then table.insert(expired, 1, 'nameless') return expired end
   local holder = redis.call('HGET', prefix .. 'public', ARGV[20])
-  if holder and holder ~= ARGV[1] and redis.call('EXISTS', prefix .. 'voice:' .. holder) == 1 then
+  if holder and holder ~= ARGV[1] and live(prefix, holder, now) then
     table.insert(expired, 1, 'name_taken') return expired
   end
 end
@@ -128,9 +138,9 @@ return 1
 """
 
 # Make one voice public ('1') or private ('0') if `owner` owns it (ARGV[2] empty: any owner) and
-# it has not expired; a public one needs a name no other public voice has. KEYS: the voice.
+# it has not expired; a public one needs a name no other live public voice has. KEYS: the voice.
 # ARGV: id, owner, the key prefix, now, public. Returns 'none', 'nameless', 'name_taken' or 'ok'.
-_SET_PUBLIC = """
+_SET_PUBLIC = _LIVE + """
 local fields = redis.call('HMGET', KEYS[1], 'owner', 'expires', 'name', 'name_key')
 local owner, expires, name = fields[1], fields[2], fields[4] or fields[3]
 if not owner then return 'none' end
@@ -140,7 +150,7 @@ local index = ARGV[3] .. 'public'
 if ARGV[5] == '1' then
   if not name or name == '' then return 'nameless' end
   local holder = redis.call('HGET', index, name)
-  if holder and holder ~= ARGV[1] and redis.call('EXISTS', ARGV[3] .. 'voice:' .. holder) == 1 then
+  if holder and holder ~= ARGV[1] and live(ARGV[3], holder, ARGV[4]) then
     return 'name_taken'
   end
   redis.call('HSET', index, name, ARGV[1])

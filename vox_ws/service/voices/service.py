@@ -10,9 +10,10 @@ steps, one registration at a time, owners taking turns (`registrations.py`).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
 from typing import Any, Awaitable, Callable
 
@@ -267,7 +268,12 @@ class VoiceService:
             try:
                 for engine in self.devices.engines:
                     if not engine.voices.has(voice):
-                        await engine_work(_on(self._worker, engine.voices.register, pcm, rate, transcript, mode, voice))
+                        building = self._worker.submit(engine.voices.register, pcm, rate, transcript, mode, voice)
+                        try:
+                            await engine_work(asyncio.wrap_future(building))
+                        except BaseException:
+                            _undo_once_built(building, engine, voice)
+                            raise
                         built.append(engine)
             except BaseException:
                 for engine in built:
@@ -347,6 +353,21 @@ def _unknown(devices: Devices, named: str) -> Refused:
 
 def _delete_everywhere(devices: Devices, voice: str) -> bool:
     return any([engine.voices.delete(voice) for engine in devices.engines])
+
+
+def _undo_once_built(building: Future, engine: Engine, voice: str) -> None:
+    """A build left (its registration cancelled, or failed) while the voice thread runs it on:
+    the voice it builds is deleted from the engine once built, on the event loop. A voice that
+    is in the store after all (the same one registered again meanwhile) is built again when
+    used (`ensure`)."""
+    loop = asyncio.get_running_loop()
+
+    def ended(done: Future) -> None:
+        if not done.cancelled() and done.exception() is None:
+            with contextlib.suppress(RuntimeError):          # the loop has closed, the engine with it
+                loop.call_soon_threadsafe(engine.voices.delete, voice)
+
+    building.add_done_callback(ended)
 
 
 def _on(worker: ThreadPoolExecutor, fn: Callable[..., Any], *args: Any) -> Awaitable[Any]:
