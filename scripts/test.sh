@@ -63,11 +63,12 @@ export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TQDM_DISABLE=1
 # by about 250 MB over the quick lane. Two arenas: the lane's peak 3.57 -> 3.28 GB, its time the
 # same (136 -> 134 s), one run each.
 export MALLOC_ARENA_MAX=2
+# Both lanes: two workers, each module to one (loadfile: a module's servers are started once, not
+# once by each worker that runs some of its tests; the quick lane's peak memory: 4.40 GB spread,
+# 4.13 GB by module). The 25 slowest tests and each lane's summed time are printed at the end
+# (CONTRIBUTING.md keeps the table).
 if [ "$quick" -eq 1 ]; then
-  # Two workers: the lane stays under 150 s on a 2-core machine. Each module to one worker
-  # (loadfile): a module's servers are started once, not once by each worker that runs some of
-  # its tests (the lane's peak memory: 4.40 GB spread, 4.13 GB by module, one run each).
-  exec .venv/bin/python -m pytest -n 2 --dist loadfile \
+  exec .venv/bin/python -m pytest -n 2 --dist loadfile --durations=25 \
     -m "not (browser or frameworks or replicas or packaging or hardening or slow or docs)$lane" "$@"
 fi
-exec .venv/bin/python -m pytest "$@"
+exec .venv/bin/python -m pytest -n 2 --dist loadfile --durations=25 "$@"

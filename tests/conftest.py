@@ -154,6 +154,34 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.e2e)
 
 
+# The lanes' markers (pyproject.toml): a test in none of them is the quick lane's.
+LANE_MARKERS = ("browser", "frameworks", "replicas", "packaging", "hardening", "slow", "docs")
+_lane_seconds: dict[str, list[float]] = {}
+
+
+def _lane_of(keywords: Any) -> str:
+    return next((marker for marker in LANE_MARKERS if marker in keywords), "quick")
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """Each test's time (set-up, call, tear-down) under its lane; with xdist, on the controller,
+    from every worker's reports."""
+    seconds = _lane_seconds.setdefault(_lane_of(report.keywords), [0.0, 0])
+    seconds[0] += report.duration
+    if report.when == "call":
+        seconds[1] += 1
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    """Where the run's time went, by lane: the sum of its tests' times, across the workers
+    (CONTRIBUTING.md keeps the table)."""
+    if not _lane_seconds or hasattr(terminalreporter.config, "workerinput"):
+        return
+    terminalreporter.section("time by lane (summed over the tests, all workers)")
+    for lane, (seconds, tests) in sorted(_lane_seconds.items(), key=lambda item: -item[1][0]):
+        terminalreporter.write_line(f"{lane:>12}: {seconds:8.1f} s over {int(tests)} tests")
+
+
 class ServerFactory:
     """start(engine, **config_or_limits) -> a ready server; `stop_all` stops every one it started."""
 

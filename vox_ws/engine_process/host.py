@@ -140,8 +140,9 @@ class Outbox:
         """The turn's message (None: nothing happened), emptied; under `lock`, held by the caller."""
         if not (self._rows or self._ended or self._failed or self._step[0]):
             return None
-        payload = np.concatenate(self._audio) if len(self._audio) > 1 else \
-            self._audio[0] if self._audio else np.empty(0, AUDIO_DTYPE)
+        # A copy, always: a row may be a view into the engine's own buffer, which its next step
+        # writes while the channel's writer still sends this one.
+        payload = np.concatenate(self._audio) if self._audio else np.empty(0, AUDIO_DTYPE)
         step = Step(tuple(self._rows), tuple(self._ended), tuple(self._failed), self._step[0], self._step[1],
                     period_s if self._step[0] else None, stats(), memoryview(payload).cast("B"))
         self._audio, self._rows, self._samples, self._ended, self._failed = [], [], 0, [], []
@@ -177,7 +178,6 @@ class EngineHost:
         self._voice_worker = ThreadPoolExecutor(1, thread_name_prefix="vox-ws-voice")
         self._call_worker = ThreadPoolExecutor(1, thread_name_prefix="vox-ws-engine-calls")
         self._stopped = threading.Event()
-        self._declare_soon = threading.Event()
         self.ended_by: str = ""                             # why `serve` returned
         self._reporter = threading.Thread(target=self._report, name="vox-ws-engine-report", daemon=True)
 
@@ -273,14 +273,12 @@ class EngineHost:
             self._pins[message.pin] = (message.kind, role.pin(message.name))
         except Refused as err:
             self._pin_refusals[message.pin] = err
-        self._declare_soon.set()
 
     def _unpin(self, pin: int) -> None:
         self._pin_refusals.pop(pin, None)
         kind, held = self._pins.pop(pin, (None, None))
         if kind == "lora":
             self.engine.loras.unpin(held)          # a voice's pin is its prompt: let go with it
-            self._declare_soon.set()
 
     # ------------------------------------------------------------------ calls
 
@@ -417,9 +415,6 @@ class EngineHost:
         while not self._stopped.wait(REPORT_EVERY_S):
             if self.loop.status != Readiness.READY:
                 return
-            if self._declare_soon.is_set():
-                self._declare_soon.clear()
-                self._send_declaration()
             now = time.monotonic()
             figures: dict[str, Any] = {}
             if (latest := self._stats()) != stats:

@@ -240,6 +240,7 @@ class EngineProxy:
         """Have the engine end by `deadline` (else `timeout` seconds from now), killed where it
         has not; with `wait`, until it has (from any thread but the event loop's)."""
         deadline = time.monotonic() + timeout if deadline is None else deadline
+        self.engine.close(deadline)
         if not self.life.started:
             return
         self.life.stop(deadline, wait, self.to_engine.on_loop)

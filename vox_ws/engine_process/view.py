@@ -318,6 +318,7 @@ class EngineView(Engine):
             self.text = DeclaredText(self, text["follows_instructions"])
         elif portable != self._portable:
             module, _, cls = portable[0].partition(":")
+            self.close()                             # the rules before, and what they started
             self.text = getattr(importlib.import_module(module), cls).from_settings(self, portable[1])
         self._portable = portable
 
@@ -327,6 +328,12 @@ class EngineView(Engine):
 
     def describe(self) -> dict[str, Any]:
         return dict(self.described) if self.described is not None else super().describe()
+
+    def close(self, deadline: float | None = None) -> None:
+        """What this copy started (the text rules' normaliser process, where they have one)."""
+        close = getattr(self.text, "close", None)
+        if close is not None:
+            close(deadline)
 
     def load(self) -> None:
         raise RuntimeError("the engine loads in its own process")

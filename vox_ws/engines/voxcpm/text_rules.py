@@ -55,6 +55,10 @@ class VoxCPMText(TextRules):
         return f"{__name__}:VoxCPMText", {"checkpoint": self.checkpoint, "slot_positions": self.slot_positions,
                                           "denoiser": self.denoiser, "normalize_timeout": self.normalizer.timeout_s}
 
+    def close(self, deadline: float | None = None) -> None:
+        """Stop the normaliser's process (the server's copy's; the engine closes its own)."""
+        self.normalizer.close(deadline)
+
     def needs_preparing(self, options: dict[str, Any], language: str | None = None) -> bool:
         # Text in a language the normaliser has no grammar for is spoken as written (its
         # numbers would be read out in English).
