@@ -187,3 +187,35 @@ async def test_a_lora_adapter_loads_on_every_device(start_server, tiny_model, tm
     assert not np.allclose(adapted[0], plain[0])
     for pcm in (*unadapted, plain[1]):
         np.testing.assert_array_equal(pcm, plain[0])
+
+
+def test_cuda_all_is_counted_in_a_process_of_its_own_and_each_gpu_is_its_processs_cuda_0():
+    """The server imports no torch: `cuda:all` is counted by a child (here, a count given), and
+    each engine process sees its one GPU as `cuda:0` (`CUDA_VISIBLE_DEVICES`), so the compiled
+    graphs one writes into the compile cache name the device every other one is."""
+    from vox_ws.engine_process.devices import seen_as
+
+    assert parse_devices("cuda:all", count=lambda: 3) == ["cuda:0", "cuda:1", "cuda:2"]
+    with pytest.raises(ValueError, match="no CUDA device"):
+        parse_devices("cuda:all", count=lambda: 0)
+    assert seen_as("cuda:2", visible="") == ("cuda:0", {"CUDA_VISIBLE_DEVICES": "2"})
+    assert seen_as("cuda:1", visible="4,6") == ("cuda:0", {"CUDA_VISIBLE_DEVICES": "6"})
+    assert seen_as("cuda", visible="5") == ("cuda:0", {"CUDA_VISIBLE_DEVICES": "5"})
+    assert seen_as("cpu") == ("cpu", {}) and seen_as("auto") == ("auto", {})
+    with pytest.raises(ValueError, match="has 2 device"):
+        seen_as("cuda:2", visible="4,6")
+
+
+def test_one_engine_process_per_device_each_placed_on_cpus_of_its_own():
+    from vox_ws.config import ServerConfig
+    from vox_ws.engine_process.devices import engine_specs
+
+    config = ServerConfig(engine="voxcpm", engines_per_device=2, engine_cpus="0;1;0;1", slots=4,
+                          engine_settings={"compile": "off"})
+    specs, server_cpus = engine_specs(config, ["cuda:0", "cuda:1"])
+    assert [s.label for s in specs] == ["cuda:0", "cuda:0", "cuda:1", "cuda:1"]
+    assert [s.env for s in specs] == [{"CUDA_VISIBLE_DEVICES": "0"}] * 2 + [{"CUDA_VISIBLE_DEVICES": "1"}] * 2
+    assert {s.settings["device"] for s in specs} == {"cuda:0"}
+    assert [s.cpus for s in specs] == [(0,), (1,), (0,), (1,)]
+    assert all(s.settings["compile"] == "off" and s.loop.slots == 4 for s in specs)
+    assert specs[0].preload == ("vox_ws.engines.voxcpm.engine",)

@@ -104,8 +104,9 @@ class BlockingChannel:
                     self._cond.notify_all()
                 return
             with self._cond:
-                self._queue.popleft()
-                self._queued_bytes -= sum(len(p) for p in pieces)
+                if self._queue and self._queue[0] is pieces:       # not dropped by `close` meanwhile
+                    self._queue.popleft()
+                    self._queued_bytes -= sum(len(p) for p in pieces)
                 self._cond.notify_all()
 
     def flush(self, timeout: float | None = None) -> bool:
@@ -118,6 +119,7 @@ class BlockingChannel:
         with self._cond:
             self._closed = True
             self._queue.clear()
+            self._queued_bytes = 0
             self._cond.notify_all()
         try:
             self._sock.shutdown(socket.SHUT_RDWR)

@@ -43,8 +43,12 @@ class Served(Protocol):
 
     def connected(self, channel: ChannelProtocol | None) -> None: ...
 
-    def ended(self, why: str) -> dict[str, Any]:
+    def ended(self) -> dict[str, Any]:
         """Everything it held fails; what it held that the next one should have."""
+        ...
+
+    def exited(self, why: str) -> None:
+        """Why it ended, once its process has been reaped."""
         ...
 
     def restarting(self) -> None: ...
@@ -53,9 +57,13 @@ class Served(Protocol):
 
 
 class EngineLife:
-    def __init__(self, launcher: Launcher, served: Served, policy: RestartPolicy | None = None) -> None:
+    """`label`: the engine's device as the log names it (the one `auto` chose, once it has)."""
+
+    def __init__(self, launcher: Launcher, served: Served, policy: RestartPolicy | None = None,
+                 label: Callable[[], str] | None = None) -> None:
         self.launcher = launcher
         self._served = served
+        self._label = label or (lambda: launcher.device)
         self.restarts = Restarts(policy)
         self.pid: int | None = None
         self.last_exit: dict[str, Any] | None = None
@@ -78,7 +86,7 @@ class EngineLife:
         loop = asyncio.get_running_loop()
         self._created = loop.create_future()
         self._wake_up = asyncio.Event()
-        self._task = loop.create_task(self._run(), name=f"vox-ws-engine {self.launcher.device}")
+        self._task = loop.create_task(self._run(), name=f"vox-ws-engine {self._label()}")
 
     def settled(self) -> None:
         """The engine said its first word (built, or not): `created` returns."""
@@ -103,10 +111,10 @@ class EngineLife:
                 delay = self.restarts.after_death(time.monotonic())
                 if delay is None:
                     why = self.restarts.why_not()
-                    log.error("engine %s: %s", self.launcher.device, why)
+                    log.error("engine %s: %s", self._label(), why)
                     served.fatal(EngineFailure(why), False)
                     break
-                log.warning("engine %s: starting again in %.1f s (restart %d)", self.launcher.device, delay,
+                log.warning("engine %s: starting again in %.1f s (restart %d)", self._label(), delay,
                             self.restarts.count)
                 served.restarting()
                 assert self._wake_up is not None
@@ -128,9 +136,11 @@ class EngineLife:
         try:
             running = await loop.run_in_executor(None, self.launcher.launch)
         except Exception as exc:  # noqa: BLE001 - a start that failed is a death
-            return self._died(f"it could not start: {type(exc).__name__}: {exc}", None)
+            lost = self._served.ended()
+            self._exited(f"it could not start: {type(exc).__name__}: {exc}", None)
+            return lost
         self._running, self.pid = running, running.pid
-        log.info("engine %s: started%s", self.launcher.device, f" (pid {running.pid})" if running.pid else "")
+        log.info("engine %s: started%s", self._label(), f" (pid {running.pid})" if running.pid else "")
         closed: asyncio.Future = loop.create_future()
 
         def ended(why: BaseException | None) -> None:
@@ -143,18 +153,21 @@ class EngineLife:
         why_closed = await closed
         self._served.connected(None)
         self._channel = None
-        code = await loop.run_in_executor(None, stop_by, running, time.monotonic() + REAP_S)
+        lost = self._served.ended()                     # its streams hear it at once, not after the reaping
+        code = await loop.run_in_executor(None, _reaped, running)
         self._running = None
         if self.stopping:
-            log.info("engine %s: stopped (exit code %s)", self.launcher.device, code)
-            return self._died("stopped", code)
-        why = _exit_reason(code, why_closed)
-        log.error("engine %s: died: %s", self.launcher.device, why)
-        return self._died(why, code)
+            log.info("engine %s: stopped (exit code %s)", self._label(), code)
+            self._exited("stopped", code)
+        else:
+            why = _exit_reason(code, why_closed)
+            log.error("engine %s: died: %s", self._label(), why)
+            self._exited(why, code)
+        return lost
 
-    def _died(self, why: str, code: int | None) -> dict[str, Any]:
+    def _exited(self, why: str, code: int | None) -> None:
         self.last_exit = {"code": code, "why": why, "at": round(time.time(), 3)}
-        return self._served.ended(why)
+        self._served.exited(why)
 
     def stop(self, deadline: float, wait: bool, on_loop: Callable[[], bool]) -> None:
         """Have the engine end by `deadline`; with `wait` (from a thread other than the event
@@ -180,6 +193,13 @@ class EngineLife:
             self._channel.send(Stop(max(0.0, deadline - time.monotonic())))
         if self._wake_up is not None:
             self._wake_up.set()
+
+
+def _reaped(running: Running) -> int | None:
+    """Its exit code, once it has ended (it closed its socket: it ends, or is killed after
+    `REAP_S`)."""
+    code = stop_by(running, time.monotonic() + REAP_S)
+    return code if code is not None else running.wait(None)
 
 
 def _exit_reason(code: int | None, why_closed: BaseException | None) -> str:

@@ -287,7 +287,7 @@ def frame(message: Message) -> list[bytes | memoryview]:
 def decode(header: bytes | memoryview, payload: bytes | memoryview = b"") -> Message:
     """The message of a frame's header and payload; BoundaryError for anything else."""
     try:
-        fields = msgpack.unpackb(header, raw=False, use_list=False, strict_map_key=False)
+        fields = msgpack.unpackb(header, raw=False, strict_map_key=False)
         cls = _TYPES[fields.pop("t")]
         kwargs = {}
         for f in dataclasses.fields(cls):

@@ -58,7 +58,7 @@ class EngineProxy:
         # Once an engine started again serves: what the one before held, to restore (voices, adapters).
         self.on_restart: Callable[[EngineProxy, dict[str, Any]], Any] | None = None
         self._on_fatal = on_fatal
-        self.life = EngineLife(launcher, self, restart_policy)
+        self.life = EngineLife(launcher, self, restart_policy, lambda: self.engine.device)
         self._stats: dict[str, Any] = {}
         self._unplaced = 0                      # submitted since the last figures
         self._outstanding: dict[int, GenerationRequest] = {}
@@ -86,7 +86,7 @@ class EngineProxy:
     def restarting(self) -> None:
         self._set_status(Readiness.LOADING, None)
 
-    def ended(self, why: str) -> dict[str, Any]:
+    def ended(self) -> dict[str, Any]:
         """The engine has ended: every request and call it held fails (its streams may try again,
         here once it has started again, or elsewhere). What it held, for the next one."""
         described = self.engine.loras.describe()
@@ -94,14 +94,18 @@ class EngineProxy:
                 "loras": [a["name"] for a in described.get("adapters", ()) if a.get("state") == "loaded"],
                 "default_lora": described.get("default")}
         if self.status != Readiness.FAILED or self.error is None:
-            self._set_status(Readiness.FAILED, f"the engine process ended: {why}")
+            self._set_status(Readiness.FAILED, "the engine process ended")
         retry_after = round(self.life.restarts.policy.first_delay_s + (self._load_s or LOADING_RETRY_AFTER_S), 1)
-        message = f"the engine serving this stream ended ({why}): try again"
+        message = f"the engine serving this stream ended ({self.error}): try again"
         outstanding = list(self._outstanding.values())
         self._outstanding.clear()
         self.replay.fail_all(outstanding, message, retry_after)
         self.to_engine.fail_calls(Refused(ErrorKind.UNAVAILABLE, message, retry_after))
         return held
+
+    def exited(self, why: str) -> None:
+        if self.status == Readiness.FAILED and self.error == "the engine process ended":
+            self.error = f"the engine process ended: {why}"
 
     def fatal(self, exc: BaseException, during_load: bool) -> None:
         if self._on_fatal is not None:
