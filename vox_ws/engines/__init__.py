@@ -113,8 +113,8 @@ class Installed:
 
     def describe(self) -> dict[str, Any]:
         """As `/v1/info`'s `engines` lists it."""
-        return {"name": self.name, "source": self.source, "summary": self.summary, "available": self.available,
-                "error": self.error}
+        return {"name": self.name, "source": self.source, "summary": self.summary,
+                "available": self.available, "error": self.error}
 
 
 _plugins: dict[str, EnginePlugin] = {}
@@ -185,7 +185,8 @@ def create_engine(name: str, settings: dict[str, Any]) -> Engine:
     if plugin is None:
         choices = f"choose from auto, {', '.join(sorted(available))}"
         if name in _unavailable:
-            raise ValueError(f"engine {name!r} is installed but cannot be served: {_unavailable[name]} ({choices})")
+            raise ValueError(f"engine {name!r} is installed but cannot be served: {_unavailable[name]} "
+                             f"({choices})")
         raise ValueError(f"unknown engine {name!r} ({choices})")
     engine = plugin.create(settings)
     engine.notice = " ".join(notices)
@@ -238,7 +239,8 @@ def _load_entry_point(entry_point: importlib.metadata.EntryPoint) -> None:
     source = f"{distribution.name} {distribution.version}" if distribution is not None else entry_point.value
     taken = [found.source for found in _found if found.name == name and found.available]
     if taken or name in RESERVED_NAMES:
-        why = f"the name is taken by {taken[0]}'s engine" if taken else \
+        holder = "the built-in engine" if taken and taken[0] == "built-in" else taken[0] if taken else ""
+        why = f"its name is taken by {holder}" if taken else \
             f"{name!r} is reserved (--engine {name} chooses among the others)"
         _found.append(Installed(name, source, error=why))  # the name's engine is the one that has it
         return
@@ -250,7 +252,8 @@ def _load_entry_point(entry_point: importlib.metadata.EntryPoint) -> None:
     if not isinstance(plugin, EnginePlugin):
         _refuse(name, source, f"{entry_point.value} is a {type(plugin).__name__}, not an EnginePlugin")
     elif plugin.name != name:
-        _refuse(name, source, f"{entry_point.value} is the engine {plugin.name!r}: its entry point must bear its name")
+        _refuse(name, source, f"{entry_point.value} is the engine {plugin.name!r}: its entry point must "
+                              "bear its name")
     else:
         _plugins.setdefault(name, plugin)
         _unavailable.pop(name, None)           # another package's engine of that name failed before
