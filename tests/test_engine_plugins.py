@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -204,3 +205,25 @@ async def test_the_simulated_gpu_engine_steps_every_row_in_its_process_and_trace
     steps = [line.split() for line in trace.read_text().splitlines()]
     assert sum(int(rows) for *_, rows in steps) == 2 * -(-samples // 7680)     # rows of 160 ms
     assert all(float(inside) >= 0.001 for _, inside, _, _ in steps)
+
+
+def test_the_examples_own_tests_pass_against_the_installed_package(site, tmp_path):
+    """What docs/ENGINES.md tells a plugin's author to run: its tests, with its own pytest
+    configuration, the engine imported from where pip installed it."""
+    tests = shutil.copy(ROOT / "examples" / "engine-plugin" / "test_vox_ws_morse.py", tmp_path)
+    config = shutil.copy(ROOT / "examples" / "engine-plugin" / "pyproject.toml", tmp_path)
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-c", str(config),
+                           str(tests)], env=environment(site), cwd=tmp_path, capture_output=True, text=True,
+                          timeout=WAIT_TIMEOUT)
+    assert done.returncode == 0 and re.search(r"\b2 passed\b", done.stdout), done.stdout + done.stderr
+
+
+def test_the_engines_page_shows_the_example_as_it_is():
+    """Each file docs/ENGINES.md quotes (a fenced block under `<!-- PATH -->`), whole and as it is."""
+    page = (ROOT / "docs" / "ENGINES.md").read_text()
+    quoted = re.findall(r"<!-- (\S+) -->\n```\w+\n(.*?)```\n", page, re.S)
+    assert [path for path, _ in quoted] == ["examples/engine-plugin/pyproject.toml",
+                                            "examples/engine-plugin/vox_ws_morse.py",
+                                            "examples/engine-plugin/test_vox_ws_morse.py"]
+    for path, text in quoted:
+        assert text == (ROOT / path).read_text(), f"docs/ENGINES.md quotes {path} as it was"
