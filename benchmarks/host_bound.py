@@ -267,9 +267,10 @@ def _sample(server: Server, clients: subprocess.Popen) -> Sample:
 
 
 def _steps(trace: Path, since: float, until: float) -> np.ndarray:
-    """The trace's steps that began in [since, until): rows of (start, inside, period, rows)."""
+    """The trace's steps that began in [since, until): rows of (start, inside, period, rows,
+    launches, wait)."""
     steps = [[float(v) for v in line.split()] for line in trace.read_text().splitlines() if line.strip()]
-    table = np.array(steps or np.zeros((0, 4)))
+    table = np.array(steps or np.zeros((0, 6)))
     return table[(table[:, 0] >= since) & (table[:, 0] < until)] if len(table) else table
 
 
@@ -318,6 +319,7 @@ def measure_phase(server: Server, phase: str, args: argparse.Namespace) -> dict[
         "steps": int(len(steps)),
         "rows_per_step": round(float(steps[:, 3].mean()), 1) if len(steps) else None,
         "period_ms": _ms(steps[:, 2]), "inside_ms": _ms(steps[:, 1]),
+        "launches_ms": _ms(steps[:, 4]), "wait_ms": _ms(steps[:, 5]),
         "metrics_mean_ms": {"step": metric_mean("voxws_step_seconds"),
                             "period": metric_mean("voxws_step_period_seconds")},
         "cpu_busy": round(busy, 3),
@@ -340,7 +342,7 @@ def _wait_idle(server: Server, within_s: float = 60.0) -> None:
 def run_mode(mode: str, site: Path, work: Path, args: argparse.Namespace) -> dict[str, Any]:
     server = start_server(mode, site, work, args.listeners, args.before_tree)
     try:
-        phases = [measure_phase(server, phase, args) for phase in ("alone", "opus", "f32")]
+        phases = [measure_phase(server, phase, args) for phase in args.phases.split(",")]
         engine = server.engine_pid()
     finally:
         stop_server(server.proc)
@@ -416,6 +418,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--modes", default="process,thread",
                         help="process, thread, pre-69 (with --before-tree)")
     parser.add_argument("--before-tree", type=Path, help="a checkout of the tree before issue 69, for pre-69")
+    parser.add_argument("--phases", default="alone,opus,f32", help="alone (first: the others' ratios are to it), "
+                                                                  "opus, f32")
     parser.add_argument("--listeners", type=int, default=64)
     parser.add_argument("--lookahead-s", type=float,
                         help="listeners at a player's pace: the server sends each stream at most this far "
@@ -447,7 +451,9 @@ def main(argv: list[str] | None = None) -> int:
                 for phase in result["phases"]:
                     period, inside = phase["period_ms"], phase["inside_ms"]
                     print(f"  {phase['phase']:5s} period p50 {period['p50']} p95 {period['p95']} "
-                          f"inside p50 {inside['p50']} ms, rows {phase['rows_per_step']}, "
+                          f"inside p50 {inside['p50']} p95 {inside['p95']} ms (launches p50 "
+                          f"{phase['launches_ms']['p50']} p95 {phase['launches_ms']['p95']}, wait p50 "
+                          f"{phase['wait_ms']['p50']} p95 {phase['wait_ms']['p95']}), rows {phase['rows_per_step']}, "
                           f"CPU {phase['cpu_busy'] * 100:.0f} %, load {phase['load_average'][0]}, "
                           f"errors {phase['clients'].get('listeners', {}).get('errors')}", flush=True)
     rows = summary(runs, modes)

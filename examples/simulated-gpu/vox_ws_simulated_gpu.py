@@ -10,8 +10,9 @@ waiting with the GIL released (20 ms), and every row's 160 ms of 48 kHz float32 
 per stream) copied out of one batch buffer, as `.cpu()` would. It batches every row (64).
 
 With `--simulated-gpu-trace FILE` each step appends one line there: when it began (the machine's
-monotonic clock, seconds), the time inside it, the time since the step before began (both
-seconds), and its rows; the benchmark reads the steps of each of its phases from it.
+monotonic clock, seconds), the time inside it, the time since the step before began, its rows,
+and of the time inside, the launches' and the wait's (seconds); the benchmark reads the steps
+of each of its phases from it.
 """
 
 from __future__ import annotations
@@ -84,7 +85,9 @@ class SimulatedGpuEngine(Engine):
         started = time.monotonic()
         for _ in range(self.ops):
             self._device_state.add_(1.0)           # a launch: the GIL released and taken back
+        launched = time.monotonic()
         time.sleep(self.wait_s)                     # waiting on the device, the GIL released
+        waited = time.monotonic()
         rows = np.empty((len(batch), CHUNK), dtype=np.float32)     # the batch copied back, as `.cpu()` does
         results = []
         for row, request in zip(rows, batch):
@@ -95,15 +98,16 @@ class SimulatedGpuEngine(Engine):
             tone.remaining -= n
             done = EndReason.DONE if tone.remaining <= 0 else None
             results.append(StepResult(audio=row[:n], finished=done))
-        self._record(started, time.monotonic(), len(batch))
+        self._record(len(batch), started, launched, waited, time.monotonic())
         return results
 
-    def _record(self, started: float, ended: float, rows: int) -> None:
+    def _record(self, rows: int, started: float, launched: float, waited: float, ended: float) -> None:
         period = started - self._last_start if self._last_start is not None else float("nan")
         self._last_start = started
         if self._trace is not None:
             # The monotonic clock: the one every process of the machine shares.
-            self._trace.write(f"{started:.6f} {ended - started:.6f} {period:.6f} {rows}\n")
+            self._trace.write(f"{started:.6f} {ended - started:.6f} {period:.6f} {rows} {launched - started:.6f} "
+                              f"{waited - launched:.6f}\n")
 
     def close(self, deadline: float | None = None) -> None:
         if self._trace is not None:
@@ -125,6 +129,7 @@ PLUGIN = EnginePlugin(
               Setting("simulated-gpu-wait-ms", float, 20.0, "milliseconds a step then waits on the device, "
                                                             "the GIL released"),
               Setting("simulated-gpu-trace", str, None, "a file each step appends a line to: its start "
-                                                        "(monotonic s), time inside, period, rows")),
+                                                        "(monotonic s), time inside, period, rows, the "
+                                                        "launches' time, the wait's")),
     preload=("torch",),
 )
