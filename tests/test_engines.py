@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import subprocess
 import sys
 
@@ -126,3 +128,127 @@ def test_engines_refuse_in_their_own_vocabulary():
     with pytest.raises(Refused) as info:
         PiperEngine().voices.register(None, 16000, None, "reference")
     assert info.value.kind == ErrorKind.UNSUPPORTED and not info.value.kind.retryable
+
+
+# ------------------------------------------------------------------------------ other packages' engines
+
+CHIRP = '''
+from vox_ws.engines import EnginePlugin, Setting
+from vox_ws.testing.tone import ToneEngine
+
+
+class Chirp(ToneEngine):
+    name = "chirp"
+
+
+PLUGIN = EnginePlugin(name="chirp", summary="a tone from another package",
+                      create=lambda settings: Chirp(slots=settings.get("slots") or 4),
+                      settings=(Setting("chirp-rate", int, 24000, "its rate"),))
+'''
+
+
+def serve_help() -> str:
+    """What `vox-ws serve --help` prints, from this process's registry."""
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed), pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--help"])
+    return printed.getvalue()
+
+
+@pytest.fixture
+def site(tmp_path, monkeypatch):
+    """A folder on the path that packages are installed into as pip lays them out (a module, its
+    distribution's metadata with its entry points), and a registry that has loaded nothing yet
+    (restored after the test, with the modules the test imported)."""
+    folder = tmp_path / "site"
+    folder.mkdir()
+    monkeypatch.syspath_prepend(str(folder))
+    for name, fresh in (("_plugins", {}), ("_unavailable", {}), ("_found", []), ("_loaded", False)):
+        monkeypatch.setattr(engines, name, fresh)
+    modules: list[str] = []
+
+    def install(distribution: str, points: dict[str, str], sources: dict[str, str]) -> None:
+        for module, source in sources.items():
+            (folder / f"{module}.py").write_text(source)
+            modules.append(module)
+        info = folder / f"{distribution.replace('-', '_')}-1.0.dist-info"
+        info.mkdir()
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {distribution}\nVersion: 1.0\n")
+        (info / "entry_points.txt").write_text(
+            "[vox_ws.engines]\n" + "".join(f"{name} = {value}\n" for name, value in points.items()))
+
+    yield install
+    for module in modules:
+        sys.modules.pop(module, None)
+
+
+async def test_another_packages_engine_is_found_by_its_entry_point_and_served(site, start_server):
+    import httpx
+
+    site("vox-ws-chirp", {"chirp": "chirp_engine:PLUGIN"}, {"chirp_engine": CHIRP})
+    assert {"piper", "voxcpm", "chirp"} <= set(engines.plugins())
+    found = {e.name: e for e in engines.installed()}
+    assert found["chirp"].source == "vox-ws-chirp 1.0" and found["chirp"].available
+    assert found["piper"].source == "built-in"
+    args = build_parser().parse_args(["serve", "--engine", "chirp", "--chirp-rate", "16000"])
+    config = config_from_args(args)
+    assert config.engine_settings["chirp_rate"] == 16000
+    text = serve_help()
+    assert "engines: auto, chirp, piper, voxcpm\n" in text and "--chirp-rate CHIRP_RATE" in text
+    assert "chirp engine: a tone from another package:" in text
+    assert "  chirp (from vox-ws-chirp 1.0): a tone from another package\n" in text
+
+    server = start_server(engines.create_engine("chirp", config.engine_options()), slots=4)
+    async with connect_client(server) as c:
+        assert c.hello["engine"] == "chirp"
+        assert_good_stream(await c.speak("A chirp of some length.", "c"), 0.5)
+    async with httpx.AsyncClient() as http:
+        info = (await http.get(f"{server.http}/v1/info")).json()
+    assert {"name": "chirp", "source": "vox-ws-chirp 1.0", "summary": "a tone from another package",
+            "available": True, "error": None} in info["engines"]
+
+
+def test_an_engine_that_cannot_be_served_is_listed_with_why_and_never_stops_the_others(site):
+    site("vox-ws-chirp", {"chirp": "chirp_engine:PLUGIN"}, {"chirp_engine": CHIRP})
+    site("vox-ws-odd", {"broken": "broken_engine:PLUGIN", "quits": "quitting_engine:PLUGIN",
+                        "gone": "no_such_module:PLUGIN", "number": "number_engine:PLUGIN",
+                        "misnamed": "chirp_engine:PLUGIN", "piper": "chirp_engine:PLUGIN",
+                        "auto": "chirp_engine:PLUGIN"},
+         {"broken_engine": "raise RuntimeError('needs a driver that is not installed')\n",
+          "quitting_engine": "raise SystemExit(3)\n", "number_engine": "PLUGIN = 42\n"})
+    assert {"piper", "voxcpm", "chirp"} == set(engines.plugins())
+    assert engines.plugins()["piper"].summary.startswith("Piper (VITS")       # the built-in kept its name
+    why = {e.name: e.error for e in engines.installed() if e.source == "vox-ws-odd 1.0"}
+    assert why["broken"] == ("broken_engine:PLUGIN failed to import: RuntimeError: needs a driver that is "
+                             "not installed")
+    assert why["quits"] == "quitting_engine:PLUGIN failed to import: SystemExit: 3"
+    assert why["gone"].startswith("no_such_module:PLUGIN failed to import: ModuleNotFoundError")
+    assert why["number"] == "number_engine:PLUGIN is a int, not an EnginePlugin"
+    assert why["misnamed"] == "chirp_engine:PLUGIN is the engine 'chirp': its entry point must bear its name"
+    assert why["piper"] == "its name is taken by the built-in engine"
+    assert why["auto"].startswith("'auto' is reserved")
+    assert set(engines.unavailable()) == {"broken", "quits", "gone", "number", "misnamed"}
+    with pytest.raises(ValueError, match="engine 'broken' is installed but cannot be served: broken_engine:"
+                                         "PLUGIN failed to import: RuntimeError: needs a driver"):
+        engines.create_engine("broken", {})
+    text = serve_help()
+    assert "engines installed that cannot be served:\n" in text
+    assert "  broken (from vox-ws-odd 1.0): broken_engine:PLUGIN failed to import: RuntimeError" in text
+
+
+def test_an_engine_whose_setting_is_already_an_option_is_withdrawn_and_refused_by_name(site, capsys):
+    from vox_ws.commands.cli import main
+
+    clashing = CHIRP.replace('"chirp"', '"clash"').replace('"chirp-rate"', '"port"')
+    echoing = CHIRP.replace('"chirp"', '"echo"')                    # chirp's own setting, --chirp-rate
+    site("vox-ws-more", {"chirp": "chirp_engine:PLUGIN", "clash": "clash_engine:PLUGIN",
+                         "echo": "echo_engine:PLUGIN"},
+         {"chirp_engine": CHIRP, "clash_engine": clashing, "echo_engine": echoing})
+    build_parser()
+    assert engines.unavailable() == {"clash": "its setting --port is already an option of vox-ws serve",
+                                     "echo": "its setting --chirp-rate is already an option of vox-ws serve"}
+    assert set(engines.plugins()) == {"piper", "voxcpm", "chirp"}
+    assert main(["serve", "--engine", "clash"]) == 2
+    assert capsys.readouterr().err.endswith(
+        "vox-ws serve: engine 'clash' is installed but cannot be served: its setting --port is already an "
+        "option of vox-ws serve\n")

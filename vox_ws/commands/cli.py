@@ -156,12 +156,44 @@ _SERVE_OPTIONS: list[tuple[str, Callable[[str], Any], Any, str]] = [
 
 
 def _engine_options() -> list[tuple[str, list[engines.Setting]]]:
-    """(group title, settings): the settings every engine takes, then each engine's own."""
+    """(group title, settings): the settings every engine takes, then each engine's own. Another
+    package's engine with a setting named as an option already is (the server's, or another
+    engine's) is withdrawn, and listed with why: one option cannot mean two things."""
     groups = [("engine settings", list(engines.COMMON_SETTINGS))]
+    taken = {option for option, *_ in _SERVE_OPTIONS} | {old for old, _ in _OLD_SPELLINGS.values()} | \
+        {setting.name for setting in engines.COMMON_SETTINGS}
     for plugin in engines.plugins().values():
+        clash = [setting.name for setting in plugin.settings if setting.name in taken]
+        if clash:
+            engines.withdraw(plugin.name, f"its setting --{clash[0]} is already an option of vox-ws serve")
+            continue
+        taken |= {setting.name for setting in plugin.settings}
         if plugin.settings:
             groups.append((f"{plugin.name} engine: {plugin.summary}", list(plugin.settings)))
     return groups
+
+
+def _engines_epilog() -> str:
+    """The engines `--engine` takes (built-in and other packages'), then those found that cannot
+    be served, each with why."""
+    lines = ["engines: " + ", ".join(["auto", *sorted(engines.plugins())])]
+    for found in engines.installed():
+        if found.available:
+            source = "" if found.source == "built-in" else f" (from {found.source})"
+            lines.append(f"  {found.name}{source}: {found.summary}")
+    refused = [found for found in engines.installed() if not found.available]
+    if refused:
+        lines.append("engines installed that cannot be served:")
+        lines += [f"  {found.name} (from {found.source}): {found.error}" for found in refused]
+    return "\n".join(lines)
+
+
+def _log_engines_not_served() -> None:
+    """Another package's engine that cannot be served, said once at the server's start."""
+    for found in engines.installed():
+        if not found.available and found.source != "built-in":
+            logging.getLogger("vox_ws.engines").warning("engine %r (from %s) cannot be served: %s",
+                                                         found.name, found.source, found.error)
 
 
 # Options renamed for what they are, by their old spelling (still taken, with its variable) and
@@ -179,8 +211,9 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     serve = commands.add_parser("serve", help="run the server",
                                 description="Run the server. Each option may also come from VOX_WS_<OPTION>.")
-    choices = ", ".join(["auto", *sorted(engines.plugins())])
-    serve.epilog = f"engines: {choices}"
+    engine_groups = _engine_options()
+    serve.epilog = _engines_epilog()
+    serve.formatter_class = argparse.RawDescriptionHelpFormatter
 
     def add(group: Any, option: str, kind: Callable[[str], Any], default: Any, text: str, many: bool = False) -> None:
         env = _env_name(option)
@@ -210,7 +243,7 @@ def build_parser() -> argparse.ArgumentParser:
     for command in (serve, compile_command):
         for option, kind, default, text in _SERVE_OPTIONS:
             add(command, option, kind, default, text)
-        for title, settings in _engine_options():
+        for title, settings in engine_groups:
             group = command.add_argument_group(title)
             for setting in settings:
                 add(group, setting.name, setting.kind, setting.default, setting.help, setting.many)
@@ -361,7 +394,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     # uvicorn logs every connection at info; vox-ws logs its own sessions.
     logging.getLogger("uvicorn.error").setLevel(logging.WARNING)
     if args.command == "serve":
+        _log_engines_not_served()
         config = config_from_args(args)
+        if config.engine in engines.unavailable():
+            print(f"vox-ws serve: engine {config.engine!r} is installed but cannot be served: "
+                  f"{engines.unavailable()[config.engine]}", file=sys.stderr)
+            return 2
         from ..engine_process.devices import parse_devices
 
         try:

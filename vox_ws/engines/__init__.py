@@ -1,14 +1,18 @@
 """The engine registry: which engines exist, how each is built, and which `auto` picks.
 
-An engine is one module that defines `PLUGIN = EnginePlugin(...)`, plus its line in `BUILT_IN`.
-The command line's `--engine` choices and engine settings, `auto`, and the option vocabulary
-that front doors validate against all come from here. Plugin modules must import cheaply (no
-torch, no model libraries at module level): the registry imports every one of them.
+An engine is one module that defines `PLUGIN = EnginePlugin(...)`: a built-in one has its line in
+`BUILT_IN`; another package's is an entry point of the group `vox_ws.engines` in that package's
+metadata (`name = "module:PLUGIN"`, docs/ENGINES.md). The command line's `--engine` choices and
+engine settings, `auto`, and the option vocabulary that front doors validate against all come
+from here, and `installed()` lists every engine found, with why where one cannot be served.
+Plugin modules must import cheaply (no torch, no model libraries at module level): the registry
+imports every one of them, in the server's process too (the model's modules go in `preload`).
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
@@ -22,6 +26,10 @@ BUILT_IN = (
     "vox_ws.engines.piper",
     "vox_ws.engines.voxcpm",
 )
+# The entry point group other packages declare their engines in.
+ENTRY_POINT_GROUP = "vox_ws.engines"
+# Names no plugin may take: `--engine auto` chooses among the others.
+RESERVED_NAMES = frozenset({"auto"})
 
 
 def parse_count(text: str) -> int | None:
@@ -89,8 +97,29 @@ COMMON_SETTINGS = (
     Setting("threads", int, 1, "CPU threads for the model (torch / ONNX Runtime)"),
 )
 
+@dataclass(frozen=True)
+class Installed:
+    """An engine found at start: a built-in one or another package's (`source`: "built-in", or
+    the distribution and its version), and why it cannot be served where it cannot (`error`)."""
+
+    name: str
+    source: str
+    summary: str = ""
+    error: str | None = None
+
+    @property
+    def available(self) -> bool:
+        return self.error is None
+
+    def describe(self) -> dict[str, Any]:
+        """As `/v1/info`'s `engines` lists it."""
+        return {"name": self.name, "source": self.source, "summary": self.summary,
+                "available": self.available, "error": self.error}
+
+
 _plugins: dict[str, EnginePlugin] = {}
 _unavailable: dict[str, str] = {}
+_found: list[Installed] = []
 _loaded = False
 
 
@@ -104,8 +133,31 @@ def unregister(name: str) -> None:
 
 
 def plugins() -> dict[str, EnginePlugin]:
-    _load_built_in()
+    _load_installed()
     return dict(_plugins)
+
+
+def withdraw(name: str, why: str) -> None:
+    """Take an engine found out of those served, listed with why (the command line's: another
+    package's engine whose setting is already an option of the server)."""
+    _load_installed()
+    _plugins.pop(name, None)
+    _unavailable[name] = why
+    for n, found in enumerate(_found):
+        if found.name == name and found.available:
+            _found[n] = Installed(name, found.source, found.summary, error=why)
+
+
+def installed() -> list[Installed]:
+    """Every engine found (built-in, then other packages'), those that cannot be served with why."""
+    _load_installed()
+    return list(_found)
+
+
+def unavailable() -> dict[str, str]:
+    """The engines found that cannot be served, by name: why."""
+    _load_installed()
+    return dict(_unavailable)
 
 
 def option_vocabulary(engine: Engine | None = None) -> dict[str, OptionSpec]:
@@ -131,8 +183,11 @@ def create_engine(name: str, settings: dict[str, Any]) -> Engine:
             log.warning("%s", notice)
     plugin = available.get(name)
     if plugin is None:
-        why = f": {_unavailable[name]}" if name in _unavailable else ""
-        raise ValueError(f"unknown engine {name!r}{why} (choose from auto, {', '.join(sorted(available))})")
+        choices = f"choose from auto, {', '.join(sorted(available))}"
+        if name in _unavailable:
+            raise ValueError(f"engine {name!r} is installed but cannot be served: {_unavailable[name]} "
+                             f"({choices})")
+        raise ValueError(f"unknown engine {name!r} ({choices})")
     engine = plugin.create(settings)
     engine.notice = " ".join(notices)
     return engine
@@ -153,15 +208,61 @@ def choose_auto(settings: dict[str, Any]) -> tuple[str, str, list[str]]:
     raise ValueError("no engine can run here: " + "; ".join(reasons))
 
 
-def _load_built_in() -> None:
+def _load_installed() -> None:
     global _loaded
     if _loaded:
         return
     _loaded = True
     for module_name in BUILT_IN:
+        short = module_name.rsplit(".", 1)[-1]
         try:
             module = importlib.import_module(module_name)
         except ImportError as exc:
-            _unavailable[module_name.rsplit(".", 1)[-1]] = f"{type(exc).__name__}: {exc}"
+            _refuse(short, "built-in", f"{type(exc).__name__}: {exc}")
             continue
         _plugins.setdefault(module.PLUGIN.name, module.PLUGIN)
+        _found.append(Installed(module.PLUGIN.name, "built-in", module.PLUGIN.summary))
+    for entry_point in _entry_points():
+        _load_entry_point(entry_point)
+
+
+def _entry_points() -> list[importlib.metadata.EntryPoint]:
+    """The group's entry points, by name (a name two distributions declare: both, in path order)."""
+    return sorted(importlib.metadata.entry_points(group=ENTRY_POINT_GROUP), key=lambda point: point.name)
+
+
+def _load_entry_point(entry_point: importlib.metadata.EntryPoint) -> None:
+    """One other package's engine, imported; one that cannot be served is listed with why, and
+    never stops the start: its module's error, a name taken, or anything but an `EnginePlugin`."""
+    name = entry_point.name
+    distribution = entry_point.dist
+    source = f"{distribution.name} {distribution.version}" if distribution is not None else entry_point.value
+    taken = [found.source for found in _found if found.name == name and found.available]
+    if taken or name in RESERVED_NAMES:
+        holder = "the built-in engine" if taken and taken[0] == "built-in" else taken[0] if taken else ""
+        why = f"its name is taken by {holder}" if taken else \
+            f"{name!r} is reserved (--engine {name} chooses among the others)"
+        _found.append(Installed(name, source, error=why))  # the name's engine is the one that has it
+        return
+    try:
+        plugin = entry_point.load()
+    except (Exception, SystemExit) as exc:  # noqa: BLE001 - another package's fault: listed, never fatal
+        _refuse(name, source, f"{entry_point.value} failed to import: {type(exc).__name__}: {exc}")
+        return
+    if not isinstance(plugin, EnginePlugin):
+        _refuse(name, source, f"{entry_point.value} is a {type(plugin).__name__}, not an EnginePlugin")
+    elif plugin.name != name:
+        _refuse(name, source, f"{entry_point.value} is the engine {plugin.name!r}: its entry point must "
+                              "bear its name")
+    else:
+        _plugins.setdefault(name, plugin)
+        _unavailable.pop(name, None)           # another package's engine of that name failed before
+        _found.append(Installed(name, source, plugin.summary))
+
+
+def _refuse(name: str, source: str, why: str) -> None:
+    """An engine found that cannot be served, listed with why (`--engine NAME` is told it; the
+    server's log says it at start). Nothing is logged here: the registry loads before logging is
+    set up, and in every engine process again."""
+    _unavailable[name] = why
+    _found.append(Installed(name, source, error=why))

@@ -14,7 +14,7 @@ from starlette.requests import HTTPConnection
 from .. import __version__
 from ..config import Limits, ServerConfig
 from ..engine import Readiness
-from ..engines import option_vocabulary
+from ..engines import installed, option_vocabulary
 from ..service import StreamService
 from ..service.metrics import Metrics
 from .multipart import MultipartParser
@@ -127,6 +127,8 @@ class ServerState:
             "languages": list(self.service.engine.languages),
             "aliases": {name: alias.describe() for name, alias in self.service.voices.aliases().items()},
             "features": self.features(),
+            # Every engine this install has (built-in, other packages'), those it cannot serve with why.
+            "engines": [found.describe() for found in installed()],
             "word_timings": self.service.word_timings.describe(self.service.engine),
             "lexicon": {"path": self.config.lexicon, "entries": len(self.service.lexicon)},
             "sessions": len(self.sessions),
