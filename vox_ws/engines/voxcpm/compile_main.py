@@ -76,11 +76,15 @@ def compile_all(settings: dict[str, Any], load: Callable[[dict[str, Any]], Any] 
         say("decode", seconds=0.0, cached=True)
         return True
 
-    from .compiled import CompiledStep
+    from .attention_choice import take_choice
+    from .compiled import CompiledStep, untimed_kernels
     from .lora import NO_ADAPTER, install_row_lora
     from .prompt import build_prompt
     from .runner import BatchedVoxCPM2
 
+    if str(settings["device"]).startswith("cuda"):
+        # Its graphs first run beside the serving process: no kernel may be timed there.
+        untimed_kernels()
     model = load(settings)
     adapters = (install_row_lora(model, settings["max_loras"], settings["lora_rank"])[0]
                 if settings.get("lora_rank") else None)
@@ -88,6 +92,8 @@ def compile_all(settings: dict[str, Any], load: Callable[[dict[str, Any]], Any] 
     # decode's graphs are the ones it will look for.
     runner = BatchedVoxCPM2(model, slots=max(buckets) if measure else 1, decode_process=False,
                             warm_rows=1, adapters=adapters)
+    if settings.get("in_place") is not None:        # as the server attends (it probed, where it does)
+        take_choice(settings["device"], settings["in_place"])
     compiled = CompiledStep(model, buckets, settings["cache"], adapters=adapters)
     graphs = record.watch(compiled.store)
     prompt = build_prompt(model, "Timing the step, eager and compiled.", None)
