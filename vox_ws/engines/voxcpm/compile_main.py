@@ -203,8 +203,16 @@ def record_key(settings: dict[str, Any]) -> str:
 def time_eager_and_compiled(runner: Any, compiled: Any, prompt: Any, rows: int,
                             no_adapter: int) -> dict[str, float]:
     """One step of `rows` rows, eager and compiled (the median of 5 after 2 each, the decode
-    eager in both): which is the faster on this device."""
+    eager in both): which is the faster on this device. Each step timed from a synchronised
+    device to a synchronised one: a GPU's step is queued before it is done, and queueing is
+    what a compiled step saves most of."""
+    import torch
+
     from .runner import PrefillInput
+
+    def synchronised() -> None:
+        if runner.device.type == "cuda":
+            torch.cuda.synchronize(runner.device)
 
     timings = {}
     for name, step in (("eager_ms", None), ("compiled_ms", compiled)):
@@ -213,8 +221,10 @@ def time_eager_and_compiled(runner: Any, compiled: Any, prompt: Any, rows: int,
                                                   max_len=4096, adapter=no_adapter) for i in range(rows)])
         samples = []
         for index in range(7):
+            synchronised()
             started = time.perf_counter()
             runner._generate(batch)
+            synchronised()
             if index >= 2:
                 samples.append((time.perf_counter() - started) * 1000)
         for row in batch:
