@@ -9,8 +9,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from vox_ws.engines.voxcpm.loading import import_voxcpm
 
-# What copies host data to the device, or reads a device value back, inside a step.
-HOST_TRAFFIC = ("aten.lift_fresh", "aten._local_scalar_dense", "aten._to_copy")
+# A tensor made from host data (on a GPU a host-to-device copy), or a device value read back.
+HOST_TRAFFIC = ("aten.lift_fresh", "aten._local_scalar_dense")
 
 
 class Operations(TorchDispatchMode):

@@ -19,8 +19,11 @@ Captures are made so that none can capture the wrong thing:
   process, and no other thread's work in the middle of one;
 - largest bucket first, all in one memory pool and on one side stream (the smaller graphs
   reuse the largest's blocks);
-- a capture that fails leaves its bucket uncaptured (the compiled whole step, replayed by
-  none), with a log line; timesteps outside the captured set never reach it.
+- each capture's replay compared with the uncompiled step on the serving's state before it
+  serves (`verify`: `graph_check.replay_mismatch`, what the runner passes);
+- a capture that fails, or whose replay differs, leaves its bucket uncaptured (the compiled
+  whole step, replayed by none), with a log line and its reason in `failed`; timesteps outside
+  the captured set never reach it.
 
 The capture itself is a seam (`Capture`): CPU tests drive everything else with a fake one.
 """
