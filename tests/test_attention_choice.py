@@ -43,6 +43,7 @@ def probed(monkeypatch):
     return probe
 
 
+@pytest.mark.slow
 def test_a_failing_probe_leaves_the_compiled_step_to_the_gather_and_says_why(model, probed, tmp_path, caplog):
     from vox_ws.engines.voxcpm.compiled import CompiledStep, adapted_advance
     from vox_ws.engines.voxcpm.vae import BatchedStreamingVAE
@@ -78,6 +79,7 @@ def test_a_passing_probe_keeps_the_in_place_attention_and_names_its_kernel(model
     assert len(probed.asked) == asked
 
 
+@pytest.mark.slow
 def test_the_probe_compiles_and_runs_the_in_place_attention_and_agrees_with_the_gather(model):
     """What a GPU runs at start, here on the CPU's kernel: one compile at the LM's heads,
     compared with the gather; no CUDA lowering here, so no kernel is named."""
@@ -105,6 +107,7 @@ def test_a_start_that_compiles_first_whose_probe_fails_starts_compiled_through_t
         engine.close()
 
 
+@pytest.mark.slow
 def test_a_background_compile_is_told_how_the_server_attends(tiny_model, probed, tmp_path):
     """A default start compiles in a child process, which must make the graphs this process will
     look for: it is given the server's choice, not left to probe its own."""

@@ -47,6 +47,7 @@ def test_every_graph_of_the_whole_step_attending_in_place_gets_the_decoding_kern
     assert kernels_of(step_function(10, False, in_place=False), (runner.model, *given), symbolic) == []
 
 
+@pytest.mark.slow
 def test_the_compiled_advance_attending_in_place_gets_the_decoding_kernel(runner, tmp_path):
     """The step's pieces (what serves other timesteps, LoRA slots, and a background compile's
     buckets): the advance's graph per bucket, its caches' slot count symbolic."""
