@@ -250,3 +250,30 @@ def test_the_wheels_for_the_device_fit_its_python_and_one_call(tmp_path):
                              capture_output=True, text=True, timeout=300)
     assert install.returncode == 0, install.stderr[-3000:]
     assert (tmp_path / "site" / "voxcpm").is_dir() and (tmp_path / "site" / "pydantic_core").is_dir()
+
+
+def test_a_failed_capture_is_reported_as_failed_and_never_timed_as_captured():
+    """The table of a GPU run whose captures failed (their reasons as `CapturedSteps.failed` words
+    them): the whole step's bucket says `capture FAILED` with why and has no captured time; the
+    steps' table says FAILED where a captured time would be."""
+    from benchmarks.device_check import _steps_lines, _whole_lines
+
+    why = "its replay differs from the uncompiled step: the whole step's audio ... differ from eager by 3.1e-01"
+    whole = {"buckets": [1, 8], "attention": {"in_place": True, "why_not": None, "kernel": "flex_decoding"},
+             "results": [{"bucket": 1, "kernel_on_cuda": "flex_decoding", "kernel_lowered": "flex_decoding",
+                          "compile_s": 80.0, "status": "captured",
+                          "timings": [{"positions": 20, "eager_ms": 90.0, "compiled_ms": 30.0, "captured_ms": 9.5}]},
+                         {"bucket": 8, "kernel_on_cuda": "flex_decoding", "kernel_lowered": "flex_decoding",
+                          "compile_s": 85.0, "status": "capture FAILED", "failed": {"8x8192x10": why},
+                          "timings": [{"positions": 20, "eager_ms": 95.0, "compiled_ms": 33.0}]}]}
+    lines = _whole_lines("the whole step", whole, "H100")
+    (one,) = [line for line in lines if line.lstrip().startswith("1 ")]
+    (eight,) = [line for line in lines if line.lstrip().startswith("8 ")]
+    assert "9.5" in one and one.rstrip().endswith("captured")
+    assert "capture FAILED: 8x8192x10: its replay differs" in eight and " - " in eight
+    steps = {"contexts": [{"asked": 4000, "positions": 4000}], "max_length": 8192,
+             "captured": {"status": f"failed: 8x256x10: {why}"},
+             "results": [{"positions": 4000, "batch": 8, "step_ms": 50.0, "cfm_ms": 20.0, "advance_ms": 20.0,
+                          "vae_ms": 10.0, "peak_rss_mb": 1.0, "captures": {"failed": {"8x256x10": why}}}]}
+    table = "\n".join(_steps_lines(steps, "H100"))
+    assert "captured ms" in table and "FAILED" in table.splitlines()[-1]
