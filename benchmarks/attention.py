@@ -19,10 +19,12 @@ row's whole prefix, twice a layer:
     python -m benchmarks.attention --gather --lengths 4000,8000 [--device cuda --dtype bfloat16]
 
 `--in-place` measures the two ways a compiled step attends (`kv.lm_step`), each compiled as the
-step is (`fullgraph=True`; the cache's slot count and, for the gather, the attention length
-symbolic): the gather and `kv.attend` after it, against FlexAttention over the cache as it is
+step is (`fullgraph=True`; the cache's slot count symbolic, and for the gather the batch and the
+attention length too; the in-place graph a static batch, as FlexAttention's decoding kernel
+wants): the gather and `kv.attend` after it, against FlexAttention over the cache as it is
 (`kv.attend_in_place`, its block mask made in the graph), on a `kv.SlotKV`-laid cache of one
-slot per row plus the padding slot, `--max-len` positions each, each row at its own position:
+slot per row plus the padding slot, `--max-len` positions each, each row at its own position,
+with the kernel inductor's CUDA lowering takes for the in-place graph:
 
     python -m benchmarks.attention --in-place --lengths 100,1000,4000,8000 [--device cuda]
 """
@@ -150,6 +152,15 @@ def _in_place_attention(q, cache_k, cache_v, places):
     return attend_in_place(q, cache_k, cache_v, mask)
 
 
+# How each is compiled, as a step's graph is: the slot count symbolic in both; the batch (and
+# the attention length) symbolic where it gathers, as the whole step's graph for buckets from 2
+# has them (`whole_step.symbolic_sizes`), static where it attends in place: a graph per batch,
+# as inductor lowers FlexAttention to its decoding kernel only with a static batch
+# (`flex_kernels.py`).
+GATHER_DYNAMIC = {"q": 0, "cache_k": 0, "cache_v": 0, "slots": 0, "positions": 0, "keys_at": 0}
+IN_PLACE_DYNAMIC = {"cache_k": 0, "cache_v": 0}
+
+
 @functools.lru_cache(maxsize=None)
 def _compiled(fn: Callable) -> Callable:
     """`fn` compiled as a step is, once per process: a caller timing one batch at a time (the
@@ -159,53 +170,69 @@ def _compiled(fn: Callable) -> Callable:
     return torch.compile(fn, fullgraph=True, dynamic=False)
 
 
+def in_place_inputs(batch: int, length: int, max_len: int, device: Any, dtype: Any) -> tuple[tuple, tuple]:
+    """The gathered attention's arguments and the in-place one's, for `batch` rows each in its
+    own slot of a `kv.SlotKV`-laid cache (`max_len` positions a slot, random), each row at its
+    own position up to `length` - 1; marked dynamic as `GATHER_DYNAMIC` and `IN_PLACE_DYNAMIC` say."""
+    import torch
+
+    from vox_ws.engines.voxcpm.graphs import mark_dynamic
+    from vox_ws.engines.voxcpm.kv import slot_positions
+
+    stored = (KV_HEADS, batch + 1, slot_positions(max(max_len, length)), HEAD_DIM)
+    generator = torch.Generator(device="cpu").manual_seed(batch)
+    cache_k = torch.randn(stored, generator=generator).to(device, dtype).transpose(0, 1)
+    cache_v = torch.randn(stored, generator=generator).to(device, dtype).transpose(0, 1)
+    slots = torch.randperm(batch, generator=generator).to(device)
+    q, _, _, mask = inputs(batch, length, device, dtype)
+    positions = mask.view(batch, length).sum(dim=1) - 1
+    gather_args = (q, cache_k, cache_v, slots, positions, torch.arange(length, device=device))
+    in_place_args = (q.clone(), cache_k, cache_v, torch.stack((slots, positions), dim=1))
+    mark_dynamic(_gather_attention, gather_args, GATHER_DYNAMIC)
+    mark_dynamic(_in_place_attention, in_place_args, IN_PLACE_DYNAMIC)
+    return gather_args, in_place_args
+
+
 def in_place_rows(device: str, dtype: str, batches: list[int], lengths: list[int], max_len: int,
                   repeats: int = 20) -> list[dict]:
     """Per batch and length: the compiled gather + `attend` against the compiled in-place
-    attention, and their largest difference."""
+    attention, their largest difference, and the kernel inductor's CUDA lowering takes for the
+    in-place graph's shapes (`flex_kernels.kernels_of`; on a GPU, what it took, where it compiled
+    the graph here)."""
     import torch
 
-    from vox_ws.engines.voxcpm.kv import slot_positions
+    from vox_ws.engines.voxcpm.flex_kernels import kernels_of, lowered, summary
 
     device_, dtype_ = torch.device(device), getattr(torch, dtype)
     gather, in_place = _compiled(_gather_attention), _compiled(_in_place_attention)
     rows = []
     with torch.inference_mode():
         for batch in batches:
-            positions_held = slot_positions(max(max_len, max(lengths)))
-            stored = (KV_HEADS, batch + 1, positions_held, HEAD_DIM)
-            generator = torch.Generator(device="cpu").manual_seed(batch)
-            cache_k = torch.randn(stored, generator=generator).to(device_, dtype_).transpose(0, 1)
-            cache_v = torch.randn(stored, generator=generator).to(device_, dtype_).transpose(0, 1)
-            torch._dynamo.maybe_mark_dynamic(cache_k, 0)
-            torch._dynamo.maybe_mark_dynamic(cache_v, 0)
-            slots = torch.randperm(batch, generator=generator).to(device_)
             for length in lengths:
-                q, _, _, mask = inputs(batch, length, device_, dtype_)
-                positions = mask.view(batch, length).sum(dim=1) - 1
-                keys_at = torch.arange(length, device=device_)
-                torch._dynamo.maybe_mark_dynamic(keys_at, 0)
-                gather_args = (q, cache_k, cache_v, slots, positions, keys_at)
-                in_place_args = (q, cache_k, cache_v, torch.stack((slots, positions), dim=1))
-                for tensor in (q, slots, positions, in_place_args[3]):     # one graph for every batch
-                    torch._dynamo.maybe_mark_dynamic(tensor, 0)
-                difference = (gather(*gather_args).float() - in_place(*in_place_args).float()).abs().max()
+                gather_args, in_place_args = in_place_inputs(batch, length, max_len, device_, dtype_)
+                with lowered() as chosen:
+                    difference = (gather(*gather_args).float() - in_place(*in_place_args).float()).abs().max()
                 rows.append({"batch": batch, "length": length,
                              "gather_ms": round(time_ms(gather, gather_args, device_, repeats), 4),
                              "in_place_ms": round(time_ms(in_place, in_place_args, device_, repeats), 4),
-                             "max_abs_diff": float(difference)})
-            del cache_k, cache_v
+                             "max_abs_diff": float(difference),
+                             "kernel": summary(kernels_of(_in_place_attention, in_place_args, IN_PLACE_DYNAMIC)),
+                             **({"lowered": summary(chosen)} if chosen else {})})
+                del gather_args, in_place_args
             if device_.type == "cuda":
                 torch.cuda.empty_cache()
     return rows
 
 
 def in_place_table(rows: list[dict]) -> list[str]:
+    """The rows of `in_place_rows` as a table; the kernel column is what inductor's CUDA lowering
+    takes for the in-place graph (and, where it compiled it here, what it took)."""
     lines = [f"{'B':>3} {'length':>6} {'gather+SDPA ms':>15} {'in place ms':>12} {'in place/gather':>16} "
-             f"{'max diff':>9}"]
+             f"{'max diff':>9}  kernel on CUDA"]
     for r in rows:
+        kernel = r.get("kernel", "?") + (f" (lowered: {r['lowered']})" if "lowered" in r else "")
         lines.append(f"{r['batch']:>3} {r['length']:>6} {r['gather_ms']:>15.3f} {r['in_place_ms']:>12.3f} "
-                     f"{r['in_place_ms'] / r['gather_ms']:>16.2f} {r['max_abs_diff']:>9.1e}")
+                     f"{r['in_place_ms'] / r['gather_ms']:>16.2f} {r['max_abs_diff']:>9.1e}  {kernel}")
     return lines
 
 

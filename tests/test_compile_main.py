@@ -86,3 +86,19 @@ def test_a_record_that_does_not_hold_loads_the_model(settings, said, change):
     with pytest.raises(Loaded):
         compile_all(settings, load=never_load)
     assert said() == []
+
+
+@pytest.mark.parametrize("device, untimed", [("cuda:0", True), ("cpu", False)])
+def test_a_gpus_background_compile_makes_kernels_that_need_no_timing_at_their_first_call(settings, said,
+                                                                                        monkeypatch, device,
+                                                                                        untimed):
+    """Its graphs are loaded and first run beside the serving process: inductor's deterministic
+    mode (no benchmark to pick a reduction's or a template's configuration) and pointwise
+    autotuning off, before the model is loaded; a CPU's kernels are never timed anyway."""
+    from torch._inductor import config
+
+    monkeypatch.setattr(compile_main, "record_key", lambda given: "no-gpu-here")
+    with config.patch({"deterministic": False, "triton.autotune_pointwise": True}):      # put back after
+        with pytest.raises(Loaded):
+            compile_all({**settings, "device": device}, load=never_load)
+        assert config.deterministic is untimed and config.triton.autotune_pointwise is not untimed

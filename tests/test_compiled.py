@@ -54,7 +54,8 @@ def test_auto_leaves_the_step_eager_on_a_cpu(tiny_model):
     try:
         assert engine.compiled is None and engine.runner.compiled is None
         assert engine.describe()["compile"] == {"mode": "auto", "compiled": False, "precompile": None,
-                                                "cuda_graphs": None, "mismatched": {}, "buckets": [],
+                                                "cuda_graphs": None, "mismatched": {}, "attention": None,
+                                                "buckets": [],
                                                 "compile_s": {}, "graphs": {"loaded": 0, "compiled": 0}}
     finally:
         engine.close()

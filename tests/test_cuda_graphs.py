@@ -5,8 +5,10 @@ real capture and replay) the device check runs on a GPU."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
+import types
 
 import numpy as np
 import pytest
@@ -14,8 +16,10 @@ import torch
 
 from conftest import eager_speech, speak_rows, tiny_runner
 from vox_ws.engines import accelerator
-from vox_ws.engines.voxcpm.cuda_graphs import CapturedSteps, length_buckets
+from vox_ws.engines.voxcpm.cuda_graphs import CapturedSteps, CudaCapture, length_buckets
 from vox_ws.engines.voxcpm.graph_check import agreeing_whole_steps
+from vox_ws.engines.voxcpm.prompt import build_prompt
+from vox_ws.engines.voxcpm.runner import PrefillInput
 from vox_ws.engines.voxcpm.whole_step import StepInputs, step_function
 
 
@@ -45,15 +49,18 @@ class FakeCapture:
         self.device: str | None = None
         self.captures: list[dict] = []
 
-    def device_context(self, device: str):
+    def exclusive(self, device: str):
+        """`accelerator.exclusive_on` as the capture sees it: the lock held, the device current."""
         fake = self
 
         class Entered:
             def __enter__(self) -> None:
+                fake.lock.__enter__()
                 fake.device = device
 
             def __exit__(self, *exc: object) -> None:
                 fake.device = None
+                fake.lock.__exit__(*exc)
         return Entered()
 
     def __call__(self, run):
@@ -101,7 +108,7 @@ def test_captures_run_on_the_engine_thread_under_the_lock_and_the_device_context
     lock = RecordingLock()
     fake = FakeCapture(lock)
     steps = CapturedSteps(lambda timesteps, decode, given: (given.rows, given.keys_at), torch.device("cpu"),
-                          fake, owner=threading.get_ident(), lock=lock, device_context=fake.device_context)
+                          fake, owner=threading.get_ident(), exclusive=fake.exclusive)
     steps.capture_all(_step_inputs, buckets=(1, 4, 2), lengths=(256, 512), decode=True)
     assert [c["rows"] for c in fake.captures] == [4, 4, 2, 2, 1, 1]
     assert all(c["locked"] and c["device"] == "cpu" and c["thread"] == threading.get_ident() for c in fake.captures)
@@ -121,7 +128,7 @@ def test_another_thread_may_not_capture():
     lock = RecordingLock()
     fake = FakeCapture(lock)
     steps = CapturedSteps(lambda *args: (torch.zeros(1),), torch.device("cpu"), fake, owner=threading.get_ident(),
-                          lock=lock, device_context=fake.device_context)
+                          exclusive=fake.exclusive)
     failures = []
 
     def capture() -> None:
@@ -141,7 +148,7 @@ def test_a_failed_capture_leaves_its_bucket_uncaptured_with_a_log_line(caplog):
     lock = RecordingLock()
     fake = FakeCapture(lock, fail_for=(2,))
     steps = CapturedSteps(lambda timesteps, decode, given: (given.rows,), torch.device("cpu"), fake,
-                          owner=threading.get_ident(), lock=lock, device_context=fake.device_context)
+                          owner=threading.get_ident(), exclusive=fake.exclusive)
     with caplog.at_level(logging.WARNING, logger="vox_ws.engines.voxcpm"):
         steps.capture_all(_step_inputs, buckets=(1, 2, 4), lengths=(256,), decode=True)
     assert set(steps.failed) == {"2x256x10"} and "not permitted" in steps.failed["2x256x10"]
@@ -152,7 +159,7 @@ def test_a_failed_capture_leaves_its_bucket_uncaptured_with_a_log_line(caplog):
 
 
 def test_the_process_wide_lock_is_the_one_voices_take():
-    assert CapturedSteps.__init__.__defaults__[0] is accelerator.DEVICE_LOCK
+    assert CapturedSteps.__init__.__defaults__[0] is accelerator.exclusive_on
     entered = []
     with accelerator.exclusive_on("cpu"):
         entered.append(accelerator.DEVICE_LOCK._is_owned())
@@ -180,8 +187,8 @@ def test_a_runner_replaying_captured_whole_steps_speaks_as_the_eager_runner(tiny
         runner.whole = EagerWhole(runner.model, (4,), in_place)
         lock = RecordingLock()
         fake = FakeCapture(lock)
-        runner.captured = CapturedSteps(runner.whole, runner.device, fake, owner=threading.get_ident(), lock=lock,
-                                        device_context=fake.device_context)
+        runner.captured = CapturedSteps(runner.whole, runner.device, fake, owner=threading.get_ident(),
+                                        exclusive=fake.exclusive)
         runner.capture_whole(fake, buckets=(4,))
         captured = len(fake.captures)
         assert captured == (1 if in_place else len(length_buckets(runner.max_len)))
@@ -203,29 +210,124 @@ def test_a_whole_step_that_differs_from_the_uncompiled_one_is_never_run_nor_capt
     torch.set_num_threads(1)
     runner = tiny_runner(tiny_model, 4)
     try:
-        before = [t.clone() for t in runner._caches + runner._buffers]
+        row = runner.prefill(PrefillInput(build_prompt(runner.model, "Held.", None), seed=0, cfg_value=2.0,
+                                          timesteps=10, min_len=2, max_len=8))
+        held = [t[row.slot].clone() for t in runner._caches + runner._buffers]
         in_place = EagerWhole(runner.model, (1, 2, 4), in_place=True, decoder=runner.vae)
         mismatched: dict = {}
-        agreeing_whole_steps(in_place, EagerWhole(runner.model, (1, 2, 4)), runner._buffers, (1, 2, 4), True,
-                             mismatched)
+        agreeing_whole_steps(in_place, EagerWhole(runner.model, (1, 2, 4)), runner.serving_state(free=True),
+                             (1, 2, 4), True, mismatched)
         assert mismatched == {} and all(in_place.serves(b, 10, True) for b in (1, 2, 4))
 
         wrong = WrongWhole(runner.model, (1, 2, 4), decoder=runner.vae)
         with caplog.at_level(logging.ERROR, logger="vox_ws.engines.voxcpm"):
-            agreeing_whole_steps(wrong, EagerWhole(runner.model, (1, 2, 4)), runner._buffers, (2,), True, mismatched)
+            agreeing_whole_steps(wrong, EagerWhole(runner.model, (1, 2, 4)), runner.serving_state(free=True), (2,),
+                                 True, mismatched)
         assert set(mismatched) == {"whole 2"} and "audio" in mismatched["whole 2"]
         assert not wrong.serves(2, 10, True) and wrong.serves(4, 10, True)
         assert any("whole step for 2 rows is not used" in r.getMessage() for r in caplog.records)
-        # The runner's own state was never touched: the comparison ran on copies.
-        assert all(torch.equal(a, b) for a, b in zip(before, runner._caches + runner._buffers))
+        # Compared on the serving's caches, in the slots no request holds: a request's is untouched.
+        assert all(torch.equal(t[row.slot], before) for t, before in zip(runner._caches + runner._buffers, held))
+        runner.release(row)
 
         runner.whole = wrong
         lock = RecordingLock()
         fake = FakeCapture(lock)
-        runner.captured = CapturedSteps(runner.whole, runner.device, fake, owner=threading.get_ident(), lock=lock,
-                                        device_context=fake.device_context)
+        runner.captured = CapturedSteps(runner.whole, runner.device, fake, owner=threading.get_ident(),
+                                        exclusive=fake.exclusive)
         runner.capture_whole(fake)
         assert {c["rows"] for c in fake.captures} == {1, 4}
     finally:
         runner.close()
 
+
+
+class OffReplay(FakeCapture):
+    """A capture whose replay of `bucket` rows speaks a little off (what a graph captured with a
+    wrong kernel or a stale input would replay); the others replay the step."""
+
+    def __init__(self, lock: RecordingLock, bucket: int) -> None:
+        super().__init__(lock)
+        self.bucket = bucket
+
+    def __call__(self, run):
+        replay = super().__call__(run)
+        if run()[0].shape[0] != self.bucket:
+            return replay
+        return lambda: (lambda out: (*out[:-1], out[-1] + 0.05))(replay())
+
+
+def test_a_captured_graph_is_compared_with_eager_before_it_serves(tiny_model, caplog):
+    """Each capture's replay runs on the serving's state (its rows copied into the graph's static
+    ones) and is compared with the uncompiled step before it serves: the bucket whose replay is
+    off is named among the failed and never replayed; the others are."""
+    torch.set_num_threads(1)
+    runner = tiny_runner(tiny_model, 4)
+    try:
+        runner.whole = EagerWhole(runner.model, (2, 4), in_place=True, decoder=runner.vae)
+        off = OffReplay(RecordingLock(), bucket=2)
+        with caplog.at_level(logging.WARNING, logger="vox_ws.engines.voxcpm"):
+            runner.capture_whole(off)       # as a start captures: the runner's own comparison
+        name = f"2x{runner.max_len}x10"
+        assert set(runner.captured.failed) == {name}
+        assert "replay differs from the uncompiled step" in runner.captured.failed[name]
+        assert "audio" in runner.captured.failed[name]
+        assert runner.captured.replay(2, 10, 10, True, torch.zeros(2, 3, dtype=torch.long)) is None
+        with torch.inference_mode():
+            assert runner.captured.replay(4, 10, 10, True, _padding_rows(runner, 4)) is not None
+        assert any("not captured" in r.getMessage() for r in caplog.records)
+    finally:
+        runner.close()
+
+
+def _padding_rows(runner, bucket: int) -> torch.Tensor:
+    return torch.tensor([[runner.base_kv.padding_slot, 1, 0]] * bucket, dtype=torch.long)
+
+
+class FakeCuda:
+    """`torch.cuda` as `CudaCapture` calls it, recording the streams made and each capture's
+    stream and pool."""
+
+    def __init__(self) -> None:
+        self.streams: list[object] = []
+        self.captured_on: list[tuple[object, object]] = []
+
+    def graph_pool_handle(self) -> object:
+        return object()
+
+    class _Stream:
+        def wait_stream(self, other) -> None:
+            pass
+
+        def synchronize(self) -> None:
+            pass
+
+    def Stream(self, device):  # noqa: N802 - torch.cuda's name
+        stream = self._Stream()
+        self.streams.append(stream)
+        return stream
+
+    def current_stream(self, device):
+        return self._Stream()
+
+    def stream(self, stream):
+        return contextlib.nullcontext()
+
+    def CUDAGraph(self):  # noqa: N802 - torch.cuda's name
+        return types.SimpleNamespace(replay=lambda: None)
+
+    def graph(self, graph, pool, stream, capture_error_mode):
+        self.captured_on.append((stream, pool))
+        return contextlib.nullcontext()
+
+
+def test_every_capture_of_one_capturer_is_made_on_its_one_side_stream_into_its_one_pool():
+    """torch asks captures that share a pool to use the same stream (`torch.cuda.graph`'s note):
+    one side stream per capturer, made once, whatever the number of captures."""
+    cuda = FakeCuda()
+    capture = CudaCapture(torch.device("cuda"), cuda=cuda)
+    for rows in (4, 2, 1):
+        capture(lambda rows=rows: (torch.zeros(rows),))
+    assert len(cuda.streams) == 1
+    assert [stream for stream, _ in cuda.captured_on] == [capture.stream] * 3
+    assert len({id(pool) for _, pool in cuda.captured_on}) == 1 and cuda.captured_on[0][1] is capture.pool

@@ -50,17 +50,90 @@ class Off(EagerStep):
         if self.wrong == "residual":
             residual = residual + 0.05 * residual.abs().max()
         if self.wrong == "written":     # a K written into the wrong position, as a bad scatter would
-            base_kv.k[-1][0, :, 0] += 1.0
+            base_kv.k[-1][at.slots[0], :, 0] += 1.0
         return stop, hidden, residual
+
+
+@pytest.fixture(scope="module")
+def runner(model):
+    from vox_ws.engines.voxcpm.runner import BatchedVoxCPM2
+
+    runner = BatchedVoxCPM2(model, slots=4, decode_process=False, warm_rows=1)
+    yield runner
+    runner.close()
 
 
 @pytest.mark.parametrize("wrong, said", [("solve", "the CFM solve"), ("stop", "stop flags"),
                                          ("residual", "residual hidden state"), ("written", "written K")])
-def test_each_piece_a_graph_could_get_wrong_is_caught(model, wrong, said):
+def test_each_piece_a_graph_could_get_wrong_is_caught(model, runner, wrong, said):
     eager = EagerStep(model)
-    assert check_step(eager, eager, model, 4) is None
-    why = check_step(Off(model, wrong), eager, model, 4)
+    assert check_step(eager, eager, model, 4, runner.serving_state()) is None
+    why = check_step(Off(model, wrong), eager, model, 4, runner.serving_state())
     assert why is not None and said in why and "4 rows" in why
+
+
+class Recorded(EagerStep):
+    """The eager step, recording the caches each advance is given."""
+
+    def __init__(self, model) -> None:
+        super().__init__(model)
+        self.given: list[tuple] = []
+
+    def advance(self, base_kv, residual_kv, pred_feat, lm_hidden, at, adapter_slots):
+        self.given.append((base_kv, at.slots.tolist()))
+        return super().advance(base_kv, residual_kv, pred_feat, lm_hidden, at, adapter_slots)
+
+
+def test_the_compiled_side_is_checked_on_the_serving_caches_and_eager_on_a_few_hundred_positions(model, runner):
+    """The candidate attends over the serving's own caches (their whole key length, as a step
+    does), writing only the check slot, which no request is given; eager, which gathers each
+    row's prefix, on a cache of its own of the checked length: no second copy of the serving's.
+    A request's slot is left as it was."""
+    from vox_ws.engines.voxcpm.graph_check import CHECK_LENGTH
+    from vox_ws.engines.voxcpm.kv import slot_positions
+    from vox_ws.engines.voxcpm.prompt import build_prompt
+    from vox_ws.engines.voxcpm.runner import PrefillInput
+
+    row = runner.prefill(PrefillInput(build_prompt(model, "Held.", None), seed=0, cfg_value=2.0, timesteps=10,
+                                      min_len=2, max_len=8))
+    try:
+        held = [cache[row.slot].clone() for cache in runner._caches]
+        candidate, eager = Recorded(model), Recorded(model)
+        assert check_step(candidate, eager, model, 4, runner.serving_state()) is None
+        assert runner.check_slot not in runner._free_slots and runner.check_slot != row.slot
+        assert all(kv is runner.base_kv and set(slots) == {runner.check_slot} for kv, slots in candidate.given)
+        assert all(kv is not runner.base_kv and kv.k[0].shape[0] == 2 for kv, _ in eager.given)
+        assert max(kv.k[0].shape[2] for kv, _ in eager.given) == slot_positions(CHECK_LENGTH)
+        assert all(torch.equal(cache[row.slot], before) for cache, before in zip(runner._caches, held))
+    finally:
+        runner.release(row)
+
+
+def test_a_stop_flag_within_the_tolerance_of_a_tie_agrees_and_a_clear_flip_does_not(model, runner):
+    """The stop head's two logits a hair apart (every row a near-tie): a candidate deciding every
+    row the other way agrees, as a bfloat16 kernel may; with the head as it was, the same flip is
+    a difference."""
+    from vox_ws.engines.voxcpm.graph_check import stops_agree
+
+    logits = torch.tensor([[1.0, 1.00001], [0.0, 5.0]])
+    want = logits.argmax(dim=-1)
+    assert stops_agree(torch.tensor([0, 1]), want, logits, 1e-3)           # the near-tie, flipped
+    assert not stops_agree(torch.tensor([1, 0]), want, logits, 1e-3)       # the clear one, flipped
+    eager = EagerStep(model)
+    head = model.stop_head
+    saved = (head.weight.detach().clone(), head.bias.detach().clone() if head.bias is not None else None)
+    try:
+        with torch.no_grad():
+            head.weight[1] = head.weight[0]
+            if head.bias is not None:
+                head.bias[1] = head.bias[0] + 1e-6
+        assert check_step(Off(model, "stop"), eager, model, 4, runner.serving_state()) is None
+    finally:
+        with torch.no_grad():
+            head.weight.copy_(saved[0])
+            if saved[1] is not None:
+                head.bias.copy_(saved[1])
+    assert "stop flags" in check_step(Off(model, "stop"), eager, model, 4, runner.serving_state())
 
 
 def test_a_decode_that_differs_is_caught(model):
@@ -116,8 +189,8 @@ def test_a_background_adoption_compares_off_the_thread_that_steps_and_adopts_onl
     good, bad = Off(model, "none"), Off(model, "residual")
 
     def read() -> None:          # what the background compile's reader does with each bucket
-        CompiledStep.prepare(good, (1, 2), runner.eager)
-        CompiledStep.prepare(bad, (2, 4), runner.eager)
+        CompiledStep.prepare(good, (1, 2), runner.eager, runner.serving_state())
+        CompiledStep.prepare(bad, (2, 4), runner.eager, runner.serving_state())
 
     try:
         reader = threading.Thread(target=read)
@@ -171,6 +244,7 @@ def test_a_comparison_off_the_thread_that_steps_never_mixes_its_adapter_rows_wit
     from voxcpm.model.voxcpm2 import LoRAConfig
 
     from vox_ws.engines.voxcpm.lora import install_row_lora
+    from vox_ws.engines.voxcpm.runner import BatchedVoxCPM2
 
     lora = LoRAConfig(enable_lm=True, enable_dit=True, enable_proj=False, r=4, alpha=8)
     model = import_voxcpm().VoxCPM.from_pretrained(str(tiny_model), load_denoiser=False, optimize=False,
@@ -186,7 +260,9 @@ def test_a_comparison_off_the_thread_that_steps_never_mixes_its_adapter_rows_wit
             assert go.wait(WAIT_TIMEOUT), "the test never let the comparison go on"
 
     hook = layer.register_forward_pre_hook(held)
-    reader = threading.Thread(target=lambda: verdicts.append(check_step(eager, eager, model, 2)))
+    runner = BatchedVoxCPM2(model, slots=2, decode_process=False, warm_rows=1, adapters=adapters)
+    reader = threading.Thread(target=lambda: verdicts.append(check_step(eager, eager, model, 2,
+                                                                        runner.serving_state())))
     try:
         reader.start()
         assert inside.wait(WAIT_TIMEOUT)
@@ -196,6 +272,7 @@ def test_a_comparison_off_the_thread_that_steps_never_mixes_its_adapter_rows_wit
         go.set()
         reader.join()
         hook.remove()
+        runner.close()
     assert verdicts == [None]
     with adapters.rows([0, NO_ADAPTER], gathered=True):     # and the step selects its own once it has ended
         assert adapters.row_slots.tolist() == [0, adapters.slots]

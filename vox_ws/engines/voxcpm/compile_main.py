@@ -77,11 +77,15 @@ def compile_all(settings: dict[str, Any], load: Callable[[dict[str, Any]], Any] 
         say("decode", seconds=0.0, cached=True)
         return True
 
-    from .compiled import CompiledStep
+    from .attention_choice import take_choice
+    from .compiled import CompiledStep, untimed_kernels
     from .lora import NO_ADAPTER, install_row_lora
     from .prompt import build_prompt
     from .runner import BatchedVoxCPM2
 
+    if str(settings["device"]).startswith("cuda"):
+        # Its graphs first run beside the serving process: no kernel may be timed there.
+        untimed_kernels()
     model = load(settings)
     adapters = (install_row_lora(model, settings["max_loras"], settings["lora_rank"])[0]
                 if settings.get("lora_rank") else None)
@@ -89,6 +93,8 @@ def compile_all(settings: dict[str, Any], load: Callable[[dict[str, Any]], Any] 
     # decode's graphs are the ones it will look for.
     runner = BatchedVoxCPM2(model, slots=max(buckets) if measure else 1, decode_process=False,
                             warm_rows=1, adapters=adapters)
+    if settings.get("in_place") is not None:        # as the server attends (it probed, where it does)
+        take_choice(settings["device"], settings["in_place"])
     compiled = CompiledStep(model, buckets, settings["cache"], adapters=adapters)
     graphs = record.watch(compiled.store)
     prompt = build_prompt(model, "Timing the step, eager and compiled.", None)
@@ -198,8 +204,16 @@ def record_key(settings: dict[str, Any]) -> str:
 def time_eager_and_compiled(runner: Any, compiled: Any, prompt: Any, rows: int,
                             no_adapter: int) -> dict[str, float]:
     """One step of `rows` rows, eager and compiled (the median of 5 after 2 each, the decode
-    eager in both): which is the faster on this device."""
+    eager in both): which is the faster on this device. Each step timed from a synchronised
+    device to a synchronised one: a GPU's step is queued before it is done, and queueing is
+    what a compiled step saves most of."""
+    import torch
+
     from .runner import PrefillInput
+
+    def synchronised() -> None:
+        if runner.device.type == "cuda":
+            torch.cuda.synchronize(runner.device)
 
     timings = {}
     for name, step in (("eager_ms", None), ("compiled_ms", compiled)):
@@ -208,8 +222,10 @@ def time_eager_and_compiled(runner: Any, compiled: Any, prompt: Any, rows: int,
                                                   max_len=4096, adapter=no_adapter) for i in range(rows)])
         samples = []
         for index in range(7):
+            synchronised()
             started = time.perf_counter()
             runner._generate(batch)
+            synchronised()
             if index >= 2:
                 samples.append((time.perf_counter() - started) * 1000)
         for row in batch:

@@ -13,7 +13,7 @@ repeating its last row, whose outputs are dropped):
   decode step of both LMs over the KV slots, each row's new K and V written into its slot in
   place and attended up to its own position: in place (FlexAttention over the cache, no copy of
   the rows' prefixes; `kv.lm_step`), where this device's compiler has FlexAttention's kernel
-  (`in_place_attention`), else through the gather. The attention length is the one symbolic size
+  (`attention_choice.choose_attention`), else through the gather. The attention length is the one symbolic size
   (`kv.key_positions`): one graph per bucket serves every length. Nothing in it reads a value
   back to the host; the runner reads the stop flags once, after the whole step is queued;
 - the streaming VAE decode (`vae.BatchedStreamingVAE.compile`), each row's carried convolution
@@ -40,10 +40,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from .attention_choice import choose_attention
 from .cache_trust import trusted_cache_dir
-from .graph_check import check_step, decode_mismatch, verdict
+from .graph_check import Serving, check_step, decode_mismatch, verdict
 from .graphs import GraphsBySize, GraphStore, bucket_of, padded
-from .kv import RowPlaces, SlotKV, attention_name, in_place_attention, key_positions, lm_step
+from .kv import RowPlaces, SlotKV, attention_name, key_positions, lm_step
 from .lora import NO_ADAPTER, RowAdapters
 
 log = logging.getLogger("vox_ws.engines.voxcpm")
@@ -219,7 +220,8 @@ class CompiledStep:
         `load_only`: graphs are only loaded from the cache, never compiled here (`GraphMissing`:
         what a background compile made is adopted); `cuda_graphs`: the whole step compiled as one
         graph per bucket too and replayed from CUDA graphs (`cuda_graphs.py`; a CUDA device, no
-        LoRA slots)."""
+        LoRA slots). It attends as `attention_choice.choose_attention` says for the model's
+        device (a process compiling for a server takes the server's choice: `take_choice`)."""
         if cuda_graphs and adapters is not None:
             raise ValueError("--cuda-graphs does not take LoRA slots (--lora-rank): their row map is chosen per step")
         self.model = model
@@ -231,10 +233,10 @@ class CompiledStep:
         self.store = GraphStore(self.cache_dir, sources=traced_sources(), load_only=load_only)
         context = model.config.model_dump_json()
         self._velocity = GraphsBySize(self.store, "velocity", adapted_velocity, context=context, rows_of="x")
-        # How the advance attends (`in_place_attention`): the same answer in the process that
-        # compiles and the one that loads; part of the graph's key, so a graph of the other kind
-        # is never adopted.
-        self.in_place = in_place_attention(next(model.parameters()).device)
+        # How the advance attends (`choose_attention`): the server's answer, given to the process
+        # that compiles for it; part of the graph's key, so a graph of the other kind is never adopted.
+        self.attention = choose_attention(next(model.parameters()).device, (model.base_lm, model.residual_lm))
+        self.in_place = self.attention.in_place
         # One graph for every attention length (the key positions' length is symbolic) and every
         # number of KV slots (the caches' first size is symbolic too): a background compile builds
         # the graphs with a cache of two slots beside a server holding many.
@@ -295,6 +297,24 @@ class CompiledStep:
                                 residual_kv.v, padded(pred_feat, size), padded(lm_hidden, size), *places, keys_at)
         return tuple(t[:rows] for t in out)
 
+    def attention_kernels(self, base_kv: SlotKV, residual_kv: SlotKV, rows: int) -> list[str]:
+        """The FlexAttention kernel each attention of the advance's graph for `rows` rows takes on
+        a CUDA device (`flex_kernels.kernels_of`, asked of its shapes: traced, not compiled, not
+        run), over these caches; [] where it attends through the gather."""
+        from .flex_kernels import kernels_of
+
+        m = self.model
+        params = next(m.parameters())
+        device, dtype = params.device, params.dtype
+        slots = torch.full((rows,), base_kv.padding_slot, dtype=torch.long, device=device)
+        positions = torch.ones(rows, dtype=torch.long, device=device)
+        places = (torch.stack((slots, positions), dim=1),) if self.in_place else (slots, positions)
+        args = (self.adapters, None, m, base_kv.k, base_kv.v, residual_kv.k, residual_kv.v,
+                torch.zeros(rows, m.patch_size, m.feat_dim, device=device, dtype=dtype),
+                torch.zeros(rows, m.base_lm.config.hidden_size, device=device, dtype=dtype), *places,
+                key_positions([1], device))
+        return kernels_of(self._advance.fn, args, self._advance.dynamic_for(rows))
+
     def _bucket(self, rows: int) -> int:
         size = bucket_of(rows, self.buckets)
         if size is None:
@@ -314,21 +334,17 @@ class CompiledStep:
             raise RuntimeError("a compiled call with LoRA slots needs every row's slot")
         return self.adapters.row_slots
 
-    def prepare(self, buckets: tuple[int, ...], eager: EagerStep) -> None:
+    def prepare(self, buckets: tuple[int, ...], eager: EagerStep, serving: Serving) -> None:
         """Load `buckets`' graphs, run each once and compare it with `eager` (`graph_check`), off
-        the thread that steps (a background compile's reader): on KV caches and inputs of its own
-        (the graphs take any number of slots), so no step's memory is touched; with LoRA slots
-        each call holds the rows' adapter selection, as a step's call does (`RowAdapters.rows`).
-        The buckets are not `ready` after: whoever steps records each one's `verdicts` and
-        adopts those that agreed, between two steps (`runner.adopt`)."""
-        m = self.model
-        params = next(m.parameters())
-        # One slot and the padding slot: each dynamic size at least 2, as the graphs were made.
-        base_kv = SlotKV(m.base_lm, 1, m.config.max_length, params.device, params.dtype)
-        residual_kv = SlotKV(m.residual_lm, 1, m.config.max_length, params.device, params.dtype)
-        self.warm_up(base_kv, residual_kv, buckets, mark_ready=False)
+        the thread that steps (a background compile's reader): on the serving's KV caches in
+        the slot kept for comparisons (`serving.slots[0]`: the key length a step attends over,
+        and no request's memory), with eager on state of its own of the checked length; with
+        LoRA slots each call holds the rows' adapter selection, as a step's call does
+        (`RowAdapters.rows`). The buckets are not `ready` after: whoever steps records each
+        one's `verdicts` and adopts those that agreed, between two steps (`runner.adopt`)."""
+        self.warm_up(serving.base_kv, serving.residual_kv, buckets, mark_ready=False, slot=serving.slots[0])
         for rows in buckets:
-            self.verdicts[rows] = verdict(check_step, self, eager, m, rows)
+            self.verdicts[rows] = verdict(check_step, self, eager, self.model, rows, serving)
 
     def prepare_decode(self, decoder: Any) -> None:
         """The decode's graphs loaded and run once (`BatchedStreamingVAE.prepare`) and compared
@@ -340,10 +356,11 @@ class CompiledStep:
 
     @torch.inference_mode()
     def warm_up(self, base_kv: SlotKV, residual_kv: SlotKV, buckets: tuple[int, ...] | None = None,
-                mark_ready: bool = True) -> None:
+                mark_ready: bool = True, slot: int | None = None) -> None:
         """Compile `buckets` (default: every one) now, or load them from the disk: a CFM solve
         and an advance of that many rows each, the log counting the buckets; each is `ready`
-        after (unless not `mark_ready`). The advance writes K and V into the padding slot alone."""
+        after (unless not `mark_ready`). The advance writes K and V into `slot` alone (default:
+        the padding slot)."""
         m = self.model
         dtype = next(m.parameters()).dtype
         device = next(m.parameters()).device
@@ -359,7 +376,8 @@ class CompiledStep:
             solved = self.solve(mu, cond, noise, WARM_UP_TIMESTEPS, cfg, [NO_ADAPTER] * rows)
             # Position 1 of 0..1: a length of 2, as no real step has less (a symbolic size is
             # specialised for 0 and 1).
-            slots = torch.full((rows,), base_kv.padding_slot, dtype=torch.long, device=device)
+            slots = torch.full((rows,), base_kv.padding_slot if slot is None else slot, dtype=torch.long,
+                               device=device)
             positions = torch.ones(rows, dtype=torch.long, device=device)
             self.advance(base_kv, residual_kv, solved.transpose(1, 2).contiguous(),
                          torch.zeros(rows, m.base_lm.config.hidden_size, device=device, dtype=dtype),
@@ -381,6 +399,20 @@ def warm_compiler(device_type: str) -> None:
 
     if device_type == "cpu":
         cpu_vec_isa.pick_vec_isa()
+
+
+def untimed_kernels() -> None:
+    """Make inductor generate GPU kernels that need no timing at their first call: one launch
+    configuration each (pointwise autotuning off; its deterministic mode, which picks a
+    reduction's and a template's configuration by rule instead of by benchmark). For the
+    background compile: the graphs it makes are loaded and first run beside a serving process,
+    where a benchmark of candidate configurations would be timed against the serving's kernels
+    (and slow its steps), and would pick by that skewed timing. A graph compiled at start
+    (`--compile-wait`, `--cuda-graphs`) is tuned as usual: nothing serves yet."""
+    from torch._inductor import config
+
+    config.deterministic = True
+    config.triton.autotune_pointwise = False
 
 
 def use_cache_dir(cache_dir: Path) -> Path:

@@ -17,9 +17,13 @@ Captures are made so that none can capture the wrong thing:
 - in `thread_local` capture mode, and under `accelerator.DEVICE_LOCK`, which the voice
   thread, the loads and the background compile's reader take too: one capture at a time in a
   process, and no other thread's work in the middle of one;
-- largest bucket first, all in one memory pool (the smaller graphs reuse its blocks);
-- a capture that fails leaves its bucket uncaptured (the compiled whole step, replayed by
-  none), with a log line; timesteps outside the captured set never reach it.
+- largest bucket first, all in one memory pool and on one side stream (the smaller graphs
+  reuse the largest's blocks);
+- each capture's replay compared with the uncompiled step on the serving's state before it
+  serves (`verify`: `graph_check.replay_mismatch`, what the runner passes);
+- a capture that fails, or whose replay differs, leaves its bucket uncaptured (the compiled
+  whole step, replayed by none), with a log line and its reason in `failed`; timesteps outside
+  the captured set never reach it.
 
 The capture itself is a seam (`Capture`): CPU tests drive everything else with a fake one.
 """
@@ -29,11 +33,11 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Any, Callable, ContextManager
+from typing import Any, Callable, ContextManager, NamedTuple
 
 import torch
 
-from ..accelerator import DEVICE_LOCK, on_device
+from ..accelerator import exclusive_on
 from .whole_step import WHOLE_TIMESTEPS, StepInputs
 
 log = logging.getLogger("vox_ws.engines.voxcpm")
@@ -48,6 +52,18 @@ Replay = Callable[[], tuple[torch.Tensor, ...]]
 Capture = Callable[[Callable[[], tuple[torch.Tensor, ...]]], Replay]
 
 
+class CapturedReplay(NamedTuple):
+    """One captured graph of the whole step: what it was captured for, its static inputs and
+    its replay."""
+
+    bucket: int
+    length: int
+    timesteps: int
+    decode: bool
+    given: StepInputs
+    replay: Replay
+
+
 def length_buckets(max_len: int, first: int = FIRST_LENGTH) -> tuple[int, ...]:
     """The attention lengths captured: `first`, doubled, and `max_len` last."""
     lengths, length = [], min(first, max_len)
@@ -58,25 +74,31 @@ def length_buckets(max_len: int, first: int = FIRST_LENGTH) -> tuple[int, ...]:
 
 
 class CudaCapture:
-    """`Capture` on a CUDA device: warm runs and the capture on a side stream, in
-    `thread_local` mode, every graph in one pool."""
+    """`Capture` on a CUDA device: warm runs and the capture on this capturer's one side stream,
+    in `thread_local` mode, every graph in one pool. torch asks captures that share a pool to be
+    made on the same stream (`torch.cuda.graphs`, torch 2.11): a pool's freed blocks are reused
+    only by later captures on the stream that freed them, so a stream per capture would make the
+    pool's memory the sum of the graphs', not the largest's. `cuda`: `torch.cuda`, or a test's
+    stand-in with the same calls."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, cuda: Any = None) -> None:
         if device.type != "cuda":
             raise ValueError(f"--cuda-graphs needs a CUDA device, not {device}")
         self.device = device
-        self.pool = torch.cuda.graph_pool_handle()
+        self.cuda = torch.cuda if cuda is None else cuda
+        self.pool = self.cuda.graph_pool_handle()
+        self.stream = self.cuda.Stream(device)
 
     def __call__(self, run: Callable[[], tuple[torch.Tensor, ...]]) -> Replay:
-        current = torch.cuda.current_stream(self.device)
-        side = torch.cuda.Stream(self.device)
+        cuda, side = self.cuda, self.stream
+        current = cuda.current_stream(self.device)
         side.wait_stream(current)
-        with torch.cuda.stream(side):
+        with cuda.stream(side):
             for _ in range(WARM_RUNS):
                 run()
         side.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool, stream=side, capture_error_mode="thread_local"):
+        graph = cuda.CUDAGraph()
+        with cuda.graph(graph, pool=self.pool, stream=side, capture_error_mode="thread_local"):
             outputs = run()
         current.wait_stream(side)
 
@@ -91,16 +113,19 @@ class CapturedSteps:
     inputs; made by `capture_all` on the thread that made this, replayed by `replay`."""
 
     def __init__(self, step: Callable[[int, bool, StepInputs], tuple[torch.Tensor, ...]], device: torch.device,
-                 capture: Capture, owner: int, lock: Any = DEVICE_LOCK,
-                 device_context: Callable[[str], ContextManager[Any]] = on_device) -> None:
+                 capture: Capture, owner: int, exclusive: Callable[[str], ContextManager[Any]] = exclusive_on,
+                 verify: Callable[[CapturedReplay], str | None] | None = None) -> None:
         """`step`: the whole step (`WholeSteps`), `capture`: how a graph is captured
         (`CudaCapture`, or a test's), `owner`: the engine thread's ident, the only one that
-        may capture; `lock` and `device_context`: what a capture runs under."""
+        may capture; `exclusive(device)`: what captures run under (`accelerator.exclusive_on`:
+        `DEVICE_LOCK` held, the device current); `verify`: why a captured graph's replay
+        differs from the uncompiled step (the runner's comparison), or None: run on each
+        capture before it serves."""
         self.step = step
         self.device = device
         self._capture = capture
-        self._lock = lock
-        self._device_context = device_context
+        self._exclusive = exclusive
+        self._verify = verify
         self._owner = owner
         self._graphs: dict[tuple[int, int, int, bool], tuple[StepInputs, Replay]] = {}
         self.lengths: tuple[int, ...] = ()
@@ -115,7 +140,7 @@ class CapturedSteps:
         if threading.get_ident() != self._owner:
             raise RuntimeError("CUDA graphs are captured on the engine's own thread only")
         self.lengths = tuple(sorted(lengths))
-        with self._lock, self._device_context(str(self.device)):
+        with self._exclusive(str(self.device)):
             for bucket in sorted(buckets, reverse=True):
                 for length in sorted(lengths, reverse=True):
                     for timesteps in WHOLE_TIMESTEPS:
@@ -128,10 +153,15 @@ class CapturedSteps:
         try:
             with torch.inference_mode():
                 replay = self._capture(lambda: self.step(timesteps, decode, given))
+            # Its replay compared with the uncompiled step first: a graph that differs never serves.
+            differs = self._verify(CapturedReplay(bucket, length, timesteps, decode, given, replay)
+                                   ) if self._verify is not None else None
         except Exception as exc:  # noqa: BLE001 - that bucket stays uncaptured; the step still serves it
-            self.failed[name] = f"{type(exc).__name__}: {exc}"
+            differs = f"{type(exc).__name__}: {exc}"
+        if differs is not None:
+            self.failed[name] = differs
             log.warning("CUDA graph of the whole step for %d rows, %d positions, %d timesteps not captured "
-                        "(%s): it runs uncaptured", bucket, length, timesteps, self.failed[name])
+                        "(%s): it runs uncaptured", bucket, length, timesteps, differs)
             return
         self._graphs[(bucket, length, timesteps, decode)] = (given, replay)
         self.captured_s[name] = round(time.perf_counter() - started, 3)

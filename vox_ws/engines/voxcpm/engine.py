@@ -219,9 +219,12 @@ class VoxCPMEngine(Engine):
             "model": str(path), "device": self.device, "threads": self.settings.threads, "buckets": list(buckets),
             "cache": str(self.compiled.cache_dir), "lora_rank": self.settings.lora_rank, "lora_alpha": self._lora_alpha,
             "max_loras": self.settings.max_loras,
+            # How the graphs attend, as chosen here (probed on a GPU): the child compiles them so.
+            "in_place": compiled.in_place,
             # Where compiling is not certain to pay (a CPU, `auto`), each bucket is timed both ways.
             "measure": self.settings.compile == "auto" and not self.device.startswith("cuda")},
-            lambda rows: compiled.prepare((rows,), runner.eager), lambda: compiled.prepare_decode(runner.vae))
+            lambda rows: compiled.prepare((rows,), runner.eager, runner.serving_state()),
+            lambda: compiled.prepare_decode(runner.vae))
 
     def _adopt_compiled(self) -> None:
         """Between two steps (the engine loop's thread): the buckets the background compile has put
@@ -294,14 +297,15 @@ class VoxCPMEngine(Engine):
             weights = sum(t.numel() * t.element_size() for t in model.parameters())
             spared = 2 * weights if self._compiles(self.device) and not self.settings.compile_wait else 0
             # KV is most of a slot; activations and the streaming VAE's state take a quarter more.
-            slots = max(1, min(AUTO_MAX_SLOTS, int(max(free - spared, 0) * 0.8 // (per_slot * 1.25))))
+            # Two slots of it are the runner's own: the padding rows' and the comparisons'.
+            slots = max(1, min(AUTO_MAX_SLOTS, int(max(free - spared, 0) * 0.8 // (per_slot * 1.25)) - 2))
             self._slots = slots
             self.max_step_batch = min(self.settings.step_rows or slots, slots)
             self._slots_reason = (f"{free / 2**30:.1f} GiB free on {self.device} after loading"
                                   + (f", {spared / 2**30:.1f} GiB of it left to the background compile"
                                      if spared else "")
                                   + f", {per_slot / 2**20:.0f} MiB of KV per slot (whole context) + 25%: 80% of the "
-                                  f"rest holds {slots}"
+                                  f"rest holds {slots} and the runner's padding and check slots"
                                   + (f" (capped at {AUTO_MAX_SLOTS})" if slots == AUTO_MAX_SLOTS else "")
                                   + f"; {self.max_step_batch} rows a step")
             return self._runner(model, slots, self.max_step_batch, decoder)
@@ -365,6 +369,8 @@ class VoxCPMEngine(Engine):
                                             if self.runner is not None and self.runner.captured else None),
                             "mismatched": ({str(k): v for k, v in compiled.mismatched.items()} if compiled
                                            else {}),
+                            # In place or gathered, and why it gathers where it does.
+                            "attention": compiled.attention.describe() if compiled else None,
                             "buckets": sorted(compiled.ready) if compiled else [],
                             "compile_s": dict(compiled.compile_s) if compiled else {},
                             "graphs": ({"loaded": compiled.store.loaded, "compiled": compiled.store.compiled}

@@ -115,6 +115,17 @@ def _argument_indexes(fn: Callable, names: Mapping[str, int]) -> dict[int, int]:
     return {parameters.index(name): value for name, value in names.items()}
 
 
+def mark_dynamic(fn: Callable, args: tuple, dynamic: Mapping[str, int] | None) -> dict[int, int]:
+    """Mark the sizes `dynamic` names (a parameter of `fn` -> that tensor's dynamic dim, or every
+    tensor's of a list) on `args` for dynamo; the marked dims by the tensors' ids."""
+    marked = {}
+    for index, dim in _argument_indexes(fn, dynamic or {}).items():
+        for tensor in args[index] if isinstance(args[index], (tuple, list)) else [args[index]]:
+            torch._dynamo.maybe_mark_dynamic(tensor, dim)
+            marked[id(tensor)] = dim
+    return marked
+
+
 def _describe(value: Any, dynamic: dict[int, int]) -> str:
     if isinstance(value, torch.Tensor):
         shape = tuple("s" if dynamic.get(id(value)) == dim else size for dim, size in enumerate(value.shape))
@@ -200,11 +211,7 @@ class GraphStore:
         """`fn` compiled (fullgraph, shapes fixed but for `dynamic`: a parameter's name -> that
         tensor's dynamic dim, or every tensor's of a list) for arguments like `args`: loaded from
         the disk when it was compiled before, else compiled now and saved."""
-        marked = {}      # by id, as _describe reads it
-        for index, dim in _argument_indexes(fn, dynamic or {}).items():
-            for tensor in args[index] if isinstance(args[index], (tuple, list)) else [args[index]]:
-                torch._dynamo.maybe_mark_dynamic(tensor, dim)
-                marked[id(tensor)] = dim
+        marked = mark_dynamic(fn, args, dynamic)
         if not self.precompile:
             self.compiled += 1
             return torch.compile(fn, fullgraph=True, dynamic=False)
@@ -354,13 +361,16 @@ class GraphsBySize:
         """The graph for `args`' batch size, loaded or compiled now where it is not yet: a caller
         that must not wait on the disk later (a thread that decodes) has it loaded ahead."""
         rows = args[self._rows_at].shape[0]
-        symbolic = self._symbolic is not None and rows >= 2
-        key = SYMBOLIC_ROWS if symbolic else rows
+        key = SYMBOLIC_ROWS if self._symbolic is not None and rows >= 2 else rows
         graph = self._graphs.get(key)
         if graph is None:
             graph = self._graphs[key] = self.store.graph(self.name, self.fn, args, context=self.context,
-                                                         dynamic=self._symbolic if symbolic else self.dynamic)
+                                                         dynamic=self.dynamic_for(rows))
         return graph
+
+    def dynamic_for(self, rows: int) -> dict[str, int] | None:
+        """The symbolic sizes of the graph a call of `rows` rows goes through (`load`)."""
+        return self._symbolic if self._symbolic is not None and rows >= 2 else self.dynamic
 
 
 # `GraphsBySize`'s key of its one graph for every batch of at least 2 rows.

@@ -222,24 +222,26 @@ def attention_name(in_place: bool) -> str:
 
 
 def in_place_attention(device: Any) -> bool:
-    """Whether a compiled step on `device` attends in place (else through the gather): wherever
-    this PyTorch's compiler has FlexAttention's fused kernel for the device.
+    """Whether this PyTorch's compiler has FlexAttention's fused kernel for `device`, so that a
+    compiled step there may attend in place (else through the gather); whether it compiles for
+    the model is `attention_choice.choose_attention`'s question (a GPU's probe).
 
     Measured (docs/PERFORMANCE.md, `python -m benchmarks.attention --in-place`, compiled both):
     on this CPU it is 3-5x faster than the gather at 8 to 64 rows of 1,000 to 8,000 positions
     (where the gather's copy is most of the time), about as fast at one row, and 0.1-2 ms
     slower at 100 positions (1.1-1.4x), where neither costs much. On a GPU the gather is the
-    same copy of every row's prefix; the device check times both there (its "attention" step).
-    Nothing measured yet asks for another choice on a GPU, so one rule for both, and no
-    setting. Where the kernel is missing (a CPU without AVX2, a CUDA build without Triton), the
-    gather, and the log says so once."""
-    why_not = _in_place_unavailable(torch.device(device).type)
+    same copy of every row's prefix; the device check times both there (its "attention" step),
+    the in-place graph with a static batch, as FlexAttention's decoding kernel wants it
+    (`flex_kernels.py`). Nothing measured yet asks for another choice on a GPU, so one rule for
+    both, and no setting. Where the kernel is missing (a CPU without AVX2, a CUDA build without
+    Triton), the gather, and the log says so once."""
+    why_not = in_place_unavailable(torch.device(device).type)
     if why_not is not None:
         _log_once(f"compiled steps on {torch.device(device).type} attend through the gather: {why_not}")
     return why_not is None
 
 
-def _in_place_unavailable(device_type: str) -> str | None:
+def in_place_unavailable(device_type: str) -> str | None:
     """Why FlexAttention's fused kernel cannot be compiled for `device_type`, or None."""
     if device_type == "cuda":
         from torch.utils._triton import has_triton

@@ -36,7 +36,14 @@ from .compiled import CompiledStep, EagerStep, adapted
 from .cuda_graphs import Capture, CapturedSteps, CudaCapture, length_buckets
 from .decoder_process import DecoderProcess
 from .decoding import DecodeBalance, RowDecoding  # noqa: F401 - DecodeBalance: the tests' handle on it
-from .graph_check import agreeing_buckets, agreeing_whole_steps, decode_mismatch, record_decode
+from .graph_check import (
+    Serving,
+    agreeing_buckets,
+    agreeing_whole_steps,
+    decode_mismatch,
+    record_decode,
+    replay_mismatch,
+)
 from .graphs import bucket_of
 from .kv import RowPlaces, SlotKV, key_positions
 from .lora import NO_ADAPTER, RowAdapters
@@ -144,9 +151,13 @@ class BatchedVoxCPM2:
         self.dtype = model._dtype()
         self.slots = slots
         self.max_len = model.config.max_length
-        self.base_kv = SlotKV(model.base_lm, slots, self.max_len, self.device, self.dtype)
-        self.residual_kv = SlotKV(model.residual_lm, slots, self.max_len, self.device, self.dtype)
-        self.state = SlotState(slots, model.base_lm.config.hidden_size, (model.patch_size, model.feat_dim),
+        # One slot more than requests get: the comparisons' (`graph_check.Serving`), where a graph
+        # is checked on the serving's caches, at the key length a step attends over, while
+        # requests are served in the others. The padding slot after it.
+        self.check_slot = slots
+        self.base_kv = SlotKV(model.base_lm, slots + 1, self.max_len, self.device, self.dtype)
+        self.residual_kv = SlotKV(model.residual_lm, slots + 1, self.max_len, self.device, self.dtype)
+        self.state = SlotState(slots + 1, model.base_lm.config.hidden_size, (model.patch_size, model.feat_dim),
                                self.device, self.dtype)
         self.noise = NoiseSource((model.feat_dim, model.patch_size), self.device)
         fold_weight_norm(model.audio_vae)
@@ -163,7 +174,7 @@ class BatchedVoxCPM2:
             vae = model.audio_vae
             decoder.load_vae(type(vae), getattr(model.config, "audio_vae_config", None), vae.state_dict(),
                              slots=slots, rows_per_call=rows_per_call, warm_up=(model.patch_size, warm_rows or slots))
-        self.vae = BatchedStreamingVAE(model.audio_vae, slots, rows_per_call=rows_per_call, fold_depthwise=on_cpu)
+        self.vae = BatchedStreamingVAE(model.audio_vae, slots + 1, rows_per_call=rows_per_call, fold_depthwise=on_cpu)
         if on_cpu:
             self.vae.warm_up(model.patch_size, warm_rows or slots)
         self.decoding = RowDecoding(self.vae, decoder)
@@ -197,8 +208,9 @@ class BatchedVoxCPM2:
         if self.decoding.process is not None:
             self.decoding.process.compile(compiled.buckets, str(compiled.cache_dir), self.model.patch_size)
         # What a background compile's reader does off this thread, then what `adopt` does.
-        compiled.prepare(compiled.buckets, self.eager)
-        compiled.ready.update(agreeing_buckets(compiled, self.eager, compiled.buckets, compiled.verdicts))
+        serving = self.serving_state()
+        compiled.prepare(compiled.buckets, self.eager, serving)
+        compiled.ready.update(agreeing_buckets(compiled, self.eager, compiled.buckets, serving, compiled.verdicts))
         compiled.prepare_decode(self.vae)
         if record_decode(compiled.verdicts["decode"], compiled.mismatched):
             self.vae.switch_to(compiled.prepared_decode)
@@ -220,13 +232,13 @@ class BatchedVoxCPM2:
         if self.adapters is not None:
             return
         if self.whole is None:
-            self.whole = WholeSteps(compiled.store, self.model, self.vae, compiled.buckets)
+            self.whole = WholeSteps(compiled.store, self.model, self.vae, compiled.buckets, in_place=compiled.in_place)
         # A length of 2, as no real step has less (`CompiledStep.warm_up`).
         decode = self.decoding.process is None
         self.whole.warm_up(lambda bucket: _padding_step(self, bucket, 2), decode=decode, buckets=buckets)
         # Each compared with the uncompiled whole step first: one that differs is never captured nor run.
-        agreeing_whole_steps(self.whole, EagerWholeSteps(self.model, self.whole.buckets), self._buffers,
-                             buckets or self.whole.buckets, decode, compiled.mismatched)
+        agreeing_whole_steps(self.whole, EagerWholeSteps(self.model, self.whole.buckets),
+                             self.serving_state(free=True), buckets or self.whole.buckets, decode, compiled.mismatched)
 
     def capture_whole(self, capture: Capture, buckets: tuple[int, ...] | None = None) -> None:
         """The whole step's graphs captured (`cuda_graphs.py`) for `buckets` (default: every
@@ -236,7 +248,11 @@ class BatchedVoxCPM2:
         if self.whole is None:
             raise RuntimeError("the whole step is not compiled: nothing to capture")
         if self.captured is None:
-            self.captured = CapturedSteps(self.whole, self.device, capture, owner=self._thread)
+            # Each capture's replay compared with the uncompiled step before it serves.
+            self.captured = CapturedSteps(self.whole, self.device, capture, owner=self._thread,
+                                          verify=lambda captured: replay_mismatch(
+                                              captured, EagerWholeSteps(self.model, (captured.bucket,)),
+                                              self.serving_state(free=True)))
         # A step attending in place reads the whole cache whatever its rows' positions (its mask
         # bounds the work): one capture a bucket; through the gather, one per attention length.
         lengths = (self.max_len,) if self.whole.in_place else length_buckets(self.max_len)
@@ -245,6 +261,13 @@ class BatchedVoxCPM2:
         serving = tuple(b for b in buckets or self.whole.buckets if self.whole.serves(b, WHOLE_TIMESTEPS[0], decode))
         self.captured.capture_all(lambda bucket, length: _padding_step(self, bucket, length), serving, lengths,
                                   decode=decode)
+
+    def serving_state(self, free: bool = False) -> Serving:
+        """This runner's caches and per-slot state as a comparison checks a graph on them: writing
+        the check slot, and with `free` the slots no request holds (on this runner's thread only,
+        where no request can take one meanwhile)."""
+        slots = (self.check_slot, *(self._free_slots if free else ()))
+        return Serving(self.base_kv, self.residual_kv, self._buffers, self.vae, slots)
 
     def adopt(self, compiled: CompiledStep, buckets: tuple[int, ...] = (), decode: bool = False) -> None:
         """Take in what a background compile put in `compiled`'s cache (`compiled` only loads),
@@ -257,7 +280,8 @@ class BatchedVoxCPM2:
             unprepared = tuple(rows for rows in buckets if rows not in compiled.verdicts)
             if unprepared:
                 compiled.warm_up(self.base_kv, self.residual_kv, unprepared, mark_ready=False)
-            compiled.ready.update(agreeing_buckets(compiled, self.eager, buckets, compiled.verdicts))
+            compiled.ready.update(agreeing_buckets(compiled, self.eager, buckets, self.serving_state(),
+                                                   compiled.verdicts))
             self.compiled = compiled
         if decode:
             # Loaded, run once and compared with eager off this thread already
@@ -364,7 +388,7 @@ class BatchedVoxCPM2:
             self._free_slots.sort()
             raise
         return [RowState(slot=slot, position=length, seed=given.seed, timesteps=given.timesteps,
-                         min_len=given.min_len, max_steps=self.max_steps(given.prompt.target_tokens, given.max_len),
+                         min_len=given.min_len, max_steps=max_steps(given.prompt.target_tokens, given.max_len),
                          adapter=given.adapter)
                 for given, slot, length in zip(inputs, slots, lengths)]
 

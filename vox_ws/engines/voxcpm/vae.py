@@ -61,6 +61,7 @@ class BatchedStreamingVAE:
                     mod.forward = self._transpose_forward(mod, len(self._convs), ctx, trim)
                     self._convs.append((mod, ctx))
         params = next(vae.parameters())
+        _hold_sample_rate_condition(vae)
         self.padding_slot = slots
         self.states = [torch.zeros(slots + 1, mod.in_channels, ctx, device=params.device, dtype=params.dtype)
                        for mod, ctx in self._convs]
@@ -221,12 +222,29 @@ class BatchedStreamingVAE:
         return forward
 
 
+# The VAE's buffer holding its output sample rate as its decoder's condition takes it.
+SAMPLE_RATE_CONDITION = "vox_ws_sample_rate_condition"
+
+
+def _hold_sample_rate_condition(vae: nn.Module) -> None:
+    """Keep the condition `vae.decode` builds in every call where given none (its output sample
+    rate, `torch.tensor([rate], device=...)`: a blocking host-to-device copy at every decode, a
+    full sync of a GPU, and illegal in a CUDA graph's capture) as a buffer of the VAE, made once,
+    on its device: the same value the package builds. Not saved with its weights (the decoder
+    process loads them by name), and none where the VAE takes no condition."""
+    if getattr(vae, "sr_bin_boundaries", None) is None or hasattr(vae, SAMPLE_RATE_CONDITION):
+        return
+    device = next(vae.parameters()).device
+    vae.register_buffer(SAMPLE_RATE_CONDITION, torch.tensor([vae.out_sample_rate], device=device, dtype=torch.int32),
+                        persistent=False)
+
+
 def streaming_decode(decoder: BatchedStreamingVAE, vae: nn.Module, latents: torch.Tensor,
                      carried: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
     """One streaming decode as a pure function: audio [B, samples] and the next carried state
     (`vae` is `decoder.vae`, named so that a compiled graph's key covers its weights' shapes)."""
     decoder._carried = dict(enumerate(carried))
-    audio = vae.decode(latents)
+    audio = vae.decode(latents, getattr(vae, SAMPLE_RATE_CONDITION, None))
     out = tuple(decoder._carried[key] for key in range(len(carried)))
     decoder._carried = None
     return audio.squeeze(1), out

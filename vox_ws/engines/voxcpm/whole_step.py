@@ -15,12 +15,12 @@ one pure function of
 
 with the number of CFM timesteps, whether it decodes and how it attends fixed per graph
 (`step_function`: in place, FlexAttention over the caches as they are, where this device's
-compiler has its kernel, `kv.in_place_attention`; else through the gather, as an uncompiled
-step always does: `kv.lm_step`). It
-reads each row's state by slot, draws its noise, solves, advances both LMs, decodes, writes the
-new state back by slot, and returns (stop flags, patches, audio): compiled with
-`fullgraph=True` it is one graph (no break, no host sync), which a CUDA device replays as one
-CUDA graph (`capture.py`). Padding rows (a bucket's extra rows) sit in the padding slot.
+compiler has its kernel and it compiles, `attention_choice.choose_attention`; else through the
+gather, as an uncompiled step always does: `kv.lm_step`). It reads each row's state by slot,
+draws its noise, solves, advances both LMs, decodes, writes the new state back by slot, and
+returns (stop flags, patches, audio): compiled with `fullgraph=True` it is one graph (no break,
+no host sync), which a CUDA device replays as one CUDA graph (`cuda_graphs.py`). Padding rows (a
+bucket's extra rows) sit in the padding slot.
 """
 
 from __future__ import annotations
@@ -113,44 +113,48 @@ def graph_context(model: nn.Module, decoder: Any, in_place: bool = False) -> str
 WHOLE_TIMESTEPS = (10,)
 
 
-def _dynamic(decode: bool, decoder: Any, in_place: bool, device: torch.device) -> dict[str, int]:
-    """The whole step's symbolic sizes: the slot counts, the attention length and the batch
-    (`GraphsBySize`), but for a step decoding through a VAE whose depthwise convolutions are
-    folded into one row (their groups grow with the batch: it would be specialised), and for a
-    CPU's step attending in place (its FlexAttention kernel's C++ does not compile with a
-    symbolic batch: torch 2.13, measured; a GPU's is tried, and falls back where it fails)."""
+def symbolic_sizes(decode: bool, decoder: Any, in_place: bool) -> dict[str, int]:
+    """The whole step's symbolic sizes: the slot counts and the attention length, and the batch
+    (`GraphsBySize`: one graph for every bucket from 2) only where it attends through the gather
+    and does not decode through a VAE whose depthwise convolutions are folded into one row (a
+    CPU's: their groups grow with the batch, which would be specialised). Attending in place,
+    a graph per bucket on every device: inductor lowers FlexAttention on a GPU to its decoding
+    kernel only with a static batch (`flex_kernels.py`; with a symbolic one each row's one query
+    is padded to a block of 128, slower than the gather it replaces), and a CPU's kernel does not
+    compile with a symbolic batch (torch 2.13, measured)."""
     sizes = {"caches": 0, "buffers": 0, "keys_at": 0}
-    per_bucket = (decode and getattr(decoder, "fold_depthwise", False)) or (in_place and device.type == "cpu")
+    per_bucket = (decode and getattr(decoder, "fold_depthwise", False)) or in_place
     return sizes if per_bucket else {**sizes, "rows": 0}
 
 
 class WholeSteps:
-    """The whole step's graphs from `store`, per (timesteps, decode): one for a bucket of 1 and
-    one with a symbolic batch for every other bucket (`GraphsBySize`, `_dynamic`: the
-    same speed as a graph per bucket on this CPU, a fraction of the compiling: docs/PERFORMANCE.md,
-    `benchmarks/dynamic_batch.py`), but one per bucket for a step that decodes through a VAE
-    whose depthwise convolutions are folded into one row (a CPU's: their groups grow with the
-    batch, which specialises it), and for a CPU's step attending in place. Captured per bucket
-    all the same (`cuda_graphs.py`). A step of
-    rows whose bucket is `ready` runs through them. Made ahead by `warm_up`, never on a live step."""
+    """The whole step's graphs from `store`, per (timesteps, decode): one per bucket where it
+    attends in place (FlexAttention's decoding kernel wants a static batch) or decodes through a
+    VAE whose depthwise convolutions are folded into one row (a CPU's: their groups grow with the
+    batch); else one for a bucket of 1 and one with a symbolic batch for every other bucket
+    (`GraphsBySize`, `symbolic_sizes`: the same speed as a graph per bucket on this CPU, a
+    fraction of the compiling: docs/PERFORMANCE.md, `benchmarks/dynamic_batch.py`). Captured per
+    bucket all the same (`cuda_graphs.py`). A step of rows whose bucket is `ready` runs through
+    them. Made ahead by `warm_up`, never on a live step."""
 
     def __init__(self, store: Any, model: nn.Module, decoder: Any, buckets: tuple[int, ...],
                  in_place: bool | None = None) -> None:
-        """`in_place`: how the graphs attend (default: `kv.in_place_attention` for the model's
-        device, as `compiled.CompiledStep` chooses)."""
+        """`in_place`: how the graphs attend (default: `attention_choice.choose_attention` for the
+        model's device, as `compiled.CompiledStep` chooses)."""
+        from .attention_choice import choose_attention
         from .graphs import GraphsBySize
-        from .kv import in_place_attention
 
         self.model, self.decoder = model, decoder
         self.buckets = tuple(sorted(buckets))
         device = next(model.parameters()).device
-        self.in_place = in_place_attention(device) if in_place is None else in_place
+        self.in_place = (choose_attention(device, (model.base_lm, model.residual_lm)).in_place if in_place is None
+                         else in_place)
         context = graph_context(model, decoder, self.in_place)
         self._graphs = {
             (timesteps, decode): GraphsBySize(store, graph_name(timesteps, decode),
                                               step_function(timesteps, decode, self.in_place),
                                               context=context, rows_of="rows",
-                                              dynamic=_dynamic(decode, decoder, self.in_place, device))
+                                              dynamic=symbolic_sizes(decode, decoder, self.in_place))
             for timesteps in WHOLE_TIMESTEPS for decode in (False, True)}
         self.ready: set[tuple[int, int, bool]] = set()      # (bucket, timesteps, decode)
         self.compile_s: dict[str, float] = {}
@@ -160,6 +164,15 @@ class WholeSteps:
 
     def __call__(self, timesteps: int, decode: bool, given: StepInputs) -> tuple[torch.Tensor, ...]:
         return self._graphs[(timesteps, decode)](self.model, *given)
+
+    def attention_kernels(self, timesteps: int, decode: bool, given: StepInputs) -> list[str]:
+        """The FlexAttention kernel each attention of the graph serving `given`'s bucket takes on a
+        CUDA device (`flex_kernels.kernels_of`, asked of its shapes: traced, not compiled, not run);
+        [] where it attends through the gather."""
+        from .flex_kernels import kernels_of
+
+        graphs = self._graphs[(timesteps, decode)]
+        return kernels_of(graphs.fn, (self.model, *given), graphs.dynamic_for(given.rows.shape[0]))
 
     def warm_up(self, given_for: Callable[[int], StepInputs], decode: bool, buckets: tuple[int, ...] | None = None
                 ) -> None:
