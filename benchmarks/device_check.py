@@ -19,19 +19,23 @@ lengths 4,000 and 8,000 (and the uncompiled whole step replayed from a CUDA grap
 no compile; a failed capture reported as failed, never timed), the attention (the fold, and
 gathered against in place, the in-place graph with the kernel it gets): that much in the first
 call's 540 s. Then the whole step for 16, 32 and 64 rows, the scheduler in bursts (N requests of
-one short text at once, N = 1, 32, 64, on one engine load started as `vox-ws serve` starts it:
-eager while the step compiles in the background, which is not waited for; the seconds it took
-per bucket so far are kept) and the compiled pieces (one bucket: each graph's seconds reported
-as it is done, compiled against eager in time, synchronised, and in output, and a second process
-loading the saved graphs where a minute is left): a second call's, which the table names.
+one short text at once, N = 1, 32, 64, the engine in an engine process of its own started as
+`vox-ws serve` starts it, the check's process its server's side: eager while the step compiles
+in the background, which is not waited for; the seconds it took per bucket so far and the engine
+process's peak memory kept as the engine declares them; then the package's own loop at N = 1 in
+the check's process, on a model of its own) and the compiled pieces (one bucket: each graph's
+seconds reported as it is done, compiled against eager in time, synchronised, and in output,
+and a second process loading the saved graphs where a minute is left): a second call's, which
+the table names.
 
 Each step runs in a process group of its own with its own time-out (its expected seconds,
 doubled on a GPU with the real-size model; the compiled step gets what is left of the run's
-`--budget` but the last step's share); a step past it is killed whole (SIGKILL to the group: its
-decoder and compile children too). A step writes its partial results as it goes, so a step that
-fails or overruns keeps what it measured; `device-check.json`, the table `device-check.txt` and
-`logs.tar.gz` (every step's output, passing steps' too) are written again after every step, and
-every figure says which card it was measured on (H100 or H200: the device is either). Where
+`--budget` but the last step's share); a step past it is killed whole (SIGKILL to the group: an
+engine process, the fork server it came from, and their decoder and compile children too). A
+step writes its partial results as it goes, so a step that fails or overruns keeps what it
+measured; `device-check.json`, the table `device-check.txt` and `logs.tar.gz` (every step's
+output, passing steps' too) are written again after every step, and every figure says which
+card it was measured on (H100 or H200: the device is either). Where
 `.whl/` holds wheels, they are installed into a private directory first (the device has no
 network). The device lacks the web stack (Starlette, uvicorn, PyAV, ...): the check imports none
 of it, which CI proves by running it with everything the device lacks unimportable
@@ -46,7 +50,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import os
 import re
 import shutil
@@ -197,83 +200,54 @@ def step_checkpoint(ctx: dict) -> dict:
             "seconds": round(time.perf_counter() - started, 1)}
 
 
-class _BucketSeconds(logging.Handler):
-    """The background compile's seconds per bucket, from the engine's log: `BackgroundCompile`
-    reads them from its child's events and says them there only."""
-
-    PATTERN = re.compile(r"background compile: the step for (\d+) rows compiled in ([\d.]+) s")
-
-    def __init__(self) -> None:
-        super().__init__(logging.INFO)
-        self.seconds: dict[int, float] = {}
-        self._logger = logging.getLogger("vox_ws.engines.voxcpm")
-        self._level = self._logger.level
-        self._logger.addHandler(self)
-        if not self._logger.isEnabledFor(logging.INFO):
-            self._logger.setLevel(logging.INFO)
-
-    def emit(self, record: logging.LogRecord) -> None:
-        if found := self.PATTERN.search(record.getMessage()):
-            self.seconds[int(found[1])] = float(found[2])
-
-    def close(self) -> None:
-        self._logger.removeHandler(self)
-        self._logger.setLevel(self._level)
-        super().close()
-
-
 def step_scheduler(ctx: dict) -> dict:
-    """The scheduler in bursts (`benchmarks.scheduler`'s): one engine load as a default start
-    makes it (`--slots` the largest N; on a GPU the step compiling in the background), the
-    package's serial arm at N = 1, then N = 1, 32, 64 at once, eager. The background compile is
-    not waited for (it takes minutes; the compiled step measures it): what it has done by the
-    end, with its seconds per bucket, is kept."""
+    """The scheduler in bursts (`benchmarks.scheduler`'s), the engine in an engine process of its
+    own started as `vox-ws serve` starts it (`benchmarks.served_engine`: `--slots` the largest N;
+    on a GPU the step compiling in the background), this process its server's side, submitting
+    through the engine's stand-in and receiving the steps' audio as a server's streams do: N = 1,
+    32, 64 at once, eager. The background compile is not waited for (it takes minutes; the
+    compiled step measures it): what it has done by the end, with its seconds per bucket, is kept,
+    as the engine declares it (`describe()["compile"]["background"]`), and so is the engine
+    process's peak memory (`describe()["memory"]`). Then the package's serial arm at N = 1."""
     _torch(ctx)
-    from benchmarks.scheduler import BURST_TEXT, _burst, _memory, _serial_once, loaded, loop_of
-    from vox_ws.engines.voxcpm.engine import VoxCPMEngine
+    from benchmarks.scheduler import BURST_TEXT, _burst, loaded, serial_arm, serve_voxcpm
 
     report = _reporter(ctx)
     ns, length, device = list(ctx["bursts"]), ctx["burst_length"], ctx["device"]
     result: dict[str, Any] = {"text": BURST_TEXT, "length_patches": length, "ns": ns}
-    bucket_seconds = _BucketSeconds()
     started = time.perf_counter()
-    engine = VoxCPMEngine(model=ctx["model"], device=device, threads=ctx["threads"], slots=max(ns),
-                          compile=ctx["scheduler_compile"], compile_cache=str(Path(ctx["work"]) / "scheduler-cache"),
-                          compile_buckets=tuple(ns), compile_wait=False)
-    scheduler, steps = loop_of(engine, max(ns))
-    try:
-        result["load"] = loaded(scheduler, engine, started, device)
-        info = engine.describe()
+    with serve_voxcpm(ctx["model"], device, ctx["threads"], max(ns), ctx["scheduler_compile"],
+                      str(Path(ctx["work"]) / "scheduler-cache"), tuple(ns)) as served:
+        result["load"] = loaded(served, started)
         report(result)
-        result["serial"] = scheduler.call(lambda: _serial_once(engine, length)).result(timeout=600)
-        report(result)
-        runs = result["eager"] = {"compile": info["compile"], "results": []}
+        runs = result["eager"] = {"compile": served.described()["compile"], "results": []}
         for n in ns:
-            _burst(scheduler, engine, n, 3, steps, seed=1)              # warm-up: this N's shapes
-            runs["results"].append({"n": n, **_burst(scheduler, engine, n, length, steps, seed=2)})
-            result["background"] = _background(engine, bucket_seconds)
+            _burst(served, n, 3, seed=1)              # warm-up: this N's shapes
+            runs["results"].append({"n": n, **_burst(served, n, length, seed=2)})
+            result["background"] = _background(served.described())
             report(result)
-        runs["adopted"] = engine.describe()["compile"]["buckets"]
+        described = served.described_now()
+        runs["adopted"] = described["compile"]["buckets"]
         # Compared with eager on the background compile's reader thread, during the bursts.
-        runs["mismatched"] = engine.describe()["compile"]["mismatched"]
-        result["background"] = _background(engine, bucket_seconds)
-        result["peak"] = _memory(device)
-    finally:
-        scheduler.stop()
-        bucket_seconds.close()
+        runs["mismatched"] = described["compile"]["mismatched"]
+        result["background"] = _background(described)
+        result["peak"] = described["memory"]
+        report(result)
+    # The package's own loop needs the model in this process, and the engine's is in another:
+    # it loads its own (a second load), after the bursts, once the engine process has ended,
+    # so that neither measures beside the other and the GPU never holds two copies; and a step
+    # cut at its time-out has kept the bursts, the figures it is for.
+    result["serial"] = serial_arm(ctx["model"], device, length)
     return result
 
 
-def _background(engine: Any, bucket_seconds: _BucketSeconds) -> dict | None:
-    """The background compile's progress (None: there is none), with its seconds per bucket
-    (`describe()["compile_s"]` where the engine keeps them, else what its log said)."""
-    background = engine.background
+def _background(described: dict) -> dict | None:
+    """The background compile's progress as the engine declares it (None: there is none), with
+    its seconds per bucket (`compile_s`) and how long it has run."""
+    background = described["compile"].get("background")
     if background is None:
         return None
-    described = background.describe()
-    seconds = described.get("compile_s") or bucket_seconds.seconds
-    return {**described, "compile_s": {str(rows): s for rows, s in seconds.items()},
-            "running_s": round(time.monotonic() - background.started, 1)}
+    return {**background, "running_s": round(time.time() - background["started_at"], 1)}
 
 
 def _package_model(ctx: dict) -> Any:
@@ -748,7 +722,9 @@ STEPS: list[tuple[str, Callable[[dict], dict], int]] = [
     ("steps", step_steps, 90),
     ("attention", step_attention, 95),
     ("whole_large", step_whole_large, 300),
-    ("scheduler", step_scheduler, 120),
+    # The bursts' 120 s, and the engine process's fork server importing torch and the model's
+    # modules, and the package's serial arm loading a model of its own (an estimate: unmeasured).
+    ("scheduler", step_scheduler, 150),
     ("compiled", step_compiled, 150),
 ]
 # A run's seconds: a lent GPU's call is 10 minutes at most; a CPU's (CI, a copy of the device's
@@ -895,14 +871,16 @@ def table(report: dict) -> str:
 def _scheduler_lines(scheduler: dict, on: str) -> list[str]:
     lines = []
     if load := scheduler.get("load"):
-        lines.append(f"one engine load on {on}, {load['seconds']} s: {load['slots']} slots, {load['step_rows']} rows "
-                     f"a step ({load['slots_reason']}); peak {load.get('peak_gpu_mb', load['peak_rss_mb'])} MB")
+        lines.append(f"one engine process started as vox-ws serve starts it on {on}, loaded in {load['seconds']} s: "
+                     f"{load['slots']} slots, {load['step_rows']} rows a step ({load['slots_reason']}); peak "
+                     f"{load.get('peak_gpu_mb', load['peak_rss_mb'])} MB")
     lines.append(f"bursts of \"{scheduler['text']}\" on {on}, {scheduler['length_patches']} patches each, all sent "
                  "at once:")
     lines.append(f"  {'phase':>9} {'N':>3} {'ttfa p50':>9} {'ttfa p95':>9} {'audio s/s':>9} {'step ms':>8}")
     if serial := scheduler.get("serial"):
         lines.append(f"  {'package':>9} {1:>3} {serial['ttfa_p50_ms']:>7.0f}ms {serial['ttfa_p95_ms']:>7.0f}ms "
-                     f"{serial['throughput']:>9.2f} {'':>8}")
+                     f"{serial['throughput']:>9.2f} {'':>8}  (in the check's own process, its model loaded in "
+                     f"{serial['load_s']} s)")
     for r in scheduler.get("eager", {}).get("results", []):
         lines.append(f"  {'eager':>9} {r['n']:>3} {r['ttfa_p50_ms']:>7.0f}ms {r['ttfa_p95_ms']:>7.0f}ms "
                      f"{r['throughput']:>9.2f} {r['mean_step_ms']:>8.1f}")

@@ -21,7 +21,10 @@ Without --model it builds the tiny random-weight VoxCPM2 in a temporary director
 ("Hello world.") sent at once, for each N, on one engine load (a short warm-up burst of each N
 first); first audio p50/p95 per N and audio seconds per second, eager, and then, where
 `--compile` is not off, with the step the background compile made (as a default start serves
-it). The package's serial arm runs N = 1 only, on the engine's own model:
+it). The engine runs in an engine process of its own, started as `vox-ws serve` starts it
+(`benchmarks/served_engine.py`), this process its server's side: the figures are what a
+server's streams receive. The package's serial arm runs N = 1 only, here, on a model of its
+own loaded once the engine process has ended:
 
     python -m benchmarks.scheduler --burst --concurrency 1,32,64 [--compile auto --compile-wait-s 300]
 """
@@ -37,11 +40,14 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from vox_ws.clients.playback import count_underruns
+
+if TYPE_CHECKING:
+    from benchmarks.served_engine import ServedEngine
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TQDM_DISABLE", "1")
@@ -67,6 +73,7 @@ class Job:
     ready: float = 0.0            # when the client sent it (relative to the run's start)
     chunks: list[tuple[float, float]] = field(default_factory=list)   # (arrival time, seconds of audio)
     done_at: float = 0.0
+    error: str = ""               # why it failed, where it did
 
 
 def make_clients(n: int, rounds: int, min_steps: int, max_steps: int, seed: int) -> list[list[Job]]:
@@ -143,6 +150,7 @@ class _Sink:
 
     def fail(self, kind, message: str, retry_after_s=None) -> None:
         print(f"request failed: {kind.value}: {message}", file=sys.stderr)
+        self.job.error = f"{kind.value}: {message}"
         self.finish("error")
 
     def backlogged(self) -> bool:
@@ -201,21 +209,32 @@ def run_batched(model_dir: str, device: str, clients: list[list[Job]], offsets: 
 BURST_TEXT = "Hello world."        # nanovllm-voxcpm's benchmark prompt
 
 
-class _Steps:
-    """The scheduler's steps, as `on_step` reports them: (rows, seconds)."""
+def serve_voxcpm(model_dir: str, device: str, threads: int, slots: int, compile: str = "off",
+                 compile_cache: str | None = None, compile_buckets: tuple[int, ...] | None = None) -> ServedEngine:
+    """The VoxCPM2 engine in an engine process of its own, started as `vox-ws serve --engine
+    voxcpm` starts it with these settings (the step compiling in the background where `compile`
+    is not off: `--compile-wait` is not given): a `served_engine.ServedEngine`, started."""
+    from benchmarks.served_engine import ServedEngine
 
-    def __init__(self) -> None:
-        self.taken: list[tuple[int, float]] = []
+    settings = {"model": model_dir, "compile": compile, "compile_cache": compile_cache,
+                "compile_buckets": compile_buckets, "compile_wait": False}
+    served = ServedEngine("voxcpm", settings, device, threads, slots)
+    try:
+        served.start()
+    except BaseException:
+        served.stop()
+        raise
+    return served
 
-    def __call__(self, rows: int, seconds: float) -> None:
-        self.taken.append((rows, seconds))
 
-
-def _burst(scheduler: Any, engine: Any, n: int, length: int, steps: _Steps, seed: int = 0) -> dict:
-    """N requests of BURST_TEXT submitted at once, each `length` patches long: first audio per
-    request from the moment they were all sent, audio seconds per second until the last ended."""
+def _burst(served: ServedEngine, n: int, length: int, seed: int = 0) -> dict:
+    """N requests of BURST_TEXT submitted at once to the served engine, each `length` patches
+    long: first audio per request from the moment they were all sent, audio seconds per second
+    until the last ended (as this process, the server's side, receives them), and the steps that
+    carried them."""
     from vox_ws.engine import GenerationRequest
 
+    engine, steps = served.engine, served.steps
     jobs = [Job(client=i, text=BURST_TEXT, seed=seed * 1000 + i, max_len=length) for i in range(n)]
     events: queue.Queue = queue.Queue()
     requests = []
@@ -226,88 +245,102 @@ def _burst(scheduler: Any, engine: Any, n: int, length: int, steps: _Steps, seed
         requests.append(request)
     taken = len(steps.taken)
     t0 = time.perf_counter()
-    for request in requests:
-        scheduler.submit(request)
+    served.submit(requests)
     for _ in jobs:
         events.get(timeout=600)
+    failed = [job.error for job in jobs if job.error]
+    if failed:
+        raise RuntimeError(f"{len(failed)} of {n} requests failed: {failed[0]}")
+    # Each step is recorded before the requests it ended finish: every step of these is here.
     ran = steps.taken[taken:]
     return {**summarise([[job] for job in jobs], t0),
             "mean_step_ms": round(sum(s for _, s in ran) / len(ran) * 1000, 2) if ran else 0.0,
             "steps": len(ran), "largest_step_rows": max((r for r, _ in ran), default=0)}
 
 
-def loop_of(engine: Any, slots: int) -> tuple[Any, "_Steps"]:
-    """`engine` behind an engine loop of `slots` slots, started, with a recorder of its steps."""
-    from vox_ws.scheduling.loop import EngineLoop
+def loaded(served: ServedEngine, started: float, timeout: float | None = None) -> dict[str, Any]:
+    """Once the served engine is ready (else its error): the seconds since `started` (its process
+    started as `vox-ws serve` starts it: the fork server importing the model's modules, then the
+    load), its slots, attention kernel, dtype, its process's id and peak memory (as it declares
+    them: `describe()["memory"]`)."""
+    served.wait_ready(timeout)
+    seconds = round(time.perf_counter() - started, 1)
+    info = served.described()
+    stats = served.proxy.stats()
+    return {"seconds": seconds, "slots": info["slots"], "step_rows": info["step_rows"],
+            "slots_reason": stats["slots_reason"], "attention": info["attention"], "dtype": info["dtype"],
+            "pid": stats["pid"], **info["memory"]}
 
-    scheduler = EngineLoop(engine, slots=slots, max_queue=slots)
-    steps = _Steps()
-    scheduler.on_step = steps
-    scheduler.start()
-    return scheduler, steps
 
-
-def loaded(scheduler: Any, engine: Any, started: float, device: str) -> dict[str, Any]:
-    """Once the loop's engine is ready (else its error): the load's seconds since `started`,
-    its slots, attention kernel, dtype and memory."""
-    scheduler.ready_event.wait()
-    if scheduler.status != "ready":
-        raise RuntimeError(scheduler.error)
-    info = engine.describe()
-    return {"seconds": round(time.perf_counter() - started, 1), "slots": info["slots"], "step_rows": info["step_rows"],
-            "slots_reason": scheduler.slots_reason, "attention": info["attention"], "dtype": info["dtype"],
-            **_memory(device)}
+def background_status(described: dict[str, Any]) -> str | None:
+    """The background compile's status as the engine declares it (None: there is none)."""
+    background = described["compile"].get("background")
+    return background["status"] if background is not None else None
 
 
 def run_bursts(model_dir: str, device: str, ns: list[int], threads: int, length: int = 25,
                compile: str = "off", compile_cache: str | None = None, compile_buckets: tuple[int, ...] | None = None,
                compile_wait_s: float = 0.0, report: Any = None) -> dict:
-    """Bursts of N = `ns` on one engine load: a serial arm (the package's own loop on the
-    engine's model, N = 1), then eager (with a background compile running where `compile` is
-    not off: as a default start serves), then compiled once the background compile is done
-    (waited for `compile_wait_s` at most). `report(partial)` is called after each figure."""
-    from vox_ws.engines.voxcpm.engine import VoxCPMEngine
-
+    """Bursts of N = `ns` on one engine load, the engine in a process of its own as `vox-ws serve`
+    starts it: eager (with a background compile running where `compile` is not off: as a default
+    start serves), then compiled once the background compile is done (waited for
+    `compile_wait_s` at most); then the serial arm (the package's own loop, N = 1, here:
+    `serial_arm`). `report(partial)` is called after each figure."""
     result: dict[str, Any] = {"text": BURST_TEXT, "length_patches": length, "ns": ns}
     tell = report or (lambda _: None)
-    slots = max(ns)
     started = time.perf_counter()
-    engine = VoxCPMEngine(model=model_dir, device=device, threads=threads, slots=slots, compile=compile,
-                          compile_cache=compile_cache, compile_buckets=compile_buckets, compile_wait=False)
-    scheduler, steps = loop_of(engine, slots)
-    try:
-        result["load"] = loaded(scheduler, engine, started, device)
-        tell(result)
-        result["serial"] = scheduler.call(lambda: _serial_once(engine, length)).result(timeout=600)
+    with serve_voxcpm(model_dir, device, threads, max(ns), compile, compile_cache, compile_buckets) as served:
+        result["load"] = loaded(served, started)
         tell(result)
         for phase in ("eager", "compiled"):
             if phase == "compiled":
-                if engine.background is None:
+                if background_status(served.described()) is None:
                     break
                 deadline = time.monotonic() + compile_wait_s
-                while engine.background.status == "compiling" and time.monotonic() < deadline:
+                while background_status(served.described()) == "compiling" and time.monotonic() < deadline:
                     time.sleep(0.5)
                 for n in ns:               # the step adopts what has arrived at its next turn
-                    _burst(scheduler, engine, n, 2, steps)
-            compile_info = engine.describe()["compile"]
-            runs = result[phase] = {"compile": compile_info, "results": []}
+                    _burst(served, n, 2)
+            runs = result[phase] = {"compile": served.described()["compile"], "results": []}
             for n in ns:
-                _burst(scheduler, engine, n, 3, steps, seed=1)          # warm-up: this N's shapes
-                runs["results"].append({"n": n, **_burst(scheduler, engine, n, length, steps, seed=2)})
+                _burst(served, n, 3, seed=1)          # warm-up: this N's shapes
+                runs["results"].append({"n": n, **_burst(served, n, length, seed=2)})
                 tell(result)
-            runs["adopted"] = engine.describe()["compile"]["buckets"]
-        result["peak"] = _memory(device)
-    finally:
-        scheduler.stop()
+            described = served.described_now()
+            runs["adopted"] = described["compile"]["buckets"]
+            result["peak"] = described["memory"]
+    result["serial"] = serial_arm(model_dir, device, length)
+    tell(result)
     return result
 
 
-def _serial_once(engine: Any, length: int) -> dict:
-    """The package's own generate_streaming on the engine's model, one request: what a server
-    without a batching scheduler gives one stream (a warm-up request first)."""
+def serial_arm(model_dir: str, device: str, length: int) -> dict:
+    """The package's own generate_streaming, one request (`_serial_once`), on its own model
+    loaded in this process as the package loads it (the engine runs in a process of its own, so
+    its model is not here to borrow): run once the served engine has ended, so that neither
+    measures beside the other, nor holds a second copy of the model beside it. The load's
+    seconds are kept apart (`load_s`)."""
+    from vox_ws.engines.voxcpm.loading import import_voxcpm
+
+    started = time.perf_counter()
+    tts = import_voxcpm().VoxCPM.from_pretrained(model_dir, load_denoiser=False, optimize=False, device=device)
+    load_s = round(time.perf_counter() - started, 1)
+    try:
+        return {**_serial_once(tts, length), "load_s": load_s}
+    finally:
+        del tts
+        if device.startswith("cuda"):
+            import torch
+
+            torch.cuda.empty_cache()
+
+
+def _serial_once(tts: Any, length: int) -> dict:
+    """The package's own generate_streaming on `tts` (a `voxcpm.VoxCPM`), one request: what a
+    server without a batching scheduler gives one stream (a warm-up request first)."""
     import torch
 
-    tts, rate = engine.tts, engine.sample_rate
+    rate = tts.tts_model.sample_rate
     list(tts.generate_streaming(text="Warm up.", max_len=3, retry_badcase=False))
     torch.manual_seed(0)
     job = Job(client=0, text=BURST_TEXT, seed=0, max_len=length)
@@ -320,7 +353,8 @@ def _serial_once(engine: Any, length: int) -> dict:
 
 def print_bursts(result: dict) -> None:
     load = result["load"]
-    print(f"# one load: {load['seconds']} s, {load['slots']} slots ({load['slots_reason']})")
+    print(f"# one engine process (pid {load['pid']}), loaded in {load['seconds']} s, {load['slots']} slots "
+          f"({load['slots_reason']})")
     print(f"{'phase':>9} {'N':>3} {'ttfa p50':>9} {'ttfa p95':>9} {'audio s/s':>9} {'step ms':>8}")
     serial = result.get("serial")
     if serial:

@@ -75,6 +75,8 @@ def test_a_cached_bucket_that_does_not_load_here_is_compiled_again_by_a_fresh_ch
     assert [child.settings["fresh"] for child in started] == [False, True]
     assert prepared == [1, 1]
     assert compile.status == "done" and compile.compiled == [1] and compile.cached is False
+    # The seconds the fresh child took, for a reader in another process (the device check's).
+    assert compile.describe()["compile_s"] == {"1": 2.0}
     events = compile.arrived()
     assert [e["event"] for e in events].count("done") == 1      # the stale child's end is not told
 
@@ -88,6 +90,7 @@ def test_a_cached_compile_says_so(monkeypatch):
     compile.close()
     described = compile.describe()
     assert described["status"] == "done" and described["cached"] is True and described["compiled"] == [1]
+    assert described["compile_s"] == {"1": 0.0} and described["started_at"] == round(compile.started_at, 3)
 
 
 def test_the_decode_is_prepared_on_the_reader_thread_before_the_engine_hears_of_it(monkeypatch):

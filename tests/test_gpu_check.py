@@ -48,9 +48,11 @@ def test_the_blocker_hides_what_the_device_lacks_and_the_check_imports_without_i
     server = subprocess.run([sys.executable, "-c", "import vox_ws.server"], capture_output=True, text=True, env=env,
                             cwd=ROOT)
     assert server.returncode != 0 and "No module named" in server.stderr
-    # Every module the check's steps import, under the blocker; and `find_spec` agrees with import.
+    # Every module the check's steps import, under the blocker (the scheduler's server side and
+    # its engine process's too); and `find_spec` agrees with import.
     code = ("import importlib.util, benchmarks.device_check, benchmarks.scheduler, benchmarks.attention, "
-            "benchmarks.equivalence, vox_ws.engines.voxcpm.engine, vox_ws.engines.voxcpm.compile_main, "
+            "benchmarks.equivalence, benchmarks.served_engine, vox_ws.engine_process.main, "
+            "vox_ws.engines.voxcpm.engine, vox_ws.engines.voxcpm.compile_main, vox_ws.engines.voxcpm.text_rules, "
             "vox_ws.scheduling.loop; from vox_ws.engines.voxcpm.loading import import_voxcpm; import_voxcpm(); "
             "assert importlib.util.find_spec('uvicorn') is None and importlib.util.find_spec('av') is None")
     imports = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=ROOT)
@@ -92,6 +94,9 @@ def test_the_device_check_runs_on_a_cpu_with_only_the_devices_packages(tmp_path)
     assert {"typing_extensions", "numba", "anyio"} <= set(environment["packages"])
     scheduler = result["scheduler"]
     assert scheduler["load"]["slots"] == 64 and scheduler["load"]["slots_reason"]
+    # The engine ran in a process of its own, which declared its peak memory.
+    assert scheduler["load"]["pid"] and scheduler["load"]["peak_rss_mb"] > 0
+    assert scheduler["peak"]["peak_rss_mb"] >= scheduler["load"]["peak_rss_mb"]
     assert scheduler["serial"]["n"] == 1 and scheduler["serial"]["ttfa_p50_ms"] > 0
     eager = scheduler["eager"]["results"]
     assert [r["n"] for r in eager] == [1, 32, 64]

@@ -72,6 +72,8 @@ async def test_hello_and_info_describe_the_model(voxcpm_server):
     assert set(hello["options"]) == {"cfg_value", "inference_timesteps", "min_len", "max_len", "normalize", "seed"}
     status, info = voxcpm_server.get("/v1/info")
     assert info["device"] == "cpu" and info["dtype"] == "float32" and info["slots"] == 4
+    # The engine's own peaks, as its process measured them (no GPU: no allocator's figure).
+    assert info["memory"]["peak_rss_mb"] > 0 and "peak_gpu_mb" not in info["memory"]
     assert info["lora"]["configured"] is True and info["lora"]["adapters"] == [] and info["lora"]["default"] is None
 
 

@@ -74,6 +74,10 @@ class StepReplay:
 
     def _replay(self, step: Step) -> None:
         try:
+            # The step first, as the engine loop reports it before the requests it ended finish:
+            # whoever waits for a request's end has then seen the step that ended it.
+            if step.step_rows and self.on_step is not None:
+                self.on_step(step.step_rows, step.step_s)
             for row in step.rows:
                 request = self._outstanding.get(row.request)
                 if request is not None:
@@ -92,8 +96,6 @@ class StepReplay:
                 if request is not None:
                     request.status = RequestStatus.FINISHED
                     request.sink.fail(ErrorKind(failed.kind), failed.message, failed.retry_after_s)
-            if step.step_rows and self.on_step is not None:
-                self.on_step(step.step_rows, step.step_s)
         except Exception:  # noqa: BLE001 - one step's replay must not stop the next
             log.exception("replaying a step of engine %s failed", self._device)
         finally:

@@ -56,9 +56,11 @@ class BackgroundCompile:
         self.status = "compiling"          # then "done", "failed" or "stopped"
         self.error = ""
         self.started = time.monotonic()
+        self.started_at = time.time()      # the same, in Unix seconds, for a reader in another process
         self.seconds: float | None = None  # until done
         self.measured: dict[int, dict[str, float]] = {}
         self.compiled: list[int] = []      # buckets in the cache
+        self.compile_s: dict[int, float] = {}   # the child's seconds per bucket (0: it was in the cache)
         self.adopted: list[int] = []       # buckets the step uses (the engine says)
         self.declined: list[int] = []      # compiled, but slower than eager here (the engine says)
         self.adopted_decode = False        # the decode's graphs in use (the engine says)
@@ -156,6 +158,7 @@ class BackgroundCompile:
             warm_compiler("cuda" if self.device.startswith("cuda") else "cpu")
         if rows not in self.compiled:
             self.compiled.append(rows)
+        self.compile_s[rows] = float(event.get("seconds", 0.0))
         if "eager_ms" in event:
             self.measured[rows] = {"eager_ms": event["eager_ms"], "compiled_ms": event["compiled_ms"]}
         if self._prepare is not None and self.slower_than_eager(rows) is None:
@@ -191,7 +194,8 @@ class BackgroundCompile:
         return {"status": self.status, "buckets": list(self.buckets), "compiled": list(self.compiled),
                 "adopted": list(self.adopted), "declined": list(self.declined), "decode": self.adopted_decode,
                 "measured": {str(k): v for k, v in self.measured.items()}, "seconds": self.seconds,
-                "cached": self.cached,
+                "compile_s": {str(k): v for k, v in self.compile_s.items()},
+                "started_at": round(self.started_at, 3), "cached": self.cached,
                 **({"priority": self.priority} if self.priority else {}),
                 **({"error": self.error} if self.error else {})}
 
