@@ -123,6 +123,30 @@ def _module_marks(path: Path) -> set[str]:
     return set()
 
 
+_made_kernel_cache: str | None = None
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """One directory of inductor's kernels for the whole run (`VOX_WS_KERNEL_CACHE`), made by
+    the controller before its workers start, so they and every server the tests start inherit
+    it: a test that compiles the step into a compile cache of its own still compiles and saves
+    its graphs there, but the C++ of a kernel another test built already is not built again
+    (minutes each on a 2-core machine)."""
+    global _made_kernel_cache
+    from vox_ws.engines.voxcpm.cache_trust import KERNEL_CACHE_ENV
+
+    if hasattr(config, "workerinput") or os.environ.get(KERNEL_CACHE_ENV):
+        return
+    import tempfile
+
+    _made_kernel_cache = os.environ[KERNEL_CACHE_ENV] = tempfile.mkdtemp(prefix="vox-ws-test-kernels-")
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if _made_kernel_cache is not None:
+        shutil.rmtree(_made_kernel_cache, ignore_errors=True)
+
+
 def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
     """A module whose every test the lane's `-m` leaves out is not imported at all: the quick
     lane's two workers each imported LiveKit Agents and Pipecat (about 160 MB apiece) only to

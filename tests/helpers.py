@@ -31,6 +31,10 @@ from vox_ws.engines.piper_voices import bundled
 from vox_ws.service import Audio, StreamService
 from vox_ws.transports.proxies import V2_SIGNATURE
 
+# How long a compile of one bucket of the tiny model may take on a loaded 2-core machine before a
+# test calls it hung: minutes, not a figure any test depends on.
+BACKGROUND_BOUND_S = 900
+
 ROOT = Path(__file__).resolve().parent.parent
 
 # ------------------------------------------------------------------ texts

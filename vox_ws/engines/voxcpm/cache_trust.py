@@ -25,6 +25,9 @@ from ...files import make_private_dir
 
 log = logging.getLogger("vox_ws.engines.voxcpm")
 
+# Where inductor keeps its kernels when not in the compile cache (`compiled.use_cache_dir`).
+KERNEL_CACHE_ENV = "VOX_WS_KERNEL_CACHE"
+
 
 def trusted_cache_dir(requested: Path) -> Path:
     """`requested`, created 0700 where missing, when it is private to this user; else a new

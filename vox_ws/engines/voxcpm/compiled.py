@@ -41,7 +41,7 @@ import torch
 from torch import nn
 
 from .attention_choice import choose_attention
-from .cache_trust import trusted_cache_dir
+from .cache_trust import KERNEL_CACHE_ENV, trusted_cache_dir
 from .graph_check import Serving, check_step, decode_mismatch, verdict
 from .graphs import GraphsBySize, GraphStore, bucket_of, padded
 from .kv import RowPlaces, SlotKV, attention_name, key_positions, lm_step
@@ -422,13 +422,19 @@ def use_cache_dir(cache_dir: Path) -> Path:
     Inductor keeps its precompiled C++ headers in `$TMPDIR/torchinductor_<user>` whatever its
     cache directory is (`codecache._HEADER_DIR`, fixed at import), and builds kernels against a
     header found there: another local user who makes that directory first puts code into every
-    kernel. They go into `cache_dir` too."""
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir)
+    kernel. They go into `cache_dir` too.
+
+    `VOX_WS_KERNEL_CACHE` names another directory for inductor's kernels and headers (checked as
+    `cache_dir` is): several compile caches then share the kernels they have in common, as the
+    test suite's runs do (one per run, for every test that compiles into a cache of its own)."""
+    shared = os.environ.get(KERNEL_CACHE_ENV)
+    kernels = trusted_cache_dir(Path(shared)) if shared else cache_dir
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(kernels)
     from torch._inductor import codecache
 
     if hasattr(codecache, "_HEADER_DIR"):
-        codecache._HEADER_DIR = str(cache_dir / "precompiled_headers")
-        codecache._HEADER_LOCK_DIR = str(cache_dir / "precompiled_headers" / "locks")
+        codecache._HEADER_DIR = str(kernels / "precompiled_headers")
+        codecache._HEADER_LOCK_DIR = str(kernels / "precompiled_headers" / "locks")
     dynamo = torch._dynamo.config
     for name in ("recompile_limit", "cache_size_limit"):
         if hasattr(dynamo, name) and getattr(dynamo, name) < 64:
