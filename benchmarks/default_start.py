@@ -8,7 +8,8 @@ Each configuration is a server process of its own on a fresh compile cache, with
 - `default`: no argument: ready once loaded, the step compiling in a background process. It is
   measured twice: from the moment `/readyz` answers 200, while the compile runs (each rate says
   whether it was still running), then once the compile is done;
-- `before` (with `--before-tree DIR`, a checkout of an earlier commit): that tree's default.
+- `before` (with `--before-tree DIR`, a checkout of an earlier commit): that tree's default;
+  `before-off` with `--before-off`: that tree with `--compile off`, to set against `off`.
 
 Per configuration: the seconds to ready, open-loop capacity (`vox_ws.clients.capacity.run_rate`:
 listeners arriving at each rate for `--seconds`, each a real-time player; a rate is held when
@@ -16,7 +17,7 @@ first audio p95 <= 300 ms and 99% of streams play without a gap) and the first a
 each rate.
 
     python -m benchmarks.default_start [--model DIR] [--rates 6,8,10,12] [--compiled-rates R] [--seconds 20]
-        [--neighbour] [--before-tree DIR] [--only default] [--json FILE]
+        [--neighbour] [--before-tree DIR [--before-off]] [--only default] [--json FILE]
 
 Without --model it builds the tiny random-weight VoxCPM2 in a temporary directory. The
 neighbour is one process spinning a core at normal priority for the whole run.
@@ -122,10 +123,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", help="VoxCPM2 checkpoint directory (default: build the tiny model)")
     ap.add_argument("--rates", default="6,8,10,12")
     ap.add_argument("--compiled-rates", help="the rates once compiled (default: --rates)")
-    ap.add_argument("--only", help="these configurations alone (before, off, default; comma-separated)")
+    ap.add_argument("--only", help="these configurations alone (before or before-off, off, default; comma-separated)")
     ap.add_argument("--seconds", type=float, default=20.0, help="arrivals per rate, in seconds")
     ap.add_argument("--neighbour", action="store_true", help="beside a process spinning one core")
     ap.add_argument("--before-tree", help="a checkout of an earlier commit: its default start is measured too")
+    ap.add_argument("--before-off", action="store_true",
+                    help="the earlier commit with --compile off (against this tree's `off`) instead of its default")
     ap.add_argument("--bound", type=float, default=1800.0, help="seconds a start and its compile may take")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
@@ -138,7 +141,8 @@ def main(argv: list[str] | None = None) -> int:
              [float(r) for r in (args.compiled_rates or args.rates).split(",")])
     configurations: list[tuple[str, list[str], Path]] = []
     if args.before_tree:
-        configurations.append(("before", [], Path(args.before_tree).resolve()))
+        configurations.append(("before-off" if args.before_off else "before",
+                               ["--compile", "off"] if args.before_off else [], Path(args.before_tree).resolve()))
     configurations += [("off", ["--compile", "off"], ROOT), ("default", [], ROOT)]
     if args.only:
         configurations = [c for c in configurations if c[0] in args.only.split(",")]
