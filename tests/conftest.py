@@ -499,7 +499,7 @@ class HostedEngine:
     socket and messages as to an engine process. The stand-in runs on an event loop of its own
     (its verbs are thread-safe), so one may serve every test of a module."""
 
-    def __init__(self, engine: Engine, slots: int = 4, max_queue: int = 8) -> None:
+    def __init__(self, engine: Engine, slots: int = 4, max_queue: int = 8, max_wait_s: float | None = None) -> None:
         from vox_ws.engine_process.launch import InProcess
         from vox_ws.engine_process.proxy import EngineProxy
         from vox_ws.engine_process.spec import LoopSettings
@@ -508,7 +508,7 @@ class HostedEngine:
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="test-engine-host", daemon=True)
         self._thread.start()
-        self.launcher = InProcess(engine, LoopSettings(slots, max_queue))
+        self.launcher = InProcess(engine, LoopSettings(slots, max_queue, max_wait_s=max_wait_s))
         self.proxy = EngineProxy(self.launcher, engine.name, engine.options)
 
         async def start() -> None:

@@ -16,7 +16,7 @@ import threading
 import pytest
 import torch
 
-from conftest import WAIT_TIMEOUT, connect_client, loaded_loop
+from conftest import WAIT_TIMEOUT, connect_client, loaded_loop, wait_until
 from vox_ws.engine import EngineFailure, ErrorKind, GenerationRequest, Readiness, Refused
 from vox_ws.engines import accelerator
 from vox_ws.engines.accelerator import device_lost, enter_device, on_device
@@ -135,6 +135,10 @@ class Shutdowns:
 
 @pytest.mark.slow
 async def test_a_device_lost_mid_step_ends_the_engine_and_says_why(start_server, tiny_model, caplog):
+    """The engine ends on purpose (its host closes its end of the boundary; an engine process
+    would exit with status 3 and be started again). This one is an engine object served on a
+    thread of the test's process (`InProcess`), which cannot be started again: once it has
+    ended (`last_exit`: 3), the server has no engine left, and asks to stop with exit status 3."""
     engine = VoxCPMEngine(model=str(tiny_model), device="cpu", slots=2)
     server = start_server(engine, slots=2)
     shutdowns = Shutdowns(server)
@@ -159,7 +163,12 @@ async def test_a_device_lost_mid_step_ends_the_engine_and_says_why(start_server,
             refused = await c.error("after")
             assert refused["code"] == "not_ready" and "the device cpu is lost" in refused["message"]
     assert calls[0] == 4                       # the broken device was not stepped again
+    # The engine's host closed its end at the failure; once its thread has closed the engine and
+    # ended, the server, left with no engine that serves, asks for its own shutdown.
+    await wait_until(lambda: shutdowns.asked)
     assert server.server.exit_code == 3 and shutdowns.asked == [(False, p.CLOSE_INTERNAL)]
+    (device,) = server.get("/v1/info")[1]["devices"]
+    assert device["last_exit"]["code"] == 3 and device["last_exit"]["why"] == "exit code 3", device
     died = [r for r in caplog.records if r.name == "vox_ws.scheduling" and r.levelno == logging.ERROR]
     assert len(died) == 1 and "engine failed" in died[0].getMessage(), [r.getMessage() for r in died]
     assert "the device cpu is lost" in died[0].getMessage() and died[0].exc_info is not None

@@ -63,7 +63,9 @@ def test_auto_leaves_the_step_eager_on_a_cpu(tiny_model):
 @pytest.mark.slow
 async def test_readyz_says_compiling_until_the_step_is_compiled_then_it_serves(start_server, tiny_model, tmp_path):
     """The compile waits for the test (so "compiling" is seen whatever the machine's speed),
-    then compiles one bucket into the given cache."""
+    then compiles one bucket into the given cache. The engine's phase crosses the boundary as
+    its host's report thread sees it (`State.loading_phase`, every `REPORT_EVERY_S`): the test
+    waits for the server's view of the engine to hold it, then reads what the server answers."""
     entered, release = threading.Event(), threading.Event()
 
     class HeldCompile(VoxCPMEngine):
@@ -77,15 +79,19 @@ async def test_readyz_says_compiling_until_the_step_is_compiled_then_it_serves(s
     engine = HeldCompile(model=str(tiny_model), device="cpu", slots=1, compile="on", compile_buckets=(1,),
                          compile_cache=str(cache))
     server = start_server(engine, wait=False, slots=1)
-    assert entered.wait(WAIT_TIMEOUT)
-    status, body = server.get("/readyz")
-    assert status == 503 and body["status"] == "compiling", body
-    async with connect_client(server) as c:
-        assert c.hello["status"] == "compiling"
-        await c.send({"type": "start", "id": "early", "text": "Too soon."})
-        refused = await c.error("early")
-        assert refused["code"] == "not_ready" and "compiling" in refused["message"], refused
-    release.set()
+    try:
+        assert entered.wait(WAIT_TIMEOUT)
+        (proxy,) = server.devices.loops
+        await wait_until(lambda: proxy.engine.loading_phase == "compiling")
+        status, body = server.get("/readyz")
+        assert status == 503 and body["status"] == "compiling", body
+        async with connect_client(server) as c:
+            assert c.hello["status"] == "compiling"
+            await c.send({"type": "start", "id": "early", "text": "Too soon."})
+            refused = await c.error("early")
+            assert refused["code"] == "not_ready" and "compiling" in refused["message"], refused
+    finally:
+        release.set()                  # a failure above still lets the engine load, and stop
     server.wait_ready()
     status, info = server.get("/v1/info")
     assert info["compile"]["compiled"] is True and info["compile"]["buckets"] == [1], info["compile"]

@@ -10,8 +10,10 @@ from is stopped with SIGSTOP) while the test reads readiness 503, and let go aft
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import signal
+import socket
 import sys
 import time
 import urllib.error
@@ -25,6 +27,12 @@ import pytest
 
 from conftest import WAIT_TIMEOUT, assert_good_stream, connect_client, start_serve, wait_until
 from helpers import LONG, tone_wav
+from vox_ws.engine import EngineFailure
+from vox_ws.engine_process.channel import BlockingChannel
+from vox_ws.engine_process.host import FAILED_EXIT_CODE
+from vox_ws.engine_process.messages import State, Step, Submit
+from vox_ws.engine_process.spec import EngineSpec, LoopSettings
+from vox_ws.testing.tone import ToneEngine
 
 
 @dataclass
@@ -183,3 +191,45 @@ async def test_a_voice_registered_on_an_engine_that_died_is_built_again_on_the_n
         after = await c.speak("In the registered voice.", "after", voice=voice, options={"seed": 9, "max_len": 4})
     assert_good_stream(after, min_seconds=0.1, reason="max_len")
     assert after.pcm().tobytes() == before.pcm().tobytes()          # the same voice, the same seed
+
+
+class _LosesItsDevice(ToneEngine):
+    """Loads, then loses its device at its first step, as a CUDA illegal address would."""
+
+    def step(self, batch):
+        raise EngineFailure("the device cpu is lost: AcceleratorError: CUDA error: an illegal memory access")
+
+
+def test_an_engine_that_loses_its_device_ends_its_process_with_status_3(monkeypatch):
+    """The engine process's own entry point (`engine_main`), forked with an engine that loses
+    its device at its first step: it says so (`State` failed, `fatal`), fails the request
+    `unavailable`, closes its end and exits with status 3, which the server's `last_exit`
+    shows and after which it starts another (`life.py`)."""
+    from vox_ws.engine_process import main
+
+    monkeypatch.setattr(main, "create_engine", lambda plugin, settings: _LosesItsDevice())
+    server_end, engine_end = socket.socketpair()
+    process = multiprocessing.get_context("fork").Process(
+        target=main.engine_main, args=(EngineSpec("lost", {}, "cpu", LoopSettings(1, 1)), dict(os.environ), engine_end))
+    process.start()
+    engine_end.close()
+    channel = BlockingChannel(server_end)
+    try:
+        heard: list = []
+        while not any(isinstance(m, State) and m.status == "ready" for m in heard):
+            heard.append(message := channel.receive())
+            assert message is not None, heard
+        channel.send(Submit(1, "Say this."))
+        while (message := channel.receive()) is not None:
+            heard.append(message)
+        process.join(WAIT_TIMEOUT)
+        assert process.exitcode == FAILED_EXIT_CODE == 3
+    finally:
+        if process.exitcode is None:
+            process.kill()
+            process.join(WAIT_TIMEOUT)
+        channel.close()
+    (failed,) = [m for m in heard if isinstance(m, State) and m.status == "failed"]
+    assert failed.fatal and "the device cpu is lost" in failed.error, failed
+    told = [f for m in heard if isinstance(m, Step) for f in m.failed]
+    assert [(f.request, f.kind) for f in told] == [(1, "unavailable")], told

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from attackers import ATTACKER, attacker_socket
-from conftest import WAIT_TIMEOUT, assert_good_stream, connect_client, loaded_loop, wait_until
+from conftest import WAIT_TIMEOUT, HostedEngine, assert_good_stream, connect_client, wait_until
 from helpers import LONG, SENTENCE, drain, service_on
 from vox_ws.engine import EndReason, ErrorKind, GenerationRequest, Refused, RequestStatus, StepResult
 from vox_ws.engines.piper import PiperEngine
@@ -291,49 +291,59 @@ async def test_streams_waiting_on_slow_readers_give_their_slots_to_a_waiting_str
 @pytest.mark.hardening
 async def test_a_stream_parked_while_its_reader_lags_holds_no_place_in_the_queue():
     """One slot, a queue of one: two readers that take nothing rest parked, and a third stream
-    still finds room in the queue (it is not refused `busy` for streams that wait on nobody)."""
+    still finds room in the queue (it is not refused `busy` for streams that wait on nobody).
+    The service speaks to the engine through its stand-in, as a server's does (`HostedEngine`):
+    a reader that lags is told to the engine's slot queue across the boundary (`Reader`), and the
+    queue's figures are those the stand-in has been sent."""
 
     from vox_ws.engine import EndReason
     from vox_ws.service import Ended, StreamRequest
 
-    scheduler = loaded_loop(PiperEngine(), slots=1, max_queue=1)
-    service = await service_on(scheduler, max_buffered_audio_s=1.0, write_stall_timeout_s=3600.0,
+    hosted = HostedEngine(PiperEngine(), slots=1, max_queue=1)
+    service = await service_on(hosted.proxy, max_buffered_audio_s=1.0, write_stall_timeout_s=3600.0,
                                max_queue_wait_s=3600.0)
-    lagging = [service.open_stream(StreamRequest(LONG), owners=(f"address:{n}", f"connection:{n}")) for n in (1, 2)]
-    # The first lags (nobody reads it), the second claims its slot: the first rests parked; then
-    # the second lags with nobody waiting, and keeps the slot.
-    await wait_until(lambda: scheduler.stats()["parked"] == 1 and lagging[1].backlogged())
-    assert scheduler.stats()["queued"] == 0
-    third = service.open_stream(StreamRequest(SENTENCE), owners=("address:3", "connection:3"))
-    assert third.queued == 1
-    events = await drain(third)
-    assert isinstance(events[-1], Ended) and events[-1].reason == EndReason.DONE
-    for stream in lagging:
-        stream.cancel()
-    scheduler.stop()
-    await service.close()
+    try:
+        lagging = [service.open_stream(StreamRequest(LONG), owners=(f"address:{n}", f"connection:{n}"))
+                   for n in (1, 2)]
+        # The first lags (nobody reads it), the second claims its slot: the first rests parked;
+        # then the second lags with nobody waiting, and keeps the slot.
+        await wait_until(lambda: hosted.proxy.stats()["parked"] == 1 and lagging[1].backlogged())
+        assert hosted.proxy.stats()["queued"] == 0
+        third = service.open_stream(StreamRequest(SENTENCE), owners=("address:3", "connection:3"))
+        assert third.queued == 1
+        events = await drain(third)
+        assert isinstance(events[-1], Ended) and events[-1].reason == EndReason.DONE
+        for stream in lagging:
+            stream.cancel()
+    finally:
+        hosted.stop()
+        await service.close()
 
 
 @pytest.mark.hardening
 async def test_a_client_holding_every_slot_gives_one_back_to_a_newcomer():
-    scheduler = loaded_loop(PiperEngine(), slots=2)
-    assert scheduler.queue.fair.max_share == 1
+    """Through the engine's stand-in (`HostedEngine`), as a server serves it; the slot queue
+    read on the engine's side of the boundary."""
+    hosted = HostedEngine(PiperEngine(), slots=2)
+    assert hosted.engine_loop.queue.fair.max_share == 1
     # No stall time-out in reach: a stream whose reader takes nothing keeps its slot for good.
-    service = await service_on(scheduler, write_stall_timeout_s=3600.0)
-    hog = [service.open_stream(StreamRequest(LONG * 3), owners=("connection:1",)) for _ in range(2)]
-    first = [await hog[0].__anext__(), await hog[1].__anext__()]
-    assert all(isinstance(e, Audio) for e in first)
-    newcomer = service.open_stream(StreamRequest(SENTENCE), owners=("connection:2",))
-    assert newcomer.queued == 1
-    # The hog reads nothing more, so its streams hold their slots for good: the newcomer speaks
-    # only because one was given back (parked), not after the hog's long texts.
-    events = await drain(newcomer)
-    assert isinstance(events[-1], Ended) and events[-1].reason == EndReason.DONE
-    assert not any(s.done for s in hog)
-    for stream in hog:
-        stream.cancel()
-    scheduler.stop()
-    await service.close()
+    service = await service_on(hosted.proxy, write_stall_timeout_s=3600.0)
+    try:
+        hog = [service.open_stream(StreamRequest(LONG * 3), owners=("connection:1",)) for _ in range(2)]
+        first = [await hog[0].__anext__(), await hog[1].__anext__()]
+        assert all(isinstance(e, Audio) for e in first)
+        newcomer = service.open_stream(StreamRequest(SENTENCE), owners=("connection:2",))
+        assert newcomer.queued == 1
+        # The hog reads nothing more, so its streams hold their slots for good: the newcomer
+        # speaks only because one was given back (parked), not after the hog's long texts.
+        events = await drain(newcomer)
+        assert isinstance(events[-1], Ended) and events[-1].reason == EndReason.DONE
+        assert not any(s.done for s in hog)
+        for stream in hog:
+            stream.cancel()
+    finally:
+        hosted.stop()
+        await service.close()
 
 
 class UnparkedHeldTone(HeldTone):
@@ -350,25 +360,25 @@ async def test_a_stream_queued_too_long_ends_busy():
     for the waiter, before the time-out on one machine and after it on another.)"""
     max_wait_s = 0.5
     engine = UnparkedHeldTone()
-    scheduler = EngineLoop(engine, slots=1, max_queue=4, max_wait_s=max_wait_s)
-    scheduler.start()
-    assert scheduler.ready_event.wait(120)
-    service = await service_on(scheduler)
+    hosted = HostedEngine(engine, slots=1, max_queue=4, max_wait_s=max_wait_s)   # through its stand-in
+    service = await service_on(hosted.proxy)
     holder_text = "x" * 40
-    holder = service.open_stream(StreamRequest(holder_text), owners=("connection:1",))
-    await asyncio.to_thread(engine.inside_step)              # the holder has the slot, held
-    waiter = service.open_stream(StreamRequest(SENTENCE), owners=("connection:1",))
-    started = time.monotonic()
-    await wait_until(lambda: time.monotonic() - started > max_wait_s)
-    engine.go.release()                                      # one step; then the turn that refuses
-    events = await drain(waiter, timeout=WAIT_TIMEOUT)
-    assert isinstance(events[-1], Failed) and events[-1].kind == ErrorKind.BUSY, events[-1]
-    assert not any(isinstance(e, Audio) for e in events)
-    holder.cancel()
-    for _ in holder_text:
-        engine.go.release()                                  # whatever steps are left go through
-    scheduler.stop()
-    await service.close()
+    try:
+        holder = service.open_stream(StreamRequest(holder_text), owners=("connection:1",))
+        await asyncio.to_thread(engine.inside_step)              # the holder has the slot, held
+        waiter = service.open_stream(StreamRequest(SENTENCE), owners=("connection:1",))
+        started = time.monotonic()
+        await wait_until(lambda: time.monotonic() - started > max_wait_s)
+        engine.go.release()                                      # one step; then the turn that refuses
+        events = await drain(waiter, timeout=WAIT_TIMEOUT)
+        assert isinstance(events[-1], Failed) and events[-1].kind == ErrorKind.BUSY, events[-1]
+        assert not any(isinstance(e, Audio) for e in events)
+        holder.cancel()
+    finally:
+        for _ in holder_text:
+            engine.go.release()                                  # whatever steps are left go through
+        hosted.stop()
+        await service.close()
 
 
 class RecordingPiper(PiperEngine):
@@ -388,49 +398,58 @@ async def test_two_streams_of_dense_text_do_not_hold_up_a_newcomer():
     """Dense text on two streams (85 s of speech each, once one step) cannot hold up a third:
     the newcomer's client had the least of the engine, so its steps run back to back."""
     engine = RecordingPiper()
-    scheduler = loaded_loop(engine, slots=4)
-    service = await service_on(scheduler)
-    dense = ("我们今天去公园散步，天气非常好。" * 15)[:240]
-    hogs = [service.open_stream(StreamRequest(dense), owners=(f"connection:{n}",)) for n in (1, 2)]
-    readers = [asyncio.create_task(drain(h, 120)) for h in hogs]
-    # Both hogs served long enough for their clients' share of the engine to settle (it decays
-    # by SERVICE_DECAY a step: after 20 steps each holds about its steady share).
-    await wait_until(lambda: engine.served.count(dense) >= 20)
-    newcomer_text = SENTENCE + " " + SENTENCE
-    events = await drain(service.open_stream(StreamRequest(newcomer_text), owners=("connection:3",)))
-    assert isinstance(events[-1], Ended) and events[-1].reason == EndReason.DONE
-    served = engine.served
-    mine = [i for i, text in enumerate(served) if text == newcomer_text]
-    assert len(mine) >= 2
-    assert sum(1 for i in range(mine[0], mine[-1]) if served[i] != newcomer_text) == 0, served[mine[0]:mine[-1]]
-    for hog in hogs:
-        hog.cancel()
-    await asyncio.gather(*readers)
-    scheduler.stop()
-    await service.close()
+    hosted = HostedEngine(engine, slots=4)                       # through its stand-in
+    service = await service_on(hosted.proxy)
+    try:
+        dense = ("我们今天去公园散步，天气非常好。" * 15)[:240]
+        hogs = [service.open_stream(StreamRequest(dense), owners=(f"connection:{n}",)) for n in (1, 2)]
+        readers = [asyncio.create_task(drain(h, 120)) for h in hogs]
+        # Both hogs served long enough for their clients' share of the engine to settle (it
+        # decays by SERVICE_DECAY a step: after 20 steps each holds about its steady share).
+        await wait_until(lambda: engine.served.count(dense) >= 20)
+        newcomer_text = SENTENCE + " " + SENTENCE
+        events = await drain(service.open_stream(StreamRequest(newcomer_text), owners=("connection:3",)))
+        assert isinstance(events[-1], Ended) and events[-1].reason == EndReason.DONE
+        served = engine.served
+        mine = [i for i, text in enumerate(served) if text == newcomer_text]
+        assert len(mine) >= 2
+        assert sum(1 for i in range(mine[0], mine[-1]) if served[i] != newcomer_text) == 0, \
+            served[mine[0]:mine[-1]]
+        for hog in hogs:
+            hog.cancel()
+        await asyncio.gather(*readers)
+    finally:
+        hosted.stop()
+        await service.close()
 
 
 @pytest.mark.hardening
 async def test_a_full_queue_makes_room_for_a_client_that_holds_less():
-    scheduler = loaded_loop(PiperEngine(), slots=1, max_queue=2)
-    service = await service_on(scheduler)
-    flooder = [service.open_stream(StreamRequest(LONG), owners=("address:a", "connection:1")) for _ in range(3)]
-    # Another connection of the same address is told apart by its connection.
-    other = service.open_stream(StreamRequest(SENTENCE), owners=("address:a", "connection:2"))
-    assert other.queued
-    pushed = await drain(flooder[2], 30)
-    assert isinstance(pushed[-1], Failed) and pushed[-1].kind == ErrorKind.BUSY and "pushed out" in pushed[-1].message
-    # The flooder's next stream finds the queue full: it outweighs nobody.
-    with pytest.raises(Refused) as info:
-        service.open_stream(StreamRequest(SENTENCE), owners=("address:a", "connection:1"))
-    assert info.value.kind == ErrorKind.BUSY
-    # Another address is told apart by its address: the busiest connection of address a
-    # (the flooder's, not the other's) gives way.
-    third = service.open_stream(StreamRequest(SENTENCE), owners=("address:b", "connection:3"))
-    pushed = await drain(flooder[1], 30)
-    assert isinstance(pushed[-1], Failed) and pushed[-1].kind == ErrorKind.BUSY
-    assert not other.done
-    for stream in flooder + [other, third]:
-        stream.cancel()
-    scheduler.stop()
-    await service.close()
+    """Through the engine's stand-in (`HostedEngine`), as a server serves it: the slot queue is
+    the engine's, across the boundary, so a stream it refuses opens and fails at once (`busy`),
+    as PROTOCOL.md allows, where an engine on the service's thread refused the open itself."""
+    hosted = HostedEngine(PiperEngine(), slots=1, max_queue=2)
+    service = await service_on(hosted.proxy)
+    try:
+        flooder = [service.open_stream(StreamRequest(LONG), owners=("address:a", "connection:1"))
+                   for _ in range(3)]
+        # Another connection of the same address is told apart by its connection.
+        other = service.open_stream(StreamRequest(SENTENCE), owners=("address:a", "connection:2"))
+        assert other.queued
+        pushed = await drain(flooder[2], 30)
+        assert isinstance(pushed[-1], Failed) and pushed[-1].kind == ErrorKind.BUSY \
+            and "pushed out" in pushed[-1].message
+        # The flooder's next stream finds the queue full: it outweighs nobody.
+        refused = await drain(service.open_stream(StreamRequest(SENTENCE), owners=("address:a", "connection:1")), 30)
+        assert [type(e) for e in refused] == [Failed] and refused[0].kind == ErrorKind.BUSY, refused
+        # Another address is told apart by its address: the busiest connection of address a
+        # (the flooder's, not the other's) gives way.
+        third = service.open_stream(StreamRequest(SENTENCE), owners=("address:b", "connection:3"))
+        pushed = await drain(flooder[1], 30)
+        assert isinstance(pushed[-1], Failed) and pushed[-1].kind == ErrorKind.BUSY
+        assert not other.done
+        for stream in flooder + [other, third]:
+            stream.cancel()
+    finally:
+        hosted.stop()
+        await service.close()

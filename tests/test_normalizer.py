@@ -17,8 +17,11 @@ from vox_ws.service import Audio, Ended, Failed, StreamRequest
 
 @pytest.mark.hardening
 async def test_normalizing_runs_beside_the_engine_and_gives_up_on_hostile_text(voxcpm_loop):
+    """The service prepares texts with the server's copy of the engine's text rules (the
+    engine as declared: `EngineView.text`, VoxCPM2's portable rules), whose normaliser process
+    is the server's own, beside the engine's process (here its thread, behind its stand-in)."""
     service = await service_on(voxcpm_loop)
-    normalizer = service.engine._normalizer
+    normalizer = service.engine.text.normalizer
     # The first use starts the normaliser's process (seconds): this stream waits, no other does.
     ok = await drain(service.open_stream(StreamRequest("I have 123 apples.",
                                                        options={"normalize": True, "max_len": 3})), 120)

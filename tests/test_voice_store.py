@@ -1073,6 +1073,9 @@ def test_the_built_voices_are_a_cache_the_least_recently_used_leave(monkeypatch)
 @pytest.mark.hardening
 async def test_voice_churn_through_one_replica_never_fills_another(start_server, tiny_model, redis_server,
                                                                   monkeypatch):
+    """The voices B's engine keeps built stay within its cap: read on the engine's side of the
+    boundary (its host's engine, served on a thread of this process, where the cap is set), the
+    server holding only the engine as declared."""
     import redis.asyncio
 
     from vox_ws.engines.voxcpm import voices
@@ -1091,7 +1094,8 @@ async def test_voice_churn_through_one_replica_never_fills_another(start_server,
         registered.append(await register(a, pitch=150.0 + 10 * cycle))
         spoken = await speak(b, registered[-1])
         assert spoken.error is None and spoken.end["reason"] == "max_len", (cycle, spoken.error)
-    engine_b = b.server.devices.engines[0]
+    (engine_b_loop,) = b.devices.loops
+    engine_b = engine_b_loop.launcher.host.engine
     assert len(engine_b.voices.book) <= cap
     # A voice the store retired is refused on B too, whatever B had built.
     gone = await speak(b, registered[0])

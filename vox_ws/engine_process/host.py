@@ -68,6 +68,10 @@ REPORT_EVERY_S = 0.25
 DESCRIBE_EVERY_S = 1.0
 # How long a stopping engine loop has to close its engine, when the server's end went away.
 ORPHAN_CLOSE_S = 5.0
+# The exit status of an engine process whose engine failed while serving (a lost device, a dead
+# loop thread): what `/v1/info`'s `last_exit` and the log show, as the server's own status was
+# before engines had processes of their own.
+FAILED_EXIT_CODE = 3
 
 
 class HostSink:
@@ -186,7 +190,8 @@ class EngineHost:
     def serve(self) -> str:
         """Start the engine loop (the engine loads on its thread) and read the server's messages
         until it says stop, or its end of the channel closes; then the loop stops and closes the
-        engine. What ended it: "stopped" or "orphaned"."""
+        engine. What ended it: "stopped", "orphaned", or "failed" (the engine failed while
+        serving: its host closed the channel)."""
         self.channel.send(State(Readiness.LOADING.value, loading_phase=self.engine.loading_phase,
                                 name=self.engine.name))
         self.loop.start()
@@ -195,7 +200,7 @@ class EngineHost:
         while True:
             message = self.channel.receive()
             if message is None:
-                self.ended_by = "orphaned"
+                self.ended_by = self.ended_by or "orphaned"
                 break
             if isinstance(message, Stop):
                 self.ended_by, within = "stopped", message.within_s
@@ -391,6 +396,7 @@ class EngineHost:
         if not during_load:
             # A device lost (or a thread that crashed) cannot be trusted again in this
             # process: it ends, and the server starts another.
+            self.ended_by = "failed"
             self.channel.flush(2.0)
             self.channel.close()
 

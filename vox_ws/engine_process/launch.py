@@ -89,10 +89,16 @@ class _Thread:
         self._ended = ended
 
     def wait(self, timeout: float | None) -> int | None:
+        """As an engine process's exit code: 0 stopped, `FAILED_EXIT_CODE` its engine failed,
+        1 its host raised."""
+        from .host import FAILED_EXIT_CODE
+
         self._thread.join(timeout)
         if self._thread.is_alive():
             return None
-        return 0 if self._ended.done() and self._ended.exception() is None else 1
+        if not self._ended.done() or self._ended.exception() is not None:
+            return 1
+        return FAILED_EXIT_CODE if self._ended.result() == "failed" else 0
 
     def kill(self) -> None:
         """A thread cannot be killed: its socket is shut, which ends its host."""

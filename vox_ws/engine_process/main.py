@@ -8,13 +8,14 @@ import logging
 import os
 import signal
 import socket
+import sys
 from typing import Any
 
 from ..engine import Readiness
 from ..engines import create_engine
 from ..engines.child import killed_with_parent
 from .channel import BlockingChannel
-from .host import EngineHost
+from .host import FAILED_EXIT_CODE, EngineHost
 from .messages import State
 from .spec import EngineSpec
 
@@ -47,3 +48,5 @@ def engine_main(spec: EngineSpec, environ: dict[str, Any], sock: socket.socket) 
     ended = host.serve()
     log.debug("engine process %d: %s", os.getpid(), ended)
     channel.close()
+    if ended == "failed":
+        sys.exit(FAILED_EXIT_CODE)

@@ -12,16 +12,21 @@ adapter loaded) are calls to its process (`Calls`).
 
 A pin (a voice's, an adapter's) is held in the engine process from the stream's open to its end:
 the server's pin object sends `Unpin` when it is let go (garbage-collected: a stream's pins live
-as long as its generation), so no path that drops a stream can leak one.
+as long as its generation), so no path that drops a stream can leak one. The streams on each
+adapter are counted here, where they are pinned and let go: an adapter being unloaded is gone
+from this copy as its last stream lets it go, before that stream's end is sent (its engine frees
+the slot when the `Unpin` arrives), as it was gone before engines had processes of their own.
 """
 
 from __future__ import annotations
 
 import importlib
 import itertools
+import threading
 import weakref
+from collections import Counter
 from concurrent.futures import Future
-from typing import Any, Mapping, Protocol
+from typing import Any, Callable, Mapping, Protocol
 
 import numpy as np
 
@@ -75,10 +80,12 @@ class LoraPin(Held):
         self.name = name
 
 
-def _held(calls: Calls, kind: str, name: str | None, held: Held) -> Any:
+def _held(calls: Calls, kind: str, name: str | None, held: Held, unpin: Callable[[int], None] | None = None) -> Any:
+    """`held`, pinned in the engine process as `kind` `name`; `unpin` (default: the `Unpin`
+    alone) lets it go, once."""
     held.pin = next(_pins)
     calls.pin(held.pin, kind, name)
-    held._release = weakref.finalize(held, calls.unpin, held.pin)
+    held._release = weakref.finalize(held, unpin or calls.unpin, held.pin)
     return held
 
 
@@ -213,16 +220,29 @@ class DeclaredText(TextRules):
 
 
 class DeclaredLoras(Loras):
-    """An engine's adapters as last described; `load` and the rest are calls to its process."""
+    """An engine's adapters as last described, with the streams on each as this copy holds them
+    (the module's docstring); `load` and the rest are calls to its process. Thread-safe: a pin
+    may be let go on any thread (garbage-collected)."""
 
     def __init__(self, engine: EngineView, calls: Calls) -> None:
         super().__init__(engine)
         self._calls = calls
         self.described: dict[str, Any] = {"configured": False}
         self.supported = True                 # False: the engine has no adapters at all
+        self._lock = threading.Lock()
+        self._streams: Counter[str] = Counter()   # adapter name -> pins held by this server's streams
 
     def describe(self) -> dict[str, Any]:
-        return self.described
+        """As the engine described them, each adapter's streams those pinning it now; one being
+        unloaded that none pins any more is gone."""
+        described = self.described
+        if "adapters" not in described:
+            return described
+        with self._lock:
+            streams = dict(self._streams)
+        adapters = [{**a, "streams": streams.get(a["name"], 0)} for a in described["adapters"]
+                    if a["state"] != "unloading" or streams.get(a["name"], 0) > 0]
+        return {**described, "adapters": adapters}
 
     def _adapter(self, name: str) -> dict[str, Any] | None:
         return next((a for a in self.described.get("adapters", ()) if a["name"] == name), None)
@@ -243,9 +263,18 @@ class DeclaredLoras(Loras):
             loaded = sorted(a["name"] for a in described.get("adapters", ()) if a["state"] == "loaded")
             raise Refused(ErrorKind.INVALID, f"unknown LoRA adapter {name!r} (loaded: {loaded})", field="lora")
         if adapter["state"] == "unloading":
-            raise Refused(ErrorKind.INVALID, f"LoRA adapter {name!r} is being unloaded: {adapter['streams']} "
+            raise Refused(ErrorKind.INVALID, f"LoRA adapter {name!r} is being unloaded: {self._streams[name]} "
                                              "stream(s) still speak with it, no new one may", field="lora")
-        return _held(self._calls, "lora", name, LoraPin(name))
+        with self._lock:
+            self._streams[name] += 1
+        return _held(self._calls, "lora", name, LoraPin(name), lambda number, name=name: self._let_go(number, name))
+
+    def _let_go(self, pin: int, name: str) -> None:
+        with self._lock:
+            self._streams[name] -= 1
+            if self._streams[name] <= 0:
+                del self._streams[name]
+        self._calls.unpin(pin)
 
     def unpin(self, pin: Any) -> None:
         if isinstance(pin, LoraPin):
