@@ -376,20 +376,7 @@ class VoxCPMEngine(Engine):
                             "graphs": ({"loaded": compiled.store.loaded, "compiled": compiled.store.compiled}
                                        if compiled else {"loaded": 0, "compiled": 0}),
                             **({"background": self.background.describe()} if self.background else {})},
-                "memory": self._peak_memory()}
-
-    def _peak_memory(self) -> dict[str, float]:
-        """The peaks of the process the engine runs in (its engine process under `vox-ws serve`,
-        which the server's own figures cannot see): resident memory, and on a GPU what PyTorch's
-        allocator held there (0 before the engine loaded)."""
-        import resource
-
-        figures = {"peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)}
-        if self.device.startswith("cuda") and self.runner is not None:
-            import torch
-
-            figures["peak_gpu_mb"] = round(torch.cuda.max_memory_allocated(torch.device(self.device)) / 2**20, 1)
-        return figures
+                "memory": peak_memory(self.device, self.runner is not None)}
 
     # ------------------------------------------------------------------ requests
 
@@ -489,3 +476,17 @@ def _check_denoiser_dependencies() -> None:
             "(iic/speech_zipenhancer_ans_multiloss_16k_base) in the local ModelScope cache; "
             "neither is installed by vox-ws"
         ) from None
+
+
+def peak_memory(device: str, loaded: bool) -> dict[str, float]:
+    """The peaks of the process the engine runs in (its engine process under `vox-ws serve`,
+    which the server's own figures cannot see): resident memory, and on a GPU, once `loaded`,
+    what PyTorch's allocator held there."""
+    import resource
+
+    figures = {"peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)}
+    if device.startswith("cuda") and loaded:
+        import torch
+
+        figures["peak_gpu_mb"] = round(torch.cuda.max_memory_allocated(torch.device(device)) / 2**20, 1)
+    return figures
