@@ -178,6 +178,40 @@ def test_speed_changes_duration_not_pitch(piper_voice, speed):
     assert np.abs(np.diff(out)).max() <= np.abs(np.diff(pcm)).max() * 1.2
 
 
+@pytest.mark.hardening
+def test_a_closed_pipeline_frees_its_tempo_graph_at_once_and_gave_it_no_threads():
+    """A stream's tempo filter (FFmpeg's atempo) is freed as its pipeline closes, not when the
+    garbage collector gets to it: PyAV 18 keeps a graph and its filters in a reference cycle.
+    And it runs on its caller's thread: FFmpeg gave each graph a pool of a thread per core,
+    which atempo never uses (two idle threads a stream here, until the collector ran)."""
+    import gc
+    import os
+    import threading
+
+    import av.filter
+
+    def graphs() -> int:
+        return sum(isinstance(o, av.filter.Graph) for o in gc.get_objects())
+
+    def threads() -> int:
+        """Native threads of this process that are not Python's (FFmpeg's, here)."""
+        python = {str(t.native_id) for t in threading.enumerate()}
+        return len(set(os.listdir("/proc/self/task")) - python)
+
+    gc.collect()
+    gc.disable()                        # what is freed now is freed by its owner, not by the collector
+    try:
+        before = graphs(), threads()
+        pipeline = OutputPipeline("f32", 24_000, 1.5)       # raw PCM: the tempo graph is its only one
+        tone = (0.3 * np.sin(2 * np.pi * 220 * np.arange(48_000) / 24_000)).astype(np.float32)
+        assert sum(pipeline.encode(tone[i:i + 3840]).samples for i in range(0, tone.size, 3840)) > 0
+        assert graphs() == before[0] + 1 and threads() == before[1]
+        pipeline.close()
+        assert (graphs(), threads()) == before
+    finally:
+        gc.enable()
+
+
 async def test_speed_end_to_end_on_piper_keeps_the_pitch(piper_server, piper_voice):
     plain, rate = piper_voice
     async with connect_client(piper_server) as c:
@@ -204,29 +238,30 @@ async def test_cancelled_codec_streams_free_their_ffmpeg_threads_without_the_gar
         return len(set(os.listdir("/proc/self/task")) - python)
 
     hosted = HostedEngine(PiperEngine(), slots=4)
-    scheduler = hosted.proxy
-    service = await service_on(scheduler)
-    warm = service.open_stream(StreamRequest(SENTENCE, output=AudioOutput("mp3", speed=1.5)))
-    async for _ in warm:
-        pass
-    gc.collect()
-    gc.disable()                        # what is freed now is freed by its owner, not by the collector
+    service = await service_on(hosted.proxy)
     try:
-        before = threads()
-        for n in range(12):
-            output = AudioOutput(("mp3", "opus", "aac")[n % 3], speed=1.5)
-            stream = service.open_stream(StreamRequest(LONG, output=output))
-            async for event in stream:
-                if isinstance(event, Audio):
-                    break
-            if n % 2:
-                stream.cancel()
-                async for _ in stream:
-                    pass
-            else:
-                stream.close()          # the consumer went away
-        await wait_until(lambda: threads() <= before)
-    finally:
-        gc.enable()
-    hosted.stop()
-    await service.close()
+        warm = service.open_stream(StreamRequest(SENTENCE, output=AudioOutput("mp3", speed=1.5)))
+        async for _ in warm:
+            pass
+        gc.collect()
+        gc.disable()                    # what is freed now is freed by its owner, not by the collector
+        try:
+            before = threads()
+            for n in range(12):
+                output = AudioOutput(("mp3", "opus", "aac")[n % 3], speed=1.5)
+                stream = service.open_stream(StreamRequest(LONG, output=output))
+                async for event in stream:
+                    if isinstance(event, Audio):
+                        break
+                if n % 2:
+                    stream.cancel()
+                    async for _ in stream:
+                        pass
+                else:
+                    stream.close()      # the consumer went away
+            await wait_until(lambda: threads() <= before)
+        finally:
+            gc.enable()
+    finally:                            # the engine's worker stopped, whatever the test's end
+        hosted.stop()
+        await service.close()

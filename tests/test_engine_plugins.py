@@ -186,8 +186,9 @@ def test_an_engine_that_cannot_be_served_is_refused_by_name_saying_why(site):
 
 
 async def test_the_simulated_gpu_engine_steps_every_row_in_its_process_and_traces_each(serve, tmp_path):
-    """The benchmarks' engine: 160 ms of 48 kHz audio per row a step, its steps traced, torch
-    imported in the engine process only."""
+    """The benchmarks' engine: 160 ms of 48 kHz audio per row a step, its steps traced (a line
+    each: start, time inside, period, rows, and of the time inside, the launches' and the
+    wait's), torch imported in the engine process only."""
     trace = tmp_path / "steps.trace"
     served = serve("--engine", "simulated-gpu", "--simulated-gpu-wait-ms", "1",
                    "--simulated-gpu-trace", str(trace))
@@ -203,8 +204,12 @@ async def test_the_simulated_gpu_engine_steps_every_row_in_its_process_and_trace
     assert any(Path(m.path).name.startswith("libtorch") for m in psutil.Process(engine).memory_maps())
     assert served.stop() == 0
     steps = [line.split() for line in trace.read_text().splitlines()]
-    assert sum(int(rows) for *_, rows in steps) == 2 * -(-samples // 7680)     # rows of 160 ms
-    assert all(float(inside) >= 0.001 for _, inside, _, _ in steps)
+    assert steps and all(len(step) == 6 for step in steps), steps
+    assert sum(int(rows) for _, _, _, rows, _, _ in steps) == 2 * -(-samples // 7680)     # rows of 160 ms
+    for _, inside, _, _, launches, wait in steps:
+        inside, launches, wait = float(inside), float(launches), float(wait)
+        assert inside >= 0.001 and wait >= 0.001 and launches > 0         # the 1 ms wait, after the launches
+        assert launches + wait <= inside + 2e-6, (launches, wait, inside)     # each rounded to 1 µs
 
 
 def test_the_examples_own_tests_pass_against_the_installed_package(site, tmp_path):

@@ -405,3 +405,27 @@ async def test_a_patch_nested_too_deeply_is_a_typed_400(voxcpm_http, caplog):
         assert made.status_code == 200 and made.json()["public"] is False, made.text
         await http.delete("/v1/voices/deep-me")
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+
+
+def test_a_json_body_nested_too_deeply_is_refused_whatever_the_recursion_limit():
+    """The depth is counted before the parser runs (`body.nested_past`): the parser's own bound
+    is the interpreter's recursion limit, which torch's compiler raises to 2,000 in the process
+    it compiles in, and 1,000 `[` were then "Expecting value". Brackets inside strings (escaped
+    quotes and all) are not nesting."""
+    import json
+    import sys
+
+    from vox_ws.transports.body import MAX_JSON_DEPTH, BadJson, parse_json
+
+    deepest = b"[" * MAX_JSON_DEPTH + b"]" * MAX_JSON_DEPTH
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(max(limit, 2000))
+    try:
+        for body in (b"[" * 1000, b"[" + deepest + b"]", b'{"a": ' * (MAX_JSON_DEPTH + 1)):
+            with pytest.raises(BadJson, match="nested too deeply"):
+                parse_json(body)
+    finally:
+        sys.setrecursionlimit(limit)
+    assert parse_json(deepest) == json.loads(deepest)
+    text = '"[{' * 500 + "[" * 100
+    assert parse_json(json.dumps({"input": text, "voice": [["a"]]}).encode()) == {"input": text, "voice": [["a"]]}

@@ -273,8 +273,9 @@ async def test_pronunciations_are_found_off_the_event_loop(start_server):
     async with connect_client(server) as c:
         assert_good_stream(await c.speak("Vox speaks. Then vox again.", "a"))
         assert_good_stream(await c.speak("Vox once more.", "b", pronunciations=[{"match": "once", "say": "twice"}]))
-    # The respelling on the thread that prepares texts; Piper, which takes phonemes, also looks
-    # the entries up itself, on its scheduler's thread. Never on the server's event loop.
+    # The respelling on the thread that prepares texts, and, for Piper, which takes phonemes,
+    # the entries its text matches, found there too: they cross to the engine with the request
+    # (the engine looks up only those). Never on the server's event loop.
     assert any(name.startswith("vox-ws-prepare") for name in threads), threads
     assert server._thread.name not in threads and threading.current_thread().name not in threads, threads
 
@@ -294,8 +295,12 @@ def _info(port: int) -> dict:
 
 @pytest.mark.slow
 def test_vox_ws_serve_reloads_its_lexicon_on_sighup_and_refuses_to_start_with_a_bad_one(tmp_path):
+    """The engine in its own process: it says how it takes text once built, before its load, and
+    the start checks the lexicon against that (Piper says IPA in its voices' phonemes: an entry
+    in one none speaks stops the start, as a file that is no lexicon does)."""
     path = tmp_path / "lexicon.json"
-    path.write_text(json.dumps([{"match": "SQL", "say": "sequel"}]), encoding="utf-8")
+    entries = [{"match": "SQL", "say": "sequel"}, {"match": "tomato", "ipa": TOMATO_IPA}]
+    path.write_text(json.dumps(entries), encoding="utf-8")
     port = _free_port()
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     log = open(tmp_path / "serve.log", "w+")
@@ -312,16 +317,18 @@ def test_vox_ws_serve_reloads_its_lexicon_on_sighup_and_refuses_to_start_with_a_
                 pass
             assert time.monotonic() < deadline, "the server did not start"
             time.sleep(0.1)
-        assert _info(port)["lexicon"]["entries"] == 1
-        path.write_text(json.dumps([{"match": "SQL", "say": "sequel"}, {"match": "GIF", "say": "jif"}]),
-                        encoding="utf-8")
+        assert _info(port)["lexicon"]["entries"] == 2
+        path.write_text(json.dumps([*entries, {"match": "GIF", "say": "jif"}]), encoding="utf-8")
         serve.send_signal(signal.SIGHUP)
-        asyncio.run(wait_until(lambda: _info(port)["lexicon"]["entries"] == 2))
+        asyncio.run(wait_until(lambda: _info(port)["lexicon"]["entries"] == 3))
     finally:
         serve.terminate()
         serve.wait(60)
         log.close()
-    path.write_text('[{"match": "SQL"}]', encoding="utf-8")
-    failed = subprocess.run([sys.executable, "-m", "vox_ws", "serve", "--engine", "piper", "--port", str(_free_port()),
-                             "--lexicon", str(path)], capture_output=True, text=True, env=env, timeout=120)
-    assert failed.returncode != 0 and "entry 0" in failed.stderr + failed.stdout
+    for bad, said in (('[{"match": "SQL"}]', "entry 0"),
+                      ('[{"match": "hi", "ipa": "hЖ"}]', "phonemes this voice does not speak: Ж")):
+        path.write_text(bad, encoding="utf-8")
+        failed = subprocess.run([sys.executable, "-m", "vox_ws", "serve", "--engine", "piper", "--port",
+                                 str(_free_port()), "--lexicon", str(path)], capture_output=True, text=True, env=env,
+                                timeout=120)
+        assert failed.returncode != 0 and said in failed.stderr + failed.stdout, failed.stderr + failed.stdout

@@ -50,6 +50,8 @@ EVERY_MESSAGE = [
          np.arange(4, dtype=AUDIO_DTYPE).tobytes()),
     Stop(2.5),
     State("loading", name="piper"), State("failed", "load failed: no weights", refused=True),
+    State("loading", name="piper", text={"takes_phonemes": True, "follows_instructions": False,
+                                         "portable": ["vox_ws.engines.piper:PiperText", {"phonemes": ["a", "ə"]}]}),
     State("failed", "the device is lost", fatal=True),
     Declared({"name": "piper", "voices": {"names": ["joe"]}, "options": {}}),
     Figures(stats={"active": 1, "queued": 0}), Figures(described={"engine": "piper"}),

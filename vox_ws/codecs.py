@@ -16,6 +16,7 @@ each call returns raw Opus packets for WebCodecs.
 
 from __future__ import annotations
 
+import gc
 import threading
 from dataclasses import dataclass, field
 from fractions import Fraction
@@ -269,6 +270,9 @@ class Tempo:
             raise ValueError(f"speed must be in [{MIN_SPEED}, {MAX_SPEED}], got {speed}")
         self.rate = rate
         graph = av.filter.Graph()
+        # On the caller's thread: FFmpeg's default gives each graph a pool of a thread per core,
+        # which atempo (no slice threading) never uses; two idle threads a stream here.
+        graph.threads = 1
         node = graph.add_abuffer(format="flt", sample_rate=rate, layout="mono", time_base=f"1/{rate}")
         for factor in _atempo_factors(speed):
             stage = graph.add("atempo", f"tempo={factor!r}")
@@ -291,6 +295,18 @@ class Tempo:
     def flush(self) -> np.ndarray:
         self._graph.push(None)
         return self._pull()
+
+    def close(self) -> None:
+        """Free the filter graph now. PyAV (18) keeps a graph and its filters in a reference
+        cycle (each filter holds its graph, the graph its filters), which only the garbage
+        collector would free: the graph's own lists of its filters are emptied, so the graph
+        goes with its last reference, here."""
+        graph, self._graph = self._graph, None
+        if graph is None:
+            return
+        for held in gc.get_referents(graph):
+            if isinstance(held, (dict, list)):
+                held.clear()
 
     def _pull(self) -> np.ndarray:
         import av
@@ -381,7 +397,9 @@ class OutputPipeline:
         """The stream is over: free the encoder and the tempo filter at once (idempotent)."""
         with self._lock:
             self._finished = True
-            self._tempo = None
+            tempo, self._tempo = self._tempo, None
+            if tempo is not None:
+                tempo.close()
             if self._encoder is not None:
                 self._encoder.close()
 

@@ -211,7 +211,8 @@ class GenerationRequest:
     # The text went through `Engine.text.prepare` already.
     prepared: bool = False
     # Pronunciations (a `lexicon.Lexicon`) for engines that take phonemes (`takes_phonemes`),
-    # which apply them as they phonemize; other engines are given the text respelled.
+    # which apply them as they phonemize; other engines are given the text respelled. The
+    # stream service gives those the text matches, found off the event loop (`found_in`).
     pronunciations: Any = None
     # How to speak it, in words ("a calm, low voice"), for engines that follow such
     # instructions (`Engine.text.follows_instructions`); others ignore it.

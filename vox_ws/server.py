@@ -27,7 +27,7 @@ from .engine_process.spec import EngineSpec, LoopSettings
 from .engines import plugins
 from .service import StreamService
 from .service.metrics import Metrics
-from .service.service import store_limits
+from .service.service import read_lexicon, store_limits
 from .service.voices.aliases import load_aliases
 from .service.voices.stores import open_store
 from .service.word_timings import WordTimings
@@ -184,16 +184,20 @@ class VoxServer:
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._stopped = asyncio.Event()
-        if self.config.lexicon:
-            problems = await self.service.load_lexicon(self.config.lexicon)
-            if problems:                              # a bad file: said in one line, as a bad option is
-                raise ValueError(f"--lexicon: {len(problems)} error(s): " + "; ".join(problems))
-            log.info("lexicon %s: %d pronunciations", self.config.lexicon, len(self.service.lexicon))
+        lexicon = None
+        if self.config.lexicon:                       # its form before a model loads
+            lexicon, problems = await read_lexicon(self.config.lexicon)
+            _refuse_lexicon(problems)
         # The voice store first: one this server may not use stops the start before a model loads.
         await self.service.start()
         self.devices.start()
         try:
             await self.devices.created()          # an engine its settings cannot build: said, exit 2
+            if lexicon is not None:
+                # Which pronunciations the engine can say is its own to declare, once it is built
+                # (IPA where it takes phonemes: Piper, in the phonemes of its voices).
+                _refuse_lexicon(self.service.use_lexicon(lexicon, self.config.lexicon))
+                log.info("lexicon %s: %d pronunciations", self.config.lexicon, len(self.service.lexicon))
             await self._open_doors()
         except BaseException:
             # What had started is stopped (the engine's worker, a door already listening): the
@@ -355,6 +359,12 @@ class VoxServer:
 
     def info(self) -> dict[str, Any]:
         return self.state.info()
+
+
+def _refuse_lexicon(problems: list[str]) -> None:
+    """A bad lexicon file stops the start, said in one line, as a bad option is (exit 2)."""
+    if problems:
+        raise ValueError(f"--lexicon: {len(problems)} error(s): " + "; ".join(problems))
 
 
 async def _within(awaitable: Any, seconds: float, failing: str) -> None:

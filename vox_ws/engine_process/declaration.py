@@ -2,7 +2,8 @@
 front doors and the stream service ask of an engine without generating (its name, rate, options,
 voices, languages, speakers, which voices are cloned here, its text rules' portable copy, its
 LoRA adapters), as plain data (msgpack's types). Made in the engine process, once the engine has
-loaded and again whenever it changes (`Declared`); read by `view.EngineView`.
+loaded and again whenever it changes (`Declared`); its text part (`declare_text`) also once the
+engine is built, before its load (the first `State`); read by `view.EngineView`.
 
 Every field comes from the engine contract's own verbs (`vox_ws/engine.py`): an engine of
 another package declares itself with no code of its own.
@@ -23,7 +24,6 @@ def declare(engine: Engine) -> dict[str, Any]:
     """The engine, as the server's copy of it reads it."""
     voices = engine.voices
     names = list(voices.names())
-    portable = engine.text.portable()
     return {
         "name": engine.name,
         "model": engine.model,
@@ -37,18 +37,27 @@ def declare(engine: Engine) -> dict[str, Any]:
         "cuts_texts": engine.cuts_texts,
         "word_timings": engine.word_timings,
         "phoneme_timings": engine.phoneme_timings,
-        "takes_phonemes": engine.takes_phonemes,
         "languages": list(engine.languages),
         "options": {name: option_spec(spec) for name, spec in engine.options.items()},
         "honoured_options": sorted(engine.honoured_options),
         "slot_sizing": engine.slot_sizing is not None,
         "voices": declare_voices(engine, names),
-        "text": {"portable": list(portable) if portable is not None else None,
-                 "follows_instructions": engine.text.follows_instructions(None)},
+        "text": declare_text(engine),
         "loras": engine.loras.describe(),
         # An engine whose adapters role is the contract's own has none at all (Piper).
         "loras_supported": type(engine.loras).pin is not Loras.pin,
     }
+
+
+def declare_text(engine: Engine) -> dict[str, Any]:
+    """How the engine takes text: whether it says IPA phonemes, its text rules' portable copy,
+    whether it follows instructions. Declared once the engine is built, before its load, too
+    (`State`): the server checks its lexicon's pronunciations against it at its start, as it
+    did against the engine object itself before engines had processes of their own."""
+    portable = engine.text.portable()
+    return {"takes_phonemes": engine.takes_phonemes,
+            "portable": list(portable) if portable is not None else None,
+            "follows_instructions": engine.text.follows_instructions(None)}
 
 
 def declare_voices(engine: Engine, names: list[str]) -> dict[str, Any]:

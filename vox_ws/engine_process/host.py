@@ -33,7 +33,7 @@ from ..engines.lexicon import Lexicon, Pronunciation
 from ..scheduling.loop import EngineLoop
 from ..scheduling.queue import NEW_STREAM_AHEAD_S
 from .channel import BlockingChannel
-from .declaration import declare
+from .declaration import declare, declare_text
 from .messages import (
     AUDIO_DTYPE,
     Call,
@@ -193,7 +193,7 @@ class EngineHost:
         engine. What ended it: "stopped", "orphaned", or "failed" (the engine failed while
         serving: its host closed the channel)."""
         self.channel.send(State(Readiness.LOADING.value, loading_phase=self.engine.loading_phase,
-                                name=self.engine.name))
+                                name=self.engine.name, text=_text_as_built(self.engine)))
         self.loop.start()
         self._reporter.start()
         within = ORPHAN_CLOSE_S
@@ -440,6 +440,16 @@ class EngineHost:
             return
         self.channel.send(Declared(declared))
         self.channel.send(Figures(described=_plain(self.engine.describe())))
+
+
+def _text_as_built(engine: Engine) -> dict[str, Any] | None:
+    """How the engine takes text as built, before its load (None: its rules cannot say yet; the
+    server's copy then follows the base rules until the engine declares itself)."""
+    try:
+        return _plain(declare_text(engine))
+    except Exception:  # noqa: BLE001 - its full declaration, once loaded, says it again
+        log.exception("engine process: declaring the engine's text rules before its load failed")
+        return None
 
 
 def _plain(value: Any) -> Any:

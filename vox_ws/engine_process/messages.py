@@ -156,6 +156,9 @@ class State:
     fatal: bool = False
     refused: bool = False
     name: str | None = None
+    # With the first "loading": how the engine, as built, takes text (`declaration.declare_text`),
+    # which the server's start checks its lexicon against before the engine has loaded.
+    text: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)

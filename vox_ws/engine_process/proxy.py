@@ -23,9 +23,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Mapping
 
 from ..engine import ErrorKind, GenerationRequest, OptionSpec, Readiness, Refused, RequestStatus
-from ..engines.lexicon import found_in
 from ..scheduling.loop import LOADING_RETRY_AFTER_S, not_ready
-from ..text import text_words
 from .channel import ChannelProtocol
 from .launch import Launcher
 from .life import EngineLife
@@ -142,6 +140,8 @@ class EngineProxy:
     def _state(self, state: State) -> None:
         if state.name and self.engine.declaration is None:
             self.engine.name = state.name
+        if state.text is not None and self.engine.declaration is None:
+            self.engine.declare_text(state.text)
         self.engine.loading_phase = state.loading_phase
         status = Readiness(state.status)
         self._set_status(status, state.error if status == Readiness.FAILED else None)
@@ -179,9 +179,11 @@ class EngineProxy:
             context.used()
         pronunciations = None
         if request.pronunciations is not None:
+            # Those the text matches, found off the loop as it was prepared (`service.segments`):
+            # sent as they are, never matched here, on the event loop.
             pronunciations = tuple({"match": item.match, "say": item.say, "ipa": item.ipa,
                                     "case_sensitive": item.case_sensitive}
-                                   for item in found_in(text_words(request.text), request.pronunciations))
+                                   for item in request.pronunciations.entries)
         message = Submit(request.id, request.text, request.voice, held_pin(request.voice_pin),
                          held_pin(request.lora_pin), dict(request.options), tuple(request.owners), request.prepared,
                          context.request if isinstance(context, Continuation) else None,

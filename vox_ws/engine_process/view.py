@@ -330,8 +330,7 @@ class EngineView(Engine):
         self.declaration = data
         # Its device stays the server's name for it (an engine process sees its GPU as cuda:0).
         for attribute in ("name", "model", "notice", "sample_rate", "max_step_batch", "can_park",
-                          "supports_voices", "voice_sample_rate", "cuts_texts", "word_timings", "phoneme_timings",
-                          "takes_phonemes"):
+                          "supports_voices", "voice_sample_rate", "cuts_texts", "word_timings", "phoneme_timings"):
             setattr(self, attribute, data[attribute])
         if self.device == "auto":            # the engine's choice, as it made it
             self.device = data["device"]
@@ -341,13 +340,19 @@ class EngineView(Engine):
         self.voices.update(data["voices"])
         self.loras.described = data["loras"]
         self.loras.supported = data["loras_supported"]
-        text = data["text"]
+        self.declare_text(data["text"])
+
+    def declare_text(self, text: dict[str, Any]) -> None:
+        """How the engine takes text (`declaration.declare_text`): with its whole declaration,
+        and before it, once the engine is built (its first `State`)."""
+        self.takes_phonemes = text["takes_phonemes"]
         portable = tuple(text["portable"]) if text["portable"] is not None else None
         if portable is None:
+            self.close()                             # the rules before, and what they started
             self.text = DeclaredText(self, text["follows_instructions"])
         elif portable != self._portable:
             module, _, cls = portable[0].partition(":")
-            self.close()                             # the rules before, and what they started
+            self.close()
             self.text = getattr(importlib.import_module(module), cls).from_settings(self, portable[1])
         self._portable = portable
 

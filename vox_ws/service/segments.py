@@ -11,7 +11,8 @@ from typing import Any, Callable, Protocol
 from ..config import Limits
 from ..engine import Engine, ErrorKind, GenerationRequest, Refused
 from ..engine_process.view import Held
-from ..engines.lexicon import respell
+from ..engines.lexicon import Lexicon, found_in, respell
+from ..text import text_words
 from .markup import Part
 from .request import StreamRequest, StreamSetup
 from .silence import SilenceBudget
@@ -45,6 +46,9 @@ class SegmentStarter:
         self.voice_pin = setup.voice_pin
         self._owners = setup.owners
         self._lexicon = setup.lexicon if setup.lexicon is not None and len(setup.lexicon) else None
+        # An engine that takes phonemes applies the entries itself: those its text matches
+        # (found off the loop as the text is prepared), for the pieces that text is cut into.
+        self._found: Lexicon | None = None
         self._options = dict(request.options)
         self._limits = limits
         self._written_chars = 0               # of the segments so far, as sent
@@ -118,14 +122,24 @@ class SegmentStarter:
         if stopped():
             return None
         if not self._engine.text.needs_preparing(self._options, self._request.language):
+            await self._find_pronunciations(engine_text)
             return [(text, engine_text, False)]
         normalised = await self._work.prepare_text(engine_text, self._options, self._request.language)
         if stopped():
             return None
+        await self._find_pronunciations(normalised)
         pieces = self._split(normalised, {**self._options, "normalize": False})
         if len(pieces) > 1:
             return [(piece, piece, True) for piece in pieces]
         return [(text, normalised, True)]
+
+    async def _find_pronunciations(self, engine_text: str) -> None:
+        """For an engine that takes phonemes: the entries `engine_text` matches (all it, or any
+        piece it is cut into, needs), off the loop, as its requests carry them to the engine (a
+        lexicon of 20,000 phrases never crosses to its process, nor is matched on the loop)."""
+        if self._lexicon is None or not self._engine.takes_phonemes:
+            return
+        self._found = await self._work.off_loop(_matched, engine_text, self._lexicon)
 
     async def _respelled(self, text: str) -> str:
         """The text the engine is given, its pronunciations put in. IPA entries are only taken by
@@ -167,7 +181,11 @@ class SegmentStarter:
                                   lora_pin=lora_pin, options=dict(self._options), owners=self._owners,
                                   prepared=prepared, context=context, keep_continuation=continues,
                                   instructions=request.instructions if first else None, language=request.language,
-                                  pronunciations=self._lexicon if self._engine.takes_phonemes else None)
+                                  pronunciations=self._found if self._engine.takes_phonemes else None)
         self._engine.check(built)
         return built
 
+
+def _matched(text: str, lexicon: Lexicon) -> Lexicon:
+    """The entries of `lexicon` that `text`'s words match, as a lexicon of their own."""
+    return Lexicon(found_in(text_words(text), lexicon))

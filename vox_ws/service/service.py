@@ -17,7 +17,7 @@ import logging
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 from ..config import Limits
 from ..engine import Engine, ErrorKind, Readiness, Refused
@@ -78,7 +78,7 @@ class StreamService:
                                    voice_aliases)
         self.loras = LoraService(self.devices, self.limits, self._end_unloading)
         # The built-in voices read again from disk (SIGHUP, a voices folder that changes).
-        self.voice_rescans = VoiceRescans(self.devices)
+        self.voice_rescans = VoiceRescans(self.devices, lambda: self.until_loaded(None))
         # Voices fetched by name into the engine's voices folder, and removed (admin).
         self.voice_fetches = VoiceFetches(self.devices, self.voice_rescans)
         self.lexicon = Lexicon()                # the server's pronunciations (`load_lexicon`)
@@ -123,12 +123,13 @@ class StreamService:
         await asyncio.to_thread(self.word_timings.close, grace_s)
         await self.voices.close()
 
-    async def until_loaded(self, timeout_s: float) -> Readiness:
+    async def until_loaded(self, timeout_s: float | None) -> Readiness:
         """The model's readiness once its load is over (a device serves, or every one failed),
-        or after `timeout_s` seconds, whichever is first. For a client that asks once what the
-        server serves and keeps the answer: Home Assistant keeps Wyoming's `describe` for the
-        life of its config entry, so an answer given during the load would stand until someone
-        reloads the integration."""
+        or after `timeout_s` seconds (None: no bound), whichever is first. For a client that asks
+        once what the server serves and keeps the answer: Home Assistant keeps Wyoming's
+        `describe` for the life of its config entry, so an answer given during the load would
+        stand until someone reloads the integration; and for what the engine declares once
+        loaded (how often to look at its voices on disk, `VoiceRescans`)."""
         if self.devices.status in LOAD_SETTLED:
             return self.devices.status
         if self._load_settled is None:
@@ -330,11 +331,16 @@ class StreamService:
     async def load_lexicon(self, path: str) -> list[str]:
         """(Re)load the server's lexicon from a file, off the loop. Returns what is wrong with the
         file, a line each: then the lexicon in use is kept as it was."""
-        try:
-            data = await asyncio.to_thread(read_regular_file, path, MAX_LEXICON_BYTES)
-        except OSError as exc:
-            return [f"{path}: {exc.strerror or exc}"]
-        lexicon, problems = parse_lexicon(data, path)
+        lexicon, problems = await read_lexicon(path)
+        return self.use_lexicon(lexicon, path, problems)
+
+    def use_lexicon(self, lexicon: Lexicon, path: str, problems: Sequence[str] = ()) -> list[str]:
+        """Serve `lexicon` (read from `path`, with `problems` of form) unless anything is wrong
+        with it: what is, a line each, its entries the engine cannot say included (IPA where it
+        takes no phonemes, or phonemes its voices do not speak: the engine as it has declared
+        itself, which a server's start waits for, `Devices.created`). Then the lexicon in use
+        is kept as it was."""
+        problems = list(problems)
         for item in lexicon.entries:
             try:
                 self.engine.text.check_pronunciation(item)
@@ -343,6 +349,17 @@ class StreamService:
         if not problems:
             self.lexicon = lexicon
         return problems
+
+
+async def read_lexicon(path: str) -> tuple[Lexicon, list[str]]:
+    """A lexicon file read (off the loop) and parsed, whatever the engine: the lexicon, and what
+    is wrong with the file's form, a line each."""
+    try:
+        data = await asyncio.to_thread(read_regular_file, path, MAX_LEXICON_BYTES)
+    except OSError as exc:
+        return Lexicon(), [f"{path}: {exc.strerror or exc}"]
+    return parse_lexicon(data, path)
+
 
 def store_limits(limits: Limits, max_bytes: int = 512 << 20) -> StoreLimits:
     return StoreLimits(per_owner=limits.max_voices_per_owner, max_voices=limits.max_voices, max_bytes=max_bytes,

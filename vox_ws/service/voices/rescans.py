@@ -8,6 +8,11 @@ once a rescan is served.
     rescan  (a worker thread)   engine.voices.prepare_rescan()    the voices read, new ones loaded
             (the engine loop)   engine.voices.apply_rescan(...)   served between two steps
 
+The engine runs in a process of its own: `engine` here is its view (`engine_process/view.py`),
+whose `disk_stamp` and `prepare_rescan` are calls to that process, which reads, loads and serves
+the voices there (its `apply_rescan` between two of its steps) and declares itself again before
+it answers; how often to look is known once the engine has loaded (`rescan_every_s`, declared).
+
 Nothing here runs on the engine loop's thread but `apply_rescan` (a message to the loop, like a
 LoRA change), and nothing blocking runs on the event loop. A change is acted on once the folder
 has looked the same twice in a row: a voice being copied in is not loaded half-written.
@@ -17,7 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any
+from typing import Any, Awaitable, Callable
 
 from ...engine import Readiness
 from ...engine_process.devices import Devices
@@ -28,8 +33,9 @@ log = logging.getLogger("vox_ws.service")
 class VoiceRescans:
     """Create it, `await start()` on the event loop that serves; `rescan()` on SIGHUP."""
 
-    def __init__(self, devices: Devices) -> None:
+    def __init__(self, devices: Devices, loaded: Callable[[], Awaitable[Any]]) -> None:
         self.devices = devices
+        self._loaded = loaded                      # until the engine's load is over (served or failed)
         self.done = 0                              # rescans finished (`until_done` waits on it)
         self._lock: asyncio.Lock | None = None     # one rescan at a time
         self._finished: asyncio.Condition | None = None
@@ -37,9 +43,7 @@ class VoiceRescans:
 
     async def start(self) -> None:
         self._lock, self._finished = asyncio.Lock(), asyncio.Condition()
-        every = self.devices.engine.voices.rescan_every_s
-        if every:
-            self._watch = asyncio.create_task(self._look_every(every), name="vox-ws-voice-rescans")
+        self._watch = asyncio.create_task(self._watch_disk(), name="vox-ws-voice-rescans")
 
     async def close(self) -> None:
         """Stop looking. A rescan still loading ends on its own thread: its engine stops what
@@ -81,6 +85,15 @@ class VoiceRescans:
         assert self._finished is not None, "VoiceRescans.start() was not awaited"
         async with self._finished:
             await self._finished.wait_for(lambda: self.done >= count)
+
+    async def _watch_disk(self) -> None:
+        """How often to look is the engine's to say (`Voices.rescan_every_s`), which the server
+        knows once the engine has loaded and declared itself (it runs in a process of its own):
+        until then, no look."""
+        await self._loaded()
+        every = self.devices.engine.voices.rescan_every_s
+        if every:
+            await self._look_every(every)
 
     async def _look_every(self, every: float) -> None:
         last = acted = None
