@@ -511,9 +511,10 @@ async def test_a_client_that_connects_during_the_load_is_described_every_voice_o
         async with client(served) as c, client(served) as speaker:      # as soon as the port accepts
             await c.write_event(Describe().event())
             await speaker.write_event(Synthesize(text="Hello there.").event())
-            # Both have arrived and wait on the load (two waiters on the service's watch of it).
+            # Both have arrived and wait on the load: two waiters on the service's watch of it,
+            # beside the voice rescans' own (how often to look is declared once the engine loads).
             await wait_until(lambda: served.server.service._load_settled is not None
-                             and len(served.server.service._load_settled._waiters) == 2)
+                             and len(served.server.service._load_settled._waiters) == 3)
             held.gate.set()
             info = Info.from_event(await read(c))
             assert AudioStart.is_type((await read(speaker)).type)        # spoken, not refused
