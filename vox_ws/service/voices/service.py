@@ -260,7 +260,7 @@ class VoiceService:
         """Decode a reference and build its voice, under its id, on every device that lacks it,
         on the voice thread, whose freed memory then goes back to the system (the decode's peak
         is not kept)."""
-        pcm = None
+        pcm, cancelled = None, False
         try:
             pcm, rate = await decode_reference(audio, self.limits.max_voice_audio_s,
                                                self.devices.engine.voice_sample_rate, partial(_on, self._worker))
@@ -280,9 +280,18 @@ class VoiceService:
                     engine.voices.delete(voice)
                 raise
             return {"voice": voice, "mode": mode, "audio_s": round(len(pcm) / rate, 3)}
+        except asyncio.CancelledError:
+            cancelled = True
+            raise
         finally:
             pcm = None                         # the samples are let go before the trim, not after
-            await _on(self._worker, release_memory)
+            if cancelled:
+                # Its client is gone, its build may still hold the voice thread (the engine
+                # answers once built): the trim follows it there, and the cancel is not held.
+                with contextlib.suppress(RuntimeError):        # the service closed meanwhile
+                    self._worker.submit(release_memory)
+            else:
+                await _on(self._worker, release_memory)
 
     # ------------------------------------------------------------------ deleting
 
