@@ -95,9 +95,9 @@ class EngineProxy:
             self._set_status(Readiness.FAILED, "the engine process ended")
         retry_after = round(self.life.restarts.policy.first_delay_s + (self._load_s or LOADING_RETRY_AFTER_S), 1)
         message = f"the engine serving this stream ended ({self.error}): try again"
-        outstanding = list(self._outstanding.values())
-        self._outstanding.clear()
-        self.replay.fail_all(outstanding, message, retry_after)
+        # Failed on the replay's thread, after the steps read before the end: a request the
+        # engine's last step ended or failed keeps that end.
+        self.replay.fail_all(list(self._outstanding), message, retry_after)
         self.to_engine.fail_calls(Refused(ErrorKind.UNAVAILABLE, message, retry_after))
         return held
 

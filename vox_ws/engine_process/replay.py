@@ -62,12 +62,18 @@ class StepReplay:
         except RuntimeError:                 # the server has stopped
             pass
 
-    def fail_all(self, requests: list[GenerationRequest], message: str, retry_after_s: float) -> None:
-        """The engine ended: each request fails (after what was read of it is replayed)."""
+    def fail_all(self, requests: list[int], message: str, retry_after_s: float) -> None:
+        """The engine ended: each of these requests (ids) still outstanding once what was read
+        of it is replayed fails `unavailable`; one the engine's last step ended or failed keeps
+        that end (an engine that failed says `internal` to what it held, then ends)."""
         try:
-            self._producer.submit(_fail_all, requests, message, retry_after_s)
+            self._producer.submit(self._fail_remaining, requests, message, retry_after_s)
         except RuntimeError:                 # the server has stopped: no stream is left to tell
             pass
+
+    def _fail_remaining(self, requests: list[int], message: str, retry_after_s: float) -> None:
+        _fail_all([r for r in (self._outstanding.pop(i, None) for i in requests) if r is not None], message,
+                  retry_after_s)
 
     def close(self) -> None:
         self._producer.shutdown(wait=False)
