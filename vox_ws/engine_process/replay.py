@@ -72,8 +72,10 @@ class StepReplay:
             pass
 
     def _fail_remaining(self, requests: list[int], message: str, retry_after_s: float) -> None:
-        _fail_all([r for r in (self._outstanding.pop(i, None) for i in requests) if r is not None], message,
-                  retry_after_s)
+        for request in (self._outstanding.pop(i, None) for i in requests):
+            if request is not None:
+                request.status = RequestStatus.FINISHED
+                request.sink.fail(ErrorKind.UNAVAILABLE, message, retry_after_s)
 
     def close(self) -> None:
         self._producer.shutdown(wait=False)
@@ -116,12 +118,6 @@ class StepReplay:
         self._behind -= 1
         if self._behind == MAX_STEPS_BEHIND - 1:
             self._reading(True)
-
-
-def _fail_all(requests: list[GenerationRequest], message: str, retry_after_s: float) -> None:
-    for request in requests:
-        request.status = RequestStatus.FINISHED
-        request.sink.fail(ErrorKind.UNAVAILABLE, message, retry_after_s)
 
 
 def held_pin(pin: Any) -> int | None:
